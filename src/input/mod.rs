@@ -1,0 +1,1 @@
+//! Readers of pack inputs (NumPy .npy and safetensors).
