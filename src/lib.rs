@@ -2,4 +2,10 @@
 //!
 //! See `docs/ARCHITECTURE.md` for the module map and the invariants between modules.
 
+pub mod decode;
+pub mod demo;
+pub mod format;
 pub mod input;
+pub mod pack;
+pub mod synth;
+pub mod tools;

@@ -1,1 +1,358 @@
-fn main(){}
+//! The `gpufeed` command line: pack, inspect, verify, unpack and demo.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use gpufeed::format::Dataset;
+use gpufeed::input::{self, FieldSource};
+use gpufeed::pack::{self, CodecChoice, OnExisting, PackObserver, PackOptions, ShuffleChoice};
+use gpufeed::tools::{self, ToolProgress};
+use gpufeed_client::DType;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// gpufeed: packs datasets into GPU-friendly shards and serves device-resident batches to training
+/// processes.
+#[derive(Parser)]
+#[command(version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Pack NumPy (.npy) or safetensors inputs into a dataset directory of shards.
+    ///
+    /// Positional .npy files are concatenated along axis 0 into one field named `data`. Each --field
+    /// adds a named field; every field must have the same number of samples (the length of axis 0).
+    /// The dataset appears at --out only once it is complete: an interrupted pack leaves no manifest.
+    Pack(PackArgs),
+    /// Print a JSON summary of a dataset: fields, dtypes, shapes, samples, shards, raw and stored bytes,
+    /// compression ratio and codec counts per field.
+    Inspect {
+        /// The dataset directory (the one holding manifest.json).
+        dir: PathBuf,
+    },
+    /// Check every checksum and decode every block of a dataset.
+    ///
+    /// Exits 0 when the dataset is intact; otherwise prints every problem, naming the shard, field and
+    /// block, and exits 1.
+    Verify {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// Do not draw a progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Decode one field of a dataset on the CPU into a .npy file of shape [samples, ...].
+    Unpack {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// The field to decode.
+        #[arg(long)]
+        field: String,
+        /// The .npy file to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Convert elements to this dtype (f16 and bf16 convert to f32 exactly as the GPU path does;
+        /// integers of at most 32 bits widen to i64). Default: the stored dtype.
+        #[arg(long)]
+        dtype: Option<DType>,
+        /// Do not draw a progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Run the whole job on a generated dataset and print what it did and how fast.
+    ///
+    /// Generates an embedding-like fp16 field and a token-like int32 field, packs them, verifies the
+    /// shards and decodes both fields (fp16 to f32) on the CPU, checking every value against the source.
+    Demo {
+        /// Work directory (default: a fresh temporary directory, removed afterwards).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Samples to generate.
+        #[arg(long, default_value_t = 65_536)]
+        samples: u64,
+    },
+}
+
+#[derive(clap::Args)]
+struct PackArgs {
+    /// The dataset directory to create. Its parent must exist.
+    #[arg(long)]
+    out: PathBuf,
+    /// Dataset name recorded in the manifest (default: the last component of --out).
+    #[arg(long)]
+    name: Option<String>,
+    /// A named field: NAME=FILE.npy, or NAME=FILE.safetensors:TENSOR. Repeat a NAME with more .npy
+    /// files to concatenate them along axis 0.
+    #[arg(long = "field", value_name = "NAME=PATH")]
+    fields: Vec<String>,
+    /// .npy files concatenated along axis 0 into one field named `data`.
+    #[arg(value_name = "PATH")]
+    paths: Vec<PathBuf>,
+    /// Largest raw size of a block: a power of two from 4K to 16M (suffixes K and M are binary).
+    #[arg(long, default_value = "64K", value_parser = parse_bytes)]
+    block_bytes: u32,
+    /// Samples per shard file (default: about 256 MiB of raw data per shard).
+    #[arg(long)]
+    samples_per_shard: Option<u64>,
+    /// auto: LZ4 where it saves at least 12.5% of a block, raw otherwise; lz4: every block LZ4; raw:
+    /// no compression.
+    #[arg(long, value_enum, default_value_t = CodecArg::Auto)]
+    codec: CodecArg,
+    /// Byte-shuffle elements before compressing. auto: per block, whichever is smaller.
+    #[arg(long, value_enum, default_value_t = ShuffleArg::Auto)]
+    shuffle_filter: ShuffleArg,
+    /// Replace an existing dataset at --out (only once the new one is complete).
+    #[arg(long)]
+    force: bool,
+    /// Threads compressing blocks (default: the number of CPUs).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Do not draw a progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CodecArg {
+    Auto,
+    Lz4,
+    Raw,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ShuffleArg {
+    Auto,
+    On,
+    Off,
+}
+
+/// Parses a byte count such as `65536`, `64K` or `1M` (binary multiples).
+fn parse_bytes(text: &str) -> Result<u32, String> {
+    let trimmed = text.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (digits, multiplier) = match trimmed.chars().last() {
+        Some('K' | 'k') => (&trimmed[..trimmed.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&trimmed[..trimmed.len() - 1], 1u64 << 20),
+        _ => (trimmed, 1),
+    };
+    let value: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count like 65536, 64K or 1M"))?;
+    u32::try_from(value * multiplier).map_err(|_| format!("{text:?} is too large"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<ExitCode> {
+    match command {
+        Command::Pack(args) => run_pack(args),
+        Command::Inspect { dir } => {
+            let dataset = Dataset::open(&dir)?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&tools::inspect(&dataset))?
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify { dir, quiet } => {
+            let bar = Bar::new(quiet, "verify");
+            let report = tools::verify(&dir, &bar)?;
+            bar.finish();
+            for problem in &report.problems {
+                eprintln!("corrupt: {problem}");
+            }
+            println!(
+                "{}: {}/{} shards readable, {} blocks intact, {} problems",
+                dir.display(),
+                report.shards_ok,
+                report.shards_total,
+                report.blocks_ok,
+                report.problems.len()
+            );
+            Ok(if report.problems.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Unpack {
+            dir,
+            field,
+            out,
+            dtype,
+            quiet,
+        } => {
+            let dataset = Dataset::open(&dir)?;
+            let bar = Bar::new(quiet, "unpack");
+            let bytes = tools::unpack(&dataset, &field, &out, dtype, &bar)?;
+            bar.finish();
+            eprintln!("wrote {} ({bytes} bytes of data)", out.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { dir, samples } => {
+            gpufeed::demo::run(dir.as_deref(), samples)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn run_pack(args: PackArgs) -> Result<ExitCode> {
+    let fields = open_fields(&args.fields, &args.paths)?;
+    let name = match args.name {
+        Some(name) => name,
+        None => args
+            .out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .context("--out has no final component to name the dataset after; pass --name")?,
+    };
+    let options = PackOptions {
+        name,
+        block_bytes: args.block_bytes,
+        samples_per_shard: args.samples_per_shard,
+        codec: match args.codec {
+            CodecArg::Auto => CodecChoice::Auto,
+            CodecArg::Lz4 => CodecChoice::Lz4,
+            CodecArg::Raw => CodecChoice::Raw,
+        },
+        shuffle: match args.shuffle_filter {
+            ShuffleArg::Auto => ShuffleChoice::Auto,
+            ShuffleArg::On => ShuffleChoice::On,
+            ShuffleArg::Off => ShuffleChoice::Off,
+        },
+        on_existing: if args.force {
+            OnExisting::Replace
+        } else {
+            OnExisting::Refuse
+        },
+        threads: args.threads.unwrap_or_else(default_threads),
+    };
+    let bar = Bar::new(args.quiet, "pack");
+    let started = Instant::now();
+    let summary = pack::pack(&args.out, &fields, &options, &bar)?;
+    bar.finish();
+    let seconds = started.elapsed().as_secs_f64();
+    eprintln!(
+        "packed {} samples into {} shard(s) at {}: {} raw bytes stored in {} ({:.3}x) in {:.2} s ({:.2} GB/s)",
+        summary.sample_count,
+        summary.shard_count,
+        summary.dir.display(),
+        summary.raw_bytes,
+        summary.stored_bytes,
+        summary.raw_bytes as f64 / summary.stored_bytes.max(1) as f64,
+        seconds,
+        summary.raw_bytes as f64 / seconds / 1e9
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Turns `--field` arguments and positional paths into field sources, in the order given.
+fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSource>> {
+    let mut npy_fields: Vec<(String, Vec<PathBuf>)> = Vec::new();
+    let mut order: Vec<(String, Option<(PathBuf, String)>)> = Vec::new();
+    if !paths.is_empty() {
+        npy_fields.push(("data".into(), paths.to_vec()));
+        order.push(("data".into(), None));
+    }
+    for arg in field_args {
+        let Some((name, spec)) = arg.split_once('=') else {
+            bail!("--field {arg:?}: expected NAME=FILE.npy or NAME=FILE.safetensors:TENSOR");
+        };
+        if let Some((file, tensor)) = spec
+            .rsplit_once(':')
+            .filter(|(f, _)| f.ends_with(".safetensors"))
+        {
+            if order.iter().any(|(n, _)| n == name) {
+                bail!("--field {arg:?}: field '{name}' is given twice");
+            }
+            order.push((name.into(), Some((PathBuf::from(file), tensor.into()))));
+        } else if let Some((_, files)) = npy_fields.iter_mut().find(|(n, _)| n == name) {
+            files.push(PathBuf::from(spec));
+        } else {
+            if order.iter().any(|(n, _)| n == name) {
+                bail!("--field {arg:?}: field '{name}' is given twice");
+            }
+            npy_fields.push((name.into(), vec![PathBuf::from(spec)]));
+            order.push((name.into(), None));
+        }
+    }
+    if order.is_empty() {
+        bail!("nothing to pack: give .npy paths or --field NAME=PATH");
+    }
+    order
+        .into_iter()
+        .map(|(name, safetensors)| match safetensors {
+            Some((file, tensor)) => Ok(input::open_safetensors_field(&name, &file, &tensor)?),
+            None => {
+                let files = &npy_fields
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .expect("recorded")
+                    .1;
+                Ok(input::open_npy_field(&name, files)?)
+            }
+        })
+        .collect()
+}
+
+/// A byte-count progress bar on stderr (hidden when stderr is not a terminal or with --quiet).
+struct Bar(ProgressBar);
+
+impl Bar {
+    fn new(quiet: bool, label: &'static str) -> Bar {
+        let bar = if quiet {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(0)
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.set_prefix(label);
+        Bar(bar)
+    }
+
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+impl PackObserver for Bar {
+    fn started(&self, raw_bytes_total: u64) {
+        self.0.set_length(raw_bytes_total);
+    }
+    fn progress(&self, raw_bytes_done: u64) {
+        self.0.set_position(raw_bytes_done);
+    }
+}
+
+impl ToolProgress for Bar {
+    fn started(&self, total: u64) {
+        self.0.set_length(total);
+    }
+    fn progress(&self, done: u64) {
+        self.0.set_position(done);
+    }
+}

@@ -55,7 +55,9 @@ pub const ALL_DTYPES: [DType; 12] = [
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DTypeError {
     /// The name is not one of `u8 i8 u16 i16 u32 i32 u64 i64 f16 bf16 f32 f64`.
-    #[error("unknown dtype name {0:?} (expected one of u8 i8 u16 i16 u32 i32 u64 i64 f16 bf16 f32 f64)")]
+    #[error(
+        "unknown dtype name {0:?} (expected one of u8 i8 u16 i16 u32 i32 u64 i64 f16 bf16 f32 f64)"
+    )]
     UnknownName(String),
     /// The numeric code is not assigned.
     #[error("unknown dtype code {0}")]

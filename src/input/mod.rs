@@ -1,1 +1,572 @@
-//! Readers of pack inputs (NumPy .npy and safetensors).
+//! Readers of pack inputs (NumPy `.npy` and safetensors), and the `.npy` writer used by `unpack`.
+//!
+//! A pack input is turned into a [`FieldSource`]: a dtype, a per-sample shape and a list of
+//! memory-mapped file regions whose concatenation along axis 0 is the field's samples. Nothing is
+//! read into memory up front, so packing a dataset larger than RAM only costs page cache.
+//!
+//! Every input is untrusted: headers are validated and every region is bounds-checked against the
+//! file length when it is opened, so [`FieldSource::copy_samples`] can slice without re-checking.
+
+pub mod npy;
+pub mod safetensors;
+
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use gpufeed_client::DType;
+use memmap2::Mmap;
+
+pub use self::npy::{write_npy, NpyHeader, NpyWriter};
+pub use self::safetensors::open_safetensors_field;
+
+/// Errors reading pack inputs (and writing `.npy` outputs); every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    /// The file could not be opened, mapped, read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file at fault.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file does not start with the `.npy` magic `\x93NUMPY`.
+    #[error("{}: not a NumPy .npy file (missing the \\x93NUMPY magic)", path.display())]
+    NotNpy {
+        /// The file at fault.
+        path: PathBuf,
+    },
+    /// The `.npy` format version is not 1.0, 2.0 or 3.0.
+    #[error("{}: unsupported .npy format version {major}.{minor} (supported: 1.0, 2.0, 3.0)", path.display())]
+    UnsupportedNpyVersion {
+        /// The file at fault.
+        path: PathBuf,
+        /// Major version byte.
+        major: u8,
+        /// Minor version byte.
+        minor: u8,
+    },
+    /// The `.npy` header dictionary is malformed or misses a key.
+    #[error("{}: bad .npy header: {reason}", path.display())]
+    BadHeader {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The array is stored in Fortran (column-major) order.
+    #[error(
+        "{}: Fortran-order (column-major) arrays are not supported, even where the layout would \
+         match C order; re-save it with np.save(path, np.ascontiguousarray(a))",
+        path.display()
+    )]
+    FortranOrder {
+        /// The file at fault.
+        path: PathBuf,
+    },
+    /// The element type has no gpufeed dtype.
+    #[error("{}: unsupported dtype {descr:?}: {detail}", path.display())]
+    UnsupportedDtype {
+        /// The file at fault.
+        path: PathBuf,
+        /// The dtype as the file spells it (`.npy` descr, safetensors dtype, or gpufeed name).
+        descr: String,
+        /// Why it is unsupported and, where there is one, what to do instead.
+        detail: String,
+    },
+    /// The array is big-endian; gpufeed serves little-endian data only.
+    #[error(
+        "{}: big-endian dtype {descr:?} is not supported; convert it with \
+         a.astype(a.dtype.newbyteorder('<'))",
+        path.display()
+    )]
+    BigEndian {
+        /// The file at fault.
+        path: PathBuf,
+        /// The `.npy` descr.
+        descr: String,
+    },
+    /// The file is shorter than its header says.
+    #[error("{}: truncated: the header implies {expected_bytes} bytes but the file has {actual_bytes}", path.display())]
+    Truncated {
+        /// The file at fault.
+        path: PathBuf,
+        /// File size implied by the header.
+        expected_bytes: u64,
+        /// Actual file size.
+        actual_bytes: u64,
+    },
+    /// The file is longer than its header says (a sign of a corrupt or mislabeled file).
+    #[error("{}: {} unexpected trailing bytes: the header implies {expected_bytes} bytes but the file has {actual_bytes}",
+        path.display(), actual_bytes.saturating_sub(*expected_bytes))]
+    TrailingBytes {
+        /// The file at fault.
+        path: PathBuf,
+        /// File size implied by the header.
+        expected_bytes: u64,
+        /// Actual file size.
+        actual_bytes: u64,
+    },
+    /// The array has no dimensions, so there is no sample axis.
+    #[error("{}: 0-d (scalar) array: there is no axis 0 to take samples along", path.display())]
+    ScalarArray {
+        /// The file at fault.
+        path: PathBuf,
+    },
+    /// The per-sample shape contains a 0, so every sample would be zero bytes.
+    #[error("{}: per-sample shape {shape:?} contains 0, so every sample would be empty", path.display())]
+    EmptySample {
+        /// The file at fault.
+        path: PathBuf,
+        /// The per-sample shape (dims 1..).
+        shape: Vec<u64>,
+    },
+    /// The shape's byte size does not fit in memory-addressable integers.
+    #[error("{}: shape {shape:?} is too large (its byte size overflows)", path.display())]
+    ShapeOverflow {
+        /// The file at fault.
+        path: PathBuf,
+        /// The full shape.
+        shape: Vec<u64>,
+    },
+    /// A file to concatenate has a different per-sample shape than the first file.
+    #[error(
+        "{}: per-sample shape {found:?} differs from {expected:?} of {}; files concatenated into one \
+         field must agree on all dims but the first",
+        path.display(), first.display()
+    )]
+    ShapeMismatch {
+        /// The first file that differs.
+        path: PathBuf,
+        /// Per-sample shape of the first file.
+        expected: Vec<u64>,
+        /// Per-sample shape of this file.
+        found: Vec<u64>,
+        /// The first file of the field, which sets the expected shape.
+        first: PathBuf,
+    },
+    /// A file to concatenate has a different dtype than the first file.
+    #[error(
+        "{}: dtype {found} differs from {expected} of {}; files concatenated into one field must share a dtype",
+        path.display(), first.display()
+    )]
+    DtypeMismatch {
+        /// The first file that differs.
+        path: PathBuf,
+        /// Dtype of the first file.
+        expected: DType,
+        /// Dtype of this file.
+        found: DType,
+        /// The first file of the field, which sets the expected dtype.
+        first: PathBuf,
+    },
+    /// The safetensors file is malformed.
+    #[error("{}: bad safetensors file: {reason}", path.display())]
+    Safetensors {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The safetensors file has no tensor of that name.
+    #[error("{}: no tensor named {tensor:?}; available: {}", path.display(), list_names(available, *omitted))]
+    TensorNotFound {
+        /// The file at fault.
+        path: PathBuf,
+        /// The tensor asked for.
+        tensor: String,
+        /// Tensor names in the file, sorted; at most 20.
+        available: Vec<String>,
+        /// How many more names the file has beyond those listed.
+        omitted: usize,
+    },
+    /// An in-memory field's byte length is not a whole number of samples.
+    #[error(
+        "in-memory field {name:?}: {len} bytes is not a multiple of the sample size {sample_bytes} \
+         (dtype {dtype}, sample shape {sample_shape:?})"
+    )]
+    InMemorySize {
+        /// The field's name (an in-memory field has no file).
+        name: String,
+        /// The dtype.
+        dtype: DType,
+        /// The per-sample shape.
+        sample_shape: Vec<u64>,
+        /// Bytes per sample (0 when the shape contains 0).
+        sample_bytes: usize,
+        /// The length of the buffer given.
+        len: usize,
+    },
+    /// A field was asked to concatenate an empty list of files.
+    #[error("field {name:?}: no input files given")]
+    NoFiles {
+        /// The field's name (there is no file to name).
+        name: String,
+    },
+    /// An `.npy` writer was given more or fewer data bytes than its shape holds.
+    #[error("{}: writing .npy: the shape holds {expected_bytes} data bytes but {written_bytes} were written", path.display())]
+    WriteSize {
+        /// The file being written.
+        path: PathBuf,
+        /// Data bytes the shape and dtype call for.
+        expected_bytes: u64,
+        /// Data bytes written (or that would have been, for an over-long write).
+        written_bytes: u64,
+    },
+}
+
+/// Formats a (possibly shortened) list of tensor names for [`InputError::TensorNotFound`].
+fn list_names(names: &[String], omitted: usize) -> String {
+    if names.is_empty() {
+        return "(none)".to_string();
+    }
+    let mut s = names.join(", ");
+    if omitted > 0 {
+        s.push_str(&format!(", ... and {omitted} more"));
+    }
+    s
+}
+
+/// The bytes behind a [`SourcePart`]: a read-only file mapping, or an owned buffer for fields
+/// built in memory (tests, demo data), so both kinds go through one copy path.
+enum Backing {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mapped(map) => map,
+            Backing::Owned(vec) => vec,
+        }
+    }
+}
+
+impl fmt::Debug for Backing {
+    // Printing the contents of a multi-gigabyte mapping would be useless; the length is enough.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Backing::Mapped(map) => write!(f, "Mapped({} bytes)", map.len()),
+            Backing::Owned(vec) => write!(f, "Owned({} bytes)", vec.len()),
+        }
+    }
+}
+
+/// Memory-maps `path` read-only.
+fn map_file(path: &Path) -> Result<Arc<Backing>, InputError> {
+    let io = |source| InputError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    // SAFETY: the mapping is read-only and we never hand out `&mut`. The remaining hazard is
+    // another process truncating or rewriting the file while it is mapped, which can change the
+    // bytes under us or raise SIGBUS. Pack inputs are documented as immutable for the duration of
+    // a pack, and reading them into memory instead would defeat packing datasets larger than RAM.
+    let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+    Ok(Arc::new(Backing::Mapped(map)))
+}
+
+/// One contiguous piece of a field's samples: a memory-mapped file region (or an owned buffer)
+/// holding `samples` samples back to back in C order.
+#[derive(Clone, Debug)]
+pub struct SourcePart {
+    path: PathBuf,
+    backing: Arc<Backing>,
+    data_offset: usize,
+    samples: u64,
+}
+
+impl SourcePart {
+    /// Builds a part after checking that `samples * sample_bytes` bytes starting at `data_offset`
+    /// lie inside the backing buffer. Readers check sizes themselves to report precise errors;
+    /// this is the single guard that lets [`FieldSource::copy_samples`] slice without checks.
+    fn new(
+        path: &Path,
+        backing: Arc<Backing>,
+        data_offset: usize,
+        samples: u64,
+        sample_bytes: usize,
+    ) -> Result<SourcePart, InputError> {
+        let len = backing.bytes().len() as u64;
+        let needed = (samples as u128) * (sample_bytes as u128) + data_offset as u128;
+        if needed > len as u128 {
+            return Err(InputError::Truncated {
+                path: path.to_path_buf(),
+                expected_bytes: u64::try_from(needed).unwrap_or(u64::MAX),
+                actual_bytes: len,
+            });
+        }
+        Ok(SourcePart {
+            path: path.to_path_buf(),
+            backing,
+            data_offset,
+            samples,
+        })
+    }
+
+    /// The bytes of samples `[start, start + count)` of this part. The range must be within
+    /// `self.samples`, which the caller guarantees.
+    fn sample_range(&self, sample_bytes: usize, start: u64, count: u64) -> &[u8] {
+        // Cannot overflow or go out of bounds: `new` checked that all samples fit in the buffer,
+        // whose length is a usize.
+        let begin = self.data_offset + start as usize * sample_bytes;
+        let end = begin + count as usize * sample_bytes;
+        &self.backing.bytes()[begin..end]
+    }
+}
+
+/// A field to pack: name, dtype, per-sample shape, and the parts concatenated along axis 0.
+#[derive(Clone, Debug)]
+pub struct FieldSource {
+    /// The field's name, as it will appear in the dataset manifest.
+    pub name: String,
+    /// The element type.
+    pub dtype: DType,
+    /// The shape of one sample (dims 1.. of the input arrays); empty for scalar samples.
+    pub sample_shape: Vec<u64>,
+    parts: Vec<SourcePart>,
+}
+
+/// Bytes per sample of `shape` with `dtype`, or `None` if it overflows a usize.
+fn checked_sample_bytes(dtype: DType, shape: &[u64]) -> Option<usize> {
+    shape.iter().try_fold(dtype.size_bytes(), |acc, &d| {
+        acc.checked_mul(usize::try_from(d).ok()?)
+    })
+}
+
+impl FieldSource {
+    /// Total number of samples over all parts.
+    pub fn sample_count(&self) -> u64 {
+        self.parts.iter().map(|p| p.samples).sum()
+    }
+
+    /// Bytes per sample: product of `sample_shape` times the dtype size.
+    pub fn sample_bytes(&self) -> usize {
+        // Every constructor checked this product fits in a usize (and is non-zero).
+        self.sample_shape
+            .iter()
+            .fold(self.dtype.size_bytes(), |acc, &d| acc * d as usize)
+    }
+
+    /// Total data bytes over all parts (`sample_count() * sample_bytes()`).
+    pub fn total_bytes(&self) -> u64 {
+        self.sample_count() * self.sample_bytes() as u64
+    }
+
+    /// The files this field reads, in concatenation order (empty for an in-memory field).
+    pub fn paths(&self) -> Vec<&Path> {
+        self.parts
+            .iter()
+            .filter(|p| matches!(*p.backing, Backing::Mapped(_)))
+            .map(|p| p.path.as_path())
+            .collect()
+    }
+
+    /// Appends the bytes of samples `[start, start + count)` to `out`; the range may cross part
+    /// boundaries.
+    ///
+    /// # Panics
+    ///
+    /// Only on a programmer error: if the range extends past [`FieldSource::sample_count`].
+    pub fn copy_samples(&self, start: u64, count: u64, out: &mut Vec<u8>) {
+        let total = self.sample_count();
+        assert!(
+            start.checked_add(count).is_some_and(|end| end <= total),
+            "copy_samples({start}, {count}) past the {total} samples of field {:?}",
+            self.name
+        );
+        let sample_bytes = self.sample_bytes();
+        out.reserve(count as usize * sample_bytes);
+        // `start` and `remaining` are relative to the current part as we walk the parts.
+        let mut start = start;
+        let mut remaining = count;
+        for part in &self.parts {
+            if remaining == 0 {
+                break;
+            }
+            if start >= part.samples {
+                start -= part.samples;
+                continue;
+            }
+            let take = remaining.min(part.samples - start);
+            out.extend_from_slice(part.sample_range(sample_bytes, start, take));
+            remaining -= take;
+            start = 0;
+        }
+    }
+
+    /// Builds a field from in-memory bytes (tests, the demo generator). The bytes are written
+    /// nowhere; the field owns them. `bytes.len()` must be a whole number of samples.
+    pub fn from_bytes(
+        name: &str,
+        dtype: DType,
+        sample_shape: Vec<u64>,
+        bytes: Vec<u8>,
+    ) -> Result<FieldSource, InputError> {
+        let size_error =
+            |sample_bytes: usize, sample_shape: Vec<u64>, len: usize| InputError::InMemorySize {
+                name: name.to_string(),
+                dtype,
+                sample_shape,
+                sample_bytes,
+                len,
+            };
+        let sample_bytes = match checked_sample_bytes(dtype, &sample_shape) {
+            Some(n) if n > 0 && bytes.len() % n == 0 => n,
+            Some(n) => return Err(size_error(n, sample_shape, bytes.len())),
+            // Overflowing usize can never divide a buffer that exists.
+            None => return Err(size_error(usize::MAX, sample_shape, bytes.len())),
+        };
+        let samples = (bytes.len() / sample_bytes) as u64;
+        let path = PathBuf::from(format!("<in-memory field {name}>"));
+        let part = SourcePart::new(
+            &path,
+            Arc::new(Backing::Owned(bytes)),
+            0,
+            samples,
+            sample_bytes,
+        )?;
+        Ok(FieldSource {
+            name: name.to_string(),
+            dtype,
+            sample_shape,
+            parts: vec![part],
+        })
+    }
+}
+
+/// Splits a full array shape into (samples, per-sample shape), rejecting shapes that cannot be a
+/// field: 0-d arrays (no sample axis) and per-sample shapes with a 0 (zero-byte samples).
+fn split_shape(path: &Path, shape: &[u64]) -> Result<(u64, Vec<u64>), InputError> {
+    let Some((&samples, sample_shape)) = shape.split_first() else {
+        return Err(InputError::ScalarArray {
+            path: path.to_path_buf(),
+        });
+    };
+    if sample_shape.contains(&0) {
+        return Err(InputError::EmptySample {
+            path: path.to_path_buf(),
+            shape: sample_shape.to_vec(),
+        });
+    }
+    Ok((samples, sample_shape.to_vec()))
+}
+
+/// Opens `.npy` files and concatenates them along axis 0 into one field. All must share dtype
+/// and per-sample shape (dims 1..); an error names the first file that differs. A file with 0
+/// samples is allowed and contributes nothing.
+pub fn open_npy_field(name: &str, paths: &[PathBuf]) -> Result<FieldSource, InputError> {
+    // The first file sets the dtype and per-sample shape every later file must match.
+    let mut first: Option<(&Path, DType, Vec<u64>)> = None;
+    let mut parts = Vec::with_capacity(paths.len());
+    for path in paths {
+        let (header, backing) = npy::open(path)?;
+        let (samples, sample_shape) = split_shape(path, &header.shape)?;
+        match &first {
+            Some((first_path, dtype, shape)) => {
+                if header.dtype != *dtype {
+                    return Err(InputError::DtypeMismatch {
+                        path: path.clone(),
+                        expected: *dtype,
+                        found: header.dtype,
+                        first: first_path.to_path_buf(),
+                    });
+                }
+                if sample_shape != *shape {
+                    return Err(InputError::ShapeMismatch {
+                        path: path.clone(),
+                        expected: shape.clone(),
+                        found: sample_shape,
+                        first: first_path.to_path_buf(),
+                    });
+                }
+            }
+            None => first = Some((path.as_path(), header.dtype, sample_shape.clone())),
+        }
+        // `npy::open` checked the data fits the file, but a file with 0 samples says nothing
+        // about the size of one sample, which may still overflow.
+        let sample_bytes = checked_sample_bytes(header.dtype, &sample_shape).ok_or_else(|| {
+            InputError::ShapeOverflow {
+                path: path.clone(),
+                shape: header.shape.clone(),
+            }
+        })?;
+        parts.push(SourcePart::new(
+            path,
+            backing,
+            header.data_offset,
+            samples,
+            sample_bytes,
+        )?);
+    }
+    let Some((_, dtype, sample_shape)) = first else {
+        return Err(InputError::NoFiles {
+            name: name.to_string(),
+        });
+    };
+    Ok(FieldSource {
+        name: name.to_string(),
+        dtype,
+        sample_shape,
+        parts,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_bytes_builds_an_in_memory_field() {
+        let bytes: Vec<u8> = (0..24).collect();
+        let field = FieldSource::from_bytes("m", DType::U16, vec![3], bytes.clone()).unwrap();
+        assert_eq!(field.name, "m");
+        assert_eq!(field.sample_bytes(), 6);
+        assert_eq!(field.sample_count(), 4);
+        assert_eq!(field.total_bytes(), 24);
+        assert!(field.paths().is_empty(), "an in-memory field reads no file");
+        let mut out = Vec::new();
+        field.copy_samples(1, 2, &mut out);
+        assert_eq!(out, bytes[6..18]);
+        out.clear();
+        field.copy_samples(4, 0, &mut out);
+        assert!(out.is_empty());
+
+        let empty = FieldSource::from_bytes("e", DType::F64, vec![], Vec::new()).unwrap();
+        assert_eq!(empty.sample_count(), 0);
+    }
+
+    #[test]
+    fn from_bytes_rejects_partial_and_empty_samples() {
+        let err = FieldSource::from_bytes("m", DType::F32, vec![2], vec![0; 12]).unwrap_err();
+        assert!(
+            matches!(&err, InputError::InMemorySize { name, sample_bytes: 8, len: 12, .. } if name == "m"),
+            "{err}"
+        );
+        let err = FieldSource::from_bytes("m", DType::F32, vec![2, 0], vec![]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                InputError::InMemorySize {
+                    sample_bytes: 0,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err =
+            FieldSource::from_bytes("m", DType::F64, vec![u64::MAX, 2], vec![0; 8]).unwrap_err();
+        assert!(matches!(err, InputError::InMemorySize { .. }), "{err}");
+    }
+
+    #[test]
+    fn field_source_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<FieldSource>();
+    }
+}

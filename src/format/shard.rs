@@ -1,0 +1,690 @@
+//! The shard header, field table and block table: encoding and validated parsing.
+//!
+//! Layout (all integers little-endian; see `docs/FORMAT.md` for the drawing):
+//! header (64 bytes) | field table (128 bytes a field) | block table (64 bytes a block) |
+//! table checksum (8 bytes) | zero padding to 4096 | block payloads, each at a 4096-aligned offset.
+
+use std::path::Path;
+
+use gpufeed_client::DType;
+
+use super::{
+    align_up, checksum, validate_field_name, FormatError, BLOCK_BYTES_MAX, BLOCK_BYTES_MIN,
+    FIELDS_MAX, FIELD_NAME_BYTES_MAX, FORMAT_VERSION, PAYLOAD_ALIGN_BYTES, SAMPLE_NDIM_MAX,
+    SHARD_BLOCKS_MAX,
+};
+
+/// Size of the fixed shard header in bytes.
+pub const HEADER_BYTES: usize = 64;
+/// Size of one field table entry in bytes.
+pub const FIELD_ENTRY_BYTES: usize = 128;
+/// Size of one block table entry in bytes.
+pub const BLOCK_ENTRY_BYTES: usize = 64;
+/// The eight magic bytes every shard starts with.
+pub const MAGIC: [u8; 8] = *b"GFEDSHRD";
+/// The checksum algorithm code for xxh3-64 (the only one in version 1).
+pub const CHECKSUM_XXH3_64: u32 = 1;
+
+/// How a block's payload is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Codec {
+    /// The payload is the raw bytes; nothing to decode.
+    Raw,
+    /// The payload is one LZ4 block (the standard block format, no frame, no size prefix).
+    Lz4,
+}
+
+impl Codec {
+    /// The code stored in the block table.
+    pub const fn code(self) -> u8 {
+        match self {
+            Codec::Raw => 0,
+            Codec::Lz4 => 1,
+        }
+    }
+
+    /// The codec with the given table code.
+    pub fn from_code(code: u8) -> Option<Codec> {
+        match code {
+            0 => Some(Codec::Raw),
+            1 => Some(Codec::Lz4),
+            _ => None,
+        }
+    }
+
+    /// Lowercase name used in JSON summaries.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Codec::Raw => "raw",
+            Codec::Lz4 => "lz4",
+        }
+    }
+}
+
+/// The reversible filter applied to a block's raw bytes before compression.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Filter {
+    /// No filter.
+    None,
+    /// Byte shuffle of the field's element width: all first bytes of the elements, then all second
+    /// bytes, and so on. It groups the slowly varying high bytes, which LZ4 then finds repeats in.
+    ByteShuffle,
+}
+
+impl Filter {
+    /// The code stored in the block table.
+    pub const fn code(self) -> u8 {
+        match self {
+            Filter::None => 0,
+            Filter::ByteShuffle => 1,
+        }
+    }
+
+    /// The filter with the given table code.
+    pub fn from_code(code: u8) -> Option<Filter> {
+        match code {
+            0 => Some(Filter::None),
+            1 => Some(Filter::ByteShuffle),
+            _ => None,
+        }
+    }
+}
+
+/// The fixed header of a shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardHeader {
+    /// Global index of the shard's first sample within the dataset.
+    pub first_sample: u64,
+    /// Number of samples in this shard.
+    pub sample_count: u64,
+    /// Number of field table entries.
+    pub field_count: u32,
+    /// Number of block table entries.
+    pub block_count: u32,
+    /// The dataset's block size: no block holds more raw bytes than this.
+    pub block_bytes: u32,
+    /// Offset of the first payload byte (the end of the metadata, rounded up to 4096).
+    pub payload_offset: u64,
+}
+
+/// One field as described by a shard's field table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Field {
+    /// The field's name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Per-sample shape (empty for a scalar per sample).
+    pub shape: Vec<u64>,
+    /// Index of the field's first entry in the block table.
+    pub first_block: u32,
+    /// Number of consecutive block table entries belonging to this field.
+    pub block_count: u32,
+}
+
+impl Field {
+    /// Bytes of one sample of this field.
+    pub fn sample_bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size_bytes() as u64
+    }
+}
+
+/// One entry of the block table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockEntry {
+    /// File offset of the stored payload; a multiple of 4096.
+    pub stored_offset: u64,
+    /// Length of the stored payload in bytes.
+    pub stored_bytes: u32,
+    /// Length of the block once decoded, in bytes.
+    pub raw_bytes: u32,
+    /// How the payload is stored.
+    pub codec: Codec,
+    /// The filter to undo after decompression.
+    pub filter: Filter,
+    /// Index of the field this block belongs to.
+    pub field: u16,
+    /// Offset of the block's first raw byte within the field's bytes in this shard.
+    pub raw_offset: u64,
+    /// Global index of the sample holding the block's first raw byte.
+    pub first_sample: u64,
+    /// xxh3-64 of the stored payload bytes.
+    pub checksum: u64,
+}
+
+/// The validated metadata of one shard: header, fields and blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardMetadata {
+    /// The fixed header.
+    pub header: ShardHeader,
+    /// The field table.
+    pub fields: Vec<Field>,
+    /// The block table, fields in order and each field's blocks in raw-offset order.
+    pub blocks: Vec<BlockEntry>,
+    /// The checksum stored after the tables (also recorded in the manifest).
+    pub table_checksum: u64,
+}
+
+impl ShardMetadata {
+    /// Length the shard file must have: the end of the last payload rounded up to 4096.
+    pub fn file_bytes(&self) -> u64 {
+        let payload_end = self
+            .blocks
+            .iter()
+            .map(|b| b.stored_offset + b.stored_bytes as u64)
+            .max()
+            .unwrap_or(self.header.payload_offset);
+        align_up(payload_end.max(self.header.payload_offset))
+    }
+
+    /// The blocks of field `field_index`.
+    pub fn field_blocks(&self, field_index: usize) -> &[BlockEntry] {
+        let field = &self.fields[field_index];
+        let start = field.first_block as usize;
+        &self.blocks[start..start + field.block_count as usize]
+    }
+}
+
+/// Offset of the first payload in a shard with this many fields and blocks.
+pub fn payload_offset(field_count: usize, block_count: usize) -> u64 {
+    align_up(
+        (HEADER_BYTES + field_count * FIELD_ENTRY_BYTES + block_count * BLOCK_ENTRY_BYTES + 8)
+            as u64,
+    )
+}
+
+/// Encodes header, field table, block table and table checksum, zero-padded to the payload offset.
+///
+/// The caller guarantees the metadata is valid (the packer builds it); this is asserted where cheap.
+pub fn encode_shard_metadata(
+    first_sample: u64,
+    sample_count: u64,
+    block_bytes: u32,
+    fields: &[Field],
+    blocks: &[BlockEntry],
+) -> Vec<u8> {
+    assert!(!fields.is_empty() && fields.len() <= FIELDS_MAX);
+    assert!(blocks.len() <= SHARD_BLOCKS_MAX as usize);
+    let payload_offset = payload_offset(fields.len(), blocks.len());
+    let mut out = Vec::with_capacity(payload_offset as usize);
+
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
+    out.extend_from_slice(&first_sample.to_le_bytes());
+    out.extend_from_slice(&sample_count.to_le_bytes());
+    out.extend_from_slice(&(fields.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+    out.extend_from_slice(&block_bytes.to_le_bytes());
+    out.extend_from_slice(&CHECKSUM_XXH3_64.to_le_bytes());
+    out.extend_from_slice(&payload_offset.to_le_bytes());
+    let header_checksum = checksum(&out[..56]);
+    out.extend_from_slice(&header_checksum.to_le_bytes());
+    debug_assert_eq!(out.len(), HEADER_BYTES);
+
+    for field in fields {
+        assert!(field.name.len() <= FIELD_NAME_BYTES_MAX && field.shape.len() <= SAMPLE_NDIM_MAX);
+        let mut name = [0u8; 64];
+        name[..field.name.len()].copy_from_slice(field.name.as_bytes());
+        out.extend_from_slice(&name);
+        out.push(field.dtype.code());
+        out.push(field.shape.len() as u8);
+        out.extend_from_slice(&[0u8; 6]);
+        out.extend_from_slice(&field.first_block.to_le_bytes());
+        out.extend_from_slice(&field.block_count.to_le_bytes());
+        for dim in 0..SAMPLE_NDIM_MAX {
+            out.extend_from_slice(&field.shape.get(dim).copied().unwrap_or(0).to_le_bytes());
+        }
+    }
+    for block in blocks {
+        out.extend_from_slice(&block.stored_offset.to_le_bytes());
+        out.extend_from_slice(&block.stored_bytes.to_le_bytes());
+        out.extend_from_slice(&block.raw_bytes.to_le_bytes());
+        out.push(block.codec.code());
+        out.push(block.filter.code());
+        out.extend_from_slice(&block.field.to_le_bytes());
+        out.extend_from_slice(&[0u8; 4]);
+        out.extend_from_slice(&block.raw_offset.to_le_bytes());
+        out.extend_from_slice(&block.first_sample.to_le_bytes());
+        out.extend_from_slice(&block.checksum.to_le_bytes());
+        out.extend_from_slice(&[0u8; 16]);
+    }
+    let table_checksum = checksum(&out[HEADER_BYTES..]);
+    out.extend_from_slice(&table_checksum.to_le_bytes());
+    out.resize(payload_offset as usize, 0);
+    out
+}
+
+/// Reads little-endian integers at fixed offsets of a slice whose length the caller has checked.
+struct Le<'a>(&'a [u8]);
+
+impl Le<'_> {
+    fn u16(&self, at: usize) -> u16 {
+        u16::from_le_bytes(
+            self.0[at..at + 2]
+                .try_into()
+                .expect("length checked by caller"),
+        )
+    }
+    fn u32(&self, at: usize) -> u32 {
+        u32::from_le_bytes(
+            self.0[at..at + 4]
+                .try_into()
+                .expect("length checked by caller"),
+        )
+    }
+    fn u64(&self, at: usize) -> u64 {
+        u64::from_le_bytes(
+            self.0[at..at + 8]
+                .try_into()
+                .expect("length checked by caller"),
+        )
+    }
+}
+
+/// Parses and validates a shard's header only, from at least [`HEADER_BYTES`] bytes.
+///
+/// Checks, in this order: magic, version, header checksum, then the header's own rules. The version is
+/// read before the checksum so that a shard from a newer gpufeed is reported as such rather than as
+/// corrupt.
+pub fn parse_shard_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader, FormatError> {
+    let invalid = |what: String| FormatError::Invalid {
+        path: path.to_path_buf(),
+        what,
+    };
+    if bytes.len() < HEADER_BYTES {
+        return Err(FormatError::Length {
+            path: path.to_path_buf(),
+            expected_bytes: HEADER_BYTES as u64,
+            actual_bytes: bytes.len() as u64,
+        });
+    }
+    let le = Le(&bytes[..HEADER_BYTES]);
+    let magic: [u8; 8] = bytes[..8].try_into().expect("length checked");
+    if magic != MAGIC {
+        return Err(FormatError::BadMagic {
+            path: path.to_path_buf(),
+            found: magic,
+        });
+    }
+    let version = le.u32(8);
+    if version != FORMAT_VERSION {
+        return Err(FormatError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let stored = le.u64(56);
+    let computed = checksum(&bytes[..56]);
+    if stored != computed {
+        return Err(FormatError::HeaderChecksum {
+            path: path.to_path_buf(),
+            stored,
+            computed,
+        });
+    }
+    let header_bytes = le.u32(12);
+    if header_bytes as usize != HEADER_BYTES {
+        return Err(invalid(format!(
+            "header: header_bytes is {header_bytes}, version 1 requires {HEADER_BYTES}"
+        )));
+    }
+    let header = ShardHeader {
+        first_sample: le.u64(16),
+        sample_count: le.u64(24),
+        field_count: le.u32(32),
+        block_count: le.u32(36),
+        block_bytes: le.u32(40),
+        payload_offset: le.u64(48),
+    };
+    let checksum_kind = le.u32(44);
+    if checksum_kind != CHECKSUM_XXH3_64 {
+        return Err(invalid(format!(
+            "header: checksum algorithm {checksum_kind} is unknown (version 1 uses 1 = xxh3-64)"
+        )));
+    }
+    if header.field_count == 0 || header.field_count as usize > FIELDS_MAX {
+        return Err(invalid(format!(
+            "header: field_count {} is outside 1..={FIELDS_MAX}",
+            header.field_count
+        )));
+    }
+    if header.block_count > SHARD_BLOCKS_MAX {
+        return Err(invalid(format!(
+            "header: block_count {} exceeds {SHARD_BLOCKS_MAX}",
+            header.block_count
+        )));
+    }
+    if !header.block_bytes.is_power_of_two()
+        || !(BLOCK_BYTES_MIN..=BLOCK_BYTES_MAX).contains(&header.block_bytes)
+    {
+        return Err(invalid(format!(
+            "header: block_bytes {} is not a power of two in {BLOCK_BYTES_MIN}..={BLOCK_BYTES_MAX}",
+            header.block_bytes
+        )));
+    }
+    let expected_payload_offset =
+        payload_offset(header.field_count as usize, header.block_count as usize);
+    if header.payload_offset != expected_payload_offset {
+        return Err(invalid(format!(
+            "header: payload_offset {} should be {expected_payload_offset} for {} fields and {} blocks",
+            header.payload_offset, header.field_count, header.block_count
+        )));
+    }
+    if header.sample_count == 0 {
+        return Err(invalid("header: sample_count is 0".to_string()));
+    }
+    if header
+        .first_sample
+        .checked_add(header.sample_count)
+        .is_none()
+    {
+        return Err(invalid(
+            "header: first_sample + sample_count overflows".to_string(),
+        ));
+    }
+    Ok(header)
+}
+
+/// Parses and validates the complete metadata of a shard from a prefix of the file.
+///
+/// `bytes` must hold at least the header and tables (the caller maps `payload_offset` bytes, or the
+/// whole file); `file_bytes` is the file's length on disk, against which payload extents are checked.
+pub fn parse_shard_metadata(
+    path: &Path,
+    bytes: &[u8],
+    file_bytes: u64,
+) -> Result<ShardMetadata, FormatError> {
+    let header = parse_shard_header(path, bytes)?;
+    let invalid = |what: String| FormatError::Invalid {
+        path: path.to_path_buf(),
+        what,
+    };
+    let fields_end = HEADER_BYTES + header.field_count as usize * FIELD_ENTRY_BYTES;
+    let blocks_end = fields_end + header.block_count as usize * BLOCK_ENTRY_BYTES;
+    let tables_end = blocks_end + 8;
+    if (bytes.len() as u64) < header.payload_offset || file_bytes < header.payload_offset {
+        return Err(FormatError::Length {
+            path: path.to_path_buf(),
+            expected_bytes: header.payload_offset,
+            actual_bytes: file_bytes.min(bytes.len() as u64),
+        });
+    }
+    let stored = Le(bytes).u64(blocks_end);
+    let computed = checksum(&bytes[HEADER_BYTES..blocks_end]);
+    if stored != computed {
+        return Err(FormatError::TableChecksum {
+            path: path.to_path_buf(),
+            stored,
+            computed,
+        });
+    }
+    if bytes[tables_end..header.payload_offset as usize]
+        .iter()
+        .any(|&b| b != 0)
+    {
+        return Err(invalid(
+            "the padding between the tables and the first payload is not zero".to_string(),
+        ));
+    }
+
+    let mut fields = Vec::with_capacity(header.field_count as usize);
+    let mut next_block = 0u32;
+    for index in 0..header.field_count as usize {
+        let at = HEADER_BYTES + index * FIELD_ENTRY_BYTES;
+        let entry = &bytes[at..at + FIELD_ENTRY_BYTES];
+        let le = Le(entry);
+        let name_len = entry[..64].iter().position(|&b| b == 0).unwrap_or(64);
+        let name = std::str::from_utf8(&entry[..name_len])
+            .map_err(|_| invalid(format!("field entry {index}: name is not UTF-8")))?
+            .to_string();
+        validate_field_name(&name).map_err(|e| invalid(format!("field entry {index}: {e}")))?;
+        if entry[name_len..64].iter().any(|&b| b != 0) || entry[66..72].iter().any(|&b| b != 0) {
+            return Err(invalid(format!(
+                "field entry {index} ('{name}'): reserved bytes are not zero"
+            )));
+        }
+        let dtype = DType::from_code(entry[64])
+            .map_err(|e| invalid(format!("field entry {index} ('{name}'): {e}")))?;
+        let ndim = entry[65] as usize;
+        if ndim > SAMPLE_NDIM_MAX {
+            return Err(invalid(format!(
+                "field entry {index} ('{name}'): ndim {ndim} exceeds {SAMPLE_NDIM_MAX}"
+            )));
+        }
+        let dims: Vec<u64> = (0..SAMPLE_NDIM_MAX).map(|d| le.u64(80 + d * 8)).collect();
+        if dims[ndim..].iter().any(|&d| d != 0) {
+            return Err(invalid(format!(
+                "field entry {index} ('{name}'): unused shape slots are not zero"
+            )));
+        }
+        let shape = dims[..ndim].to_vec();
+        let sample_bytes = shape
+            .iter()
+            .try_fold(dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d))
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "field entry {index} ('{name}'): shape {shape:?} gives an empty or overflowing sample"
+                ))
+            })?;
+        let field_bytes = sample_bytes
+            .checked_mul(header.sample_count)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "field entry {index} ('{name}'): sample_bytes x sample_count overflows"
+                ))
+            })?;
+        let first_block = le.u32(72);
+        let block_count = le.u32(76);
+        if first_block != next_block
+            || first_block.checked_add(block_count) > Some(header.block_count)
+        {
+            return Err(invalid(format!(
+                "field entry {index} ('{name}'): blocks {first_block}..+{block_count} do not follow the previous field's within {} blocks",
+                header.block_count
+            )));
+        }
+        next_block = first_block + block_count;
+        if block_count == 0 || field_bytes.div_ceil(header.block_bytes as u64) > block_count as u64
+        {
+            return Err(invalid(format!(
+                "field entry {index} ('{name}'): {block_count} blocks of at most {} bytes cannot hold {field_bytes} bytes",
+                header.block_bytes
+            )));
+        }
+        if fields.iter().any(|f: &Field| f.name == name) {
+            return Err(invalid(format!(
+                "field entry {index}: duplicate field name '{name}'"
+            )));
+        }
+        fields.push(Field {
+            name,
+            dtype,
+            shape,
+            first_block,
+            block_count,
+        });
+    }
+    if next_block != header.block_count {
+        return Err(invalid(format!(
+            "the fields cover {next_block} blocks but the header says {}",
+            header.block_count
+        )));
+    }
+
+    let mut blocks = Vec::with_capacity(header.block_count as usize);
+    let mut previous_payload_end = header.payload_offset;
+    for (field_index, field) in fields.iter().enumerate() {
+        let sample_bytes = field.sample_bytes();
+        let field_bytes = sample_bytes * header.sample_count;
+        let mut raw_offset = 0u64;
+        for block_in_field in 0..field.block_count {
+            let index = (field.first_block + block_in_field) as usize;
+            let at = fields_end + index * BLOCK_ENTRY_BYTES;
+            let entry = &bytes[at..at + BLOCK_ENTRY_BYTES];
+            let le = Le(entry);
+            let place = format!(
+                "field '{}' block {block_in_field} (table entry {index})",
+                field.name
+            );
+            if entry[20..24].iter().any(|&b| b != 0) || entry[48..64].iter().any(|&b| b != 0) {
+                return Err(invalid(format!("{place}: reserved bytes are not zero")));
+            }
+            let codec = Codec::from_code(entry[16])
+                .ok_or_else(|| invalid(format!("{place}: unknown codec {}", entry[16])))?;
+            let filter = Filter::from_code(entry[17])
+                .ok_or_else(|| invalid(format!("{place}: unknown filter {}", entry[17])))?;
+            let block = BlockEntry {
+                stored_offset: le.u64(0),
+                stored_bytes: le.u32(8),
+                raw_bytes: le.u32(12),
+                codec,
+                filter,
+                field: le.u16(18),
+                raw_offset: le.u64(24),
+                first_sample: le.u64(32),
+                checksum: le.u64(40),
+            };
+            if block.field as usize != field_index {
+                return Err(invalid(format!(
+                    "{place}: names field {} instead of {field_index}",
+                    block.field
+                )));
+            }
+            if block.raw_bytes == 0 || block.raw_bytes > header.block_bytes {
+                return Err(invalid(format!(
+                    "{place}: raw_bytes {} is outside 1..={}",
+                    block.raw_bytes, header.block_bytes
+                )));
+            }
+            if block.stored_bytes == 0 {
+                return Err(invalid(format!("{place}: stored_bytes is 0")));
+            }
+            if codec == Codec::Raw
+                && (block.stored_bytes != block.raw_bytes || filter != Filter::None)
+            {
+                return Err(invalid(format!(
+                    "{place}: a raw block must have stored_bytes == raw_bytes and no filter"
+                )));
+            }
+            if block.raw_bytes as usize % field.dtype.size_bytes() != 0 {
+                return Err(invalid(format!(
+                    "{place}: raw_bytes {} is not a multiple of the {}-byte element",
+                    block.raw_bytes,
+                    field.dtype.size_bytes()
+                )));
+            }
+            if block.raw_offset != raw_offset {
+                return Err(invalid(format!(
+                    "{place}: raw_offset is {} but the previous blocks end at {raw_offset}",
+                    block.raw_offset
+                )));
+            }
+            raw_offset += block.raw_bytes as u64;
+            if raw_offset > field_bytes {
+                return Err(invalid(format!(
+                    "{place}: runs past the field's {field_bytes} bytes"
+                )));
+            }
+            let expected_first_sample = header.first_sample + block.raw_offset / sample_bytes;
+            if block.first_sample != expected_first_sample {
+                return Err(invalid(format!(
+                    "{place}: first_sample is {} but its first byte belongs to sample {expected_first_sample}",
+                    block.first_sample
+                )));
+            }
+            if block.stored_offset % PAYLOAD_ALIGN_BYTES != 0
+                || block.stored_offset < previous_payload_end
+            {
+                return Err(invalid(format!(
+                    "{place}: stored_offset {} is not 4096-aligned at or after {previous_payload_end}",
+                    block.stored_offset
+                )));
+            }
+            let payload_end = block.stored_offset + block.stored_bytes as u64;
+            if payload_end > file_bytes {
+                return Err(FormatError::Length {
+                    path: path.to_path_buf(),
+                    expected_bytes: align_up(payload_end),
+                    actual_bytes: file_bytes,
+                });
+            }
+            previous_payload_end = payload_end;
+            blocks.push(block);
+        }
+        if raw_offset != field_bytes {
+            return Err(invalid(format!(
+                "field '{}': blocks hold {raw_offset} bytes but {} samples of {sample_bytes} bytes need {field_bytes}",
+                field.name, header.sample_count
+            )));
+        }
+    }
+    let metadata = ShardMetadata {
+        header,
+        fields,
+        blocks,
+        table_checksum: stored,
+    };
+    if metadata.file_bytes() != file_bytes {
+        return Err(FormatError::Length {
+            path: path.to_path_buf(),
+            expected_bytes: metadata.file_bytes(),
+            actual_bytes: file_bytes,
+        });
+    }
+    Ok(metadata)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_metadata() -> (Vec<Field>, Vec<BlockEntry>) {
+        let fields = vec![Field {
+            name: "x".into(),
+            dtype: DType::F16,
+            shape: vec![2],
+            first_block: 0,
+            block_count: 1,
+        }];
+        let blocks = vec![BlockEntry {
+            stored_offset: 4096,
+            stored_bytes: 12,
+            raw_bytes: 12,
+            codec: Codec::Raw,
+            filter: Filter::None,
+            field: 0,
+            raw_offset: 0,
+            first_sample: 10,
+            checksum: 7,
+        }];
+        (fields, blocks)
+    }
+
+    #[test]
+    fn encode_then_parse_round_trips() {
+        let (fields, blocks) = sample_metadata();
+        let mut bytes = encode_shard_metadata(10, 3, 4096, &fields, &blocks);
+        assert_eq!(bytes.len(), 4096);
+        bytes.resize(8192, 0);
+        let parsed = parse_shard_metadata(Path::new("s"), &bytes, 8192).unwrap();
+        assert_eq!(parsed.fields, fields);
+        assert_eq!(parsed.blocks, blocks);
+        assert_eq!(parsed.header.first_sample, 10);
+        assert_eq!(parsed.file_bytes(), 8192);
+    }
+
+    #[test]
+    fn every_header_bit_flip_is_detected() {
+        let (fields, blocks) = sample_metadata();
+        let mut bytes = encode_shard_metadata(10, 3, 4096, &fields, &blocks);
+        bytes.resize(8192, 0);
+        for bit in 0..(HEADER_BYTES * 8) {
+            let mut corrupt = bytes.clone();
+            corrupt[bit / 8] ^= 1 << (bit % 8);
+            assert!(parse_shard_metadata(Path::new("s"), &corrupt, 8192).is_err());
+        }
+    }
+}

@@ -1,0 +1,651 @@
+//! The packer: turns field sources (NumPy, safetensors, in-memory bytes) into a dataset directory.
+//!
+//! Writing is atomic at the directory level: everything is written into a hidden staging directory next
+//! to the destination, fsynced, and renamed into place last. An interrupted pack leaves at most a
+//! `.NAME.partial-*` directory behind, never a manifest at the destination, and an existing dataset is
+//! replaced only when asked.
+
+use std::fs::{self, File};
+use std::io::{self, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::decode::shuffle;
+use crate::format::{
+    self, checksum, encode_shard_metadata, payload_offset, BlockEntry, Codec, Field, Filter,
+    Manifest, ManifestField, ManifestShard, BLOCK_BYTES_MAX, BLOCK_BYTES_MIN, FIELDS_MAX,
+    MANIFEST_FILE_NAME, PAYLOAD_ALIGN_BYTES, SAMPLE_NDIM_MAX, SHARD_BLOCKS_MAX,
+};
+use crate::input::FieldSource;
+
+/// A block is stored LZ4-compressed only if that saves at least `1 / MIN_SAVING_DIVISOR` of its raw
+/// bytes (12.5 %). Below that the GPU would spend decode work to save almost no I/O, so the block is
+/// stored raw and costs nothing to decode.
+pub const MIN_SAVING_DIVISOR: u32 = 8;
+
+/// Raw bytes per shard the packer aims for when `samples_per_shard` is not given (256 MiB): large enough
+/// for long sequential reads, small enough to spread over readers and to re-pack cheaply.
+pub const SHARD_RAW_BYTES_TARGET: u64 = 256 << 20;
+
+/// Blocks encoded together in one parallel step; bounds the packer's memory to about this many blocks
+/// of raw plus stored bytes.
+const BLOCKS_PER_STEP: usize = 256;
+
+/// Which codec the packer uses for each block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodecChoice {
+    /// LZ4 where it saves at least 12.5 % of a block, raw otherwise.
+    Auto,
+    /// LZ4 for every block, even when it does not shrink it (for testing decoders).
+    Lz4,
+    /// Every block raw.
+    Raw,
+}
+
+/// Whether compressed blocks are byte-shuffled first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShuffleChoice {
+    /// Per block, whichever of shuffled and unshuffled compresses smaller.
+    Auto,
+    /// Always shuffle (for elements wider than one byte).
+    On,
+    /// Never shuffle.
+    Off,
+}
+
+/// What to do when the destination already holds something.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnExisting {
+    /// Fail with [`PackError::Exists`].
+    Refuse,
+    /// Replace it once the new dataset is complete.
+    Replace,
+}
+
+/// Options of one pack.
+#[derive(Clone, Debug)]
+pub struct PackOptions {
+    /// Dataset name recorded in the manifest.
+    pub name: String,
+    /// Largest raw size of a block; a power of two in 4 KiB..=16 MiB.
+    pub block_bytes: u32,
+    /// Samples per shard; `None` aims at [`SHARD_RAW_BYTES_TARGET`] raw bytes per shard.
+    pub samples_per_shard: Option<u64>,
+    /// Codec policy.
+    pub codec: CodecChoice,
+    /// Shuffle-filter policy.
+    pub shuffle: ShuffleChoice,
+    /// Policy for an existing destination.
+    pub on_existing: OnExisting,
+    /// Threads compressing blocks (at least 1).
+    pub threads: usize,
+}
+
+/// Receives progress from a pack and may cancel it.
+pub trait PackObserver: Sync {
+    /// Called once with the total raw bytes to pack.
+    fn started(&self, _raw_bytes_total: u64) {}
+    /// Called as blocks are written, with the raw bytes done so far.
+    fn progress(&self, _raw_bytes_done: u64) {}
+    /// Polled between steps; returning true stops the pack and removes everything it wrote.
+    fn cancelled(&self) -> bool {
+        false
+    }
+}
+
+/// An observer that ignores progress and never cancels.
+pub struct Quiet;
+
+impl PackObserver for Quiet {}
+
+/// What a finished pack wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackSummary {
+    /// The dataset directory.
+    pub dir: PathBuf,
+    /// Samples packed.
+    pub sample_count: u64,
+    /// Shard files written.
+    pub shard_count: usize,
+    /// Raw bytes over all fields.
+    pub raw_bytes: u64,
+    /// Payload bytes stored over all fields (without metadata and padding).
+    pub stored_bytes: u64,
+}
+
+/// A pack failed; nothing was left at the destination.
+#[derive(Debug, thiserror::Error)]
+pub enum PackError {
+    /// The options or inputs break a rule of the format.
+    #[error("invalid pack request: {0}")]
+    Invalid(String),
+    /// The fields do not all have the same number of samples.
+    #[error("field '{field}' ({paths}) has {count} samples but field '{first_field}' has {first_count}; all fields need the same sample count")]
+    SampleCountMismatch {
+        /// The field that differs.
+        field: String,
+        /// Its input files.
+        paths: String,
+        /// Its sample count.
+        count: u64,
+        /// The first field.
+        first_field: String,
+        /// The first field's sample count.
+        first_count: u64,
+    },
+    /// The destination exists and replacing was not asked for.
+    #[error("{path}: already exists (pass --force to replace it)")]
+    Exists {
+        /// The destination.
+        path: PathBuf,
+    },
+    /// A file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// The observer cancelled the pack.
+    #[error("pack cancelled")]
+    Cancelled,
+}
+
+/// One block after encoding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EncodedBlock {
+    /// Codec of the stored bytes.
+    pub codec: Codec,
+    /// Filter applied before compression.
+    pub filter: Filter,
+    /// The stored bytes.
+    pub stored: Vec<u8>,
+}
+
+/// Encodes one block's raw bytes under the given policies.
+///
+/// `element_bytes` is the field's element width, used by the shuffle filter.
+pub fn encode_block(
+    raw: &[u8],
+    element_bytes: usize,
+    codec: CodecChoice,
+    shuffle_choice: ShuffleChoice,
+) -> EncodedBlock {
+    let raw_block = || EncodedBlock {
+        codec: Codec::Raw,
+        filter: Filter::None,
+        stored: raw.to_vec(),
+    };
+    if codec == CodecChoice::Raw {
+        return raw_block();
+    }
+    let shuffle_possible = element_bytes > 1 && raw.len() % element_bytes == 0;
+    let plain = || lz4_flex::block::compress(raw);
+    let shuffled = || {
+        let mut filtered = vec![0u8; raw.len()];
+        shuffle(raw, element_bytes, &mut filtered);
+        lz4_flex::block::compress(&filtered)
+    };
+    let (filter, stored) = match (shuffle_choice, shuffle_possible) {
+        (ShuffleChoice::Off, _) | (_, false) => (Filter::None, plain()),
+        (ShuffleChoice::On, true) => (Filter::ByteShuffle, shuffled()),
+        (ShuffleChoice::Auto, true) => {
+            let (a, b) = (plain(), shuffled());
+            if b.len() < a.len() {
+                (Filter::ByteShuffle, b)
+            } else {
+                (Filter::None, a)
+            }
+        }
+    };
+    let saves_enough =
+        stored.len() as u64 <= raw.len() as u64 - raw.len() as u64 / MIN_SAVING_DIVISOR as u64;
+    if codec == CodecChoice::Auto && !saves_enough {
+        return raw_block();
+    }
+    EncodedBlock {
+        codec: Codec::Lz4,
+        filter,
+        stored,
+    }
+}
+
+/// Raw bytes per block for a field: whole samples when a sample fits in a block, so that most samples
+/// live in exactly one block; otherwise `block_bytes` pieces of the field's byte stream.
+pub fn chunk_bytes(sample_bytes: u64, block_bytes: u32) -> u64 {
+    let block_bytes = block_bytes as u64;
+    if sample_bytes <= block_bytes {
+        (block_bytes / sample_bytes) * sample_bytes
+    } else {
+        block_bytes
+    }
+}
+
+fn validate(fields: &[FieldSource], options: &PackOptions) -> Result<u64, PackError> {
+    let invalid = |s: String| Err(PackError::Invalid(s));
+    format::validate_dataset_name(&options.name).map_err(PackError::Invalid)?;
+    if fields.is_empty() {
+        return invalid("no fields to pack".into());
+    }
+    if fields.len() > FIELDS_MAX {
+        return invalid(format!("{} fields; at most {FIELDS_MAX}", fields.len()));
+    }
+    if !options.block_bytes.is_power_of_two()
+        || !(BLOCK_BYTES_MIN..=BLOCK_BYTES_MAX).contains(&options.block_bytes)
+    {
+        return invalid(format!(
+            "block size {} is not a power of two in {BLOCK_BYTES_MIN}..={BLOCK_BYTES_MAX}",
+            options.block_bytes
+        ));
+    }
+    if options.threads == 0 {
+        return invalid("threads must be at least 1".into());
+    }
+    for (index, field) in fields.iter().enumerate() {
+        format::validate_field_name(&field.name).map_err(PackError::Invalid)?;
+        if fields[..index].iter().any(|f| f.name == field.name) {
+            return invalid(format!("field name '{}' is given twice", field.name));
+        }
+        if field.sample_shape.len() > SAMPLE_NDIM_MAX {
+            return invalid(format!(
+                "field '{}' has {} dimensions per sample; at most {SAMPLE_NDIM_MAX}",
+                field.name,
+                field.sample_shape.len()
+            ));
+        }
+        if field.sample_count() != fields[0].sample_count() {
+            return Err(PackError::SampleCountMismatch {
+                field: field.name.clone(),
+                paths: describe_paths(field),
+                count: field.sample_count(),
+                first_field: fields[0].name.clone(),
+                first_count: fields[0].sample_count(),
+            });
+        }
+    }
+    let sample_count = fields[0].sample_count();
+    if sample_count == 0 {
+        return invalid("the inputs hold no samples".into());
+    }
+    Ok(sample_count)
+}
+
+fn describe_paths(field: &FieldSource) -> String {
+    let paths: Vec<String> = field
+        .paths()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    if paths.is_empty() {
+        "in memory".into()
+    } else {
+        paths.join(", ")
+    }
+}
+
+/// Packs `fields` into a new dataset at `out`.
+pub fn pack(
+    out: &Path,
+    fields: &[FieldSource],
+    options: &PackOptions,
+    observer: &dyn PackObserver,
+) -> Result<PackSummary, PackError> {
+    let sample_count = validate(fields, options)?;
+    let sample_bytes_all: u64 = fields.iter().map(|f| f.sample_bytes() as u64).sum();
+    let samples_per_shard = match options.samples_per_shard {
+        Some(0) => {
+            return Err(PackError::Invalid(
+                "samples per shard must be at least 1".into(),
+            ))
+        }
+        Some(n) => n,
+        None => (SHARD_RAW_BYTES_TARGET / sample_bytes_all).max(1),
+    };
+    for field in fields {
+        let field_bytes = field.sample_bytes() as u64 * samples_per_shard.min(sample_count);
+        let blocks = field_bytes.div_ceil(chunk_bytes(
+            field.sample_bytes() as u64,
+            options.block_bytes,
+        ));
+        if blocks > SHARD_BLOCKS_MAX as u64 / fields.len() as u64 {
+            return Err(PackError::Invalid(format!(
+                "field '{}' would need {blocks} blocks per shard; lower --samples-per-shard or raise --block-bytes",
+                field.name
+            )));
+        }
+    }
+    if out.exists() && options.on_existing == OnExisting::Refuse && !is_empty_dir(out) {
+        return Err(PackError::Exists {
+            path: out.to_path_buf(),
+        });
+    }
+    let staging = staging_dir(out, "partial")?;
+    fs::create_dir(&staging).map_err(|source| PackError::Io {
+        path: staging.clone(),
+        source,
+    })?;
+    let result = write_dataset(
+        &staging,
+        fields,
+        options,
+        sample_count,
+        samples_per_shard,
+        observer,
+    )
+    .and_then(|summary| commit(&staging, out, options.on_existing).map(|()| summary));
+    match result {
+        Ok(mut summary) => {
+            summary.dir = out.to_path_buf();
+            Ok(summary)
+        }
+        Err(error) => {
+            // Best effort: the staging directory holds no manifest at the destination, so a leftover
+            // is harmless, but it should not accumulate.
+            let _ = fs::remove_dir_all(&staging);
+            Err(error)
+        }
+    }
+}
+
+fn is_empty_dir(path: &Path) -> bool {
+    fs::read_dir(path).is_ok_and(|mut entries| entries.next().is_none())
+}
+
+fn staging_dir(out: &Path, kind: &str) -> Result<PathBuf, PackError> {
+    let name = out.file_name().ok_or_else(|| {
+        PackError::Invalid(format!("{}: not a usable directory name", out.display()))
+    })?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    Ok(parent.join(format!(
+        ".{}.{kind}-{}-{nanos}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+fn write_dataset(
+    staging: &Path,
+    fields: &[FieldSource],
+    options: &PackOptions,
+    sample_count: u64,
+    samples_per_shard: u64,
+    observer: &dyn PackObserver,
+) -> Result<PackSummary, PackError> {
+    let raw_total: u64 = fields.iter().map(|f| f.sample_bytes() as u64).sum::<u64>() * sample_count;
+    observer.started(raw_total);
+    let mut progress = Progress {
+        observer,
+        raw_bytes_done: 0,
+    };
+    let mut manifest_shards = Vec::new();
+    let mut stored_bytes = 0u64;
+    let mut first_sample = 0u64;
+    while first_sample < sample_count {
+        let count = samples_per_shard.min(sample_count - first_sample);
+        let file = format!("shard-{:06}.gfs", manifest_shards.len());
+        let path = staging.join(&file);
+        let written = write_shard(&path, fields, options, first_sample, count, &mut progress)?;
+        stored_bytes += written.stored_bytes;
+        manifest_shards.push(ManifestShard {
+            file,
+            first_sample,
+            sample_count: count,
+            file_bytes: written.file_bytes,
+            table_checksum: written.table_checksum,
+        });
+        first_sample += count;
+    }
+    let manifest = Manifest {
+        name: options.name.clone(),
+        sample_count,
+        block_bytes: options.block_bytes,
+        fields: fields
+            .iter()
+            .map(|f| ManifestField {
+                name: f.name.clone(),
+                dtype: f.dtype,
+                shape: f.sample_shape.clone(),
+            })
+            .collect(),
+        shards: manifest_shards,
+    };
+    let manifest_path = staging.join(MANIFEST_FILE_NAME);
+    write_synced(&manifest_path, manifest.to_json().as_bytes())?;
+    sync_dir(staging)?;
+    Ok(PackSummary {
+        dir: staging.to_path_buf(),
+        sample_count,
+        shard_count: manifest.shards.len(),
+        raw_bytes: raw_total,
+        stored_bytes,
+    })
+}
+
+struct Progress<'a> {
+    observer: &'a dyn PackObserver,
+    raw_bytes_done: u64,
+}
+
+struct WrittenShard {
+    file_bytes: u64,
+    table_checksum: u64,
+    stored_bytes: u64,
+}
+
+fn write_shard(
+    path: &Path,
+    fields: &[FieldSource],
+    options: &PackOptions,
+    first_sample: u64,
+    sample_count: u64,
+    progress: &mut Progress<'_>,
+) -> Result<WrittenShard, PackError> {
+    let io = |source| PackError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let block_counts: Vec<u64> = fields
+        .iter()
+        .map(|f| {
+            let sample_bytes = f.sample_bytes() as u64;
+            (sample_bytes * sample_count).div_ceil(chunk_bytes(sample_bytes, options.block_bytes))
+        })
+        .collect();
+    let block_total: u64 = block_counts.iter().sum();
+    let payload_start = payload_offset(fields.len(), block_total as usize);
+
+    let file = File::create(path).map_err(io)?;
+    let mut writer = io::BufWriter::with_capacity(8 << 20, file);
+    writer.seek(SeekFrom::Start(payload_start)).map_err(io)?;
+    let mut position = payload_start;
+    let mut table_fields = Vec::with_capacity(fields.len());
+    let mut blocks: Vec<BlockEntry> = Vec::with_capacity(block_total as usize);
+    let mut stored_bytes = 0u64;
+    let mut raw = Vec::new();
+
+    for (field_index, field) in fields.iter().enumerate() {
+        let sample_bytes = field.sample_bytes() as u64;
+        let field_bytes = sample_bytes * sample_count;
+        let chunk = chunk_bytes(sample_bytes, options.block_bytes);
+        table_fields.push(Field {
+            name: field.name.clone(),
+            dtype: field.dtype,
+            shape: field.sample_shape.clone(),
+            first_block: blocks.len() as u32,
+            block_count: block_counts[field_index] as u32,
+        });
+        let mut raw_offset = 0u64;
+        while raw_offset < field_bytes {
+            if progress.observer.cancelled() {
+                return Err(PackError::Cancelled);
+            }
+            let step_end = (raw_offset + chunk * BLOCKS_PER_STEP as u64).min(field_bytes);
+            // Copy whole samples covering [raw_offset, step_end), then cut blocks out of them.
+            let first = raw_offset / sample_bytes;
+            let last = step_end.div_ceil(sample_bytes);
+            raw.clear();
+            field.copy_samples(first_sample + first, last - first, &mut raw);
+            let skip = (raw_offset - first * sample_bytes) as usize;
+            let step_raw = &raw[skip..skip + (step_end - raw_offset) as usize];
+            let pieces: Vec<&[u8]> = step_raw.chunks(chunk as usize).collect();
+            let encoded = encode_parallel(&pieces, field.dtype.size_bytes(), options);
+            for (piece, block) in pieces.iter().zip(encoded) {
+                writer.write_all(&block.stored).map_err(io)?;
+                let padded = format::align_up(block.stored.len() as u64);
+                write_zeros(&mut writer, padded - block.stored.len() as u64).map_err(io)?;
+                blocks.push(BlockEntry {
+                    stored_offset: position,
+                    stored_bytes: block.stored.len() as u32,
+                    raw_bytes: piece.len() as u32,
+                    codec: block.codec,
+                    filter: block.filter,
+                    field: field_index as u16,
+                    raw_offset,
+                    first_sample: first_sample + raw_offset / sample_bytes,
+                    checksum: checksum(&block.stored),
+                });
+                stored_bytes += block.stored.len() as u64;
+                position += padded;
+                raw_offset += piece.len() as u64;
+            }
+            progress.raw_bytes_done += step_raw.len() as u64;
+            progress.observer.progress(progress.raw_bytes_done);
+        }
+    }
+    assert_eq!(blocks.len() as u64, block_total);
+    assert_eq!(position % PAYLOAD_ALIGN_BYTES, 0);
+    let metadata = encode_shard_metadata(
+        first_sample,
+        sample_count,
+        options.block_bytes,
+        &table_fields,
+        &blocks,
+    );
+    assert_eq!(metadata.len() as u64, payload_start);
+    writer.seek(SeekFrom::Start(0)).map_err(io)?;
+    writer.write_all(&metadata).map_err(io)?;
+    let file = writer.into_inner().map_err(|e| io(e.into_error()))?;
+    // A shard whose last block is shorter than its padding must still have its full padded length.
+    file.set_len(position).map_err(io)?;
+    file.sync_all().map_err(io)?;
+    let at = table_checksum_at(&table_fields, &blocks);
+    let table_checksum = u64::from_le_bytes(metadata[at..at + 8].try_into().expect("8 bytes"));
+    Ok(WrittenShard {
+        file_bytes: position,
+        table_checksum,
+        stored_bytes,
+    })
+}
+
+fn table_checksum_at(fields: &[Field], blocks: &[BlockEntry]) -> usize {
+    format::HEADER_BYTES
+        + fields.len() * format::FIELD_ENTRY_BYTES
+        + blocks.len() * format::BLOCK_ENTRY_BYTES
+}
+
+fn write_zeros(writer: &mut impl Write, mut count: u64) -> io::Result<()> {
+    const ZEROS: [u8; 4096] = [0; 4096];
+    while count > 0 {
+        let n = count.min(ZEROS.len() as u64) as usize;
+        writer.write_all(&ZEROS[..n])?;
+        count -= n as u64;
+    }
+    Ok(())
+}
+
+/// Encodes blocks on `options.threads` threads; results come back in input order.
+fn encode_parallel(
+    pieces: &[&[u8]],
+    element_bytes: usize,
+    options: &PackOptions,
+) -> Vec<EncodedBlock> {
+    let threads = options.threads.min(pieces.len()).max(1);
+    if threads == 1 {
+        return pieces
+            .iter()
+            .map(|p| encode_block(p, element_bytes, options.codec, options.shuffle))
+            .collect();
+    }
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<EncodedBlock>>> = Mutex::new(vec![None; pieces.len()]);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                if index >= pieces.len() {
+                    break;
+                }
+                let block =
+                    encode_block(pieces[index], element_bytes, options.codec, options.shuffle);
+                results.lock().expect("no panics while holding the lock")[index] = Some(block);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("no panics while holding the lock")
+        .into_iter()
+        .map(|b| b.expect("every index was encoded"))
+        .collect()
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), PackError> {
+    let io = |source| PackError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = File::create(path).map_err(io)?;
+    file.write_all(bytes).map_err(io)?;
+    file.sync_all().map_err(io)
+}
+
+fn sync_dir(path: &Path) -> Result<(), PackError> {
+    File::open(path)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|source| PackError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Moves the finished staging directory to `out`, replacing an existing one if asked.
+fn commit(staging: &Path, out: &Path, on_existing: OnExisting) -> Result<(), PackError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PackError::Io { path, source }
+    };
+    let parent = staging.parent().map(Path::to_path_buf).unwrap_or_default();
+    let mut retired = None;
+    if out.exists() && !is_empty_dir(out) {
+        if on_existing == OnExisting::Refuse {
+            return Err(PackError::Exists {
+                path: out.to_path_buf(),
+            });
+        }
+        let old = staging_dir(out, "old")?;
+        fs::rename(out, &old).map_err(io(out))?;
+        retired = Some(old);
+    }
+    // rename(2) replaces an empty directory atomically and fails on a non-empty one, so a concurrent
+    // pack to the same destination cannot be silently overwritten here.
+    if let Err(source) = fs::rename(staging, out) {
+        if let Some(old) = &retired {
+            let _ = fs::rename(old, out);
+        }
+        return Err(io(out)(source));
+    }
+    sync_dir(&parent)?;
+    if let Some(old) = retired {
+        fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    Ok(())
+}
