@@ -7,5 +7,6 @@ pub mod demo;
 pub mod format;
 pub mod input;
 pub mod pack;
+pub mod storage;
 pub mod synth;
 pub mod tools;

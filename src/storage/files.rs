@@ -1,0 +1,119 @@
+//! Open shard files: a buffered descriptor always, and an O_DIRECT one where the file system allows.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use super::StorageError;
+
+/// Identifies an open file within a [`FileTable`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileId(pub u32);
+
+/// How a file's reads bypass the page cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectIo {
+    /// Open with O_DIRECT where the file system allows it; aligned reads use it.
+    Prefer,
+    /// Always read through the page cache.
+    Off,
+}
+
+/// One open file.
+#[derive(Debug)]
+pub struct OpenFile {
+    /// The file's path, for error messages.
+    pub path: PathBuf,
+    /// Length when opened.
+    pub len: u64,
+    buffered: File,
+    direct: Option<File>,
+    /// Why O_DIRECT is not used, when it is not.
+    pub direct_unavailable: Option<String>,
+}
+
+impl OpenFile {
+    /// Descriptor for page-cache reads.
+    pub fn buffered_fd(&self) -> RawFd {
+        self.buffered.as_raw_fd()
+    }
+
+    /// Descriptor for O_DIRECT reads, if the file system allowed it.
+    pub fn direct_fd(&self) -> Option<RawFd> {
+        self.direct.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// The buffered file, for memory-mapping.
+    pub fn file(&self) -> &File {
+        &self.buffered
+    }
+}
+
+/// The files an engine reads from, with a bound on how many may be open.
+#[derive(Debug)]
+pub struct FileTable {
+    files: Vec<OpenFile>,
+    files_max: usize,
+}
+
+impl FileTable {
+    /// An empty table holding at most `files_max` files.
+    pub fn new(files_max: usize) -> FileTable {
+        FileTable {
+            files: Vec::new(),
+            files_max,
+        }
+    }
+
+    /// Opens `path` and returns its id.
+    pub fn open(&mut self, path: &Path, direct_io: DirectIo) -> Result<FileId, StorageError> {
+        if self.files.len() >= self.files_max {
+            return Err(StorageError::TooManyFiles {
+                path: path.to_path_buf(),
+                files_max: self.files_max,
+            });
+        }
+        let io = |source| StorageError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let buffered = File::open(path).map_err(io)?;
+        let len = buffered.metadata().map_err(io)?.len();
+        let (direct, direct_unavailable) = match direct_io {
+            DirectIo::Off => (None, Some("O_DIRECT disabled by configuration".to_string())),
+            DirectIo::Prefer => match OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+            {
+                Ok(file) => (Some(file), None),
+                // EINVAL: the file system does not support O_DIRECT; reads go through the page cache.
+                Err(e) => (None, Some(format!("O_DIRECT open failed: {e}"))),
+            },
+        };
+        self.files.push(OpenFile {
+            path: path.to_path_buf(),
+            len,
+            buffered,
+            direct,
+            direct_unavailable,
+        });
+        Ok(FileId(self.files.len() as u32 - 1))
+    }
+
+    /// The open file with this id.
+    pub fn get(&self, id: FileId) -> &OpenFile {
+        &self.files[id.0 as usize]
+    }
+
+    /// Number of open files.
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    /// True when no file is open.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+}
