@@ -17,6 +17,7 @@ pub mod engine;
 pub mod fault;
 pub mod files;
 pub mod queue;
+pub mod residency;
 
 use std::fmt;
 use std::path::PathBuf;
