@@ -7,6 +7,7 @@ pub mod demo;
 pub mod format;
 pub mod input;
 pub mod pack;
+pub mod pipeline;
 pub mod storage;
 pub mod synth;
 pub mod tools;

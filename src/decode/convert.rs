@@ -3,7 +3,8 @@
 //! The rules here are the reference for the GPU gather kernels:
 //! - identity: a byte copy;
 //! - `f16` and `bf16` to `f32`: exact, with the `half` crate's semantics (subnormals kept, infinities
-//!   kept, NaN stays NaN with its sign and payload);
+//!   kept, NaN stays NaN with its sign and payload, and a signalling NaN becomes quiet: the top
+//!   mantissa bit is set, so f16 `0x7C01` becomes f32 `0x7FC02000`);
 //! - integers to `f32`: round to nearest, ties to even (Rust's `as`; exact up to 2^24);
 //! - `f64` to `f32`: round to nearest, ties to even;
 //! - signed and unsigned integers of at most 32 bits to `i64`: exact widening.

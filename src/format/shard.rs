@@ -479,7 +479,9 @@ pub fn parse_shard_metadata(
         let first_block = le.u32(72);
         let block_count = le.u32(76);
         if first_block != next_block
-            || first_block.checked_add(block_count) > Some(header.block_count)
+            || first_block
+                .checked_add(block_count)
+                .is_none_or(|end| end > header.block_count)
         {
             return Err(invalid(format!(
                 "field entry {index} ('{name}'): blocks {first_block}..+{block_count} do not follow the previous field's within {} blocks",

@@ -86,7 +86,10 @@ impl<Q: ReadQueue> ReadEngine<Q> {
                 extent.dest_offset.checked_add(extent.len) <= Some(dest.len()),
                 "extent {index} runs past the destination"
             );
-            assert!((extent.file.0 as usize) < files.len(), "extent {index}: unknown file");
+            assert!(
+                (extent.file.0 as usize) < files.len(),
+                "extent {index}: unknown file"
+            );
             let mut offset = 0usize;
             while offset < extent.len {
                 let len = (extent.len - offset).min(self.limits.chunk_bytes_max);
@@ -134,7 +137,11 @@ impl<Q: ReadQueue> ReadEngine<Q> {
                 // be reused. Waiting once more is the only safe step; if that fails too, abort.
                 failure = Some(source);
                 let mut drained = Vec::new();
-                if self.queue.submit_and_wait(outstanding, &mut drained).is_err() {
+                if self
+                    .queue
+                    .submit_and_wait(outstanding, &mut drained)
+                    .is_err()
+                {
                     std::process::abort();
                 }
                 self.completions.extend(drained);

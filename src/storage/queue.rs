@@ -65,7 +65,10 @@ pub struct UringQueue {
 impl UringQueue {
     /// Creates a ring with room for `depth` reads in flight.
     pub fn new(depth: usize) -> io::Result<UringQueue> {
-        assert!(depth > 0 && depth <= 4096, "queue depth {depth} outside 1..=4096");
+        assert!(
+            depth > 0 && depth <= 4096,
+            "queue depth {depth} outside 1..=4096"
+        );
         let entries = depth.next_power_of_two() as u32;
         let ring = io_uring::IoUring::builder()
             .setup_cqsize(entries * 2)
@@ -108,7 +111,10 @@ impl ReadQueue for UringQueue {
         // engine keeps at most `depth` ops outstanding and the ring has at least `depth` entries
         // (submit_and_wait drains the submission queue every time).
         let pushed = unsafe { self.ring.submission().push(&entry) };
-        assert!(pushed.is_ok(), "submission queue overflow: more than depth ops pushed");
+        assert!(
+            pushed.is_ok(),
+            "submission queue overflow: more than depth ops pushed"
+        );
         self.queued += 1;
     }
 
@@ -147,7 +153,10 @@ pub struct PreadQueue {
 impl PreadQueue {
     /// Creates a queue accepting up to `depth` pushed reads between submissions.
     pub fn new(depth: usize) -> PreadQueue {
-        assert!(depth > 0 && depth <= 4096, "queue depth {depth} outside 1..=4096");
+        assert!(
+            depth > 0 && depth <= 4096,
+            "queue depth {depth} outside 1..=4096"
+        );
         PreadQueue {
             depth,
             pending: VecDeque::with_capacity(depth),
@@ -162,7 +171,10 @@ impl ReadQueue for PreadQueue {
     }
 
     unsafe fn push(&mut self, op: ReadOp) {
-        assert!(self.pending.len() < self.depth, "more than depth ops pushed");
+        assert!(
+            self.pending.len() < self.depth,
+            "more than depth ops pushed"
+        );
         self.pending.push_back(op);
     }
 
@@ -179,7 +191,9 @@ impl ReadQueue for PreadQueue {
                 )
             };
             let result = if result < 0 {
-                -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+                -io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO)
             } else {
                 result as i32
             };

@@ -84,9 +84,8 @@ mod tests {
         // Clean, synced pages are dropped from the cache on request, except on tmpfs where the cache
         // is the storage.
         // SAFETY: plain syscall on an open descriptor.
-        let advised = unsafe {
-            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
-        };
+        let advised =
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         assert_eq!(advised, 0);
         let after = map.resident_fraction(0, 1 << 20).unwrap();
         // SAFETY: fstatfs writes into the zeroed struct we own.

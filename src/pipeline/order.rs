@@ -1,0 +1,331 @@
+//! The sample order of an epoch and each rank's share of it.
+//!
+//! # The rule
+//!
+//! The **global order** of an epoch is a sequence of every sample index exactly once. It is a pure
+//! function of the dataset's shard layout (the sample count of each shard), the seed, the epoch and the
+//! shuffle mode, and nothing else: in particular not of the world size, the batch size or the rank.
+//!
+//! A training step of `world_size` ranks with `batch_size` samples each consumes the next
+//! `world_size × batch_size` positions of the global order; rank `r` takes the `r`-th run of
+//! `batch_size` consecutive positions. The **cursor** is the number of positions consumed since the
+//! start of the epoch; after `k` steps it is `k × world_size × batch_size`.
+//!
+//! A checkpoint records `(epoch, cursor)`. Resuming at any world size and batch size continues the same
+//! global order at the cursor, so within the epoch no sample is repeated or skipped (**elastic resume**);
+//! resuming with the same configuration at step `k` is the special case `cursor = k × world_size ×
+//! batch_size` and yields exactly the batches an uninterrupted run would have.
+//!
+//! When the samples left after the cursor are not a multiple of `world_size × batch_size`, the tail
+//! policy decides, identically on every rank so that all ranks take the same number of steps:
+//! [`Tail::Drop`] leaves the last partial step out (its samples are not served this epoch);
+//! [`Tail::Pad`] serves one more full step whose positions past the end wrap to the start of the
+//! epoch's order (those samples are served twice this epoch).
+//!
+//! # Shuffles
+//!
+//! - [`ShuffleMode::None`]: sample order.
+//! - [`ShuffleMode::Full`]: a pseudo-random permutation of all samples.
+//! - [`ShuffleMode::Window`]: the shard order is shuffled, consecutive shards are grouped into windows
+//!   of `shards` shards, and samples are shuffled within each window. Reads stay within a bounded set of
+//!   shards at a time, so I/O is near-sequential while the order is still well mixed.
+//!
+//! Permutations are computed per position with a keyed Feistel network (cycle-walking over the next
+//! power of four), so an order costs O(shards) memory whatever the sample count, and any position can be
+//! looked up directly, which is what makes resuming at an arbitrary cursor cheap.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// How an epoch's samples are ordered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShuffleMode {
+    /// Dataset order.
+    None,
+    /// Shuffle shards, then samples within windows of this many consecutive shards (at least 1).
+    Window {
+        /// Shards per window.
+        shards: u32,
+    },
+    /// Shuffle all samples.
+    Full,
+}
+
+/// What happens to the samples that do not fill a whole step at the end of an epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tail {
+    /// Leave them out.
+    Drop,
+    /// Serve one more full step, wrapping to the start of the epoch's order.
+    Pad,
+}
+
+/// Rounds of the Feistel network; 6 rounds of a strong round function mix well beyond what a data
+/// loader needs.
+const FEISTEL_ROUNDS: usize = 6;
+
+/// A keyed pseudo-random permutation of `0..n`, evaluated per index.
+#[derive(Clone, Debug)]
+pub struct Permutation {
+    n: u64,
+    half_bits: u32,
+    keys: [u64; FEISTEL_ROUNDS],
+}
+
+impl Permutation {
+    /// The permutation of `0..n` selected by `key`.
+    pub fn new(n: u64, key: u64) -> Permutation {
+        // The smallest even number of bits covering n, so the domain splits into two equal halves and
+        // is at most 4n: cycle-walking then takes fewer than 4 steps on average.
+        let bits = 64 - n.saturating_sub(1).leading_zeros();
+        let half_bits = bits.div_ceil(2).max(1);
+        let mut keys = [0u64; FEISTEL_ROUNDS];
+        for (round, slot) in keys.iter_mut().enumerate() {
+            *slot = xxh3_64_with_seed(&(round as u64).to_le_bytes(), key);
+        }
+        Permutation { n, half_bits, keys }
+    }
+
+    /// Size of the permuted range.
+    pub fn len(&self) -> u64 {
+        self.n
+    }
+
+    /// True for the empty range.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// Where index `i` goes (`i < n`).
+    pub fn apply(&self, i: u64) -> u64 {
+        assert!(i < self.n, "index {i} outside 0..{}", self.n);
+        if self.n == 1 {
+            return 0;
+        }
+        let mut value = i;
+        // Cycle-walking: the network permutes the whole power-of-four domain; stepping again while the
+        // result is outside 0..n restricts it to a permutation of 0..n.
+        loop {
+            value = self.network(value);
+            if value < self.n {
+                return value;
+            }
+        }
+    }
+
+    fn network(&self, value: u64) -> u64 {
+        let mask = (1u64 << self.half_bits) - 1;
+        let (mut left, mut right) = (value >> self.half_bits, value & mask);
+        for key in &self.keys {
+            let mixed = xxh3_64_with_seed(&right.to_le_bytes(), *key) & mask;
+            (left, right) = (right, left ^ mixed);
+        }
+        (left << self.half_bits) | right
+    }
+}
+
+/// One window of the window shuffle: a run of positions served from a set of shards.
+#[derive(Clone, Debug)]
+struct Window {
+    /// First position of the window in the global order.
+    start: u64,
+    /// Samples in the window.
+    len: u64,
+    /// The window's shards as (first sample, sample count), in shuffled shard order, and the position
+    /// within the window at which each begins.
+    shards: Vec<(u64, u64, u64)>,
+    permutation: Permutation,
+}
+
+/// The global order of one epoch.
+#[derive(Clone, Debug)]
+pub struct EpochOrder {
+    sample_count: u64,
+    kind: OrderKind,
+}
+
+#[derive(Clone, Debug)]
+enum OrderKind {
+    Identity,
+    Full(Permutation),
+    Windows(Vec<Window>),
+}
+
+/// Derives the key of one permutation from the order's inputs, so different epochs, seeds, modes and
+/// windows get independent permutations.
+fn derive_key(seed: u64, epoch: u64, purpose: u64, index: u64) -> u64 {
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    bytes[8..16].copy_from_slice(&epoch.to_le_bytes());
+    bytes[16..24].copy_from_slice(&purpose.to_le_bytes());
+    bytes[24..].copy_from_slice(&index.to_le_bytes());
+    xxh3_64_with_seed(&bytes, 0x6770_7566_6565_6400)
+}
+
+impl EpochOrder {
+    /// The order of `epoch` over shards with these sample counts (in dataset order).
+    pub fn new(shard_samples: &[u64], seed: u64, epoch: u64, mode: ShuffleMode) -> EpochOrder {
+        let sample_count: u64 = shard_samples.iter().sum();
+        let kind = match mode {
+            ShuffleMode::None => OrderKind::Identity,
+            ShuffleMode::Full => OrderKind::Full(Permutation::new(
+                sample_count,
+                derive_key(seed, epoch, 1, sample_count),
+            )),
+            ShuffleMode::Window { shards } => {
+                assert!(shards > 0, "a window holds at least one shard");
+                let mut first_samples = Vec::with_capacity(shard_samples.len());
+                let mut next = 0u64;
+                for &count in shard_samples {
+                    first_samples.push(next);
+                    next += count;
+                }
+                let shard_order = Permutation::new(
+                    shard_samples.len() as u64,
+                    derive_key(seed, epoch, 2, shard_samples.len() as u64),
+                );
+                let shuffled: Vec<usize> = (0..shard_samples.len() as u64)
+                    .map(|i| shard_order.apply(i) as usize)
+                    .collect();
+                let mut windows = Vec::new();
+                let mut start = 0u64;
+                for (window_index, group) in shuffled.chunks(shards as usize).enumerate() {
+                    let mut members = Vec::with_capacity(group.len());
+                    let mut len = 0u64;
+                    for &shard in group {
+                        members.push((first_samples[shard], shard_samples[shard], len));
+                        len += shard_samples[shard];
+                    }
+                    windows.push(Window {
+                        start,
+                        len,
+                        shards: members,
+                        permutation: Permutation::new(
+                            len,
+                            derive_key(seed, epoch, 3, window_index as u64),
+                        ),
+                    });
+                    start += len;
+                }
+                OrderKind::Windows(windows)
+            }
+        };
+        EpochOrder { sample_count, kind }
+    }
+
+    /// Samples in the epoch.
+    pub fn len(&self) -> u64 {
+        self.sample_count
+    }
+
+    /// True when the dataset has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.sample_count == 0
+    }
+
+    /// The sample at `position` of the global order (`position < len()`).
+    pub fn sample_at(&self, position: u64) -> u64 {
+        assert!(
+            position < self.sample_count,
+            "position {position} outside the epoch"
+        );
+        match &self.kind {
+            OrderKind::Identity => position,
+            OrderKind::Full(permutation) => permutation.apply(position),
+            OrderKind::Windows(windows) => {
+                let index = windows.partition_point(|w| w.start + w.len <= position);
+                let window = &windows[index];
+                let within = window.permutation.apply(position - window.start);
+                let member = window
+                    .shards
+                    .partition_point(|&(_, count, offset)| offset + count <= within);
+                let (first_sample, _, offset) = window.shards[member];
+                first_sample + (within - offset)
+            }
+        }
+    }
+}
+
+/// One rank's view of a stream: its place in the world and the batch geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankPlan {
+    /// Ranks consuming the epoch together (at least 1).
+    pub world_size: u32,
+    /// This rank, below `world_size`.
+    pub rank: u32,
+    /// Samples per batch on each rank (at least 1).
+    pub batch_size: u32,
+    /// Policy for the last partial step.
+    pub tail: Tail,
+}
+
+impl RankPlan {
+    /// Samples one step consumes over all ranks.
+    pub fn step_samples(&self) -> u64 {
+        self.world_size as u64 * self.batch_size as u64
+    }
+
+    /// Steps left in an epoch of `sample_count` samples from `cursor`; the same on every rank.
+    pub fn steps_from(&self, sample_count: u64, cursor: u64) -> u64 {
+        let left = sample_count.saturating_sub(cursor);
+        match self.tail {
+            Tail::Drop => left / self.step_samples(),
+            Tail::Pad => left.div_ceil(self.step_samples()),
+        }
+    }
+
+    /// The positions of the global order that this rank's batch `step` (counted from `cursor`) holds.
+    /// Positions past the end of the epoch (padding) wrap to its start.
+    pub fn batch_positions(
+        &self,
+        sample_count: u64,
+        cursor: u64,
+        step: u64,
+    ) -> impl Iterator<Item = u64> {
+        assert!(self.rank < self.world_size && self.batch_size > 0);
+        let first = cursor + step * self.step_samples() + self.rank as u64 * self.batch_size as u64;
+        (first..first + self.batch_size as u64).map(move |p| p % sample_count.max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn permutations_are_bijections_for_awkward_sizes() {
+        for n in [1u64, 2, 3, 5, 16, 17, 255, 1000, 4097] {
+            let permutation = Permutation::new(n, 42);
+            let image: HashSet<u64> = (0..n).map(|i| permutation.apply(i)).collect();
+            assert_eq!(image.len() as u64, n, "n = {n}");
+            assert!(image.iter().all(|&v| v < n));
+        }
+    }
+
+    #[test]
+    fn window_order_stays_within_windows() {
+        let shards = [100u64, 50, 80, 70, 30];
+        let order = EpochOrder::new(&shards, 7, 0, ShuffleMode::Window { shards: 2 });
+        let samples: Vec<u64> = (0..order.len()).map(|p| order.sample_at(p)).collect();
+        let set: HashSet<u64> = samples.iter().copied().collect();
+        assert_eq!(set.len(), 330);
+        // The first window covers exactly the samples of two whole shards.
+        let starts = [0u64, 100, 150, 230, 300];
+        let shard_of = |s: u64| starts.iter().rposition(|&st| st <= s).unwrap();
+        let first_window: HashSet<usize> = samples.iter().take(1).map(|&s| shard_of(s)).collect();
+        let first_shard = *first_window.iter().next().unwrap();
+        let window_len: u64 = {
+            let mut shards_seen = HashSet::new();
+            let mut count = 0;
+            for &s in &samples {
+                shards_seen.insert(shard_of(s));
+                if shards_seen.len() > 2 {
+                    break;
+                }
+                count += 1;
+            }
+            count
+        };
+        assert!(window_len >= shards[first_shard]);
+    }
+}

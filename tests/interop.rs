@@ -1,0 +1,333 @@
+//! Interop tests: datasets written by `gpufeed pack` are read back by an independent Python reader
+//! (`tests/interop/read_shards.py`: `struct` for the tables, the `xxhash` package for the xxh3-64
+//! checksums, the reference C LZ4 through the `lz4` package, NumPy for the byte shuffle), and `.npy`
+//! files written by `gpufeed unpack` are loaded by NumPy itself (`tests/interop/check_unpack.py`) and
+//! compared with the inputs, which NumPy wrote too (`tests/interop/make_inputs.py`). Nothing here uses
+//! gpufeed's own reader, so a bug that is symmetric between gpufeed's writer and reader shows up.
+//!
+//! The tests need `python3` with the packages of `tests/requirements.txt`. When they are missing the
+//! tests print `SKIPPED` and pass, except under CI (the `CI` environment variable is set), where they
+//! fail and say how to install them.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const GPUFEED: &str = env!("CARGO_BIN_EXE_gpufeed");
+const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/interop");
+const INSTALL_HINT: &str = "python3 -m pip install -r tests/requirements.txt";
+
+/// Whether `python3` and the required modules are importable. Panics when they are not and `CI` is
+/// set; otherwise prints a loud SKIPPED line for the test `test` and returns false.
+fn python_ready(test: &str) -> bool {
+    let probe = Command::new("python3")
+        .args(["-c", "import numpy, lz4.block, xxhash"])
+        .output();
+    let problem = match probe {
+        Ok(output) if output.status.success() => return true,
+        Ok(output) => format!(
+            "python3 cannot import numpy, lz4 and xxhash: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ),
+        Err(error) => format!("cannot run python3: {error}"),
+    };
+    if std::env::var_os("CI").is_some() {
+        panic!("{problem}\nThe interop tests need them in CI; run `{INSTALL_HINT}`.");
+    }
+    // Written to the stderr handle rather than with eprintln!, which the test harness captures and
+    // hides for passing tests: a skip must be visible.
+    let _ = writeln!(
+        std::io::stderr(),
+        "\n*** SKIPPED: interop test {test}: {problem}. Run `{INSTALL_HINT}` to enable it. ***\n"
+    );
+    false
+}
+
+fn describe(command: &Command) -> String {
+    let mut line = command.get_program().to_string_lossy().into_owned();
+    for arg in command.get_args() {
+        line.push(' ');
+        line.push_str(&arg.to_string_lossy());
+    }
+    line
+}
+
+/// Runs `command` and returns its output, or panics with everything it printed.
+fn run_ok(mut command: Command) -> Output {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `{}`: {e}", describe(&command)));
+    assert!(
+        output.status.success(),
+        "`{}` failed ({}):\n--- stdout\n{}--- stderr\n{}",
+        describe(&command),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Runs `command`, which must fail, and returns its stderr.
+fn run_failing(mut command: Command) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `{}`: {e}", describe(&command)));
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        !output.status.success(),
+        "`{}` should have failed but succeeded:\n--- stdout\n{}--- stderr\n{stderr}",
+        describe(&command),
+        String::from_utf8_lossy(&output.stdout),
+    );
+    stderr
+}
+
+fn python(script: &str) -> Command {
+    let mut command = Command::new("python3");
+    command.arg(Path::new(SCRIPTS).join(script));
+    command
+}
+
+fn gpufeed(subcommand: &str) -> Command {
+    let mut command = Command::new(GPUFEED);
+    command.args([subcommand, "--quiet"]);
+    command
+}
+
+/// The inputs written by `make_inputs.py`: field name and its .npy files, in order.
+struct Inputs {
+    fields: Vec<(String, Vec<PathBuf>)>,
+    dir: PathBuf,
+}
+
+impl Inputs {
+    fn make(dir: &Path) -> Inputs {
+        let dir = dir.join("inputs");
+        run_ok({
+            let mut c = python("make_inputs.py");
+            c.arg(&dir);
+            c
+        });
+        let listing = std::fs::read_to_string(dir.join("manifest.txt")).unwrap();
+        let fields = listing
+            .lines()
+            .map(|line| {
+                let (name, files) = line.split_once(' ').expect("NAME FILE[,FILE...]");
+                let files = files.split(',').map(|f| dir.join(f)).collect();
+                (name.to_string(), files)
+            })
+            .collect();
+        Inputs { fields, dir }
+    }
+
+    /// `pack --out OUT --field NAME=FILE ...` with the extra options.
+    fn pack(&self, out: &Path, options: &[&str]) {
+        let mut command = gpufeed("pack");
+        command.arg("--out").arg(out);
+        for (name, files) in &self.fields {
+            for file in files {
+                command
+                    .arg("--field")
+                    .arg(format!("{name}={}", file.display()));
+            }
+        }
+        command.args(options);
+        run_ok(command);
+    }
+
+    /// `read_shards.py DIR --expect NAME=FILE ...` for every field.
+    fn read_shards(&self, dataset: &Path) -> Command {
+        let mut command = python("read_shards.py");
+        command.arg(dataset);
+        for (name, files) in &self.fields {
+            for file in files {
+                command
+                    .arg("--expect")
+                    .arg(format!("{name}={}", file.display()));
+            }
+        }
+        command
+    }
+}
+
+/// The block counts from read_shards.py's JSON summary line.
+#[derive(Debug, Default, Clone, Copy)]
+struct Kinds {
+    raw: u64,
+    lz4: u64,
+    lz4_shuffle: u64,
+    shards: u64,
+}
+
+fn read_kinds(output: &Output) -> Kinds {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .last()
+        .unwrap_or_else(|| panic!("read_shards.py printed no summary: {stdout:?}"));
+    let json: serde_json::Value = serde_json::from_str(line)
+        .unwrap_or_else(|e| panic!("read_shards.py summary {line:?} is not JSON: {e}"));
+    let count = |key: &str| {
+        json["blocks"][key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("summary {line:?} lacks blocks.{key}"))
+    };
+    Kinds {
+        raw: count("raw"),
+        lz4: count("lz4"),
+        lz4_shuffle: count("lz4+shuffle"),
+        shards: json["shards"].as_u64().expect("summary has shards"),
+    }
+}
+
+#[test]
+fn packed_blocks_decode_with_liblz4_and_xxhash() {
+    if !python_ready("packed_blocks_decode_with_liblz4_and_xxhash") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let inputs = Inputs::make(tmp.path());
+
+    // (label, pack options, check on the block kinds of that run)
+    type Expect = fn(&Kinds) -> bool;
+    let runs: [(&str, &[&str], Expect); 5] = [
+        // fp16 normals do not compress (raw); ids and features compress best shuffled.
+        ("default", &[], |k| k.raw > 0 && k.lz4_shuffle > 0),
+        // Every block LZ4; wider-than-a-byte elements shuffled, uint8 pixels cannot be.
+        (
+            "lz4-shuffle-on",
+            &["--codec", "lz4", "--shuffle-filter", "on"],
+            |k| k.raw == 0 && k.lz4_shuffle > 0 && k.lz4 > 0,
+        ),
+        (
+            "lz4-shuffle-off",
+            &["--codec", "lz4", "--shuffle-filter", "off"],
+            |k| k.raw == 0 && k.lz4_shuffle == 0 && k.lz4 > 0,
+        ),
+        // 1037 samples in shards of 100 (the last one short); 6000-byte wave samples span blocks.
+        (
+            "small-blocks-many-shards",
+            &["--block-bytes", "4K", "--samples-per-shard", "100"],
+            |k| k.shards == 11 && k.raw + k.lz4 + k.lz4_shuffle > 0,
+        ),
+        ("raw", &["--codec", "raw"], |k| {
+            k.raw > 0 && k.lz4 == 0 && k.lz4_shuffle == 0
+        }),
+    ];
+    let mut total = Kinds::default();
+    let mut datasets = Vec::new();
+    for (label, options, expect) in runs {
+        let dataset = tmp.path().join(label);
+        inputs.pack(&dataset, options);
+        let output = run_ok(inputs.read_shards(&dataset));
+        let kinds = read_kinds(&output);
+        eprintln!("{label}: {kinds:?}");
+        assert!(
+            expect(&kinds),
+            "pack {options:?}: unexpected block kinds {kinds:?}"
+        );
+        total.raw += kinds.raw;
+        total.lz4 += kinds.lz4;
+        total.lz4_shuffle += kinds.lz4_shuffle;
+        datasets.push(dataset);
+    }
+    assert!(
+        total.raw > 0 && total.lz4 > 0 && total.lz4_shuffle > 0,
+        "the runs did not exercise raw, lz4 and lz4+shuffle blocks: {total:?}"
+    );
+
+    // The reader is not vacuous: a flipped payload bit fails its checksum...
+    let corrupt = tmp.path().join("corrupt");
+    std::fs::create_dir(&corrupt).unwrap();
+    for entry in std::fs::read_dir(&datasets[0]).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), corrupt.join(entry.file_name())).unwrap();
+    }
+    let shard = corrupt.join("shard-000000.gfs");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let payload_offset = u64::from_le_bytes(bytes[48..56].try_into().unwrap()) as usize;
+    bytes[payload_offset] ^= 0x10;
+    std::fs::write(&shard, &bytes).unwrap();
+    let stderr = run_failing(inputs.read_shards(&corrupt));
+    assert!(stderr.contains("payload checksum"), "{stderr}");
+
+    // ...and a reference that differs in one NaN payload only is caught byte for byte.
+    let mut command = python("read_shards.py");
+    command.arg(&datasets[0]);
+    for (name, files) in &inputs.fields {
+        for file in files {
+            let file = if name == "emb" {
+                inputs.dir.join("emb_altered.npy")
+            } else {
+                file.clone()
+            };
+            command
+                .arg("--expect")
+                .arg(format!("{name}={}", file.display()));
+        }
+    }
+    let stderr = run_failing(command);
+    assert!(
+        stderr.contains("field 'emb'") && stderr.contains("1 of"),
+        "{stderr}"
+    );
+
+    // A Fortran-order array, as np.save writes it, is refused with a message saying so.
+    let mut command = gpufeed("pack");
+    command
+        .arg("--out")
+        .arg(tmp.path().join("fortran"))
+        .arg("--field")
+        .arg(format!("f={}", inputs.dir.join("fortran.npy").display()));
+    let stderr = run_failing(command);
+    assert!(stderr.contains("Fortran"), "{stderr}");
+    assert!(!tmp.path().join("fortran").join("manifest.json").exists());
+}
+
+#[test]
+fn unpacked_npy_loads_in_numpy() {
+    if !python_ready("unpacked_npy_loads_in_numpy") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let inputs = Inputs::make(tmp.path());
+    // Many shards and small blocks, so unpack stitches samples across blocks and shards.
+    let dataset = tmp.path().join("dataset");
+    inputs.pack(
+        &dataset,
+        &["--block-bytes", "4K", "--samples-per-shard", "100"],
+    );
+
+    // Every field as stored and as f32; integer fields of at most 32 bits also as i64.
+    let narrow_integers = ["tokens", "image", "wave"];
+    for (name, files) in &inputs.fields {
+        let mut dtypes = vec![None, Some("f32")];
+        if narrow_integers.contains(&name.as_str()) {
+            dtypes.push(Some("i64"));
+        }
+        for dtype in dtypes {
+            let out = tmp
+                .path()
+                .join(format!("{name}-{}.npy", dtype.unwrap_or("stored")));
+            let mut command = gpufeed("unpack");
+            command
+                .arg(&dataset)
+                .args(["--field", name])
+                .arg("--out")
+                .arg(&out);
+            let mut check = python("check_unpack.py");
+            check.arg(&out);
+            for file in files {
+                check.arg("--source").arg(file);
+            }
+            if let Some(dtype) = dtype {
+                command.args(["--dtype", dtype]);
+                check.args(["--dtype", dtype]);
+            }
+            run_ok(command);
+            let output = run_ok(check);
+            eprint!("{}", String::from_utf8_lossy(&output.stdout));
+        }
+    }
+}
