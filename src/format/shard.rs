@@ -678,6 +678,31 @@ mod tests {
         assert_eq!(parsed.file_bytes(), 8192);
     }
 
+    /// Regression: a field entry whose `first_block + block_count` overflows u32 passed the range
+    /// check (`None > Some(x)` is false) and then panicked on the addition. With consistent checksums
+    /// the parser must reject it as invalid.
+    #[test]
+    fn overflowing_field_block_range_is_an_error_not_a_panic() {
+        let (mut fields, blocks) = sample_metadata();
+        let template = fields[0].clone();
+        fields.push(Field {
+            name: "y".into(),
+            first_block: 1,
+            block_count: u32::MAX,
+            ..template.clone()
+        });
+        fields.push(Field {
+            name: "z".into(),
+            first_block: 0,
+            block_count: 3,
+            ..template
+        });
+        let mut bytes = encode_shard_metadata(10, 3, 4096, &fields, &blocks);
+        bytes.resize(8192, 0);
+        let error = parse_shard_metadata(Path::new("s"), &bytes, 8192).unwrap_err();
+        assert!(error.to_string().contains("field entry 1"), "{error}");
+    }
+
     #[test]
     fn every_header_bit_flip_is_detected() {
         let (fields, blocks) = sample_metadata();
