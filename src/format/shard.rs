@@ -185,6 +185,13 @@ impl ShardMetadata {
     }
 }
 
+/// Largest stored size of an LZ4 block holding `raw_bytes` bytes: LZ4's worst case for incompressible
+/// input (`raw + raw / 255 + 16`). Larger claims are rejected so a reader never sizes a buffer from an
+/// unbounded table value.
+pub const fn lz4_stored_bytes_max(raw_bytes: u32) -> u32 {
+    raw_bytes + raw_bytes / 255 + 16
+}
+
 /// Offset of the first payload in a shard with this many fields and blocks.
 pub fn payload_offset(field_count: usize, block_count: usize) -> u64 {
     align_up(
@@ -605,14 +612,23 @@ pub fn parse_shard_metadata(
                     block.stored_offset
                 )));
             }
-            let payload_end = block.stored_offset + block.stored_bytes as u64;
-            if payload_end > file_bytes {
-                return Err(FormatError::Length {
-                    path: path.to_path_buf(),
-                    expected_bytes: align_up(payload_end),
-                    actual_bytes: file_bytes,
-                });
+            if codec == Codec::Lz4 && block.stored_bytes > lz4_stored_bytes_max(block.raw_bytes) {
+                return Err(invalid(format!(
+                    "{place}: stored_bytes {} exceeds the LZ4 worst case {} for {} raw bytes",
+                    block.stored_bytes,
+                    lz4_stored_bytes_max(block.raw_bytes),
+                    block.raw_bytes
+                )));
             }
+            let payload_end = match block.stored_offset.checked_add(block.stored_bytes as u64) {
+                Some(end) if end <= file_bytes => end,
+                _ => {
+                    return Err(invalid(format!(
+                        "{place}: payload {}..+{} lies beyond the {file_bytes}-byte file",
+                        block.stored_offset, block.stored_bytes
+                    )))
+                }
+            };
             previous_payload_end = payload_end;
             blocks.push(block);
         }
