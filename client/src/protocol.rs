@@ -1,0 +1,889 @@
+//! The wire protocol between the daemon and its consumers (specified byte by byte in
+//! `docs/PROTOCOL.md`).
+//!
+//! A frame is an 8-byte header — `u32` length of what follows the length field, `u16` protocol version,
+//! `u16` message kind — and a payload of little-endian fields. Strings are a `u16` byte length and
+//! UTF-8 bytes. Every length is bounded, and decoding never reads past the frame or allocates more than
+//! the bounds allow.
+
+use crate::dtype::DType;
+
+/// Protocol version spoken by this build.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes of the frame header.
+pub const FRAME_HEADER_BYTES: usize = 8;
+/// Largest frame (header included).
+pub const FRAME_BYTES_MAX: usize = 64 * 1024;
+/// Longest string field, in bytes.
+pub const STRING_BYTES_MAX: usize = 1024;
+/// Most fields a stream may request.
+pub const STREAM_FIELDS_MAX: usize = 256;
+/// Most dimensions of a batch shape (the batch dimension plus six per-sample dimensions).
+pub const BATCH_NDIM_MAX: usize = 7;
+/// Most slots a stream may have (also the most descriptors one frame carries).
+pub const SLOTS_MAX: u32 = 64;
+
+/// Which memory batches live in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Host memory shared through memfd.
+    Cpu,
+    /// Device memory exported as POSIX file descriptors.
+    Cuda,
+}
+
+/// Which device a stream's slots are allocated on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// The CUDA device with this ordinal.
+    Cuda(u32),
+}
+
+/// How an epoch's samples are ordered (see the daemon's `pipeline::order`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shuffle {
+    /// Dataset order.
+    None,
+    /// Shuffle shards, then samples within windows of this many shards.
+    Window(u32),
+    /// Shuffle all samples.
+    Full,
+}
+
+/// What happens to the samples that do not fill a whole step at the end of an epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tail {
+    /// Leave them out (drop_last).
+    Drop,
+    /// Serve one more full step, wrapping to the start of the epoch.
+    Pad,
+}
+
+/// What a stream does when a block is corrupt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CorruptPolicy {
+    /// End the stream with an error naming shard, field and block.
+    Fail,
+    /// Serve a zero-filled substitute sample, counted in the batch and in metrics, so ranks stay in step.
+    Replace,
+}
+
+/// A field requested by a stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldRequest {
+    /// Field name.
+    pub name: String,
+    /// Output dtype; `None` keeps the stored dtype.
+    pub dtype: Option<DType>,
+}
+
+/// Everything that defines a stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamSpec {
+    /// Dataset name as registered with the daemon.
+    pub dataset: String,
+    /// Fields to serve, in slot order; empty means every field, stored dtype.
+    pub fields: Vec<FieldRequest>,
+    /// Samples per batch on this rank.
+    pub batch_size: u32,
+    /// Shuffle seed.
+    pub seed: u64,
+    /// Epoch to serve.
+    pub epoch: u64,
+    /// Sample order.
+    pub shuffle: Shuffle,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks consuming the epoch together.
+    pub world_size: u32,
+    /// Tail policy.
+    pub tail: Tail,
+    /// Position in the epoch's global order to start at (`step × world_size × batch_size` to start at
+    /// a step; a checkpoint's cursor to resume, at any world size).
+    pub start_cursor: u64,
+    /// Slots filled ahead of the consumer (1 to [`SLOTS_MAX`]).
+    pub prefetch: u32,
+    /// Corrupt-block policy.
+    pub on_corrupt: CorruptPolicy,
+    /// Where slots live.
+    pub device: Device,
+}
+
+/// Where one field sits in every slot of a stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldLayout {
+    /// Field name.
+    pub name: String,
+    /// Element type in the slot.
+    pub dtype: DType,
+    /// Per-sample shape.
+    pub sample_shape: Vec<u64>,
+    /// Byte offset of the field's batch within a slot.
+    pub offset: u64,
+    /// Bytes a full batch of this field occupies.
+    pub batch_bytes: u64,
+}
+
+/// The reply to [`Message::OpenStream`]; the slots' descriptors travel with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamLayout {
+    /// Number of slots (and of descriptors passed).
+    pub slot_count: u32,
+    /// Size of each slot in bytes.
+    pub slot_bytes: u64,
+    /// Samples in the epoch.
+    pub epoch_samples: u64,
+    /// Batches this rank will receive from the start cursor to the end of the epoch.
+    pub steps: u64,
+    /// Fields in slot order.
+    pub fields: Vec<FieldLayout>,
+}
+
+/// One field of a ready batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchField {
+    /// Byte offset within the slot.
+    pub offset: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, batch dimension first.
+    pub shape: Vec<u64>,
+}
+
+/// A filled slot handed to the consumer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchInfo {
+    /// The slot; it belongs to the consumer until released.
+    pub slot: u32,
+    /// Epoch of the batch.
+    pub epoch: u64,
+    /// Step within the epoch, counted from the start of the epoch.
+    pub step: u64,
+    /// The epoch cursor once this batch has been consumed by every rank; a checkpoint records it.
+    pub cursor_after: u64,
+    /// Samples in the batch.
+    pub samples: u32,
+    /// Samples replaced because their block was corrupt.
+    pub replaced: u32,
+    /// Fields in slot order.
+    pub fields: Vec<BatchField>,
+}
+
+/// Counters the daemon reports over the socket.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DaemonStatus {
+    /// Connected sessions.
+    pub sessions: u32,
+    /// Open streams.
+    pub streams: u32,
+    /// Slots allocated over all streams.
+    pub slots_allocated: u64,
+    /// Bytes of slot memory allocated.
+    pub slot_bytes_allocated: u64,
+    /// Batches handed to consumers since start.
+    pub batches_served: u64,
+    /// Samples replaced because of corrupt blocks since start.
+    pub samples_replaced: u64,
+}
+
+/// Stable error codes of [`Message::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// A frame could not be decoded or broke a bound.
+    BadFrame,
+    /// The peer speaks another protocol version.
+    UnsupportedVersion,
+    /// No dataset has that name.
+    UnknownDataset,
+    /// The request is well-formed but invalid (unknown field, bad sizes, stream already open...).
+    BadRequest,
+    /// A block was corrupt and the stream's policy is to fail.
+    CorruptData,
+    /// A bound was reached (sessions, slots, memory).
+    ResourceExhausted,
+    /// The peer's uid is not allowed.
+    PermissionDenied,
+    /// The daemon failed.
+    Internal,
+    /// A code this build does not know.
+    Unknown(u16),
+}
+
+impl ErrorCode {
+    /// The wire value.
+    pub fn code(self) -> u16 {
+        match self {
+            ErrorCode::BadFrame => 1,
+            ErrorCode::UnsupportedVersion => 2,
+            ErrorCode::UnknownDataset => 3,
+            ErrorCode::BadRequest => 4,
+            ErrorCode::CorruptData => 5,
+            ErrorCode::ResourceExhausted => 6,
+            ErrorCode::PermissionDenied => 7,
+            ErrorCode::Internal => 8,
+            ErrorCode::Unknown(code) => code,
+        }
+    }
+
+    /// The code with this wire value.
+    pub fn from_code(code: u16) -> ErrorCode {
+        match code {
+            1 => ErrorCode::BadFrame,
+            2 => ErrorCode::UnsupportedVersion,
+            3 => ErrorCode::UnknownDataset,
+            4 => ErrorCode::BadRequest,
+            5 => ErrorCode::CorruptData,
+            6 => ErrorCode::ResourceExhausted,
+            7 => ErrorCode::PermissionDenied,
+            8 => ErrorCode::Internal,
+            other => ErrorCode::Unknown(other),
+        }
+    }
+}
+
+/// Every message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    /// Consumer → daemon, first frame of a session.
+    Hello {
+        /// Free-form client name, for logs.
+        client: String,
+    },
+    /// Daemon → consumer, reply to `Hello`.
+    Welcome {
+        /// Session id.
+        session: u64,
+        /// Where batches live.
+        backend: Backend,
+        /// The daemon's version.
+        daemon_version: String,
+    },
+    /// Consumer → daemon: open the session's stream.
+    OpenStream(StreamSpec),
+    /// Daemon → consumer: the stream's layout; carries one descriptor per slot.
+    StreamOpened(StreamLayout),
+    /// Daemon → consumer: a slot is filled.
+    Batch(BatchInfo),
+    /// Consumer → daemon: the consumer is done with a slot.
+    Release {
+        /// The slot.
+        slot: u32,
+    },
+    /// Daemon → consumer: no more batches in this epoch.
+    EndOfEpoch {
+        /// The epoch.
+        epoch: u64,
+        /// Batches sent in this stream.
+        steps: u64,
+    },
+    /// Daemon → consumer: the request or stream failed; the session ends after a fatal error.
+    Error {
+        /// Stable code.
+        code: ErrorCode,
+        /// Human-readable description.
+        message: String,
+    },
+    /// Consumer → daemon: end the session.
+    Close,
+    /// Consumer → daemon: ask for [`Message::Status`].
+    StatusRequest,
+    /// Daemon → consumer: counters.
+    Status(DaemonStatus),
+}
+
+/// A frame could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The header's length is outside the bounds.
+    #[error("frame length {0} outside {min}..={max}", min = FRAME_HEADER_BYTES - 4, max = FRAME_BYTES_MAX - 4)]
+    Length(u32),
+    /// The peer speaks another version.
+    #[error("protocol version {found} is not supported (this build speaks {PROTOCOL_VERSION})")]
+    Version {
+        /// The version in the frame.
+        found: u16,
+    },
+    /// The kind is not assigned.
+    #[error("unknown message kind {0}")]
+    Kind(u16),
+    /// The payload is malformed.
+    #[error("malformed {kind} frame: {reason}")]
+    Malformed {
+        /// The message kind's name.
+        kind: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+const KIND_HELLO: u16 = 1;
+const KIND_WELCOME: u16 = 2;
+const KIND_OPEN_STREAM: u16 = 3;
+const KIND_STREAM_OPENED: u16 = 4;
+const KIND_BATCH: u16 = 5;
+const KIND_RELEASE: u16 = 6;
+const KIND_END_OF_EPOCH: u16 = 7;
+const KIND_ERROR: u16 = 8;
+const KIND_CLOSE: u16 = 9;
+const KIND_STATUS_REQUEST: u16 = 10;
+const KIND_STATUS: u16 = 11;
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        assert!(
+            s.len() <= STRING_BYTES_MAX,
+            "string longer than {STRING_BYTES_MAX} bytes"
+        );
+        self.u16(s.len() as u16);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+    fn shape(&mut self, dims: &[u64]) {
+        assert!(dims.len() <= BATCH_NDIM_MAX);
+        self.u8(dims.len() as u8);
+        for &d in dims {
+            self.u64(d);
+        }
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    kind: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn fail<T>(&self, reason: impl Into<String>) -> Result<T, DecodeError> {
+        Err(DecodeError::Malformed {
+            kind: self.kind,
+            reason: reason.into(),
+        })
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.bytes.len() - self.at < n {
+            return self.fail(format!(
+                "needs {n} more bytes at payload offset {}, only {} left",
+                self.at,
+                self.bytes.len() - self.at
+            ));
+        }
+        let slice = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(slice)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn str(&mut self) -> Result<String, DecodeError> {
+        let len = self.u16()? as usize;
+        if len > STRING_BYTES_MAX {
+            return self.fail(format!("string of {len} bytes exceeds {STRING_BYTES_MAX}"));
+        }
+        let bytes = self.take(len)?;
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(s.to_string()),
+            Err(_) => self.fail("string is not UTF-8"),
+        }
+    }
+    fn dtype(&mut self) -> Result<DType, DecodeError> {
+        let code = self.u8()?;
+        DType::from_code(code).or_else(|e| self.fail(e.to_string()))
+    }
+    fn shape(&mut self) -> Result<Vec<u64>, DecodeError> {
+        let ndim = self.u8()? as usize;
+        if ndim > BATCH_NDIM_MAX {
+            return self.fail(format!("{ndim} dimensions exceed {BATCH_NDIM_MAX}"));
+        }
+        (0..ndim).map(|_| self.u64()).collect()
+    }
+    fn count(&mut self, what: &str, max: usize) -> Result<usize, DecodeError> {
+        let n = self.u16()? as usize;
+        if n > max {
+            return self.fail(format!("{n} {what} exceed {max}"));
+        }
+        Ok(n)
+    }
+    fn finish<T>(self, value: T) -> Result<T, DecodeError> {
+        if self.at != self.bytes.len() {
+            return self.fail(format!("{} trailing bytes", self.bytes.len() - self.at));
+        }
+        Ok(value)
+    }
+}
+
+impl Message {
+    fn kind(&self) -> u16 {
+        match self {
+            Message::Hello { .. } => KIND_HELLO,
+            Message::Welcome { .. } => KIND_WELCOME,
+            Message::OpenStream(_) => KIND_OPEN_STREAM,
+            Message::StreamOpened(_) => KIND_STREAM_OPENED,
+            Message::Batch(_) => KIND_BATCH,
+            Message::Release { .. } => KIND_RELEASE,
+            Message::EndOfEpoch { .. } => KIND_END_OF_EPOCH,
+            Message::Error { .. } => KIND_ERROR,
+            Message::Close => KIND_CLOSE,
+            Message::StatusRequest => KIND_STATUS_REQUEST,
+            Message::Status(_) => KIND_STATUS,
+        }
+    }
+
+    /// Encodes the message as one complete frame (header included).
+    ///
+    /// Panics if the message breaks a bound (a programmer error: the daemon and the client build
+    /// messages from validated values).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(64));
+        w.u32(0);
+        w.u16(PROTOCOL_VERSION);
+        w.u16(self.kind());
+        match self {
+            Message::Hello { client } => w.str(client),
+            Message::Welcome {
+                session,
+                backend,
+                daemon_version,
+            } => {
+                w.u64(*session);
+                w.u8(match backend {
+                    Backend::Cpu => 0,
+                    Backend::Cuda => 1,
+                });
+                w.str(daemon_version);
+            }
+            Message::OpenStream(spec) => {
+                w.str(&spec.dataset);
+                assert!(spec.fields.len() <= STREAM_FIELDS_MAX);
+                w.u16(spec.fields.len() as u16);
+                for field in &spec.fields {
+                    w.str(&field.name);
+                    w.u8(field.dtype.map_or(0, DType::code));
+                }
+                w.u32(spec.batch_size);
+                w.u64(spec.seed);
+                w.u64(spec.epoch);
+                let (mode, window) = match spec.shuffle {
+                    Shuffle::None => (0, 0),
+                    Shuffle::Window(shards) => (1, shards),
+                    Shuffle::Full => (2, 0),
+                };
+                w.u8(mode);
+                w.u32(window);
+                w.u32(spec.rank);
+                w.u32(spec.world_size);
+                w.u8(match spec.tail {
+                    Tail::Drop => 0,
+                    Tail::Pad => 1,
+                });
+                w.u64(spec.start_cursor);
+                w.u32(spec.prefetch);
+                w.u8(match spec.on_corrupt {
+                    CorruptPolicy::Fail => 0,
+                    CorruptPolicy::Replace => 1,
+                });
+                w.u32(match spec.device {
+                    Device::Cpu => u32::MAX,
+                    Device::Cuda(ordinal) => ordinal,
+                });
+            }
+            Message::StreamOpened(layout) => {
+                w.u32(layout.slot_count);
+                w.u64(layout.slot_bytes);
+                w.u64(layout.epoch_samples);
+                w.u64(layout.steps);
+                assert!(layout.fields.len() <= STREAM_FIELDS_MAX);
+                w.u16(layout.fields.len() as u16);
+                for field in &layout.fields {
+                    w.str(&field.name);
+                    w.u8(field.dtype.code());
+                    w.shape(&field.sample_shape);
+                    w.u64(field.offset);
+                    w.u64(field.batch_bytes);
+                }
+            }
+            Message::Batch(batch) => {
+                w.u32(batch.slot);
+                w.u64(batch.epoch);
+                w.u64(batch.step);
+                w.u64(batch.cursor_after);
+                w.u32(batch.samples);
+                w.u32(batch.replaced);
+                assert!(batch.fields.len() <= STREAM_FIELDS_MAX);
+                w.u16(batch.fields.len() as u16);
+                for field in &batch.fields {
+                    w.u64(field.offset);
+                    w.u8(field.dtype.code());
+                    w.shape(&field.shape);
+                }
+            }
+            Message::Release { slot } => w.u32(*slot),
+            Message::EndOfEpoch { epoch, steps } => {
+                w.u64(*epoch);
+                w.u64(*steps);
+            }
+            Message::Error { code, message } => {
+                w.u16(code.code());
+                let mut end = message.len().min(STRING_BYTES_MAX);
+                while !message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                w.str(&message[..end]);
+            }
+            Message::Close | Message::StatusRequest => {}
+            Message::Status(status) => {
+                w.u32(status.sessions);
+                w.u32(status.streams);
+                w.u64(status.slots_allocated);
+                w.u64(status.slot_bytes_allocated);
+                w.u64(status.batches_served);
+                w.u64(status.samples_replaced);
+            }
+        }
+        let mut bytes = w.0;
+        assert!(
+            bytes.len() <= FRAME_BYTES_MAX,
+            "frame exceeds {FRAME_BYTES_MAX} bytes"
+        );
+        let length = (bytes.len() - 4) as u32;
+        bytes[..4].copy_from_slice(&length.to_le_bytes());
+        bytes
+    }
+
+    /// Reads the length field of a frame header: the bytes that follow it. Rejects lengths outside
+    /// the bounds before anything is allocated.
+    pub fn frame_length(header: [u8; 4]) -> Result<usize, DecodeError> {
+        let length = u32::from_le_bytes(header);
+        if (length as usize) < FRAME_HEADER_BYTES - 4 || length as usize > FRAME_BYTES_MAX - 4 {
+            return Err(DecodeError::Length(length));
+        }
+        Ok(length as usize)
+    }
+
+    /// Decodes a frame body: everything after the length field (version, kind, payload).
+    pub fn decode(body: &[u8]) -> Result<Message, DecodeError> {
+        if body.len() < 4 || body.len() > FRAME_BYTES_MAX - 4 {
+            return Err(DecodeError::Length(body.len() as u32));
+        }
+        let version = u16::from_le_bytes([body[0], body[1]]);
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::Version { found: version });
+        }
+        let kind = u16::from_le_bytes([body[2], body[3]]);
+        let payload = &body[4..];
+        let name = match kind {
+            KIND_HELLO => "Hello",
+            KIND_WELCOME => "Welcome",
+            KIND_OPEN_STREAM => "OpenStream",
+            KIND_STREAM_OPENED => "StreamOpened",
+            KIND_BATCH => "Batch",
+            KIND_RELEASE => "Release",
+            KIND_END_OF_EPOCH => "EndOfEpoch",
+            KIND_ERROR => "Error",
+            KIND_CLOSE => "Close",
+            KIND_STATUS_REQUEST => "StatusRequest",
+            KIND_STATUS => "Status",
+            other => return Err(DecodeError::Kind(other)),
+        };
+        let mut r = Reader {
+            bytes: payload,
+            at: 0,
+            kind: name,
+        };
+        let message = match kind {
+            KIND_HELLO => Message::Hello { client: r.str()? },
+            KIND_WELCOME => {
+                let session = r.u64()?;
+                let backend = match r.u8()? {
+                    0 => Backend::Cpu,
+                    1 => Backend::Cuda,
+                    other => return r.fail(format!("unknown backend {other}")),
+                };
+                Message::Welcome {
+                    session,
+                    backend,
+                    daemon_version: r.str()?,
+                }
+            }
+            KIND_OPEN_STREAM => {
+                let dataset = r.str()?;
+                let count = r.count("fields", STREAM_FIELDS_MAX)?;
+                let mut fields = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let name = r.str()?;
+                    let dtype = match r.u8()? {
+                        0 => None,
+                        code => Some(DType::from_code(code).or_else(|e| r.fail(e.to_string()))?),
+                    };
+                    fields.push(FieldRequest { name, dtype });
+                }
+                let batch_size = r.u32()?;
+                let seed = r.u64()?;
+                let epoch = r.u64()?;
+                let mode = r.u8()?;
+                let window = r.u32()?;
+                let shuffle = match mode {
+                    0 => Shuffle::None,
+                    1 => Shuffle::Window(window),
+                    2 => Shuffle::Full,
+                    other => return r.fail(format!("unknown shuffle mode {other}")),
+                };
+                let rank = r.u32()?;
+                let world_size = r.u32()?;
+                let tail = match r.u8()? {
+                    0 => Tail::Drop,
+                    1 => Tail::Pad,
+                    other => return r.fail(format!("unknown tail policy {other}")),
+                };
+                let start_cursor = r.u64()?;
+                let prefetch = r.u32()?;
+                let on_corrupt = match r.u8()? {
+                    0 => CorruptPolicy::Fail,
+                    1 => CorruptPolicy::Replace,
+                    other => return r.fail(format!("unknown corrupt policy {other}")),
+                };
+                let device = match r.u32()? {
+                    u32::MAX => Device::Cpu,
+                    ordinal => Device::Cuda(ordinal),
+                };
+                Message::OpenStream(StreamSpec {
+                    dataset,
+                    fields,
+                    batch_size,
+                    seed,
+                    epoch,
+                    shuffle,
+                    rank,
+                    world_size,
+                    tail,
+                    start_cursor,
+                    prefetch,
+                    on_corrupt,
+                    device,
+                })
+            }
+            KIND_STREAM_OPENED => {
+                let slot_count = r.u32()?;
+                let slot_bytes = r.u64()?;
+                let epoch_samples = r.u64()?;
+                let steps = r.u64()?;
+                let count = r.count("fields", STREAM_FIELDS_MAX)?;
+                let mut fields = Vec::with_capacity(count);
+                for _ in 0..count {
+                    fields.push(FieldLayout {
+                        name: r.str()?,
+                        dtype: r.dtype()?,
+                        sample_shape: r.shape()?,
+                        offset: r.u64()?,
+                        batch_bytes: r.u64()?,
+                    });
+                }
+                Message::StreamOpened(StreamLayout {
+                    slot_count,
+                    slot_bytes,
+                    epoch_samples,
+                    steps,
+                    fields,
+                })
+            }
+            KIND_BATCH => {
+                let slot = r.u32()?;
+                let epoch = r.u64()?;
+                let step = r.u64()?;
+                let cursor_after = r.u64()?;
+                let samples = r.u32()?;
+                let replaced = r.u32()?;
+                let count = r.count("fields", STREAM_FIELDS_MAX)?;
+                let mut fields = Vec::with_capacity(count);
+                for _ in 0..count {
+                    fields.push(BatchField {
+                        offset: r.u64()?,
+                        dtype: r.dtype()?,
+                        shape: r.shape()?,
+                    });
+                }
+                Message::Batch(BatchInfo {
+                    slot,
+                    epoch,
+                    step,
+                    cursor_after,
+                    samples,
+                    replaced,
+                    fields,
+                })
+            }
+            KIND_RELEASE => Message::Release { slot: r.u32()? },
+            KIND_END_OF_EPOCH => Message::EndOfEpoch {
+                epoch: r.u64()?,
+                steps: r.u64()?,
+            },
+            KIND_ERROR => Message::Error {
+                code: ErrorCode::from_code(r.u16()?),
+                message: r.str()?,
+            },
+            KIND_CLOSE => Message::Close,
+            KIND_STATUS_REQUEST => Message::StatusRequest,
+            KIND_STATUS => Message::Status(DaemonStatus {
+                sessions: r.u32()?,
+                streams: r.u32()?,
+                slots_allocated: r.u64()?,
+                slot_bytes_allocated: r.u64()?,
+                batches_served: r.u64()?,
+                samples_replaced: r.u64()?,
+            }),
+            _ => unreachable!("kind checked above"),
+        };
+        r.finish(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Message> {
+        vec![
+            Message::Hello {
+                client: "trainer".into(),
+            },
+            Message::Welcome {
+                session: 7,
+                backend: Backend::Cpu,
+                daemon_version: "0.1.0".into(),
+            },
+            Message::OpenStream(StreamSpec {
+                dataset: "tokens".into(),
+                fields: vec![
+                    FieldRequest {
+                        name: "emb".into(),
+                        dtype: Some(DType::F32),
+                    },
+                    FieldRequest {
+                        name: "ids".into(),
+                        dtype: None,
+                    },
+                ],
+                batch_size: 32,
+                seed: 1,
+                epoch: 2,
+                shuffle: Shuffle::Window(4),
+                rank: 1,
+                world_size: 8,
+                tail: Tail::Pad,
+                start_cursor: 512,
+                prefetch: 4,
+                on_corrupt: CorruptPolicy::Replace,
+                device: Device::Cuda(0),
+            }),
+            Message::StreamOpened(StreamLayout {
+                slot_count: 4,
+                slot_bytes: 1 << 20,
+                epoch_samples: 1000,
+                steps: 30,
+                fields: vec![FieldLayout {
+                    name: "emb".into(),
+                    dtype: DType::F32,
+                    sample_shape: vec![16, 4],
+                    offset: 0,
+                    batch_bytes: 8192,
+                }],
+            }),
+            Message::Batch(BatchInfo {
+                slot: 3,
+                epoch: 2,
+                step: 5,
+                cursor_after: 1536,
+                samples: 32,
+                replaced: 0,
+                fields: vec![BatchField {
+                    offset: 4096,
+                    dtype: DType::I32,
+                    shape: vec![32, 128],
+                }],
+            }),
+            Message::Release { slot: 3 },
+            Message::EndOfEpoch {
+                epoch: 2,
+                steps: 30,
+            },
+            Message::Error {
+                code: ErrorCode::CorruptData,
+                message: "shard x".into(),
+            },
+            Message::Close,
+            Message::StatusRequest,
+            Message::Status(DaemonStatus {
+                sessions: 2,
+                streams: 1,
+                slots_allocated: 4,
+                slot_bytes_allocated: 1 << 22,
+                batches_served: 9,
+                samples_replaced: 1,
+            }),
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for message in samples() {
+            let frame = message.encode();
+            let length = Message::frame_length(frame[..4].try_into().unwrap()).unwrap();
+            assert_eq!(length, frame.len() - 4);
+            assert_eq!(Message::decode(&frame[4..]).unwrap(), message);
+        }
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_rejected() {
+        for message in samples() {
+            let frame = message.encode();
+            for cut in 4..frame.len() - 4 {
+                assert!(Message::decode(&frame[4..4 + cut]).is_err() || cut == frame.len() - 4);
+            }
+            let mut longer = frame[4..].to_vec();
+            longer.push(0);
+            assert!(Message::decode(&longer).is_err());
+        }
+    }
+
+    #[test]
+    fn bad_headers_are_rejected() {
+        assert!(Message::frame_length(0u32.to_le_bytes()).is_err());
+        assert!(Message::frame_length(u32::MAX.to_le_bytes()).is_err());
+        assert_eq!(
+            Message::decode(&[2, 0, 1, 0]),
+            Err(DecodeError::Version { found: 2 })
+        );
+        assert_eq!(Message::decode(&[1, 0, 99, 0]), Err(DecodeError::Kind(99)));
+    }
+}

@@ -1,0 +1,180 @@
+//! Frames over a Unix stream socket, with file descriptors passed as SCM_RIGHTS ancillary data.
+//!
+//! Both the daemon and the client use this module, so the two sides cannot disagree on framing.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+use crate::protocol::{DecodeError, Message, SLOTS_MAX};
+
+/// A frame could not be sent or received.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The socket failed.
+    #[error("socket error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer closed the connection.
+    #[error("the peer closed the connection")]
+    Closed,
+    /// The peer sent a frame that does not decode.
+    #[error("bad frame: {0}")]
+    Decode(#[from] DecodeError),
+    /// The peer passed more descriptors than any frame may carry.
+    #[error("a frame carried more than {SLOTS_MAX} file descriptors or truncated ancillary data")]
+    TooManyDescriptors,
+}
+
+fn nix_io(error: nix::Error) -> std::io::Error {
+    std::io::Error::from_raw_os_error(error as i32)
+}
+
+/// Sends one message, with `fds` attached when not empty.
+///
+/// Uses MSG_NOSIGNAL so that a peer that went away yields an error instead of SIGPIPE.
+pub fn send(
+    socket: &UnixStream,
+    message: &Message,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), TransportError> {
+    assert!(
+        fds.len() <= SLOTS_MAX as usize,
+        "at most {SLOTS_MAX} descriptors a frame"
+    );
+    let frame = message.encode();
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let mut sent = 0usize;
+    while sent < frame.len() {
+        let iov = [IoSlice::new(&frame[sent..])];
+        // Descriptors ride on the first byte only.
+        let rights = [ControlMessage::ScmRights(&raw)];
+        let cmsgs: &[ControlMessage] = if sent == 0 && !raw.is_empty() {
+            &rights
+        } else {
+            &[]
+        };
+        match sendmsg::<()>(
+            socket.as_raw_fd(),
+            &iov,
+            cmsgs,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => sent += n,
+            Err(nix::Error::EINTR) => continue,
+            Err(nix::Error::EPIPE) | Err(nix::Error::ECONNRESET) => {
+                return Err(TransportError::Closed)
+            }
+            Err(e) => return Err(TransportError::Io(nix_io(e))),
+        }
+    }
+    Ok(())
+}
+
+/// Reads exactly `buf.len()` bytes, collecting any descriptors that arrive on the way.
+/// Returns `Ok(false)` if the peer closed the connection before the first byte.
+fn recv_exact(
+    socket: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> Result<bool, TransportError> {
+    let mut got = 0usize;
+    let mut cmsg_space = nix::cmsg_space!([RawFd; SLOTS_MAX as usize]);
+    while got < buf.len() {
+        let mut iov = [IoSliceMut::new(&mut buf[got..])];
+        let received = recvmsg::<()>(
+            socket.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg_space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        );
+        let message = match received {
+            Ok(message) => message,
+            Err(nix::Error::EINTR) => continue,
+            Err(nix::Error::ECONNRESET) => return Err(TransportError::Closed),
+            Err(e) => return Err(TransportError::Io(nix_io(e))),
+        };
+        let truncated = message.flags.contains(MsgFlags::MSG_CTRUNC);
+        for cmsg in message.cmsgs().map_err(|e| TransportError::Io(nix_io(e)))? {
+            if let ControlMessageOwned::ScmRights(received_fds) = cmsg {
+                for fd in received_fds {
+                    // SAFETY: the kernel just installed this descriptor in our table for us; nothing
+                    // else owns it.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        }
+        if truncated || fds.len() > SLOTS_MAX as usize {
+            return Err(TransportError::TooManyDescriptors);
+        }
+        if message.bytes == 0 {
+            if got == 0 {
+                return Ok(false);
+            }
+            return Err(TransportError::Closed);
+        }
+        got += message.bytes;
+    }
+    Ok(true)
+}
+
+/// Receives one message and the descriptors passed with it.
+///
+/// The length is checked against the protocol's bound before the body is read, so a hostile length
+/// cannot make this allocate. Returns [`TransportError::Closed`] at a clean end of stream.
+pub fn recv(socket: &UnixStream) -> Result<(Message, Vec<OwnedFd>), TransportError> {
+    let mut fds = Vec::new();
+    let mut header = [0u8; 4];
+    if !recv_exact(socket, &mut header, &mut fds)? {
+        return Err(TransportError::Closed);
+    }
+    let length = Message::frame_length(header)?;
+    let mut body = vec![0u8; length];
+    recv_exact(socket, &mut body, &mut fds)?;
+    Ok((Message::decode(&body)?, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn messages_and_descriptors_cross_a_socketpair() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut file = tempfile_in_memory();
+        file.write_all(b"slot bytes").unwrap();
+        send(&a, &Message::Release { slot: 2 }, &[file.as_fd()]).unwrap();
+        send(&a, &Message::Close, &[]).unwrap();
+        let (message, fds) = recv(&b).unwrap();
+        assert_eq!(message, Message::Release { slot: 2 });
+        assert_eq!(fds.len(), 1);
+        let mut received = std::fs::File::from(fds.into_iter().next().unwrap());
+        received.rewind().unwrap();
+        let mut text = String::new();
+        received.read_to_string(&mut text).unwrap();
+        assert_eq!(text, "slot bytes");
+        assert_eq!(recv(&b).unwrap().0, Message::Close);
+        drop(a);
+        assert!(matches!(recv(&b), Err(TransportError::Closed)));
+    }
+
+    #[test]
+    fn oversized_length_is_rejected_before_reading_the_body() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        assert!(matches!(
+            recv(&b),
+            Err(TransportError::Decode(DecodeError::Length(_)))
+        ));
+    }
+
+    fn tempfile_in_memory() -> std::fs::File {
+        let fd =
+            nix::sys::memfd::memfd_create(c"test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+        std::fs::File::from(fd)
+    }
+}
