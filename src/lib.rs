@@ -4,10 +4,14 @@
 
 pub mod decode;
 pub mod demo;
+pub mod device;
 pub mod format;
 pub mod input;
+pub mod ipc;
+pub mod kernels;
 pub mod pack;
 pub mod pipeline;
+pub mod registry;
 pub mod storage;
 pub mod synth;
 pub mod tools;

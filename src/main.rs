@@ -65,6 +65,11 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// Start the daemon: register every dataset under --data-root and serve batches to consumers
+    /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
+    ///
+    /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections.
+    Serve(ServeArgs),
     /// Run the whole job on a generated dataset and print what it did and how fast.
     ///
     /// Generates an embedding-like fp16 field and a token-like int32 field, packs them, verifies the
@@ -118,6 +123,33 @@ struct PackArgs {
     quiet: bool,
 }
 
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Directory whose subdirectories are datasets (each holding a manifest.json).
+    #[arg(long)]
+    data_root: PathBuf,
+    /// Path of the Unix socket consumers connect to (created with mode 0600; a stale socket left by a
+    /// daemon that died is replaced). Default: DATA_ROOT/gpufeed.sock.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Where batches live: auto (a GPU when the GPU backend is available, else the CPU backend), cpu,
+    /// or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Storage engine: auto, cufile or uring (io_uring, with pread where io_uring is unavailable).
+    #[arg(long, default_value = "auto")]
+    engine: gpufeed::storage::EngineMode,
+    /// A uid allowed to connect (repeatable). Default: the daemon's own uid.
+    #[arg(long = "allow-uid", value_name = "UID")]
+    allow_uids: Vec<u32>,
+    /// Most concurrent consumer sessions.
+    #[arg(long, default_value_t = 64)]
+    sessions_max: u32,
+    /// Most bytes of slot memory over all streams (suffixes K, M, G are binary).
+    #[arg(long, default_value = "8G", value_parser = parse_bytes_u64)]
+    slot_memory_max: u64,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum CodecArg {
     Auto,
@@ -132,18 +164,26 @@ enum ShuffleArg {
     Off,
 }
 
-/// Parses a byte count such as `65536`, `64K` or `1M` (binary multiples).
-fn parse_bytes(text: &str) -> Result<u32, String> {
+/// Parses a byte count such as `65536`, `64K`, `1M` or `8G` (binary multiples).
+fn parse_bytes_u64(text: &str) -> Result<u64, String> {
     let trimmed = text.trim().trim_end_matches("iB").trim_end_matches('B');
     let (digits, multiplier) = match trimmed.chars().last() {
         Some('K' | 'k') => (&trimmed[..trimmed.len() - 1], 1u64 << 10),
         Some('M' | 'm') => (&trimmed[..trimmed.len() - 1], 1u64 << 20),
+        Some('G' | 'g') => (&trimmed[..trimmed.len() - 1], 1u64 << 30),
         _ => (trimmed, 1),
     };
     let value: u64 = digits
         .parse()
         .map_err(|_| format!("{text:?} is not a byte count like 65536, 64K or 1M"))?;
-    u32::try_from(value * multiplier).map_err(|_| format!("{text:?} is too large"))
+    value
+        .checked_mul(multiplier)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Parses a byte count that must fit in 32 bits.
+fn parse_bytes(text: &str) -> Result<u32, String> {
+    u32::try_from(parse_bytes_u64(text)?).map_err(|_| format!("{text:?} is too large"))
 }
 
 fn main() -> ExitCode {
@@ -220,6 +260,7 @@ fn run(command: Command) -> Result<ExitCode> {
             eprintln!("wrote {} ({bytes} bytes of data)", out.display());
             Ok(ExitCode::SUCCESS)
         }
+        Command::Serve(args) => run_serve(args),
         Command::Demo { dir, samples } => {
             gpufeed::demo::run(dir.as_deref(), samples)?;
             Ok(ExitCode::SUCCESS)
@@ -274,6 +315,65 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
         seconds,
         summary.raw_bytes as f64 / seconds / 1e9
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_serve(args: ServeArgs) -> Result<ExitCode> {
+    use gpufeed::ipc::{Server, ServerConfig};
+    use gpufeed::pipeline::StreamLimits;
+    use gpufeed::registry::Registry;
+    use gpufeed::storage::EngineMode;
+    use std::io::Write;
+    use std::sync::Arc;
+
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("GPUFEED_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match args.device.as_str() {
+        "cpu" => {}
+        "auto" => tracing::info!("device auto: the GPU backend is not part of this build yet; serving from host memory (CPU backend)"),
+        other => bail!("--device {other}: only the CPU backend can serve in this build (use --device cpu or auto)"),
+    }
+    if args.engine == EngineMode::CuFile {
+        bail!("--engine cufile: the cuFile engine serves only the GPU backend, which is not part of this build yet");
+    }
+    let registry = Arc::new(Registry::new());
+    let skipped = registry
+        .scan(&args.data_root)
+        .with_context(|| format!("reading the data root {}", args.data_root.display()))?;
+    for skip in &skipped {
+        tracing::warn!("not serving {}: {}", skip.dir.display(), skip.reason);
+    }
+    let names = registry.names();
+    tracing::info!("datasets: {}", names.join(", "));
+    let socket_path = args
+        .socket
+        .unwrap_or_else(|| args.data_root.join("gpufeed.sock"));
+    let allowed_uids = if args.allow_uids.is_empty() {
+        vec![nix::unistd::getuid().as_raw()]
+    } else {
+        args.allow_uids
+    };
+    let config = ServerConfig {
+        socket_path: socket_path.clone(),
+        allowed_uids,
+        sessions_max: args.sessions_max,
+        slot_memory_bytes_max: args.slot_memory_max,
+        stream_limits: StreamLimits::node_defaults(),
+    };
+    let server = Server::bind(config, registry)
+        .with_context(|| format!("binding {}", socket_path.display()))?;
+    println!(
+        "gpufeed: serving {} dataset(s) on {}",
+        names.len(),
+        socket_path.display()
+    );
+    std::io::stdout().flush()?;
+    server.run()?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -77,7 +77,7 @@ proptest! {
 
     #[test]
     fn resume_at_a_step_equals_the_tail_of_an_uninterrupted_run(
-        shards in shards_strategy(), seed: u64, mode in mode_strategy(),
+        shards in shards_strategy(),
         world in 1u32..5, batch in 1u32..16, resume_step in 0u64..10,
     ) {
         let n: u64 = shards.iter().sum();

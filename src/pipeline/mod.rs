@@ -1,6 +1,10 @@
-//! The batch pipeline: which samples each rank gets, in which order, and (with the storage engines and
-//! decoders) how batches are assembled into slots.
+//! The batch pipeline: which samples each rank gets, in which order ([`order`]), and how batches are
+//! assembled into slots ([`assemble`]).
 
+pub mod assemble;
 pub mod order;
 
+pub use assemble::{
+    Assembler, FieldPlan, FillError, FillReport, PlanError, StreamLimits, StreamPlan,
+};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};

@@ -13,6 +13,7 @@
 //! completion has been reaped; an engine never returns while reads into the caller's buffer are in
 //! flight.
 
+pub mod buffer;
 pub mod engine;
 pub mod fault;
 pub mod files;
@@ -23,9 +24,10 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+pub use buffer::AlignedBuffer;
 pub use engine::{EngineLimits, ReadEngine};
 pub use files::{DirectIo, FileId, FileTable};
-pub use queue::{Completion, PreadQueue, ReadOp, ReadQueue, UringQueue};
+pub use queue::{AnyQueue, Completion, PreadQueue, ReadOp, ReadQueue, UringQueue};
 
 /// Alignment O_DIRECT requires of file offsets, lengths and buffer addresses on the file systems
 /// gpufeed targets.

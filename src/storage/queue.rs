@@ -165,6 +165,11 @@ impl PreadQueue {
     }
 }
 
+// SAFETY: the raw buffer pointers held between `push` and `submit_and_wait` are covered by `push`'s
+// contract (valid and exclusively the queue's until completion), which does not depend on the thread
+// the queue runs on.
+unsafe impl Send for PreadQueue {}
+
 impl ReadQueue for PreadQueue {
     fn depth(&self) -> usize {
         self.depth
@@ -204,5 +209,58 @@ impl ReadQueue for PreadQueue {
         }
         out.append(&mut self.done);
         Ok(())
+    }
+}
+
+/// The queue an engine was given: io_uring where the kernel allows it, pread otherwise.
+pub enum AnyQueue {
+    /// io_uring.
+    Uring(UringQueue),
+    /// Synchronous pread.
+    Pread(PreadQueue),
+}
+
+impl AnyQueue {
+    /// An io_uring queue of `depth`, or a pread queue with the reason io_uring could not be set up.
+    pub fn best(depth: usize) -> (AnyQueue, Option<String>) {
+        match UringQueue::new(depth) {
+            Ok(queue) => (AnyQueue::Uring(queue), None),
+            Err(error) => (
+                AnyQueue::Pread(PreadQueue::new(depth)),
+                Some(format!("io_uring unavailable ({error}); using pread")),
+            ),
+        }
+    }
+
+    /// Name for logs and status.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AnyQueue::Uring(_) => "io_uring",
+            AnyQueue::Pread(_) => "pread",
+        }
+    }
+}
+
+impl ReadQueue for AnyQueue {
+    fn depth(&self) -> usize {
+        match self {
+            AnyQueue::Uring(q) => q.depth(),
+            AnyQueue::Pread(q) => q.depth(),
+        }
+    }
+
+    unsafe fn push(&mut self, op: ReadOp) {
+        // SAFETY: forwarded under the caller's guarantee.
+        match self {
+            AnyQueue::Uring(q) => unsafe { q.push(op) },
+            AnyQueue::Pread(q) => unsafe { q.push(op) },
+        }
+    }
+
+    fn submit_and_wait(&mut self, min: usize, out: &mut Vec<Completion>) -> io::Result<()> {
+        match self {
+            AnyQueue::Uring(q) => q.submit_and_wait(min, out),
+            AnyQueue::Pread(q) => q.submit_and_wait(min, out),
+        }
     }
 }

@@ -1,0 +1,290 @@
+// Gather + convert: builds a batch slot from decoded (or raw) blocks.
+//
+// Compiled at run time by NVRTC (see src/device/module.rs) without any CUDA header. The input is a
+// table of pieces, each a run of elements copied from one source buffer into the slot and converted on
+// the way; a sample spanning two blocks is two pieces. One thread block takes one piece at a time.
+// docs/KERNELS.md describes the design; the CPU reference is crate::decode::convert, whose f16 and
+// bf16 rules are the `half` crate's: this file reproduces them with integer operations, bit for bit.
+//
+// Every piece is checked against its source's length and the slot's capacity before any access; a
+// piece that does not fit is skipped and counted in the outcome.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef signed char i8;
+typedef short i16;
+typedef int i32;
+typedef long long i64;
+
+#define GF_GATHER_SOURCES_MAX 4
+
+// Conversion codes, mirrored by kernels::GatherOp.
+#define GF_OP_COPY 0u
+#define GF_OP_F16_F32 1u
+#define GF_OP_BF16_F32 2u
+#define GF_OP_U8_F32 3u
+#define GF_OP_I8_F32 4u
+#define GF_OP_U16_F32 5u
+#define GF_OP_I16_F32 6u
+#define GF_OP_U32_F32 7u
+#define GF_OP_I32_F32 8u
+#define GF_OP_U64_F32 9u
+#define GF_OP_I64_F32 10u
+#define GF_OP_F64_F32 11u
+#define GF_OP_U8_I64 12u
+#define GF_OP_I8_I64 13u
+#define GF_OP_U16_I64 14u
+#define GF_OP_I16_I64 15u
+#define GF_OP_U32_I64 16u
+#define GF_OP_I32_I64 17u
+
+// One run of elements. Layout mirrored by kernels::GatherPiece (#[repr(C)], 32 bytes).
+struct GatherPiece {
+    u64 src_offset;  // byte offset of the first element in sources[source]
+    u64 dst_offset;  // byte offset of the first converted element in the slot
+    u32 elements;    // element count (bytes, for GF_OP_COPY)
+    u16 source;      // index into the sources table
+    u8 op;           // GF_OP_*
+    u8 reserved0;
+    float scale;     // multiplier for GF_OP_U8_F32 (1.0: exact conversion)
+    u32 reserved1;
+};
+
+// The buffers pieces may read from, passed by value. Mirrored by kernels::GatherSources.
+struct GatherSources {
+    u64 ptr[GF_GATHER_SOURCES_MAX];
+    u64 bytes[GF_GATHER_SOURCES_MAX];
+    u32 count;
+    u32 reserved;
+};
+
+// Mirrored by kernels::GatherOutcome; zeroed before each launch.
+struct GatherOutcome {
+    u32 faulted_pieces;       // pieces skipped because they did not fit
+    u32 last_faulted_plus_1;  // 1 + the highest index of a skipped piece, 0 when none
+};
+
+__device__ __forceinline__ bool extent_fits(u64 offset, u64 bytes, u64 capacity) {
+    return offset <= capacity && bytes <= capacity - offset;
+}
+
+// f16 -> f32 exactly as half::f16::to_f32: subnormals normalised, infinities kept, NaN keeps sign and
+// payload with the quiet bit set.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    const u32 sign = ((u32)h & 0x8000u) << 16;
+    const u32 exp = ((u32)h >> 10) & 0x1fu;
+    const u32 man = (u32)h & 0x3ffu;
+    u32 bits;
+    if (exp == 0x1fu) {
+        bits = man == 0u ? (sign | 0x7f800000u) : (sign | 0x7fc00000u | (man << 13));
+    } else if (exp == 0u) {
+        if (man == 0u) {
+            bits = sign;
+        } else {
+            // man has its top set bit at position 9 - e; shift it to the implicit bit.
+            const u32 e = (u32)__clz(man) - 22u;
+            bits = sign | ((112u - e) << 23) | ((man << (14u + e)) & 0x7fffffu);
+        }
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+// bf16 -> f32 exactly as half::bf16::to_f32: the top half of the f32, NaN quietened.
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    const u32 x = (u32)h;
+    return __uint_as_float(((x & 0x7fffu) > 0x7f80u ? (x | 0x40u) : x) << 16);
+}
+
+// f64 -> f32 rounded to nearest even; NaN as x86 cvtsd2ss (and so Rust's `as` there) produces it: sign
+// kept, quiet bit set, the payload's top 22 bits kept.
+__device__ __forceinline__ float f64_to_f32(u64 b) {
+    if ((b & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) {
+        const u32 sign = (u32)(b >> 32) & 0x80000000u;
+        return __uint_as_float(sign | 0x7fc00000u | (u32)((b >> 29) & 0x3fffffu));
+    }
+    return (float)__longlong_as_double((i64)b);
+}
+
+// Conversion functors: In is the stored element, Out the slot's.
+struct CopyByte {
+    __device__ __forceinline__ u8 operator()(u8 x) const { return x; }
+};
+struct F16ToF32 {
+    __device__ __forceinline__ float operator()(u16 x) const { return f16_to_f32(x); }
+};
+struct Bf16ToF32 {
+    __device__ __forceinline__ float operator()(u16 x) const { return bf16_to_f32(x); }
+};
+struct U8ToF32 {
+    float scale;
+    __device__ __forceinline__ float operator()(u8 x) const { return __fmul_rn((float)x, scale); }
+};
+template <typename T>
+struct IntToF32 {
+    __device__ __forceinline__ float operator()(T x) const { return (float)x; }
+};
+struct F64ToF32 {
+    __device__ __forceinline__ float operator()(u64 x) const { return f64_to_f32(x); }
+};
+template <typename T>
+struct IntToI64 {
+    __device__ __forceinline__ i64 operator()(T x) const { return (i64)x; }
+};
+
+// Byte-wise element access, for pieces or edges that are not aligned for typed accesses.
+template <typename T>
+__device__ __forceinline__ T load_bytes(const u8* __restrict__ p) {
+    union {
+        T value;
+        u8 bytes[sizeof(T)];
+    } u;
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(T); ++k) u.bytes[k] = p[k];
+    return u.value;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_bytes(u8* __restrict__ p, T v) {
+    union {
+        T value;
+        u8 bytes[sizeof(T)];
+    } u;
+    u.value = v;
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(T); ++k) p[k] = u.bytes[k];
+}
+
+template <int A, int B>
+struct MinOf {
+    static const int value = A < B ? A : B;
+};
+
+// Converts `n` elements from src to dst with the whole thread block. The middle runs on groups of G
+// elements moved as 16-byte vectors when src (after a scalar head) and dst are both 16-byte aligned;
+// otherwise, and for the head and tail, element by element.
+template <typename In, typename Out, typename Conv>
+__device__ void convert_piece(const u8* __restrict__ src, u8* __restrict__ dst, u32 n, Conv conv) {
+    const int G = 16 / MinOf<(int)sizeof(In), (int)sizeof(Out)>::value;
+    const int LOADS = G * (int)sizeof(In) / 16;
+    const int STORES = G * (int)sizeof(Out) / 16;
+    const u32 tid = threadIdx.x;
+    const u32 threads = blockDim.x;
+
+    const u32 misalign = (u32)((u64)src & 15u);
+    u32 head = ((16u - misalign) & 15u);
+    bool vector = head % sizeof(In) == 0u;
+    head = head / (u32)sizeof(In);
+    if (head > n) head = n;
+    vector = vector && (((u64)(dst + (u64)head * sizeof(Out))) & 15u) == 0u;
+    if (!vector) head = n;
+
+    for (u32 i = tid; i < head; i += threads) {
+        store_bytes<Out>(dst + (u64)i * sizeof(Out), conv(load_bytes<In>(src + (u64)i * sizeof(In))));
+    }
+    if (!vector) return;
+
+    const u32 groups = (n - head) / (u32)G;
+    const uint4* __restrict__ vin = reinterpret_cast<const uint4*>(src + (u64)head * sizeof(In));
+    uint4* __restrict__ vout = reinterpret_cast<uint4*>(dst + (u64)head * sizeof(Out));
+#pragma unroll 2
+    for (u32 g = tid; g < groups; g += threads) {
+        union {
+            uint4 v[LOADS];
+            In e[G];
+        } a;
+        union {
+            uint4 v[STORES];
+            Out e[G];
+        } b;
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) a.v[k] = __ldg(vin + (u64)g * LOADS + k);
+#pragma unroll
+        for (int k = 0; k < G; ++k) b.e[k] = conv(a.e[k]);
+#pragma unroll
+        for (int k = 0; k < STORES; ++k) vout[(u64)g * STORES + k] = b.v[k];
+    }
+
+    for (u32 i = head + groups * (u32)G + tid; i < n; i += threads) {
+        store_bytes<Out>(dst + (u64)i * sizeof(Out), conv(load_bytes<In>(src + (u64)i * sizeof(In))));
+    }
+}
+
+// Bytes of one stored element and one slot element for each op; 0 for an unknown op.
+__device__ __forceinline__ void op_sizes(u32 op, u32* in_bytes, u32* out_bytes) {
+    switch (op) {
+        case GF_OP_COPY: *in_bytes = 1; *out_bytes = 1; return;
+        case GF_OP_F16_F32: case GF_OP_BF16_F32: case GF_OP_U16_F32: case GF_OP_I16_F32:
+            *in_bytes = 2; *out_bytes = 4; return;
+        case GF_OP_U8_F32: case GF_OP_I8_F32: *in_bytes = 1; *out_bytes = 4; return;
+        case GF_OP_U32_F32: case GF_OP_I32_F32: *in_bytes = 4; *out_bytes = 4; return;
+        case GF_OP_U64_F32: case GF_OP_I64_F32: case GF_OP_F64_F32: *in_bytes = 8; *out_bytes = 4; return;
+        case GF_OP_U8_I64: case GF_OP_I8_I64: *in_bytes = 1; *out_bytes = 8; return;
+        case GF_OP_U16_I64: case GF_OP_I16_I64: *in_bytes = 2; *out_bytes = 8; return;
+        case GF_OP_U32_I64: case GF_OP_I32_I64: *in_bytes = 4; *out_bytes = 8; return;
+        default: *in_bytes = 0; *out_bytes = 0; return;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+gf_gather_convert(const GatherPiece* __restrict__ pieces, u32 piece_count, GatherSources sources,
+                  u8* __restrict__ dst, u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
+    for (u32 p = blockIdx.x; p < piece_count; p += gridDim.x) {
+        const GatherPiece piece = pieces[p];
+        u32 in_bytes, out_bytes;
+        op_sizes(piece.op, &in_bytes, &out_bytes);
+        const u64 n = piece.elements;
+        // Select the source with constant indices: a run-time index into a by-value parameter would copy
+        // the whole table to local memory.
+        u64 source_ptr = 0, source_bytes = 0;
+#pragma unroll
+        for (u32 k = 0; k < GF_GATHER_SOURCES_MAX; ++k) {
+            if (k == (u32)piece.source && k < sources.count) {
+                source_ptr = sources.ptr[k];
+                source_bytes = sources.bytes[k];
+            }
+        }
+        const bool fits = in_bytes != 0u && source_ptr != 0u &&
+                          extent_fits(piece.src_offset, n * in_bytes, source_bytes) &&
+                          extent_fits(piece.dst_offset, n * out_bytes, dst_capacity);
+        if (!fits) {
+            if (threadIdx.x == 0) {
+                atomicAdd(&outcome->faulted_pieces, 1u);
+                atomicMax(&outcome->last_faulted_plus_1, p + 1u);
+            }
+            continue;
+        }
+        const u8* src = reinterpret_cast<const u8*>(source_ptr) + piece.src_offset;
+        u8* out = dst + piece.dst_offset;
+        const u32 count = piece.elements;
+        switch (piece.op) {
+            case GF_OP_COPY: convert_piece<u8, u8>(src, out, count, CopyByte()); break;
+            case GF_OP_F16_F32: convert_piece<u16, float>(src, out, count, F16ToF32()); break;
+            case GF_OP_BF16_F32: convert_piece<u16, float>(src, out, count, Bf16ToF32()); break;
+            case GF_OP_U8_F32: {
+                U8ToF32 conv;
+                conv.scale = piece.scale;
+                convert_piece<u8, float>(src, out, count, conv);
+                break;
+            }
+            case GF_OP_I8_F32: convert_piece<i8, float>(src, out, count, IntToF32<i8>()); break;
+            case GF_OP_U16_F32: convert_piece<u16, float>(src, out, count, IntToF32<u16>()); break;
+            case GF_OP_I16_F32: convert_piece<i16, float>(src, out, count, IntToF32<i16>()); break;
+            case GF_OP_U32_F32: convert_piece<u32, float>(src, out, count, IntToF32<u32>()); break;
+            case GF_OP_I32_F32: convert_piece<i32, float>(src, out, count, IntToF32<i32>()); break;
+            case GF_OP_U64_F32: convert_piece<u64, float>(src, out, count, IntToF32<u64>()); break;
+            case GF_OP_I64_F32: convert_piece<i64, float>(src, out, count, IntToF32<i64>()); break;
+            case GF_OP_F64_F32: convert_piece<u64, float>(src, out, count, F64ToF32()); break;
+            case GF_OP_U8_I64: convert_piece<u8, i64>(src, out, count, IntToI64<u8>()); break;
+            case GF_OP_I8_I64: convert_piece<i8, i64>(src, out, count, IntToI64<i8>()); break;
+            case GF_OP_U16_I64: convert_piece<u16, i64>(src, out, count, IntToI64<u16>()); break;
+            case GF_OP_I16_I64: convert_piece<i16, i64>(src, out, count, IntToI64<i16>()); break;
+            case GF_OP_U32_I64: convert_piece<u32, i64>(src, out, count, IntToI64<u32>()); break;
+            case GF_OP_I32_I64: convert_piece<i32, i64>(src, out, count, IntToI64<i32>()); break;
+            default: break;
+        }
+    }
+}

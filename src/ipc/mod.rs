@@ -1,0 +1,10 @@
+//! The consumer-facing side of the daemon: a Unix socket speaking the protocol of
+//! `gpufeed_client::protocol` (`docs/PROTOCOL.md`), one thread per session, and the slot leases.
+//!
+//! *Invariant*: only this module and the client crate know the wire format. A malformed frame ends
+//! that session with an error frame; it never affects the daemon or other sessions.
+
+pub mod server;
+pub mod slots;
+
+pub use server::{Counters, Server, ServerConfig};

@@ -1,0 +1,542 @@
+//! The socket server: accepts consumers, checks their uid, runs one session per connection.
+
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread;
+
+use gpufeed_client::protocol::{
+    Backend, BatchField, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message,
+    StreamLayout, StreamSpec,
+};
+use gpufeed_client::transport::{self, TransportError};
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+
+use super::slots::{Lease, SlotRing};
+use crate::pipeline::{Assembler, FillError, StreamLimits, StreamPlan};
+use crate::registry::Registry;
+
+/// Settings of the socket server, all bounded.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Where the socket is created (mode 0600).
+    pub socket_path: PathBuf,
+    /// Peer uids allowed to connect.
+    pub allowed_uids: Vec<u32>,
+    /// Most concurrent sessions.
+    pub sessions_max: u32,
+    /// Most bytes of slot memory over all streams.
+    pub slot_memory_bytes_max: u64,
+    /// Per-stream bounds.
+    pub stream_limits: StreamLimits,
+}
+
+/// Counters shared by all sessions; also what `Status` reports.
+#[derive(Default, Debug)]
+pub struct Counters {
+    sessions: AtomicU32,
+    streams: AtomicU32,
+    slots: AtomicU64,
+    slot_bytes: AtomicU64,
+    batches: AtomicU64,
+    replaced: AtomicU64,
+}
+
+impl Counters {
+    /// A snapshot.
+    pub fn status(&self) -> DaemonStatus {
+        DaemonStatus {
+            sessions: self.sessions.load(Ordering::SeqCst),
+            streams: self.streams.load(Ordering::SeqCst),
+            slots_allocated: self.slots.load(Ordering::SeqCst),
+            slot_bytes_allocated: self.slot_bytes.load(Ordering::SeqCst),
+            batches_served: self.batches.load(Ordering::SeqCst),
+            samples_replaced: self.replaced.load(Ordering::SeqCst),
+        }
+    }
+}
+
+struct Shared {
+    config: ServerConfig,
+    registry: Arc<Registry>,
+    counters: Arc<Counters>,
+    next_session: AtomicU64,
+}
+
+/// A bound socket, ready to serve.
+pub struct Server {
+    listener: UnixListener,
+    shared: Arc<Shared>,
+}
+
+impl Server {
+    /// Creates the socket at `config.socket_path`, replacing a stale one left by a daemon that died
+    /// (one nobody is listening on); refuses if another daemon is listening there.
+    pub fn bind(config: ServerConfig, registry: Arc<Registry>) -> io::Result<Server> {
+        let path = &config.socket_path;
+        if path.exists() {
+            match UnixStream::connect(path) {
+                Ok(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!("{}: another daemon is listening there", path.display()),
+                    ))
+                }
+                Err(_) => std::fs::remove_file(path)?,
+            }
+        }
+        let listener = UnixListener::bind(path)?;
+        // Owner-only access; the uid allowlist is checked on every connection as well, which also
+        // covers the moment between bind and chmod.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        Ok(Server {
+            listener,
+            shared: Arc::new(Shared {
+                config,
+                registry,
+                counters: Arc::new(Counters::default()),
+                next_session: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The counters, for status reporting.
+    pub fn counters(&self) -> Arc<Counters> {
+        Arc::clone(&self.shared.counters)
+    }
+
+    /// Accepts connections until the listener fails, one thread per session.
+    pub fn run(&self) -> io::Result<()> {
+        for connection in self.listener.incoming() {
+            let socket = match connection {
+                Ok(socket) => socket,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => {
+                    tracing::warn!("accept failed: {error}");
+                    continue;
+                }
+            };
+            let shared = Arc::clone(&self.shared);
+            let spawned = thread::Builder::new()
+                .name("gpufeed-session".into())
+                .spawn(move || run_session(shared, socket));
+            if let Err(error) = spawned {
+                tracing::error!("cannot start a session thread: {error}");
+            }
+        }
+        Ok(())
+    }
+}
+
+fn send_error(socket: &Mutex<UnixStream>, code: ErrorCode, message: String) {
+    tracing::info!("session error ({code:?}): {message}");
+    let socket = socket.lock().expect("socket lock poisoned");
+    let _ = transport::send(&socket, &Message::Error { code, message }, &[]);
+}
+
+/// Decrements the session count when a session ends, however it ends.
+struct SessionSlot<'a>(&'a Counters);
+
+impl Drop for SessionSlot<'_> {
+    fn drop(&mut self) {
+        self.0.sessions.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn run_session(shared: Arc<Shared>, socket: UnixStream) {
+    let reader = socket;
+    let writer = match reader.try_clone() {
+        Ok(writer) => Arc::new(Mutex::new(writer)),
+        Err(error) => {
+            tracing::warn!("cannot clone the session socket: {error}");
+            return;
+        }
+    };
+    let uid = match getsockopt(&reader, PeerCredentials) {
+        Ok(credentials) => credentials.uid(),
+        Err(error) => {
+            send_error(
+                &writer,
+                ErrorCode::PermissionDenied,
+                format!("cannot read peer credentials: {error}"),
+            );
+            return;
+        }
+    };
+    if !shared.config.allowed_uids.contains(&uid) {
+        send_error(
+            &writer,
+            ErrorCode::PermissionDenied,
+            format!("uid {uid} is not allowed to connect"),
+        );
+        return;
+    }
+    let counters = &shared.counters;
+    if counters.sessions.fetch_add(1, Ordering::SeqCst) >= shared.config.sessions_max {
+        counters.sessions.fetch_sub(1, Ordering::SeqCst);
+        send_error(
+            &writer,
+            ErrorCode::ResourceExhausted,
+            format!(
+                "the daemon serves at most {} sessions",
+                shared.config.sessions_max
+            ),
+        );
+        return;
+    }
+    let _session_slot = SessionSlot(counters);
+    let session_id = shared.next_session.fetch_add(1, Ordering::SeqCst);
+    match transport::recv(&reader) {
+        Ok((Message::Hello { client }, _)) => {
+            tracing::info!("session {session_id}: {client} (uid {uid})");
+        }
+        Ok((other, _)) => {
+            send_error(
+                &writer,
+                ErrorCode::BadFrame,
+                format!("expected Hello, got {}", kind_name(&other)),
+            );
+            return;
+        }
+        Err(error) => {
+            if !matches!(error, TransportError::Closed) {
+                send_error(&writer, ErrorCode::BadFrame, error.to_string());
+            }
+            return;
+        }
+    }
+    let welcome = Message::Welcome {
+        session: session_id,
+        backend: Backend::Cpu,
+        daemon_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    if transport::send(&writer.lock().expect("socket lock poisoned"), &welcome, &[]).is_err() {
+        return;
+    }
+    let mut stream: Option<RunningStream> = None;
+    loop {
+        let message = match transport::recv(&reader) {
+            Ok((message, fds)) => {
+                if !fds.is_empty() {
+                    send_error(
+                        &writer,
+                        ErrorCode::BadFrame,
+                        "consumers may not pass descriptors".into(),
+                    );
+                    break;
+                }
+                message
+            }
+            Err(TransportError::Closed) => break,
+            Err(error) => {
+                send_error(&writer, ErrorCode::BadFrame, error.to_string());
+                break;
+            }
+        };
+        match message {
+            Message::OpenStream(spec) => {
+                if stream.is_some() {
+                    send_error(
+                        &writer,
+                        ErrorCode::BadRequest,
+                        "this session already has a stream".into(),
+                    );
+                    break;
+                }
+                match open_stream(&shared, &writer, spec) {
+                    Ok(running) => stream = Some(running),
+                    Err((code, message)) => {
+                        send_error(&writer, code, message);
+                        break;
+                    }
+                }
+            }
+            Message::Release { slot } => {
+                let Some(running) = &stream else {
+                    send_error(
+                        &writer,
+                        ErrorCode::BadRequest,
+                        "Release before OpenStream".into(),
+                    );
+                    break;
+                };
+                if let Err(error) = running.release(slot) {
+                    send_error(&writer, ErrorCode::BadRequest, error);
+                    break;
+                }
+            }
+            Message::StatusRequest => {
+                let status = Message::Status(counters.status());
+                if transport::send(&writer.lock().expect("socket lock poisoned"), &status, &[])
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            Message::Close => break,
+            other => {
+                send_error(
+                    &writer,
+                    ErrorCode::BadFrame,
+                    format!("{} is not a message a consumer sends", kind_name(&other)),
+                );
+                break;
+            }
+        }
+    }
+    if let Some(running) = stream {
+        running.stop(&reader);
+    }
+    tracing::info!("session {session_id} ended");
+}
+
+fn kind_name(message: &Message) -> &'static str {
+    match message {
+        Message::Hello { .. } => "Hello",
+        Message::Welcome { .. } => "Welcome",
+        Message::OpenStream(_) => "OpenStream",
+        Message::StreamOpened(_) => "StreamOpened",
+        Message::Batch(_) => "Batch",
+        Message::Release { .. } => "Release",
+        Message::EndOfEpoch { .. } => "EndOfEpoch",
+        Message::Error { .. } => "Error",
+        Message::Close => "Close",
+        Message::StatusRequest => "StatusRequest",
+        Message::Status(_) => "Status",
+    }
+}
+
+/// A stream being served: its slots, the filler thread and the channel that returns released slots.
+struct RunningStream {
+    ring: Arc<SlotRing>,
+    release: SyncSender<u32>,
+    stop: Arc<AtomicBool>,
+    filler: thread::JoinHandle<()>,
+    counters: Arc<Counters>,
+}
+
+impl RunningStream {
+    fn release(&self, slot: u32) -> Result<(), String> {
+        self.ring
+            .transition(slot, Lease::Consumer, Lease::Free)
+            .map_err(|e| format!("Release: {e}"))?;
+        // The channel holds as many entries as there are slots and each slot is in it at most once,
+        // so this never blocks.
+        let _ = self.release.try_send(slot);
+        Ok(())
+    }
+
+    /// Ends the stream: stops the filler, waits for it, and frees the slots.
+    fn stop(self, socket: &UnixStream) {
+        self.stop.store(true, Ordering::SeqCst);
+        // The filler may be blocked waiting for a free slot (the channel closes when `release` drops)
+        // or writing to a consumer that is gone (shutting the socket down ends that write).
+        drop(self.release);
+        let _ = socket.shutdown(std::net::Shutdown::Both);
+        let _ = self.filler.join();
+        let slots = self.ring.len() as u64;
+        let bytes = slots * self.ring.slot_bytes() as u64;
+        drop(self.ring);
+        self.counters.slots.fetch_sub(slots, Ordering::SeqCst);
+        self.counters.slot_bytes.fetch_sub(bytes, Ordering::SeqCst);
+        self.counters.streams.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn open_stream(
+    shared: &Arc<Shared>,
+    writer: &Arc<Mutex<UnixStream>>,
+    spec: StreamSpec,
+) -> Result<RunningStream, (ErrorCode, String)> {
+    if spec.device != Device::Cpu {
+        return Err((
+            ErrorCode::BadRequest,
+            format!(
+                "device {:?} is not served: this daemon runs the CPU backend",
+                spec.device
+            ),
+        ));
+    }
+    let dataset = shared.registry.get(&spec.dataset).ok_or_else(|| {
+        (
+            ErrorCode::UnknownDataset,
+            format!(
+                "no dataset named '{}' (registered: {})",
+                spec.dataset,
+                shared.registry.names().join(", ")
+            ),
+        )
+    })?;
+    let limits = &shared.config.stream_limits;
+    let plan = Arc::new(
+        StreamPlan::new(dataset, &spec, limits)
+            .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
+    );
+    let ring_bytes = plan.slot_bytes as u64 * plan.slot_count as u64;
+    let counters = Arc::clone(&shared.counters);
+    let before = counters.slot_bytes.fetch_add(ring_bytes, Ordering::SeqCst);
+    if before + ring_bytes > shared.config.slot_memory_bytes_max {
+        counters.slot_bytes.fetch_sub(ring_bytes, Ordering::SeqCst);
+        return Err((
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{ring_bytes} bytes of slots would exceed the daemon's {}-byte slot memory limit",
+                shared.config.slot_memory_bytes_max
+            ),
+        ));
+    }
+    let undo = |code, message: String| {
+        counters.slot_bytes.fetch_sub(ring_bytes, Ordering::SeqCst);
+        (code, message)
+    };
+    let ring = Arc::new(
+        SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
+            undo(
+                ErrorCode::ResourceExhausted,
+                format!("cannot allocate slots: {e}"),
+            )
+        })?,
+    );
+    let assembler = Assembler::new(Arc::clone(&plan), limits)
+        .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
+    if let Some(note) = &assembler.engine_note {
+        tracing::warn!("{note}");
+    }
+    let layout = StreamLayout {
+        slot_count: plan.slot_count,
+        slot_bytes: plan.slot_bytes as u64,
+        epoch_samples: plan.order.len(),
+        steps: plan.steps,
+        fields: plan
+            .fields
+            .iter()
+            .map(|f| FieldLayout {
+                name: f.name.clone(),
+                dtype: f.out,
+                sample_shape: f.sample_shape.clone(),
+                offset: f.offset as u64,
+                batch_bytes: (f.sample_bytes_out * plan.rank.batch_size as usize) as u64,
+            })
+            .collect(),
+    };
+    {
+        let socket = writer.lock().expect("socket lock poisoned");
+        transport::send(&socket, &Message::StreamOpened(layout), &ring.fds())
+            .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
+    }
+    counters
+        .slots
+        .fetch_add(plan.slot_count as u64, Ordering::SeqCst);
+    counters.streams.fetch_add(1, Ordering::SeqCst);
+    let (release, free) = sync_channel(plan.slot_count as usize);
+    for slot in 0..plan.slot_count {
+        release
+            .try_send(slot)
+            .expect("channel sized for every slot");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let filler = {
+        let (ring, stop, writer, counters) = (
+            Arc::clone(&ring),
+            Arc::clone(&stop),
+            Arc::clone(writer),
+            Arc::clone(&counters),
+        );
+        thread::Builder::new()
+            .name("gpufeed-filler".into())
+            .spawn(move || fill_stream(plan, assembler, ring, free, stop, writer, counters))
+            .map_err(|e| {
+                (
+                    ErrorCode::Internal,
+                    format!("cannot start the filler thread: {e}"),
+                )
+            })?
+    };
+    Ok(RunningStream {
+        ring,
+        release,
+        stop,
+        filler,
+        counters,
+    })
+}
+
+/// The filler: for each step, waits for a free slot, fills it and hands it to the consumer.
+fn fill_stream(
+    plan: Arc<StreamPlan>,
+    mut assembler: Assembler,
+    ring: Arc<SlotRing>,
+    free: Receiver<u32>,
+    stop: Arc<AtomicBool>,
+    writer: Arc<Mutex<UnixStream>>,
+    counters: Arc<Counters>,
+) {
+    let end_session = |code, message: String| {
+        send_error(&writer, code, message);
+        let socket = writer.lock().expect("socket lock poisoned");
+        let _ = socket.shutdown(std::net::Shutdown::Both);
+    };
+    for step in 0..plan.steps {
+        let Ok(slot) = free.recv() else { return };
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        ring.transition(slot, Lease::Free, Lease::Filling)
+            .expect("only free slots are in the channel");
+        // SAFETY: this thread holds the slot's Filling lease.
+        let memory = unsafe { ring.slot_mut(slot) };
+        let report = match assembler.fill(step, memory) {
+            Ok(report) => report,
+            Err(FillError::Corrupt(message)) => {
+                return end_session(ErrorCode::CorruptData, message)
+            }
+            Err(FillError::Storage(error)) => {
+                return end_session(ErrorCode::Internal, error.to_string())
+            }
+        };
+        ring.transition(slot, Lease::Filling, Lease::Consumer)
+            .expect("the filler holds the lease");
+        let batch = BatchInfo {
+            slot,
+            epoch: plan.epoch,
+            step: plan.epoch_step(step),
+            cursor_after: plan.cursor_after(step),
+            samples: report.samples,
+            replaced: report.replaced,
+            fields: plan
+                .fields
+                .iter()
+                .map(|f| {
+                    let mut shape = vec![report.samples as u64];
+                    shape.extend_from_slice(&f.sample_shape);
+                    BatchField {
+                        offset: f.offset as u64,
+                        dtype: f.out,
+                        shape,
+                    }
+                })
+                .collect(),
+        };
+        let sent = transport::send(
+            &writer.lock().expect("socket lock poisoned"),
+            &Message::Batch(batch),
+            &[],
+        );
+        if sent.is_err() {
+            return;
+        }
+        counters.batches.fetch_add(1, Ordering::SeqCst);
+        counters
+            .replaced
+            .fetch_add(report.replaced as u64, Ordering::SeqCst);
+    }
+    let end = Message::EndOfEpoch {
+        epoch: plan.epoch,
+        steps: plan.steps,
+    };
+    let _ = transport::send(&writer.lock().expect("socket lock poisoned"), &end, &[]);
+}

@@ -1,0 +1,139 @@
+//! A stream's ring of slots in shared host memory (the CPU backend) and the lease on each slot.
+
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Mutex;
+
+use memmap2::MmapMut;
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::sys::memfd::{memfd_create, MFdFlags};
+
+/// Who holds a slot. A slot belongs to exactly one side at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lease {
+    /// Free, waiting for the filler.
+    Free,
+    /// The daemon is writing it.
+    Filling,
+    /// Handed to the consumer; only its release makes it free again.
+    Consumer,
+}
+
+/// One slot: a sealed memfd and the daemon's writable mapping of it.
+struct Slot {
+    file: File,
+    map: MmapMut,
+}
+
+/// A stream's slots and their leases.
+pub struct SlotRing {
+    slots: Vec<Slot>,
+    leases: Mutex<Vec<Lease>>,
+    slot_bytes: usize,
+}
+
+// SAFETY: the mappings are only written through `slot_mut`, whose contract (the Filling lease) gives
+// one thread exclusive access to a slot; the lease table is behind a mutex.
+unsafe impl Sync for SlotRing {}
+
+/// A lease transition that the protocol does not allow (a consumer releasing a slot it does not hold).
+#[derive(Debug, thiserror::Error)]
+#[error("slot {slot} is {state:?}, not held by the consumer")]
+pub struct LeaseError {
+    /// The slot.
+    pub slot: u32,
+    /// Its actual state.
+    pub state: Option<Lease>,
+}
+
+impl SlotRing {
+    /// Creates `count` slots of `slot_bytes` each as sealed memfds.
+    ///
+    /// The memfds are sealed against shrinking and growing so that a consumer holding the descriptor
+    /// cannot truncate the memory under the daemon's mapping (which would crash the daemon with SIGBUS).
+    pub fn new(count: u32, slot_bytes: usize) -> std::io::Result<SlotRing> {
+        let mut slots = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let fd = memfd_create(
+                c"gpufeed-slot",
+                MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+            )
+            .map_err(std::io::Error::from)?;
+            let file = File::from(fd);
+            file.set_len(slot_bytes as u64)?;
+            fcntl(
+                &file,
+                FcntlArg::F_ADD_SEALS(
+                    SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
+                ),
+            )
+            .map_err(std::io::Error::from)?;
+            // SAFETY: the memfd is ours, sealed against resizing, and lives as long as the mapping.
+            let map = unsafe { MmapMut::map_mut(&file)? };
+            slots.push(Slot { file, map });
+        }
+        Ok(SlotRing {
+            slots,
+            leases: Mutex::new(vec![Lease::Free; count as usize]),
+            slot_bytes,
+        })
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// True when the ring has no slots.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Bytes of each slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// The descriptors to pass to the consumer, in slot order.
+    pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
+        self.slots.iter().map(|s| s.file.as_fd()).collect()
+    }
+
+    /// Moves `slot` from `from` to `to`.
+    pub fn transition(&self, slot: u32, from: Lease, to: Lease) -> Result<(), LeaseError> {
+        let mut leases = self.leases.lock().expect("lease lock poisoned");
+        match leases.get_mut(slot as usize) {
+            Some(state) if *state == from => {
+                *state = to;
+                Ok(())
+            }
+            other => Err(LeaseError {
+                slot,
+                state: other.copied(),
+            }),
+        }
+    }
+
+    /// Number of slots in each state, for status.
+    pub fn lease_counts(&self) -> (usize, usize, usize) {
+        let leases = self.leases.lock().expect("lease lock poisoned");
+        let count = |l| leases.iter().filter(|&&s| s == l).count();
+        (
+            count(Lease::Free),
+            count(Lease::Filling),
+            count(Lease::Consumer),
+        )
+    }
+
+    /// The memory of `slot`, for writing.
+    ///
+    /// # Safety
+    /// The caller holds the slot's `Filling` lease, and nobody else calls this for the same slot until
+    /// the lease moves on: that makes this the only live reference to the slot's memory in this process.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
+        let map = &self.slots[slot as usize].map;
+        // SAFETY: exclusive by the caller's lease; the mapping lives as long as `self`.
+        unsafe { std::slice::from_raw_parts_mut(map.as_ptr() as *mut u8, map.len()) }
+    }
+}

@@ -1,0 +1,382 @@
+//! The gather + convert kernel (`kernels/gather.cu`): piece table, conversion ops, launch.
+
+use std::ffi::c_void;
+
+use gpufeed_client::DType;
+
+use crate::device::{
+    fill_async, CacheDir, CompileOptions, Device, DeviceError, DeviceMemory, Kernel, KernelSource,
+    ModuleOrigin, Stream,
+};
+
+/// The kernel source.
+pub const GATHER_SOURCE: KernelSource = KernelSource {
+    name: "gather",
+    source: include_str!("../../kernels/gather.cu"),
+};
+
+/// Bytes of one [`GatherPiece`] in the device table.
+pub const GATHER_PIECE_BYTES: usize = 32;
+/// Bytes of the [`GatherOutcome`] the kernel writes.
+pub const GATHER_OUTCOME_BYTES: usize = 8;
+/// Most source buffers one launch may read from.
+pub const GATHER_SOURCES_MAX: usize = 4;
+/// Threads per block of the gather kernel (its `__launch_bounds__`).
+pub const GATHER_BLOCK_THREADS: u32 = 256;
+/// Largest output of one piece: [`GatherPlan::push`] splits longer runs so that one thread block's
+/// share stays small and many blocks work on a large sample at once.
+pub const GATHER_PIECE_OUT_BYTES_MAX: u64 = 256 << 10;
+
+/// A conversion the gather applies to each element. The codes are those of `kernels/gather.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GatherOp {
+    /// Bytes copied as they are (identity for any dtype; elements count bytes).
+    Copy,
+    /// IEEE half to f32, exact (`half` semantics, NaN quietened).
+    F16ToF32,
+    /// bfloat16 to f32, exact (`half` semantics, NaN quietened).
+    Bf16ToF32,
+    /// u8 to f32, then multiplied by the piece's scale (1.0: exact).
+    U8ToF32,
+    /// i8 to f32, exact.
+    I8ToF32,
+    /// u16 to f32, exact.
+    U16ToF32,
+    /// i16 to f32, exact.
+    I16ToF32,
+    /// u32 to f32, rounded to nearest even.
+    U32ToF32,
+    /// i32 to f32, rounded to nearest even.
+    I32ToF32,
+    /// u64 to f32, rounded to nearest even.
+    U64ToF32,
+    /// i64 to f32, rounded to nearest even.
+    I64ToF32,
+    /// f64 to f32, rounded to nearest even (NaN as x86 converts it).
+    F64ToF32,
+    /// u8 widened to i64.
+    U8ToI64,
+    /// i8 widened to i64.
+    I8ToI64,
+    /// u16 widened to i64.
+    U16ToI64,
+    /// i16 widened to i64.
+    I16ToI64,
+    /// u32 widened to i64.
+    U32ToI64,
+    /// i32 widened to i64.
+    I32ToI64,
+}
+
+impl GatherOp {
+    /// Every op, in code order.
+    pub const ALL: [GatherOp; 18] = [
+        GatherOp::Copy,
+        GatherOp::F16ToF32,
+        GatherOp::Bf16ToF32,
+        GatherOp::U8ToF32,
+        GatherOp::I8ToF32,
+        GatherOp::U16ToF32,
+        GatherOp::I16ToF32,
+        GatherOp::U32ToF32,
+        GatherOp::I32ToF32,
+        GatherOp::U64ToF32,
+        GatherOp::I64ToF32,
+        GatherOp::F64ToF32,
+        GatherOp::U8ToI64,
+        GatherOp::I8ToI64,
+        GatherOp::U16ToI64,
+        GatherOp::I16ToI64,
+        GatherOp::U32ToI64,
+        GatherOp::I32ToI64,
+    ];
+
+    /// The op converting `from` to `to`, as [`crate::decode::convert`] defines them; `None` where
+    /// that conversion is not offered.
+    pub fn for_dtypes(from: DType, to: DType) -> Option<GatherOp> {
+        use DType::*;
+        if from == to {
+            return Some(GatherOp::Copy);
+        }
+        Some(match (from, to) {
+            (F16, F32) => GatherOp::F16ToF32,
+            (BF16, F32) => GatherOp::Bf16ToF32,
+            (U8, F32) => GatherOp::U8ToF32,
+            (I8, F32) => GatherOp::I8ToF32,
+            (U16, F32) => GatherOp::U16ToF32,
+            (I16, F32) => GatherOp::I16ToF32,
+            (U32, F32) => GatherOp::U32ToF32,
+            (I32, F32) => GatherOp::I32ToF32,
+            (U64, F32) => GatherOp::U64ToF32,
+            (I64, F32) => GatherOp::I64ToF32,
+            (F64, F32) => GatherOp::F64ToF32,
+            (U8, I64) => GatherOp::U8ToI64,
+            (I8, I64) => GatherOp::I8ToI64,
+            (U16, I64) => GatherOp::U16ToI64,
+            (I16, I64) => GatherOp::I16ToI64,
+            (U32, I64) => GatherOp::U32ToI64,
+            (I32, I64) => GatherOp::I32ToI64,
+            _ => return None,
+        })
+    }
+
+    /// The (stored, converted) dtypes, or `None` for [`GatherOp::Copy`], which works on bytes.
+    pub fn dtypes(self) -> Option<(DType, DType)> {
+        use DType::*;
+        Some(match self {
+            GatherOp::Copy => return None,
+            GatherOp::F16ToF32 => (F16, F32),
+            GatherOp::Bf16ToF32 => (BF16, F32),
+            GatherOp::U8ToF32 => (U8, F32),
+            GatherOp::I8ToF32 => (I8, F32),
+            GatherOp::U16ToF32 => (U16, F32),
+            GatherOp::I16ToF32 => (I16, F32),
+            GatherOp::U32ToF32 => (U32, F32),
+            GatherOp::I32ToF32 => (I32, F32),
+            GatherOp::U64ToF32 => (U64, F32),
+            GatherOp::I64ToF32 => (I64, F32),
+            GatherOp::F64ToF32 => (F64, F32),
+            GatherOp::U8ToI64 => (U8, I64),
+            GatherOp::I8ToI64 => (I8, I64),
+            GatherOp::U16ToI64 => (U16, I64),
+            GatherOp::I16ToI64 => (I16, I64),
+            GatherOp::U32ToI64 => (U32, I64),
+            GatherOp::I32ToI64 => (I32, I64),
+        })
+    }
+
+    /// The kernel's code.
+    pub fn code(self) -> u8 {
+        GatherOp::ALL
+            .iter()
+            .position(|&op| op == self)
+            .expect("every op is in ALL") as u8
+    }
+
+    /// Bytes of one stored element.
+    pub fn in_bytes(self) -> u64 {
+        self.dtypes()
+            .map_or(1, |(from, _)| from.size_bytes() as u64)
+    }
+
+    /// Bytes of one converted element.
+    pub fn out_bytes(self) -> u64 {
+        self.dtypes().map_or(1, |(_, to)| to.size_bytes() as u64)
+    }
+}
+
+/// One run of elements to copy from a source buffer into the slot, converting on the way.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GatherPiece {
+    /// Index of the source buffer (given at launch).
+    pub source: u16,
+    /// Byte offset of the first element in the source.
+    pub src_offset: u64,
+    /// Byte offset of the first converted element in the slot.
+    pub dst_offset: u64,
+    /// Elements (bytes, for [`GatherOp::Copy`]).
+    pub elements: u32,
+    /// The conversion.
+    pub op: GatherOp,
+    /// Multiplier for [`GatherOp::U8ToF32`] (1.0 for an exact conversion); ignored by other ops.
+    pub scale: f32,
+}
+
+impl GatherPiece {
+    /// Appends the piece's 32-byte device encoding (the layout of `struct GatherPiece`).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.src_offset.to_le_bytes());
+        out.extend_from_slice(&self.dst_offset.to_le_bytes());
+        out.extend_from_slice(&self.elements.to_le_bytes());
+        out.extend_from_slice(&self.source.to_le_bytes());
+        out.push(self.op.code());
+        out.push(0);
+        out.extend_from_slice(&self.scale.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+    }
+}
+
+/// A batch's piece table, built on the host in the order the pipeline chose.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GatherPlan {
+    pieces: Vec<GatherPiece>,
+}
+
+impl GatherPlan {
+    /// An empty plan.
+    pub fn new() -> GatherPlan {
+        GatherPlan::default()
+    }
+
+    /// Adds a run of `elements` elements, split into pieces of at most
+    /// [`GATHER_PIECE_OUT_BYTES_MAX`] output bytes.
+    pub fn push(
+        &mut self,
+        source: u16,
+        src_offset: u64,
+        dst_offset: u64,
+        elements: u64,
+        op: GatherOp,
+        scale: f32,
+    ) {
+        let per_piece = (GATHER_PIECE_OUT_BYTES_MAX / op.out_bytes()).max(1);
+        let mut done = 0u64;
+        while done < elements {
+            let n = (elements - done).min(per_piece);
+            self.pieces.push(GatherPiece {
+                source,
+                src_offset: src_offset + done * op.in_bytes(),
+                dst_offset: dst_offset + done * op.out_bytes(),
+                elements: n as u32,
+                op,
+                scale,
+            });
+            done += n;
+        }
+    }
+
+    /// Adds one piece as it is (no splitting; for tests of the kernel's checks).
+    pub fn push_piece(&mut self, piece: GatherPiece) {
+        self.pieces.push(piece);
+    }
+
+    /// The pieces.
+    pub fn pieces(&self) -> &[GatherPiece] {
+        &self.pieces
+    }
+
+    /// The device encoding of the table.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.pieces.len() * GATHER_PIECE_BYTES);
+        for piece in &self.pieces {
+            piece.encode(&mut out);
+        }
+        out
+    }
+}
+
+/// What the kernel reports for a launch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatherOutcome {
+    /// Pieces skipped because they did not fit their source or the slot (or named no source).
+    pub faulted_pieces: u32,
+    /// One more than the index of the last skipped piece; 0 when none was.
+    pub last_faulted_plus_1: u32,
+}
+
+impl GatherOutcome {
+    /// Decodes the 8 bytes copied back from the device.
+    pub fn decode(bytes: &[u8]) -> GatherOutcome {
+        GatherOutcome {
+            faulted_pieces: u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes")),
+            last_faulted_plus_1: u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes")),
+        }
+    }
+}
+
+/// `struct GatherSources` of the kernel, passed by value.
+#[repr(C)]
+struct GatherSourcesParam {
+    ptr: [u64; GATHER_SOURCES_MAX],
+    bytes: [u64; GATHER_SOURCES_MAX],
+    count: u32,
+    reserved: u32,
+}
+
+/// The compiled gather + convert kernel for one device.
+pub struct Gatherer {
+    kernel: Kernel,
+    grid_max: u32,
+}
+
+impl Gatherer {
+    /// Loads (compiling if needed) the kernel.
+    pub fn new(device: &Device, cache: CacheDir) -> Result<(Gatherer, ModuleOrigin), DeviceError> {
+        let options = CompileOptions {
+            defines: Vec::new(),
+            cache,
+        };
+        let (module, origin) = device.load_module(&GATHER_SOURCE, &options)?;
+        let kernel = module.kernel(device, "gf_gather_convert")?;
+        let per_sm = kernel
+            .blocks_per_multiprocessor(GATHER_BLOCK_THREADS)?
+            .max(1);
+        let grid_max = per_sm * device.properties().multiprocessors.max(1);
+        Ok((Gatherer { kernel, grid_max }, origin))
+    }
+
+    /// Queues the gather of `piece_count` pieces encoded in `pieces` ([`GatherPlan::encode`]) from
+    /// `sources` into `dst`; the launch's [`GatherOutcome`] goes to `outcome` (zeroed first, on the
+    /// same stream).
+    ///
+    /// The kernel writes only inside `dst` (the extents of pieces that fit) and `outcome`, and reads
+    /// only inside the sources and the piece table.
+    ///
+    /// # Safety
+    /// Every buffer stays allocated until the launch has completed on `stream`; nothing else writes the
+    /// table or the sources, or touches `dst` or `outcome`, meanwhile. No source overlaps `dst`.
+    pub unsafe fn gather_async(
+        &self,
+        stream: &Stream,
+        pieces: &dyn DeviceMemory,
+        piece_count: u32,
+        sources: &[&dyn DeviceMemory],
+        dst: &dyn DeviceMemory,
+        outcome: &dyn DeviceMemory,
+    ) -> Result<(), DeviceError> {
+        assert!(
+            sources.len() <= GATHER_SOURCES_MAX,
+            "at most {GATHER_SOURCES_MAX} gather sources"
+        );
+        let table_bytes = piece_count as u64 * GATHER_PIECE_BYTES as u64;
+        if table_bytes > pieces.len() as u64 {
+            return Err(DeviceError::OutOfBounds {
+                what: "gather piece table",
+                offset: 0,
+                bytes: table_bytes,
+                capacity: pieces.len() as u64,
+            });
+        }
+        if outcome.len() < GATHER_OUTCOME_BYTES {
+            return Err(DeviceError::OutOfBounds {
+                what: "gather outcome",
+                offset: 0,
+                bytes: GATHER_OUTCOME_BYTES as u64,
+                capacity: outcome.len() as u64,
+            });
+        }
+        fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0)?;
+        if piece_count == 0 {
+            return Ok(());
+        }
+        let mut table = GatherSourcesParam {
+            ptr: [0; GATHER_SOURCES_MAX],
+            bytes: [0; GATHER_SOURCES_MAX],
+            count: sources.len() as u32,
+            reserved: 0,
+        };
+        for (i, source) in sources.iter().enumerate() {
+            table.ptr[i] = source.device_ptr();
+            table.bytes[i] = source.len() as u64;
+        }
+        let grid = piece_count.min(self.grid_max);
+        let mut pieces_ptr = pieces.device_ptr();
+        let mut count = piece_count;
+        let mut dst_ptr = dst.device_ptr();
+        let mut dst_capacity = dst.len() as u64;
+        let mut outcome_ptr = outcome.device_ptr();
+        let mut params: [*mut c_void; 6] = [
+            &mut pieces_ptr as *mut u64 as *mut c_void,
+            &mut count as *mut u32 as *mut c_void,
+            &mut table as *mut GatherSourcesParam as *mut c_void,
+            &mut dst_ptr as *mut u64 as *mut c_void,
+            &mut dst_capacity as *mut u64 as *mut c_void,
+            &mut outcome_ptr as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: the parameters match gf_gather_convert's signature (pointer, u32, GatherSources by
+        // value with the same #[repr(C)] layout, pointer, u64, pointer); the table holds piece_count
+        // entries; buffer lifetimes are the caller's contract.
+        self.kernel
+            .launch(stream, grid, GATHER_BLOCK_THREADS, &mut params)
+    }
+}

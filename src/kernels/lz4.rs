@@ -1,0 +1,289 @@
+//! The LZ4 block decoder kernel (`kernels/lz4.cu`): job table, per-block outcomes, launch.
+
+use std::ffi::c_void;
+
+use crate::device::{
+    CacheDir, CompileOptions, Device, DeviceError, DeviceMemory, Kernel, KernelSource,
+    ModuleOrigin, Stream,
+};
+use crate::format::{BlockEntry, Codec, Filter};
+
+/// The kernel source.
+pub const LZ4_SOURCE: KernelSource = KernelSource {
+    name: "lz4",
+    source: include_str!("../../kernels/lz4.cu"),
+};
+
+/// Bytes of one [`Lz4Job`] in the device table.
+pub const LZ4_JOB_BYTES: usize = 40;
+/// Bytes of one [`Lz4Outcome`] in the device table.
+pub const LZ4_OUTCOME_BYTES: usize = 8;
+/// Widest element the kernel's unshuffle accepts (wider jobs fail with [`Lz4Status::BadJob`]).
+pub const SHUFFLE_BYTES_MAX: u32 = 16;
+
+/// One block for the decoder: where its stored bytes are, where its output goes.
+///
+/// Offsets are relative to the source and destination buffers given at launch; the kernel checks
+/// every job's extents against those buffers' lengths before touching them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lz4Job {
+    /// First stored byte in the source buffer.
+    pub src_offset: u64,
+    /// Stored length.
+    pub src_bytes: u32,
+    /// First output byte in the destination buffer.
+    pub dst_offset: u64,
+    /// Length the block must decode to.
+    pub raw_bytes: u32,
+    /// The byte-shuffle filter to undo, if any.
+    pub unshuffle: Option<Unshuffle>,
+}
+
+/// Undoing a byte shuffle needs the block's shuffled bytes somewhere first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unshuffle {
+    /// Element width of the filter, in bytes (2 to 16).
+    pub element_bytes: u32,
+    /// Where, in the destination buffer, the shuffled bytes are decoded to before the unshuffle writes
+    /// the final bytes at `dst_offset`; `raw_bytes` long, not overlapping the output.
+    pub scratch_offset: u64,
+}
+
+impl Lz4Job {
+    /// The job for one block of the shard format, or `None` for a raw block, which the decoder never
+    /// touches (the gather reads it where it was staged). `element_bytes` is the field's element width;
+    /// `scratch_offset` is used only when the block is byte-shuffled.
+    pub fn for_block(
+        block: &BlockEntry,
+        element_bytes: u32,
+        src_offset: u64,
+        dst_offset: u64,
+        scratch_offset: u64,
+    ) -> Option<Lz4Job> {
+        match block.codec {
+            Codec::Raw => None,
+            Codec::Lz4 => Some(Lz4Job {
+                src_offset,
+                src_bytes: block.stored_bytes,
+                dst_offset,
+                raw_bytes: block.raw_bytes,
+                unshuffle: match block.filter {
+                    Filter::ByteShuffle if element_bytes > 1 => Some(Unshuffle {
+                        element_bytes,
+                        scratch_offset,
+                    }),
+                    _ => None,
+                },
+            }),
+        }
+    }
+
+    /// Appends the job's 40-byte device encoding (the layout of `struct Lz4Job` in the kernel).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        let (scratch, width) = match self.unshuffle {
+            Some(u) => (u.scratch_offset, u.element_bytes),
+            None => (0, 0),
+        };
+        out.extend_from_slice(&self.src_offset.to_le_bytes());
+        out.extend_from_slice(&self.dst_offset.to_le_bytes());
+        out.extend_from_slice(&scratch.to_le_bytes());
+        out.extend_from_slice(&self.src_bytes.to_le_bytes());
+        out.extend_from_slice(&self.raw_bytes.to_le_bytes());
+        out.extend_from_slice(&width.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+    }
+
+    /// The device encoding of a whole table.
+    pub fn encode_all(jobs: &[Lz4Job]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(jobs.len() * LZ4_JOB_BYTES);
+        for job in jobs {
+            job.encode(&mut out);
+        }
+        out
+    }
+}
+
+/// What the decoder made of one block. The codes are those of `kernels/lz4.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lz4Status {
+    /// Decoded to exactly `raw_bytes` (and unshuffled, when filtered).
+    Ok,
+    /// The input ended inside a sequence, or a literal run reached past it.
+    InputOverrun,
+    /// A literal run or match would have written past `raw_bytes`.
+    OutputOverrun,
+    /// A match offset of zero or one reaching before the start of the output.
+    BadOffset,
+    /// The block decoded to fewer bytes than `raw_bytes`.
+    SizeMismatch,
+    /// The job itself was invalid (extents outside the buffers, bad filter width, scratch overlapping
+    /// the output); nothing was read or written.
+    BadJob,
+    /// A code this build does not know (never produced by the matching kernel).
+    Unknown(u32),
+}
+
+impl Lz4Status {
+    /// The status for a kernel code.
+    pub fn from_code(code: u32) -> Lz4Status {
+        match code {
+            0 => Lz4Status::Ok,
+            1 => Lz4Status::InputOverrun,
+            2 => Lz4Status::OutputOverrun,
+            3 => Lz4Status::BadOffset,
+            4 => Lz4Status::SizeMismatch,
+            5 => Lz4Status::BadJob,
+            other => Lz4Status::Unknown(other),
+        }
+    }
+
+    /// The kernel code.
+    pub fn code(self) -> u32 {
+        match self {
+            Lz4Status::Ok => 0,
+            Lz4Status::InputOverrun => 1,
+            Lz4Status::OutputOverrun => 2,
+            Lz4Status::BadOffset => 3,
+            Lz4Status::SizeMismatch => 4,
+            Lz4Status::BadJob => 5,
+            Lz4Status::Unknown(code) => code,
+        }
+    }
+}
+
+/// The decoder's report on one job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lz4Outcome {
+    /// The status.
+    pub status: Lz4Status,
+    /// Bytes decoded before the end or the fault.
+    pub produced: u32,
+}
+
+impl Lz4Outcome {
+    /// Decodes a table of outcomes copied back from the device (8 bytes each).
+    pub fn decode_all(bytes: &[u8]) -> Vec<Lz4Outcome> {
+        bytes
+            .chunks_exact(LZ4_OUTCOME_BYTES)
+            .map(|c| Lz4Outcome {
+                status: Lz4Status::from_code(u32::from_le_bytes(
+                    c[0..4].try_into().expect("4 bytes"),
+                )),
+                produced: u32::from_le_bytes(c[4..8].try_into().expect("4 bytes")),
+            })
+            .collect()
+    }
+}
+
+/// The compiled decoder for one device.
+pub struct Lz4Decoder {
+    kernel: Kernel,
+    warps_per_block: u32,
+}
+
+impl Lz4Decoder {
+    /// Loads (compiling if needed) the decoder with `warps_per_block` warps (blocks decoded at once)
+    /// per thread block; 1 to 32.
+    pub fn new(
+        device: &Device,
+        warps_per_block: u32,
+        cache: CacheDir,
+    ) -> Result<(Lz4Decoder, ModuleOrigin), DeviceError> {
+        assert!(
+            (1..=32).contains(&warps_per_block),
+            "1 to 32 warps per block"
+        );
+        let options = CompileOptions {
+            defines: vec![("GF_LZ4_WARPS".into(), warps_per_block.to_string())],
+            cache,
+        };
+        let (module, origin) = device.load_module(&LZ4_SOURCE, &options)?;
+        let kernel = module.kernel(device, "gf_lz4_decode")?;
+        Ok((
+            Lz4Decoder {
+                kernel,
+                warps_per_block,
+            },
+            origin,
+        ))
+    }
+
+    /// Warps (blocks decoded at once) per thread block.
+    pub fn warps_per_block(&self) -> u32 {
+        self.warps_per_block
+    }
+
+    /// The kernel, for occupancy queries.
+    pub fn kernel(&self) -> &Kernel {
+        &self.kernel
+    }
+
+    /// Queues the decoding of `job_count` jobs, encoded in `jobs` ([`Lz4Job::encode_all`]), reading
+    /// stored bytes from `src` and writing into `dst`; one [`Lz4Outcome`] per job goes to `outcomes`.
+    ///
+    /// The kernel writes nothing outside the extents of valid jobs in `dst` and the outcome table, and
+    /// reads nothing outside the jobs' extents in `src` and the job table, whatever the stored bytes.
+    ///
+    /// # Safety
+    /// All four buffers stay allocated until the launch has completed on `stream`; nothing else writes
+    /// `jobs` or `src`, or touches `dst` or `outcomes`, meanwhile. `src` and `dst` are different
+    /// allocations (the kernel reads `src` through the read-only cache).
+    pub unsafe fn decode_async(
+        &self,
+        stream: &Stream,
+        jobs: &dyn DeviceMemory,
+        job_count: u32,
+        src: &dyn DeviceMemory,
+        dst: &dyn DeviceMemory,
+        outcomes: &dyn DeviceMemory,
+    ) -> Result<(), DeviceError> {
+        let table_bytes = job_count as u64 * LZ4_JOB_BYTES as u64;
+        if table_bytes > jobs.len() as u64 {
+            return Err(DeviceError::OutOfBounds {
+                what: "LZ4 job table",
+                offset: 0,
+                bytes: table_bytes,
+                capacity: jobs.len() as u64,
+            });
+        }
+        let outcome_bytes = job_count as u64 * LZ4_OUTCOME_BYTES as u64;
+        if outcome_bytes > outcomes.len() as u64 {
+            return Err(DeviceError::OutOfBounds {
+                what: "LZ4 outcome table",
+                offset: 0,
+                bytes: outcome_bytes,
+                capacity: outcomes.len() as u64,
+            });
+        }
+        let (src_start, dst_start) = (src.device_ptr(), dst.device_ptr());
+        assert!(
+            src_start + src.len() as u64 <= dst_start || dst_start + dst.len() as u64 <= src_start,
+            "the LZ4 source and destination buffers overlap"
+        );
+        if job_count == 0 {
+            return Ok(());
+        }
+        let grid = job_count.div_ceil(self.warps_per_block);
+        let mut jobs_ptr = jobs.device_ptr();
+        let mut count = job_count;
+        let mut src_ptr = src_start;
+        let mut src_capacity = src.len() as u64;
+        let mut dst_ptr = dst_start;
+        let mut dst_capacity = dst.len() as u64;
+        let mut outcomes_ptr = outcomes.device_ptr();
+        let mut params: [*mut c_void; 7] = [
+            &mut jobs_ptr as *mut u64 as *mut c_void,
+            &mut count as *mut u32 as *mut c_void,
+            &mut src_ptr as *mut u64 as *mut c_void,
+            &mut src_capacity as *mut u64 as *mut c_void,
+            &mut dst_ptr as *mut u64 as *mut c_void,
+            &mut dst_capacity as *mut u64 as *mut c_void,
+            &mut outcomes_ptr as *mut u64 as *mut c_void,
+        ];
+        // SAFETY: the parameters match gf_lz4_decode's signature (pointer, u32, pointer, u64, pointer,
+        // u64, pointer); the tables were checked to hold job_count entries; buffer lifetimes are the
+        // caller's contract.
+        self.kernel
+            .launch(stream, grid, self.warps_per_block * 32, &mut params)
+    }
+}

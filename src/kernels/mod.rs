@@ -1,0 +1,58 @@
+//! The GPU decode kernels: LZ4 block decompression and gather + dtype conversion.
+//!
+//! The CUDA sources live in `kernels/*.cu` and are embedded in the binary; [`crate::device`] compiles
+//! them with NVRTC for the device at hand and caches the result. This module owns the host side of each
+//! kernel: the table layouts the kernels read (encoded explicitly, little-endian, never transmuted), the
+//! status codes they write, and the launches. `docs/KERNELS.md` describes the designs and the
+//! bounds-checking rules.
+//!
+//! *Invariant*: the kernels agree bit for bit with the CPU decode path (`crate::decode`: `lz4_flex` and
+//! `half`), including on corrupt blocks, which both reject. [`reference`] holds the CPU models the tests
+//! use to check that.
+//!
+//! *Invariant*: a kernel writes only inside the extents its table names, after checking them against
+//! the lengths of the buffers it was given; a bad table entry or a malicious block is reported in the
+//! outcome and never touches memory outside those extents.
+
+mod gather;
+mod lz4;
+pub mod reference;
+
+pub use gather::{
+    GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, GATHER_BLOCK_THREADS,
+    GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, GATHER_PIECE_OUT_BYTES_MAX, GATHER_SOURCE,
+    GATHER_SOURCES_MAX,
+};
+pub use lz4::{
+    Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, Unshuffle, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES,
+    LZ4_SOURCE, SHUFFLE_BYTES_MAX,
+};
+
+use crate::device::{CacheDir, Device, DeviceError, ModuleOrigin};
+
+/// Warps per thread block of the LZ4 decoder unless configured otherwise.
+pub const LZ4_WARPS_PER_BLOCK_DEFAULT: u32 = 4;
+
+/// Both kernels, loaded for one device.
+pub struct Kernels {
+    /// The LZ4 decoder.
+    pub lz4: Lz4Decoder,
+    /// The gather + convert kernel.
+    pub gather: Gatherer,
+    /// Where each module came from (memory, disk cache, fresh compilation), for the start-up log.
+    pub origins: Vec<(&'static str, ModuleOrigin)>,
+}
+
+impl Kernels {
+    /// Loads both kernels on `device`, compiling them with NVRTC unless a cache holds them.
+    pub fn load(device: &Device, cache: CacheDir) -> Result<Kernels, DeviceError> {
+        let (lz4, lz4_origin) =
+            Lz4Decoder::new(device, LZ4_WARPS_PER_BLOCK_DEFAULT, cache.clone())?;
+        let (gather, gather_origin) = Gatherer::new(device, cache)?;
+        Ok(Kernels {
+            lz4,
+            gather,
+            origins: vec![("lz4", lz4_origin), ("gather", gather_origin)],
+        })
+    }
+}

@@ -1,0 +1,538 @@
+//! Batch assembly on the CPU backend: read the blocks a batch needs, decode them, gather and convert
+//! each sample into the slot.
+//!
+//! The same plan ([`StreamPlan`]) will drive the GPU backend, where reads land in device memory and the
+//! kernels decode and gather; only [`Assembler`] is CPU-specific.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpufeed_client::protocol::{CorruptPolicy, Shuffle, StreamSpec, SLOTS_MAX};
+use gpufeed_client::DType;
+
+use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
+use crate::decode::{self, BlockRef};
+use crate::format::Dataset;
+use crate::storage::{
+    AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
+    StorageError, IO_ALIGN_BYTES,
+};
+
+/// Alignment of each field's region within a slot (a page: mappings of slots stay aligned for any
+/// element type, and device copies stay aligned for 16-byte vector access).
+pub const SLOT_FIELD_ALIGN_BYTES: u64 = 4096;
+
+/// Bounds applied to every stream.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamLimits {
+    /// Largest batch size.
+    pub batch_size_max: u32,
+    /// Largest world size.
+    pub world_size_max: u32,
+    /// Largest slot in bytes.
+    pub slot_bytes_max: u64,
+    /// Decoded blocks kept per stream, in bytes (a batch that needs more still decodes, then the cache
+    /// shrinks back).
+    pub cache_bytes_max: usize,
+    /// Reads in flight per stream.
+    pub queue_depth: usize,
+}
+
+impl StreamLimits {
+    /// Bounds suited to a training node: batches up to 1 Mi samples and 1 GiB a slot.
+    pub fn node_defaults() -> StreamLimits {
+        StreamLimits {
+            batch_size_max: 1 << 20,
+            world_size_max: 1 << 16,
+            slot_bytes_max: 1 << 30,
+            cache_bytes_max: 256 << 20,
+            queue_depth: 64,
+        }
+    }
+}
+
+/// A stream request that cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The request breaks a rule or a bound; the message names the field of the request.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Where one field goes in a slot.
+#[derive(Clone, Debug)]
+pub struct FieldPlan {
+    /// Index of the field in the dataset.
+    pub field_index: usize,
+    /// Field name.
+    pub name: String,
+    /// Stored dtype.
+    pub stored: DType,
+    /// Delivered dtype.
+    pub out: DType,
+    /// Per-sample shape.
+    pub sample_shape: Vec<u64>,
+    /// Stored bytes per sample.
+    pub sample_bytes_in: usize,
+    /// Delivered bytes per sample.
+    pub sample_bytes_out: usize,
+    /// Offset of the field's batch within a slot.
+    pub offset: usize,
+}
+
+/// Everything a stream needs to produce its batches: validated request, order, geometry.
+#[derive(Debug)]
+pub struct StreamPlan {
+    /// The dataset.
+    pub dataset: Arc<Dataset>,
+    /// The epoch.
+    pub epoch: u64,
+    /// Global order of the epoch.
+    pub order: EpochOrder,
+    /// This rank's share.
+    pub rank: RankPlan,
+    /// Start position in the global order.
+    pub start_cursor: u64,
+    /// Batches this stream will produce.
+    pub steps: u64,
+    /// Fields in slot order.
+    pub fields: Vec<FieldPlan>,
+    /// Bytes of one slot.
+    pub slot_bytes: usize,
+    /// Slots in the stream's ring.
+    pub slot_count: u32,
+    /// What to do with corrupt blocks.
+    pub on_corrupt: CorruptPolicy,
+}
+
+impl StreamPlan {
+    /// Validates `spec` against `dataset` and `limits`.
+    pub fn new(
+        dataset: Arc<Dataset>,
+        spec: &StreamSpec,
+        limits: &StreamLimits,
+    ) -> Result<StreamPlan, PlanError> {
+        let invalid = |s: String| Err(PlanError::Invalid(s));
+        if spec.batch_size == 0 || spec.batch_size > limits.batch_size_max {
+            return invalid(format!(
+                "batch_size {} outside 1..={}",
+                spec.batch_size, limits.batch_size_max
+            ));
+        }
+        if spec.world_size == 0 || spec.world_size > limits.world_size_max {
+            return invalid(format!(
+                "world_size {} outside 1..={}",
+                spec.world_size, limits.world_size_max
+            ));
+        }
+        if spec.rank >= spec.world_size {
+            return invalid(format!(
+                "rank {} is not below world_size {}",
+                spec.rank, spec.world_size
+            ));
+        }
+        if spec.prefetch == 0 || spec.prefetch > SLOTS_MAX {
+            return invalid(format!(
+                "prefetch {} outside 1..={SLOTS_MAX}",
+                spec.prefetch
+            ));
+        }
+        let manifest = &dataset.manifest;
+        let sample_count = manifest.sample_count;
+        if spec.start_cursor > sample_count {
+            return invalid(format!(
+                "start cursor {} is past the epoch's {sample_count} samples",
+                spec.start_cursor
+            ));
+        }
+        let mode = match spec.shuffle {
+            Shuffle::None => ShuffleMode::None,
+            Shuffle::Full => ShuffleMode::Full,
+            Shuffle::Window(0) => {
+                return invalid("shuffle window must hold at least one shard".into())
+            }
+            Shuffle::Window(shards) => ShuffleMode::Window { shards },
+        };
+        let requested: Vec<(usize, Option<DType>)> = if spec.fields.is_empty() {
+            (0..manifest.fields.len()).map(|i| (i, None)).collect()
+        } else {
+            let mut out = Vec::with_capacity(spec.fields.len());
+            for request in &spec.fields {
+                let Some(index) = dataset.field_index(&request.name) else {
+                    let names: Vec<&str> =
+                        manifest.fields.iter().map(|f| f.name.as_str()).collect();
+                    return invalid(format!(
+                        "dataset '{}' has no field '{}' (fields: {})",
+                        manifest.name,
+                        request.name,
+                        names.join(", ")
+                    ));
+                };
+                if out.iter().any(|&(i, _)| i == index) {
+                    return invalid(format!("field '{}' is requested twice", request.name));
+                }
+                out.push((index, request.dtype));
+            }
+            out
+        };
+        let mut fields = Vec::with_capacity(requested.len());
+        let mut offset = 0u64;
+        for (index, dtype) in requested {
+            let field = &manifest.fields[index];
+            let out = dtype.unwrap_or(field.dtype);
+            if !decode::convert_supported(field.dtype, out) {
+                return invalid(format!(
+                    "field '{}': cannot convert {} to {out}",
+                    field.name, field.dtype
+                ));
+            }
+            let elements: u64 = field.shape.iter().product();
+            let sample_bytes_out = elements * out.size_bytes() as u64;
+            let batch_bytes = sample_bytes_out * spec.batch_size as u64;
+            fields.push(FieldPlan {
+                field_index: index,
+                name: field.name.clone(),
+                stored: field.dtype,
+                out,
+                sample_shape: field.shape.clone(),
+                sample_bytes_in: field.sample_bytes() as usize,
+                sample_bytes_out: sample_bytes_out as usize,
+                offset: offset as usize,
+            });
+            offset =
+                (offset + batch_bytes).div_ceil(SLOT_FIELD_ALIGN_BYTES) * SLOT_FIELD_ALIGN_BYTES;
+            if offset > limits.slot_bytes_max {
+                return invalid(format!(
+                    "a batch of {} samples needs more than the {}-byte slot limit",
+                    spec.batch_size, limits.slot_bytes_max
+                ));
+            }
+        }
+        let rank = RankPlan {
+            world_size: spec.world_size,
+            rank: spec.rank,
+            batch_size: spec.batch_size,
+            tail: match spec.tail {
+                gpufeed_client::protocol::Tail::Drop => Tail::Drop,
+                gpufeed_client::protocol::Tail::Pad => Tail::Pad,
+            },
+        };
+        let shard_samples: Vec<u64> = manifest.shards.iter().map(|s| s.sample_count).collect();
+        let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, mode);
+        Ok(StreamPlan {
+            epoch: spec.epoch,
+            steps: rank.steps_from(sample_count, spec.start_cursor),
+            order,
+            rank,
+            start_cursor: spec.start_cursor,
+            fields,
+            slot_bytes: offset.max(SLOT_FIELD_ALIGN_BYTES) as usize,
+            slot_count: spec.prefetch,
+            on_corrupt: spec.on_corrupt,
+            dataset,
+        })
+    }
+
+    /// The global-order cursor once step `step` (counted from the stream's start) is consumed.
+    pub fn cursor_after(&self, step: u64) -> u64 {
+        (self.start_cursor + (step + 1) * self.rank.step_samples()).min(self.order.len())
+    }
+
+    /// The epoch step number of stream step `step`.
+    pub fn epoch_step(&self, step: u64) -> u64 {
+        self.start_cursor / self.rank.step_samples() + step
+    }
+
+    /// The samples of stream step `step` for this rank.
+    pub fn batch_samples(&self, step: u64) -> impl Iterator<Item = u64> + '_ {
+        self.rank
+            .batch_positions(self.order.len(), self.start_cursor, step)
+            .map(|position| self.order.sample_at(position))
+    }
+}
+
+/// Identifies a block: shard, field and block index within the field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct BlockKey {
+    shard: u32,
+    field: u32,
+    block: u32,
+}
+
+/// A decoded block, or the reason it could not be decoded.
+#[derive(Clone)]
+enum CachedBlock {
+    Decoded(Arc<Vec<u8>>),
+    Corrupt(Arc<String>),
+}
+
+/// What filling one slot produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FillReport {
+    /// Samples in the batch.
+    pub samples: u32,
+    /// Samples zero-filled because a block was corrupt.
+    pub replaced: u32,
+}
+
+/// A batch could not be filled.
+#[derive(Debug, thiserror::Error)]
+pub enum FillError {
+    /// A block is corrupt and the policy is to fail; the message names shard, field and block.
+    #[error("{0}")]
+    Corrupt(String),
+    /// The storage engine failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
+/// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and
+/// gathers samples into the slot in the stream's order.
+pub struct Assembler {
+    plan: Arc<StreamPlan>,
+    files: FileTable,
+    engine: ReadEngine<AnyQueue>,
+    /// Why io_uring is not used, when it is not.
+    pub engine_note: Option<String>,
+    cache: HashMap<BlockKey, (u64, CachedBlock)>,
+    cache_bytes: usize,
+    cache_bytes_max: usize,
+    batch_stamp: u64,
+    staging: AlignedBuffer,
+    scratch: Vec<u8>,
+    sample: Vec<u8>,
+}
+
+impl Assembler {
+    /// Opens the dataset's shards and sets up the engine.
+    pub fn new(plan: Arc<StreamPlan>, limits: &StreamLimits) -> Result<Assembler, StorageError> {
+        let mut files = FileTable::new(plan.dataset.shards.len());
+        for shard in &plan.dataset.shards {
+            files.open(&shard.path, DirectIo::Prefer)?;
+        }
+        let (queue, engine_note) = AnyQueue::best(limits.queue_depth);
+        let engine = ReadEngine::new(
+            queue,
+            EngineLimits {
+                chunk_bytes_max: 1 << 20,
+                retries_max: 8,
+            },
+        );
+        Ok(Assembler {
+            plan,
+            files,
+            engine,
+            engine_note,
+            cache: HashMap::new(),
+            cache_bytes: 0,
+            cache_bytes_max: limits.cache_bytes_max,
+            batch_stamp: 0,
+            staging: AlignedBuffer::new(1 << 20),
+            scratch: Vec::new(),
+            sample: Vec::new(),
+        })
+    }
+
+    /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
+    /// stream in that shard.
+    fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
+        let shards = &self.plan.dataset.manifest.shards;
+        let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
+        let local = sample - shards[shard].first_sample;
+        let sample_bytes = self.plan.dataset.manifest.fields[field].sample_bytes();
+        (shard, local * sample_bytes, (local + 1) * sample_bytes)
+    }
+
+    /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
+    fn blocks_for(&self, shard: usize, field: usize, start: u64, end: u64) -> std::ops::Range<u32> {
+        let blocks = self.plan.dataset.shards[shard].metadata.field_blocks(field);
+        let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
+        let last = blocks.partition_point(|b| b.raw_offset < end);
+        first as u32..last as u32
+    }
+
+    /// Fills `slot` with stream step `step`.
+    pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
+        assert!(slot.len() >= self.plan.slot_bytes);
+        self.batch_stamp += 1;
+        let plan = Arc::clone(&self.plan);
+        let samples: Vec<u64> = plan.batch_samples(step).collect();
+        // Gather the blocks the batch needs that are not decoded yet.
+        let mut missing: Vec<BlockKey> = Vec::new();
+        for &sample in &samples {
+            for field in &plan.fields {
+                let (shard, start, end) = self.locate(sample, field.field_index);
+                for block in self.blocks_for(shard, field.field_index, start, end) {
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block,
+                    };
+                    match self.cache.get_mut(&key) {
+                        Some((stamp, _)) => *stamp = self.batch_stamp,
+                        None => {
+                            if !missing.contains(&key) {
+                                missing.push(key);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        missing.sort_by_key(|k| (k.shard, k.field, k.block));
+        self.load(&missing)?;
+
+        let mut replaced = 0u32;
+        for (row, &sample) in samples.iter().enumerate() {
+            let mut corrupt: Option<Arc<String>> = None;
+            for field in &plan.fields {
+                let (shard, start, end) = self.locate(sample, field.field_index);
+                self.sample.clear();
+                for block_index in self.blocks_for(shard, field.field_index, start, end) {
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block: block_index,
+                    };
+                    let entry = &self.plan.dataset.shards[shard]
+                        .metadata
+                        .field_blocks(field.field_index)[block_index as usize];
+                    match &self.cache[&key].1 {
+                        CachedBlock::Decoded(bytes) => {
+                            let from = start.max(entry.raw_offset) - entry.raw_offset;
+                            let to = end.min(entry.raw_offset + entry.raw_bytes as u64)
+                                - entry.raw_offset;
+                            self.sample
+                                .extend_from_slice(&bytes[from as usize..to as usize]);
+                        }
+                        CachedBlock::Corrupt(message) => corrupt = Some(Arc::clone(message)),
+                    }
+                }
+                if corrupt.is_some() {
+                    break;
+                }
+                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
+                    [..field.sample_bytes_out];
+                decode::convert(field.stored, &self.sample, field.out, out)
+                    .expect("conversions are validated when the stream is planned");
+            }
+            if let Some(message) = corrupt {
+                match plan.on_corrupt {
+                    CorruptPolicy::Fail => return Err(FillError::Corrupt(message.to_string())),
+                    CorruptPolicy::Replace => {
+                        // The substitute is an all-zero sample in every field: deterministic, the
+                        // same on every rank, and counted so the trainer can see it.
+                        for field in &plan.fields {
+                            slot[field.offset + row * field.sample_bytes_out..]
+                                [..field.sample_bytes_out]
+                                .fill(0);
+                        }
+                        replaced += 1;
+                    }
+                }
+            }
+        }
+        self.evict();
+        Ok(FillReport {
+            samples: samples.len() as u32,
+            replaced,
+        })
+    }
+
+    /// Reads and decodes `keys` into the cache.
+    fn load(&mut self, keys: &[BlockKey]) -> Result<(), StorageError> {
+        let align = IO_ALIGN_BYTES as usize;
+        let mut start = 0;
+        while start < keys.len() {
+            // Read as many blocks as fit in the staging buffer at once, growing it to hold at least one.
+            let mut extents = Vec::new();
+            let mut dest = 0usize;
+            let mut end = start;
+            while end < keys.len() {
+                let key = keys[end];
+                let entry = &self.plan.dataset.shards[key.shard as usize]
+                    .metadata
+                    .field_blocks(key.field as usize)[key.block as usize];
+                // Round reads up to whole pages: shards are padded to 4096, so this stays in the file
+                // and lets the engine use O_DIRECT.
+                let len = (entry.stored_bytes as usize).div_ceil(align) * align;
+                if dest + len > self.staging.len() {
+                    if end == start {
+                        self.staging = AlignedBuffer::new(len);
+                    } else {
+                        break;
+                    }
+                }
+                extents.push(Extent {
+                    file: FileId(key.shard),
+                    offset: entry.stored_offset,
+                    len,
+                    dest_offset: dest,
+                });
+                dest += len;
+                end += 1;
+            }
+            let results = self
+                .engine
+                .read(&self.files, &extents, self.staging.as_mut_slice())?;
+            for ((key, extent), result) in keys[start..end].iter().zip(&extents).zip(results) {
+                let shard = &self.plan.dataset.shards[key.shard as usize];
+                let field = &shard.metadata.fields[key.field as usize];
+                let entry = shard.metadata.field_blocks(key.field as usize)[key.block as usize];
+                let at = || BlockRef {
+                    shard: shard.path.clone(),
+                    field: field.name.clone(),
+                    block: key.block,
+                    stored_offset: entry.stored_offset,
+                };
+                let cached = match result {
+                    Err(error) => CachedBlock::Corrupt(Arc::new(format!("{}: {error}", at()))),
+                    Ok(()) => {
+                        let stored = &self.staging.as_slice()
+                            [extent.dest_offset..extent.dest_offset + entry.stored_bytes as usize];
+                        let mut raw = vec![0u8; entry.raw_bytes as usize];
+                        match decode::decode_block(
+                            stored,
+                            &entry,
+                            field.dtype.size_bytes(),
+                            &mut self.scratch,
+                            &mut raw,
+                            at,
+                        ) {
+                            Ok(()) => {
+                                self.cache_bytes += raw.len();
+                                CachedBlock::Decoded(Arc::new(raw))
+                            }
+                            Err(error) => CachedBlock::Corrupt(Arc::new(error.to_string())),
+                        }
+                    }
+                };
+                self.cache.insert(*key, (self.batch_stamp, cached));
+            }
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Drops the least recently used blocks not needed by the current batch until the cache fits.
+    fn evict(&mut self) {
+        if self.cache_bytes <= self.cache_bytes_max {
+            return;
+        }
+        let mut entries: Vec<(u64, BlockKey)> = self
+            .cache
+            .iter()
+            .filter(|(_, (stamp, _))| *stamp != self.batch_stamp)
+            .map(|(key, (stamp, _))| (*stamp, *key))
+            .collect();
+        entries.sort_unstable_by_key(|&(stamp, key)| (stamp, key.shard, key.field, key.block));
+        for (_, key) in entries {
+            if self.cache_bytes <= self.cache_bytes_max {
+                break;
+            }
+            if let Some((_, CachedBlock::Decoded(bytes))) = self.cache.remove(&key) {
+                self.cache_bytes -= bytes.len();
+            }
+        }
+    }
+}
