@@ -2,6 +2,7 @@
 //!
 //! See `docs/ARCHITECTURE.md` for the module map and the invariants between modules.
 
+pub mod daemon;
 pub mod decode;
 pub mod demo;
 pub mod device;

@@ -319,13 +319,6 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
 }
 
 fn run_serve(args: ServeArgs) -> Result<ExitCode> {
-    use gpufeed::ipc::{Server, ServerConfig};
-    use gpufeed::pipeline::StreamLimits;
-    use gpufeed::registry::Registry;
-    use gpufeed::storage::EngineMode;
-    use std::io::Write;
-    use std::sync::Arc;
-
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("GPUFEED_LOG")
@@ -333,23 +326,6 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match args.device.as_str() {
-        "cpu" => {}
-        "auto" => tracing::info!("device auto: the GPU backend is not part of this build yet; serving from host memory (CPU backend)"),
-        other => bail!("--device {other}: only the CPU backend can serve in this build (use --device cpu or auto)"),
-    }
-    if args.engine == EngineMode::CuFile {
-        bail!("--engine cufile: the cuFile engine serves only the GPU backend, which is not part of this build yet");
-    }
-    let registry = Arc::new(Registry::new());
-    let skipped = registry
-        .scan(&args.data_root)
-        .with_context(|| format!("reading the data root {}", args.data_root.display()))?;
-    for skip in &skipped {
-        tracing::warn!("not serving {}: {}", skip.dir.display(), skip.reason);
-    }
-    let names = registry.names();
-    tracing::info!("datasets: {}", names.join(", "));
     let socket_path = args
         .socket
         .unwrap_or_else(|| args.data_root.join("gpufeed.sock"));
@@ -358,22 +334,17 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
     } else {
         args.allow_uids
     };
-    let config = ServerConfig {
-        socket_path: socket_path.clone(),
+    let config = gpufeed::daemon::DaemonConfig {
+        data_root: args.data_root,
+        socket_path,
+        device: args.device,
+        engine: args.engine,
         allowed_uids,
         sessions_max: args.sessions_max,
         slot_memory_bytes_max: args.slot_memory_max,
-        stream_limits: StreamLimits::node_defaults(),
+        stream_limits: gpufeed::pipeline::StreamLimits::node_defaults(),
     };
-    let server = Server::bind(config, registry)
-        .with_context(|| format!("binding {}", socket_path.display()))?;
-    println!(
-        "gpufeed: serving {} dataset(s) on {}",
-        names.len(),
-        socket_path.display()
-    );
-    std::io::stdout().flush()?;
-    server.run()?;
+    gpufeed::daemon::run(config)?;
     Ok(ExitCode::SUCCESS)
 }
 
