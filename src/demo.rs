@@ -1,20 +1,28 @@
 //! `gpufeed demo`: the whole job on a generated dataset, with timings.
 //!
-//! It packs an embedding-like fp16 field and a token-like int32 field, verifies every block, decodes both
-//! fields on the CPU (fp16 to f32) and checks every value against the source. It prints one line per
-//! stage and a final JSON line.
+//! It packs an embedding-like fp16 field and a token-like int32 field, verifies every block, starts the
+//! daemon's socket server, pulls a whole epoch of batches through the client crate (embeddings
+//! converted to f32), and checks every served value against the source. It prints one line per stage
+//! and a final JSON line.
 
 use std::path::Path;
 use std::time::Instant;
 
+use std::sync::Arc;
+
 use anyhow::{ensure, Context, Result};
+use gpufeed_client::consumer::Client;
+use gpufeed_client::protocol::{FieldRequest, Shuffle, StreamSpec};
 use gpufeed_client::DType;
 use serde_json::json;
 
 use crate::decode;
 use crate::format::{Dataset, BLOCK_BYTES_DEFAULT};
-use crate::input::{self, FieldSource};
+use crate::input::FieldSource;
+use crate::ipc::{Server, ServerConfig};
 use crate::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
+use crate::pipeline::StreamLimits;
+use crate::registry::Registry;
 use crate::synth;
 use crate::tools::{self, NoProgress};
 
@@ -22,6 +30,8 @@ use crate::tools::{self, NoProgress};
 const EMBEDDING_DIM: u64 = 256;
 /// Tokens per sample of the token field.
 const SEQUENCE_TOKENS: u64 = 128;
+/// Samples per batch pulled by the demo consumer.
+const BATCH_SIZE: u32 = 256;
 
 /// Runs the demo in `dir` (a fresh temporary directory when `None`) with `samples` samples.
 pub fn run(dir: Option<&Path>, samples: u64) -> Result<()> {
@@ -110,37 +120,76 @@ pub fn run(dir: Option<&Path>, samples: u64) -> Result<()> {
         summary.raw_bytes as f64 / verify_seconds / 1e9
     );
 
+    // Serve it: the daemon's socket server in this process, a consumer through the client crate.
+    let registry = Arc::new(Registry::new());
+    registry.insert(dataset).map_err(anyhow::Error::msg)?;
+    let socket_path = dir.join("gpufeed-demo.sock");
+    let server = Server::bind(
+        ServerConfig {
+            socket_path: socket_path.clone(),
+            allowed_uids: vec![nix::unistd::getuid().as_raw()],
+            sessions_max: 4,
+            slot_memory_bytes_max: 1 << 30,
+            stream_limits: StreamLimits::node_defaults(),
+        },
+        registry,
+    )?;
+    std::thread::Builder::new()
+        .name("gpufeed-demo-server".into())
+        .spawn(move || server.run())?;
+    let mut spec = StreamSpec::new("demo", BATCH_SIZE);
+    spec.fields = vec![
+        FieldRequest {
+            name: "embedding".into(),
+            dtype: Some(DType::F32),
+        },
+        FieldRequest {
+            name: "tokens".into(),
+            dtype: None,
+        },
+    ];
+    spec.shuffle = Shuffle::None;
     let started = Instant::now();
-    let embedding_npy = dir.join("embedding-f32.npy");
-    let tokens_npy = dir.join("tokens.npy");
-    let written = tools::unpack(
-        &dataset,
-        "embedding",
-        &embedding_npy,
-        Some(DType::F32),
-        &NoProgress,
-    )? + tools::unpack(&dataset, "tokens", &tokens_npy, None, &NoProgress)?;
-    let decode_seconds = started.elapsed().as_secs_f64();
+    let mut stream = Client::connect(&socket_path)?.open_stream(spec)?;
+    let (mut embedding_out, mut tokens_out) = (Vec::new(), Vec::new());
+    let (mut batches, mut served_bytes) = (0u64, 0u64);
+    for batch in stream.by_ref() {
+        let batch = batch?;
+        let embedding = batch
+            .field("embedding")
+            .context("batch without 'embedding'")?;
+        let tokens = batch.field("tokens").context("batch without 'tokens'")?;
+        embedding_out.extend_from_slice(embedding.bytes);
+        tokens_out.extend_from_slice(tokens.bytes);
+        served_bytes += (embedding.bytes.len() + tokens.bytes.len()) as u64;
+        batches += 1;
+    }
+    let serve_seconds = started.elapsed().as_secs_f64();
+    let served_samples = batches * BATCH_SIZE as u64;
     println!(
-        "decode: both fields to .npy (embedding as f32) in {:.3} s ({:.2} GB/s out)",
-        decode_seconds,
-        written as f64 / decode_seconds / 1e9
+        "serve:  {batches} batches of {BATCH_SIZE} ({served_samples} samples, embedding as f32) through the socket in {:.3} s: {:.0} samples/s, {:.2} GB/s delivered",
+        serve_seconds,
+        served_samples as f64 / serve_seconds,
+        served_bytes as f64 / serve_seconds / 1e9
     );
 
-    let mut expected = vec![0u8; embeddings.len() * 2];
-    decode::convert(DType::F16, &embeddings, DType::F32, &mut expected)?;
-    let decoded = input::open_npy_field("check", &[embedding_npy])?;
-    let mut bytes = Vec::new();
-    decoded.copy_samples(0, samples, &mut bytes);
+    let served = served_samples as usize;
+    let mut expected = vec![0u8; served * EMBEDDING_DIM as usize * 4];
+    decode::convert(
+        DType::F16,
+        &embeddings[..served * EMBEDDING_DIM as usize * 2],
+        DType::F32,
+        &mut expected,
+    )?;
     ensure!(
-        bytes == expected,
-        "decoded embeddings differ from the source"
+        embedding_out == expected,
+        "served embeddings differ from the source"
     );
-    let decoded = input::open_npy_field("check", &[tokens_npy])?;
-    bytes.clear();
-    decoded.copy_samples(0, samples, &mut bytes);
-    ensure!(bytes == tokens, "decoded tokens differ from the source");
-    println!("check:  every decoded value equals the source");
+    ensure!(
+        tokens_out[..] == tokens[..served * SEQUENCE_TOKENS as usize * 4],
+        "served tokens differ from the source"
+    );
+    println!("check:  every served value equals the source");
     println!(
         "{}",
         json!({
@@ -149,7 +198,9 @@ pub fn run(dir: Option<&Path>, samples: u64) -> Result<()> {
             "stored_bytes": summary.stored_bytes,
             "pack_seconds": pack_seconds,
             "verify_seconds": verify_seconds,
-            "decode_seconds": decode_seconds,
+            "batches": batches,
+            "serve_seconds": serve_seconds,
+            "samples_per_second": served_samples as f64 / serve_seconds,
         })
     );
     Ok(())
