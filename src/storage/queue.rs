@@ -214,8 +214,8 @@ impl ReadQueue for PreadQueue {
 
 /// The queue an engine was given: io_uring where the kernel allows it, pread otherwise.
 pub enum AnyQueue {
-    /// io_uring.
-    Uring(UringQueue),
+    /// io_uring (boxed: the ring handle is large and the queue is created once per engine).
+    Uring(Box<UringQueue>),
     /// Synchronous pread.
     Pread(PreadQueue),
 }
@@ -224,7 +224,7 @@ impl AnyQueue {
     /// An io_uring queue of `depth`, or a pread queue with the reason io_uring could not be set up.
     pub fn best(depth: usize) -> (AnyQueue, Option<String>) {
         match UringQueue::new(depth) {
-            Ok(queue) => (AnyQueue::Uring(queue), None),
+            Ok(queue) => (AnyQueue::Uring(Box::new(queue)), None),
             Err(error) => (
                 AnyQueue::Pread(PreadQueue::new(depth)),
                 Some(format!("io_uring unavailable ({error}); using pread")),
