@@ -14,9 +14,11 @@
 //! flight.
 
 pub mod buffer;
+pub mod cufile;
 pub mod engine;
 pub mod fault;
 pub mod files;
+pub mod gpu;
 pub mod queue;
 pub mod residency;
 

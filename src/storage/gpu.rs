@@ -1,0 +1,616 @@
+//! Reading shard bytes into device memory, by three paths chosen per extent:
+//!
+//! - **Page cache**: the shard is memory-mapped and windows of the mapping are registered read-only
+//!   with the driver (`cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`); the GPU's copy engine
+//!   then reads cached pages directly, at the PCIe limit, with almost no host CPU. Registrations are
+//!   bounded (locked memory is finite): an LRU of windows, a window unregistered only after the copies
+//!   that use it have completed.
+//! - **Bounce**: the read engine (io_uring, O_DIRECT where the file system allows) fills page-locked
+//!   host buffers, each copied to the device asynchronously on a copy stream while the next is being
+//!   read; a buffer is refilled only after its copy's event has completed.
+//! - **cuFile** (GPUDirect Storage): `cuFileRead` straight into device memory, per file; a file whose
+//!   registration fails falls back to the bounce path, with the reason logged once and counted.
+//!
+//! [`PathChoice::Auto`] sends extents whose pages are resident (per `mincore`) to the page-cache path
+//! and the rest to the cold path: cuFile where real GDS (the nvidia-fs driver) is present, since
+//! cuFile's compatibility mode is itself a POSIX bounce path; the bounce path otherwise.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::sys as cu;
+use memmap2::Mmap;
+
+use super::engine::{EngineLimits, ReadEngine};
+use super::files::{FileId, FileTable};
+use super::queue::AnyQueue;
+use super::residency::ResidencyMap;
+use super::{Extent, ReadError, IO_ALIGN_BYTES};
+use crate::device::{Device, DeviceError, DeviceMemory, Event, EventTiming, PinnedBuffer, Stream};
+
+/// One read into device memory: `len` bytes at `offset` of `file`, to `dest_offset` of the destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceExtent {
+    /// The file.
+    pub file: FileId,
+    /// File offset.
+    pub offset: u64,
+    /// Bytes.
+    pub len: usize,
+    /// Offset in the destination device memory.
+    pub dest_offset: usize,
+}
+
+/// A way of getting bytes from a file into device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReadPath {
+    /// Copy engine reads a registered page-cache mapping.
+    PageCache,
+    /// io_uring into pinned bounce buffers, then asynchronous copies.
+    Bounce,
+    /// cuFile.
+    CuFile,
+}
+
+impl ReadPath {
+    /// Lowercase name for logs and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadPath::PageCache => "page_cache",
+            ReadPath::Bounce => "bounce",
+            ReadPath::CuFile => "cufile",
+        }
+    }
+}
+
+/// Which path a read takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathChoice {
+    /// Per extent: resident pages through the page cache, the rest through the cold path.
+    Auto,
+    /// Always this path (cuFile falls back per file when a file cannot be registered).
+    Force(ReadPath),
+}
+
+/// Bounds of a [`GpuReader`], all allocated or enforced at start.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuReaderLimits {
+    /// Size of each pinned bounce buffer.
+    pub bounce_buffer_bytes: usize,
+    /// Number of bounce buffers (at least 2, so reading and copying overlap).
+    pub bounce_buffers: usize,
+    /// Reads in flight in the io_uring engine.
+    pub queue_depth: usize,
+    /// Size of a registered page-cache window.
+    pub window_bytes: usize,
+    /// Most bytes registered at once over all windows.
+    pub registered_bytes_max: usize,
+    /// Fraction of an extent's pages that must be resident for the page-cache path.
+    pub resident_fraction_min: f64,
+}
+
+impl GpuReaderLimits {
+    /// Defaults for a GPU node: three 16 MiB bounce buffers, 256 MiB windows, 8 GiB registered.
+    pub fn node_defaults() -> GpuReaderLimits {
+        GpuReaderLimits {
+            bounce_buffer_bytes: 16 << 20,
+            bounce_buffers: 3,
+            queue_depth: 64,
+            window_bytes: 256 << 20,
+            registered_bytes_max: 8 << 30,
+            resident_fraction_min: 0.95,
+        }
+    }
+}
+
+/// Bytes moved per path and fallbacks taken, for metrics.
+#[derive(Debug, Default)]
+pub struct GpuReadStats {
+    /// Bytes read through the page-cache path.
+    pub page_cache_bytes: AtomicU64,
+    /// Bytes read through the bounce path.
+    pub bounce_bytes: AtomicU64,
+    /// Bytes read through cuFile.
+    pub cufile_bytes: AtomicU64,
+    /// Extents the page-cache path could not serve (registration failed) and sent to the bounce path.
+    pub page_cache_fallbacks: AtomicU64,
+    /// Files cuFile could not register, served by the bounce path instead.
+    pub cufile_file_fallbacks: AtomicU64,
+}
+
+/// The GPU read path failed as a whole (as opposed to one extent failing).
+#[derive(Debug, thiserror::Error)]
+pub enum GpuReadError {
+    /// A device call failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The read engine's queue failed.
+    #[error(transparent)]
+    Storage(#[from] super::StorageError),
+    /// A forced path is not available.
+    #[error("read path {path} is unavailable: {reason}")]
+    Unavailable {
+        /// The path.
+        path: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn driver_check(call: &'static str, result: cu::CUresult) -> Result<(), String> {
+    if result == cu::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{call} failed: {result:?}"))
+    }
+}
+
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`
+/// (<https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>).
+///
+/// # Safety
+/// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until
+/// [`host_unregister`] is called for `ptr`; the device's context is current.
+unsafe fn host_register_read_only(ptr: *const u8, bytes: usize) -> Result<(), String> {
+    driver_check("cuMemHostRegister_v2", unsafe {
+        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, cu::CU_MEMHOSTREGISTER_READ_ONLY)
+    })
+}
+
+/// `cuMemHostUnregister`.
+///
+/// # Safety
+/// `ptr` was registered with [`host_register_read_only`] and no copy from it is in flight.
+unsafe fn host_unregister(ptr: *const u8) -> Result<(), String> {
+    driver_check("cuMemHostUnregister", unsafe {
+        cu::cuMemHostUnregister(ptr as *mut c_void)
+    })
+}
+
+/// One registered window of a shard mapping.
+struct Window {
+    file: FileId,
+    index: u64,
+    ptr: *const u8,
+    bytes: usize,
+    last_use: u64,
+    /// Recorded after the last copy that read from this window.
+    copies_done: Event,
+}
+
+/// The memory-mapped shards and their registered windows.
+struct PageCache {
+    maps: HashMap<FileId, (Mmap, ResidencyMap)>,
+    windows: Vec<Window>,
+    registered_bytes: usize,
+    clock: u64,
+    /// Files whose windows cannot be registered (the reason was logged once).
+    refused: HashMap<FileId, String>,
+}
+
+/// Reads extents into device memory by the page-cache, bounce and cuFile paths.
+pub struct GpuReader {
+    device: Device,
+    stream: Stream,
+    limits: GpuReaderLimits,
+    engine: ReadEngine<AnyQueue>,
+    bounce: Vec<(PinnedBuffer, Event)>,
+    next_bounce: usize,
+    page_cache: PageCache,
+    cufile: Option<super::cufile::CuFileReader>,
+    /// Why the cold path is the bounce path rather than cuFile.
+    pub cold_path_reason: String,
+    /// Bytes and fallbacks per path.
+    pub stats: GpuReadStats,
+}
+
+// SAFETY: the raw window pointers point into mappings owned by the reader; nothing is shared with
+// other threads except through &mut self.
+unsafe impl Send for GpuReader {}
+
+impl GpuReader {
+    /// Sets up the paths for `device`: allocates the bounce buffers and their events, creates the copy
+    /// stream and the io_uring engine, and probes cuFile (used for cold reads only where the nvidia-fs
+    /// driver is present, unless `cufile` is forced by the caller's [`PathChoice`]).
+    pub fn new(device: &Device, limits: GpuReaderLimits) -> Result<GpuReader, GpuReadError> {
+        assert!(limits.bounce_buffers >= 2, "at least two bounce buffers");
+        assert!(limits.bounce_buffer_bytes % IO_ALIGN_BYTES as usize == 0);
+        assert!(limits.window_bytes % IO_ALIGN_BYTES as usize == 0 && limits.window_bytes > 0);
+        let stream = Stream::new(device)?;
+        let mut bounce = Vec::with_capacity(limits.bounce_buffers);
+        for _ in 0..limits.bounce_buffers {
+            let buffer = PinnedBuffer::new(device, limits.bounce_buffer_bytes)?;
+            let event = Event::new(device, EventTiming::Disabled)?;
+            // Recorded once so that the first wait on it returns at once.
+            event.record(&stream)?;
+            bounce.push((buffer, event));
+        }
+        let (queue, note) = AnyQueue::best(limits.queue_depth);
+        if let Some(note) = note {
+            tracing::warn!("{note}");
+        }
+        let engine = ReadEngine::new(
+            queue,
+            EngineLimits {
+                chunk_bytes_max: 1 << 20,
+                retries_max: 8,
+            },
+        );
+        let (cufile, cold_path_reason) = match super::cufile::CuFileReader::open(device) {
+            Ok(reader) if reader.nvidia_fs_present() => {
+                (Some(reader), "cuFile: the nvidia-fs driver is loaded (real GDS)".to_string())
+            }
+            Ok(reader) => (
+                Some(reader),
+                "bounce: cuFile would run in compatibility mode (no nvidia-fs driver), which is itself a POSIX bounce path".to_string(),
+            ),
+            Err(reason) => (None, format!("bounce: cuFile unavailable ({reason})")),
+        };
+        tracing::info!("cold reads: {cold_path_reason}");
+        Ok(GpuReader {
+            device: device.clone(),
+            stream,
+            limits,
+            engine,
+            bounce,
+            next_bounce: 0,
+            page_cache: PageCache {
+                maps: HashMap::new(),
+                windows: Vec::new(),
+                registered_bytes: 0,
+                clock: 0,
+                refused: HashMap::new(),
+            },
+            cufile,
+            cold_path_reason,
+            stats: GpuReadStats::default(),
+        })
+    }
+
+    /// The copy stream: work that consumes the read bytes waits on it (or on [`GpuReader::read`]'s
+    /// return, which synchronises it).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Whether a cuFile driver could be opened at all.
+    pub fn cufile_available(&self) -> bool {
+        self.cufile.is_some()
+    }
+
+    fn cold_path(&self) -> ReadPath {
+        match &self.cufile {
+            Some(reader) if reader.nvidia_fs_present() => ReadPath::CuFile,
+            _ => ReadPath::Bounce,
+        }
+    }
+
+    /// Reads every extent into `dest` and reports, per extent, the path that served it or the error.
+    /// All copies have landed in device memory when this returns.
+    pub fn read(
+        &mut self,
+        files: &FileTable,
+        extents: &[DeviceExtent],
+        dest: &dyn DeviceMemory,
+        choice: PathChoice,
+    ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
+        for (index, extent) in extents.iter().enumerate() {
+            assert!(
+                extent.dest_offset.checked_add(extent.len) <= Some(dest.len()),
+                "extent {index} runs past the destination"
+            );
+        }
+        self.device.bind()?;
+        let mut paths = Vec::with_capacity(extents.len());
+        for extent in extents {
+            let path = match choice {
+                PathChoice::Force(path) => path,
+                PathChoice::Auto => {
+                    if self.resident(files, extent) {
+                        ReadPath::PageCache
+                    } else {
+                        self.cold_path()
+                    }
+                }
+            };
+            paths.push(path);
+        }
+        if paths.contains(&ReadPath::CuFile) && self.cufile.is_none() {
+            return Err(GpuReadError::Unavailable {
+                path: "cufile",
+                reason: self.cold_path_reason.clone(),
+            });
+        }
+        let mut results: Vec<Result<ReadPath, ReadError>> = paths.iter().map(|&p| Ok(p)).collect();
+
+        // Page cache first: it only queues copies, which then overlap with the reads below.
+        for (index, extent) in extents.iter().enumerate() {
+            if paths[index] != ReadPath::PageCache {
+                continue;
+            }
+            match self.copy_from_page_cache(files, extent, dest)? {
+                true => {
+                    self.stats
+                        .page_cache_bytes
+                        .fetch_add(extent.len as u64, Ordering::Relaxed);
+                }
+                false => {
+                    self.stats
+                        .page_cache_fallbacks
+                        .fetch_add(1, Ordering::Relaxed);
+                    paths[index] = ReadPath::Bounce;
+                    results[index] = Ok(ReadPath::Bounce);
+                }
+            }
+        }
+        // cuFile: a file it cannot register goes to the bounce path.
+        if let Some(reader) = self.cufile.as_mut() {
+            for (index, extent) in extents.iter().enumerate() {
+                if paths[index] != ReadPath::CuFile {
+                    continue;
+                }
+                match reader.read(files, extent, dest) {
+                    Ok(super::cufile::CuFileOutcome::Read) => {
+                        self.stats
+                            .cufile_bytes
+                            .fetch_add(extent.len as u64, Ordering::Relaxed);
+                    }
+                    Ok(super::cufile::CuFileOutcome::FileNotRegistered) => {
+                        paths[index] = ReadPath::Bounce;
+                        results[index] = Ok(ReadPath::Bounce);
+                    }
+                    Err(error) => results[index] = Err(error),
+                }
+            }
+            self.stats
+                .cufile_file_fallbacks
+                .store(reader.file_fallbacks(), Ordering::Relaxed);
+        }
+        let bounce: Vec<usize> = (0..extents.len())
+            .filter(|&i| paths[i] == ReadPath::Bounce && results[i].is_ok())
+            .collect();
+        self.read_bounced(files, extents, &bounce, dest, &mut results)?;
+        self.stream.synchronize()?;
+        Ok(results)
+    }
+
+    fn resident(&mut self, files: &FileTable, extent: &DeviceExtent) -> bool {
+        match self.map(files, extent.file) {
+            Some((_, residency)) => residency
+                .resident_fraction(extent.offset as usize, extent.len)
+                .is_ok_and(|f| f >= self.limits.resident_fraction_min),
+            None => false,
+        }
+    }
+
+    fn map(&mut self, files: &FileTable, file: FileId) -> Option<&(Mmap, ResidencyMap)> {
+        if let std::collections::hash_map::Entry::Vacant(entry) = self.page_cache.maps.entry(file) {
+            let open = files.get(file);
+            // SAFETY: read-only mapping of a shard, which gpufeed never modifies after its manifest
+            // exists; the mapping lives as long as this reader.
+            let map = unsafe { Mmap::map(open.file()) }.ok()?;
+            let residency = ResidencyMap::new(open.file()).ok()?;
+            entry.insert((map, residency));
+        }
+        self.page_cache.maps.get(&file)
+    }
+
+    /// Queues copies of `extent` from registered windows; false when the file cannot be registered.
+    fn copy_from_page_cache(
+        &mut self,
+        files: &FileTable,
+        extent: &DeviceExtent,
+        dest: &dyn DeviceMemory,
+    ) -> Result<bool, GpuReadError> {
+        if self.page_cache.refused.contains_key(&extent.file) {
+            return Ok(false);
+        }
+        let Some((map, _)) = self.map(files, extent.file) else {
+            return Ok(false);
+        };
+        let (base, file_len) = (map.as_ptr(), map.len());
+        if extent.offset as usize + extent.len > file_len {
+            return Ok(false);
+        }
+        let window_bytes = self.limits.window_bytes;
+        let mut done = 0usize;
+        while done < extent.len {
+            let offset = extent.offset as usize + done;
+            let index = (offset / window_bytes) as u64;
+            let window_start = index as usize * window_bytes;
+            // The mapping covers whole pages, so a window at the end of the file may be rounded up to
+            // a page: cuMemHostRegister wants page-granular ranges.
+            let window_len = window_bytes
+                .min(file_len - window_start)
+                .div_ceil(IO_ALIGN_BYTES as usize)
+                * IO_ALIGN_BYTES as usize;
+            let piece = (extent.len - done).min(window_start + window_len - offset);
+            debug_assert!(piece > 0);
+            let Some(slot) = self.window(extent.file, index, base, window_start, window_len)?
+            else {
+                return Ok(false);
+            };
+            let window = &self.page_cache.windows[slot];
+            // SAFETY: the source lies within the registered window, which stays registered until its
+            // `copies_done` event (recorded below) has completed; the destination range was checked
+            // against `dest` by the caller.
+            unsafe {
+                crate::device::ffi::memcpy_htod_async(
+                    dest.device_ptr() + (extent.dest_offset + done) as u64,
+                    window.ptr.add(offset - window_start),
+                    piece,
+                    self.stream.raw(),
+                )
+            }
+            .map_err(DeviceError::from)?;
+            window.copies_done.record(&self.stream)?;
+            done += piece;
+        }
+        Ok(true)
+    }
+
+    /// The registered window `index` of `file`, registering it (and evicting old ones) if needed.
+    fn window(
+        &mut self,
+        file: FileId,
+        index: u64,
+        base: *const u8,
+        start: usize,
+        bytes: usize,
+    ) -> Result<Option<usize>, GpuReadError> {
+        let cache = &mut self.page_cache;
+        cache.clock += 1;
+        if let Some(slot) = cache
+            .windows
+            .iter()
+            .position(|w| w.file == file && w.index == index)
+        {
+            cache.windows[slot].last_use = cache.clock;
+            return Ok(Some(slot));
+        }
+        while cache.registered_bytes + bytes > self.limits.registered_bytes_max
+            && !cache.windows.is_empty()
+        {
+            let oldest = cache
+                .windows
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, w)| w.last_use)
+                .map(|(i, _)| i)
+                .expect("not empty");
+            let window = cache.windows.swap_remove(oldest);
+            // Copies from the window must finish before its pages are unpinned.
+            window.copies_done.synchronize()?;
+            // SAFETY: registered by this reader, and no copy from it is in flight any more.
+            if let Err(reason) = unsafe { host_unregister(window.ptr) } {
+                tracing::warn!("unregistering a page-cache window failed: {reason}");
+            }
+            cache.registered_bytes -= window.bytes;
+        }
+        // SAFETY: `base + start .. + bytes` lies within the live mapping (page aligned, as windows
+        // start at multiples of window_bytes, itself a multiple of the page size), which outlives the
+        // registration; the device's context is current (bound in `read`).
+        let ptr = unsafe { base.add(start) };
+        if let Err(reason) = unsafe { host_register_read_only(ptr, bytes) } {
+            tracing::warn!(
+                "page-cache path unavailable for file {}: {reason}; using the bounce path",
+                file.0
+            );
+            cache.refused.insert(file, reason);
+            return Ok(None);
+        }
+        cache.registered_bytes += bytes;
+        cache.windows.push(Window {
+            file,
+            index,
+            ptr,
+            bytes,
+            last_use: cache.clock,
+            copies_done: Event::new(&self.device, EventTiming::Disabled)?,
+        });
+        Ok(Some(cache.windows.len() - 1))
+    }
+
+    /// Reads the selected extents through the bounce buffers: fill buffer k with io_uring while the
+    /// copy of buffer k-1 runs, reuse a buffer only after its copy's event has completed.
+    fn read_bounced(
+        &mut self,
+        files: &FileTable,
+        extents: &[DeviceExtent],
+        selected: &[usize],
+        dest: &dyn DeviceMemory,
+        results: &mut [Result<ReadPath, ReadError>],
+    ) -> Result<(), GpuReadError> {
+        let buffer_bytes = self.limits.bounce_buffer_bytes;
+        let align = IO_ALIGN_BYTES as usize;
+        // Cut the work into pieces that fit a buffer; pieces start page-aligned in the buffer so the
+        // engine can use O_DIRECT where the file offset allows.
+        struct Piece {
+            extent: usize,
+            offset: u64,
+            len: usize,
+            dest_offset: usize,
+        }
+        let mut pieces = Vec::new();
+        for &index in selected {
+            let extent = &extents[index];
+            let mut done = 0usize;
+            while done < extent.len {
+                let len = (extent.len - done).min(buffer_bytes);
+                pieces.push(Piece {
+                    extent: index,
+                    offset: extent.offset + done as u64,
+                    len,
+                    dest_offset: extent.dest_offset + done,
+                });
+                done += len;
+            }
+        }
+        let mut start = 0;
+        while start < pieces.len() {
+            let mut used = 0usize;
+            let mut end = start;
+            while end < pieces.len() && used + pieces[end].len <= buffer_bytes {
+                used = (used + pieces[end].len).div_ceil(align) * align;
+                end += 1;
+            }
+            let slot = self.next_bounce;
+            self.next_bounce = (self.next_bounce + 1) % self.bounce.len();
+            let (buffer, event) = &mut self.bounce[slot];
+            // The buffer's previous copy must be done before the kernel writes into it again.
+            event.synchronize()?;
+            let mut engine_extents = Vec::with_capacity(end - start);
+            let mut at = 0usize;
+            for piece in &pieces[start..end] {
+                engine_extents.push(Extent {
+                    file: extents[piece.extent].file,
+                    offset: piece.offset,
+                    len: piece.len,
+                    dest_offset: at,
+                });
+                at = (at + piece.len).div_ceil(align) * align;
+            }
+            let read = self
+                .engine
+                .read(files, &engine_extents, buffer.as_mut_slice())?;
+            for ((piece, engine_extent), result) in
+                pieces[start..end].iter().zip(&engine_extents).zip(read)
+            {
+                if let Err(error) = result {
+                    results[piece.extent] = Err(error);
+                    continue;
+                }
+                // SAFETY: the source lies within the pinned buffer, which is not written again until
+                // `event` (recorded after these copies) has completed; the destination range was
+                // checked against `dest`.
+                unsafe {
+                    crate::device::ffi::memcpy_htod_async(
+                        dest.device_ptr() + piece.dest_offset as u64,
+                        buffer.as_slice().as_ptr().add(engine_extent.dest_offset),
+                        piece.len,
+                        self.stream.raw(),
+                    )
+                }
+                .map_err(DeviceError::from)?;
+                self.stats
+                    .bounce_bytes
+                    .fetch_add(piece.len as u64, Ordering::Relaxed);
+            }
+            event.record(&self.stream)?;
+            start = end;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GpuReader {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        let _ = self.stream.synchronize();
+        for window in self.page_cache.windows.drain(..) {
+            // SAFETY: registered by this reader; the stream is drained, so no copy is in flight.
+            let _ = unsafe { host_unregister(window.ptr) };
+        }
+    }
+}
