@@ -1,0 +1,125 @@
+//! Read benchmark for the GPU read paths: reads a file into device memory through one path and prints
+//! one JSON line with GB/s and the host CPU time spent.
+//!
+//! ```text
+//! read_bench --file F --path page_cache|bounce|cufile|auto --temperature cold|warm [--extent-mib 16]
+//! ```
+//! `cold` drops the file's pages first (posix_fadvise DONTNEED, which needs the pages to be clean);
+//! `warm` reads the file once through the page cache first. Needs a CUDA GPU.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use gpufeed::device::{Device, DeviceBuffer};
+use gpufeed::storage::gpu::{DeviceExtent, GpuReader, GpuReaderLimits, PathChoice, ReadPath};
+use gpufeed::storage::{DirectIo, FileId, FileTable};
+
+#[derive(Parser)]
+struct Args {
+    /// The file to read.
+    #[arg(long)]
+    file: PathBuf,
+    /// page_cache, bounce, cufile or auto.
+    #[arg(long)]
+    path: String,
+    /// cold or warm.
+    #[arg(long)]
+    temperature: String,
+    /// Size of each read extent in MiB.
+    #[arg(long, default_value_t = 16)]
+    extent_mib: usize,
+    /// Times to repeat the read (warm only); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+}
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes into the zeroed struct we own.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    seconds(usage.ru_utime) + seconds(usage.ru_stime)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let choice = match args.path.as_str() {
+        "page_cache" => PathChoice::Force(ReadPath::PageCache),
+        "bounce" => PathChoice::Force(ReadPath::Bounce),
+        "cufile" => PathChoice::Force(ReadPath::CuFile),
+        "auto" => PathChoice::Auto,
+        other => bail!("unknown path {other}"),
+    };
+    let len = std::fs::metadata(&args.file)
+        .with_context(|| args.file.display().to_string())?
+        .len();
+    let device = Device::open(0)?;
+    let buffer = DeviceBuffer::new(&device, len as usize)?;
+    let mut files = FileTable::new(1);
+    files.open(&args.file, DirectIo::Prefer)?;
+    let mut reader = GpuReader::new(&device, GpuReaderLimits::node_defaults())?;
+    let extent_bytes = (args.extent_mib << 20) as u64;
+    let extents: Vec<DeviceExtent> = (0..len.div_ceil(extent_bytes))
+        .map(|i| {
+            let offset = i * extent_bytes;
+            DeviceExtent {
+                file: FileId(0),
+                offset,
+                len: extent_bytes.min(len - offset) as usize,
+                dest_offset: offset as usize,
+            }
+        })
+        .collect();
+    let file = File::open(&args.file)?;
+    let repeats = if args.temperature == "cold" { 1 } else { args.repeat.max(1) };
+    let mut runs = Vec::new();
+    let mut served = std::collections::BTreeMap::new();
+    for _ in 0..repeats {
+        match args.temperature.as_str() {
+            "cold" => {
+                // SAFETY: plain syscall on an open descriptor.
+                unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            }
+            "warm" => {
+                let mut chunk = vec![0u8; 64 << 20];
+                let mut offset = 0;
+                while offset < len {
+                    offset += file.read_at(&mut chunk, offset)? as u64;
+                }
+            }
+            other => bail!("unknown temperature {other}"),
+        }
+        let cpu_before = cpu_seconds();
+        let started = Instant::now();
+        let results = reader.read(&files, &extents, &buffer, choice)?;
+        let seconds = started.elapsed().as_secs_f64();
+        let cpu = cpu_seconds() - cpu_before;
+        served.clear();
+        for result in results {
+            *served.entry(result?.name()).or_insert(0u64) += 1;
+        }
+        runs.push((seconds, cpu));
+    }
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (seconds, cpu) = runs[runs.len() / 2];
+    println!(
+        "{}",
+        serde_json::json!({
+            "path": args.path,
+            "temperature": args.temperature,
+            "bytes": len,
+            "seconds": seconds,
+            "gb_per_s": len as f64 / seconds / 1e9,
+            "cpu_seconds": cpu,
+            "host_cores": cpu / seconds,
+            "served_by": served,
+            "cold_path": reader.cold_path_reason,
+        })
+    );
+    Ok(())
+}

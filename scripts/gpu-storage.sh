@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after scripts/gpu-stage-storage.sh staged .gpu/storage/ here:
+#   1. the per-file cuFile fallback test, before the udev entry exists (registration fails);
+#   2. the udev entry cuFile needs on this VM (see shared/GPU_MACHINE.md), then all GPU storage tests;
+#   3. the read benchmark per path, cold and warm, with dd iflag=direct and KvikIO on the same file.
+# Logs go to $OUT; a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpufeed-storage}"
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1
+export GPUFEED_TEST_DIR=/var/tmp
+bin=.gpu/storage/bin
+log="$OUT/storage.log"
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv; df -hT /var/tmp; } >"$log" 2>&1
+
+echo "=== fallback test without the udev entry" >>"$log"
+timeout 120 "$bin/gpu_storage" --include-ignored --nocapture cufile_falls_back >>"$log" 2>&1
+echo "exit $?" >>"$log"
+
+mkdir -p /run/udev/data
+printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+echo "=== all storage tests with the udev entry" >>"$log"
+timeout 300 "$bin/gpu_storage" --include-ignored --nocapture --test-threads=1 >>"$log" 2>&1
+echo "exit $?" >>"$log"
+
+bench="$OUT/read_bench.jsonl"
+: >"$bench"
+file=/var/tmp/gpufeed-read-bench.bin
+dd if=/dev/urandom of="$file" bs=64M count=64 status=none && sync
+echo "=== dd iflag=direct cold" >>"$log"
+echo 3 >/proc/sys/vm/drop_caches
+dd if="$file" of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | tee -a "$log" |
+  python3 -c 'import sys,json,re; l=sys.stdin.read(); m=re.search(r"(\d+) bytes.*?([\d.]+) s",l); b,s=int(m[1]),float(m[2]); print(json.dumps({"path":"dd-direct","temperature":"cold","bytes":b,"seconds":s,"gb_per_s":b/s/1e9}))' >>"$bench"
+for run in "bounce cold" "cufile cold" "auto cold" "page_cache warm" "bounce warm" "auto warm" "cufile warm"; do
+  set -- $run
+  echo "=== read_bench $1 $2" >>"$log"
+  [ "$2" = cold ] && echo 3 >/proc/sys/vm/drop_caches
+  timeout 120 "$bin/read_bench" --file "$file" --path "$1" --temperature "$2" >>"$bench" 2>>"$log"
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvikio-site .gpu/storage/whl/*.whl >>"$log" 2>&1
+for run in "8 warm" "1 warm" "8 cold"; do
+  set -- $run
+  [ "$2" = cold ] && echo 3 >/proc/sys/vm/drop_caches
+  PYTHONPATH=/tmp/kvikio-site timeout 120 python3 scripts/kvikio_read.py "$file" --threads "$1" --temperature "$2" >>"$bench" 2>>"$log"
+done
+rm -f "$file"
+
+grep -E '^test |^test result|exit [0-9]|cold path|GB/s|falls back|registered|refused' "$log" | cut -c1-200
+echo
+python3 - "$bench" <<'PY'
+import json, sys
+print(f"{'path':<14} {'temp':<5} {'GB/s':>7} {'host cores':>10}")
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    print(f"{r['path']:<14} {r['temperature']:<5} {r['gb_per_s']:>7.2f} {r.get('host_cores', float('nan')):>10.2f}")
+PY
