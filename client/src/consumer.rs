@@ -41,6 +41,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use memmap2::{Mmap, MmapOptions};
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 
 use crate::dtype::DType;
 use crate::protocol::{
@@ -166,7 +167,8 @@ impl StreamSpec {
     /// Starts the stream at `step` of the epoch: `start_cursor = step × world_size × batch_size`.
     ///
     /// The cursor is computed from the current `world_size` and `batch_size`, so call this after setting
-    /// them. A product that overflows saturates, which the daemon treats as past the end of the epoch.
+    /// them. A product that overflows saturates; the daemon refuses a cursor past the end of the epoch
+    /// (`BadRequest`).
     pub fn start_at_step(&mut self, step: u64) -> &mut StreamSpec {
         self.start_cursor = step
             .saturating_mul(u64::from(self.world_size))
@@ -221,6 +223,12 @@ fn check_spec(spec: &StreamSpec) -> Result<(), ClientError> {
     if spec.batch_size == 0 {
         return invalid("batch_size must be at least 1".to_string());
     }
+    if spec.device == Device::Cuda(u32::MAX) {
+        return invalid("CUDA device ordinal u32::MAX is reserved".to_string());
+    }
+    if spec.shuffle == Shuffle::Window(0) {
+        return invalid("a shuffle window must hold at least one shard".to_string());
+    }
     if spec.world_size == 0 || spec.rank >= spec.world_size {
         return invalid(format!(
             "rank {} is not below world_size {}",
@@ -273,7 +281,14 @@ impl Client {
                 std::process::id()
             ),
         };
-        transport::send(&socket, &hello, &[])?;
+        if let Err(error) = transport::send(&socket, &hello, &[]) {
+            // The daemon checks the peer's uid and its session bound as soon as it accepts, and may
+            // have sent its refusal and closed before the Hello went out: report the refusal.
+            return match recv_plain(&socket) {
+                Ok(Message::Error { code, message }) => Err(ClientError::Daemon { code, message }),
+                _ => Err(error.into()),
+            };
+        }
         match recv_plain(&socket)? {
             Message::Welcome {
                 session,
@@ -499,11 +514,19 @@ fn map_slots(layout: &StreamLayout, fds: Vec<OwnedFd>) -> Result<Vec<Mmap>, Clie
                 layout.slot_bytes
             )));
         }
+        // A file that shrinks under a mapping turns reads past its new end into SIGBUS; the seal
+        // makes the size check above hold for the mapping's lifetime.
+        let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(std::io::Error::from)?;
+        if !SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
+            return Err(ClientError::Protocol(format!(
+                "slot {slot} is not sealed against shrinking (F_SEAL_SHRINK)"
+            )));
+        }
         // SAFETY: the mapping is shared with the daemon, which writes the slot while the daemon owns
         // it. The lease rule (docs/PROTOCOL.md, "Slots and leases") guarantees that the daemon never
         // writes a slot while a `Batch` for it exists, and slices of the mapping are only handed out
-        // through a `Batch`. The size was checked above, so no page of the mapping lies beyond the end
-        // of the file unless the daemon shrinks it afterwards, which the protocol forbids.
+        // through a `Batch`. The file is at least `slot_bytes` long and sealed against shrinking, so
+        // every page of the mapping stays backed.
         let map = unsafe { MmapOptions::new().len(slot_bytes).map(&file) }.map_err(|e| {
             std::io::Error::new(
                 e.kind(),
@@ -1008,12 +1031,17 @@ mod tests {
         /// Greets, reads the OpenStream, and answers with `layout` and `slot_count` memfds of
         /// `file_bytes` each (which the fake keeps to fill).
         fn open(&self, layout: StreamLayout, descriptors: usize, file_bytes: u64) -> Vec<File> {
+            let files = (0..descriptors).map(|_| memfd(file_bytes)).collect();
+            self.open_with(layout, files)
+        }
+
+        /// Greets, reads the OpenStream, and answers with `layout` and `files`.
+        fn open_with(&self, layout: StreamLayout, files: Vec<File>) -> Vec<File> {
             self.welcome();
             match self.recv() {
                 Message::OpenStream(spec) => assert_eq!(spec.batch_size, BATCH_SIZE),
                 other => panic!("expected OpenStream, got {other:?}"),
             }
-            let files: Vec<File> = (0..descriptors).map(|_| memfd(file_bytes)).collect();
             self.send_with(Message::StreamOpened(layout), &files);
             files
         }
@@ -1031,9 +1059,21 @@ mod tests {
         }
     }
 
+    /// A slot file as the daemon makes it: sealed against resizing.
     fn memfd(bytes: u64) -> File {
+        let file = unsealed_memfd(bytes);
+        fcntl(
+            &file,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
+        )
+        .unwrap();
+        file
+    }
+
+    fn unsealed_memfd(bytes: u64) -> File {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
         let fd =
-            nix::sys::memfd::memfd_create(c"slot", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+            memfd_create(c"slot", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING).unwrap();
         let file = File::from(fd);
         file.set_len(bytes).unwrap();
         file
@@ -1392,6 +1432,42 @@ mod tests {
         let mut no_fields = layout(2, 3);
         no_fields.fields.clear();
         assert_layout_refused(no_fields, 2, SLOT_BYTES);
+    }
+
+    #[test]
+    fn slots_that_can_shrink_are_refused() {
+        let (socket, daemon) = spawn_daemon(|fake| {
+            let files = vec![memfd(SLOT_BYTES), unsealed_memfd(SLOT_BYTES)];
+            fake.open_with(layout(2, 3), files);
+            fake.drain();
+        });
+        match open(socket) {
+            Err(ClientError::Protocol(reason)) => assert!(reason.contains("slot 1"), "{reason}"),
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
+        daemon.join().unwrap();
+    }
+
+    /// A daemon that refuses the peer's uid answers before reading Hello and closes; the client
+    /// reports the refusal even when its Hello can no longer be sent.
+    #[test]
+    fn a_refusal_sent_before_hello_is_reported() {
+        let (client, daemon) = UnixStream::pair().unwrap();
+        client.set_read_timeout(Some(TEST_TIMEOUT)).unwrap();
+        transport::send(
+            &daemon,
+            &Message::Error {
+                code: ErrorCode::PermissionDenied,
+                message: "uid 1234 is not allowed to connect".into(),
+            },
+            &[],
+        )
+        .unwrap();
+        drop(daemon);
+        match Client::from_socket(client) {
+            Err(ClientError::Daemon { code, .. }) => assert_eq!(code, ErrorCode::PermissionDenied),
+            other => panic!("expected the refusal, got {other:?}"),
+        }
     }
 
     #[test]

@@ -514,7 +514,11 @@ impl Message {
                 });
                 w.u32(match spec.device {
                     Device::Cpu => u32::MAX,
-                    Device::Cuda(ordinal) => ordinal,
+                    Device::Cuda(ordinal) => {
+                        // u32::MAX is the host-memory marker on the wire.
+                        assert!(ordinal != u32::MAX, "CUDA ordinal u32::MAX is reserved");
+                        ordinal
+                    }
                 });
             }
             Message::StreamOpened(layout) => {
@@ -652,11 +656,15 @@ impl Message {
                 let epoch = r.u64()?;
                 let mode = r.u8()?;
                 let window = r.u32()?;
-                let shuffle = match mode {
-                    0 => Shuffle::None,
-                    1 => Shuffle::Window(window),
-                    2 => Shuffle::Full,
-                    other => return r.fail(format!("unknown shuffle mode {other}")),
+                let shuffle = match (mode, window) {
+                    (0, 0) => Shuffle::None,
+                    (1, shards) if shards > 0 => Shuffle::Window(shards),
+                    (2, 0) => Shuffle::Full,
+                    (0 | 2, _) => {
+                        return r.fail("a window size is given for a shuffle mode without windows")
+                    }
+                    (1, _) => return r.fail("a shuffle window must hold at least one shard"),
+                    (other, _) => return r.fail(format!("unknown shuffle mode {other}")),
                 };
                 let rank = r.u32()?;
                 let world_size = r.u32()?;
@@ -868,7 +876,7 @@ mod tests {
         for message in samples() {
             let frame = message.encode();
             for cut in 4..frame.len() - 4 {
-                assert!(Message::decode(&frame[4..4 + cut]).is_err() || cut == frame.len() - 4);
+                assert!(Message::decode(&frame[4..4 + cut]).is_err());
             }
             let mut longer = frame[4..].to_vec();
             longer.push(0);
