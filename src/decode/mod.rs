@@ -184,10 +184,30 @@ pub fn shuffle(raw: &[u8], width: usize, out: &mut [u8]) {
 pub fn unshuffle(shuffled: &[u8], width: usize, out: &mut [u8]) {
     assert_eq!(shuffled.len(), out.len());
     assert!(width > 0 && shuffled.len() % width == 0);
-    let count = shuffled.len() / width;
-    for (element, bytes) in out.chunks_exact_mut(width).enumerate() {
-        for (byte_index, byte) in bytes.iter_mut().enumerate() {
-            *byte = shuffled[byte_index * count + element];
+    // The element widths of the format get a loop the compiler can unroll and keep free of bounds
+    // checks; it runs several times faster than the generic one.
+    match width {
+        2 => unshuffle_width::<2>(shuffled, out),
+        4 => unshuffle_width::<4>(shuffled, out),
+        8 => unshuffle_width::<8>(shuffled, out),
+        _ => {
+            let count = shuffled.len() / width;
+            for (element, bytes) in out.chunks_exact_mut(width).enumerate() {
+                for (byte_index, byte) in bytes.iter_mut().enumerate() {
+                    *byte = shuffled[byte_index * count + element];
+                }
+            }
+        }
+    }
+}
+
+fn unshuffle_width<const W: usize>(shuffled: &[u8], out: &mut [u8]) {
+    let count = shuffled.len() / W;
+    let planes: [&[u8]; W] = std::array::from_fn(|b| &shuffled[b * count..(b + 1) * count]);
+    for (element, bytes) in out.chunks_exact_mut(W).enumerate() {
+        let bytes: &mut [u8; W] = bytes.try_into().expect("chunks of W");
+        for (byte, plane) in bytes.iter_mut().zip(&planes) {
+            *byte = plane[element];
         }
     }
 }
