@@ -14,6 +14,8 @@
 //! first field) in the order received, as an array of shape `[samples, ...sample_shape]`. The samples
 //! are buffered in memory, at most [`DUMP_BYTES_MAX`], because the count is not known until the end.
 
+use std::collections::VecDeque;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -21,7 +23,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use gpufeed::input::write_npy;
-use gpufeed_client::consumer::Client;
+use gpufeed_client::consumer::{Batch, Client};
 use gpufeed_client::protocol::{
     CorruptPolicy, FieldRequest, Shuffle, StreamLayout, StreamSpec, Tail,
 };
@@ -88,6 +90,11 @@ struct Args {
     /// Write the first field's samples, in the order received, to this .npy file.
     #[arg(long, value_name = "FILE.npy")]
     dump: Option<PathBuf>,
+    /// After this many batches, keep the latest ones (as many as the stream has slots) and the
+    /// stream, print a line starting with `holding` and wait until stdin closes, then go on. Lets a
+    /// test kill a consumer that holds slots.
+    #[arg(long, value_name = "N")]
+    hold_after: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -207,6 +214,10 @@ fn run(args: &Args) -> Result<()> {
     let dump_field = stream.layout().fields[0].name.clone();
     let mut dump_bytes = Vec::new();
     let mut totals = Totals::default();
+    // Batches kept for --hold-after: fewer than the slot count while still receiving, so that the
+    // daemon always has a slot to fill.
+    let slot_count = stream.layout().slot_count as usize;
+    let mut held: VecDeque<Batch> = VecDeque::with_capacity(slot_count);
     let started = Instant::now();
     let limit = args.steps.unwrap_or(u64::MAX);
     while totals.batches < limit {
@@ -231,6 +242,17 @@ fn run(args: &Args) -> Result<()> {
             }
             dump_bytes.extend_from_slice(field.bytes);
         }
+        if let Some(hold_after) = args.hold_after {
+            if totals.batches <= hold_after {
+                held.push_back(batch);
+                if totals.batches == hold_after {
+                    hold_until_stdin_closes(&held)?;
+                    held.clear();
+                } else if held.len() >= slot_count {
+                    held.pop_front();
+                }
+            }
+        }
     }
     let seconds = started.elapsed().as_secs_f64();
     let cursor = stream.state().cursor;
@@ -254,6 +276,22 @@ fn run(args: &Args) -> Result<()> {
             "replaced": totals.replaced,
         })
     );
+    Ok(())
+}
+
+/// Announces the held batches on stdout and blocks until stdin reaches its end.
+fn hold_until_stdin_closes(held: &VecDeque<Batch>) -> Result<()> {
+    let slots: Vec<u32> = held.iter().map(Batch::slot).collect();
+    let mut stdout = std::io::stdout().lock();
+    writeln!(
+        stdout,
+        "holding {} batches in slots {slots:?} until stdin closes",
+        held.len()
+    )?;
+    stdout.flush()?;
+    let mut stdin = std::io::stdin().lock();
+    let mut discard = [0u8; 4096];
+    while stdin.read(&mut discard).context("reading stdin")? > 0 {}
     Ok(())
 }
 
@@ -360,5 +398,6 @@ mod tests {
         assert!(parse(&["--resume-cursor", "1000", "--start-step", "3"]).is_err());
         assert!(parse(&["--shuffle", "sideways"]).is_err());
         assert!(parse(&["--dtype", "float"]).is_err());
+        assert_eq!(parse(&["--hold-after", "3"]).unwrap().hold_after, Some(3));
     }
 }

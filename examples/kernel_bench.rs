@@ -27,8 +27,8 @@ use gpufeed::device::{
 };
 use gpufeed::kernels::reference::relu_sparse_f16;
 use gpufeed::kernels::{
-    GatherOp, GatherPlan, Gatherer, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, Unshuffle,
-    GATHER_OUTCOME_BYTES, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES,
+    GatherLayout, GatherOp, GatherPlan, Gatherer, Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome,
+    Lz4Status, SequencePath, Unshuffle, GATHER_OUTCOME_BYTES, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES,
 };
 use gpufeed::synth;
 use rand::rngs::StdRng;
@@ -41,6 +41,7 @@ const REPS: usize = 20;
 
 struct Args {
     mib: usize,
+    profile: bool,
     data: Option<PathBuf>,
     out: Option<PathBuf>,
 }
@@ -48,6 +49,7 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         mib: 1024,
+        profile: false,
         data: None,
         out: None,
     };
@@ -57,7 +59,10 @@ fn parse_args() -> Result<Args> {
             "--mib" => args.mib = it.next().context("--mib N")?.parse()?,
             "--data" => args.data = Some(it.next().context("--data DIR")?.into()),
             "--out" => args.out = Some(it.next().context("--out DIR")?.into()),
-            other => bail!("unknown argument {other} (expected --mib N, --data DIR, --out DIR)"),
+            "--profile" => args.profile = true,
+            other => bail!(
+                "unknown argument {other} (expected --mib N, --data DIR, --out DIR, --profile)"
+            ),
         }
     }
     Ok(args)
@@ -102,14 +107,24 @@ struct Compressed {
 }
 
 fn compress(name: &str, raw: Vec<u8>, element_bytes: u32, shuffled: bool) -> Compressed {
-    let blocks: Vec<&[u8]> = raw.chunks(BLOCK_BYTES).collect();
+    compress_blocks(name, raw, element_bytes, shuffled, BLOCK_BYTES)
+}
+
+fn compress_blocks(
+    name: &str,
+    raw: Vec<u8>,
+    element_bytes: u32,
+    shuffled: bool,
+    block_bytes: usize,
+) -> Compressed {
+    let blocks: Vec<&[u8]> = raw.chunks(block_bytes).collect();
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
     let per_thread = blocks.len().div_ceil(threads);
     let mut stored: Vec<Vec<u8>> = vec![Vec::new(); blocks.len()];
     std::thread::scope(|scope| {
         for (inputs, outputs) in blocks.chunks(per_thread).zip(stored.chunks_mut(per_thread)) {
             scope.spawn(move || {
-                let mut scratch = vec![0u8; BLOCK_BYTES];
+                let mut scratch = vec![0u8; block_bytes];
                 for (input, output) in inputs.iter().zip(outputs) {
                     *output = if shuffled {
                         let s = &mut scratch[..input.len()];
@@ -127,7 +142,7 @@ fn compress(name: &str, raw: Vec<u8>, element_bytes: u32, shuffled: bool) -> Com
     let raw_total = raw.len() as u64;
     for (i, (block, stored)) in blocks.iter().zip(&stored).enumerate() {
         staging.resize(staging.len().div_ceil(16) * 16, 0);
-        let dst_offset = (i * BLOCK_BYTES) as u64;
+        let dst_offset = (i * block_bytes) as u64;
         jobs.push(Lz4Job {
             src_offset: staging.len() as u64,
             src_bytes: stored.len() as u32,
@@ -151,6 +166,29 @@ fn compress(name: &str, raw: Vec<u8>, element_bytes: u32, shuffled: bool) -> Com
 }
 
 impl Compressed {
+    /// The first `blocks` blocks, with scratch offsets for a batch of that size.
+    fn clone_prefix(&self, blocks: usize) -> Compressed {
+        let jobs = &self.jobs[..blocks];
+        let raw_bytes: u64 = jobs.iter().map(|j| j.raw_bytes as u64).sum();
+        let last = jobs.last().expect("at least one block");
+        Compressed {
+            name: format!("{} (first {blocks} blocks)", self.name),
+            raw: self.raw[..raw_bytes as usize].to_vec(),
+            staging: self.staging[..(last.src_offset + last.src_bytes as u64) as usize].to_vec(),
+            jobs: jobs
+                .iter()
+                .map(|j| Lz4Job {
+                    unshuffle: j.unshuffle.map(|u| Unshuffle {
+                        scratch_offset: raw_bytes + j.dst_offset,
+                        ..u
+                    }),
+                    ..*j
+                })
+                .collect(),
+            shuffled: self.shuffled,
+        }
+    }
+
     fn ratio(&self) -> f64 {
         self.raw.len() as f64 / self.jobs.iter().map(|j| j.src_bytes as f64).sum::<f64>()
     }
@@ -250,6 +288,155 @@ fn bench_decode(
     })
 }
 
+/// One launch of each kernel for a profiler (`ncu --launch-count 3`): LZ4 decode of both plain data
+/// sets with the default decoder, then one f16 -> f32 gather.
+fn profile(device: &Device, stream: &Stream, zipf: Vec<u8>, relu: Vec<u8>) -> Result<()> {
+    let (decoder, _) =
+        Lz4Decoder::with_config(device, Lz4Config::STANDARD, CacheDir::FromEnvironment)?;
+    let mut decoded = Vec::new();
+    for set in [
+        compress("zipf_i32", zipf, 4, false),
+        compress("relu_f16", relu, 2, false),
+    ] {
+        let table = DeviceBuffer::from_host(device, &Lz4Job::encode_all(&set.jobs))?;
+        let src = DeviceBuffer::from_host(device, &set.staging)?;
+        let dst = DeviceBuffer::new(device, set.raw.len())?;
+        let outcomes = DeviceBuffer::new(device, set.jobs.len() * LZ4_OUTCOME_BYTES)?;
+        // SAFETY: the buffers outlive the synchronisation that follows.
+        unsafe {
+            decoder.decode_async(stream, &table, set.jobs.len() as u32, &src, &dst, &outcomes)?
+        };
+        stream.synchronize()?;
+        decoded.push(dst);
+    }
+    let (gatherer, _) = Gatherer::new(device, GatherLayout::STANDARD, CacheDir::FromEnvironment)?;
+    let source = &decoded[1];
+    let elements = (source.len() / 2) as u64;
+    let mut plan = GatherPlan::new();
+    plan.push(0, 0, 0, elements, GatherOp::F16ToF32, 1.0);
+    let table = DeviceBuffer::from_host(device, &plan.encode())?;
+    let slot = DeviceBuffer::new(device, (elements * 4) as usize)?;
+    let outcome = DeviceBuffer::new(device, GATHER_OUTCOME_BYTES)?;
+    // SAFETY: as above.
+    unsafe {
+        gatherer.gather_async(
+            stream,
+            &table,
+            plan.pieces().len() as u32,
+            &[source],
+            &slot,
+            &outcome,
+        )?
+    };
+    stream.synchronize()?;
+    println!("profiled: lz4 decode of zipf_i32 and relu_f16, gather f16->f32");
+    Ok(())
+}
+
+/// Times `BATCHES` per-batch sequences over all blocks of `set` (decoded and widened to i64): tables
+/// uploaded from pinned memory, decode, gather; queued directly, then replayed as a CUDA graph.
+fn bench_small_batches(
+    device: &Device,
+    stream: &Stream,
+    gatherer: &Gatherer,
+    set: &Compressed,
+) -> Result<Vec<Row>> {
+    let batch_blocks = set.jobs.len();
+    let block_bytes = set.jobs[0].raw_bytes as usize;
+    let jobs = &set.jobs[..];
+    let last = jobs.last().expect("blocks");
+    let staging_bytes = (last.src_offset + last.src_bytes as u64) as usize;
+    let staging = DeviceBuffer::from_host(device, &set.staging[..staging_bytes])?;
+    let decode_pool = BufferPool::new(device, "decode", 1, batch_blocks * block_bytes * 2)?;
+    let decoded = decode_pool.acquire()?;
+    let batch_jobs: Vec<Lz4Job> = jobs
+        .iter()
+        .map(|j| Lz4Job {
+            unshuffle: j.unshuffle.map(|u| Unshuffle {
+                scratch_offset: (batch_blocks * block_bytes) as u64 + j.dst_offset,
+                ..u
+            }),
+            ..*j
+        })
+        .collect();
+    let mut plan = GatherPlan::new();
+    for (k, j) in batch_jobs.iter().enumerate() {
+        plan.push(
+            0,
+            j.dst_offset,
+            (k * block_bytes * 2) as u64,
+            j.raw_bytes as u64 / 4,
+            GatherOp::I32ToI64,
+            1.0,
+        );
+    }
+    let job_bytes = Lz4Job::encode_all(&batch_jobs);
+    let piece_bytes = plan.encode();
+    let mut pinned = PinnedBuffer::new(device, job_bytes.len() + piece_bytes.len())?;
+    pinned.as_mut_slice()[..job_bytes.len()].copy_from_slice(&job_bytes);
+    pinned.as_mut_slice()[job_bytes.len()..].copy_from_slice(&piece_bytes);
+    let job_table = DeviceBuffer::new(device, batch_blocks * LZ4_JOB_BYTES)?;
+    let piece_table = DeviceBuffer::new(device, piece_bytes.len())?;
+    let outcomes = DeviceBuffer::new(device, batch_blocks * LZ4_OUTCOME_BYTES)?;
+    let slot = DeviceBuffer::new(device, batch_blocks * block_bytes * 2)?;
+    let gather_outcome = DeviceBuffer::new(device, GATHER_OUTCOME_BYTES)?;
+    let (decoder, _) =
+        Lz4Decoder::with_config(device, Lz4Config::STANDARD, CacheDir::FromEnvironment)?;
+    let pieces = plan.pieces().len() as u32;
+    let enqueue = |s: &Stream| -> Result<(), gpufeed::device::DeviceError> {
+        // SAFETY: every buffer here outlives the timing loops, which end with a synchronisation; the
+        // pinned tables are not written while batches are in flight.
+        unsafe {
+            pinned.upload_async(s, 0, &job_table, 0, job_bytes.len())?;
+            pinned.upload_async(s, job_bytes.len(), &piece_table, 0, piece_bytes.len())?;
+            decoder.decode_async(
+                s,
+                &job_table,
+                batch_blocks as u32,
+                &staging,
+                &decoded,
+                &outcomes,
+            )?;
+            gatherer.gather_async(s, &piece_table, pieces, &[&decoded], &slot, &gather_outcome)
+        }
+    };
+    const BATCHES: usize = 200;
+    let (direct_ms, _, _) = time_ms(device, stream, || {
+        for _ in 0..BATCHES {
+            enqueue(stream)?;
+        }
+        Ok(())
+    })?;
+    let graph = stream.capture(enqueue)?;
+    let (graph_ms, _, _) = time_ms(device, stream, || {
+        for _ in 0..BATCHES {
+            // SAFETY: as for the direct launches.
+            unsafe { graph.launch(stream)? };
+        }
+        Ok(())
+    })?;
+    let check = Lz4Outcome::decode_all(&outcomes.to_vec()?);
+    if check.iter().any(|o| o.status != Lz4Status::Ok) {
+        bail!("small-batch decode failed: {check:?}");
+    }
+    let what = format!(
+        "per-batch sequence, {batch_blocks} blocks of {} KiB",
+        block_bytes >> 10
+    );
+    Ok(vec![
+        Row {
+            what: format!("{what}: direct launches"),
+            value: format!("{:.1} us/batch", direct_ms * 1e3 / BATCHES as f64),
+            note: "2 pinned uploads + decode + memset + gather".into(),
+        },
+        Row {
+            what: format!("{what}: CUDA graph"),
+            value: format!("{:.1} us/batch", graph_ms * 1e3 / BATCHES as f64),
+            note: format!("{:.2}x the direct time", graph_ms / direct_ms),
+        },
+    ])
+}
+
 fn main() -> Result<()> {
     let args = parse_args()?;
     let device = Device::open(0).context("opening CUDA device 0")?;
@@ -271,6 +458,9 @@ fn main() -> Result<()> {
     let t = Instant::now();
     let zipf = generate(bytes, zipf_bytes);
     let relu = generate(bytes, relu_bytes);
+    if args.profile {
+        return profile(&device, &stream, zipf, relu);
+    }
     let sets = vec![
         compress("zipf_i32", zipf.clone(), 4, false),
         compress("relu_f16", relu.clone(), 2, false),
@@ -289,27 +479,67 @@ fn main() -> Result<()> {
         println!("wrote the blocks to {}", dir.display());
     }
 
-    // LZ4 decode, several warps-per-block choices.
-    let mut best: Vec<(String, f64)> = Vec::new();
-    for warps in [2u32, 4, 8] {
-        let (decoder, _) = Lz4Decoder::new(&device, warps, CacheDir::FromEnvironment)?;
-        let per_sm = decoder.kernel().blocks_per_multiprocessor(warps * 32)?;
+    // LZ4 decode: the standard configuration and its neighbours.
+    let general = Lz4Config {
+        sequences: SequencePath::GeneralOnly,
+        min_blocks_per_sm: 0,
+        ..Lz4Config::STANDARD
+    };
+    let configs = [
+        (
+            "standard: 4 warps/block, fast path, 40 registers",
+            Lz4Config::STANDARD,
+        ),
+        ("general path only (the run-1 kernel)", general),
+        (
+            "4 warps/block, fast path, 48 registers",
+            Lz4Config {
+                min_blocks_per_sm: 0,
+                ..Lz4Config::STANDARD
+            },
+        ),
+        (
+            "2 warps/block, fast path",
+            Lz4Config {
+                warps_per_block: 2,
+                min_blocks_per_sm: 0,
+                ..Lz4Config::STANDARD
+            },
+        ),
+        (
+            "8 warps/block, fast path",
+            Lz4Config {
+                warps_per_block: 8,
+                min_blocks_per_sm: 0,
+                ..Lz4Config::STANDARD
+            },
+        ),
+    ];
+    let mut best: Vec<(String, f64, &str)> = Vec::new();
+    for (label, config) in configs {
+        let (decoder, _) = Lz4Decoder::with_config(&device, config, CacheDir::FromEnvironment)?;
+        let per_sm = decoder
+            .kernel()
+            .blocks_per_multiprocessor(config.warps_per_block * 32)?;
         for set in &sets {
             let (ms, min, max) = bench_decode(&device, &stream, &decoder, set)?;
             let rate = gbps(set.raw.len() as f64, ms);
             rows.push(Row {
-                what: format!("lz4 decode {} ({} warps/block)", set.name, warps),
+                what: format!("lz4 decode {} ({label})", set.name),
                 value: format!("{rate:.1} GB/s out"),
                 note: format!(
-                    "ratio {:.2}, median {ms:.3} ms (min {min:.3}, max {max:.3}), {} blocks/SM resident",
+                    "ratio {:.2}, median {ms:.3} ms (min {min:.3}, max {max:.3}), {} warps/SM resident",
                     set.ratio(),
-                    per_sm
+                    per_sm * config.warps_per_block
                 ),
             });
-            match best.iter_mut().find(|(n, _)| *n == set.name) {
-                Some((_, b)) if *b >= rate => {}
-                Some((_, b)) => *b = rate,
-                None => best.push((set.name.clone(), rate)),
+            match best.iter_mut().find(|(n, _, _)| *n == set.name) {
+                Some((_, b, _)) if *b >= rate => {}
+                Some((_, b, l)) => {
+                    *b = rate;
+                    *l = label;
+                }
+                None => best.push((set.name.clone(), rate, label)),
             }
         }
     }
@@ -332,7 +562,6 @@ fn main() -> Result<()> {
     drop(copy_dst);
 
     // Gather + convert batches, samples in a random order from a large source.
-    let (gatherer, _) = Gatherer::new(&device, CacheDir::FromEnvironment)?;
     let source = copy_src; // 1 GiB of random bytes (never zeros)
     let mut rng = StdRng::seed_from_u64(17);
     let cases: [(&str, GatherOp, u64, usize); 5] = [
@@ -368,141 +597,74 @@ fn main() -> Result<()> {
         ),
     ];
     let mut gather_worst = f64::INFINITY;
-    for (label, op, elements, samples) in cases {
-        let sample_in = elements * op.in_bytes();
-        let slots = (source.len() as u64 / sample_in) as usize;
-        let mut order: Vec<usize> = (0..slots).collect();
-        order.shuffle(&mut rng);
-        let mut plan = GatherPlan::new();
-        let scale = if op == GatherOp::U8ToF32 {
-            1.0 / 255.0
-        } else {
-            1.0
-        };
-        for (k, &slot) in order.iter().cycle().take(samples).enumerate() {
-            plan.push(
-                0,
-                slot as u64 * sample_in,
-                k as u64 * elements * op.out_bytes(),
-                elements,
-                op,
-                scale,
-            );
+    for layout in [GatherLayout::CoalescedStores, GatherLayout::WideLoads] {
+        let (gatherer, _) = Gatherer::new(&device, layout, CacheDir::FromEnvironment)?;
+        for (label, op, elements, samples) in cases {
+            let sample_in = elements * op.in_bytes();
+            let slots = (source.len() as u64 / sample_in) as usize;
+            let mut order: Vec<usize> = (0..slots).collect();
+            order.shuffle(&mut rng);
+            let mut plan = GatherPlan::new();
+            let scale = if op == GatherOp::U8ToF32 {
+                1.0 / 255.0
+            } else {
+                1.0
+            };
+            for (k, &slot) in order.iter().cycle().take(samples).enumerate() {
+                plan.push(
+                    0,
+                    slot as u64 * sample_in,
+                    k as u64 * elements * op.out_bytes(),
+                    elements,
+                    op,
+                    scale,
+                );
+            }
+            let out_bytes = samples as u64 * elements * op.out_bytes();
+            let in_bytes = samples as u64 * sample_in;
+            let table = DeviceBuffer::from_host(&device, &plan.encode())?;
+            let slot = DeviceBuffer::new(&device, out_bytes as usize)?;
+            let outcome = DeviceBuffer::new(&device, GATHER_OUTCOME_BYTES)?;
+            let pieces = plan.pieces().len() as u32;
+            let (ms, _, _) = time_ms(&device, &stream, || {
+                // SAFETY: the buffers outlive the timing.
+                unsafe {
+                    gatherer.gather_async(&stream, &table, pieces, &[&source], &slot, &outcome)?
+                };
+                Ok(())
+            })?;
+            let rate = gbps((in_bytes + out_bytes) as f64, ms);
+            if layout == GatherLayout::STANDARD {
+                gather_worst = gather_worst.min(rate / copy_rate);
+            }
+            rows.push(Row {
+                what: format!("gather {label} ({layout:?})"),
+                value: format!("{rate:.0} GB/s read+write"),
+                note: format!(
+                    "{:.2}x the D2D copy; {} MiB in, {} MiB out, median {ms:.3} ms",
+                    rate / copy_rate,
+                    in_bytes >> 20,
+                    out_bytes >> 20
+                ),
+            });
         }
-        let out_bytes = samples as u64 * elements * op.out_bytes();
-        let in_bytes = samples as u64 * sample_in;
-        let table = DeviceBuffer::from_host(&device, &plan.encode())?;
-        let slot = DeviceBuffer::new(&device, out_bytes as usize)?;
-        let outcome = DeviceBuffer::new(&device, GATHER_OUTCOME_BYTES)?;
-        let pieces = plan.pieces().len() as u32;
-        let (ms, _, _) = time_ms(&device, &stream, || {
-            // SAFETY: the buffers outlive the timing.
-            unsafe { gatherer.gather_async(&stream, &table, pieces, &[&source], &slot, &outcome)? };
-            Ok(())
-        })?;
-        let rate = gbps((in_bytes + out_bytes) as f64, ms);
-        gather_worst = gather_worst.min(rate / copy_rate);
-        rows.push(Row {
-            what: format!("gather {label}"),
-            value: format!("{rate:.0} GB/s read+write"),
-            note: format!(
-                "{:.2}x the D2D copy; {} MiB in, {} MiB out, median {ms:.3} ms",
-                rate / copy_rate,
-                in_bytes >> 20,
-                out_bytes >> 20
-            ),
-        });
     }
 
-    // One small batch (32 blocks of zipf tokens, decoded and widened to i64), queued per batch the way
-    // the pipeline does: tables uploaded from pinned memory, decode, gather. Direct launches vs a graph.
-    let set = &sets[2];
-    let batch_blocks = 32usize;
-    let jobs = &set.jobs[..batch_blocks];
-    let last = jobs.last().expect("blocks");
-    let staging_bytes = (last.src_offset + last.src_bytes as u64) as usize;
-    let staging = DeviceBuffer::from_host(&device, &set.staging[..staging_bytes])?;
-    let decode_pool = BufferPool::new(&device, "decode", 1, batch_blocks * BLOCK_BYTES * 2)?;
-    let decoded = decode_pool.acquire()?;
-    let batch_jobs: Vec<Lz4Job> = jobs
-        .iter()
-        .map(|j| Lz4Job {
-            unshuffle: j.unshuffle.map(|u| Unshuffle {
-                scratch_offset: (batch_blocks * BLOCK_BYTES) as u64 + j.dst_offset,
-                ..u
-            }),
-            ..*j
-        })
-        .collect();
-    let mut plan = GatherPlan::new();
-    for (k, j) in batch_jobs.iter().enumerate() {
-        plan.push(
-            0,
-            j.dst_offset,
-            (k * BLOCK_BYTES * 2) as u64,
-            j.raw_bytes as u64 / 4,
-            GatherOp::I32ToI64,
-            1.0,
-        );
+    // Small batches queued the way the pipeline does it, with direct launches and as a CUDA graph.
+    let (gatherer, _) = Gatherer::new(&device, GatherLayout::STANDARD, CacheDir::FromEnvironment)?;
+    let small_sets = [
+        sets[2].clone_prefix(32),
+        compress_blocks(
+            "zipf_i32_shuffled_1k",
+            sets[2].raw[..32 << 10].to_vec(),
+            4,
+            true,
+            1024,
+        ),
+    ];
+    for set in &small_sets {
+        rows.extend(bench_small_batches(&device, &stream, &gatherer, set)?);
     }
-    let job_bytes = Lz4Job::encode_all(&batch_jobs);
-    let piece_bytes = plan.encode();
-    let mut pinned = PinnedBuffer::new(&device, job_bytes.len() + piece_bytes.len())?;
-    pinned.as_mut_slice()[..job_bytes.len()].copy_from_slice(&job_bytes);
-    pinned.as_mut_slice()[job_bytes.len()..].copy_from_slice(&piece_bytes);
-    let job_table = DeviceBuffer::new(&device, batch_blocks * LZ4_JOB_BYTES)?;
-    let piece_table = DeviceBuffer::new(&device, piece_bytes.len())?;
-    let outcomes = DeviceBuffer::new(&device, batch_blocks * LZ4_OUTCOME_BYTES)?;
-    let slot = DeviceBuffer::new(&device, batch_blocks * BLOCK_BYTES * 2)?;
-    let gather_outcome = DeviceBuffer::new(&device, GATHER_OUTCOME_BYTES)?;
-    let (decoder, _) = Lz4Decoder::new(&device, 4, CacheDir::FromEnvironment)?;
-    let pieces = plan.pieces().len() as u32;
-    let enqueue = |s: &Stream| -> Result<(), gpufeed::device::DeviceError> {
-        // SAFETY: every buffer here outlives the timing loops, which end with a synchronisation; the
-        // pinned tables are not written while batches are in flight.
-        unsafe {
-            pinned.upload_async(s, 0, &job_table, 0, job_bytes.len())?;
-            pinned.upload_async(s, job_bytes.len(), &piece_table, 0, piece_bytes.len())?;
-            decoder.decode_async(
-                s,
-                &job_table,
-                batch_blocks as u32,
-                &staging,
-                &decoded,
-                &outcomes,
-            )?;
-            gatherer.gather_async(s, &piece_table, pieces, &[&decoded], &slot, &gather_outcome)
-        }
-    };
-    const BATCHES: usize = 200;
-    let (direct_ms, _, _) = time_ms(&device, &stream, || {
-        for _ in 0..BATCHES {
-            enqueue(&stream)?;
-        }
-        Ok(())
-    })?;
-    let graph = stream.capture(enqueue)?;
-    let (graph_ms, _, _) = time_ms(&device, &stream, || {
-        for _ in 0..BATCHES {
-            // SAFETY: as for the direct launches.
-            unsafe { graph.launch(&stream)? };
-        }
-        Ok(())
-    })?;
-    let check = Lz4Outcome::decode_all(&outcomes.to_vec()?);
-    if check.iter().any(|o| o.status != Lz4Status::Ok) {
-        bail!("small-batch decode failed: {check:?}");
-    }
-    rows.push(Row {
-        what: "per-batch sequence, 32 blocks (2 MiB): direct launches".into(),
-        value: format!("{:.1} us/batch", direct_ms * 1e3 / BATCHES as f64),
-        note: "2 pinned uploads + decode + memset + gather".into(),
-    });
-    rows.push(Row {
-        what: "per-batch sequence, 32 blocks (2 MiB): CUDA graph".into(),
-        value: format!("{:.1} us/batch", graph_ms * 1e3 / BATCHES as f64),
-        note: format!("{:.2}x the direct time", graph_ms / direct_ms),
-    });
 
     let mut table = String::new();
     writeln!(table, "| measurement | result | notes |")?;
@@ -511,10 +673,17 @@ fn main() -> Result<()> {
         writeln!(table, "| {} | {} | {} |", row.what, row.value, row.note)?;
     }
     writeln!(table)?;
-    for (name, rate) in &best {
-        writeln!(table, "best lz4 decode {name}: {rate:.1} GB/s out")?;
+    for (name, rate, label) in &best {
+        writeln!(
+            table,
+            "best lz4 decode {name}: {rate:.1} GB/s out ({label})"
+        )?;
     }
-    writeln!(table, "worst gather / D2D copy: {gather_worst:.2}x")?;
+    writeln!(
+        table,
+        "worst gather / D2D copy ({:?}): {gather_worst:.2}x",
+        GatherLayout::STANDARD
+    )?;
     print!("{table}");
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out)?;

@@ -20,6 +20,13 @@ typedef long long i64;
 
 #define GF_GATHER_SOURCES_MAX 4
 
+// 1: each thread stores one 16-byte vector per step and loads just the inputs it needs, so that every
+// warp-wide store covers 512 contiguous bytes; 0: each thread loads whole 16-byte vectors and stores
+// every output they make (several strided 16-byte stores per step).
+#ifndef GF_GATHER_COALESCED_STORES
+#define GF_GATHER_COALESCED_STORES 1
+#endif
+
 // Conversion codes, mirrored by kernels::GatherOp.
 #define GF_OP_COPY 0u
 #define GF_OP_F16_F32 1u
@@ -167,7 +174,7 @@ struct MinOf {
 // elements moved as 16-byte vectors when src (after a scalar head) and dst are both 16-byte aligned;
 // otherwise, and for the head and tail, element by element.
 template <typename In, typename Out, typename Conv>
-__device__ void convert_piece(const u8* __restrict__ src, u8* __restrict__ dst, u32 n, Conv conv) {
+__device__ void convert_piece_wide_loads(const u8* __restrict__ src, u8* __restrict__ dst, u32 n, Conv conv) {
     const int G = 16 / MinOf<(int)sizeof(In), (int)sizeof(Out)>::value;
     const int LOADS = G * (int)sizeof(In) / 16;
     const int STORES = G * (int)sizeof(Out) / 16;
@@ -211,6 +218,78 @@ __device__ void convert_piece(const u8* __restrict__ src, u8* __restrict__ dst, 
     for (u32 i = head + groups * (u32)G + tid; i < n; i += threads) {
         store_bytes<Out>(dst + (u64)i * sizeof(Out), conv(load_bytes<In>(src + (u64)i * sizeof(In))));
     }
+}
+
+// Converts `n` elements from src to dst with the whole thread block, one 16-byte output vector per
+// thread and step: E = 16 / sizeof(Out) elements, loaded as one access of E * sizeof(In) bytes (two
+// 16-byte loads for 8-byte inputs). A scalar head runs until dst is 16-byte aligned; the vector middle
+// runs when src is then aligned for its loads; otherwise, and for the tail, element by element.
+template <typename In, typename Out, typename Conv>
+__device__ void convert_piece_coalesced(const u8* __restrict__ src, u8* __restrict__ dst, u32 n, Conv conv) {
+    const int E = 16 / (int)sizeof(Out);
+    const int IN_BYTES = E * (int)sizeof(In);
+    const u32 tid = threadIdx.x;
+    const u32 threads = blockDim.x;
+
+    u32 head = (16u - (u32)((u64)dst & 15u)) & 15u;
+    bool vector = head % sizeof(Out) == 0u;
+    head = head / (u32)sizeof(Out);
+    if (head > n) head = n;
+    const u64 in_align = IN_BYTES < 16 ? (u64)IN_BYTES : 16u;
+    vector = vector && ((u64)(src + (u64)head * sizeof(In)) % in_align) == 0u;
+    if (!vector) head = n;
+
+    for (u32 i = tid; i < head; i += threads) {
+        store_bytes<Out>(dst + (u64)i * sizeof(Out), conv(load_bytes<In>(src + (u64)i * sizeof(In))));
+    }
+    if (!vector) return;
+
+    const u32 groups = (n - head) / (u32)E;
+    const u8* __restrict__ vin = src + (u64)head * sizeof(In);
+    uint4* __restrict__ vout = reinterpret_cast<uint4*>(dst + (u64)head * sizeof(Out));
+#pragma unroll 4
+    for (u32 g = tid; g < groups; g += threads) {
+        union {
+            uint4 q[2];
+            uint2 d[4];
+            u32 w[8];
+            u16 h[16];
+            In e[E];
+        } a;
+        const u8* p = vin + (u64)g * IN_BYTES;
+        if (IN_BYTES == 2) {
+            a.h[0] = __ldg(reinterpret_cast<const u16*>(p));
+        } else if (IN_BYTES == 4) {
+            a.w[0] = __ldg(reinterpret_cast<const u32*>(p));
+        } else if (IN_BYTES == 8) {
+            a.d[0] = __ldg(reinterpret_cast<const uint2*>(p));
+        } else if (IN_BYTES == 16) {
+            a.q[0] = __ldg(reinterpret_cast<const uint4*>(p));
+        } else {
+            a.q[0] = __ldg(reinterpret_cast<const uint4*>(p));
+            a.q[1] = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+        }
+        union {
+            uint4 q;
+            Out e[E];
+        } b;
+#pragma unroll
+        for (int k = 0; k < E; ++k) b.e[k] = conv(a.e[k]);
+        vout[g] = b.q;
+    }
+
+    for (u32 i = head + groups * (u32)E + tid; i < n; i += threads) {
+        store_bytes<Out>(dst + (u64)i * sizeof(Out), conv(load_bytes<In>(src + (u64)i * sizeof(In))));
+    }
+}
+
+template <typename In, typename Out, typename Conv>
+__device__ __forceinline__ void convert_piece(const u8* __restrict__ src, u8* __restrict__ dst, u32 n, Conv conv) {
+#if GF_GATHER_COALESCED_STORES
+    convert_piece_coalesced<In, Out, Conv>(src, dst, n, conv);
+#else
+    convert_piece_wide_loads<In, Out, Conv>(src, dst, n, conv);
+#endif
 }
 
 // Bytes of one stored element and one slot element for each op; 0 for an unknown op.

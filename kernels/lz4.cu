@@ -22,6 +22,21 @@ typedef long long i64;
 #define GF_LZ4_WARPS 4
 #endif
 
+// 1: try the fast sequence path (below) before the general one; 0: general path only.
+#ifndef GF_LZ4_FAST
+#define GF_LZ4_FAST 1
+#endif
+
+// Thread blocks per multiprocessor to ask the compiler to fit (capping registers); 0: no cap.
+#ifndef GF_LZ4_MIN_BLOCKS
+#define GF_LZ4_MIN_BLOCKS 0
+#endif
+#if GF_LZ4_MIN_BLOCKS > 0
+#define GF_LZ4_BOUNDS __launch_bounds__(GF_LZ4_WARPS * 32, GF_LZ4_MIN_BLOCKS)
+#else
+#define GF_LZ4_BOUNDS __launch_bounds__(GF_LZ4_WARPS * 32)
+#endif
+
 // Bytes of input staged in shared memory per warp; each refill is one 16-byte load per lane and chunk.
 #define GF_WINDOW_BYTES 1024
 #define GF_WINDOW_CHUNKS (GF_WINDOW_BYTES / 16 / 32)
@@ -124,10 +139,93 @@ __device__ __forceinline__ u32 read_length(Window& w, const u8* __restrict__ in,
     }
 }
 
+// lane % offset for offsets 1..31, one row per offset: a shared-memory lookup instead of a division.
+typedef u8 ModTable[32][32];
+
+// Copies a match of `mlen` bytes from `offset` bytes back to out[op..]. Every byte read lies below op
+// (already written and made visible by the caller's __syncwarp), so no lane waits for another's write.
+__device__ __forceinline__ void copy_match(u8* __restrict__ out, u32 op, u32 offset, u32 mlen,
+                                           const ModTable& mod, u32 lane) {
+    const u32 from = op - offset;
+    if (offset >= mlen) {
+        for (u32 i = lane; i < mlen; i += 32u) out[op + i] = out[from + i];
+    } else if (offset >= 32u) {
+        // Overlapping, long period: out[op + i] = out[from + (i mod offset)]; the remainder advances by
+        // 32 per step and wraps at most once.
+        u32 r = lane;
+        for (u32 i = lane; i < mlen; i += 32u) {
+            out[op + i] = out[from + r];
+            r += 32u;
+            if (r >= offset) r -= offset;
+        }
+    } else {
+        // Short repeating pattern: lanes stride by the largest multiple of the offset that fits in a
+        // warp, so each lane's byte is the same on every step and is read once.
+        u32 rem = (u32)mod[offset][31] + 1u;  // 32 mod offset
+        if (rem == offset) rem = 0u;
+        const u32 stride = 32u - rem;
+        if (lane < stride) {
+            const u8 v = out[from + mod[offset][lane]];
+            for (u32 i = lane; i < mlen; i += stride) out[op + i] = v;
+        }
+    }
+}
+
+// The fast path: one sequence whose token, literals, offset and length bytes (at most one extension
+// byte each) all lie in the staged window and whose output fits, decoded without per-byte checks.
+// Returns false, having changed nothing, when the sequence is not such a one; the general path then
+// decodes it with every check (and reports whatever is wrong with it). Within these limits the only
+// fault left is a bad offset, found after the literals exactly as the general path finds it.
+__device__ __forceinline__ bool fast_sequence(const Window& w, u32 len, u8* __restrict__ out, u32 cap,
+                                              u32* ip_io, u32* op_io, u32* status, const ModTable& mod,
+                                              u32 lane) {
+    const u32 ip = *ip_io;
+    const u32 op = *op_io;
+    const i64 wend = w.base + GF_WINDOW_BYTES;
+    const u32 lim = (u32)(wend < (i64)len ? wend : (i64)len);
+    if (ip + 20u > lim || (i64)ip < w.base) return false;
+    const u8* p = w.bytes + ((i64)ip - w.base);
+    const u32 token = p[0];
+    u32 lit = token >> 4;
+    u32 k = 1u;
+    if (lit == 15u) {
+        const u32 b = p[1];
+        if (b == 255u) return false;
+        lit += b;
+        k = 2u;
+    }
+    // Literals at p[k, k + lit), the offset after them, then possibly one length byte.
+    if (ip + k + lit + 3u > lim) return false;
+    const u32 offset = (u32)p[k + lit] | ((u32)p[k + lit + 1u] << 8);
+    u32 used = k + lit + 2u;
+    u32 mlen = token & 15u;
+    if (mlen == 15u) {
+        const u32 b = p[used];
+        if (b == 255u) return false;
+        mlen += b;
+        used += 1u;
+    }
+    mlen += 4u;
+    if (lit + mlen > cap - op) return false;
+
+    for (u32 i = lane; i < lit; i += 32u) out[op + i] = p[k + i];
+    *ip_io = ip + used;
+    const u32 at = op + lit;
+    if (offset == 0u || offset > at) {
+        *op_io = at;
+        *status = GF_LZ4_BAD_OFFSET;
+        return true;
+    }
+    __syncwarp();  // the literals and earlier bytes written by other lanes are visible
+    copy_match(out, at, offset, mlen, mod, lane);
+    *op_io = at + mlen;
+    return true;
+}
+
 // Decodes one LZ4 block of `len` input bytes into exactly `cap` output bytes. Returns the status and
 // sets *produced. Reads only in[0, len), writes only out[0, cap).
 __device__ u32 lz4_decode_block(Window& w, const u8* __restrict__ in, u32 len, u8* __restrict__ out,
-                                u32 cap, u32* produced, u32 lane) {
+                                u32 cap, u32* produced, const ModTable& mod, u32 lane) {
     u32 ip = 0;
     u32 op = 0;
     u32 status = GF_LZ4_OK;
@@ -141,6 +239,16 @@ __device__ u32 lz4_decode_block(Window& w, const u8* __restrict__ in, u32 len, u
             w.base + GF_WINDOW_BYTES < (i64)len) {
             window_fill(w, in, len, ip, lane);
         }
+#if GF_LZ4_FAST
+        {
+            bool progressed = false;
+            while (status == GF_LZ4_OK && fast_sequence(w, len, out, cap, &ip, &op, &status, mod, lane)) {
+                progressed = true;
+            }
+            if (status != GF_LZ4_OK) break;
+            if (progressed) continue;  // back to the top: end of input, window refill
+        }
+#endif
         const u32 token = window_byte(w, in, len, ip, lane);
         ip += 1;
 
@@ -177,7 +285,10 @@ __device__ u32 lz4_decode_block(Window& w, const u8* __restrict__ in, u32 len, u
             status = GF_LZ4_INPUT_OVERRUN;
             break;
         }
-        const u32 offset = window_byte(w, in, len, ip, lane) | (window_byte(w, in, len, ip + 1, lane) << 8);
+        // Two statements: the low byte must be read first, since reading the high byte may move the
+        // window past it (operands of | are evaluated in no set order).
+        const u32 offset_low = window_byte(w, in, len, ip, lane);
+        const u32 offset = offset_low | (window_byte(w, in, len, ip + 1, lane) << 8);
         ip += 2;
         if (offset == 0u) {
             status = GF_LZ4_BAD_OFFSET;
@@ -198,6 +309,9 @@ __device__ u32 lz4_decode_block(Window& w, const u8* __restrict__ in, u32 len, u
             break;
         }
         __syncwarp();  // earlier literal and match bytes written by other lanes are visible
+#if GF_LZ4_FAST
+        copy_match(out, op, offset, mlen, mod, lane);
+#else
         const u32 from = op - offset;
         if (offset >= 32u || offset >= mlen) {
             // Each lane reads out[from + (i mod offset)], always below op: already written, so the
@@ -218,6 +332,7 @@ __device__ u32 lz4_decode_block(Window& w, const u8* __restrict__ in, u32 len, u
                 for (u32 i = lane; i < mlen; i += stride) out[op + i] = v;
             }
         }
+#endif
         op += mlen;
     }
     *produced = op;
@@ -258,10 +373,16 @@ __device__ void unshuffle_block(const u8* __restrict__ shuffled, u8* __restrict_
 
 // Decodes jobs[0, job_count): warp w of the grid takes jobs w, w + total_warps, ...
 // `src` holds `src_capacity` bytes of stored payloads, `dst` `dst_capacity` bytes of output space.
-extern "C" __global__ void __launch_bounds__(GF_LZ4_WARPS * 32)
+extern "C" __global__ void GF_LZ4_BOUNDS
 gf_lz4_decode(const Lz4Job* __restrict__ jobs, u32 job_count, const u8* __restrict__ src, u64 src_capacity,
               u8* __restrict__ dst, u64 dst_capacity, Lz4Outcome* __restrict__ outcomes) {
     __shared__ __align__(16) u8 windows[GF_LZ4_WARPS][GF_WINDOW_BYTES];
+    __shared__ ModTable mod;
+    for (u32 k = threadIdx.x; k < 32u * 32u; k += blockDim.x) {
+        const u32 offset = k >> 5, lane = k & 31u;
+        mod[offset][lane] = (u8)(offset == 0u ? 0u : lane % offset);
+    }
+    __syncthreads();
     const u32 lane = threadIdx.x & 31u;
     const u32 warp = threadIdx.x >> 5;
     Window w;
@@ -283,7 +404,7 @@ gf_lz4_decode(const Lz4Job* __restrict__ jobs, u32 job_count, const u8* __restri
         if (ok) {
             u8* target = dst + (filtered ? job.scratch_offset : job.dst_offset);
             status = lz4_decode_block(w, src + job.src_offset, job.src_bytes, target, job.raw_bytes, &produced,
-                                      lane);
+                                      mod, lane);
             if (status == GF_LZ4_OK && filtered) {
                 __syncwarp();  // the shuffled bytes written by every lane are visible
                 unshuffle_block(target, dst + job.dst_offset, job.raw_bytes, job.shuffle_bytes, lane);

@@ -16,8 +16,9 @@ use gpufeed::device::{
 use gpufeed::format::{checksum, BlockEntry, Codec, Filter};
 use gpufeed::kernels::reference::{gather_reference, lz4_decode_transcribed, relu_sparse_f16};
 use gpufeed::kernels::{
-    GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, Kernels, Lz4Decoder, Lz4Job,
-    Lz4Outcome, Lz4Status, Unshuffle, GATHER_OUTCOME_BYTES, LZ4_OUTCOME_BYTES, LZ4_SOURCE,
+    GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, Kernels, Lz4Config,
+    Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, GATHER_OUTCOME_BYTES,
+    LZ4_OUTCOME_BYTES, LZ4_SOURCE,
 };
 use gpufeed::synth;
 use gpufeed_client::DType;
@@ -51,6 +52,44 @@ fn device() -> Device {
 
 fn kernels(device: &Device) -> Kernels {
     Kernels::load(device, CacheDir::Disabled).expect("kernels load")
+}
+
+/// Every decoder variant the benchmark compares: each must be exact.
+fn lz4_variants(device: &Device) -> Vec<(Lz4Config, Lz4Decoder)> {
+    let general = Lz4Config {
+        sequences: SequencePath::GeneralOnly,
+        min_blocks_per_sm: 0,
+        ..Lz4Config::STANDARD
+    };
+    let uncapped = Lz4Config {
+        min_blocks_per_sm: 0,
+        ..Lz4Config::STANDARD
+    };
+    let eight_warps = Lz4Config {
+        warps_per_block: 8,
+        min_blocks_per_sm: 0,
+        ..Lz4Config::STANDARD
+    };
+    [Lz4Config::STANDARD, general, uncapped, eight_warps]
+        .into_iter()
+        .map(|config| {
+            let (decoder, _) = Lz4Decoder::with_config(device, config, CacheDir::Disabled).unwrap();
+            (config, decoder)
+        })
+        .collect()
+}
+
+/// Both gather layouts: each must be exact.
+fn gatherers(device: &Device) -> Vec<(GatherLayout, Gatherer)> {
+    [GatherLayout::CoalescedStores, GatherLayout::WideLoads]
+        .into_iter()
+        .map(|layout| {
+            (
+                layout,
+                Gatherer::new(device, layout, CacheDir::Disabled).unwrap().0,
+            )
+        })
+        .collect()
 }
 
 #[test]
@@ -344,7 +383,6 @@ fn random_raw(rng: &mut StdRng, kind: u32, len: usize) -> (Vec<u8>, u32) {
 fn gpu_lz4_random_blocks_match_the_cpu_path() {
     let mut rng = fresh_rng("gpu_lz4_random_blocks_match_the_cpu_path");
     let device = device();
-    let kernels = kernels(&device);
     let count = if small() { 48 } else { 600 };
     let mut cases = Vec::new();
     for i in 0..count {
@@ -365,13 +403,16 @@ fn gpu_lz4_random_blocks_match_the_cpu_path() {
         });
     }
     let layout = lay_out(&cases, &mut rng);
-    let run = run_decoder(&device, &kernels.lz4, &layout);
-    let statuses = check_decode(&cases, &layout, &run);
-    assert_eq!(
-        statuses.get(&Lz4Status::Ok),
-        Some(&cases.len()),
-        "{statuses:?}"
-    );
+    for (config, decoder) in lz4_variants(&device) {
+        println!("variant {config:?}");
+        let run = run_decoder(&device, &decoder, &layout);
+        let statuses = check_decode(&cases, &layout, &run);
+        assert_eq!(
+            statuses.get(&Lz4Status::Ok),
+            Some(&cases.len()),
+            "{statuses:?}"
+        );
+    }
 }
 
 /// Valid blocks and every kind of damage the issue lists.
@@ -508,23 +549,24 @@ fn adversarial_cases(rng: &mut StdRng) -> Vec<Case> {
 fn gpu_lz4_adversarial_blocks_fail_like_the_cpu_path_and_stay_in_bounds() {
     let mut rng = fresh_rng("gpu_lz4_adversarial_blocks_fail_like_the_cpu_path_and_stay_in_bounds");
     let device = device();
-    let kernels = kernels(&device);
     let cases = adversarial_cases(&mut rng);
     let layout = lay_out(&cases, &mut rng);
-    let run = run_decoder(&device, &kernels.lz4, &layout);
-    let statuses = check_decode(&cases, &layout, &run);
-    println!("statuses: {statuses:?}");
-    for status in [
-        Lz4Status::Ok,
-        Lz4Status::InputOverrun,
-        Lz4Status::OutputOverrun,
-        Lz4Status::BadOffset,
-        Lz4Status::SizeMismatch,
-    ] {
-        assert!(
-            statuses.contains_key(&status),
-            "no case produced {status:?}: {statuses:?}"
-        );
+    for (config, decoder) in lz4_variants(&device) {
+        let run = run_decoder(&device, &decoder, &layout);
+        let statuses = check_decode(&cases, &layout, &run);
+        println!("{config:?}: statuses {statuses:?}");
+        for status in [
+            Lz4Status::Ok,
+            Lz4Status::InputOverrun,
+            Lz4Status::OutputOverrun,
+            Lz4Status::BadOffset,
+            Lz4Status::SizeMismatch,
+        ] {
+            assert!(
+                statuses.contains_key(&status),
+                "no case produced {status:?}: {statuses:?}"
+            );
+        }
     }
 }
 
@@ -532,7 +574,6 @@ fn gpu_lz4_adversarial_blocks_fail_like_the_cpu_path_and_stay_in_bounds() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_lz4_refuses_jobs_outside_its_buffers() {
     let device = device();
-    let kernels = kernels(&device);
     let valid = Block::new(vec![3u8; 4096], 4, true);
     let src_bytes = valid.stored.len() as u32;
     let good = Lz4Job {
@@ -570,16 +611,18 @@ fn gpu_lz4_refuses_jobs_outside_its_buffers() {
         src: valid.stored.clone(),
         dst_bytes,
     };
-    let run = run_decoder(&device, &kernels.lz4, &layout);
-    for (i, outcome) in run.outcomes[..bad.len()].iter().enumerate() {
-        assert_eq!(outcome.status, Lz4Status::BadJob, "job {i}");
+    for (config, decoder) in lz4_variants(&device) {
+        let run = run_decoder(&device, &decoder, &layout);
+        for (i, outcome) in run.outcomes[..bad.len()].iter().enumerate() {
+            assert_eq!(outcome.status, Lz4Status::BadJob, "{config:?}: job {i}");
+        }
+        assert_eq!(run.outcomes[bad.len()].status, Lz4Status::Ok);
+        assert!(run.dst[..4096] == valid.raw[..], "the valid job decoded");
+        assert!(
+            run.dst[2 * 4096..].iter().all(|&b| b == POISON),
+            "refused jobs wrote nothing"
+        );
     }
-    assert_eq!(run.outcomes[bad.len()].status, Lz4Status::Ok);
-    assert!(run.dst[..4096] == valid.raw[..], "the valid job decoded");
-    assert!(
-        run.dst[2 * 4096..].iter().all(|&b| b == POISON),
-        "refused jobs wrote nothing"
-    );
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -650,7 +693,6 @@ fn check_gather(plan: &GatherPlan, sources: &[Vec<u8>], run: &GatherRun) {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gather_converts_every_f16_and_bf16_pattern_like_half() {
     let device = device();
-    let kernels = kernels(&device);
     let patterns: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
     // The patterns at several alignments: vector path (aligned), peeled head, element-misaligned.
     let mut source = vec![0u8; 8];
@@ -674,22 +716,25 @@ fn gpu_gather_converts_every_f16_and_bf16_pattern_like_half() {
         }
     }
     let sources = vec![source];
-    let run = run_gather(
-        &device,
-        &kernels.gather,
-        &plan,
-        &sources,
-        dst_offset as usize + 64,
-    );
-    check_gather(&plan, &sources, &run);
-    // And directly against half, not only through the CPU path.
-    for (i, bits) in (0..=u16::MAX).enumerate() {
-        let got = u32::from_le_bytes(run.dst[i * 4..i * 4 + 4].try_into().unwrap());
-        assert_eq!(
-            got,
-            half::f16::from_bits(bits).to_f32().to_bits(),
-            "f16 {bits:#06x}"
+    for (layout, gatherer) in gatherers(&device) {
+        println!("layout {layout:?}");
+        let run = run_gather(
+            &device,
+            &gatherer,
+            &plan,
+            &sources,
+            dst_offset as usize + 64,
         );
+        check_gather(&plan, &sources, &run);
+        // And directly against half, not only through the CPU path.
+        for (i, bits) in (0..=u16::MAX).enumerate() {
+            let got = u32::from_le_bytes(run.dst[i * 4..i * 4 + 4].try_into().unwrap());
+            assert_eq!(
+                got,
+                half::f16::from_bits(bits).to_f32().to_bits(),
+                "f16 {bits:#06x}"
+            );
+        }
     }
 }
 
@@ -740,7 +785,6 @@ fn random_elements(rng: &mut StdRng, dtype: DType, count: usize) -> Vec<u8> {
 fn gpu_gather_every_op_matches_the_cpu_path() {
     let mut rng = fresh_rng("gpu_gather_every_op_matches_the_cpu_path");
     let device = device();
-    let kernels = kernels(&device);
     let per_op = if small() { 2 } else { 12 };
     // Two sources, like the decode buffer and the staging buffer (raw blocks).
     let mut sources = vec![Vec::new(), Vec::new()];
@@ -788,15 +832,18 @@ fn gpu_gather_every_op_matches_the_cpu_path() {
         plan.push(source, src_offset, dst_offset, count, op, scale);
         dst_offset += count * op.out_bytes();
     }
-    let run = run_gather(
-        &device,
-        &kernels.gather,
-        &plan,
-        &sources,
-        dst_offset as usize + 32,
-    );
-    assert_eq!(run.outcome.faulted_pieces, 0);
-    check_gather(&plan, &sources, &run);
+    for (layout, gatherer) in gatherers(&device) {
+        println!("layout {layout:?}");
+        let run = run_gather(
+            &device,
+            &gatherer,
+            &plan,
+            &sources,
+            dst_offset as usize + 32,
+        );
+        assert_eq!(run.outcome.faulted_pieces, 0);
+        check_gather(&plan, &sources, &run);
+    }
 }
 
 #[test]

@@ -283,6 +283,22 @@ struct GatherSourcesParam {
     reserved: u32,
 }
 
+/// How the gather kernel lays out each thread's memory accesses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GatherLayout {
+    /// One 16-byte store per thread and step, loading just the inputs it needs: every warp-wide
+    /// store covers 512 contiguous bytes.
+    CoalescedStores,
+    /// One or two 16-byte loads per thread and step, storing every output they make (strided
+    /// 16-byte stores when the output is wider than the input).
+    WideLoads,
+}
+
+impl GatherLayout {
+    /// The layout gpufeed uses (chosen by `examples/kernel_bench.rs`, see `docs/benchmarks/`).
+    pub const STANDARD: GatherLayout = GatherLayout::CoalescedStores;
+}
+
 /// The compiled gather + convert kernel for one device.
 pub struct Gatherer {
     kernel: Kernel,
@@ -290,10 +306,18 @@ pub struct Gatherer {
 }
 
 impl Gatherer {
-    /// Loads (compiling if needed) the kernel.
-    pub fn new(device: &Device, cache: CacheDir) -> Result<(Gatherer, ModuleOrigin), DeviceError> {
+    /// Loads (compiling if needed) the kernel with the given access layout.
+    pub fn new(
+        device: &Device,
+        layout: GatherLayout,
+        cache: CacheDir,
+    ) -> Result<(Gatherer, ModuleOrigin), DeviceError> {
+        let coalesced = match layout {
+            GatherLayout::CoalescedStores => "1",
+            GatherLayout::WideLoads => "0",
+        };
         let options = CompileOptions {
-            defines: Vec::new(),
+            defines: vec![("GF_GATHER_COALESCED_STORES".into(), coalesced.into())],
             cache,
         };
         let (module, origin) = device.load_module(&GATHER_SOURCE, &options)?;

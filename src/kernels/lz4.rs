@@ -175,6 +175,57 @@ impl Lz4Outcome {
     }
 }
 
+/// Which sequence decoder the kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SequencePath {
+    /// A fast path for sequences that lie wholly in the staged window (no per-byte checks), the
+    /// general path for the rest. Same results, fewer instructions.
+    FastThenGeneral,
+    /// The general path only (every byte checked as it is read).
+    GeneralOnly,
+}
+
+/// How the decoder kernel is compiled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Lz4Config {
+    /// Warps (blocks decoded at once) per thread block; 1 to 32.
+    pub warps_per_block: u32,
+    /// The sequence decoder.
+    pub sequences: SequencePath,
+    /// Thread blocks per multiprocessor the compiler is asked to fit (it caps registers to do so);
+    /// 0 for no cap.
+    pub min_blocks_per_sm: u32,
+}
+
+impl Lz4Config {
+    /// The configuration gpufeed uses: the fastest that passed the GPU test suite in
+    /// `docs/benchmarks/gpu-kernels-2026-11-22.md` (registers capped at 40 so that 48 warps fit on a
+    /// multiprocessor: 5 % faster than 48 registers and 40 warps).
+    pub const STANDARD: Lz4Config = Lz4Config {
+        warps_per_block: 4,
+        sequences: SequencePath::FastThenGeneral,
+        min_blocks_per_sm: 12,
+    };
+
+    fn defines(&self) -> Vec<(String, String)> {
+        vec![
+            ("GF_LZ4_WARPS".into(), self.warps_per_block.to_string()),
+            (
+                "GF_LZ4_FAST".into(),
+                match self.sequences {
+                    SequencePath::FastThenGeneral => "1",
+                    SequencePath::GeneralOnly => "0",
+                }
+                .into(),
+            ),
+            (
+                "GF_LZ4_MIN_BLOCKS".into(),
+                self.min_blocks_per_sm.to_string(),
+            ),
+        ]
+    }
+}
+
 /// The compiled decoder for one device.
 pub struct Lz4Decoder {
     kernel: Kernel,
@@ -182,19 +233,36 @@ pub struct Lz4Decoder {
 }
 
 impl Lz4Decoder {
-    /// Loads (compiling if needed) the decoder with `warps_per_block` warps (blocks decoded at once)
-    /// per thread block; 1 to 32.
+    /// Loads (compiling if needed) the decoder with [`Lz4Config::STANDARD`] but `warps_per_block`
+    /// warps per thread block (1 to 32), still aiming at 48 resident warps per multiprocessor.
     pub fn new(
         device: &Device,
         warps_per_block: u32,
         cache: CacheDir,
     ) -> Result<(Lz4Decoder, ModuleOrigin), DeviceError> {
+        Lz4Decoder::with_config(
+            device,
+            Lz4Config {
+                warps_per_block,
+                min_blocks_per_sm: (48 / warps_per_block.max(1)).max(1),
+                ..Lz4Config::STANDARD
+            },
+            cache,
+        )
+    }
+
+    /// Loads (compiling if needed) the decoder compiled as `config` says.
+    pub fn with_config(
+        device: &Device,
+        config: Lz4Config,
+        cache: CacheDir,
+    ) -> Result<(Lz4Decoder, ModuleOrigin), DeviceError> {
         assert!(
-            (1..=32).contains(&warps_per_block),
+            (1..=32).contains(&config.warps_per_block),
             "1 to 32 warps per block"
         );
         let options = CompileOptions {
-            defines: vec![("GF_LZ4_WARPS".into(), warps_per_block.to_string())],
+            defines: config.defines(),
             cache,
         };
         let (module, origin) = device.load_module(&LZ4_SOURCE, &options)?;
@@ -202,7 +270,7 @@ impl Lz4Decoder {
         Ok((
             Lz4Decoder {
                 kernel,
-                warps_per_block,
+                warps_per_block: config.warps_per_block,
             },
             origin,
         ))

@@ -19,19 +19,16 @@ mod lz4;
 pub mod reference;
 
 pub use gather::{
-    GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, GATHER_BLOCK_THREADS,
+    GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, GATHER_BLOCK_THREADS,
     GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, GATHER_PIECE_OUT_BYTES_MAX, GATHER_SOURCE,
     GATHER_SOURCES_MAX,
 };
 pub use lz4::{
-    Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, Unshuffle, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES,
-    LZ4_SOURCE, SHUFFLE_BYTES_MAX,
+    Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, LZ4_JOB_BYTES,
+    LZ4_OUTCOME_BYTES, LZ4_SOURCE, SHUFFLE_BYTES_MAX,
 };
 
 use crate::device::{CacheDir, Device, DeviceError, ModuleOrigin};
-
-/// Warps per thread block of the LZ4 decoder unless configured otherwise.
-pub const LZ4_WARPS_PER_BLOCK_DEFAULT: u32 = 4;
 
 /// Both kernels, loaded for one device.
 pub struct Kernels {
@@ -47,8 +44,8 @@ impl Kernels {
     /// Loads both kernels on `device`, compiling them with NVRTC unless a cache holds them.
     pub fn load(device: &Device, cache: CacheDir) -> Result<Kernels, DeviceError> {
         let (lz4, lz4_origin) =
-            Lz4Decoder::new(device, LZ4_WARPS_PER_BLOCK_DEFAULT, cache.clone())?;
-        let (gather, gather_origin) = Gatherer::new(device, cache)?;
+            Lz4Decoder::with_config(device, Lz4Config::STANDARD, cache.clone())?;
+        let (gather, gather_origin) = Gatherer::new(device, GatherLayout::STANDARD, cache)?;
         Ok(Kernels {
             lz4,
             gather,
