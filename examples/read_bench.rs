@@ -33,6 +33,9 @@ struct Args {
     /// Size of each read extent in MiB.
     #[arg(long, default_value_t = 16)]
     extent_mib: usize,
+    /// Size of each pinned bounce buffer in MiB (default: the reader's node default).
+    #[arg(long)]
+    bounce_mib: Option<usize>,
     /// Times to repeat the read (warm only); the median is reported.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
@@ -62,7 +65,11 @@ fn main() -> Result<()> {
     let buffer = DeviceBuffer::new(&device, len as usize)?;
     let mut files = FileTable::new(1);
     files.open(&args.file, DirectIo::Prefer)?;
-    let mut reader = GpuReader::new(&device, GpuReaderLimits::node_defaults())?;
+    let mut limits = GpuReaderLimits::node_defaults();
+    if let Some(mib) = args.bounce_mib {
+        limits.bounce_buffer_bytes = mib << 20;
+    }
+    let mut reader = GpuReader::new(&device, limits)?;
     let extent_bytes = (args.extent_mib << 20) as u64;
     let extents: Vec<DeviceExtent> = (0..len.div_ceil(extent_bytes))
         .map(|i| {
@@ -110,7 +117,10 @@ fn main() -> Result<()> {
     println!(
         "{}",
         serde_json::json!({
-            "path": args.path,
+            "path": match args.bounce_mib {
+                Some(mib) => format!("{}-{mib}MiB", args.path),
+                None => args.path.clone(),
+            },
             "temperature": args.temperature,
             "bytes": len,
             "seconds": seconds,

@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--temperature", choices=["cold", "warm"], required=True)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--label", default=None)
     args = parser.parse_args()
     set_threads(args.threads)
     size = os.path.getsize(args.file)
@@ -56,14 +57,14 @@ def main():
     runs.sort()
     seconds, cpu = runs[len(runs) // 2]
     print(json.dumps({
-        "path": f"kvikio-{args.threads}t",
+        "path": args.label or f"kvikio-{args.threads}t",
         "temperature": args.temperature,
         "bytes": size,
         "seconds": seconds,
         "gb_per_s": size / seconds / 1e9,
         "cpu_seconds": cpu,
         "host_cores": cpu / seconds,
-        "compat_mode": str(getattr(kvikio.defaults, "compat_mode", lambda: "?")()),
+        "compat_mode_env": os.environ.get("KVIKIO_COMPAT_MODE", "unset"),
     }))
 
 

@@ -168,6 +168,44 @@ unsafe fn host_unregister(ptr: *const u8) -> Result<(), String> {
     })
 }
 
+/// An event whose synchronisation blocks the thread in the kernel instead of spinning, so that waiting
+/// for copies costs no host CPU (the default spin-wait costs a whole core for as long as the copies run).
+struct BlockingEvent {
+    event: cu::CUevent,
+}
+
+impl BlockingEvent {
+    fn new() -> Result<BlockingEvent, String> {
+        let mut event: cu::CUevent = std::ptr::null_mut();
+        let flags = cu::CUevent_flags_enum::CU_EVENT_BLOCKING_SYNC as u32
+            | cu::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: the caller's device context is current; `event` receives the handle.
+        driver_check("cuEventCreate", unsafe {
+            cu::cuEventCreate(&mut event, flags)
+        })?;
+        Ok(BlockingEvent { event })
+    }
+
+    /// Waits, without spinning, for everything queued on `stream` so far.
+    fn wait_for(&self, stream: &Stream) -> Result<(), String> {
+        // SAFETY: both handles are live.
+        driver_check("cuEventRecord", unsafe {
+            cu::cuEventRecord(self.event, stream.raw())
+        })?;
+        // SAFETY: the event is live.
+        driver_check("cuEventSynchronize", unsafe {
+            cu::cuEventSynchronize(self.event)
+        })
+    }
+}
+
+impl Drop for BlockingEvent {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { cu::cuEventDestroy_v2(self.event) };
+    }
+}
+
 /// One registered window of a shard mapping.
 struct Window {
     file: FileId,
@@ -193,6 +231,7 @@ struct PageCache {
 pub struct GpuReader {
     device: Device,
     stream: Stream,
+    done: BlockingEvent,
     limits: GpuReaderLimits,
     engine: ReadEngine<AnyQueue>,
     bounce: Vec<(PinnedBuffer, Event)>,
@@ -218,6 +257,10 @@ impl GpuReader {
         assert!(limits.bounce_buffer_bytes % IO_ALIGN_BYTES as usize == 0);
         assert!(limits.window_bytes % IO_ALIGN_BYTES as usize == 0 && limits.window_bytes > 0);
         let stream = Stream::new(device)?;
+        let done = BlockingEvent::new().map_err(|reason| GpuReadError::Unavailable {
+            path: "device",
+            reason,
+        })?;
         let mut bounce = Vec::with_capacity(limits.bounce_buffers);
         for _ in 0..limits.bounce_buffers {
             let buffer = PinnedBuffer::new(device, limits.bounce_buffer_bytes)?;
@@ -251,6 +294,7 @@ impl GpuReader {
         Ok(GpuReader {
             device: device.clone(),
             stream,
+            done,
             limits,
             engine,
             bounce,
@@ -371,11 +415,29 @@ impl GpuReader {
             .filter(|&i| paths[i] == ReadPath::Bounce && results[i].is_ok())
             .collect();
         self.read_bounced(files, extents, &bounce, dest, &mut results)?;
-        self.stream.synchronize()?;
+        self.done
+            .wait_for(&self.stream)
+            .map_err(|reason| GpuReadError::Unavailable {
+                path: "device",
+                reason,
+            })?;
         Ok(results)
     }
 
     fn resident(&mut self, files: &FileTable, extent: &DeviceExtent) -> bool {
+        // Pages of a registered window are locked in memory: no need to ask the kernel again, which
+        // costs a page-table walk per page.
+        let window_bytes = self.limits.window_bytes as u64;
+        let first = extent.offset / window_bytes;
+        let last = (extent.offset + extent.len.max(1) as u64 - 1) / window_bytes;
+        if (first..=last).all(|index| {
+            self.page_cache
+                .windows
+                .iter()
+                .any(|w| w.file == extent.file && w.index == index)
+        }) {
+            return true;
+        }
         match self.map(files, extent.file) {
             Some((_, residency)) => residency
                 .resident_fraction(extent.offset as usize, extent.len)
