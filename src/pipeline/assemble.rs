@@ -36,6 +36,8 @@ pub struct StreamLimits {
     pub cache_bytes_max: usize,
     /// Reads in flight per stream.
     pub queue_depth: usize,
+    /// Threads decoding the blocks of one batch on the CPU backend.
+    pub decode_threads: usize,
 }
 
 impl StreamLimits {
@@ -47,6 +49,9 @@ impl StreamLimits {
             slot_bytes_max: 1 << 30,
             cache_bytes_max: 256 << 20,
             queue_depth: 64,
+            decode_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(8),
         }
     }
 }
@@ -300,6 +305,7 @@ pub struct Assembler {
     batch_stamp: u64,
     staging: AlignedBuffer,
     scratch: Vec<u8>,
+    decode_threads: usize,
     sample: Vec<u8>,
 }
 
@@ -329,6 +335,7 @@ impl Assembler {
             batch_stamp: 0,
             staging: AlignedBuffer::new(1 << 20),
             scratch: Vec::new(),
+            decode_threads: limits.decode_threads,
             sample: Vec::new(),
         })
     }
@@ -475,8 +482,25 @@ impl Assembler {
             let results = self
                 .engine
                 .read(&self.files, &extents, self.staging.as_mut_slice())?;
-            for ((key, extent), result) in keys[start..end].iter().zip(&extents).zip(results) {
-                let shard = &self.plan.dataset.shards[key.shard as usize];
+            // Decode the blocks of this read on up to `decode_threads` threads: decoding, not
+            // reading, is the CPU backend's bottleneck.
+            let jobs: Vec<(BlockKey, &Extent, Result<(), crate::storage::ReadError>)> = keys
+                [start..end]
+                .iter()
+                .copied()
+                .zip(&extents)
+                .zip(results)
+                .map(|((key, extent), result)| (key, extent, result))
+                .collect();
+            let plan = &self.plan;
+            let staging = self.staging.as_slice();
+            let decode_one = |(key, extent, result): &(
+                BlockKey,
+                &Extent,
+                Result<(), crate::storage::ReadError>,
+            ),
+                              scratch: &mut Vec<u8>| {
+                let shard = &plan.dataset.shards[key.shard as usize];
                 let field = &shard.metadata.fields[key.field as usize];
                 let entry = shard.metadata.field_blocks(key.field as usize)[key.block as usize];
                 let at = || BlockRef {
@@ -485,28 +509,61 @@ impl Assembler {
                     block: key.block,
                     stored_offset: entry.stored_offset,
                 };
-                let cached = match result {
+                match result {
                     Err(error) => CachedBlock::Corrupt(Arc::new(format!("{}: {error}", at()))),
                     Ok(()) => {
-                        let stored = &self.staging.as_slice()
+                        let stored = &staging
                             [extent.dest_offset..extent.dest_offset + entry.stored_bytes as usize];
                         let mut raw = vec![0u8; entry.raw_bytes as usize];
                         match decode::decode_block(
                             stored,
                             &entry,
                             field.dtype.size_bytes(),
-                            &mut self.scratch,
+                            scratch,
                             &mut raw,
                             at,
                         ) {
-                            Ok(()) => {
-                                self.cache_bytes += raw.len();
-                                CachedBlock::Decoded(Arc::new(raw))
-                            }
+                            Ok(()) => CachedBlock::Decoded(Arc::new(raw)),
                             Err(error) => CachedBlock::Corrupt(Arc::new(error.to_string())),
                         }
                     }
-                };
+                }
+            };
+            // Spawning threads costs tens of microseconds: only worth it for several blocks each.
+            const BLOCKS_PER_THREAD_MIN: usize = 4;
+            let threads = self
+                .decode_threads
+                .min(jobs.len() / BLOCKS_PER_THREAD_MIN)
+                .max(1);
+            let decoded: Vec<CachedBlock> = if threads == 1 {
+                jobs.iter()
+                    .map(|job| decode_one(job, &mut self.scratch))
+                    .collect()
+            } else {
+                let per_thread = jobs.len().div_ceil(threads);
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = jobs
+                        .chunks(per_thread)
+                        .map(|chunk| {
+                            scope.spawn(move || {
+                                let mut scratch = Vec::new();
+                                chunk
+                                    .iter()
+                                    .map(|job| decode_one(job, &mut scratch))
+                                    .collect::<Vec<_>>()
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .flat_map(|h| h.join().expect("decoding does not panic"))
+                        .collect()
+                })
+            };
+            for ((key, _, _), cached) in jobs.iter().zip(decoded) {
+                if let CachedBlock::Decoded(bytes) = &cached {
+                    self.cache_bytes += bytes.len();
+                }
                 self.cache.insert(*key, (self.batch_stamp, cached));
             }
             start = end;
