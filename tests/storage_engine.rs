@@ -324,3 +324,52 @@ fn file_table_is_bounded() {
     let missing = files.open(&dir.path().join("nope"), DirectIo::Off);
     assert!(missing.is_err());
 }
+
+#[test]
+fn reads_into_a_registered_fixed_buffer_equal_pread() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, data) = write_random_file(dir.path(), "data", FILE_BYTES, 11);
+    let mut files = FileTable::new(1);
+    files.open(&path, DirectIo::Prefer).unwrap();
+    let mut buffer = gpufeed::storage::AlignedBuffer::new(1 << 20);
+    let mut queue = UringQueue::new(8).unwrap();
+    let iovec = libc::iovec {
+        iov_base: buffer.as_mut_slice().as_mut_ptr().cast(),
+        iov_len: buffer.len(),
+    };
+    // SAFETY: the buffer outlives the queue (dropped after the engine below).
+    unsafe { queue.register_buffers(&[iovec]) }.unwrap();
+    let mut engine = ReadEngine::new(queue, limits());
+    let extents = [
+        Extent {
+            file: FileId(0),
+            offset: 0,
+            len: 300_000,
+            dest_offset: 0,
+        },
+        Extent {
+            file: FileId(0),
+            offset: 1_000_001,
+            len: 5_000,
+            dest_offset: 303_104,
+        },
+        Extent {
+            file: FileId(0),
+            offset: 2_097_152,
+            len: 65_536,
+            dest_offset: 311_296,
+        },
+    ];
+    let results = engine
+        .read_with(&files, &extents, buffer.as_mut_slice(), Some(0))
+        .unwrap();
+    assert!(results.iter().all(Result::is_ok));
+    for extent in &extents {
+        let start = extent.offset as usize;
+        assert_eq!(
+            buffer.as_slice()[extent.dest_offset..extent.dest_offset + extent.len],
+            data[start..start + extent.len]
+        );
+    }
+    drop(engine);
+}

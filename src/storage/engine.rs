@@ -67,6 +67,11 @@ impl<Q: ReadQueue> ReadEngine<Q> {
         &self.queue
     }
 
+    /// The queue underneath, for registering fixed buffers.
+    pub fn queue_mut(&mut self) -> &mut Q {
+        &mut self.queue
+    }
+
     /// Reads every extent into `dest` and reports a result per extent, in order.
     ///
     /// Extents must lie within `dest` (a programmer error otherwise). Every read has completed when
@@ -76,6 +81,18 @@ impl<Q: ReadQueue> ReadEngine<Q> {
         files: &FileTable,
         extents: &[Extent],
         dest: &mut [u8],
+    ) -> Result<Vec<Result<(), ReadError>>, StorageError> {
+        self.read_with(files, extents, dest, None)
+    }
+
+    /// [`ReadEngine::read`] into a buffer registered with the queue as fixed buffer `fixed_buffer`
+    /// (`dest` must lie within that registered buffer), so the kernel skips pinning its pages per read.
+    pub fn read_with(
+        &mut self,
+        files: &FileTable,
+        extents: &[Extent],
+        dest: &mut [u8],
+        fixed_buffer: Option<u16>,
     ) -> Result<Vec<Result<(), ReadError>>, StorageError> {
         if self.broken {
             return Err(StorageError::EngineBroken);
@@ -117,7 +134,8 @@ impl<Q: ReadQueue> ReadEngine<Q> {
                         self.free_tags.push(tag);
                         continue;
                     }
-                    let (piece, op) = self.prepare(files, extents, piece, base, tag);
+                    let (piece, mut op) = self.prepare(files, extents, piece, base, tag);
+                    op.fixed_buffer = fixed_buffer;
                     self.in_flight[tag as usize] = Some(piece);
                     // SAFETY: `op.buf .. + op.len` lies within `dest` (asserted above), which this call
                     // borrows mutably until every op has completed: the loop only exits with nothing

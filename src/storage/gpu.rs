@@ -234,6 +234,8 @@ pub struct GpuReader {
     done: BlockingEvent,
     limits: GpuReaderLimits,
     engine: ReadEngine<AnyQueue>,
+    /// Whether the bounce buffers are io_uring fixed buffers (index = position in `bounce`).
+    fixed_buffers: bool,
     bounce: Vec<(PinnedBuffer, Event)>,
     next_bounce: usize,
     page_cache: PageCache,
@@ -273,13 +275,29 @@ impl GpuReader {
         if let Some(note) = note {
             tracing::warn!("{note}");
         }
-        let engine = ReadEngine::new(
+        let mut engine = ReadEngine::new(
             queue,
             EngineLimits {
                 chunk_bytes_max: 1 << 20,
                 retries_max: 8,
             },
         );
+        let iovecs: Vec<libc::iovec> = bounce
+            .iter_mut()
+            .map(|(buffer, _): &mut (PinnedBuffer, Event)| libc::iovec {
+                iov_base: buffer.as_mut_slice().as_mut_ptr().cast(),
+                iov_len: buffer.len(),
+            })
+            .collect();
+        // SAFETY: the pinned buffers live as long as the reader, which owns both them and the engine
+        // (and drops the engine, declared first, before them).
+        let fixed_buffers = match unsafe { engine.queue_mut().register_buffers(&iovecs) } {
+            Ok(registered) => registered,
+            Err(error) => {
+                tracing::warn!("bounce buffers not registered with io_uring: {error}");
+                false
+            }
+        };
         let (cufile, cold_path_reason) = match super::cufile::CuFileReader::open(device) {
             Ok(reader) if reader.nvidia_fs_present() => {
                 (Some(reader), "cuFile: the nvidia-fs driver is loaded (real GDS)".to_string())
@@ -297,6 +315,7 @@ impl GpuReader {
             done,
             limits,
             engine,
+            fixed_buffers,
             bounce,
             next_bounce: 0,
             page_cache: PageCache {
@@ -633,9 +652,10 @@ impl GpuReader {
                 });
                 at = (at + piece.len).div_ceil(align) * align;
             }
-            let read = self
-                .engine
-                .read(files, &engine_extents, buffer.as_mut_slice())?;
+            let fixed = self.fixed_buffers.then_some(slot as u16);
+            let read =
+                self.engine
+                    .read_with(files, &engine_extents, buffer.as_mut_slice(), fixed)?;
             for ((piece, engine_extent), result) in
                 pieces[start..end].iter().zip(&engine_extents).zip(read)
             {

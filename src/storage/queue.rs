@@ -232,6 +232,19 @@ impl AnyQueue {
         }
     }
 
+    /// Registers buffers as io_uring fixed buffers; returns false (and does nothing) for the pread
+    /// queue, which has no such notion.
+    ///
+    /// # Safety
+    /// As [`UringQueue::register_buffers`]: the memory stays valid while the queue lives.
+    pub unsafe fn register_buffers(&mut self, buffers: &[libc::iovec]) -> io::Result<bool> {
+        match self {
+            // SAFETY: forwarded under the caller's guarantee.
+            AnyQueue::Uring(q) => unsafe { q.register_buffers(buffers) }.map(|()| true),
+            AnyQueue::Pread(_) => Ok(false),
+        }
+    }
+
     /// Name for logs and status.
     pub fn name(&self) -> &'static str {
         match self {
