@@ -73,6 +73,19 @@ pub enum PathChoice {
     Force(ReadPath),
 }
 
+impl PathChoice {
+    /// The choice an engine mode asks for: `auto` decides per extent; `cufile` forces cuFile (which
+    /// fails with the reason if cuFile is unavailable, and falls back per file if a file cannot be
+    /// registered); `uring` forces the io_uring bounce path.
+    pub fn from_mode(mode: super::EngineMode) -> PathChoice {
+        match mode {
+            super::EngineMode::Auto => PathChoice::Auto,
+            super::EngineMode::CuFile => PathChoice::Force(ReadPath::CuFile),
+            super::EngineMode::Uring => PathChoice::Force(ReadPath::Bounce),
+        }
+    }
+}
+
 /// Bounds of a [`GpuReader`], all allocated or enforced at start.
 #[derive(Clone, Copy, Debug)]
 pub struct GpuReaderLimits {
