@@ -408,6 +408,15 @@ pub fn parse_shard_metadata(
         path: path.to_path_buf(),
         what,
     };
+    // A shard's length is a multiple of 4096 by construction; checking it first also keeps every
+    // rounding below (payload ends rounded up to 4096) from overflowing.
+    if file_bytes % PAYLOAD_ALIGN_BYTES != 0 {
+        return Err(FormatError::Length {
+            path: path.to_path_buf(),
+            expected_bytes: align_up(file_bytes.min(u64::MAX - PAYLOAD_ALIGN_BYTES)),
+            actual_bytes: file_bytes,
+        });
+    }
     let fields_end = HEADER_BYTES + header.field_count as usize * FIELD_ENTRY_BYTES;
     let blocks_end = fields_end + header.block_count as usize * BLOCK_ENTRY_BYTES;
     let tables_end = blocks_end + 8;
@@ -717,6 +726,20 @@ mod tests {
         bytes.resize(8192, 0);
         let error = parse_shard_metadata(Path::new("s"), &bytes, 8192).unwrap_err();
         assert!(error.to_string().contains("field entry 1"), "{error}");
+    }
+
+    /// Regression (found by reading the fuzz target's invariants): with a claimed file length near
+    /// 2^64, a block ending there passed every extent check and rounding the file length up to 4096
+    /// overflowed. Lengths that are not a multiple of 4096 are now rejected first.
+    #[test]
+    fn file_length_near_u64_max_is_an_error_not_a_panic() {
+        let (fields, mut blocks) = sample_metadata();
+        blocks[0].stored_offset = u64::MAX - 4095;
+        blocks[0].stored_bytes = 12;
+        let bytes = encode_shard_metadata(10, 3, 4096, &fields, &blocks);
+        for file_bytes in [u64::MAX, u64::MAX - 100, u64::MAX - 4095] {
+            assert!(parse_shard_metadata(Path::new("s"), &bytes, file_bytes).is_err());
+        }
     }
 
     #[test]
