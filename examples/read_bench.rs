@@ -83,7 +83,11 @@ fn main() -> Result<()> {
         })
         .collect();
     let file = File::open(&args.file)?;
-    let repeats = if args.temperature == "cold" { 1 } else { args.repeat.max(1) };
+    let repeats = if args.temperature == "cold" {
+        1
+    } else {
+        args.repeat.max(1)
+    };
     let mut runs = Vec::new();
     let mut served = std::collections::BTreeMap::new();
     for _ in 0..repeats {
