@@ -1,43 +1,41 @@
-//! The daemon: composes the registry, the socket server and (later) the HTTP control API.
+//! The daemon: composes the catalog and registry, the socket server and the HTTP control API that
+//! `gpufeed serve` runs.
+//!
+//! The socket server is blocking (one thread per session) and runs on a thread of its own; the
+//! control API runs on a small tokio runtime on the main thread, which also waits for SIGTERM and
+//! SIGINT. On either signal the daemon shuts down cleanly: the API stops accepting connections and
+//! finishes the requests in flight, running pack jobs are stopped (their staging directories
+//! removed, their end recorded), the sessions the socket server lists are closed, the catalog is
+//! written once more, the socket file is removed, and the process exits 0.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{self, Write};
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use tokio::net::TcpListener;
 
+use crate::api::{self, ApiOptions, Control, Metrics};
+use crate::config::{HttpListen, Settings};
 use crate::ipc::{Server, ServerConfig};
 use crate::pipeline::StreamLimits;
 use crate::registry::Registry;
 use crate::storage::EngineMode;
 
-/// Everything `gpufeed serve` is configured with.
-#[derive(Clone, Debug)]
-pub struct DaemonConfig {
-    /// Directory whose subdirectories are datasets.
-    pub data_root: PathBuf,
-    /// The consumers' Unix socket.
-    pub socket_path: PathBuf,
-    /// `auto`, `cpu` or `cuda:N`.
-    pub device: String,
-    /// Storage engine choice.
-    pub engine: EngineMode,
-    /// Uids allowed on the socket.
-    pub allowed_uids: Vec<u32>,
-    /// Most concurrent sessions.
-    pub sessions_max: u32,
-    /// Most bytes of slot memory over all streams.
-    pub slot_memory_bytes_max: u64,
-    /// Per-stream bounds.
-    pub stream_limits: StreamLimits,
-}
+/// Longest the API waits for requests in flight once shutdown begins.
+const HTTP_DRAIN: Duration = Duration::from_secs(10);
+/// Longest shutdown waits for pack jobs to stop (each stops at its next step, within a second or so).
+const JOBS_DRAIN: Duration = Duration::from_secs(30);
 
-/// Starts the daemon and serves until the listener fails.
+/// Starts the daemon and serves until SIGTERM or SIGINT (then returns `Ok`) or until the socket
+/// listener fails (then returns the error).
 ///
 /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections, so that
-/// supervisors and tests can wait for readiness without polling.
-pub fn run(config: DaemonConfig) -> Result<()> {
-    match config.device.as_str() {
+/// supervisors and tests can wait for readiness without polling, then `gpufeed: http on ADDR` (the
+/// bound address, so port 0 can be used) once the control API listens.
+pub fn run(settings: Settings) -> Result<()> {
+    match settings.device.as_str() {
         "cpu" => {}
         "auto" => tracing::info!(
             "device auto: the GPU backend is not part of this build yet; serving from host memory (CPU backend)"
@@ -46,33 +44,195 @@ pub fn run(config: DaemonConfig) -> Result<()> {
             "--device {other}: only the CPU backend can serve in this build (use --device cpu or auto)"
         ),
     }
-    if config.engine == EngineMode::CuFile {
+    if settings.engine == EngineMode::CuFile {
         bail!("--engine cufile: the cuFile engine serves only the GPU backend, which is not part of this build yet");
     }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("gpufeed-api")
+        .enable_all()
+        .build()
+        .context("starting the control API's runtime")?;
+    let result = runtime.block_on(serve(settings));
+    // Blocking tasks still running (a verification) must not hold the exit up.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
+}
+
+async fn serve(settings: Settings) -> Result<()> {
+    // Installed before anything is announced, so that a signal sent as soon as the readiness line
+    // is read already finds the handlers.
+    let mut signals = Signals::install()?;
     let registry = Arc::new(Registry::new());
-    let skipped = registry
-        .scan(&config.data_root)
-        .with_context(|| format!("reading the data root {}", config.data_root.display()))?;
-    for skip in &skipped {
-        tracing::warn!("not serving {}: {}", skip.dir.display(), skip.reason);
+    let metrics = Arc::new(Metrics::new());
+    let options = ApiOptions::from_settings(&settings);
+    let (control, notes) = {
+        let registry = Arc::clone(&registry);
+        tokio::task::spawn_blocking(move || Control::open(options, registry, metrics))
+            .await
+            .context("opening the catalog")?
+            .with_context(|| format!("opening the data root {}", settings.data_root.display()))?
+    };
+    for note in &notes {
+        tracing::warn!("{note}");
     }
     let names = registry.names();
-    tracing::info!("datasets: {}", names.join(", "));
+    tracing::info!(
+        "datasets: {}; catalog {}",
+        names.join(", "),
+        control.catalog_path().display()
+    );
+
     let server_config = ServerConfig {
-        socket_path: config.socket_path.clone(),
-        allowed_uids: config.allowed_uids.clone(),
-        sessions_max: config.sessions_max,
-        slot_memory_bytes_max: config.slot_memory_bytes_max,
-        stream_limits: config.stream_limits,
+        socket_path: settings.socket_path.clone(),
+        allowed_uids: settings.allowed_uids.clone(),
+        sessions_max: settings.sessions_max,
+        slot_memory_bytes_max: settings.slot_memory_bytes_max,
+        stream_limits: StreamLimits::node_defaults(),
     };
-    let server = Server::bind(server_config, registry)
-        .with_context(|| format!("binding {}", config.socket_path.display()))?;
+    let server = Server::bind(server_config, Arc::clone(&registry))
+        .with_context(|| format!("binding {}", settings.socket_path.display()))?;
+    control.attach_counters(server.counters());
+
+    let listener = match bind_http(settings.http).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            let _ = std::fs::remove_file(&settings.socket_path);
+            return Err(error);
+        }
+    };
+
+    let (socket_failed, socket_failure) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("gpufeed-socket".into())
+        .spawn(move || {
+            let result = server.run();
+            let _ = socket_failed.send(result);
+        })
+        .context("starting the socket server's thread")?;
+
     println!(
         "gpufeed: serving {} dataset(s) on {}",
         names.len(),
-        config.socket_path.display()
+        settings.socket_path.display()
     );
-    std::io::stdout().flush()?;
-    server.run()?;
-    Ok(())
+    io::stdout().flush()?;
+
+    let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
+    let http_task = match listener {
+        Some(listener) => {
+            let address = listener.local_addr()?;
+            // Whoever started the daemon may have stopped reading stdout after the first line: a
+            // closed pipe must not take the daemon down.
+            let mut stdout = io::stdout();
+            let _ = writeln!(stdout, "gpufeed: http on {address}").and_then(|()| stdout.flush());
+            tracing::info!("control API on http://{address}");
+            let app = api::router(Arc::clone(&control));
+            let mut stopped = http_stopped.clone();
+            Some(tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
+
+    let outcome = tokio::select! {
+        signal = signals.recv() => Ok(signal),
+        failed = socket_failure => Err(match failed {
+            Ok(Ok(())) => anyhow::anyhow!("the socket listener stopped"),
+            Ok(Err(error)) => anyhow::Error::new(error).context("the socket listener failed"),
+            Err(_) => anyhow::anyhow!("the socket server's thread ended"),
+        }),
+    };
+    if let Ok(signal) = &outcome {
+        tracing::info!("{signal}: shutting down");
+    }
+
+    let _ = stop_http.send(true);
+    if let Some(task) = http_task {
+        match tokio::time::timeout(HTTP_DRAIN, task).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(error))) => tracing::warn!("the control API ended with an error: {error}"),
+            Ok(Err(error)) => tracing::warn!("the control API's task failed: {error}"),
+            Err(_) => tracing::warn!(
+                "requests still in flight after {} s; closing them",
+                HTTP_DRAIN.as_secs()
+            ),
+        }
+    }
+    let report = api::shutdown(&control, JOBS_DRAIN).await;
+    if let Err(error) = std::fs::remove_file(&settings.socket_path) {
+        if error.kind() != io::ErrorKind::NotFound {
+            tracing::warn!("cannot remove {}: {error}", settings.socket_path.display());
+        }
+    }
+    match report {
+        Ok(report) => tracing::info!(
+            "stopped {} pack job(s), closed {} session(s), catalog written",
+            report.jobs_stopped,
+            report.sessions_closed
+        ),
+        Err(error) => {
+            tracing::error!("{error}");
+            if outcome.is_ok() {
+                bail!("shutting down: {}", error.message);
+            }
+        }
+    }
+    outcome.map(|_| ())
+}
+
+/// Binds the control API's listener, or none when it is off. The built-in default address is
+/// allowed to be taken (another daemon on the node holds it): the daemon then serves its socket
+/// without a control API and says so. An address that was asked for must bind.
+async fn bind_http(listen: HttpListen) -> Result<Option<TcpListener>> {
+    let bind = |address: SocketAddr| async move { TcpListener::bind(address).await };
+    match listen {
+        HttpListen::Off => Ok(None),
+        HttpListen::Chosen(address) => bind(address)
+            .await
+            .map(Some)
+            .with_context(|| format!("binding the control API to {address} (--http)")),
+        HttpListen::Default(address) => match bind(address).await {
+            Ok(listener) => Ok(Some(listener)),
+            Err(error) if error.kind() == io::ErrorKind::AddrInUse => {
+                tracing::warn!(
+                    "no control API: the default address {address} is in use (another daemon?); \
+                     pass --http ADDR to choose one, or --http off"
+                );
+                Ok(None)
+            }
+            Err(error) => {
+                Err(error).with_context(|| format!("binding the control API to {address}"))
+            }
+        },
+    }
+}
+
+/// The shutdown signals, caught from installation on.
+struct Signals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            terminate: signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
+            interrupt: signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
+        })
+    }
+
+    /// Waits for SIGTERM or SIGINT and names it.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
 }

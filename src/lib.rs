@@ -2,6 +2,9 @@
 //!
 //! See `docs/ARCHITECTURE.md` for the module map and the invariants between modules.
 
+pub mod api;
+pub mod catalog;
+pub mod config;
 pub mod daemon;
 pub mod decode;
 pub mod demo;

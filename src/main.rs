@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use gpufeed::config::{ByteCount, ConfigLayer};
 use gpufeed::format::Dataset;
 use gpufeed::input::{self, FieldSource};
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackObserver, PackOptions, ShuffleChoice};
@@ -123,31 +124,72 @@ struct PackArgs {
     quiet: bool,
 }
 
+/// Settings of `gpufeed serve`. Each can also come from the environment (`GPUFEED_` and the flag's
+/// name in capitals with `_`, such as `GPUFEED_SLOT_MEMORY_MAX`) or from the TOML file given with
+/// --config (the flag's name with `_`, such as `slot_memory_max = "8G"`); flags win over the
+/// environment, which wins over the file.
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// Directory whose subdirectories are datasets (each holding a manifest.json).
+    /// A TOML configuration file [env: GPUFEED_CONFIG].
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
+    /// Directory whose subdirectories are datasets (each holding a manifest.json); the catalog
+    /// (.gpufeed-catalog.json) is kept there too. Required here, in the environment or in the file.
     #[arg(long)]
-    data_root: PathBuf,
+    data_root: Option<PathBuf>,
     /// Path of the Unix socket consumers connect to (created with mode 0600; a stale socket left by a
     /// daemon that died is replaced). Default: DATA_ROOT/gpufeed.sock.
     #[arg(long)]
     socket: Option<PathBuf>,
     /// Where batches live: auto (a GPU when the GPU backend is available, else the CPU backend), cpu,
-    /// or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
+    /// or cuda:N. Default: auto.
+    #[arg(long)]
+    device: Option<String>,
     /// Storage engine: auto, cufile or uring (io_uring, with pread where io_uring is unavailable).
-    #[arg(long, default_value = "auto")]
-    engine: gpufeed::storage::EngineMode,
+    /// Default: auto.
+    #[arg(long)]
+    engine: Option<String>,
     /// A uid allowed to connect (repeatable). Default: the daemon's own uid.
     #[arg(long = "allow-uid", value_name = "UID")]
     allow_uids: Vec<u32>,
-    /// Most concurrent consumer sessions.
-    #[arg(long, default_value_t = 64)]
-    sessions_max: u32,
-    /// Most bytes of slot memory over all streams (suffixes K, M, G are binary).
-    #[arg(long, default_value = "8G", value_parser = parse_bytes_u64)]
-    slot_memory_max: u64,
+    /// Most concurrent consumer sessions. Default: 64.
+    #[arg(long)]
+    sessions_max: Option<u32>,
+    /// Most bytes of slot memory over all streams (suffixes K, M, G are binary). Default: 8G.
+    #[arg(long, value_parser = parse_byte_count)]
+    slot_memory_max: Option<ByteCount>,
+    /// The control API's address, IP:PORT (port 0 picks a free one, printed as `gpufeed: http on
+    /// ADDR`), or off. A non-loopback address requires --api-token. Default: 127.0.0.1:7070.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<String>,
+    /// Bearer token of the control API (16 to 1024 printable characters): required for requests that
+    /// change state, and for every request when --http is not a loopback address. Prefer
+    /// GPUFEED_API_TOKEN or the file: flags are visible to other users in the process list.
+    #[arg(long, value_name = "TOKEN")]
+    api_token: Option<String>,
+    /// Largest request body the control API accepts (suffixes K, M). Default: 1M.
+    #[arg(long, value_parser = parse_byte_count)]
+    body_limit: Option<ByteCount>,
+    /// Most pack jobs running at once. Default: 2.
+    #[arg(long)]
+    jobs_max: Option<u32>,
+    /// Most pack jobs waiting to run; more are refused (429). Default: 16.
+    #[arg(long)]
+    jobs_queued_max: Option<u32>,
+    /// Most job records kept; the oldest finished ones go first. Default: 64.
+    #[arg(long)]
+    job_records_max: Option<u32>,
+    /// Threads compressing blocks in each pack job. Default: the number of CPUs.
+    #[arg(long)]
+    pack_threads: Option<u32>,
+    /// Most raw bytes per second each pack job packs, so that packing leaves disk bandwidth to
+    /// serving (suffixes K, M, G). Default: unlimited.
+    #[arg(long, value_name = "BYTES_PER_S", value_parser = parse_byte_count)]
+    pack_rate_max: Option<ByteCount>,
+}
+
+fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
+    gpufeed::config::parse_byte_count(text).map(ByteCount)
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -326,25 +368,37 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let socket_path = args
-        .socket
-        .unwrap_or_else(|| args.data_root.join("gpufeed.sock"));
-    let allowed_uids = if args.allow_uids.is_empty() {
-        vec![nix::unistd::getuid().as_raw()]
-    } else {
-        args.allow_uids
-    };
-    let config = gpufeed::daemon::DaemonConfig {
+    let flags = ConfigLayer {
         data_root: args.data_root,
-        socket_path,
+        socket: args.socket,
         device: args.device,
         engine: args.engine,
-        allowed_uids,
+        allow_uids: (!args.allow_uids.is_empty()).then_some(args.allow_uids),
         sessions_max: args.sessions_max,
-        slot_memory_bytes_max: args.slot_memory_max,
-        stream_limits: gpufeed::pipeline::StreamLimits::node_defaults(),
+        slot_memory_max: args.slot_memory_max,
+        http: args.http,
+        api_token: args.api_token,
+        body_limit: args.body_limit,
+        jobs_max: args.jobs_max,
+        jobs_queued_max: args.jobs_queued_max,
+        job_records_max: args.job_records_max,
+        pack_threads: args.pack_threads,
+        pack_rate_max: args.pack_rate_max,
     };
-    gpufeed::daemon::run(config)?;
+    let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
+    let config_file = args.config.or_else(|| {
+        std::env::var_os(gpufeed::config::CONFIG_FILE_ENV_VAR)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    let file = match &config_file {
+        Some(path) => ConfigLayer::from_toml_file(path)?,
+        None => ConfigLayer::default(),
+    };
+    let settings = flags
+        .over(environment.over(file))
+        .resolve(nix::unistd::getuid().as_raw())?;
+    gpufeed::daemon::run(settings)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,8 +1,13 @@
-//! The datasets a daemon serves, by name.
+//! The datasets a daemon serves, by name, and the directory of its consumer sessions.
+//!
+//! Both are shared by the socket server (`ipc`), which reads them, and the control API (`api`), which
+//! changes them; neither module knows the other.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
 
 use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
 
@@ -11,6 +16,14 @@ use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
 #[derive(Default)]
 pub struct Registry {
     datasets: RwLock<BTreeMap<String, Arc<Dataset>>>,
+    sessions: SessionDirectory,
+}
+
+/// A dataset could not be removed because readers other than the registry hold it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InUse {
+    /// References held outside the registry (each open stream holds at least one).
+    pub references: usize,
 }
 
 /// A dataset directory under the data root that could not be registered.
@@ -56,6 +69,11 @@ impl Registry {
 
     /// Registers an open dataset under its manifest name; fails if the name is taken.
     pub fn insert(&self, dataset: Dataset) -> Result<(), String> {
+        self.insert_shared(Arc::new(dataset))
+    }
+
+    /// Registers a shared dataset under its manifest name; fails if the name is taken.
+    pub fn insert_shared(&self, dataset: Arc<Dataset>) -> Result<(), String> {
         let mut datasets = self.datasets.write().expect("registry lock poisoned");
         let name = dataset.manifest.name.clone();
         if let Some(existing) = datasets.get(&name) {
@@ -64,7 +82,7 @@ impl Registry {
                 existing.dir.display()
             ));
         }
-        datasets.insert(name, Arc::new(dataset));
+        datasets.insert(name, dataset);
         Ok(())
     }
 
@@ -94,5 +112,204 @@ impl Registry {
             .keys()
             .cloned()
             .collect()
+    }
+
+    /// Whether a dataset is registered under `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.datasets
+            .read()
+            .expect("registry lock poisoned")
+            .contains_key(name)
+    }
+
+    /// References to dataset `name` held outside the registry: streams reading it, and anyone else
+    /// who called [`Registry::get`] and still holds the result.
+    pub fn references(&self, name: &str) -> Option<usize> {
+        self.datasets
+            .read()
+            .expect("registry lock poisoned")
+            .get(name)
+            .map(|dataset| Arc::strong_count(dataset) - 1)
+    }
+
+    /// Removes dataset `name` unless something outside the registry holds it. The check and the
+    /// removal happen under the write lock, so no stream can pick the dataset up in between.
+    /// Returns `Ok(None)` when no such dataset is registered.
+    pub fn remove_unused(&self, name: &str) -> Result<Option<Arc<Dataset>>, InUse> {
+        let mut datasets = self.datasets.write().expect("registry lock poisoned");
+        let Some(dataset) = datasets.get(name) else {
+            return Ok(None);
+        };
+        let references = Arc::strong_count(dataset) - 1;
+        if references > 0 {
+            return Err(InUse { references });
+        }
+        Ok(datasets.remove(name))
+    }
+
+    /// Removes dataset `name` whoever holds it: streams reading it keep their `Arc` and go on until
+    /// they end or are closed; no new stream can open it.
+    pub fn remove(&self, name: &str) -> Option<Arc<Dataset>> {
+        self.datasets
+            .write()
+            .expect("registry lock poisoned")
+            .remove(name)
+    }
+
+    /// The directory of consumer sessions.
+    pub fn sessions(&self) -> &SessionDirectory {
+        &self.sessions
+    }
+}
+
+/// Why a session is being closed from outside, sent to the consumer with the close.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    /// An operator asked for it (`DELETE /v1/sessions/{id}`).
+    Operator,
+    /// The dataset its stream reads was removed with `force`.
+    DatasetRemoved,
+    /// The daemon is shutting down.
+    Shutdown,
+}
+
+/// What the socket server tells the directory about a session when it starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionInfo {
+    /// The session id sent in `Welcome`.
+    pub id: u64,
+    /// The peer's uid.
+    pub uid: u32,
+    /// The client's self-description from `Hello`.
+    pub client: String,
+    /// When the session started.
+    pub started: SystemTime,
+}
+
+/// A listed session as the control API reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionSnapshot {
+    /// What the session said when it started.
+    pub info: SessionInfo,
+    /// The dataset its stream reads, once it opened one.
+    pub dataset: Option<String>,
+}
+
+/// Closes one session: provided by the socket server, which alone knows the wire format. It must
+/// not block for long and must not call back into the directory.
+pub type SessionCloser = Arc<dyn Fn(CloseReason) + Send + Sync>;
+
+struct ListedSession {
+    snapshot: SessionSnapshot,
+    closer: SessionCloser,
+}
+
+/// The consumer sessions the socket server has listed, for `GET /v1/sessions` and for closing
+/// sessions from the control API.
+///
+/// The socket server calls [`SessionDirectory::attach`] once, then [`SessionDirectory::register`]
+/// when a session starts and keeps the returned [`SessionEntry`] for the session's life; dropping the
+/// entry unlists the session, however the session ends.
+#[derive(Default)]
+pub struct SessionDirectory {
+    attached: AtomicBool,
+    sessions: Mutex<BTreeMap<u64, ListedSession>>,
+}
+
+impl SessionDirectory {
+    /// Marks the directory as fed by a socket server, so that an empty list means "no sessions"
+    /// rather than "nobody reports sessions".
+    pub fn attach(&self) {
+        self.attached.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a socket server feeds the directory.
+    pub fn is_attached(&self) -> bool {
+        self.attached.load(Ordering::SeqCst)
+    }
+
+    /// Lists a session until the returned entry is dropped.
+    pub fn register(&self, info: SessionInfo, closer: SessionCloser) -> SessionEntry<'_> {
+        let id = info.id;
+        let listed = ListedSession {
+            snapshot: SessionSnapshot {
+                info,
+                dataset: None,
+            },
+            closer,
+        };
+        self.lock().insert(id, listed);
+        SessionEntry {
+            directory: self,
+            id,
+        }
+    }
+
+    /// Every listed session, by id.
+    pub fn list(&self) -> Vec<SessionSnapshot> {
+        self.lock()
+            .values()
+            .map(|listed| listed.snapshot.clone())
+            .collect()
+    }
+
+    /// Closes session `id`; false if it is not listed.
+    pub fn close(&self, id: u64, reason: CloseReason) -> bool {
+        let closer = self
+            .lock()
+            .get(&id)
+            .map(|listed| Arc::clone(&listed.closer));
+        // Called without the lock: closing ends the session, whose entry then unlists it.
+        closer.map(|close| close(reason)).is_some()
+    }
+
+    /// Closes every session whose stream reads `dataset`; returns how many.
+    pub fn close_streams_on(&self, dataset: &str, reason: CloseReason) -> usize {
+        let closers: Vec<SessionCloser> = self
+            .lock()
+            .values()
+            .filter(|listed| listed.snapshot.dataset.as_deref() == Some(dataset))
+            .map(|listed| Arc::clone(&listed.closer))
+            .collect();
+        closers.iter().for_each(|close| close(reason));
+        closers.len()
+    }
+
+    /// Closes every session; returns how many.
+    pub fn close_all(&self, reason: CloseReason) -> usize {
+        let closers: Vec<SessionCloser> = self
+            .lock()
+            .values()
+            .map(|listed| Arc::clone(&listed.closer))
+            .collect();
+        closers.iter().for_each(|close| close(reason));
+        closers.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, ListedSession>> {
+        self.sessions
+            .lock()
+            .expect("session directory lock poisoned")
+    }
+}
+
+/// A session's place in the [`SessionDirectory`]; unlists the session when dropped.
+pub struct SessionEntry<'a> {
+    directory: &'a SessionDirectory,
+    id: u64,
+}
+
+impl SessionEntry<'_> {
+    /// Records the dataset the session's stream reads.
+    pub fn set_stream(&self, dataset: &str) {
+        if let Some(listed) = self.directory.lock().get_mut(&self.id) {
+            listed.snapshot.dataset = Some(dataset.to_string());
+        }
+    }
+}
+
+impl Drop for SessionEntry<'_> {
+    fn drop(&mut self) {
+        self.directory.lock().remove(&self.id);
     }
 }

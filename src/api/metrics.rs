@@ -1,0 +1,467 @@
+//! The daemon's measurements and their Prometheus text rendering (`GET /metrics`).
+//!
+//! [`Metrics`] is a fixed set of atomics, allocated once at start and shared as an `Arc`: the read
+//! path, the decoder and the socket server add to it without locks or allocation. Names follow the
+//! Prometheus conventions with the unit last (`gpufeed_read_bytes_total`,
+//! `gpufeed_handoff_latency_seconds`).
+//!
+//! Not every measurement is fed by this build: the storage engines, the decoder and the hand-off do
+//! not hold a `Metrics` yet. Those series are exposed at zero and their `# HELP` says "not measured
+//! by this build yet", so that a dashboard can be built now and nobody mistakes the zero for a
+//! measurement. `docs/API.md` lists which series are fed.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The storage paths whose bytes are counted separately.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadPath {
+    /// io_uring reads (into host memory or pinned bounce buffers).
+    Uring,
+    /// Positional reads where io_uring is unavailable.
+    Pread,
+    /// cuFile reads straight into device memory.
+    CuFile,
+    /// Copies from registered page-cache windows.
+    PageCache,
+}
+
+impl ReadPath {
+    const ALL: [ReadPath; 4] = [
+        ReadPath::Uring,
+        ReadPath::Pread,
+        ReadPath::CuFile,
+        ReadPath::PageCache,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            ReadPath::Uring => "io_uring",
+            ReadPath::Pread => "pread",
+            ReadPath::CuFile => "cufile",
+            ReadPath::PageCache => "page_cache",
+        }
+    }
+}
+
+/// Upper bounds of the hand-off latency buckets, in microseconds: 10 µs to 1 s, roughly ×2.5.
+pub const HANDOFF_BUCKETS_US: [u64; 12] = [
+    10, 25, 50, 100, 250, 500, 1_000, 2_500, 10_000, 50_000, 250_000, 1_000_000,
+];
+
+/// A histogram with fixed buckets (cumulative counts are computed when rendering).
+pub struct Histogram {
+    bounds_us: &'static [u64],
+    buckets: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram with the given bucket upper bounds (ascending), plus the `+Inf` bucket.
+    pub fn new(bounds_us: &'static [u64]) -> Histogram {
+        assert!(
+            bounds_us.windows(2).all(|w| w[0] < w[1]),
+            "ascending bounds"
+        );
+        Histogram {
+            bounds_us,
+            buckets: (0..=bounds_us.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, value: Duration) {
+        let us = u64::try_from(value.as_micros()).unwrap_or(u64::MAX);
+        let bucket = self.bounds_us.partition_point(|&bound| bound < us);
+        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counters and gauges fed by the daemon's parts; see the module documentation for which are fed.
+pub struct Metrics {
+    read_bytes: [AtomicU64; 4],
+    decode_ns: AtomicU64,
+    gather_ns: AtomicU64,
+    read_queue_depth: AtomicU64,
+    corrupt_blocks: AtomicU64,
+    slots_by_lease: [AtomicU64; 3],
+    handoff_latency: Histogram,
+    http_responses: [AtomicU64; 5],
+    pack_raw_bytes: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+/// A slot's lease, for the occupancy gauge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotLease {
+    /// Waiting for the filler.
+    Free,
+    /// Being filled.
+    Filling,
+    /// Handed to a consumer.
+    Consumer,
+}
+
+impl Metrics {
+    /// All zero.
+    pub fn new() -> Metrics {
+        Metrics {
+            read_bytes: Default::default(),
+            decode_ns: AtomicU64::new(0),
+            gather_ns: AtomicU64::new(0),
+            read_queue_depth: AtomicU64::new(0),
+            corrupt_blocks: AtomicU64::new(0),
+            slots_by_lease: Default::default(),
+            handoff_latency: Histogram::new(&HANDOFF_BUCKETS_US),
+            http_responses: Default::default(),
+            pack_raw_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts bytes read from shard files by `path`.
+    pub fn add_read_bytes(&self, path: ReadPath, bytes: u64) {
+        self.read_bytes[path as usize].fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Adds time spent decoding blocks.
+    pub fn add_decode_time(&self, time: Duration) {
+        self.decode_ns.fetch_add(nanos(time), Ordering::Relaxed);
+    }
+
+    /// Adds time spent gathering and converting samples into slots.
+    pub fn add_gather_time(&self, time: Duration) {
+        self.gather_ns.fetch_add(nanos(time), Ordering::Relaxed);
+    }
+
+    /// Sets the reads in flight over all storage queues.
+    pub fn set_read_queue_depth(&self, depth: u64) {
+        self.read_queue_depth.store(depth, Ordering::Relaxed);
+    }
+
+    /// Counts blocks found corrupt while serving.
+    pub fn add_corrupt_blocks(&self, blocks: u64) {
+        self.corrupt_blocks.fetch_add(blocks, Ordering::Relaxed);
+    }
+
+    /// Moves `count` slots into `lease` (positive) or out of it (negative).
+    pub fn add_slots(&self, lease: SlotLease, count: i64) {
+        let gauge = &self.slots_by_lease[lease as usize];
+        if count >= 0 {
+            gauge.fetch_add(count as u64, Ordering::Relaxed);
+        } else {
+            gauge.fetch_sub(count.unsigned_abs(), Ordering::Relaxed);
+        }
+    }
+
+    /// Records the time from a slot being filled to the consumer being told about it.
+    pub fn observe_handoff(&self, latency: Duration) {
+        self.handoff_latency.observe(latency);
+    }
+
+    /// Counts one HTTP response by status class.
+    pub fn count_http_response(&self, status: u16) {
+        let class = usize::from((status / 100).clamp(1, 5)) - 1;
+        self.http_responses[class].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts raw bytes packed by pack jobs.
+    pub fn add_pack_raw_bytes(&self, bytes: u64) {
+        self.pack_raw_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+fn nanos(time: Duration) -> u64 {
+    u64::try_from(time.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The values `GET /metrics` reports besides [`Metrics`]: read from the socket server's counters,
+/// the registry and the job table when the page is rendered.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Seconds since the daemon started.
+    pub uptime_seconds: f64,
+    /// Whether the socket server's counters are connected.
+    pub socket_server: bool,
+    /// Open sessions.
+    pub sessions: u64,
+    /// Most sessions.
+    pub sessions_max: u64,
+    /// Open streams.
+    pub streams: u64,
+    /// Slots allocated over all streams.
+    pub slots_allocated: u64,
+    /// Bytes of those slots.
+    pub slot_bytes_allocated: u64,
+    /// Most slot bytes.
+    pub slot_bytes_max: u64,
+    /// Batches handed to consumers.
+    pub batches_served: u64,
+    /// Samples replaced under the corrupt-block policy.
+    pub samples_replaced: u64,
+    /// Datasets by state name.
+    pub datasets: Vec<(&'static str, u64)>,
+    /// Job records by state name.
+    pub jobs: Vec<(&'static str, u64)>,
+}
+
+const NOT_FED: &str = " (not measured by this build yet: always 0)";
+
+/// Renders the Prometheus text exposition format, version 0.0.4.
+pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
+    let mut out = String::with_capacity(8192);
+    let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, String)]| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (labels, value) in samples {
+            let _ = writeln!(out, "{name}{labels} {value}");
+        }
+    };
+    let one = |value: u64| vec![(String::new(), value.to_string())];
+    let load = |atomic: &AtomicU64| atomic.load(Ordering::Relaxed);
+    let counters_note = if snapshot.socket_server {
+        ""
+    } else {
+        " (no socket server connected: 0)"
+    };
+
+    family(
+        "gpufeed_build_info",
+        "gauge",
+        "Always 1; the version label names the build",
+        &[(
+            format!("{{version=\"{}\"}}", env!("CARGO_PKG_VERSION")),
+            "1".to_string(),
+        )],
+    );
+    family(
+        "gpufeed_uptime_seconds",
+        "gauge",
+        "Seconds since the daemon started",
+        &[(String::new(), format!("{:.3}", snapshot.uptime_seconds))],
+    );
+    family(
+        "gpufeed_sessions",
+        "gauge",
+        &format!("Open consumer sessions{counters_note}"),
+        &one(snapshot.sessions),
+    );
+    family(
+        "gpufeed_sessions_max",
+        "gauge",
+        "Most concurrent consumer sessions",
+        &one(snapshot.sessions_max),
+    );
+    family(
+        "gpufeed_streams",
+        "gauge",
+        &format!("Open streams{counters_note}"),
+        &one(snapshot.streams),
+    );
+    family(
+        "gpufeed_slots_allocated",
+        "gauge",
+        &format!("Batch slots allocated over all streams{counters_note}"),
+        &one(snapshot.slots_allocated),
+    );
+    family(
+        "gpufeed_slot_bytes_allocated",
+        "gauge",
+        &format!("Bytes of batch slots allocated over all streams{counters_note}"),
+        &one(snapshot.slot_bytes_allocated),
+    );
+    family(
+        "gpufeed_slot_bytes_max",
+        "gauge",
+        "Most bytes of batch slots over all streams",
+        &one(snapshot.slot_bytes_max),
+    );
+    family(
+        "gpufeed_slots",
+        "gauge",
+        &format!("Batch slots by lease (free, filling, consumer){NOT_FED}"),
+        &[SlotLease::Free, SlotLease::Filling, SlotLease::Consumer]
+            .iter()
+            .map(|&lease| {
+                let name = match lease {
+                    SlotLease::Free => "free",
+                    SlotLease::Filling => "filling",
+                    SlotLease::Consumer => "consumer",
+                };
+                (
+                    format!("{{lease=\"{name}\"}}"),
+                    load(&metrics.slots_by_lease[lease as usize]).to_string(),
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    family(
+        "gpufeed_batches_served_total",
+        "counter",
+        &format!("Batches handed to consumers{counters_note}"),
+        &one(snapshot.batches_served),
+    );
+    family(
+        "gpufeed_samples_replaced_total",
+        "counter",
+        &format!("Samples replaced because their block was corrupt{counters_note}"),
+        &one(snapshot.samples_replaced),
+    );
+    family(
+        "gpufeed_corrupt_blocks_total",
+        "counter",
+        &format!("Blocks found corrupt while serving{NOT_FED}"),
+        &one(load(&metrics.corrupt_blocks)),
+    );
+    family(
+        "gpufeed_read_bytes_total",
+        "counter",
+        &format!("Bytes read from shard files, by storage path{NOT_FED}"),
+        &ReadPath::ALL
+            .iter()
+            .map(|&path| {
+                (
+                    format!("{{engine=\"{}\"}}", path.label()),
+                    load(&metrics.read_bytes[path as usize]).to_string(),
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    family(
+        "gpufeed_read_queue_depth",
+        "gauge",
+        &format!("Reads in flight over all storage queues{NOT_FED}"),
+        &one(load(&metrics.read_queue_depth)),
+    );
+    family(
+        "gpufeed_decode_seconds_total",
+        "counter",
+        &format!("Time spent decoding blocks{NOT_FED}"),
+        &[(String::new(), seconds(load(&metrics.decode_ns)))],
+    );
+    family(
+        "gpufeed_gather_seconds_total",
+        "counter",
+        &format!("Time spent gathering samples into slots{NOT_FED}"),
+        &[(String::new(), seconds(load(&metrics.gather_ns)))],
+    );
+    let histogram = &metrics.handoff_latency;
+    let mut cumulative = 0u64;
+    let mut samples = Vec::with_capacity(histogram.buckets.len() + 2);
+    for (index, bucket) in histogram.buckets.iter().enumerate() {
+        cumulative += load(bucket);
+        let bound = match histogram.bounds_us.get(index) {
+            Some(&us) => format!("{}", us as f64 / 1e6),
+            None => "+Inf".to_string(),
+        };
+        samples.push((format!("_bucket{{le=\"{bound}\"}}"), cumulative.to_string()));
+    }
+    samples.push((
+        "_sum".to_string(),
+        format!("{}", load(&histogram.sum_us) as f64 / 1e6),
+    ));
+    samples.push(("_count".to_string(), load(&histogram.count).to_string()));
+    family(
+        "gpufeed_handoff_latency_seconds",
+        "histogram",
+        &format!("Time from a filled slot to the consumer being told about it{NOT_FED}"),
+        &samples,
+    );
+    family(
+        "gpufeed_datasets",
+        "gauge",
+        "Datasets in the catalog, by state",
+        &snapshot
+            .datasets
+            .iter()
+            .map(|(state, n)| (format!("{{state=\"{state}\"}}"), n.to_string()))
+            .collect::<Vec<_>>(),
+    );
+    family(
+        "gpufeed_jobs",
+        "gauge",
+        "Pack job records, by state",
+        &snapshot
+            .jobs
+            .iter()
+            .map(|(state, n)| (format!("{{state=\"{state}\"}}"), n.to_string()))
+            .collect::<Vec<_>>(),
+    );
+    family(
+        "gpufeed_pack_raw_bytes_total",
+        "counter",
+        "Raw bytes packed by pack jobs",
+        &one(load(&metrics.pack_raw_bytes)),
+    );
+    family(
+        "gpufeed_http_responses_total",
+        "counter",
+        "Control API responses, by status class",
+        &["1xx", "2xx", "3xx", "4xx", "5xx"]
+            .iter()
+            .enumerate()
+            .map(|(i, class)| {
+                (
+                    format!("{{class=\"{class}\"}}"),
+                    load(&metrics.http_responses[i]).to_string(),
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    out
+}
+
+fn seconds(ns: u64) -> String {
+    format!("{}", ns as f64 / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_in_the_rendering() {
+        let metrics = Metrics::new();
+        metrics.observe_handoff(Duration::from_micros(5));
+        metrics.observe_handoff(Duration::from_micros(10));
+        metrics.observe_handoff(Duration::from_micros(30));
+        metrics.observe_handoff(Duration::from_secs(5));
+        let text = render(&metrics, &Snapshot::default());
+        assert!(text.contains("gpufeed_handoff_latency_seconds_bucket{le=\"0.00001\"} 2\n"));
+        assert!(text.contains("gpufeed_handoff_latency_seconds_bucket{le=\"0.00005\"} 3\n"));
+        assert!(text.contains("gpufeed_handoff_latency_seconds_bucket{le=\"+Inf\"} 4\n"));
+        assert!(text.contains("gpufeed_handoff_latency_seconds_count 4\n"));
+    }
+
+    #[test]
+    fn every_family_has_help_and_type() {
+        let metrics = Metrics::new();
+        metrics.add_read_bytes(ReadPath::Pread, 4096);
+        metrics.add_slots(SlotLease::Consumer, 3);
+        metrics.add_slots(SlotLease::Consumer, -1);
+        let text = render(&metrics, &Snapshot::default());
+        assert!(text.contains("gpufeed_read_bytes_total{engine=\"pread\"} 4096\n"));
+        assert!(text.contains("gpufeed_slots{lease=\"consumer\"} 2\n"));
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = name
+                .trim_end_matches("_bucket")
+                .trim_end_matches("_sum")
+                .trim_end_matches("_count");
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "{line} has no TYPE"
+            );
+        }
+    }
+}

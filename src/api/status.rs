@@ -1,0 +1,412 @@
+//! `/v1/status`, `/metrics` and `/healthz`.
+//!
+//! The status reports what this machine offers (devices, and each read path with the reason it is
+//! or is not usable) separately from what this daemon serves with, because the daemon's GPU backend
+//! is not wired in yet: a machine with GPUs and GDS still serves from host memory, and the payload
+//! says so rather than implying otherwise.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::blocking;
+use super::datasets::dataset_view;
+use super::datasets::DatasetStateName;
+use super::error::ErrorBody;
+use super::metrics::{self, Snapshot};
+use super::state::Control;
+use crate::catalog::JobState;
+use crate::device::Device;
+use crate::storage::UringQueue;
+
+/// Whether something is usable, and why (not).
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct Availability {
+    /// Usable.
+    pub available: bool,
+    /// Why it is or is not.
+    pub reason: String,
+}
+
+/// A CUDA device.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct DeviceView {
+    /// `cuda:N`.
+    pub device: String,
+    /// The marketing name.
+    pub name: String,
+    /// Device memory in bytes.
+    pub memory_bytes: u64,
+    /// Compute capability, `major.minor`.
+    pub compute_capability: String,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Whether allocations can be exported as file descriptors (needed for shared batch slots).
+    pub exportable_memory: bool,
+}
+
+/// One read path on one device.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct EngineView {
+    /// `host` or `cuda:N`.
+    pub device: String,
+    /// `io_uring`, `pread`, `cufile`, `uring_bounce` or `page_cache_copy`.
+    pub engine: String,
+    /// Usable on this machine.
+    pub available: bool,
+    /// Why it is or is not.
+    pub reason: String,
+}
+
+/// What the machine offers, probed once (on the first status request).
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct Platform {
+    /// The CUDA driver: loadable, with a device.
+    pub cuda: Availability,
+    /// The CUDA devices seen.
+    pub devices: Vec<DeviceView>,
+    /// Every read path per device.
+    pub engines: Vec<EngineView>,
+}
+
+/// What the daemon serves with.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct Serving {
+    /// `cpu`: batches live in host memory shared through memfd.
+    pub backend: String,
+    /// The configured `--device`.
+    pub device: String,
+    /// The configured `--engine`.
+    pub engine: String,
+    /// Why the backend is what it is.
+    pub note: String,
+}
+
+/// Bounded pools and what is in use.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct Pools {
+    /// Whether the socket server's counters are connected (when false, the in-use values are 0).
+    pub socket_server: bool,
+    /// Open consumer sessions.
+    pub sessions: u64,
+    /// Most consumer sessions.
+    pub sessions_max: u64,
+    /// Open streams.
+    pub streams: u64,
+    /// Slots allocated.
+    pub slots_allocated: u64,
+    /// Bytes of slots allocated.
+    pub slot_bytes_allocated: u64,
+    /// Most bytes of slots.
+    pub slot_bytes_max: u64,
+    /// Pack jobs running.
+    pub jobs_running: u64,
+    /// Most pack jobs running.
+    pub jobs_running_max: u64,
+    /// Pack jobs queued or running.
+    pub jobs_active: u64,
+    /// Most pack jobs queued or running.
+    pub jobs_active_max: u64,
+}
+
+/// `GET /v1/status`.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct StatusView {
+    /// The daemon's version.
+    pub version: String,
+    /// Seconds since the daemon started.
+    pub uptime_seconds: f64,
+    /// The canonical data root.
+    pub data_root: String,
+    /// What the daemon serves with.
+    pub serving: Serving,
+    /// What the machine offers.
+    pub platform: Platform,
+    /// Pools and their use.
+    pub pools: Pools,
+    /// Datasets in the catalog.
+    pub datasets: u64,
+    /// Datasets in the catalog that are not served (missing or invalid).
+    pub datasets_unavailable: u64,
+}
+
+/// `GET /healthz`.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct Health {
+    /// `ok`.
+    pub status: String,
+}
+
+fn nvidia_fs_loaded() -> bool {
+    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
+}
+
+/// Probes the machine: the CUDA driver and devices, io_uring, libcufile and nvidia-fs. Blocks (the
+/// driver's initialization takes a while) and never panics without a GPU.
+pub fn probe_platform() -> Platform {
+    let mut devices = Vec::new();
+    let cuda = match Device::count() {
+        Ok(0) => Availability {
+            available: false,
+            reason: "the CUDA driver loads but sees no device".to_string(),
+        },
+        Ok(count) => {
+            let mut failures = Vec::new();
+            for ordinal in 0..count {
+                match Device::open(ordinal) {
+                    Ok(device) => {
+                        let p = device.properties();
+                        devices.push(DeviceView {
+                            device: format!("cuda:{ordinal}"),
+                            name: p.name.clone(),
+                            memory_bytes: p.memory_bytes,
+                            compute_capability: format!(
+                                "{}.{}",
+                                p.compute_capability.0, p.compute_capability.1
+                            ),
+                            multiprocessors: p.multiprocessors,
+                            exportable_memory: p.exportable_memory,
+                        });
+                    }
+                    Err(error) => failures.push(format!("cuda:{ordinal}: {error}")),
+                }
+            }
+            Availability {
+                available: !devices.is_empty(),
+                reason: if failures.is_empty() {
+                    format!("the CUDA driver sees {count} device(s)")
+                } else {
+                    format!("some devices did not open: {}", failures.join("; "))
+                },
+            }
+        }
+        Err(error) => Availability {
+            available: false,
+            reason: error.to_string(),
+        },
+    };
+    let uring = match UringQueue::new(1) {
+        Ok(_) => Availability {
+            available: true,
+            reason: "io_uring set up a queue".to_string(),
+        },
+        Err(error) => Availability {
+            available: false,
+            reason: format!("io_uring_setup failed: {error}"),
+        },
+    };
+    let mut engines = vec![
+        EngineView {
+            device: "host".to_string(),
+            engine: "io_uring".to_string(),
+            available: uring.available,
+            reason: uring.reason.clone(),
+        },
+        EngineView {
+            device: "host".to_string(),
+            engine: "pread".to_string(),
+            available: true,
+            reason: "positional reads work everywhere (the fallback where io_uring is not)"
+                .to_string(),
+        },
+    ];
+    if !devices.is_empty() {
+        // SAFETY: only tries to dlopen libcufile under its known names; nothing is called.
+        let libcufile = unsafe { cudarc::cufile::sys::is_culib_present() };
+        let nvidia_fs = nvidia_fs_loaded();
+        for device in &devices {
+            let (available, reason) = match (libcufile, nvidia_fs) {
+                (false, _) => (false, "libcufile cannot be loaded".to_string()),
+                (true, false) => (
+                    false,
+                    "the nvidia-fs kernel driver is not loaded: cuFile would run in compatibility \
+                     mode, a POSIX bounce-buffer path that io_uring bounce beats"
+                        .to_string(),
+                ),
+                (true, true) => (
+                    true,
+                    "libcufile loads and nvidia-fs is loaded (the cuFile driver itself is opened \
+                     by the GPU backend, not by this probe)"
+                        .to_string(),
+                ),
+            };
+            engines.push(EngineView {
+                device: device.device.clone(),
+                engine: "cufile".to_string(),
+                available,
+                reason,
+            });
+            engines.push(EngineView {
+                device: device.device.clone(),
+                engine: "uring_bounce".to_string(),
+                available: uring.available,
+                reason: format!(
+                    "io_uring into pinned host buffers, then copies: {}",
+                    uring.reason
+                ),
+            });
+            engines.push(EngineView {
+                device: device.device.clone(),
+                engine: "page_cache_copy".to_string(),
+                available: true,
+                reason: "copies from registered page-cache windows need only the driver"
+                    .to_string(),
+            });
+        }
+    }
+    Platform {
+        cuda,
+        devices,
+        engines,
+    }
+}
+
+/// The daemon's devices, read paths, pools, version and uptime.
+#[utoipa::path(
+    get, path = "/v1/status", tag = "daemon", operation_id = "get_status",
+    responses(
+        (status = 200, description = "The status", body = StatusView),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
+    let platform = control
+        .platform
+        .get_or_init(|| async {
+            blocking(probe_platform)
+                .await
+                .unwrap_or_else(|error| Platform {
+                    cuda: Availability {
+                        available: false,
+                        reason: format!("the probe failed: {}", error.message),
+                    },
+                    devices: Vec::new(),
+                    engines: Vec::new(),
+                })
+        })
+        .await
+        .clone();
+    let snapshot = snapshot(&control);
+    let limits = control.jobs.limits();
+    let options = &control.options;
+    Json(StatusView {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        uptime_seconds: snapshot.uptime_seconds,
+        data_root: control.data_root().display().to_string(),
+        serving: Serving {
+            backend: "cpu".to_string(),
+            device: options.device.clone(),
+            engine: options.engine.to_string(),
+            note: "the GPU backend is not part of this daemon yet: batches are served from host \
+                   memory (memfd) whatever the devices above offer"
+                .to_string(),
+        },
+        platform,
+        pools: Pools {
+            socket_server: snapshot.socket_server,
+            sessions: snapshot.sessions,
+            sessions_max: snapshot.sessions_max,
+            streams: snapshot.streams,
+            slots_allocated: snapshot.slots_allocated,
+            slot_bytes_allocated: snapshot.slot_bytes_allocated,
+            slot_bytes_max: snapshot.slot_bytes_max,
+            jobs_running: u64::from(control.jobs.running_count()),
+            jobs_running_max: u64::from(limits.running_max),
+            jobs_active: u64::from(control.jobs.active_count()),
+            jobs_active_max: u64::from(limits.running_max + limits.queued_max),
+        },
+        datasets: snapshot.datasets.iter().map(|(_, n)| n).sum(),
+        datasets_unavailable: snapshot
+            .datasets
+            .iter()
+            .filter(|(state, _)| *state != "ready")
+            .map(|(_, n)| n)
+            .sum(),
+    })
+}
+
+fn snapshot(control: &Control) -> Snapshot {
+    let status = control.counters().map(|c| c.status());
+    let records = control.catalog.snapshot();
+    let mut ready = 0;
+    let mut missing = 0;
+    let mut invalid = 0;
+    for (name, record) in &records.datasets {
+        match dataset_view(control, name, record).state {
+            DatasetStateName::Ready => ready += 1,
+            DatasetStateName::Missing => missing += 1,
+            DatasetStateName::Invalid => invalid += 1,
+        }
+    }
+    let jobs = [
+        JobState::Queued,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+    ]
+    .iter()
+    .map(|&state| {
+        (
+            state.name(),
+            records.jobs.values().filter(|j| j.state == state).count() as u64,
+        )
+    })
+    .collect();
+    Snapshot {
+        uptime_seconds: control.started.elapsed().as_secs_f64(),
+        socket_server: status.is_some(),
+        sessions: status.as_ref().map_or(0, |s| u64::from(s.sessions)),
+        sessions_max: u64::from(control.options.sessions_max),
+        streams: status.as_ref().map_or(0, |s| u64::from(s.streams)),
+        slots_allocated: status.as_ref().map_or(0, |s| s.slots_allocated),
+        slot_bytes_allocated: status.as_ref().map_or(0, |s| s.slot_bytes_allocated),
+        slot_bytes_max: control.options.slot_memory_bytes_max,
+        batches_served: status.as_ref().map_or(0, |s| s.batches_served),
+        samples_replaced: status.as_ref().map_or(0, |s| s.samples_replaced),
+        datasets: vec![("ready", ready), ("missing", missing), ("invalid", invalid)],
+        jobs,
+    }
+}
+
+/// The daemon's measurements in the Prometheus text format (version 0.0.4).
+#[utoipa::path(
+    get, path = "/metrics", tag = "daemon", operation_id = "get_metrics",
+    responses(
+        (status = 200, description = "Prometheus text format", body = String, content_type = "text/plain"),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn metrics(State(control): State<Arc<Control>>) -> impl IntoResponse {
+    let text = metrics::render(&control.metrics, &snapshot(&control));
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+}
+
+/// Answers while the daemon serves.
+#[utoipa::path(
+    get, path = "/healthz", tag = "daemon", operation_id = "get_health",
+    responses(
+        (status = 200, description = "Serving", body = Health),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn healthz() -> Json<Health> {
+    Json(Health {
+        status: "ok".to_string(),
+    })
+}

@@ -1,0 +1,634 @@
+//! The configuration of `gpufeed serve`: built-in defaults, a TOML file, `GPUFEED_*` environment
+//! variables and command-line flags, each overriding the one before.
+//!
+//! Every source is read into a [`ConfigLayer`] whose keys are all optional; layers are stacked with
+//! [`ConfigLayer::over`] and [`ConfigLayer::resolve`] turns the stack into checked [`Settings`]. The
+//! TOML keys are the flag names with `_` for `-` (`slot_memory_max = "8G"`), and the environment
+//! variables are the same names upper-cased behind `GPUFEED_` (`GPUFEED_SLOT_MEMORY_MAX=8G`); unknown
+//! TOML keys are an error, so a misspelt key is never silently ignored.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::storage::EngineMode;
+
+/// Where the control API listens unless told otherwise.
+pub const HTTP_ADDR_DEFAULT: &str = "127.0.0.1:7070";
+/// Default largest request body of the control API (1 MiB): a pack request listing thousands of input
+/// files fits; nothing the API accepts needs more.
+pub const BODY_BYTES_MAX_DEFAULT: u64 = 1 << 20;
+/// Smallest body limit accepted: below this even an ordinary request would be refused.
+pub const BODY_BYTES_MAX_MIN: u64 = 1 << 10;
+/// Largest body limit accepted: the API never needs more, and every body is held in memory.
+pub const BODY_BYTES_MAX_MAX: u64 = 64 << 20;
+/// Default most concurrent consumer sessions.
+pub const SESSIONS_MAX_DEFAULT: u32 = 64;
+/// Default most bytes of slot memory over all streams (8 GiB).
+pub const SLOT_MEMORY_BYTES_MAX_DEFAULT: u64 = 8 << 30;
+/// Default most pack jobs running at once: packing is CPU- and disk-heavy and competes with serving.
+pub const JOBS_RUNNING_MAX_DEFAULT: u32 = 2;
+/// Default most pack jobs waiting for a running slot.
+pub const JOBS_QUEUED_MAX_DEFAULT: u32 = 16;
+/// Default most job records kept (finished ones beyond this are dropped, oldest first).
+pub const JOB_RECORDS_MAX_DEFAULT: u32 = 64;
+/// Largest `jobs_max`.
+pub const JOBS_RUNNING_MAX_MAX: u32 = 64;
+/// Largest `jobs_queued_max`.
+pub const JOBS_QUEUED_MAX_MAX: u32 = 1024;
+/// Largest `job_records_max`.
+pub const JOB_RECORDS_MAX_MAX: u32 = 65_536;
+/// Shortest API token accepted: shorter ones are guessable.
+pub const API_TOKEN_BYTES_MIN: usize = 16;
+/// Longest API token accepted.
+pub const API_TOKEN_BYTES_MAX: usize = 1024;
+
+/// A configuration source could not be read or holds an invalid value.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The configuration file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// The configuration file is not valid TOML of the expected shape.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the key.
+        reason: String,
+    },
+    /// A value (from whichever source) is invalid.
+    #[error("{key}: {reason}")]
+    Invalid {
+        /// The key, as a flag name (`--http`) or environment variable.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// A byte count written as an integer (`65536`) or with a binary suffix (`"64K"`, `"1M"`, `"8G"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteCount(pub u64);
+
+impl<'de> Deserialize<'de> for ByteCount {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Number(value) => Ok(ByteCount(value)),
+            Raw::Text(text) => parse_byte_count(&text)
+                .map(ByteCount)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Parses a byte count such as `65536`, `64K`, `1M` or `8G` (binary multiples; `B` and `iB` allowed).
+pub fn parse_byte_count(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (digits, multiplier) = match trimmed.chars().last() {
+        Some('K' | 'k') => (&trimmed[..trimmed.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&trimmed[..trimmed.len() - 1], 1u64 << 20),
+        Some('G' | 'g') => (&trimmed[..trimmed.len() - 1], 1u64 << 30),
+        _ => (trimmed, 1),
+    };
+    let value: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count like 65536, 64K or 1M"))?;
+    value
+        .checked_mul(multiplier)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// The settings one source gives; every key is optional. Field names are the TOML keys.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigLayer {
+    /// Directory whose subdirectories are datasets; also holds the catalog.
+    pub data_root: Option<PathBuf>,
+    /// The consumers' Unix socket.
+    pub socket: Option<PathBuf>,
+    /// `auto`, `cpu` or `cuda:N`.
+    pub device: Option<String>,
+    /// `auto`, `cufile` or `uring`.
+    pub engine: Option<String>,
+    /// Uids allowed on the socket.
+    pub allow_uids: Option<Vec<u32>>,
+    /// Most concurrent consumer sessions.
+    pub sessions_max: Option<u32>,
+    /// Most bytes of slot memory over all streams.
+    pub slot_memory_max: Option<ByteCount>,
+    /// The control API's address (`IP:PORT`, port 0 for any free port) or `off`.
+    pub http: Option<String>,
+    /// Bearer token for the control API.
+    pub api_token: Option<String>,
+    /// Largest request body of the control API.
+    pub body_limit: Option<ByteCount>,
+    /// Most pack jobs running at once.
+    pub jobs_max: Option<u32>,
+    /// Most pack jobs waiting to run.
+    pub jobs_queued_max: Option<u32>,
+    /// Most job records kept.
+    pub job_records_max: Option<u32>,
+    /// Threads compressing blocks in each pack job.
+    pub pack_threads: Option<u32>,
+    /// Most raw bytes per second each pack job packs (unlimited when absent).
+    pub pack_rate_max: Option<ByteCount>,
+}
+
+/// The environment variable for each key, in [`ConfigLayer`] order.
+pub const ENV_VARS: [&str; 15] = [
+    "GPUFEED_DATA_ROOT",
+    "GPUFEED_SOCKET",
+    "GPUFEED_DEVICE",
+    "GPUFEED_ENGINE",
+    "GPUFEED_ALLOW_UIDS",
+    "GPUFEED_SESSIONS_MAX",
+    "GPUFEED_SLOT_MEMORY_MAX",
+    "GPUFEED_HTTP",
+    "GPUFEED_API_TOKEN",
+    "GPUFEED_BODY_LIMIT",
+    "GPUFEED_JOBS_MAX",
+    "GPUFEED_JOBS_QUEUED_MAX",
+    "GPUFEED_JOB_RECORDS_MAX",
+    "GPUFEED_PACK_THREADS",
+    "GPUFEED_PACK_RATE_MAX",
+];
+
+/// The environment variable naming the configuration file.
+pub const CONFIG_FILE_ENV_VAR: &str = "GPUFEED_CONFIG";
+
+impl ConfigLayer {
+    /// Reads a TOML configuration file.
+    pub fn from_toml_file(path: &Path) -> Result<ConfigLayer, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        ConfigLayer::from_toml_str(path, &text)
+    }
+
+    /// Parses TOML text; `path` names it in errors.
+    pub fn from_toml_str(path: &Path, text: &str) -> Result<ConfigLayer, ConfigError> {
+        toml::from_str(text).map_err(|error| ConfigError::File {
+            path: path.to_path_buf(),
+            reason: error.to_string().trim_end().to_string(),
+        })
+    }
+
+    /// Reads the `GPUFEED_*` variables through `lookup` (the process environment in the daemon, a map
+    /// in tests). An empty variable counts as unset.
+    pub fn from_env(lookup: impl Fn(&str) -> Option<String>) -> Result<ConfigLayer, ConfigError> {
+        let get = |key: &str| lookup(key).filter(|value| !value.is_empty());
+        let number = |key: &str| -> Result<Option<u32>, ConfigError> {
+            get(key)
+                .map(|text| {
+                    text.trim()
+                        .parse::<u32>()
+                        .map_err(|_| invalid(key, format!("{text:?} is not a whole number")))
+                })
+                .transpose()
+        };
+        let bytes = |key: &str| -> Result<Option<ByteCount>, ConfigError> {
+            get(key)
+                .map(|text| {
+                    parse_byte_count(&text)
+                        .map(ByteCount)
+                        .map_err(|r| invalid(key, r))
+                })
+                .transpose()
+        };
+        let allow_uids = get("GPUFEED_ALLOW_UIDS")
+            .map(|text| {
+                text.split(',')
+                    .map(|uid| {
+                        uid.trim().parse::<u32>().map_err(|_| {
+                            invalid(
+                                "GPUFEED_ALLOW_UIDS",
+                                format!("{uid:?} is not a uid (expected a comma-separated list)"),
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<u32>, ConfigError>>()
+            })
+            .transpose()?;
+        Ok(ConfigLayer {
+            data_root: get("GPUFEED_DATA_ROOT").map(PathBuf::from),
+            socket: get("GPUFEED_SOCKET").map(PathBuf::from),
+            device: get("GPUFEED_DEVICE"),
+            engine: get("GPUFEED_ENGINE"),
+            allow_uids,
+            sessions_max: number("GPUFEED_SESSIONS_MAX")?,
+            slot_memory_max: bytes("GPUFEED_SLOT_MEMORY_MAX")?,
+            http: get("GPUFEED_HTTP"),
+            api_token: get("GPUFEED_API_TOKEN"),
+            body_limit: bytes("GPUFEED_BODY_LIMIT")?,
+            jobs_max: number("GPUFEED_JOBS_MAX")?,
+            jobs_queued_max: number("GPUFEED_JOBS_QUEUED_MAX")?,
+            job_records_max: number("GPUFEED_JOB_RECORDS_MAX")?,
+            pack_threads: number("GPUFEED_PACK_THREADS")?,
+            pack_rate_max: bytes("GPUFEED_PACK_RATE_MAX")?,
+        })
+    }
+
+    /// This layer with every key it leaves unset taken from `lower`.
+    pub fn over(self, lower: ConfigLayer) -> ConfigLayer {
+        ConfigLayer {
+            data_root: self.data_root.or(lower.data_root),
+            socket: self.socket.or(lower.socket),
+            device: self.device.or(lower.device),
+            engine: self.engine.or(lower.engine),
+            allow_uids: self.allow_uids.or(lower.allow_uids),
+            sessions_max: self.sessions_max.or(lower.sessions_max),
+            slot_memory_max: self.slot_memory_max.or(lower.slot_memory_max),
+            http: self.http.or(lower.http),
+            api_token: self.api_token.or(lower.api_token),
+            body_limit: self.body_limit.or(lower.body_limit),
+            jobs_max: self.jobs_max.or(lower.jobs_max),
+            jobs_queued_max: self.jobs_queued_max.or(lower.jobs_queued_max),
+            job_records_max: self.job_records_max.or(lower.job_records_max),
+            pack_threads: self.pack_threads.or(lower.pack_threads),
+            pack_rate_max: self.pack_rate_max.or(lower.pack_rate_max),
+        }
+    }
+
+    /// Fills in the defaults and checks every value. `own_uid` is the default socket allowlist.
+    pub fn resolve(self, own_uid: u32) -> Result<Settings, ConfigError> {
+        let data_root = self.data_root.ok_or_else(|| {
+            invalid(
+                "--data-root",
+                "required (or GPUFEED_DATA_ROOT, or data_root in the configuration file)",
+            )
+        })?;
+        let socket_path = self
+            .socket
+            .unwrap_or_else(|| data_root.join("gpufeed.sock"));
+        let engine: EngineMode = self
+            .engine
+            .as_deref()
+            .unwrap_or("auto")
+            .parse()
+            .map_err(|reason: String| invalid("--engine", reason))?;
+        let allowed_uids = match self.allow_uids {
+            Some(uids) if !uids.is_empty() => uids,
+            _ => vec![own_uid],
+        };
+        let sessions_max = self.sessions_max.unwrap_or(SESSIONS_MAX_DEFAULT);
+        if sessions_max == 0 {
+            return Err(invalid("--sessions-max", "must be at least 1"));
+        }
+        let http = match self.http.as_deref() {
+            None => HttpListen::Default(HTTP_ADDR_DEFAULT.parse().expect("a valid address")),
+            Some("off") => HttpListen::Off,
+            Some(text) => HttpListen::Chosen(text.parse().map_err(|_| {
+                invalid(
+                    "--http",
+                    format!("{text:?} is not IP:PORT (such as 127.0.0.1:7070) or off"),
+                )
+            })?),
+        };
+        if let Some(token) = &self.api_token {
+            check_token(token)?;
+        }
+        if let Some(addr) = http.addr() {
+            if !addr.ip().is_loopback() && self.api_token.is_none() {
+                return Err(invalid(
+                    "--http",
+                    format!(
+                        "{addr} is not a loopback address: set an API token (--api-token or \
+                         GPUFEED_API_TOKEN) so that every request must authenticate"
+                    ),
+                ));
+            }
+        }
+        let body_bytes_max = self
+            .body_limit
+            .map_or(BODY_BYTES_MAX_DEFAULT, |ByteCount(n)| n);
+        if !(BODY_BYTES_MAX_MIN..=BODY_BYTES_MAX_MAX).contains(&body_bytes_max) {
+            return Err(invalid(
+                "--body-limit",
+                format!(
+                    "{body_bytes_max} bytes is outside {BODY_BYTES_MAX_MIN}..={BODY_BYTES_MAX_MAX}"
+                ),
+            ));
+        }
+        let jobs = JobLimits {
+            running_max: self.jobs_max.unwrap_or(JOBS_RUNNING_MAX_DEFAULT),
+            queued_max: self.jobs_queued_max.unwrap_or(JOBS_QUEUED_MAX_DEFAULT),
+            records_max: self.job_records_max.unwrap_or(JOB_RECORDS_MAX_DEFAULT),
+        };
+        if !(1..=JOBS_RUNNING_MAX_MAX).contains(&jobs.running_max) {
+            return Err(invalid(
+                "--jobs-max",
+                format!("must be in 1..={JOBS_RUNNING_MAX_MAX}"),
+            ));
+        }
+        if jobs.queued_max > JOBS_QUEUED_MAX_MAX {
+            return Err(invalid(
+                "--jobs-queued-max",
+                format!("must be at most {JOBS_QUEUED_MAX_MAX}"),
+            ));
+        }
+        if jobs.records_max > JOB_RECORDS_MAX_MAX
+            || jobs.records_max < jobs.running_max + jobs.queued_max
+        {
+            return Err(invalid(
+                "--job-records-max",
+                format!(
+                    "must be in {}..={JOB_RECORDS_MAX_MAX} (at least --jobs-max plus \
+                     --jobs-queued-max, so that every active job keeps its record)",
+                    jobs.running_max + jobs.queued_max
+                ),
+            ));
+        }
+        let pack_threads = match self.pack_threads {
+            Some(0) => return Err(invalid("--pack-threads", "must be at least 1")),
+            Some(n) => n as usize,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        let pack_bytes_per_s_max = match self.pack_rate_max {
+            Some(ByteCount(0)) => {
+                return Err(invalid(
+                    "--pack-rate-max",
+                    "must be at least 1 byte per second",
+                ))
+            }
+            Some(ByteCount(n)) => Some(n),
+            None => None,
+        };
+        Ok(Settings {
+            data_root,
+            socket_path,
+            device: self.device.unwrap_or_else(|| "auto".to_string()),
+            engine,
+            allowed_uids,
+            sessions_max,
+            slot_memory_bytes_max: self
+                .slot_memory_max
+                .map_or(SLOT_MEMORY_BYTES_MAX_DEFAULT, |ByteCount(n)| n),
+            http,
+            api_token: self.api_token,
+            body_bytes_max,
+            jobs,
+            pack_threads,
+            pack_bytes_per_s_max,
+        })
+    }
+}
+
+fn check_token(token: &str) -> Result<(), ConfigError> {
+    if token.len() < API_TOKEN_BYTES_MIN || token.len() > API_TOKEN_BYTES_MAX {
+        return Err(invalid(
+            "--api-token",
+            format!("must be {API_TOKEN_BYTES_MIN} to {API_TOKEN_BYTES_MAX} bytes long"),
+        ));
+    }
+    // The token travels in an HTTP header: printable ASCII without spaces keeps it intact.
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(
+            "--api-token",
+            "must be printable ASCII without spaces",
+        ));
+    }
+    Ok(())
+}
+
+/// Where the control API listens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HttpListen {
+    /// No control API.
+    Off,
+    /// The built-in default address, which nobody chose: if it is taken (another daemon on the node
+    /// holds it), the daemon serves its socket without a control API and says so, rather than
+    /// refusing to serve consumers.
+    Default(SocketAddr),
+    /// An address from a flag, the environment or the file: failing to bind it is fatal.
+    Chosen(SocketAddr),
+}
+
+impl HttpListen {
+    /// The address, unless the API is off.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        match self {
+            HttpListen::Off => None,
+            HttpListen::Default(addr) | HttpListen::Chosen(addr) => Some(*addr),
+        }
+    }
+}
+
+/// Bounds on pack jobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JobLimits {
+    /// Most jobs running at once.
+    pub running_max: u32,
+    /// Most jobs waiting to run.
+    pub queued_max: u32,
+    /// Most job records kept; finished ones beyond it are dropped, oldest first.
+    pub records_max: u32,
+}
+
+/// Everything `gpufeed serve` runs with, checked.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Directory whose subdirectories are datasets; holds the catalog.
+    pub data_root: PathBuf,
+    /// The consumers' Unix socket.
+    pub socket_path: PathBuf,
+    /// `auto`, `cpu` or `cuda:N`.
+    pub device: String,
+    /// Storage engine choice.
+    pub engine: EngineMode,
+    /// Uids allowed on the socket.
+    pub allowed_uids: Vec<u32>,
+    /// Most concurrent sessions.
+    pub sessions_max: u32,
+    /// Most bytes of slot memory over all streams.
+    pub slot_memory_bytes_max: u64,
+    /// The control API's address.
+    pub http: HttpListen,
+    /// Bearer token of the control API: required for mutating requests, and for every request when
+    /// the API listens on a non-loopback address.
+    pub api_token: Option<String>,
+    /// Largest request body of the control API.
+    pub body_bytes_max: u64,
+    /// Bounds on pack jobs.
+    pub jobs: JobLimits,
+    /// Threads compressing blocks in each pack job.
+    pub pack_threads: usize,
+    /// Most raw bytes per second each pack job packs.
+    pub pack_bytes_per_s_max: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> ConfigLayer {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        ConfigLayer::from_env(|key| map.get(key).cloned()).unwrap()
+    }
+
+    fn file(text: &str) -> ConfigLayer {
+        ConfigLayer::from_toml_str(Path::new("test.toml"), text).unwrap()
+    }
+
+    #[test]
+    fn flags_win_over_env_over_file_over_defaults() {
+        let file = file(
+            "data_root = \"/file\"\nhttp = \"127.0.0.1:1111\"\nsessions_max = 3\nbody_limit = \"2K\"\n",
+        );
+        let env = env(&[
+            ("GPUFEED_HTTP", "127.0.0.1:2222"),
+            ("GPUFEED_SESSIONS_MAX", "5"),
+        ]);
+        let flags = ConfigLayer {
+            http: Some("127.0.0.1:3333".into()),
+            ..ConfigLayer::default()
+        };
+        let settings = flags.over(env.over(file)).resolve(42).unwrap();
+        assert_eq!(
+            settings.http,
+            HttpListen::Chosen("127.0.0.1:3333".parse().unwrap())
+        );
+        assert_eq!(settings.sessions_max, 5);
+        assert_eq!(settings.body_bytes_max, 2048);
+        assert_eq!(settings.data_root, PathBuf::from("/file"));
+        assert_eq!(settings.socket_path, PathBuf::from("/file/gpufeed.sock"));
+        assert_eq!(settings.allowed_uids, vec![42]);
+        assert_eq!(
+            settings.slot_memory_bytes_max,
+            SLOT_MEMORY_BYTES_MAX_DEFAULT
+        );
+        assert_eq!(settings.engine, EngineMode::Auto);
+    }
+
+    #[test]
+    fn every_listed_environment_variable_is_read() {
+        let values = [
+            "/r",
+            "/s",
+            "cpu",
+            "uring",
+            "1,2",
+            "2",
+            "1M",
+            "off",
+            "0123456789abcdef",
+            "2K",
+            "1",
+            "0",
+            "4",
+            "1",
+            "1M",
+        ];
+        let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
+        let layer = env(&pairs);
+        let shown = format!("{layer:?}");
+        assert!(!shown.contains("None"), "a variable is not read: {shown}");
+        assert!(layer.resolve(0).is_ok());
+    }
+
+    #[test]
+    fn default_http_address_is_marked_as_default() {
+        let settings = env(&[("GPUFEED_DATA_ROOT", "/r")]).resolve(0).unwrap();
+        assert_eq!(
+            settings.http,
+            HttpListen::Default(HTTP_ADDR_DEFAULT.parse().unwrap())
+        );
+        let off = env(&[("GPUFEED_DATA_ROOT", "/r"), ("GPUFEED_HTTP", "off")])
+            .resolve(0)
+            .unwrap();
+        assert_eq!(off.http, HttpListen::Off);
+    }
+
+    #[test]
+    fn unknown_file_keys_are_errors() {
+        let error = ConfigLayer::from_toml_str(Path::new("c.toml"), "data_rot = \"/x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("c.toml") && error.contains("data_rot"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn non_loopback_address_needs_a_token() {
+        let layer = env(&[
+            ("GPUFEED_DATA_ROOT", "/r"),
+            ("GPUFEED_HTTP", "0.0.0.0:7070"),
+        ]);
+        let error = layer.clone().resolve(0).unwrap_err().to_string();
+        assert!(error.contains("not a loopback address"), "{error}");
+        let with_token = ConfigLayer {
+            api_token: Some("0123456789abcdef0123".into()),
+            ..ConfigLayer::default()
+        }
+        .over(layer);
+        assert!(with_token.resolve(0).is_ok());
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("GPUFEED_HTTP", "localhost")], "--http"),
+            (&[("GPUFEED_API_TOKEN", "short")], "--api-token"),
+            (&[("GPUFEED_BODY_LIMIT", "10")], "--body-limit"),
+            (&[("GPUFEED_JOBS_MAX", "0")], "--jobs-max"),
+            (&[("GPUFEED_JOB_RECORDS_MAX", "1")], "--job-records-max"),
+            (&[("GPUFEED_ENGINE", "spdk")], "--engine"),
+            (&[("GPUFEED_PACK_RATE_MAX", "0")], "--pack-rate-max"),
+        ];
+        for (pairs, key) in cases {
+            let mut all = vec![("GPUFEED_DATA_ROOT", "/r")];
+            all.extend_from_slice(pairs);
+            let error = env(&all).resolve(0).unwrap_err().to_string();
+            assert!(error.starts_with(key), "{pairs:?}: {error}");
+        }
+        let map: HashMap<&str, &str> = [("GPUFEED_SESSIONS_MAX", "many")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("GPUFEED_SESSIONS_MAX"), "{error}");
+        assert!(
+            ConfigLayer::default().resolve(0).is_err(),
+            "data root is required"
+        );
+    }
+
+    #[test]
+    fn byte_counts_take_suffixes_in_every_source() {
+        let layer = file("slot_memory_max = \"1G\"\nbody_limit = 4096\n");
+        assert_eq!(layer.slot_memory_max, Some(ByteCount(1 << 30)));
+        assert_eq!(layer.body_limit, Some(ByteCount(4096)));
+        assert_eq!(parse_byte_count("64K"), Ok(64 << 10));
+        assert_eq!(parse_byte_count("2MiB"), Ok(2 << 20));
+        assert!(parse_byte_count("lots").is_err());
+        assert!(parse_byte_count("99999999999999G").is_err());
+        let uids = env(&[("GPUFEED_ALLOW_UIDS", "1000, 1001")]);
+        assert_eq!(uids.allow_uids, Some(vec![1000, 1001]));
+    }
+}

@@ -1,0 +1,315 @@
+//! The control API over TCP against the `gpufeed serve` binary: the readiness lines, every kind of
+//! request error on the wire (malformed JSON, unknown fields, oversized bodies with and without a
+//! truthful Content-Length, unknown routes), the token from the environment, the refusal to listen
+//! beyond loopback without a token, configuration layering (file, environment, flags), and a clean
+//! exit on SIGTERM that stops a running pack job, removes the socket and leaves a valid catalog.
+
+#[path = "api/daemon.rs"]
+mod daemon;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Stdio;
+
+use daemon::{get, request, send_json, serve_command, staging_dirs, start, write_tokens_npy};
+use gpufeed::catalog::{CatalogData, CATALOG_FILE_NAME};
+use serde_json::{json, Value};
+
+const TOKEN: &str = "server-test-token-0123456789";
+
+fn scratch() -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    write_tokens_npy(&root.path().join("tokens.npy"), 2000);
+    root
+}
+
+fn logs(root: &Path) -> std::path::PathBuf {
+    root.join("logs")
+}
+
+#[test]
+fn every_endpoint_answers_over_tcp_and_errors_are_json() {
+    let root = scratch();
+    let daemon = start(
+        serve_command(root.path(), &["--body-limit", "4K"]),
+        &logs(root.path()),
+    );
+    let address = daemon.address;
+
+    assert_eq!(
+        get(address, "/healthz", None).json(),
+        json!({"status": "ok"})
+    );
+    let document = get(address, "/openapi.json", None).json();
+    assert_eq!(document["paths"].as_object().unwrap().len(), 11);
+
+    // A pack job through the API, then the dataset it made.
+    let source =
+        json!({"fields": [{"name": "tokens", "npy": ["tokens.npy"]}], "block_bytes": 8192});
+    let accepted = send_json(
+        address,
+        "POST",
+        "/v1/datasets",
+        &json!({"name": "made", "source": source}),
+        None,
+    );
+    assert_eq!(accepted.status, 202, "{}", accepted.json());
+    let id = accepted.json()["id"].as_u64().unwrap();
+    assert_eq!(
+        accepted.header("location"),
+        Some(format!("/v1/jobs/{id}").as_str())
+    );
+    let job = get(address, &format!("/v1/jobs/{id}?wait_s=60"), None).json();
+    assert_eq!(job["state"], "succeeded", "{job}");
+    let detail = get(address, "/v1/datasets/made", None).json();
+    assert_eq!(detail["summary"]["samples"], 2000);
+    let verified = request(address, "POST", "/v1/datasets/made/verify", &[], None).json();
+    assert_eq!(verified["ok"], true, "{verified}");
+    assert_eq!(get(address, "/v1/jobs", None).json()["jobs"][0]["id"], id);
+    let sessions = get(address, "/v1/sessions", None).json();
+    assert_eq!(sessions["open_sessions"], 0);
+    let status = get(address, "/v1/status", None).json();
+    assert_eq!(status["pools"]["socket_server"], true);
+    assert_eq!(status["datasets"], 1);
+    let metrics = get(address, "/metrics", None);
+    assert!(metrics
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/plain"));
+    assert!(String::from_utf8_lossy(&metrics.body).contains("gpufeed_datasets{state=\"ready\"} 1"));
+
+    // Errors on the wire.
+    let json_header = [("Content-Type", "application/json")];
+    request(
+        address,
+        "POST",
+        "/v1/datasets",
+        &json_header,
+        Some(b"{\"name\":"),
+    )
+    .assert_error(400, "invalid_json");
+    request(
+        address,
+        "POST",
+        "/v1/datasets",
+        &json_header,
+        Some(b"{\"name\": \"x\", \"path\": \"made\", \"extra\": true}"),
+    )
+    .assert_error(400, "invalid_json");
+    request(address, "POST", "/v1/datasets", &[], Some(b"{}"))
+        .assert_error(415, "unsupported_media_type");
+    let big = vec![b' '; 64 << 10];
+    request(address, "POST", "/v1/datasets", &json_header, Some(&big))
+        .assert_error(413, "payload_too_large");
+    send_json(
+        address,
+        "POST",
+        "/v1/datasets",
+        &json!({"name": "made", "path": "made"}),
+        None,
+    )
+    .assert_error(409, "conflict");
+    send_json(
+        address,
+        "POST",
+        "/v1/datasets",
+        &json!({"name": "etc", "path": "/etc"}),
+        None,
+    )
+    .assert_error(403, "path_outside_root");
+    get(address, "/v1/nothing", None).assert_error(404, "not_found");
+    request(address, "PUT", "/v1/status", &[], None).assert_error(405, "method_not_allowed");
+    request(address, "DELETE", "/v1/sessions/12", &[], None).assert_error(404, "not_found");
+
+    // A chunked body larger than the limit, which announces no length up front.
+    let mut stream = TcpStream::connect(address).unwrap();
+    let chunk = vec![b'x'; 8192];
+    write!(
+        stream,
+        "POST /v1/datasets HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+        chunk.len()
+    )
+    .unwrap();
+    let _ = stream.write_all(&chunk);
+    let _ = stream.write_all(b"\r\n0\r\n\r\n");
+    let mut raw = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut stream, &mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("payload_too_large"), "{text}");
+
+    let removed = request(address, "DELETE", "/v1/datasets/made", &[], None);
+    assert_eq!(removed.status, 200, "{}", removed.json());
+    assert!(!daemon.log().contains("panicked"), "{}", daemon.log());
+}
+
+#[test]
+fn the_token_from_the_environment_guards_mutations() {
+    let root = scratch();
+    let mut command = serve_command(root.path(), &[]);
+    command.env("GPUFEED_API_TOKEN", TOKEN);
+    let daemon = start(command, &logs(root.path()));
+    let address = daemon.address;
+    assert_eq!(get(address, "/v1/datasets", None).status, 200);
+    let body = json!({"name": "p", "source": {"fields": [{"name": "t", "npy": ["tokens.npy"]}]}});
+    let refused = send_json(address, "POST", "/v1/datasets", &body, None);
+    refused.assert_error(401, "unauthorized");
+    assert!(refused
+        .header("www-authenticate")
+        .unwrap()
+        .starts_with("Bearer"));
+    send_json(
+        address,
+        "POST",
+        "/v1/datasets",
+        &body,
+        Some("wrong-token-0123456789"),
+    )
+    .assert_error(401, "unauthorized");
+    let accepted = send_json(address, "POST", "/v1/datasets", &body, Some(TOKEN));
+    assert_eq!(accepted.status, 202, "{}", accepted.json());
+    request(address, "DELETE", "/v1/jobs/1", &[], None).assert_error(401, "unauthorized");
+}
+
+#[test]
+fn a_non_loopback_address_without_a_token_refuses_to_start() {
+    let root = scratch();
+    let output = serve_command(root.path(), &["--http", "0.0.0.0:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("not a loopback address"), "{stderr}");
+    assert!(output.stdout.is_empty(), "nothing was announced");
+    assert!(!root.path().join("api-test.sock").exists());
+}
+
+#[test]
+fn settings_layer_file_then_environment_then_flags() {
+    let root = scratch();
+    let config = root.path().join("gpufeed.toml");
+    // The file turns the API off and sets a tiny body limit; the environment turns the API on
+    // again; a flag raises the body limit.
+    std::fs::write(
+        &config,
+        format!(
+            "data_root = {:?}\nhttp = \"off\"\nbody_limit = \"1K\"\njobs_max = 1\n",
+            root.path().to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed"));
+    command
+        .args(["serve", "--device", "cpu", "--config"])
+        .arg(&config)
+        .args(["--body-limit", "16K"])
+        .env("GPUFEED_HTTP", "127.0.0.1:0")
+        .env("GPUFEED_SOCKET", root.path().join("layered.sock"))
+        .env_remove("GPUFEED_API_TOKEN");
+    let daemon = start(command, &logs(root.path()));
+    assert_eq!(daemon.socket, root.path().join("layered.sock"));
+    let padded = json!({"name": "x", "path": "y/".repeat(4 << 10)});
+    // 8 KiB passes the flag's limit (the file's 1K would refuse it): the path is then not found.
+    send_json(daemon.address, "POST", "/v1/datasets", &padded, None)
+        .assert_error(400, "path_not_found");
+    // A name longer than the file system allows is the request's fault, not the daemon's.
+    let too_long = json!({"name": "x", "path": "y".repeat(4 << 10)});
+    send_json(daemon.address, "POST", "/v1/datasets", &too_long, None)
+        .assert_error(400, "bad_request");
+    let status = get(daemon.address, "/v1/status", None).json();
+    assert_eq!(status["pools"]["jobs_running_max"], 1, "from the file");
+
+    // A misspelt key in the file is an error naming it.
+    std::fs::write(&config, "data_rot = \"/x\"\n").unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("data_rot"));
+}
+
+#[test]
+fn sigterm_stops_jobs_removes_the_socket_and_exits_zero() {
+    let root = tempfile::tempdir().unwrap();
+    write_tokens_npy(&root.path().join("tokens.npy"), 64 * 1024);
+    let mut daemon = start(
+        serve_command(
+            root.path(),
+            &["--pack-rate-max", "512K", "--pack-threads", "1"],
+        ),
+        &logs(root.path()),
+    );
+    let address = daemon.address;
+    let body = json!({"name": "slow", "source": {"fields": [{"name": "t", "npy": ["tokens.npy"]}], "block_bytes": 4096}});
+    let accepted = send_json(address, "POST", "/v1/datasets", &body, None);
+    assert_eq!(accepted.status, 202);
+    let mut progressed = false;
+    for _ in 0..2000 {
+        let job = get(address, "/v1/jobs/1", None).json();
+        if job["raw_bytes_done"].as_u64().unwrap() > 0 {
+            progressed = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(progressed, "the job never made progress");
+    assert!(!staging_dirs(root.path(), "slow").is_empty());
+
+    let status = daemon.signal_and_wait(libc::SIGTERM);
+    assert_eq!(status.code(), Some(0), "log:\n{}", daemon.log());
+    assert!(!daemon.socket.exists(), "the socket file is removed");
+    assert!(
+        staging_dirs(root.path(), "slow").is_empty(),
+        "the stopped job cleaned up"
+    );
+    assert!(!root.path().join("slow").exists());
+    let bytes = std::fs::read(root.path().join(CATALOG_FILE_NAME)).unwrap();
+    let catalog = CatalogData::from_json(Path::new("catalog"), &bytes).unwrap();
+    let job = &catalog.jobs[&1];
+    assert_eq!(job.state, gpufeed::catalog::JobState::Failed);
+    assert!(
+        job.error.as_deref().unwrap().contains("shut down"),
+        "{job:?}"
+    );
+    assert!(!catalog.datasets.contains_key("slow"));
+    let log = daemon.log();
+    assert!(log.contains("SIGTERM: shutting down"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
+
+/// The socket's readiness line comes first and unchanged, for supervisors that read only it.
+#[test]
+fn the_socket_readiness_line_is_unchanged() {
+    let root = scratch();
+    gpufeed_pack(root.path());
+    let daemon = start(serve_command(root.path(), &[]), &logs(root.path()));
+    assert_eq!(
+        daemon.first_line,
+        format!(
+            "gpufeed: serving 1 dataset(s) on {}",
+            root.path().join("api-test.sock").display()
+        )
+    );
+    let listed: Value = get(daemon.address, "/v1/datasets", None).json();
+    assert_eq!(listed["datasets"][0]["origin"], "scanned");
+}
+
+fn gpufeed_pack(root: &Path) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed"))
+        .args(["pack", "--quiet", "--out"])
+        .arg(root.join("packed"))
+        .arg(root.join("tokens.npy"))
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
