@@ -313,3 +313,70 @@ fn gpufeed_pack(root: &Path) {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// The control API sees the socket server's sessions: a consumer with an open stream is listed with its
+/// dataset, `DELETE /v1/sessions/{id}` ends it (the consumer gets an error naming the closure, its slots
+/// are freed), and a forced dataset removal closes the streams that read it.
+#[test]
+fn sessions_are_listed_and_closed_through_the_api() {
+    use gpufeed_client::protocol::ErrorCode;
+    use gpufeed_client::{Client, ClientError, StreamSpec};
+
+    let root = scratch();
+    gpufeed_pack(root.path());
+    let daemon = start(
+        serve_command(root.path(), &["--api-token", TOKEN]),
+        &logs(root.path()),
+    );
+    let client = Client::connect(&daemon.socket).unwrap();
+    let session = client.session();
+    let mut stream = client.open_stream(StreamSpec::new("packed", 10)).unwrap();
+    let first = stream.next().unwrap().unwrap();
+    drop(first);
+
+    let listed = get(daemon.address, "/v1/sessions", None).json();
+    let sessions = listed["sessions"].as_array().expect("sessions are listed");
+    let entry = sessions
+        .iter()
+        .find(|s| s["id"] == session)
+        .unwrap_or_else(|| panic!("session {session} not in {listed}"));
+    assert_eq!(entry["dataset"], "packed", "{entry}");
+
+    let deleted = request(
+        daemon.address,
+        "DELETE",
+        &format!("/v1/sessions/{session}"),
+        &[("Authorization", &format!("Bearer {TOKEN}"))],
+        None,
+    );
+    assert!(deleted.status < 300, "{}", deleted.status);
+    let ended = stream
+        .by_ref()
+        .find_map(Result::err)
+        .expect("the stream ends");
+    match ended {
+        ClientError::Daemon { code, .. } => assert_eq!(code, ErrorCode::Closed),
+        // The socket may be shut down before the error frame is read.
+        ClientError::Transport(_) | ClientError::Ended(_) => {}
+        other => panic!("unexpected error {other}"),
+    }
+    drop(stream);
+    // The session leaves the directory once its thread has freed the stream.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let listed = get(daemon.address, "/v1/sessions", None).json();
+        let still = listed["sessions"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|e| e["id"] == session));
+        if !still {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "session never left: {listed}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let status = Client::connect(&daemon.socket).unwrap().status().unwrap();
+    assert_eq!(status.slots_allocated, 0, "{status:?}");
+}

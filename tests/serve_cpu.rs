@@ -42,7 +42,7 @@ fn start_daemon(root: &Path, extra: &[&str]) -> Daemon {
         .arg(root)
         .arg("--socket")
         .arg(&socket)
-        .args(["--device", "cpu"])
+        .args(["--device", "cpu", "--http", "off"])
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

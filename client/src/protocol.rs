@@ -207,6 +207,8 @@ pub enum ErrorCode {
     PermissionDenied,
     /// The daemon failed.
     Internal,
+    /// The daemon closed the session (operator request, dataset removed, shutdown).
+    Closed,
     /// A code this build does not know.
     Unknown(u16),
 }
@@ -223,6 +225,7 @@ impl ErrorCode {
             ErrorCode::ResourceExhausted => 6,
             ErrorCode::PermissionDenied => 7,
             ErrorCode::Internal => 8,
+            ErrorCode::Closed => 9,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -238,6 +241,7 @@ impl ErrorCode {
             6 => ErrorCode::ResourceExhausted,
             7 => ErrorCode::PermissionDenied,
             8 => ErrorCode::Internal,
+            9 => ErrorCode::Closed,
             other => ErrorCode::Unknown(other),
         }
     }

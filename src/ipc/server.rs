@@ -90,6 +90,8 @@ impl Server {
             }
         }
         let listener = UnixListener::bind(path)?;
+        // From here on the control API lists this server's sessions and can close them.
+        registry.sessions().attach();
         // Owner-only access; the uid allowlist is checked on every connection as well, which also
         // covers the moment between bind and chmod.
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
@@ -190,9 +192,10 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
     }
     let _session_slot = SessionSlot(counters);
     let session_id = shared.next_session.fetch_add(1, Ordering::SeqCst);
-    match transport::recv(&reader) {
+    let client = match transport::recv(&reader) {
         Ok((Message::Hello { client }, _)) => {
             tracing::info!("session {session_id}: {client} (uid {uid})");
+            client
         }
         Ok((other, _)) => {
             send_error(
@@ -208,7 +211,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             }
             return;
         }
-    }
+    };
     let welcome = Message::Welcome {
         session: session_id,
         backend: Backend::Cpu,
@@ -217,6 +220,35 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
     if transport::send(&writer.lock().expect("socket lock poisoned"), &welcome, &[]).is_err() {
         return;
     }
+    // The control API may close this session (an operator's DELETE, a forced dataset removal, the
+    // daemon shutting down). The closer never blocks: it sends the error frame only if the writer is
+    // free (the filler may be mid-send) and then shuts the socket down, which ends this session's
+    // receive loop and, with it, the stream and its slots.
+    let closer: crate::registry::SessionCloser = {
+        let writer = Arc::clone(&writer);
+        let shutdown = reader.try_clone().ok();
+        Arc::new(move |reason| {
+            if let Ok(socket) = writer.try_lock() {
+                let message = Message::Error {
+                    code: ErrorCode::Closed,
+                    message: format!("session closed by the daemon: {reason:?}"),
+                };
+                let _ = transport::send(&socket, &message, &[]);
+            }
+            if let Some(socket) = &shutdown {
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+            }
+        })
+    };
+    let listed = shared.registry.sessions().register(
+        crate::registry::SessionInfo {
+            id: session_id,
+            uid,
+            client,
+            started: std::time::SystemTime::now(),
+        },
+        closer,
+    );
     let mut stream: Option<RunningStream> = None;
     loop {
         let message = match transport::recv(&reader) {
@@ -247,8 +279,12 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
                     );
                     break;
                 }
+                let dataset = spec.dataset.clone();
                 match open_stream(&shared, &writer, spec) {
-                    Ok(running) => stream = Some(running),
+                    Ok(running) => {
+                        listed.set_stream(&dataset);
+                        stream = Some(running);
+                    }
                     Err((code, message)) => {
                         send_error(&writer, code, message);
                         break;
