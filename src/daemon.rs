@@ -68,6 +68,7 @@ async fn serve(settings: Settings) -> Result<()> {
     let options = ApiOptions::from_settings(&settings);
     let (control, notes) = {
         let registry = Arc::clone(&registry);
+        let metrics = Arc::clone(&metrics);
         tokio::task::spawn_blocking(move || Control::open(options, registry, metrics))
             .await
             .context("opening the catalog")?
@@ -89,6 +90,7 @@ async fn serve(settings: Settings) -> Result<()> {
         sessions_max: settings.sessions_max,
         slot_memory_bytes_max: settings.slot_memory_bytes_max,
         stream_limits: StreamLimits::node_defaults(),
+        metrics: Arc::clone(&metrics),
     };
     let server = Server::bind(server_config, Arc::clone(&registry))
         .with_context(|| format!("binding {}", settings.socket_path.display()))?;

@@ -131,6 +131,7 @@ pub fn run(dir: Option<&Path>, samples: u64) -> Result<()> {
             sessions_max: 4,
             slot_memory_bytes_max: 1 << 30,
             stream_limits: StreamLimits::node_defaults(),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
         },
         registry,
     )?;

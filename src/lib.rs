@@ -12,6 +12,7 @@ pub mod device;
 pub mod format;
 pub mod input;
 pub mod ipc;
+pub mod metrics;
 pub mod kernels;
 pub mod pack;
 pub mod pipeline;

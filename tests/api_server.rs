@@ -334,6 +334,30 @@ fn sessions_are_listed_and_closed_through_the_api() {
     let first = stream.next().unwrap().unwrap();
     drop(first);
 
+    // The serving path feeds the metrics: bytes read, decode time, slot leases, hand-off latency.
+    let metrics = String::from_utf8(get(daemon.address, "/metrics", None).body).unwrap();
+    let value = |prefix: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(prefix))
+            .and_then(|rest| rest.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in:\n{metrics}"))
+    };
+    let read = value("gpufeed_read_bytes_total{engine=\"io_uring\"}")
+        + value("gpufeed_read_bytes_total{engine=\"pread\"}");
+    assert!(read > 0.0, "{metrics}");
+    assert!(
+        value("gpufeed_handoff_latency_seconds_count") >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        value("gpufeed_slots{lease=\"free\"}")
+            + value("gpufeed_slots{lease=\"filling\"}")
+            + value("gpufeed_slots{lease=\"consumer\"}"),
+        4.0,
+        "{metrics}"
+    );
+
     let listed = get(daemon.address, "/v1/sessions", None).json();
     let sessions = listed["sessions"].as_array().expect("sessions are listed");
     let entry = sessions
@@ -379,4 +403,9 @@ fn sessions_are_listed_and_closed_through_the_api() {
     }
     let status = Client::connect(&daemon.socket).unwrap().status().unwrap();
     assert_eq!(status.slots_allocated, 0, "{status:?}");
+    let metrics = String::from_utf8(get(daemon.address, "/metrics", None).body).unwrap();
+    for lease in ["free", "filling", "consumer"] {
+        let line = format!("gpufeed_slots{{lease=\"{lease}\"}} 0");
+        assert!(metrics.contains(&line), "{line} missing:\n{metrics}");
+    }
 }

@@ -23,7 +23,6 @@ pub mod confine;
 pub mod datasets;
 pub mod error;
 pub mod jobs;
-pub mod metrics;
 pub mod sessions;
 pub mod state;
 pub mod status;
@@ -40,7 +39,7 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::OpenApi;
 
 pub use error::{ApiError, ErrorBody};
-pub use metrics::Metrics;
+pub use crate::metrics::Metrics;
 pub use state::{ApiOptions, AuthPolicy, AuthScope, Control, StartupError};
 
 use crate::registry::CloseReason;

@@ -29,7 +29,7 @@ use tokio::sync::Semaphore;
 use super::confine::{ConfineError, DataRoot};
 use super::error::ApiError;
 use super::jobs::JobTable;
-use super::metrics::Metrics;
+use crate::metrics::Metrics;
 use super::status::Platform;
 use crate::catalog::{Catalog, CatalogData, CatalogError, DatasetRecord, JobState, Origin};
 use crate::config::{JobLimits, Settings};

@@ -19,7 +19,7 @@ use super::blocking;
 use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
 use super::error::ErrorBody;
-use super::metrics::{self, Snapshot};
+use crate::metrics::{self, Snapshot};
 use super::state::Control;
 use crate::catalog::JobState;
 use crate::device::Device;

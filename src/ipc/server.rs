@@ -17,11 +17,12 @@ use gpufeed_client::transport::{self, TransportError};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use super::slots::{Lease, SlotRing};
+use crate::metrics::SlotLease;
 use crate::pipeline::{Assembler, FillError, StreamLimits, StreamPlan};
 use crate::registry::Registry;
 
 /// Settings of the socket server, all bounded.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ServerConfig {
     /// Where the socket is created (mode 0600).
     pub socket_path: PathBuf,
@@ -33,6 +34,8 @@ pub struct ServerConfig {
     pub slot_memory_bytes_max: u64,
     /// Per-stream bounds.
     pub stream_limits: StreamLimits,
+    /// Where reads, decode and gather times, slot occupancy and hand-off latency are counted.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// Counters shared by all sessions; also what `Status` reports.
@@ -353,6 +356,7 @@ struct RunningStream {
     stop: Arc<AtomicBool>,
     filler: thread::JoinHandle<()>,
     counters: Arc<Counters>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl RunningStream {
@@ -360,6 +364,8 @@ impl RunningStream {
         self.ring
             .transition(slot, Lease::Consumer, Lease::Free)
             .map_err(|e| format!("Release: {e}"))?;
+        self.metrics.add_slots(SlotLease::Consumer, -1);
+        self.metrics.add_slots(SlotLease::Free, 1);
         // The channel holds as many entries as there are slots and each slot is in it at most once,
         // so this never blocks.
         let _ = self.release.try_send(slot);
@@ -374,6 +380,10 @@ impl RunningStream {
         drop(self.release);
         let _ = socket.shutdown(std::net::Shutdown::Both);
         let _ = self.filler.join();
+        let (free, filling, consumer) = self.ring.lease_counts();
+        self.metrics.add_slots(SlotLease::Free, -(free as i64));
+        self.metrics.add_slots(SlotLease::Filling, -(filling as i64));
+        self.metrics.add_slots(SlotLease::Consumer, -(consumer as i64));
         let slots = self.ring.len() as u64;
         let bytes = slots * self.ring.slot_bytes() as u64;
         drop(self.ring);
@@ -437,7 +447,11 @@ fn open_stream(
             )
         })?,
     );
-    let assembler = Assembler::new(Arc::clone(&plan), limits)
+    let assembler = Assembler::new(
+        Arc::clone(&plan),
+        limits,
+        Arc::clone(&shared.config.metrics),
+    )
         .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
     if let Some(note) = &assembler.engine_note {
         tracing::warn!("{note}");
@@ -475,16 +489,21 @@ fn open_stream(
             .expect("channel sized for every slot");
     }
     let stop = Arc::new(AtomicBool::new(false));
+    let metrics = Arc::clone(&shared.config.metrics);
+    metrics.add_slots(SlotLease::Free, plan.slot_count as i64);
     let filler = {
-        let (ring, stop, writer, counters) = (
+        let (ring, stop, writer, counters, metrics) = (
             Arc::clone(&ring),
             Arc::clone(&stop),
             Arc::clone(writer),
             Arc::clone(&counters),
+            Arc::clone(&metrics),
         );
         thread::Builder::new()
             .name("gpufeed-filler".into())
-            .spawn(move || fill_stream(plan, assembler, ring, free, stop, writer, counters))
+            .spawn(move || {
+                fill_stream(plan, assembler, ring, free, stop, writer, counters, &metrics)
+            })
             .map_err(|e| {
                 (
                     ErrorCode::Internal,
@@ -498,10 +517,15 @@ fn open_stream(
         stop,
         filler,
         counters,
+        metrics,
     })
 }
 
 /// The filler: for each step, waits for a free slot, fills it and hands it to the consumer.
+///
+/// The hand-off latency it records is the time from a slot being filled to its `Batch` frame having
+/// been written to the consumer's socket (waiting for the socket lock included).
+#[allow(clippy::too_many_arguments)]
 fn fill_stream(
     plan: Arc<StreamPlan>,
     mut assembler: Assembler,
@@ -510,6 +534,7 @@ fn fill_stream(
     stop: Arc<AtomicBool>,
     writer: Arc<Mutex<UnixStream>>,
     counters: Arc<Counters>,
+    metrics: &crate::metrics::Metrics,
 ) {
     let end_session = |code, message: String| {
         send_error(&writer, code, message);
@@ -523,6 +548,8 @@ fn fill_stream(
         }
         ring.transition(slot, Lease::Free, Lease::Filling)
             .expect("only free slots are in the channel");
+        metrics.add_slots(SlotLease::Free, -1);
+        metrics.add_slots(SlotLease::Filling, 1);
         // SAFETY: this thread holds the slot's Filling lease.
         let memory = unsafe { ring.slot_mut(slot) };
         let report = match assembler.fill(step, memory) {
@@ -536,6 +563,9 @@ fn fill_stream(
         };
         ring.transition(slot, Lease::Filling, Lease::Consumer)
             .expect("the filler holds the lease");
+        metrics.add_slots(SlotLease::Filling, -1);
+        metrics.add_slots(SlotLease::Consumer, 1);
+        let filled = std::time::Instant::now();
         let batch = BatchInfo {
             slot,
             epoch: plan.epoch,
@@ -565,6 +595,7 @@ fn fill_stream(
         if sent.is_err() {
             return;
         }
+        metrics.observe_handoff(filled.elapsed());
         counters.batches.fetch_add(1, Ordering::SeqCst);
         counters
             .replaced

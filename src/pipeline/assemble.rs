@@ -13,6 +13,7 @@ use gpufeed_client::DType;
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
 use crate::format::Dataset;
+use crate::metrics::{Metrics, ReadPath};
 use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
@@ -307,16 +308,27 @@ pub struct Assembler {
     scratch: Vec<u8>,
     decode_threads: usize,
     sample: Vec<u8>,
+    metrics: Arc<Metrics>,
+    read_path: ReadPath,
 }
 
 impl Assembler {
     /// Opens the dataset's shards and sets up the engine.
-    pub fn new(plan: Arc<StreamPlan>, limits: &StreamLimits) -> Result<Assembler, StorageError> {
+    pub fn new(
+        plan: Arc<StreamPlan>,
+        limits: &StreamLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<Assembler, StorageError> {
         let mut files = FileTable::new(plan.dataset.shards.len());
         for shard in &plan.dataset.shards {
             files.open(&shard.path, DirectIo::Prefer)?;
         }
         let (queue, engine_note) = AnyQueue::best(limits.queue_depth);
+        let read_path = match queue {
+            AnyQueue::Uring(_) => ReadPath::Uring,
+            AnyQueue::Pread(_) => ReadPath::Pread,
+        };
+        metrics.set_read_queue_depth(limits.queue_depth as u64);
         let engine = ReadEngine::new(
             queue,
             EngineLimits {
@@ -336,6 +348,8 @@ impl Assembler {
             staging: AlignedBuffer::new(1 << 20),
             scratch: Vec::new(),
             decode_threads: limits.decode_threads,
+            metrics,
+            read_path,
             sample: Vec::new(),
         })
     }
@@ -389,6 +403,7 @@ impl Assembler {
         missing.sort_by_key(|k| (k.shard, k.field, k.block));
         self.load(&missing)?;
 
+        let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
         for (row, &sample) in samples.iter().enumerate() {
             let mut corrupt: Option<Arc<String>> = None;
@@ -439,6 +454,7 @@ impl Assembler {
                 }
             }
         }
+        self.metrics.add_gather_time(gather_started.elapsed());
         self.evict();
         Ok(FillReport {
             samples: samples.len() as u32,
@@ -482,6 +498,14 @@ impl Assembler {
             let results = self
                 .engine
                 .read(&self.files, &extents, self.staging.as_mut_slice())?;
+            let read_bytes: usize = extents
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(e, _)| e.len)
+                .sum();
+            self.metrics.add_read_bytes(self.read_path, read_bytes as u64);
+            let decode_started = std::time::Instant::now();
             // Decode the blocks of this read on up to `decode_threads` threads: decoding, not
             // reading, is the CPU backend's bottleneck.
             let jobs: Vec<(BlockKey, &Extent, Result<(), crate::storage::ReadError>)> = keys
@@ -560,6 +584,12 @@ impl Assembler {
                         .collect()
                 })
             };
+            self.metrics.add_decode_time(decode_started.elapsed());
+            let corrupt = decoded
+                .iter()
+                .filter(|c| matches!(c, CachedBlock::Corrupt(_)))
+                .count();
+            self.metrics.add_corrupt_blocks(corrupt as u64);
             for ((key, _, _), cached) in jobs.iter().zip(decoded) {
                 if let CachedBlock::Decoded(bytes) = &cached {
                     self.cache_bytes += bytes.len();

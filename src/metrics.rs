@@ -1,14 +1,14 @@
-//! The daemon's measurements and their Prometheus text rendering (`GET /metrics`).
+//! The daemon's measurements and their Prometheus text rendering (`GET /metrics` of the control API).
 //!
 //! [`Metrics`] is a fixed set of atomics, allocated once at start and shared as an `Arc`: the read
 //! path, the decoder and the socket server add to it without locks or allocation. Names follow the
 //! Prometheus conventions with the unit last (`gpufeed_read_bytes_total`,
 //! `gpufeed_handoff_latency_seconds`).
 //!
-//! Not every measurement is fed by this build: the storage engines, the decoder and the hand-off do
-//! not hold a `Metrics` yet. Those series are exposed at zero and their `# HELP` says "not measured
-//! by this build yet", so that a dashboard can be built now and nobody mistakes the zero for a
-//! measurement. `docs/API.md` lists which series are fed.
+//! The socket server feeds slot occupancy and hand-off latency (from a filled slot to its `Batch` frame
+//! written to the consumer's socket); the CPU backend's assembler feeds bytes read per engine, decode
+//! and gather time and corrupt blocks. The GPU read paths keep their own per-path byte counts
+//! (`storage::gpu::GpuReadStats`) until the GPU backend serves.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -215,7 +215,6 @@ pub struct Snapshot {
     pub jobs: Vec<(&'static str, u64)>,
 }
 
-const NOT_FED: &str = " (not measured by this build yet: always 0)";
 
 /// Renders the Prometheus text exposition format, version 0.0.4.
 pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
@@ -289,7 +288,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     family(
         "gpufeed_slots",
         "gauge",
-        &format!("Batch slots by lease (free, filling, consumer){NOT_FED}"),
+        "Batch slots by lease (free, filling, consumer)",
         &[SlotLease::Free, SlotLease::Filling, SlotLease::Consumer]
             .iter()
             .map(|&lease| {
@@ -320,13 +319,13 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     family(
         "gpufeed_corrupt_blocks_total",
         "counter",
-        &format!("Blocks found corrupt while serving{NOT_FED}"),
+        "Blocks found corrupt while serving",
         &one(load(&metrics.corrupt_blocks)),
     );
     family(
         "gpufeed_read_bytes_total",
         "counter",
-        &format!("Bytes read from shard files, by storage path{NOT_FED}"),
+        "Bytes read from shard files, by storage path",
         &ReadPath::ALL
             .iter()
             .map(|&path| {
@@ -340,19 +339,19 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     family(
         "gpufeed_read_queue_depth",
         "gauge",
-        &format!("Reads in flight over all storage queues{NOT_FED}"),
+        "Queue depth of the serving read engines (most reads in flight per stream)",
         &one(load(&metrics.read_queue_depth)),
     );
     family(
         "gpufeed_decode_seconds_total",
         "counter",
-        &format!("Time spent decoding blocks{NOT_FED}"),
+        "Time spent decoding blocks",
         &[(String::new(), seconds(load(&metrics.decode_ns)))],
     );
     family(
         "gpufeed_gather_seconds_total",
         "counter",
-        &format!("Time spent gathering samples into slots{NOT_FED}"),
+        "Time spent gathering samples into slots",
         &[(String::new(), seconds(load(&metrics.gather_ns)))],
     );
     let histogram = &metrics.handoff_latency;
@@ -374,7 +373,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     family(
         "gpufeed_handoff_latency_seconds",
         "histogram",
-        &format!("Time from a filled slot to the consumer being told about it{NOT_FED}"),
+        "Time from a filled slot to the consumer being told about it",
         &samples,
     );
     family(
