@@ -215,7 +215,6 @@ pub struct Snapshot {
     pub jobs: Vec<(&'static str, u64)>,
 }
 
-
 /// Renders the Prometheus text exposition format, version 0.0.4.
 pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     let mut out = String::with_capacity(8192);

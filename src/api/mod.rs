@@ -38,8 +38,8 @@ use axum::{middleware, Router};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::OpenApi;
 
-pub use error::{ApiError, ErrorBody};
 pub use crate::metrics::Metrics;
+pub use error::{ApiError, ErrorBody};
 pub use state::{ApiOptions, AuthPolicy, AuthScope, Control, StartupError};
 
 use crate::registry::CloseReason;

@@ -29,12 +29,12 @@ use tokio::sync::Semaphore;
 use super::confine::{ConfineError, DataRoot};
 use super::error::ApiError;
 use super::jobs::JobTable;
-use crate::metrics::Metrics;
 use super::status::Platform;
 use crate::catalog::{Catalog, CatalogData, CatalogError, DatasetRecord, JobState, Origin};
 use crate::config::{JobLimits, Settings};
 use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
 use crate::ipc::Counters;
+use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::storage::EngineMode;
 

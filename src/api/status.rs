@@ -19,10 +19,10 @@ use super::blocking;
 use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
 use super::error::ErrorBody;
-use crate::metrics::{self, Snapshot};
 use super::state::Control;
 use crate::catalog::JobState;
 use crate::device::Device;
+use crate::metrics::{self, Snapshot};
 use crate::storage::UringQueue;
 
 /// Whether something is usable, and why (not).

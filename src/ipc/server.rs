@@ -382,8 +382,10 @@ impl RunningStream {
         let _ = self.filler.join();
         let (free, filling, consumer) = self.ring.lease_counts();
         self.metrics.add_slots(SlotLease::Free, -(free as i64));
-        self.metrics.add_slots(SlotLease::Filling, -(filling as i64));
-        self.metrics.add_slots(SlotLease::Consumer, -(consumer as i64));
+        self.metrics
+            .add_slots(SlotLease::Filling, -(filling as i64));
+        self.metrics
+            .add_slots(SlotLease::Consumer, -(consumer as i64));
         let slots = self.ring.len() as u64;
         let bytes = slots * self.ring.slot_bytes() as u64;
         drop(self.ring);
@@ -452,7 +454,7 @@ fn open_stream(
         limits,
         Arc::clone(&shared.config.metrics),
     )
-        .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
+    .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
     if let Some(note) = &assembler.engine_note {
         tracing::warn!("{note}");
     }
@@ -502,7 +504,9 @@ fn open_stream(
         thread::Builder::new()
             .name("gpufeed-filler".into())
             .spawn(move || {
-                fill_stream(plan, assembler, ring, free, stop, writer, counters, &metrics)
+                fill_stream(
+                    plan, assembler, ring, free, stop, writer, counters, &metrics,
+                )
             })
             .map_err(|e| {
                 (

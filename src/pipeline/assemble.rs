@@ -504,7 +504,8 @@ impl Assembler {
                 .filter(|(_, r)| r.is_ok())
                 .map(|(e, _)| e.len)
                 .sum();
-            self.metrics.add_read_bytes(self.read_path, read_bytes as u64);
+            self.metrics
+                .add_read_bytes(self.read_path, read_bytes as u64);
             let decode_started = std::time::Instant::now();
             // Decode the blocks of this read on up to `decode_threads` threads: decoding, not
             // reading, is the CPU backend's bottleneck.
