@@ -73,6 +73,24 @@ impl Histogram {
         }
     }
 
+    /// The upper bound, in microseconds, of the bucket holding the `quantile` (0..=1) of the
+    /// observations; `None` before any observation or when it lies past the last bound.
+    pub fn quantile_upper_bound_us(&self, quantile: f64) -> Option<u64> {
+        let count = self.count.load(Ordering::Relaxed);
+        if count == 0 {
+            return None;
+        }
+        let rank = ((quantile.clamp(0.0, 1.0) * count as f64).ceil() as u64).max(1);
+        let mut cumulative = 0u64;
+        for (index, bucket) in self.buckets.iter().enumerate() {
+            cumulative += bucket.load(Ordering::Relaxed);
+            if cumulative >= rank {
+                return self.bounds_us.get(index).copied();
+            }
+        }
+        None
+    }
+
     /// Records one observation.
     pub fn observe(&self, value: Duration) {
         let us = u64::try_from(value.as_micros()).unwrap_or(u64::MAX);
@@ -164,7 +182,13 @@ impl Metrics {
         }
     }
 
-    /// Records the time from a slot being filled to the consumer being told about it.
+    /// The upper bound, in microseconds, of the bucket holding the `quantile` (0..=1) of the hand-off
+    /// latencies observed so far; `None` before any observation or when it lies past the last bound.
+    pub fn handoff_quantile_us(&self, quantile: f64) -> Option<u64> {
+        self.handoff_latency.quantile_upper_bound_us(quantile)
+    }
+
+    /// Records one hand-off: from a filled slot to its `Batch` frame written to the consumer.
     pub fn observe_handoff(&self, latency: Duration) {
         self.handoff_latency.observe(latency);
     }
