@@ -192,8 +192,16 @@ pub fn encode_block(
         (ShuffleChoice::Off, _) | (_, false) => (Filter::None, plain()),
         (ShuffleChoice::On, true) => (Filter::ByteShuffle, shuffled()),
         (ShuffleChoice::Auto, true) => {
-            let (a, b) = (plain(), shuffled());
-            if b.len() < a.len() {
+            let a = plain();
+            let plain_saves = a.len() < raw.len() - raw.len() / MIN_SAVING_DIVISOR as usize;
+            // When the codec may store the block raw and plain LZ4 did not save enough, shuffle and
+            // compress a probe of the block first: data that LZ4 cannot shrink either way (fp16
+            // weights, embeddings) then costs one full compression instead of two.
+            let worth_trying = codec != CodecChoice::Auto
+                || plain_saves
+                || shuffled_probe_saves(raw, element_bytes);
+            let b = if worth_trying { shuffled() } else { Vec::new() };
+            if worth_trying && b.len() < a.len() {
                 (Filter::ByteShuffle, b)
             } else {
                 (Filter::None, a)
@@ -210,6 +218,23 @@ pub fn encode_block(
         filter,
         stored,
     }
+}
+
+/// Bytes of a block probed before deciding whether to compress it shuffled in full.
+const SHUFFLE_PROBE_BYTES: usize = 16 << 10;
+
+/// Whether the shuffled first [`SHUFFLE_PROBE_BYTES`] of `raw` compress by at least 1/16 (half the
+/// threshold a whole block must meet, since a short probe gives LZ4 less history to match against).
+fn shuffled_probe_saves(raw: &[u8], element_bytes: usize) -> bool {
+    let len = raw.len().min(SHUFFLE_PROBE_BYTES) / element_bytes * element_bytes;
+    if len == raw.len() || len == 0 {
+        // The block is no larger than the probe: the full attempt costs the same.
+        return true;
+    }
+    let mut shuffled = vec![0u8; len];
+    shuffle(&raw[..len], element_bytes, &mut shuffled);
+    let compressed = lz4_flex::block::compress(&shuffled);
+    compressed.len() < len - len / 16
 }
 
 /// Raw bytes per block for a field: whole samples when a sample fits in a block, so that most samples
