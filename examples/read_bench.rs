@@ -36,6 +36,9 @@ struct Args {
     /// Size of each pinned bounce buffer in MiB (default: the reader's node default).
     #[arg(long)]
     bounce_mib: Option<usize>,
+    /// Threads issuing cuFile reads (default: the reader's node default).
+    #[arg(long)]
+    cufile_threads: Option<usize>,
     /// Times to repeat the read (warm only); the median is reported.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
@@ -68,6 +71,9 @@ fn main() -> Result<()> {
     let mut limits = GpuReaderLimits::node_defaults();
     if let Some(mib) = args.bounce_mib {
         limits.bounce_buffer_bytes = mib << 20;
+    }
+    if let Some(threads) = args.cufile_threads {
+        limits.cufile_threads = threads;
     }
     let mut reader = GpuReader::new(&device, limits)?;
     let extent_bytes = (args.extent_mib << 20) as u64;
@@ -121,9 +127,10 @@ fn main() -> Result<()> {
     println!(
         "{}",
         serde_json::json!({
-            "path": match args.bounce_mib {
-                Some(mib) => format!("{}-{mib}MiB", args.path),
-                None => args.path.clone(),
+            "path": match (args.bounce_mib, args.cufile_threads) {
+                (Some(mib), _) => format!("{}-{mib}MiB", args.path),
+                (None, Some(threads)) => format!("{}-{threads}t", args.path),
+                (None, None) => args.path.clone(),
             },
             "temperature": args.temperature,
             "bytes": len,

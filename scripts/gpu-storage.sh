@@ -38,11 +38,14 @@ dd_direct() {
     python3 -c 'import sys,json,re; l=sys.stdin.read(); m=re.search(r"(\d+) bytes.*?([\d.]+) s",l); b,s=int(m[1]),float(m[2]); print(json.dumps({"path":"dd-direct","temperature":"cold","bytes":b,"seconds":s,"gb_per_s":b/s/1e9}))' >>"$bench"
 }
 dd_direct
-for run in "bounce cold" "bounce cold 64" "cufile cold" "auto cold" "page_cache warm" "bounce warm" "auto warm" "cufile warm"; do
+for run in "bounce cold" "bounce cold 64" "cufile cold - 1" "cufile cold - 8" "auto cold" "page_cache warm" "bounce warm" "auto warm" "cufile warm - 8"; do
   set -- $run
   echo "=== read_bench $*" >>"$log"
   [ "$2" = cold ] && echo 3 >/proc/sys/vm/drop_caches
-  timeout 120 "$bin/read_bench" --file "$file" --path "$1" --temperature "$2" ${3:+--bounce-mib $3} >>"$bench" 2>>"$log"
+  extra=()
+  [ "${3:--}" != - ] && extra+=(--bounce-mib "$3")
+  [ -n "${4:-}" ] && extra+=(--cufile-threads "$4")
+  timeout 120 "$bin/read_bench" --file "$file" --path "$1" --temperature "$2" "${extra[@]}" >>"$bench" 2>>"$log"
 done
 dd_direct
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvikio-site .gpu/storage/whl/*.whl >>"$log" 2>&1

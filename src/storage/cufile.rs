@@ -130,8 +130,10 @@ enum FileState {
 
 /// Device buffers registered with cuFile, bounded.
 const REGISTERED_BUFFERS_MAX: usize = 16;
-/// Largest single cuFileRead; longer extents are read in pieces.
-const READ_PIECE_BYTES: usize = 16 << 20;
+/// Largest single cuFileRead; longer extents are read in pieces, several at a time.
+const READ_PIECE_BYTES: usize = 4 << 20;
+/// Threads issuing cuFileRead calls for one extent.
+pub const CUFILE_THREADS_DEFAULT: usize = 8;
 
 /// An open cuFile driver and the files and buffers registered with it.
 pub struct CuFileReader {
@@ -143,6 +145,8 @@ pub struct CuFileReader {
     files: HashMap<FileId, FileState>,
     buffers: Vec<(u64, usize)>,
     file_fallbacks: u64,
+    /// Threads issuing reads for one extent (1 = sequential).
+    pub threads: usize,
 }
 
 // SAFETY: cuFile handles may be used from any thread; the reader is used through &mut self.
@@ -208,6 +212,7 @@ impl CuFileReader {
             files: HashMap::new(),
             buffers: Vec::new(),
             file_fallbacks: 0,
+            threads: CUFILE_THREADS_DEFAULT,
         })
     }
 
@@ -314,49 +319,95 @@ impl CuFileReader {
             return Ok(CuFileOutcome::FileNotRegistered);
         };
         self.register_buffer(dest.device_ptr(), dest.len());
-        let mut done = 0usize;
-        while done < extent.len {
-            let want = (extent.len - done).min(READ_PIECE_BYTES);
-            let file_offset = extent.offset + done as u64;
-            // SAFETY: the destination range lies within `dest` (checked by the caller); the handle is
-            // registered; the call is synchronous.
-            let result = unsafe {
-                (self.api.read)(
-                    handle,
-                    dest.device_ptr() as *mut c_void,
-                    want,
-                    file_offset as i64,
-                    (extent.dest_offset + done) as i64,
-                )
-            };
-            match result {
-                0 => return Err(error(file_offset, ReadErrorKind::UnexpectedEof)),
-                -1 => {
-                    return Err(error(
-                        file_offset,
-                        ReadErrorKind::Os(std::io::Error::last_os_error()),
-                    ))
+        // Pieces of the extent are read by up to `threads` threads at once: cuFileRead is
+        // synchronous, so parallel calls are how a single extent keeps several I/Os in flight.
+        let pieces: Vec<(usize, usize)> = (0..extent.len.div_ceil(READ_PIECE_BYTES))
+            .map(|i| {
+                let start = i * READ_PIECE_BYTES;
+                (start, (extent.len - start).min(READ_PIECE_BYTES))
+            })
+            .collect();
+        let read = self.api.read;
+        let (handle, base) = (handle as usize, dest.device_ptr());
+        let read_piece = |&(start, len): &(usize, usize)| -> Result<(), (u64, ReadErrorKind)> {
+            let mut done = 0usize;
+            while done < len {
+                let file_offset = extent.offset + (start + done) as u64;
+                // SAFETY: the destination range lies within `dest` (checked by the caller); the
+                // handle is registered and outlives this call; the call is synchronous.
+                let result = unsafe {
+                    read(
+                        handle as *mut c_void,
+                        base as *mut c_void,
+                        len - done,
+                        file_offset as i64,
+                        (extent.dest_offset + start + done) as i64,
+                    )
+                };
+                match result {
+                    0 => return Err((file_offset, ReadErrorKind::UnexpectedEof)),
+                    -1 => {
+                        return Err((
+                            file_offset,
+                            ReadErrorKind::Os(std::io::Error::last_os_error()),
+                        ))
+                    }
+                    r if r < -1 => {
+                        return Err((
+                            file_offset,
+                            ReadErrorKind::Os(std::io::Error::other(format!(
+                                "cuFileRead: {}",
+                                CuFileCode(-(r as i64))
+                            ))),
+                        ))
+                    }
+                    r if r as usize > len - done => {
+                        return Err((
+                            file_offset,
+                            ReadErrorKind::Overlong {
+                                returned: r as usize,
+                            },
+                        ))
+                    }
+                    r => done += r as usize,
                 }
-                r if r < -1 => {
-                    return Err(error(
-                        file_offset,
-                        ReadErrorKind::Os(std::io::Error::other(format!(
-                            "cuFileRead: {}",
-                            CuFileCode(-(r as i64))
-                        ))),
-                    ))
-                }
-                r if r as usize > want => {
-                    return Err(error(
-                        file_offset,
-                        ReadErrorKind::Overlong {
-                            returned: r as usize,
-                        },
-                    ))
-                }
-                r => done += r as usize,
             }
-        }
+            Ok(())
+        };
+        let threads = self.threads.min(pieces.len()).max(1);
+        let outcome = if threads == 1 {
+            pieces.iter().try_for_each(read_piece)
+        } else {
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let device = &self.device;
+            std::thread::scope(|scope| {
+                let workers: Vec<_> = (0..threads)
+                    .map(|_| {
+                        scope.spawn(|| -> Result<(), (u64, ReadErrorKind)> {
+                            device.bind().map_err(|e| {
+                                (
+                                    extent.offset,
+                                    ReadErrorKind::Os(std::io::Error::other(e.to_string())),
+                                )
+                            })?;
+                            loop {
+                                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(piece) = pieces.get(index) else {
+                                    return Ok(());
+                                };
+                                read_piece(piece)?;
+                            }
+                        })
+                    })
+                    .collect();
+                workers
+                    .into_iter()
+                    .map(|w| w.join().expect("cuFile reads do not panic"))
+                    .collect::<Result<Vec<()>, _>>()
+                    .map(|_| ())
+            })
+        };
+        outcome.map_err(|(offset, kind)| error(offset, kind))?;
         Ok(CuFileOutcome::Read)
     }
 }

@@ -101,10 +101,13 @@ pub struct GpuReaderLimits {
     pub registered_bytes_max: usize,
     /// Fraction of an extent's pages that must be resident for the page-cache path.
     pub resident_fraction_min: f64,
+    /// Threads issuing cuFile reads for one extent.
+    pub cufile_threads: usize,
 }
 
 impl GpuReaderLimits {
-    /// Defaults for a GPU node: three 16 MiB bounce buffers, 256 MiB windows, 8 GiB registered.
+    /// Defaults for a GPU node: three 16 MiB bounce buffers, 256 MiB windows, 8 GiB registered, 8 cuFile
+    /// threads.
     pub fn node_defaults() -> GpuReaderLimits {
         GpuReaderLimits {
             bounce_buffer_bytes: 16 << 20,
@@ -113,6 +116,7 @@ impl GpuReaderLimits {
             window_bytes: 256 << 20,
             registered_bytes_max: 8 << 30,
             resident_fraction_min: 0.95,
+            cufile_threads: super::cufile::CUFILE_THREADS_DEFAULT,
         }
     }
 }
@@ -311,7 +315,11 @@ impl GpuReader {
                 false
             }
         };
-        let (cufile, cold_path_reason) = match super::cufile::CuFileReader::open(device) {
+        let opened = super::cufile::CuFileReader::open(device).map(|mut reader| {
+            reader.threads = limits.cufile_threads.max(1);
+            reader
+        });
+        let (cufile, cold_path_reason) = match opened {
             Ok(reader) if reader.nvidia_fs_present() => {
                 (Some(reader), "cuFile: the nvidia-fs driver is loaded (real GDS)".to_string())
             }
