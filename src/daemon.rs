@@ -105,7 +105,8 @@ async fn serve(settings: Settings) -> Result<()> {
     };
 
     let (socket_failed, socket_failure) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
+    let socket_stopper = server.stopper();
+    let socket_thread = std::thread::Builder::new()
         .name("gpufeed-socket".into())
         .spawn(move || {
             let result = server.run();
@@ -164,6 +165,19 @@ async fn serve(settings: Settings) -> Result<()> {
                 "requests still in flight after {} s; closing them",
                 HTTP_DRAIN.as_secs()
             ),
+        }
+    }
+    // No new consumer sessions from here on; the ones running are closed by the API's shutdown.
+    socket_stopper.stop();
+    if outcome.is_ok() {
+        // Bounded: if the wake-up connection could not be made (the socket file was removed from
+        // under us), the accept thread stays blocked and the process exits around it.
+        let joined = tokio::task::spawn_blocking(move || socket_thread.join());
+        if tokio::time::timeout(Duration::from_secs(2), joined)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the socket server's accept loop did not stop; exiting around it");
         }
     }
     let report = api::shutdown(&control, JOBS_DRAIN).await;

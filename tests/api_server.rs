@@ -265,6 +265,11 @@ fn sigterm_stops_jobs_removes_the_socket_and_exits_zero() {
     assert_eq!(status.code(), Some(0), "log:\n{}", daemon.log());
     assert!(!daemon.socket.exists(), "the socket file is removed");
     assert!(
+        !daemon.log().contains("did not stop"),
+        "the socket server's accept loop must stop:\n{}",
+        daemon.log()
+    );
+    assert!(
         staging_dirs(root.path(), "slow").is_empty(),
         "the stopped job cleaned up"
     );

@@ -74,6 +74,24 @@ struct Shared {
 pub struct Server {
     listener: UnixListener,
     shared: Arc<Shared>,
+    stopping: Arc<AtomicBool>,
+}
+
+/// Stops a [`Server`]'s accept loop from another thread.
+#[derive(Clone)]
+pub struct ServerStopper {
+    stopping: Arc<AtomicBool>,
+    socket_path: PathBuf,
+}
+
+impl ServerStopper {
+    /// Makes [`Server::run`] return once it wakes: sets the flag, then connects to the socket so that
+    /// a blocked `accept` returns. Sessions already running are not touched (the control API closes
+    /// them through the session directory).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        let _ = UnixStream::connect(&self.socket_path);
+    }
 }
 
 impl Server {
@@ -100,6 +118,7 @@ impl Server {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
         Ok(Server {
             listener,
+            stopping: Arc::new(AtomicBool::new(false)),
             shared: Arc::new(Shared {
                 config,
                 registry,
@@ -114,9 +133,20 @@ impl Server {
         Arc::clone(&self.shared.counters)
     }
 
-    /// Accepts connections until the listener fails, one thread per session.
+    /// A handle that stops [`Server::run`].
+    pub fn stopper(&self) -> ServerStopper {
+        ServerStopper {
+            stopping: Arc::clone(&self.stopping),
+            socket_path: self.shared.config.socket_path.clone(),
+        }
+    }
+
+    /// Accepts connections, one thread per session, until stopped or the listener fails.
     pub fn run(&self) -> io::Result<()> {
         for connection in self.listener.incoming() {
+            if self.stopping.load(Ordering::SeqCst) {
+                return Ok(());
+            }
             let socket = match connection {
                 Ok(socket) => socket,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
