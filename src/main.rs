@@ -206,26 +206,10 @@ enum ShuffleArg {
     Off,
 }
 
-/// Parses a byte count such as `65536`, `64K`, `1M` or `8G` (binary multiples).
-fn parse_bytes_u64(text: &str) -> Result<u64, String> {
-    let trimmed = text.trim().trim_end_matches("iB").trim_end_matches('B');
-    let (digits, multiplier) = match trimmed.chars().last() {
-        Some('K' | 'k') => (&trimmed[..trimmed.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&trimmed[..trimmed.len() - 1], 1u64 << 20),
-        Some('G' | 'g') => (&trimmed[..trimmed.len() - 1], 1u64 << 30),
-        _ => (trimmed, 1),
-    };
-    let value: u64 = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a byte count like 65536, 64K or 1M"))?;
-    value
-        .checked_mul(multiplier)
-        .ok_or_else(|| format!("{text:?} is too large"))
-}
-
 /// Parses a byte count that must fit in 32 bits.
 fn parse_bytes(text: &str) -> Result<u32, String> {
-    u32::try_from(parse_bytes_u64(text)?).map_err(|_| format!("{text:?} is too large"))
+    u32::try_from(gpufeed::config::parse_byte_count(text)?)
+        .map_err(|_| format!("{text:?} is too large"))
 }
 
 fn main() -> ExitCode {

@@ -101,23 +101,6 @@ pub enum ClientError {
     Io(#[from] std::io::Error),
 }
 
-/// The name of a message's kind, for error messages.
-fn message_name(message: &Message) -> &'static str {
-    match message {
-        Message::Hello { .. } => "Hello",
-        Message::Welcome { .. } => "Welcome",
-        Message::OpenStream(_) => "OpenStream",
-        Message::StreamOpened(_) => "StreamOpened",
-        Message::Batch(_) => "Batch",
-        Message::Release { .. } => "Release",
-        Message::EndOfEpoch { .. } => "EndOfEpoch",
-        Message::Error { .. } => "Error",
-        Message::Close => "Close",
-        Message::StatusRequest => "StatusRequest",
-        Message::Status(_) => "Status",
-    }
-}
-
 /// Receives a frame that must not carry descriptors.
 fn recv_plain(socket: &UnixStream) -> Result<Message, ClientError> {
     let (message, fds) = transport::recv(socket)?;
@@ -125,7 +108,7 @@ fn recv_plain(socket: &UnixStream) -> Result<Message, ClientError> {
         return Err(ClientError::Protocol(format!(
             "{} descriptors attached to a {} frame (only StreamOpened carries descriptors)",
             fds.len(),
-            message_name(&message)
+            message.name()
         )));
     }
     Ok(message)
@@ -135,10 +118,9 @@ fn recv_plain(socket: &UnixStream) -> Result<Message, ClientError> {
 fn unexpected(message: Message, waiting_for: &str) -> ClientError {
     match message {
         Message::Error { code, message } => ClientError::Daemon { code, message },
-        other => ClientError::Protocol(format!(
-            "expected {waiting_for}, received {}",
-            message_name(&other)
-        )),
+        other => {
+            ClientError::Protocol(format!("expected {waiting_for}, received {}", other.name()))
+        }
     }
 }
 
@@ -225,9 +207,6 @@ fn check_spec(spec: &StreamSpec) -> Result<(), ClientError> {
     }
     if spec.device == Device::Cuda(u32::MAX) {
         return invalid("CUDA device ordinal u32::MAX is reserved".to_string());
-    }
-    if spec.shuffle == Shuffle::Window(0) {
-        return invalid("a shuffle window must hold at least one shard".to_string());
     }
     if spec.world_size == 0 || spec.rank >= spec.world_size {
         return invalid(format!(
@@ -343,7 +322,7 @@ impl Client {
                     return Err(ClientError::Protocol(format!(
                         "{} descriptors attached to a {} frame",
                         fds.len(),
-                        message_name(&other)
+                        other.name()
                     )));
                 }
                 return Err(unexpected(other, "StreamOpened"));

@@ -446,7 +446,30 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The name of a message kind, or `None` for an unassigned code.
+fn kind_name(kind: u16) -> Option<&'static str> {
+    Some(match kind {
+        KIND_HELLO => "Hello",
+        KIND_WELCOME => "Welcome",
+        KIND_OPEN_STREAM => "OpenStream",
+        KIND_STREAM_OPENED => "StreamOpened",
+        KIND_BATCH => "Batch",
+        KIND_RELEASE => "Release",
+        KIND_END_OF_EPOCH => "EndOfEpoch",
+        KIND_ERROR => "Error",
+        KIND_CLOSE => "Close",
+        KIND_STATUS_REQUEST => "StatusRequest",
+        KIND_STATUS => "Status",
+        _ => return None,
+    })
+}
+
 impl Message {
+    /// The message kind's name (`"Batch"`, `"Release"`, ...), for logs and error messages.
+    pub fn name(&self) -> &'static str {
+        kind_name(self.kind()).expect("every message has an assigned kind")
+    }
+
     fn kind(&self) -> u16 {
         match self {
             Message::Hello { .. } => KIND_HELLO,
@@ -609,19 +632,8 @@ impl Message {
         }
         let kind = u16::from_le_bytes([body[2], body[3]]);
         let payload = &body[4..];
-        let name = match kind {
-            KIND_HELLO => "Hello",
-            KIND_WELCOME => "Welcome",
-            KIND_OPEN_STREAM => "OpenStream",
-            KIND_STREAM_OPENED => "StreamOpened",
-            KIND_BATCH => "Batch",
-            KIND_RELEASE => "Release",
-            KIND_END_OF_EPOCH => "EndOfEpoch",
-            KIND_ERROR => "Error",
-            KIND_CLOSE => "Close",
-            KIND_STATUS_REQUEST => "StatusRequest",
-            KIND_STATUS => "Status",
-            other => return Err(DecodeError::Kind(other)),
+        let Some(name) = kind_name(kind) else {
+            return Err(DecodeError::Kind(kind));
         };
         let mut r = Reader {
             bytes: payload,

@@ -234,7 +234,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             send_error(
                 &writer,
                 ErrorCode::BadFrame,
-                format!("expected Hello, got {}", kind_name(&other)),
+                format!("expected Hello, got {}", other.name()),
             );
             return;
         }
@@ -351,7 +351,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
                 send_error(
                     &writer,
                     ErrorCode::BadFrame,
-                    format!("{} is not a message a consumer sends", kind_name(&other)),
+                    format!("{} is not a message a consumer sends", other.name()),
                 );
                 break;
             }
@@ -361,22 +361,6 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
         running.stop(&reader);
     }
     tracing::info!("session {session_id} ended");
-}
-
-fn kind_name(message: &Message) -> &'static str {
-    match message {
-        Message::Hello { .. } => "Hello",
-        Message::Welcome { .. } => "Welcome",
-        Message::OpenStream(_) => "OpenStream",
-        Message::StreamOpened(_) => "StreamOpened",
-        Message::Batch(_) => "Batch",
-        Message::Release { .. } => "Release",
-        Message::EndOfEpoch { .. } => "EndOfEpoch",
-        Message::Error { .. } => "Error",
-        Message::Close => "Close",
-        Message::StatusRequest => "StatusRequest",
-        Message::Status(_) => "Status",
-    }
 }
 
 /// A stream being served: its slots, the filler thread and the channel that returns released slots.

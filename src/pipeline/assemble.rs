@@ -257,8 +257,8 @@ impl StreamPlan {
     }
 }
 
-/// Identifies a block: shard, field and block index within the field.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Identifies a block: shard, field and block index within the field (ordered by file position).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct BlockKey {
     shard: u32,
     field: u32,
@@ -378,39 +378,43 @@ impl Assembler {
         self.batch_stamp += 1;
         let plan = Arc::clone(&self.plan);
         let samples: Vec<u64> = plan.batch_samples(step).collect();
-        // Gather the blocks the batch needs that are not decoded yet.
-        let mut missing: Vec<BlockKey> = Vec::new();
-        for &sample in &samples {
-            for field in &plan.fields {
+        // Where every (sample, field) of the batch lives, row by row, located once for both passes.
+        let placements: Vec<(usize, u64, u64, std::ops::Range<u32>)> = samples
+            .iter()
+            .flat_map(|&sample| plan.fields.iter().map(move |field| (sample, field)))
+            .map(|(sample, field)| {
                 let (shard, start, end) = self.locate(sample, field.field_index);
-                for block in self.blocks_for(shard, field.field_index, start, end) {
-                    let key = BlockKey {
-                        shard: shard as u32,
-                        field: field.field_index as u32,
-                        block,
-                    };
-                    match self.cache.get_mut(&key) {
-                        Some((stamp, _)) => *stamp = self.batch_stamp,
-                        None => {
-                            if !missing.contains(&key) {
-                                missing.push(key);
-                            }
-                        }
-                    }
+                let blocks = self.blocks_for(shard, field.field_index, start, end);
+                (shard, start, end, blocks)
+            })
+            .collect();
+        // The blocks the batch needs that are not decoded yet.
+        let mut missing: Vec<BlockKey> = Vec::new();
+        for ((shard, _, _, blocks), field) in placements.iter().zip(plan.fields.iter().cycle()) {
+            for block in blocks.clone() {
+                let key = BlockKey {
+                    shard: *shard as u32,
+                    field: field.field_index as u32,
+                    block,
+                };
+                match self.cache.get_mut(&key) {
+                    Some((stamp, _)) => *stamp = self.batch_stamp,
+                    None => missing.push(key),
                 }
             }
         }
-        missing.sort_by_key(|k| (k.shard, k.field, k.block));
+        missing.sort_unstable();
+        missing.dedup();
         self.load(&missing)?;
 
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
-        for (row, &sample) in samples.iter().enumerate() {
+        for (row, row_placements) in placements.chunks_exact(plan.fields.len()).enumerate() {
             let mut corrupt: Option<Arc<String>> = None;
-            for field in &plan.fields {
-                let (shard, start, end) = self.locate(sample, field.field_index);
+            for (field, (shard, start, end, blocks)) in plan.fields.iter().zip(row_placements) {
+                let (shard, start, end) = (*shard, *start, *end);
                 self.sample.clear();
-                for block_index in self.blocks_for(shard, field.field_index, start, end) {
+                for block_index in blocks.clone() {
                     let key = BlockKey {
                         shard: shard as u32,
                         field: field.field_index as u32,

@@ -44,6 +44,20 @@ struct Piece {
     retries: u32,
 }
 
+impl Piece {
+    /// What is left of this piece after its first `done` bytes, with a fresh retry count.
+    fn rest_after(&self, done: usize) -> Piece {
+        debug_assert!(done < self.len);
+        Piece {
+            extent: self.extent,
+            file_offset: self.file_offset + done as u64,
+            dest_offset: self.dest_offset + done,
+            len: self.len - done,
+            retries: 0,
+        }
+    }
+}
+
 impl<Q: ReadQueue> ReadEngine<Q> {
     /// An engine over `queue`.
     pub fn new(queue: Q, limits: EngineLimits) -> ReadEngine<Q> {
@@ -204,13 +218,7 @@ impl<Q: ReadQueue> ReadEngine<Q> {
                 let aligned_len = piece.len - piece.len % align;
                 if aligned_len < piece.len {
                     // The unaligned tail becomes its own piece, read through the page cache.
-                    self.pending.push_front(Piece {
-                        extent: piece.extent,
-                        file_offset: piece.file_offset + aligned_len as u64,
-                        dest_offset: piece.dest_offset + aligned_len,
-                        len: piece.len - aligned_len,
-                        retries: 0,
-                    });
+                    self.pending.push_front(piece.rest_after(aligned_len));
                     piece.len = aligned_len;
                 }
                 direct
@@ -269,14 +277,7 @@ impl<Q: ReadQueue> ReadEngine<Q> {
             r if (r as usize) < piece.len => {
                 // A short read: continue where it stopped. `prepare` sends an unaligned remainder
                 // through the page cache.
-                let done = r as usize;
-                self.pending.push_front(Piece {
-                    extent: piece.extent,
-                    file_offset: piece.file_offset + done as u64,
-                    dest_offset: piece.dest_offset + done,
-                    len: piece.len - done,
-                    retries: 0,
-                });
+                self.pending.push_front(piece.rest_after(r as usize));
             }
             r if r as usize == piece.len => {}
             r => {
