@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 
 use crate::api::{self, ApiOptions, Control, Metrics};
 use crate::config::{HttpListen, Settings};
-use crate::ipc::{Server, ServerConfig};
+use crate::ipc::{GpuServing, Server, ServerConfig};
 use crate::pipeline::StreamLimits;
 use crate::registry::Registry;
 use crate::storage::EngineMode;
@@ -35,17 +35,9 @@ const JOBS_DRAIN: Duration = Duration::from_secs(30);
 /// supervisors and tests can wait for readiness without polling, then `gpufeed: http on ADDR` (the
 /// bound address, so port 0 can be used) once the control API listens.
 pub fn run(settings: Settings) -> Result<()> {
-    match settings.device.as_str() {
-        "cpu" => {}
-        "auto" => tracing::info!(
-            "device auto: the GPU backend is not part of this build yet; serving from host memory (CPU backend)"
-        ),
-        other => bail!(
-            "--device {other}: only the CPU backend can serve in this build (use --device cpu or auto)"
-        ),
-    }
-    if settings.engine == EngineMode::CuFile {
-        bail!("--engine cufile: the cuFile engine serves only the GPU backend, which is not part of this build yet");
+    let gpu = open_backend(&settings)?;
+    if gpu.is_none() && settings.engine == EngineMode::CuFile {
+        bail!("--engine cufile: the cuFile engine serves only the GPU backend, and this daemon runs the CPU backend");
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -53,13 +45,42 @@ pub fn run(settings: Settings) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the control API's runtime")?;
-    let result = runtime.block_on(serve(settings));
+    let result = runtime.block_on(serve(settings, gpu));
     // Blocking tasks still running (a verification) must not hold the exit up.
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
 }
 
-async fn serve(settings: Settings) -> Result<()> {
+/// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying
+/// why it cannot be used); device 0 for `auto` where CUDA works, else none, with the reason logged.
+pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuServing>>> {
+    let device = settings.device.as_str();
+    let ordinal = match device {
+        "cpu" => return Ok(None),
+        "auto" => 0,
+        other => match other.strip_prefix("cuda:").map(str::parse::<u32>) {
+            Some(Ok(ordinal)) => ordinal,
+            _ => bail!("--device {other}: expected auto, cpu or cuda:N"),
+        },
+    };
+    match GpuServing::open(ordinal, settings.engine) {
+        Ok(gpu) => {
+            tracing::info!(
+                "GPU backend on cuda:{ordinal} ({}); read path choice {:?}",
+                gpu.device.properties().name,
+                gpu.choice
+            );
+            Ok(Some(Arc::new(gpu)))
+        }
+        Err(error) if device == "auto" => {
+            tracing::info!("device auto: {error}; serving from host memory (CPU backend)");
+            Ok(None)
+        }
+        Err(error) => Err(error).with_context(|| format!("--device {device}")),
+    }
+}
+
+async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
     // Installed before anything is announced, so that a signal sent as soon as the readiness line
     // is read already finds the handlers.
     let mut signals = Signals::install()?;
@@ -91,6 +112,7 @@ async fn serve(settings: Settings) -> Result<()> {
         slot_memory_bytes_max: settings.slot_memory_bytes_max,
         stream_limits: StreamLimits::node_defaults(),
         metrics: Arc::clone(&metrics),
+        gpu,
     };
     let server = Server::bind(server_config, Arc::clone(&registry))
         .with_context(|| format!("binding {}", settings.socket_path.display()))?;

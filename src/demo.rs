@@ -132,6 +132,7 @@ pub fn run(dir: Option<&Path>, samples: u64) -> Result<()> {
             slot_memory_bytes_max: 1 << 30,
             stream_limits: StreamLimits::node_defaults(),
             metrics: Arc::new(crate::metrics::Metrics::new()),
+            gpu: None,
         },
         registry,
     )?;

@@ -38,6 +38,7 @@ use std::net::Shutdown;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use memmap2::{Mmap, MmapOptions};
@@ -99,6 +100,9 @@ pub enum ClientError {
     /// A local system call failed (inspecting or mapping a slot, duplicating the socket).
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    /// A CUDA driver call failed (mapping a device slot, waiting on or recording its events).
+    #[error("CUDA: {0}")]
+    Cuda(#[from] crate::cuda::CudaError),
 }
 
 /// Receives a frame that must not carry descriptors.
@@ -329,7 +333,15 @@ impl Client {
             }
         };
         check_layout(&spec, &layout, fds.len())?;
-        let slots = map_slots(&layout, fds)?;
+        let slots = match layout.device {
+            Device::Cpu => Slots::Host(map_slots(&layout, fds)?),
+            Device::Cuda(ordinal) => Slots::Device(crate::cuda::DeviceSlots::import(
+                ordinal,
+                layout.slot_bytes as usize,
+                fds,
+                &layout.slot_events,
+            )?),
+        };
         let outbox = Outbox {
             inner: Mutex::new(OutboxInner {
                 socket: self.socket.try_clone()?,
@@ -347,7 +359,11 @@ impl Client {
             cursor: spec.start_cursor,
             phase: Phase::Streaming,
             spec,
-            memory: Arc::new(SlotMemory { layout, slots }),
+            memory: Arc::new(SlotMemory {
+                layout,
+                slots,
+                cuda_stream: AtomicU64::new(0),
+            }),
             outbox: Arc::new(outbox),
         })
     }
@@ -395,6 +411,24 @@ fn check_layout(
     }
     if layout.fields.is_empty() {
         return violation("the layout has no fields".to_string());
+    }
+    if layout.device != spec.device {
+        return violation(format!(
+            "slots on {:?}, the request asked for {:?}",
+            layout.device, spec.device
+        ));
+    }
+    let events_expected = match layout.device {
+        Device::Cpu => 0,
+        Device::Cuda(_) => layout.slot_count as usize,
+    };
+    if layout.slot_events.len() != events_expected {
+        return violation(format!(
+            "{} slot event pairs for {} slots on {:?}",
+            layout.slot_events.len(),
+            layout.slot_count,
+            layout.device
+        ));
     }
     if !spec.fields.is_empty() && spec.fields.len() != layout.fields.len() {
         return violation(format!(
@@ -522,7 +556,22 @@ fn map_slots(layout: &StreamLayout, fds: Vec<OwnedFd>) -> Result<Vec<Mmap>, Clie
 #[derive(Debug)]
 struct SlotMemory {
     layout: StreamLayout,
-    slots: Vec<Mmap>,
+    slots: Slots,
+    /// The consumer's CUDA stream (a `CUstream`; 0 is the legacy default stream): batches are made
+    /// ready on it and released from it.
+    cuda_stream: AtomicU64,
+}
+
+#[derive(Debug)]
+enum Slots {
+    Host(Vec<Mmap>),
+    Device(crate::cuda::DeviceSlots),
+}
+
+impl SlotMemory {
+    fn cuda_stream(&self) -> cudarc::driver::sys::CUstream {
+        self.cuda_stream.load(Ordering::SeqCst) as usize as cudarc::driver::sys::CUstream
+    }
 }
 
 /// The write half of the session, shared by the stream and its batches.
@@ -658,6 +707,21 @@ impl Stream {
     /// Where the daemon keeps batches.
     pub fn backend(&self) -> Backend {
         self.backend
+    }
+
+    /// Makes `stream` (a `CUstream` of the context of the stream's device; null, the default, is the
+    /// legacy default stream) the stream batches are delivered on: each batch handed out from now on
+    /// is ready for work queued on `stream` after `next()` returns, without the host waiting, and
+    /// dropping a batch releases its slot once the work queued on `stream` before the drop is done.
+    /// Has no effect on host-memory streams.
+    ///
+    /// # Safety
+    /// `stream` stays valid while batches of this stream exist, and belongs to the primary context
+    /// of the stream's device.
+    pub unsafe fn set_cuda_stream(&mut self, stream: *mut std::ffi::c_void) {
+        self.memory
+            .cuda_stream
+            .store(stream as usize as u64, Ordering::SeqCst);
     }
 
     /// Where the epoch stands for a checkpoint: `cursor` is the `cursor_after` of the last batch
@@ -826,13 +890,17 @@ impl Stream {
         error
     }
 
-    fn hand_out(&mut self, info: BatchInfo) -> Batch {
+    fn hand_out(&mut self, info: BatchInfo) -> Result<Batch, ClientError> {
         self.cursor = info.cursor_after;
-        Batch {
+        let batch = Batch {
             info,
             memory: Arc::clone(&self.memory),
             outbox: Arc::clone(&self.outbox),
+        };
+        if let Slots::Device(slots) = &self.memory.slots {
+            slots.wait_ready(batch.info.slot, self.memory.cuda_stream())?;
         }
+        Ok(batch)
     }
 }
 
@@ -842,7 +910,7 @@ impl Iterator for Stream {
     /// The next batch in step order; `None` after `EndOfEpoch`, and after an error has been yielded.
     fn next(&mut self) -> Option<Result<Batch, ClientError>> {
         if let Some(info) = self.pending.pop_front() {
-            return Some(Ok(self.hand_out(info)));
+            return Some(self.hand_out(info));
         }
         match &mut self.phase {
             Phase::Streaming => {}
@@ -854,7 +922,7 @@ impl Iterator for Stream {
             }
         }
         match self.receive() {
-            Ok(Event::Batch(info)) => Some(Ok(self.hand_out(info))),
+            Ok(Event::Batch(info)) => Some(self.hand_out(info)),
             Ok(Event::EndOfEpoch) => None,
             Ok(Event::Status(_)) => Some(Err(self.fail(
                 ClientError::Protocol("Status without a StatusRequest".to_string()),
@@ -873,7 +941,7 @@ pub struct Batch {
     outbox: Arc<Outbox>,
 }
 
-/// One field of a batch, in host memory.
+/// One field of a batch.
 #[derive(Clone, Copy, Debug)]
 pub struct FieldView<'a> {
     /// Field name.
@@ -882,8 +950,68 @@ pub struct FieldView<'a> {
     pub dtype: DType,
     /// Shape, batch dimension first.
     pub shape: &'a [u64],
-    /// The batch's elements in C order: `product(shape) × dtype size` bytes.
-    pub bytes: &'a [u8],
+    /// The batch's elements in C order: `product(shape) × dtype size` bytes, in host or device memory.
+    pub data: FieldData<'a>,
+    slot: u32,
+    memory: &'a SlotMemory,
+}
+
+/// Where a field's bytes are.
+#[derive(Clone, Copy, Debug)]
+pub enum FieldData<'a> {
+    /// In host memory (the CPU backend).
+    Host(&'a [u8]),
+    /// In device memory (the CUDA backend): `bytes` bytes at device address `ptr`, ready for work
+    /// queued on the stream's CUDA stream (see [`Stream::set_cuda_stream`]).
+    Device {
+        /// The device address (a `CUdeviceptr`).
+        ptr: u64,
+        /// Length in bytes.
+        bytes: usize,
+    },
+}
+
+impl FieldView<'_> {
+    /// The bytes, when the field is in host memory.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        match self.data {
+            FieldData::Host(bytes) => Some(bytes),
+            FieldData::Device { .. } => None,
+        }
+    }
+
+    /// The device address, when the field is in device memory.
+    pub fn device_ptr(&self) -> Option<u64> {
+        match self.data {
+            FieldData::Host(_) => None,
+            FieldData::Device { ptr, .. } => Some(ptr),
+        }
+    }
+
+    /// Length of the data in bytes.
+    pub fn byte_len(&self) -> usize {
+        match self.data {
+            FieldData::Host(bytes) => bytes.len(),
+            FieldData::Device { bytes, .. } => bytes,
+        }
+    }
+
+    /// Appends the field's bytes to `out`: a copy from host memory, or, from device memory, a
+    /// synchronous copy once the daemon's fill is done (for checks and tools, not the training path).
+    pub fn copy_to_host(&self, out: &mut Vec<u8>) -> Result<(), ClientError> {
+        match (self.data, &self.memory.slots) {
+            (FieldData::Host(bytes), _) => out.extend_from_slice(bytes),
+            (FieldData::Device { ptr, bytes }, Slots::Device(slots)) => {
+                let start = out.len();
+                out.resize(start + bytes, 0);
+                slots.copy_to_host(self.slot, ptr, &mut out[start..])?;
+            }
+            (FieldData::Device { .. }, Slots::Host(_)) => {
+                unreachable!("device views come from device slots")
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Batch {
@@ -943,18 +1071,40 @@ impl Batch {
         // Validated in `accept_batch`: the product does not overflow and the range lies in the slot.
         let len = extent_bytes(&field.shape, field.dtype.size_bytes()).expect("validated extent");
         let start = field.offset as usize;
-        let slot = &self.memory.slots[self.info.slot as usize];
+        let data = match &self.memory.slots {
+            Slots::Host(slots) => {
+                FieldData::Host(&slots[self.info.slot as usize][start..start + len as usize])
+            }
+            Slots::Device(slots) => FieldData::Device {
+                ptr: slots.ptr(self.info.slot) + start as u64,
+                bytes: len as usize,
+            },
+        };
         FieldView {
             name: &self.memory.layout.fields[index].name,
             dtype: field.dtype,
             shape: &field.shape,
-            bytes: &slot[start..start + len as usize],
+            data,
+            slot: self.info.slot,
+            memory: &self.memory,
         }
     }
 }
 
 impl Drop for Batch {
     fn drop(&mut self) {
+        if let Slots::Device(slots) = &self.memory.slots {
+            if slots
+                .release(self.info.slot, self.memory.cuda_stream())
+                .is_err()
+            {
+                // Neither recording the release event nor waiting for the stream worked: the
+                // consumer's work may still read the slot, so it is not handed back; ending the
+                // session makes the daemon reclaim the whole ring instead.
+                let _ = self.outbox.lock().socket.shutdown(Shutdown::Both);
+                return;
+            }
+        }
         self.outbox.release(self.info.slot);
     }
 }
@@ -1090,6 +1240,8 @@ mod tests {
                     batch_bytes: 16,
                 },
             ],
+            device: crate::protocol::Device::Cpu,
+            slot_events: Vec::new(),
         }
     }
 
@@ -1113,6 +1265,7 @@ mod tests {
                     shape: vec![2, 2],
                 },
             ],
+            ready_ns: 0,
         }
     }
 
@@ -1140,10 +1293,10 @@ mod tests {
             (ids.name, ids.dtype, ids.shape),
             ("ids", DType::U8, &[2u64, 4][..])
         );
-        assert_eq!(ids.bytes, &ids_of(step)[..]);
+        assert_eq!(ids.host_bytes().unwrap(), &ids_of(step)[..]);
         let emb = batch.field("emb").unwrap();
         assert_eq!((emb.dtype, emb.shape), (DType::F32, &[2u64, 2][..]));
-        assert_eq!(emb.bytes, &emb_of(step)[..]);
+        assert_eq!(emb.host_bytes().unwrap(), &emb_of(step)[..]);
         let names: Vec<&str> = batch.fields().map(|f| f.name).collect();
         assert_eq!(names, ["ids", "emb"]);
         assert!(batch.field("labels").is_none());

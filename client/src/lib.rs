@@ -5,11 +5,12 @@
 //! stack) so that a training process can link it without pulling in the daemon.
 
 pub mod consumer;
+pub mod cuda;
 pub mod dtype;
 pub mod protocol;
 pub mod transport;
 
-pub use consumer::{Batch, Client, ClientError, FieldView, Stream, StreamState};
+pub use consumer::{Batch, Client, ClientError, FieldData, FieldView, Stream, StreamState};
 pub use dtype::{DType, DTypeError, ALL_DTYPES};
 pub use protocol::{
     Backend, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldRequest, Shuffle, StreamLayout,

@@ -9,7 +9,7 @@
 use crate::dtype::DType;
 
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of the frame header.
 pub const FRAME_HEADER_BYTES: usize = 8;
 /// Largest frame (header included).
@@ -139,6 +139,26 @@ pub struct StreamLayout {
     pub steps: u64,
     /// Fields in slot order.
     pub fields: Vec<FieldLayout>,
+    /// Where the slots live: host memory (memfd descriptors) or a CUDA device (exported allocations).
+    pub device: Device,
+    /// On a CUDA device, the interprocess events of each slot, in slot order; empty for host memory.
+    pub slot_events: Vec<SlotEvents>,
+}
+
+/// Bytes of a CUDA interprocess event handle (`CUipcEventHandle`).
+pub const IPC_EVENT_HANDLE_BYTES: usize = 64;
+
+/// The two interprocess CUDA events of a device slot.
+///
+/// The daemon records `ready` on its stream once the slot is filled; the client makes its stream wait
+/// on it. The client records `released` on its stream when it releases the slot; the daemon's stream
+/// waits on it before writing the slot again. Neither side blocks its host thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotEvents {
+    /// `cuIpcGetEventHandle` of the daemon's fill-complete event.
+    pub ready: [u8; IPC_EVENT_HANDLE_BYTES],
+    /// `cuIpcGetEventHandle` of the event the client records when it is done with the slot.
+    pub released: [u8; IPC_EVENT_HANDLE_BYTES],
 }
 
 /// One field of a ready batch.
@@ -169,6 +189,9 @@ pub struct BatchInfo {
     pub replaced: u32,
     /// Fields in slot order.
     pub fields: Vec<BatchField>,
+    /// `CLOCK_MONOTONIC` time, in nanoseconds, at which the daemon saw the batch complete (on a CUDA
+    /// device: its ready event done); a client on the same host measures the hand-off latency from it.
+    pub ready_ns: u64,
 }
 
 /// Counters the daemon reports over the socket.
@@ -295,6 +318,30 @@ pub enum Message {
     StatusRequest,
     /// Daemon → consumer: counters.
     Status(DaemonStatus),
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of [`BatchInfo::ready_ns`], comparable between
+/// processes on one host.
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    assert_eq!(rc, 0, "CLOCK_MONOTONIC is always available");
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// The wire value of a device: `u32::MAX` for host memory, else the CUDA ordinal.
+fn device_marker(device: Device) -> u32 {
+    match device {
+        Device::Cpu => u32::MAX,
+        Device::Cuda(ordinal) => {
+            assert!(ordinal != u32::MAX, "CUDA ordinal u32::MAX is reserved");
+            ordinal
+        }
+    }
 }
 
 /// A frame could not be decoded.
@@ -539,14 +586,7 @@ impl Message {
                     CorruptPolicy::Fail => 0,
                     CorruptPolicy::Replace => 1,
                 });
-                w.u32(match spec.device {
-                    Device::Cpu => u32::MAX,
-                    Device::Cuda(ordinal) => {
-                        // u32::MAX is the host-memory marker on the wire.
-                        assert!(ordinal != u32::MAX, "CUDA ordinal u32::MAX is reserved");
-                        ordinal
-                    }
-                });
+                w.u32(device_marker(spec.device));
             }
             Message::StreamOpened(layout) => {
                 w.u32(layout.slot_count);
@@ -561,6 +601,17 @@ impl Message {
                     w.shape(&field.sample_shape);
                     w.u64(field.offset);
                     w.u64(field.batch_bytes);
+                }
+                w.u32(device_marker(layout.device));
+                match layout.device {
+                    Device::Cpu => assert!(layout.slot_events.is_empty()),
+                    Device::Cuda(_) => {
+                        assert_eq!(layout.slot_events.len(), layout.slot_count as usize);
+                        for events in &layout.slot_events {
+                            w.0.extend_from_slice(&events.ready);
+                            w.0.extend_from_slice(&events.released);
+                        }
+                    }
                 }
             }
             Message::Batch(batch) => {
@@ -577,6 +628,7 @@ impl Message {
                     w.u8(field.dtype.code());
                     w.shape(&field.shape);
                 }
+                w.u64(batch.ready_ns);
             }
             Message::Release { slot } => w.u32(*slot),
             Message::EndOfEpoch { epoch, steps } => {
@@ -732,12 +784,29 @@ impl Message {
                         batch_bytes: r.u64()?,
                     });
                 }
+                let device = match r.u32()? {
+                    u32::MAX => Device::Cpu,
+                    ordinal => Device::Cuda(ordinal),
+                };
+                let mut slot_events = Vec::new();
+                if let Device::Cuda(_) = device {
+                    if slot_count > SLOTS_MAX {
+                        return r.fail(format!("slot_count {slot_count} exceeds {SLOTS_MAX}"));
+                    }
+                    for _ in 0..slot_count {
+                        let ready = r.take(IPC_EVENT_HANDLE_BYTES)?.try_into().expect("64 bytes");
+                        let released = r.take(IPC_EVENT_HANDLE_BYTES)?.try_into().expect("64 bytes");
+                        slot_events.push(SlotEvents { ready, released });
+                    }
+                }
                 Message::StreamOpened(StreamLayout {
                     slot_count,
                     slot_bytes,
                     epoch_samples,
                     steps,
                     fields,
+                    device,
+                    slot_events,
                 })
             }
             KIND_BATCH => {
@@ -764,6 +833,7 @@ impl Message {
                     samples,
                     replaced,
                     fields,
+                    ready_ns: r.u64()?,
                 })
             }
             KIND_RELEASE => Message::Release { slot: r.u32()? },
@@ -841,6 +911,28 @@ mod tests {
                     offset: 0,
                     batch_bytes: 8192,
                 }],
+                device: Device::Cpu,
+                slot_events: Vec::new(),
+            }),
+            Message::StreamOpened(StreamLayout {
+                slot_count: 2,
+                slot_bytes: 2 << 20,
+                epoch_samples: 10,
+                steps: 3,
+                fields: vec![FieldLayout {
+                    name: "ids".into(),
+                    dtype: DType::I32,
+                    sample_shape: vec![8],
+                    offset: 0,
+                    batch_bytes: 128,
+                }],
+                device: Device::Cuda(1),
+                slot_events: (0..2u8)
+                    .map(|i| SlotEvents {
+                        ready: [i; IPC_EVENT_HANDLE_BYTES],
+                        released: [i + 100; IPC_EVENT_HANDLE_BYTES],
+                    })
+                    .collect(),
             }),
             Message::Batch(BatchInfo {
                 slot: 3,
@@ -854,6 +946,7 @@ mod tests {
                     dtype: DType::I32,
                     shape: vec![32, 128],
                 }],
+                ready_ns: 123_456_789,
             }),
             Message::Release { slot: 3 },
             Message::EndOfEpoch {
@@ -905,8 +998,8 @@ mod tests {
         assert!(Message::frame_length(0u32.to_le_bytes()).is_err());
         assert!(Message::frame_length(u32::MAX.to_le_bytes()).is_err());
         assert_eq!(
-            Message::decode(&[2, 0, 1, 0]),
-            Err(DecodeError::Version { found: 2 })
+            Message::decode(&[3, 0, 1, 0]),
+            Err(DecodeError::Version { found: 3 })
         );
         assert_eq!(Message::decode(&[1, 0, 99, 0]), Err(DecodeError::Kind(99)));
     }

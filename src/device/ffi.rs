@@ -135,6 +135,7 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventSynchronize",
     "cuEventElapsedTime_v2",
     "cuEventDestroy_v2",
+    "cuIpcGetEventHandle",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemAllocHost_v2",
@@ -552,6 +553,34 @@ pub unsafe fn event_create(timing: bool) -> DriverResult<cu::CUevent> {
         cu::cuEventCreate(&mut event, flags as c_uint),
     )?;
     Ok(event)
+}
+
+/// `cuEventCreate` with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING` (interprocess events may
+/// not record timestamps): an event another process can open with `cuIpcOpenEventHandle`.
+///
+/// # Safety
+/// A context is current on the calling thread.
+pub unsafe fn event_create_interprocess() -> DriverResult<cu::CUevent> {
+    let flags = cu::CUevent_flags::CU_EVENT_INTERPROCESS as c_uint
+        | cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    let mut event: cu::CUevent = std::ptr::null_mut();
+    check("cuEventCreate", cu::cuEventCreate(&mut event, flags))?;
+    Ok(event)
+}
+
+/// `cuIpcGetEventHandle` ("Interprocess communication"): the 64 opaque bytes another process opens
+/// the event with.
+///
+/// # Safety
+/// `event` is live and was created with `CU_EVENT_INTERPROCESS`.
+pub unsafe fn ipc_event_handle(event: cu::CUevent) -> DriverResult<[u8; 64]> {
+    // SAFETY: the handle is plain bytes.
+    let mut handle: cu::CUipcEventHandle = MaybeUninit::zeroed().assume_init();
+    check(
+        "cuIpcGetEventHandle",
+        cu::cuIpcGetEventHandle(&mut handle, event),
+    )?;
+    Ok(handle.reserved.map(|b| b as u8))
 }
 
 /// `cuEventRecord`.

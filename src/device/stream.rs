@@ -131,6 +131,25 @@ impl Event {
         })
     }
 
+    /// Creates an interprocess event (no timing): [`Event::ipc_handle`] gives the bytes another
+    /// process opens it with.
+    pub fn new_interprocess(device: &Device) -> Result<Event, DeviceError> {
+        device.bind()?;
+        // SAFETY: the device's context is current.
+        let event = unsafe { ffi::event_create_interprocess() }?;
+        Ok(Event {
+            device: device.clone(),
+            event,
+        })
+    }
+
+    /// The interprocess handle of an event made by [`Event::new_interprocess`].
+    pub fn ipc_handle(&self) -> Result<[u8; 64], DeviceError> {
+        self.device.bind()?;
+        // SAFETY: the event is live; the driver refuses events made without the interprocess flag.
+        Ok(unsafe { ffi::ipc_event_handle(self.event) }?)
+    }
+
     /// Records the event at the current end of `stream`.
     pub fn record(&self, stream: &Stream) -> Result<(), DeviceError> {
         self.device.bind()?;

@@ -7,4 +7,4 @@
 pub mod server;
 pub mod slots;
 
-pub use server::{Counters, Server, ServerConfig, ServerStopper};
+pub use server::{Counters, GpuServing, Server, ServerConfig, ServerStopper};

@@ -1,6 +1,7 @@
 //! The socket server: accepts consumers, checks their uid, runs one session per connection.
 
 use std::io;
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -17,9 +18,55 @@ use gpufeed_client::transport::{self, TransportError};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use super::slots::{Lease, SlotRing};
+use crate::device::Device as CudaDevice;
+use crate::kernels::Kernels;
 use crate::metrics::SlotLease;
-use crate::pipeline::{Assembler, FillError, StreamLimits, StreamPlan};
+use crate::pipeline::{
+    Assembler, FillError, FillReport, GpuAssembler, GpuStreamLimits, StreamLimits, StreamPlan,
+};
 use crate::registry::Registry;
+use crate::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice};
+
+/// What the GPU backend needs to serve streams on its device.
+pub struct GpuServing {
+    /// The device; streams asking for `Device::Cuda(ordinal)` are served on it.
+    pub device: CudaDevice,
+    /// Its ordinal.
+    pub ordinal: u32,
+    /// The kernels, compiled once for the device.
+    pub kernels: Arc<Kernels>,
+    /// Bounds of each stream's reader.
+    pub reader_limits: GpuReaderLimits,
+    /// Which read path serves each read (from the engine mode).
+    pub choice: PathChoice,
+    /// Device memory of each stream besides its slots.
+    pub stream_limits: GpuStreamLimits,
+}
+
+impl GpuServing {
+    /// Opens CUDA device `ordinal` and loads (compiling if needed) the kernels, with node defaults
+    /// for every bound. Fails with [`crate::device::DeviceError::Unavailable`] where CUDA cannot be
+    /// used, on which a caller asking for `auto` falls back to the CPU backend.
+    pub fn open(
+        ordinal: u32,
+        engine: crate::storage::EngineMode,
+    ) -> Result<GpuServing, crate::device::DeviceError> {
+        let device = CudaDevice::open(ordinal as usize)?;
+        let kernels = Kernels::load(&device, crate::device::CacheDir::FromEnvironment)?;
+        for (kernel, origin) in &kernels.origins {
+            tracing::info!("kernel {kernel}: {origin:?}");
+        }
+        Ok(GpuServing {
+            device,
+            ordinal,
+            kernels: Arc::new(kernels),
+            reader_limits: GpuReaderLimits::node_defaults(),
+            choice: PathChoice::from_mode(engine),
+            stream_limits: GpuStreamLimits::node_defaults(),
+        })
+    }
+}
+
 
 /// Settings of the socket server, all bounded.
 #[derive(Clone)]
@@ -36,6 +83,8 @@ pub struct ServerConfig {
     pub stream_limits: StreamLimits,
     /// Where reads, decode and gather times, slot occupancy and hand-off latency are counted.
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// The GPU backend, when the daemon runs on a device; host-memory streams are served either way.
+    pub gpu: Option<Arc<GpuServing>>,
 }
 
 /// Counters shared by all sessions; also what `Status` reports.
@@ -247,7 +296,11 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
     };
     let welcome = Message::Welcome {
         session: session_id,
-        backend: Backend::Cpu,
+        backend: if shared.config.gpu.is_some() {
+            Backend::Cuda
+        } else {
+            Backend::Cpu
+        },
         daemon_version: env!("CARGO_PKG_VERSION").to_string(),
     };
     if transport::send(&writer.lock().expect("socket lock poisoned"), &welcome, &[]).is_err() {
@@ -366,6 +419,8 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
 /// A stream being served: its slots, the filler thread and the channel that returns released slots.
 struct RunningStream {
     ring: Arc<SlotRing>,
+    /// Bytes counted against the slot memory limit for this stream.
+    ring_bytes: u64,
     release: SyncSender<u32>,
     stop: Arc<AtomicBool>,
     filler: thread::JoinHandle<()>,
@@ -401,7 +456,7 @@ impl RunningStream {
         self.metrics
             .add_slots(SlotLease::Consumer, -(consumer as i64));
         let slots = self.ring.len() as u64;
-        let bytes = slots * self.ring.slot_bytes() as u64;
+        let bytes = self.ring_bytes;
         drop(self.ring);
         self.counters.slots.fetch_sub(slots, Ordering::SeqCst);
         self.counters.slot_bytes.fetch_sub(bytes, Ordering::SeqCst);
@@ -414,15 +469,29 @@ fn open_stream(
     writer: &Arc<Mutex<UnixStream>>,
     spec: StreamSpec,
 ) -> Result<RunningStream, (ErrorCode, String)> {
-    if spec.device != Device::Cpu {
-        return Err((
-            ErrorCode::BadRequest,
-            format!(
-                "device {:?} is not served: this daemon runs the CPU backend",
-                spec.device
-            ),
-        ));
-    }
+    let gpu = match spec.device {
+        Device::Cpu => None,
+        Device::Cuda(ordinal) => match &shared.config.gpu {
+            Some(gpu) if gpu.ordinal == ordinal => Some(Arc::clone(gpu)),
+            Some(gpu) => {
+                return Err((
+                    ErrorCode::BadRequest,
+                    format!(
+                        "device cuda:{ordinal} is not served: this daemon runs on cuda:{}",
+                        gpu.ordinal
+                    ),
+                ))
+            }
+            None => {
+                return Err((
+                    ErrorCode::BadRequest,
+                    format!(
+                        "device cuda:{ordinal} is not served: this daemon runs the CPU backend"
+                    ),
+                ))
+            }
+        },
+    };
     let dataset = shared.registry.get(&spec.dataset).ok_or_else(|| {
         (
             ErrorCode::UnknownDataset,
@@ -455,23 +524,49 @@ fn open_stream(
         counters.slot_bytes.fetch_sub(ring_bytes, Ordering::SeqCst);
         (code, message)
     };
-    let ring = Arc::new(
-        SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
-            undo(
-                ErrorCode::ResourceExhausted,
-                format!("cannot allocate slots: {e}"),
+    let metrics = Arc::clone(&shared.config.metrics);
+    let (ring, filler) = match &gpu {
+        None => {
+            let ring = SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
+                undo(
+                    ErrorCode::ResourceExhausted,
+                    format!("cannot allocate slots: {e}"),
+                )
+            })?;
+            let assembler = Assembler::new(Arc::clone(&plan), limits, Arc::clone(&metrics))
+                .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
+            if let Some(note) = &assembler.engine_note {
+                tracing::warn!("{note}");
+            }
+            (ring, Filler::Cpu(assembler))
+        }
+        Some(gpu) => {
+            let ring = SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes)
+                .map_err(|e| {
+                    undo(
+                        ErrorCode::ResourceExhausted,
+                        format!("cannot allocate device slots: {e}"),
+                    )
+                })?;
+            let reader = GpuReader::new(&gpu.device, gpu.reader_limits).map_err(|e| {
+                undo(
+                    ErrorCode::ResourceExhausted,
+                    format!("cannot set up device reads: {e}"),
+                )
+            })?;
+            let assembler = GpuAssembler::new(
+                Arc::clone(&plan),
+                Arc::clone(&gpu.kernels),
+                reader,
+                gpu.choice,
+                &gpu.stream_limits,
+                Arc::clone(&metrics),
             )
-        })?,
-    );
-    let assembler = Assembler::new(
-        Arc::clone(&plan),
-        limits,
-        Arc::clone(&shared.config.metrics),
-    )
-    .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
-    if let Some(note) = &assembler.engine_note {
-        tracing::warn!("{note}");
-    }
+            .map_err(|e| undo(ErrorCode::ResourceExhausted, e.to_string()))?;
+            (ring, Filler::Gpu(Box::new(assembler)))
+        }
+    };
+    let ring = Arc::new(ring);
     let layout = StreamLayout {
         slot_count: plan.slot_count,
         slot_bytes: plan.slot_bytes as u64,
@@ -488,10 +583,18 @@ fn open_stream(
                 batch_bytes: (f.sample_bytes_out * plan.rank.batch_size as usize) as u64,
             })
             .collect(),
+        device: spec.device,
+        slot_events: ring
+            .slot_events()
+            .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?,
     };
     {
+        let descriptors = ring
+            .descriptors()
+            .map_err(|e| undo(ErrorCode::Internal, e))?;
+        let borrowed: Vec<_> = descriptors.iter().map(|fd| fd.as_fd()).collect();
         let socket = writer.lock().expect("socket lock poisoned");
-        transport::send(&socket, &Message::StreamOpened(layout), &ring.fds())
+        transport::send(&socket, &Message::StreamOpened(layout), &borrowed)
             .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
     }
     counters
@@ -505,7 +608,6 @@ fn open_stream(
             .expect("channel sized for every slot");
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let metrics = Arc::clone(&shared.config.metrics);
     metrics.add_slots(SlotLease::Free, plan.slot_count as i64);
     let filler = {
         let (ring, stop, writer, counters, metrics) = (
@@ -518,9 +620,7 @@ fn open_stream(
         thread::Builder::new()
             .name("gpufeed-filler".into())
             .spawn(move || {
-                fill_stream(
-                    plan, assembler, ring, free, stop, writer, counters, &metrics,
-                )
+                fill_stream(plan, filler, ring, free, stop, writer, counters, &metrics)
             })
             .map_err(|e| {
                 (
@@ -531,6 +631,7 @@ fn open_stream(
     };
     Ok(RunningStream {
         ring,
+        ring_bytes,
         release,
         stop,
         filler,
@@ -546,7 +647,7 @@ fn open_stream(
 #[allow(clippy::too_many_arguments)]
 fn fill_stream(
     plan: Arc<StreamPlan>,
-    mut assembler: Assembler,
+    mut filler: Filler,
     ring: Arc<SlotRing>,
     free: Receiver<u32>,
     stop: Arc<AtomicBool>,
@@ -568,9 +669,7 @@ fn fill_stream(
             .expect("only free slots are in the channel");
         metrics.add_slots(SlotLease::Free, -1);
         metrics.add_slots(SlotLease::Filling, 1);
-        // SAFETY: this thread holds the slot's Filling lease.
-        let memory = unsafe { ring.slot_mut(slot) };
-        let report = match assembler.fill(step, memory) {
+        let report = match filler.fill(&ring, slot, step) {
             Ok(report) => report,
             Err(FillError::Corrupt(message)) => {
                 return end_session(ErrorCode::CorruptData, message)
@@ -578,7 +677,9 @@ fn fill_stream(
             Err(FillError::Storage(error)) => {
                 return end_session(ErrorCode::Internal, error.to_string())
             }
+            Err(FillError::Device(error)) => return end_session(ErrorCode::Internal, error),
         };
+        let ready_ns = gpufeed_client::protocol::monotonic_ns();
         ring.transition(slot, Lease::Filling, Lease::Consumer)
             .expect("the filler holds the lease");
         metrics.add_slots(SlotLease::Filling, -1);
@@ -604,6 +705,7 @@ fn fill_stream(
                     }
                 })
                 .collect(),
+            ready_ns,
         };
         let sent = transport::send(
             &writer.lock().expect("socket lock poisoned"),
@@ -624,4 +726,37 @@ fn fill_stream(
         steps: plan.steps,
     };
     let _ = transport::send(&writer.lock().expect("socket lock poisoned"), &end, &[]);
+}
+
+/// What fills a stream's slots: the CPU assembler into memfds, or the GPU assembler into device slots.
+enum Filler {
+    Cpu(Assembler),
+    Gpu(Box<GpuAssembler>),
+}
+
+impl Filler {
+    /// Fills `slot` with stream step `step`; the batch is complete when this returns (on the GPU: its
+    /// work is done and the slot's ready event recorded after it).
+    fn fill(&mut self, ring: &SlotRing, slot: u32, step: u64) -> Result<FillReport, FillError> {
+        match self {
+            Filler::Cpu(assembler) => {
+                // SAFETY: the filler thread holds the slot's Filling lease.
+                let memory = unsafe { ring.slot_mut(slot) };
+                assembler.fill(step, memory)
+            }
+            Filler::Gpu(assembler) => {
+                let device_slot = ring.device_slot(slot);
+                let report = assembler.fill(step, &device_slot.buffer, &device_slot.released)?;
+                device_slot
+                    .ready
+                    .record(assembler.stream())
+                    .map_err(|e| FillError::Device(e.to_string()))?;
+                device_slot
+                    .ready
+                    .synchronize()
+                    .map_err(|e| FillError::Device(e.to_string()))?;
+                Ok(report)
+            }
+        }
+    }
 }

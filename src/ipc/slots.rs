@@ -1,8 +1,13 @@
-//! A stream's ring of slots in shared host memory (the CPU backend) and the lease on each slot.
+//! A stream's ring of slots and the lease on each slot. Slots are sealed memfds in host memory (the
+//! CPU backend) or exportable device allocations with two interprocess events each (the GPU backend).
 
 use std::fs::File;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Mutex;
+
+use gpufeed_client::protocol::SlotEvents;
+
+use crate::device::{Device, DeviceError, Event, ExportableBuffer};
 
 use memmap2::MmapMut;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
@@ -19,15 +24,32 @@ pub enum Lease {
     Consumer,
 }
 
-/// One slot: a sealed memfd and the daemon's writable mapping of it.
-struct Slot {
+/// One host slot: a sealed memfd and the daemon's writable mapping of it.
+struct HostSlot {
     file: File,
     map: MmapMut,
 }
 
+/// One device slot: the exportable allocation and its two interprocess events.
+pub struct DeviceSlot {
+    /// The slot's memory, mapped read-write for the daemon.
+    pub buffer: ExportableBuffer,
+    /// Recorded by the daemon once the slot is filled; the consumer's stream waits on it.
+    pub ready: Event,
+    /// Recorded by the consumer on its stream when it releases the slot; the daemon's stream waits on
+    /// it before writing the slot again. Never recorded before the first release, which makes the first
+    /// wait a no-op.
+    pub released: Event,
+}
+
+enum Slots {
+    Host(Vec<HostSlot>),
+    Device(Vec<DeviceSlot>),
+}
+
 /// A stream's slots and their leases.
 pub struct SlotRing {
-    slots: Vec<Slot>,
+    slots: Slots,
     leases: Mutex<Vec<Lease>>,
     slot_bytes: usize,
 }
@@ -70,10 +92,31 @@ impl SlotRing {
             .map_err(std::io::Error::from)?;
             // SAFETY: the memfd is ours, sealed against resizing, and lives as long as the mapping.
             let map = unsafe { MmapMut::map_mut(&file)? };
-            slots.push(Slot { file, map });
+            slots.push(HostSlot { file, map });
         }
         Ok(SlotRing {
-            slots,
+            slots: Slots::Host(slots),
+            leases: Mutex::new(vec![Lease::Free; count as usize]),
+            slot_bytes,
+        })
+    }
+
+    /// Creates `count` exportable slots of `slot_bytes` each on `device`, with their events.
+    pub fn new_device(
+        device: &Device,
+        count: u32,
+        slot_bytes: usize,
+    ) -> Result<SlotRing, DeviceError> {
+        let mut slots = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            slots.push(DeviceSlot {
+                buffer: ExportableBuffer::new(device, slot_bytes)?,
+                ready: Event::new_interprocess(device)?,
+                released: Event::new_interprocess(device)?,
+            });
+        }
+        Ok(SlotRing {
+            slots: Slots::Device(slots),
             leases: Mutex::new(vec![Lease::Free; count as usize]),
             slot_bytes,
         })
@@ -81,12 +124,15 @@ impl SlotRing {
 
     /// Number of slots.
     pub fn len(&self) -> usize {
-        self.slots.len()
+        match &self.slots {
+            Slots::Host(slots) => slots.len(),
+            Slots::Device(slots) => slots.len(),
+        }
     }
 
     /// True when the ring has no slots.
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.len() == 0
     }
 
     /// Bytes of each slot.
@@ -94,9 +140,53 @@ impl SlotRing {
         self.slot_bytes
     }
 
-    /// The descriptors to pass to the consumer, in slot order.
-    pub fn fds(&self) -> Vec<BorrowedFd<'_>> {
-        self.slots.iter().map(|s| s.file.as_fd()).collect()
+    /// Bytes of memory the slots occupy (device slots are rounded up to the allocation granularity).
+    pub fn allocated_bytes(&self) -> u64 {
+        match &self.slots {
+            Slots::Host(slots) => (slots.len() * self.slot_bytes) as u64,
+            Slots::Device(slots) => slots.iter().map(|s| s.buffer.mapped_bytes() as u64).sum(),
+        }
+    }
+
+    /// New descriptors to pass to the consumer, in slot order: duplicates of the memfds, or exports
+    /// of the device allocations.
+    pub fn descriptors(&self) -> Result<Vec<OwnedFd>, String> {
+        match &self.slots {
+            Slots::Host(slots) => slots
+                .iter()
+                .map(|s| s.file.try_clone().map(OwnedFd::from))
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("duplicating a slot descriptor: {e}")),
+            Slots::Device(slots) => slots
+                .iter()
+                .map(|s| s.buffer.export_fd())
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("exporting a device slot: {e}")),
+        }
+    }
+
+    /// The interprocess event handles of device slots, in slot order; empty for host slots.
+    pub fn slot_events(&self) -> Result<Vec<SlotEvents>, DeviceError> {
+        match &self.slots {
+            Slots::Host(_) => Ok(Vec::new()),
+            Slots::Device(slots) => slots
+                .iter()
+                .map(|s| {
+                    Ok(SlotEvents {
+                        ready: s.ready.ipc_handle()?,
+                        released: s.released.ipc_handle()?,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// A device slot. Panics on a host ring.
+    pub fn device_slot(&self, slot: u32) -> &DeviceSlot {
+        match &self.slots {
+            Slots::Device(slots) => &slots[slot as usize],
+            Slots::Host(_) => panic!("device_slot on a host slot ring"),
+        }
     }
 
     /// Moves `slot` from `from` to `to`.
@@ -132,7 +222,10 @@ impl SlotRing {
     /// the lease moves on: that makes this the only live reference to the slot's memory in this process.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slot_mut(&self, slot: u32) -> &mut [u8] {
-        let map = &self.slots[slot as usize].map;
+        let Slots::Host(slots) = &self.slots else {
+            panic!("slot_mut on a device slot ring");
+        };
+        let map = &slots[slot as usize].map;
         // SAFETY: exclusive by the caller's lease; the mapping lives as long as `self`.
         unsafe { std::slice::from_raw_parts_mut(map.as_ptr() as *mut u8, map.len()) }
     }

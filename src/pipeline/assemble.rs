@@ -255,14 +255,66 @@ impl StreamPlan {
             .batch_positions(self.order.len(), self.start_cursor, step)
             .map(|position| self.order.sample_at(position))
     }
+
+    /// Where every (sample, field) of stream step `step` lives, row by row (`fields.len()` entries
+    /// per sample, in field order).
+    pub fn placements(&self, step: u64) -> Vec<Placement> {
+        let samples: Vec<u64> = self.batch_samples(step).collect();
+        samples
+            .iter()
+            .flat_map(|&sample| self.fields.iter().map(move |field| (sample, field)))
+            .map(|(sample, field)| {
+                let (shard, start, end) = self.locate(sample, field.field_index);
+                let blocks = self.blocks_for(shard, field.field_index, start, end);
+                Placement {
+                    shard,
+                    start,
+                    end,
+                    blocks,
+                }
+            })
+            .collect()
+    }
+
+    /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
+    /// stream in that shard.
+    fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
+        let shards = &self.dataset.manifest.shards;
+        let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
+        let local = sample - shards[shard].first_sample;
+        let sample_bytes = self.dataset.manifest.fields[field].sample_bytes();
+        (shard, local * sample_bytes, (local + 1) * sample_bytes)
+    }
+
+    /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
+    fn blocks_for(&self, shard: usize, field: usize, start: u64, end: u64) -> std::ops::Range<u32> {
+        let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
+        let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
+        let last = blocks.partition_point(|b| b.raw_offset < end);
+        first as u32..last as u32
+    }
+}
+
+/// Where one field of one sample lives: its shard, its raw byte range in the field's stream there, and
+/// the blocks (indices within the field) that hold the range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Shard index.
+    pub shard: usize,
+    /// First raw byte of the sample in the field's stream.
+    pub start: u64,
+    /// One past the last raw byte.
+    pub end: u64,
+    /// The blocks overlapping `start..end`.
+    pub blocks: std::ops::Range<u32>,
 }
 
 /// Identifies a block: shard, field and block index within the field (ordered by file position).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct BlockKey {
-    shard: u32,
-    field: u32,
-    block: u32,
+pub(crate) struct BlockKey {
+    pub(crate) shard: u32,
+    pub(crate) field: u32,
+    pub(crate) block: u32,
 }
 
 /// A decoded block, or the reason it could not be decoded.
@@ -290,6 +342,9 @@ pub enum FillError {
     /// The storage engine failed.
     #[error(transparent)]
     Storage(#[from] StorageError),
+    /// A device operation failed (GPU backend).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and
@@ -354,46 +409,20 @@ impl Assembler {
         })
     }
 
-    /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
-    /// stream in that shard.
-    fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
-        let shards = &self.plan.dataset.manifest.shards;
-        let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
-        let local = sample - shards[shard].first_sample;
-        let sample_bytes = self.plan.dataset.manifest.fields[field].sample_bytes();
-        (shard, local * sample_bytes, (local + 1) * sample_bytes)
-    }
-
-    /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
-    fn blocks_for(&self, shard: usize, field: usize, start: u64, end: u64) -> std::ops::Range<u32> {
-        let blocks = self.plan.dataset.shards[shard].metadata.field_blocks(field);
-        let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
-        let last = blocks.partition_point(|b| b.raw_offset < end);
-        first as u32..last as u32
-    }
-
     /// Fills `slot` with stream step `step`.
     pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
         self.batch_stamp += 1;
         let plan = Arc::clone(&self.plan);
-        let samples: Vec<u64> = plan.batch_samples(step).collect();
         // Where every (sample, field) of the batch lives, row by row, located once for both passes.
-        let placements: Vec<(usize, u64, u64, std::ops::Range<u32>)> = samples
-            .iter()
-            .flat_map(|&sample| plan.fields.iter().map(move |field| (sample, field)))
-            .map(|(sample, field)| {
-                let (shard, start, end) = self.locate(sample, field.field_index);
-                let blocks = self.blocks_for(shard, field.field_index, start, end);
-                (shard, start, end, blocks)
-            })
-            .collect();
+        let placements = plan.placements(step);
+        let sample_count = placements.len() / plan.fields.len();
         // The blocks the batch needs that are not decoded yet.
         let mut missing: Vec<BlockKey> = Vec::new();
-        for ((shard, _, _, blocks), field) in placements.iter().zip(plan.fields.iter().cycle()) {
-            for block in blocks.clone() {
+        for (placement, field) in placements.iter().zip(plan.fields.iter().cycle()) {
+            for block in placement.blocks.clone() {
                 let key = BlockKey {
-                    shard: *shard as u32,
+                    shard: placement.shard as u32,
                     field: field.field_index as u32,
                     block,
                 };
@@ -411,10 +440,10 @@ impl Assembler {
         let mut replaced = 0u32;
         for (row, row_placements) in placements.chunks_exact(plan.fields.len()).enumerate() {
             let mut corrupt: Option<Arc<String>> = None;
-            for (field, (shard, start, end, blocks)) in plan.fields.iter().zip(row_placements) {
-                let (shard, start, end) = (*shard, *start, *end);
+            for (field, placement) in plan.fields.iter().zip(row_placements) {
+                let (shard, start, end) = (placement.shard, placement.start, placement.end);
                 self.sample.clear();
-                for block_index in blocks.clone() {
+                for block_index in placement.blocks.clone() {
                     let key = BlockKey {
                         shard: shard as u32,
                         field: field.field_index as u32,
@@ -461,7 +490,7 @@ impl Assembler {
         self.metrics.add_gather_time(gather_started.elapsed());
         self.evict();
         Ok(FillReport {
-            samples: samples.len() as u32,
+            samples: sample_count as u32,
             replaced,
         })
     }

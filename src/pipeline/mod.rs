@@ -2,9 +2,11 @@
 //! assembled into slots ([`assemble`]).
 
 pub mod assemble;
+pub mod gpu;
 pub mod order;
 
 pub use assemble::{
-    Assembler, FieldPlan, FillError, FillReport, PlanError, StreamLimits, StreamPlan,
+    Assembler, FieldPlan, FillError, FillReport, PlanError, Placement, StreamLimits, StreamPlan,
 };
+pub use gpu::{GpuAssembler, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};

@@ -1,0 +1,313 @@
+//! Device slots on the client side: the daemon's exported allocations mapped into this process, and
+//! the two interprocess events of each slot (`docs/PROTOCOL.md`, "Slot memory, CUDA backend").
+//!
+//! The driver (`libcuda`) is loaded at run time through cudarc, only when a stream on a CUDA device is
+//! opened, so the crate works on machines without a GPU. Every call's result is checked; a failure
+//! names the call and the driver's error name.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use cudarc::driver::sys as cu;
+
+use crate::protocol::{SlotEvents, IPC_EVENT_HANDLE_BYTES};
+
+/// Every driver entry point this module calls; checked before the first call, because cudarc's loader
+/// panics on a missing symbol.
+const DRIVER_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuGetErrorName",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuMemGetAllocationGranularity",
+    "cuMemImportFromShareableHandle",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemRelease",
+    "cuIpcOpenEventHandle",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuStreamWaitEvent",
+    "cuStreamSynchronize",
+    "cuMemcpyDtoH_v2",
+];
+
+/// A driver call failed, or the driver cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CudaError(pub String);
+
+fn check(call: &'static str, code: cu::CUresult) -> Result<(), CudaError> {
+    if code == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut text: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or fails.
+    let rc = unsafe { cu::cuGetErrorName(code, &mut text) };
+    let name = if rc == cu::CUresult::CUDA_SUCCESS && !text.is_null() {
+        // SAFETY: a NUL-terminated static string from the driver.
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        format!("{code:?}")
+    };
+    Err(CudaError(format!("{call} failed: {name}")))
+}
+
+/// Checks that `libcuda` loads and has every symbol this module calls.
+fn probe_driver() -> Result<(), CudaError> {
+    // SAFETY: only tries to dlopen the library under its known names.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(CudaError(
+            "libcuda could not be loaded (no NVIDIA driver, or its folder is not on the loader path)"
+                .into(),
+        ));
+    }
+    // SAFETY: the library loads; culib() keeps it open for the process.
+    let library = unsafe { cu::culib() };
+    let missing: Vec<&str> = DRIVER_SYMBOLS
+        .iter()
+        .copied()
+        // SAFETY: only the symbol's presence is tested.
+        .filter(|name| unsafe { library.get::<unsafe extern "C" fn()>(*name) }.is_err())
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CudaError(format!(
+            "the CUDA driver is too old: it lacks {}",
+            missing.join(", ")
+        )))
+    }
+}
+
+/// One imported slot.
+#[derive(Debug)]
+struct MappedSlot {
+    handle: cu::CUmemGenericAllocationHandle,
+    ptr: cu::CUdeviceptr,
+    reserved_bytes: usize,
+    mapped_bytes: usize,
+    ready: cu::CUevent,
+    released: cu::CUevent,
+}
+
+/// A stream's device slots, mapped read-write in this process on the daemon's device.
+#[derive(Debug)]
+pub(crate) struct DeviceSlots {
+    device: cu::CUdevice,
+    context: cu::CUcontext,
+    slots: Vec<MappedSlot>,
+}
+
+// SAFETY: the handles are opaque driver values; the driver API is thread-safe, and every call first
+// makes the context current on the calling thread.
+unsafe impl Send for DeviceSlots {}
+// SAFETY: as above; shared references only issue driver calls.
+unsafe impl Sync for DeviceSlots {}
+
+impl DeviceSlots {
+    /// Maps the `fds` (exported allocations of at least `slot_bytes`) on CUDA device `ordinal` and
+    /// opens the slots' events. Everything made is released again if a step fails.
+    pub(crate) fn import(
+        ordinal: u32,
+        slot_bytes: usize,
+        fds: Vec<OwnedFd>,
+        events: &[SlotEvents],
+    ) -> Result<DeviceSlots, CudaError> {
+        assert_eq!(fds.len(), events.len());
+        probe_driver()?;
+        // SAFETY: plain driver calls with valid out-pointers.
+        let (device, context) = unsafe {
+            check("cuInit", cu::cuInit(0))?;
+            let mut device: cu::CUdevice = 0;
+            check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal as i32))?;
+            let mut context: cu::CUcontext = std::ptr::null_mut();
+            check(
+                "cuDevicePrimaryCtxRetain",
+                cu::cuDevicePrimaryCtxRetain(&mut context, device),
+            )?;
+            (device, context)
+        };
+        let mut slots = DeviceSlots {
+            device,
+            context,
+            slots: Vec::with_capacity(fds.len()),
+        };
+        slots.bind()?;
+        // SAFETY: CUmemAllocationProp is plain data; all-zero is valid before the fields are set.
+        let mut prop: cu::CUmemAllocationProp = unsafe { MaybeUninit::zeroed().assume_init() };
+        prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = ordinal as i32;
+        let mut granularity = 0usize;
+        // SAFETY: reads `prop`, writes one size.
+        check("cuMemGetAllocationGranularity", unsafe {
+            cu::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        let mapped_bytes = slot_bytes.max(1).div_ceil(granularity) * granularity;
+        for (fd, handles) in fds.iter().zip(events) {
+            // Pushed piece by piece so that Drop releases whatever a failure leaves behind.
+            let mut slot = MappedSlot {
+                handle: 0,
+                ptr: 0,
+                reserved_bytes: 0,
+                mapped_bytes: 0,
+                ready: std::ptr::null_mut(),
+                released: std::ptr::null_mut(),
+            };
+            let result = (|| {
+                // SAFETY: the context is current; the descriptor is open for the call; each step
+                // uses what the previous produced and is undone by Drop.
+                unsafe {
+                    check(
+                        "cuMemImportFromShareableHandle",
+                        cu::cuMemImportFromShareableHandle(
+                            &mut slot.handle,
+                            fd.as_raw_fd() as isize as *mut c_void,
+                            cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        ),
+                    )?;
+                    check(
+                        "cuMemAddressReserve",
+                        cu::cuMemAddressReserve(&mut slot.ptr, mapped_bytes, granularity, 0, 0),
+                    )?;
+                    slot.reserved_bytes = mapped_bytes;
+                    check(
+                        "cuMemMap",
+                        cu::cuMemMap(slot.ptr, mapped_bytes, 0, slot.handle, 0),
+                    )?;
+                    slot.mapped_bytes = mapped_bytes;
+                    let mut access: cu::CUmemAccessDesc = MaybeUninit::zeroed().assume_init();
+                    access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                    access.location.id = ordinal as i32;
+                    access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                    check(
+                        "cuMemSetAccess",
+                        cu::cuMemSetAccess(slot.ptr, mapped_bytes, &access, 1),
+                    )?;
+                    slot.ready = open_event(&handles.ready)?;
+                    slot.released = open_event(&handles.released)?;
+                }
+                Ok::<(), CudaError>(())
+            })();
+            slots.slots.push(slot);
+            result?;
+        }
+        Ok(slots)
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: the context was retained in `import` and is released only in Drop.
+        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.context) })
+    }
+
+    /// The device address of `slot`.
+    pub(crate) fn ptr(&self, slot: u32) -> u64 {
+        self.slots[slot as usize].ptr
+    }
+
+    /// Makes `stream` wait (on the device) for the daemon's fill of `slot`.
+    pub(crate) fn wait_ready(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the event is live; the caller vouched for the stream (Stream::set_cuda_stream).
+        check("cuStreamWaitEvent", unsafe {
+            cu::cuStreamWaitEvent(stream, self.slots[slot as usize].ready, 0)
+        })
+    }
+
+    /// Records on `stream` that the consumer is done with `slot`; the daemon's stream waits on it
+    /// before writing the slot again. If recording fails, waits for `stream` on the host instead, so
+    /// that the slot is never released while work still reads it.
+    pub(crate) fn release(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: as in wait_ready.
+        let recorded = check("cuEventRecord", unsafe {
+            cu::cuEventRecord(self.slots[slot as usize].released, stream)
+        });
+        if recorded.is_err() {
+            // SAFETY: as above.
+            check("cuStreamSynchronize", unsafe {
+                cu::cuStreamSynchronize(stream)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes at `ptr` (inside `slot`) to the host once the slot's fill is done.
+    pub(crate) fn copy_to_host(&self, slot: u32, ptr: u64, out: &mut [u8]) -> Result<(), CudaError> {
+        let mapped = &self.slots[slot as usize];
+        assert!(ptr >= mapped.ptr && ptr + out.len() as u64 <= mapped.ptr + mapped.mapped_bytes as u64);
+        self.bind()?;
+        // SAFETY: the event is live; the range was checked to lie in the mapped slot.
+        unsafe {
+            check("cuEventSynchronize", cu::cuEventSynchronize(mapped.ready))?;
+            if !out.is_empty() {
+                check(
+                    "cuMemcpyDtoH_v2",
+                    cu::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, out.len()),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Opens an interprocess event from its 64 handle bytes.
+///
+/// # Safety
+/// A context is current.
+unsafe fn open_event(bytes: &[u8; IPC_EVENT_HANDLE_BYTES]) -> Result<cu::CUevent, CudaError> {
+    let handle = cu::CUipcEventHandle {
+        reserved: bytes.map(|b| b as c_char),
+    };
+    let mut event: cu::CUevent = std::ptr::null_mut();
+    check(
+        "cuIpcOpenEventHandle",
+        cu::cuIpcOpenEventHandle(&mut event, handle),
+    )?;
+    Ok(event)
+}
+
+impl Drop for DeviceSlots {
+    fn drop(&mut self) {
+        let _ = self.bind();
+        for slot in &self.slots {
+            // SAFETY: each resource was made in `import` and is torn down once, in reverse order; null
+            // or zero values mark the steps that never happened.
+            unsafe {
+                if !slot.released.is_null() {
+                    let _ = cu::cuEventDestroy_v2(slot.released);
+                }
+                if !slot.ready.is_null() {
+                    let _ = cu::cuEventDestroy_v2(slot.ready);
+                }
+                if slot.mapped_bytes > 0 {
+                    let _ = cu::cuMemUnmap(slot.ptr, slot.mapped_bytes);
+                }
+                if slot.reserved_bytes > 0 {
+                    let _ = cu::cuMemAddressFree(slot.ptr, slot.reserved_bytes);
+                }
+                if slot.handle != 0 {
+                    let _ = cu::cuMemRelease(slot.handle);
+                }
+            }
+        }
+        // SAFETY: retained once in `import`.
+        let _ = unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.device) };
+    }
+}
