@@ -25,7 +25,8 @@ use clap::{Parser, ValueEnum};
 use gpufeed::input::write_npy;
 use gpufeed_client::consumer::{Batch, Client};
 use gpufeed_client::protocol::{
-    CorruptPolicy, FieldRequest, Shuffle, StreamLayout, StreamSpec, Tail,
+    monotonic_ns, Backend, CorruptPolicy, Device, FieldRequest, Shuffle, StreamLayout, StreamSpec,
+    Tail,
 };
 use gpufeed_client::DType;
 
@@ -95,6 +96,10 @@ struct Args {
     /// test kill a consumer that holds slots.
     #[arg(long, value_name = "N")]
     hold_after: Option<u64>,
+    /// Where the batches should live: `cpu` (host memory), `cuda:N`, or `auto` (cuda:0 when the
+    /// daemon runs on a GPU, else host memory).
+    #[arg(long, default_value = "auto")]
+    device: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -202,8 +207,16 @@ struct Totals {
 }
 
 fn run(args: &Args) -> Result<()> {
-    let spec = build_spec(args, &field_names(args)?);
+    let mut spec = build_spec(args, &field_names(args)?);
     let client = Client::connect(&args.socket)?;
+    spec.device = match args.device.as_str() {
+        "auto" if client.backend() == Backend::Cuda => Device::Cuda(0),
+        "auto" | "cpu" => Device::Cpu,
+        other => match other.strip_prefix("cuda:").map(str::parse::<u32>) {
+            Some(Ok(ordinal)) => Device::Cuda(ordinal),
+            _ => bail!("--device {other}: expected auto, cpu or cuda:N"),
+        },
+    };
     let mut stream = client
         .open_stream(spec)
         .with_context(|| format!("opening a stream of dataset {:?}", args.dataset))?;
@@ -218,6 +231,7 @@ fn run(args: &Args) -> Result<()> {
     // daemon always has a slot to fill.
     let slot_count = stream.layout().slot_count as usize;
     let mut held: VecDeque<Batch> = VecDeque::with_capacity(slot_count);
+    let mut handoff_ns: Vec<u64> = Vec::new();
     let started = Instant::now();
     let limit = args.steps.unwrap_or(u64::MAX);
     while totals.batches < limit {
@@ -227,20 +241,21 @@ fn run(args: &Args) -> Result<()> {
         totals.batches += 1;
         totals.samples += u64::from(batch.samples());
         totals.replaced += u64::from(batch.replaced());
+        handoff_ns.push(monotonic_ns().saturating_sub(batch.info().ready_ns));
         totals.bytes += batch
             .fields()
-            .map(|field| field.bytes.len() as u64)
+            .map(|field| field.byte_len() as u64)
             .sum::<u64>();
         if dump_geometry.is_some() {
             let field = batch
                 .field(&dump_field)
                 .expect("every batch has the layout's fields");
-            if dump_bytes.len() as u64 + field.bytes.len() as u64 > DUMP_BYTES_MAX {
+            if dump_bytes.len() as u64 + field.byte_len() as u64 > DUMP_BYTES_MAX {
                 bail!(
                     "--dump: more than {DUMP_BYTES_MAX} bytes of field {dump_field:?}; pass --steps to dump fewer batches"
                 );
             }
-            dump_bytes.extend_from_slice(field.bytes);
+            field.copy_to_host(&mut dump_bytes)?;
         }
         if let Some(hold_after) = args.hold_after {
             if totals.batches <= hold_after {
@@ -256,6 +271,7 @@ fn run(args: &Args) -> Result<()> {
     }
     let seconds = started.elapsed().as_secs_f64();
     let cursor = stream.state().cursor;
+    let spec_device = stream.spec().device;
     drop(stream);
 
     if let (Some(path), Some((dtype, sample_shape))) = (&args.dump, dump_geometry) {
@@ -274,9 +290,22 @@ fn run(args: &Args) -> Result<()> {
             "seconds": seconds,
             "cursor": cursor,
             "replaced": totals.replaced,
+            "device": format!("{:?}", spec_device),
+            "handoff_us_p50": quantile_us(&mut handoff_ns, 0.50),
+            "handoff_us_p99": quantile_us(&mut handoff_ns, 0.99),
         })
     );
     Ok(())
+}
+
+/// The `q` quantile of `values` (nanoseconds) in microseconds; null when there are none.
+fn quantile_us(values: &mut [u64], q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_unstable();
+    let index = ((values.len() - 1) as f64 * q).round() as usize;
+    Some(values[index] as f64 / 1e3)
 }
 
 /// Announces the held batches on stdout and blocks until stdin reaches its end.

@@ -105,6 +105,7 @@ fn main() -> Result<()> {
             slot_memory_bytes_max: 4 << 30,
             stream_limits: limits,
             metrics: Arc::clone(&metrics),
+            gpu: None,
         },
         registry,
     )?;
@@ -117,7 +118,7 @@ fn main() -> Result<()> {
         for field in batch.fields() {
             // Touch the bytes as a trainer's copy to the device would.
             checksum =
-                checksum.wrapping_add(field.bytes.iter().step_by(64).map(|&b| b as u64).sum());
+                checksum.wrapping_add(field.host_bytes().expect("host memory").iter().step_by(64).map(|&b| b as u64).sum());
         }
         batches += 1;
     }

@@ -161,9 +161,9 @@ pub fn run(dir: Option<&Path>, samples: u64) -> Result<()> {
             .field("embedding")
             .context("batch without 'embedding'")?;
         let tokens = batch.field("tokens").context("batch without 'tokens'")?;
-        embedding_out.extend_from_slice(embedding.bytes);
-        tokens_out.extend_from_slice(tokens.bytes);
-        served_bytes += (embedding.bytes.len() + tokens.bytes.len()) as u64;
+        embedding.copy_to_host(&mut embedding_out)?;
+        tokens.copy_to_host(&mut tokens_out)?;
+        served_bytes += (embedding.byte_len() + tokens.byte_len()) as u64;
         batches += 1;
     }
     let serve_seconds = started.elapsed().as_secs_f64();

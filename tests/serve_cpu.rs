@@ -103,7 +103,8 @@ fn sample_ids(socket: &Path, spec: StreamSpec, limit: Option<usize>) -> (Vec<Vec
         let batch = batch.unwrap();
         let tok = batch.field("tok").unwrap();
         let ids: Vec<i32> = tok
-            .bytes
+            .host_bytes()
+            .unwrap()
             .chunks_exact(16)
             .map(|c| i32::from_le_bytes(c[..4].try_into().unwrap()))
             .collect();
@@ -146,8 +147,8 @@ fn a_whole_epoch_equals_the_source_bit_for_bit() {
         let field = batch.field("emb").unwrap();
         assert_eq!(field.dtype, DType::F32);
         assert_eq!(field.shape, &[50, EMB_DIM]);
-        emb.extend_from_slice(field.bytes);
-        tok.extend_from_slice(batch.field("tok").unwrap().bytes);
+        emb.extend_from_slice(field.host_bytes().unwrap());
+        tok.extend_from_slice(batch.field("tok").unwrap().host_bytes().unwrap());
         steps += 1;
     }
     assert_eq!(steps, 20);
@@ -479,7 +480,8 @@ fn corrupt_blocks_fail_the_stream_or_are_replaced_keeping_ranks_in_step() {
             if batch.replaced() > 0 {
                 let tok = batch.field("tok").unwrap();
                 let zero_samples = tok
-                    .bytes
+                    .host_bytes()
+                    .unwrap()
                     .chunks_exact(16)
                     .filter(|c| c.iter().all(|&b| b == 0))
                     .count();

@@ -24,7 +24,7 @@
 //! for batch in &mut stream {
 //!     let batch = batch?;
 //!     let ids = batch.field("ids").expect("the dataset has an ids field");
-//!     println!("step {}: {} bytes of {} {:?}", batch.step(), ids.bytes.len(), ids.dtype, ids.shape);
+//!     println!("step {}: {} bytes of {} {:?}", batch.step(), ids.byte_len(), ids.dtype, ids.shape);
 //! }
 //! let checkpoint = stream.state(); // resume later, at any world size, with StreamSpec::resume
 //! # let _ = checkpoint;

@@ -1001,6 +1001,6 @@ mod tests {
             Message::decode(&[3, 0, 1, 0]),
             Err(DecodeError::Version { found: 3 })
         );
-        assert_eq!(Message::decode(&[1, 0, 99, 0]), Err(DecodeError::Kind(99)));
+        assert_eq!(Message::decode(&[2, 0, 99, 0]), Err(DecodeError::Kind(99)));
     }
 }

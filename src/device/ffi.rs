@@ -136,6 +136,7 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventElapsedTime_v2",
     "cuEventDestroy_v2",
     "cuIpcGetEventHandle",
+    "cuMemGetInfo_v2",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemAllocHost_v2",
@@ -622,6 +623,19 @@ pub unsafe fn event_destroy(event: cu::CUevent) -> DriverResult<()> {
 
 // ---------------------------------------------------------------------------------------------------
 // Memory ("Memory Management")
+
+/// `cuMemGetInfo`: (free, total) bytes of the current context's device.
+///
+/// # Safety
+/// A context is current on the calling thread.
+pub unsafe fn mem_get_info() -> DriverResult<(usize, usize)> {
+    let (mut free, mut total) = (0usize, 0usize);
+    check(
+        "cuMemGetInfo_v2",
+        cu::cuMemGetInfo_v2(&mut free, &mut total),
+    )?;
+    Ok((free, total))
+}
 
 /// `cuMemAlloc`.
 ///
