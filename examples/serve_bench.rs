@@ -3,7 +3,14 @@
 //!
 //! ```text
 //! cargo run --release --example serve_bench -- [--samples 131072] [--batch-size 256]
+//! serve_bench --device cuda:0 --consume-bin PATH [--dir DIR] [--samples N] [--batch-size B]
 //! ```
+//! With `--device cuda:N` it measures the GPU backend per data kind (fp16 embeddings delivered as
+//! f32; zipf int32 tokens, LZ4-compressed): the pipeline alone (the GPU assembler filling device
+//! slots, each batch complete before the next starts, as the daemon's filler does) against a consumer
+//! *process* (the `consume` example, mapping the exported slots) pulling the same stream through the
+//! socket, with the hand-off latency that process measured from each batch's `ready_ns`. Each kind runs
+//! twice, the first run warming the page cache; both are printed.
 //! Prints one JSON line. The dataset is generated (embedding-like fp16[256] delivered as f32, and
 //! zipf int32 tokens[128]) and packed into a temporary directory.
 
@@ -31,10 +38,22 @@ struct Args {
     /// Samples per batch.
     #[arg(long, default_value_t = 256)]
     batch_size: u32,
+    /// `cpu` (in-process consumer) or `cuda:N` (consumer process, see --consume-bin).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// The `consume` example binary (GPU mode).
+    #[arg(long)]
+    consume_bin: Option<std::path::PathBuf>,
+    /// Where the dataset is packed (default: a temporary directory).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let Some(ordinal) = args.device.strip_prefix("cuda:") {
+        return gpu::run(&args, ordinal.parse()?);
+    }
     let dir = tempfile::tempdir()?;
     let fields = vec![
         FieldSource::from_bytes(
@@ -139,4 +158,174 @@ fn main() -> Result<()> {
         })
     );
     Ok(())
+}
+
+mod gpu {
+    //! The GPU mode.
+
+    use std::process::Command;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use anyhow::{Context, Result};
+    use gpufeed::device::{Event, ExportableBuffer};
+    use gpufeed::format::Dataset;
+    use gpufeed::input::FieldSource;
+    use gpufeed::ipc::{GpuServing, Server, ServerConfig};
+    use gpufeed::metrics::Metrics;
+    use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
+    use gpufeed::pipeline::{GpuAssembler, StreamLimits, StreamPlan};
+    use gpufeed::registry::Registry;
+    use gpufeed::storage::gpu::GpuReader;
+    use gpufeed::storage::EngineMode;
+    use gpufeed::synth;
+    use gpufeed_client::protocol::{Device, FieldRequest, StreamSpec};
+    use gpufeed_client::DType;
+
+    use super::Args;
+
+    pub fn run(args: &Args, ordinal: u32) -> Result<()> {
+        let consume = args
+            .consume_bin
+            .clone()
+            .context("--device cuda:N needs --consume-bin")?;
+        let temp = tempfile::tempdir()?;
+        let root = args.dir.clone().unwrap_or_else(|| temp.path().to_path_buf());
+        let serving = Arc::new(GpuServing::open(ordinal, EngineMode::Auto)?);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let kinds: [(&str, FieldSource, Option<DType>); 2] = [
+            (
+                "emb",
+                FieldSource::from_bytes(
+                    "data",
+                    DType::F16,
+                    vec![1024],
+                    synth::embedding_f16((args.samples * 1024) as usize, 1),
+                )?,
+                Some(DType::F32),
+            ),
+            (
+                "tok",
+                FieldSource::from_bytes(
+                    "data",
+                    DType::I32,
+                    vec![512],
+                    synth::zipf_tokens_i32((args.samples * 512) as usize, 2),
+                )?,
+                None,
+            ),
+        ];
+        let registry = Arc::new(Registry::new());
+        let mut datasets = Vec::new();
+        for (name, field, dtype) in kinds {
+            let dir = root.join(format!("serve-bench-{name}"));
+            let options = PackOptions {
+                name: format!("serve-bench-{name}"),
+                block_bytes: 64 << 10,
+                samples_per_shard: None,
+                codec: CodecChoice::Auto,
+                shuffle: ShuffleChoice::Auto,
+                on_existing: OnExisting::Replace,
+                threads,
+            };
+            pack::pack(&dir, &[field], &options, &Quiet)?;
+            let dataset = Arc::new(Dataset::open(&dir)?);
+            registry
+                .insert_shared(Arc::clone(&dataset))
+                .map_err(anyhow::Error::msg)?;
+            datasets.push((name, dataset, dtype));
+        }
+        let metrics = Arc::new(Metrics::new());
+        let socket = root.join("serve-bench.sock");
+        let server = Server::bind(
+            ServerConfig {
+                socket_path: socket.clone(),
+                allowed_uids: vec![nix::unistd::getuid().as_raw()],
+                sessions_max: 4,
+                slot_memory_bytes_max: 16 << 30,
+                stream_limits: StreamLimits::node_defaults(),
+                metrics: Arc::clone(&metrics),
+                gpu: Some(Arc::clone(&serving)),
+            },
+            registry,
+        )?;
+        std::thread::spawn(move || server.run());
+        let limits = StreamLimits::node_defaults();
+        for (name, dataset, dtype) in &datasets {
+            let mut spec = StreamSpec::new(dataset.manifest.name.clone(), args.batch_size);
+            spec.fields = vec![FieldRequest {
+                name: "data".into(),
+                dtype: *dtype,
+            }];
+            spec.device = Device::Cuda(ordinal);
+            let plan = Arc::new(StreamPlan::new(Arc::clone(dataset), &spec, &limits)?);
+            let delivered: u64 = plan.fields[0].sample_bytes_out as u64
+                * args.batch_size as u64
+                * plan.steps;
+            let stored: u64 = dataset.manifest.shards.iter().map(|s| s.file_bytes).sum();
+            for run in 0..2 {
+                // The pipeline alone, into a ring of four exportable slots.
+                let reader = GpuReader::new(&serving.device, serving.reader_limits)?;
+                let mut assembler = GpuAssembler::new(
+                    Arc::clone(&plan),
+                    Arc::clone(&serving.kernels),
+                    reader,
+                    serving.choice,
+                    &serving.stream_limits,
+                    Arc::new(Metrics::new()),
+                )?;
+                let slots: Vec<(ExportableBuffer, Event, Event)> = (0..4)
+                    .map(|_| {
+                        Ok((
+                            ExportableBuffer::new(&serving.device, plan.slot_bytes)?,
+                            Event::new_interprocess(&serving.device)?,
+                            Event::new_interprocess(&serving.device)?,
+                        ))
+                    })
+                    .collect::<Result<_, gpufeed::device::DeviceError>>()?;
+                let started = Instant::now();
+                for step in 0..plan.steps {
+                    let (slot, ready, released) = &slots[(step % 4) as usize];
+                    assembler.fill(step, slot, released)?;
+                    ready.record(assembler.stream())?;
+                    ready.synchronize()?;
+                }
+                let pipeline_seconds = started.elapsed().as_secs_f64();
+                drop(assembler);
+                // A consumer process through the socket.
+                let output = Command::new(&consume)
+                    .arg("--socket")
+                    .arg(&socket)
+                    .args(["--dataset", &dataset.manifest.name])
+                    .args(["--batch-size", &args.batch_size.to_string()])
+                    .args(["--device", &format!("cuda:{ordinal}")])
+                    .args(dtype.map(|d| vec!["--dtype".to_string(), d.to_string()]).unwrap_or_default())
+                    .output()?;
+                anyhow::ensure!(output.status.success(), "consume failed: {output:?}");
+                let line = String::from_utf8(output.stdout)?;
+                let consumer: serde_json::Value =
+                    serde_json::from_str(line.lines().last().context("no output")?)?;
+                let consumer_seconds = consumer["seconds"].as_f64().context("seconds")?;
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "kind": name,
+                        "run": run,
+                        "device": format!("cuda:{ordinal}"),
+                        "batch_size": args.batch_size,
+                        "batches": plan.steps,
+                        "stored_bytes": stored,
+                        "delivered_bytes": delivered,
+                        "pipeline_gb_per_s": delivered as f64 / pipeline_seconds / 1e9,
+                        "consumer_gb_per_s": delivered as f64 / consumer_seconds / 1e9,
+                        "consumer_over_pipeline": pipeline_seconds / consumer_seconds,
+                        "consumer_bytes": consumer["bytes"],
+                        "handoff_us_p50": consumer["handoff_us_p50"],
+                        "handoff_us_p99": consumer["handoff_us_p99"],
+                    })
+                );
+            }
+        }
+        Ok(())
+    }
 }

@@ -287,6 +287,13 @@ impl Device {
         &self.inner.modules
     }
 
+    /// Free and total bytes of the device's memory, as the driver reports them (all processes).
+    pub fn memory_info(&self) -> Result<(usize, usize), DeviceError> {
+        self.bind()?;
+        // SAFETY: the device's context is current.
+        Ok(unsafe { ffi::mem_get_info() }?)
+    }
+
     /// Whether two handles are the same device context.
     pub fn same_as(&self, other: &Device) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

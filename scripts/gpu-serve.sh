@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after scripts/gpu-stage-serve.sh staged .gpu/serve/ here:
+#   1. the GPU serving tests (two consumer processes, bit-exact against the source and the CPU backend,
+#      corrupt blocks, 100 killed consumers and device memory back to its baseline);
+#   2. the serving benchmark: pipeline alone against a consumer process, hand-off latency.
+# Logs go to $OUT; a short summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpufeed-serve}"
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export GPUFEED_CACHE_DIR=/var/tmp/gpufeed-kernels
+bin="$PWD/.gpu/serve/bin"
+export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
+export TMPDIR=/var/tmp
+log="$OUT/serve.log"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv; } >"$log" 2>&1
+mkdir -p /run/udev/data
+printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+
+echo "=== gpu_serve tests" >>"$log"
+timeout "${SERVE_TEST_TIMEOUT:-300}" "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1 >>"$log" 2>&1
+echo "tests exit $?" | tee -a "$log"
+
+bench="$OUT/serve_bench.jsonl"
+: >"$bench"
+for batch in ${SERVE_BATCHES:-1024 4096}; do
+  echo "=== serve_bench batch $batch" >>"$log"
+  timeout 200 "$bin/serve_bench" --device cuda:0 --consume-bin "$bin/consume" --dir /var/tmp \
+    --samples "${SERVE_SAMPLES:-524288}" --batch-size "$batch" >>"$bench" 2>>"$log"
+  echo "bench exit $?" >>"$log"
+done
+grep -E "^test |test result|exit" "$log" | tail -20
+cat "$bench"

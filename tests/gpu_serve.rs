@@ -1,0 +1,370 @@
+//! The daemon end to end on the GPU backend: `gpufeed serve --device cuda:0` as a child process,
+//! consumers as separate processes (the `consume` example) that map the device slots the daemon
+//! exports. Covers bit-exact values in device memory (against the source and against the CPU backend,
+//! for two concurrent consumers, in dataset order and shuffled, compressed and raw fields), the
+//! corrupt-block policies, and device memory returning to its baseline after 100 consumers were killed
+//! while holding slots.
+//!
+//! Run on a CUDA machine: `cargo test --release --test gpu_serve -- --include-ignored`. Where the test
+//! binary runs away from its build tree, `GPUFEED_BIN` and `GPUFEED_CONSUME_BIN` name the `gpufeed`
+//! binary and the `consume` example.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpufeed::device::Device;
+use gpufeed::format::Dataset;
+use gpufeed_client::consumer::Client;
+use gpufeed_client::DType;
+
+const SAMPLES: u64 = 6000;
+const EMB_DIM: u64 = 256;
+const TOK_LEN: u64 = 128;
+
+fn binary(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
+    std::env::var_os(env).map_or_else(fallback, PathBuf::from)
+}
+
+fn gpufeed_bin() -> PathBuf {
+    binary("GPUFEED_BIN", || PathBuf::from(env!("CARGO_BIN_EXE_gpufeed")))
+}
+
+fn consume_bin() -> PathBuf {
+    binary("GPUFEED_CONSUME_BIN", || {
+        let exe = std::env::current_exe().unwrap();
+        exe.parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .join("examples")
+            .join("consume")
+    })
+}
+
+/// The daemon as a child process; killed when dropped.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_daemon(root: &Path, device: &str) -> Daemon {
+    let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
+    let mut child = Command::new(gpufeed_bin())
+        .args(["serve", "--data-root"])
+        .arg(root)
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--device", device, "--http", "off"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start gpufeed serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("gpufeed: serving"), "daemon said {line:?}");
+    Daemon { child, socket }
+}
+
+/// Token field: zipf-like small integers (compressible: LZ4 blocks, byte-shuffled where it pays),
+/// with sample i's first element equal to i so that order can be checked.
+fn token_bytes() -> Vec<u8> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut out = Vec::with_capacity((SAMPLES * TOK_LEN * 4) as usize);
+    for i in 0..SAMPLES {
+        for j in 0..TOK_LEN {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let value = if j == 0 {
+                i as i32
+            } else {
+                // Heavy-tailed: mostly small ids.
+                let u = ((state >> 33) as f64 + 1.0) / (1u64 << 31) as f64;
+                (1.0 / u.powf(0.8)) as i32 % 50_000
+            };
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    out
+}
+
+fn embedding_bytes() -> Vec<u8> {
+    gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, 11)
+}
+
+fn pack_dataset(root: &Path) -> PathBuf {
+    let dir = root.join("mixed");
+    let fields = vec![
+        common::field("emb", DType::F16, &[EMB_DIM], embedding_bytes()),
+        common::field("tok", DType::I32, &[TOK_LEN], token_bytes()),
+    ];
+    common::pack_fields(&dir, &fields, &common::options("mixed", 64 << 10, Some(1000)));
+    dir
+}
+
+/// Runs the consume example against `socket` with `args` and `--dump`, returning the dumped payload
+/// (the .npy data after its header) and the final JSON line.
+fn consume_dump(socket: &Path, device: &str, args: &[&str], dump: &Path) -> Child {
+    Command::new(consume_bin())
+        .arg("--socket")
+        .arg(socket)
+        .args(["--dataset", "mixed", "--device", device])
+        .args(args)
+        .arg("--dump")
+        .arg(dump)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the consume example")
+}
+
+fn finish(child: Child) -> serde_json::Value {
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "consume failed: {output:?}");
+    let text = String::from_utf8(output.stdout).unwrap();
+    serde_json::from_str(text.lines().last().unwrap()).unwrap()
+}
+
+fn npy_payload(path: &Path) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap();
+    let header = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    bytes[10 + header..].to_vec()
+}
+
+fn f16_to_f32_bytes(bytes: &[u8]) -> Vec<u8> {
+    bytes
+        .chunks_exact(2)
+        .flat_map(|c| {
+            half::f16::from_le_bytes([c[0], c[1]])
+                .to_f32()
+                .to_le_bytes()
+        })
+        .collect()
+}
+
+/// The same requests from the GPU and the CPU backend, two consumer processes at once on the GPU.
+fn compare_backends(root: &Path, requests: &[(&str, Vec<&str>)]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let gpu = start_daemon(root, "cuda:0");
+    let cpu = start_daemon(root, "cpu");
+    let dumps = root.join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    let gpu_children: Vec<Child> = requests
+        .iter()
+        .map(|(name, args)| {
+            consume_dump(
+                &gpu.socket,
+                "cuda:0",
+                args,
+                &dumps.join(format!("{name}-gpu.npy")),
+            )
+        })
+        .collect();
+    for child in gpu_children {
+        let line = finish(child);
+        assert!(line["device"].as_str().unwrap().contains("Cuda"), "{line}");
+    }
+    for (name, args) in requests {
+        finish(consume_dump(
+            &cpu.socket,
+            "cpu",
+            args,
+            &dumps.join(format!("{name}-cpu.npy")),
+        ));
+    }
+    requests
+        .iter()
+        .map(|(name, _)| {
+            (
+                npy_payload(&dumps.join(format!("{name}-gpu.npy"))),
+                npy_payload(&dumps.join(format!("{name}-cpu.npy"))),
+            )
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_batches_equal_the_source_and_the_cpu_backend() {
+    let root = tempfile::tempdir().unwrap();
+    pack_dataset(root.path());
+    let requests = vec![
+        (
+            "emb-f32-ordered",
+            vec!["--batch-size", "100", "--field", "emb", "--dtype", "f32"],
+        ),
+        (
+            "tok-shuffled",
+            vec![
+                "--batch-size",
+                "64",
+                "--field",
+                "tok",
+                "--shuffle",
+                "full",
+                "--seed",
+                "7",
+            ],
+        ),
+        (
+            "tok-window-rank1",
+            vec![
+                "--batch-size",
+                "50",
+                "--field",
+                "tok",
+                "--shuffle",
+                "window",
+                "--window-shards",
+                "2",
+                "--rank",
+                "1",
+                "--world",
+                "3",
+                "--dtype",
+                "f32",
+            ],
+        ),
+    ];
+    let dumps = compare_backends(root.path(), &requests);
+    for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
+        assert!(!gpu.is_empty(), "{name}: nothing dumped");
+        assert!(gpu == cpu, "{name}: GPU and CPU backends differ");
+    }
+    // And against the source itself: the ordered embedding epoch is the source converted by `half`.
+    assert_eq!(dumps[0].0, f16_to_f32_bytes(&embedding_bytes()));
+    // The shuffled token epoch holds every sample exactly once (first element = sample id).
+    let mut ids: Vec<i32> = dumps[1]
+        .0
+        .chunks_exact((TOK_LEN * 4) as usize)
+        .map(|s| i32::from_le_bytes(s[..4].try_into().unwrap()))
+        .collect();
+    assert_ne!(ids, (0..ids.len() as i32).collect::<Vec<_>>(), "not shuffled");
+    ids.sort_unstable();
+    assert_eq!(ids, (0..(SAMPLES as i32 / 64 * 64)).collect::<Vec<_>>());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn corrupt_blocks_are_handled_like_the_cpu_backend() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = pack_dataset(root.path());
+    // Flip a byte in the middle of a compressed token block of shard 3, and in a raw embedding block.
+    let dataset = Dataset::open(&dir).unwrap();
+    let shard = &dataset.shards[3];
+    let tok = shard.metadata.field_blocks(dataset.field_index("tok").unwrap())[1];
+    let emb = shard.metadata.field_blocks(dataset.field_index("emb").unwrap())[2];
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(tok.stored_offset + tok.stored_bytes as u64 / 2) as usize] ^= 0x5A;
+    bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
+    std::fs::write(&shard.path, bytes).unwrap();
+    let requests = vec![(
+        "replace",
+        vec![
+            "--batch-size",
+            "100",
+            "--on-corrupt",
+            "replace",
+            "--field",
+            "tok",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+        ],
+    )];
+    let dumps = compare_backends(root.path(), &requests);
+    assert!(dumps[0].0 == dumps[0].1, "GPU and CPU substitutes differ");
+    // With `fail`, the GPU stream ends with an error naming the shard.
+    let gpu = start_daemon(root.path(), "cuda:0");
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args(["--dataset", "mixed", "--device", "cuda:0", "--batch-size", "100"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
+}
+
+fn wait_for_no_slots(socket: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = Client::connect(socket).unwrap().status().unwrap();
+        if status.slots_allocated == 0 && status.streams == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "slots never reclaimed: {status:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_memory_returns_to_baseline_after_100_killed_consumers() {
+    let root = tempfile::tempdir().unwrap();
+    pack_dataset(root.path());
+    let daemon = start_daemon(root.path(), "cuda:0");
+    let device = Device::open(0).unwrap();
+    let spawn = || {
+        Command::new(consume_bin())
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .args([
+                "--dataset",
+                "mixed",
+                "--device",
+                "cuda:0",
+                "--batch-size",
+                "200",
+                "--dtype",
+                "f32",
+                "--hold-after",
+                "3",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    // One consumer run to the end first, so that whatever the daemon sets up once is in the baseline.
+    let mut first = spawn();
+    drop(first.stdin.take());
+    first.wait().unwrap();
+    wait_for_no_slots(&daemon.socket);
+    let (baseline, _) = device.memory_info().unwrap();
+    let mut during = usize::MAX;
+    for kill in 0..100 {
+        let mut child = spawn();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("holding"), "consumer {kill} said {line:?}");
+        if kill == 0 {
+            during = device.memory_info().unwrap().0;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        wait_for_no_slots(&daemon.socket);
+    }
+    let (after, _) = device.memory_info().unwrap();
+    eprintln!("device free bytes: baseline {baseline}, with a consumer {during}, after 100 kills {after}");
+    assert!(during < baseline, "a stream did not use device memory?");
+    assert_eq!(after, baseline, "device memory did not return to its baseline");
+}
