@@ -105,6 +105,9 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
         control.catalog_path().display()
     );
 
+    let gpu_for_status = gpu
+        .as_ref()
+        .map(|g| (g.ordinal, g.device.properties().name.clone()));
     let server_config = ServerConfig {
         socket_path: settings.socket_path.clone(),
         allowed_uids: settings.allowed_uids.clone(),
@@ -117,6 +120,22 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
     let server = Server::bind(server_config, Arc::clone(&registry))
         .with_context(|| format!("binding {}", settings.socket_path.display()))?;
     control.attach_counters(server.counters());
+    control.attach_backend(
+        match &gpu_for_status {
+            Some((ordinal, _)) => format!("cuda:{ordinal}"),
+            None => "cpu".to_string(),
+        },
+        match gpu_for_status {
+            Some((ordinal, name)) => format!(
+                "streams on cuda:{ordinal} ({name}) get exportable device slots filled by the GPU \
+                 pipeline; host-memory streams are served from memfd slots"
+            ),
+            None => format!(
+                "--device {}: batches are served from host memory (memfd)",
+                settings.device
+            ),
+        },
+    );
 
     let listener = match bind_http(settings.http).await {
         Ok(listener) => listener,

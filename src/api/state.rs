@@ -169,6 +169,7 @@ pub struct Control {
     pub(crate) platform: tokio::sync::OnceCell<Platform>,
     pub(crate) started: Instant,
     counters: OnceLock<Arc<Counters>>,
+    backend: OnceLock<(String, String)>,
     problems: Mutex<BTreeMap<String, DatasetProblem>>,
     reserved: Mutex<BTreeSet<String>>,
     shutting_down: AtomicBool,
@@ -229,6 +230,7 @@ impl Control {
             platform: tokio::sync::OnceCell::new(),
             started: Instant::now(),
             counters: OnceLock::new(),
+            backend: OnceLock::new(),
             problems: Mutex::new(problems),
             reserved: Mutex::new(BTreeSet::new()),
             shutting_down: AtomicBool::new(false),
@@ -240,6 +242,15 @@ impl Control {
     /// metrics. Only the first call has an effect.
     pub fn attach_counters(&self, counters: Arc<Counters>) {
         let _ = self.counters.set(counters);
+    }
+
+    /// Records what the socket server serves with (`cpu` or `cuda:N`) and why, for status.
+    pub fn attach_backend(&self, backend: String, note: String) {
+        let _ = self.backend.set((backend, note));
+    }
+
+    pub(crate) fn backend(&self) -> Option<&(String, String)> {
+        self.backend.get()
     }
 
     pub(crate) fn counters(&self) -> Option<&Arc<Counters>> {

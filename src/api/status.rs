@@ -78,7 +78,8 @@ pub struct Platform {
 /// What the daemon serves with.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct Serving {
-    /// `cpu`: batches live in host memory shared through memfd.
+    /// `cpu`: batches live in host memory shared through memfd; `cuda:N`: streams asking for device
+    /// N get exportable device memory (host-memory streams are served as well).
     pub backend: String,
     /// The configured `--device`.
     pub device: String,
@@ -300,13 +301,19 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
         version: env!("CARGO_PKG_VERSION").to_string(),
         uptime_seconds: snapshot.uptime_seconds,
         data_root: control.data_root().display().to_string(),
-        serving: Serving {
-            backend: "cpu".to_string(),
-            device: options.device.clone(),
-            engine: options.engine.to_string(),
-            note: "the GPU backend is not part of this daemon yet: batches are served from host \
-                   memory (memfd) whatever the devices above offer"
-                .to_string(),
+        serving: {
+            let (backend, note) = control.backend().cloned().unwrap_or_else(|| {
+                (
+                    "cpu".to_string(),
+                    "no socket server is attached: nothing is served".to_string(),
+                )
+            });
+            Serving {
+                backend,
+                device: options.device.clone(),
+                engine: options.engine.to_string(),
+                note,
+            }
         },
         platform,
         pools: Pools {
