@@ -155,11 +155,23 @@ fn f16_to_f32_bytes(bytes: &[u8]) -> Vec<u8> {
         .collect()
 }
 
+/// Copies the dataset directory `from` into `to` (a daemon owns its data root, so the CPU daemon
+/// serves a copy).
+fn copy_dataset(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
 /// The same requests from the GPU and the CPU backend, two consumer processes at once on the GPU.
 fn compare_backends(root: &Path, requests: &[(&str, Vec<&str>)]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let cpu_root = root.join("cpu-root");
+    copy_dataset(&root.join("mixed"), &cpu_root.join("mixed"));
     let gpu = start_daemon(root, "cuda:0");
-    let cpu = start_daemon(root, "cpu");
-    let dumps = root.join("dumps");
+    let cpu = start_daemon(&cpu_root, "cpu");
+    let dumps = root.join("dumps").join(gpufeed_client::protocol::monotonic_ns().to_string());
     std::fs::create_dir_all(&dumps).unwrap();
     let gpu_children: Vec<Child> = requests
         .iter()

@@ -227,10 +227,8 @@ fn check_spec(spec: &StreamSpec) -> Result<(), ClientError> {
     if spec.shuffle == Shuffle::Window(0) {
         return invalid("a shuffle window holds at least one shard".to_string());
     }
-    if let Device::Cuda(ordinal) = spec.device {
-        return invalid(format!(
-            "device cuda:{ordinal}: CUDA slots are not implemented in this client yet"
-        ));
+    if spec.device == Device::Cuda(u32::MAX) {
+        return invalid("CUDA ordinal u32::MAX is reserved for host memory on the wire".to_string());
     }
     Ok(())
 }
