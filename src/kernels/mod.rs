@@ -1,4 +1,5 @@
-//! The GPU decode kernels: LZ4 block decompression and gather + dtype conversion.
+//! The GPU kernels: block checksum verification (xxh3-64), LZ4 block decompression and gather + dtype
+//! conversion.
 //!
 //! The CUDA sources live in `kernels/*.cu` and are embedded in the binary; [`crate::device`] compiles
 //! them with NVRTC for the device at hand and caches the result. This module owns the host side of each
@@ -7,8 +8,8 @@
 //! bounds-checking rules.
 //!
 //! *Invariant*: the kernels agree bit for bit with the CPU decode path (`crate::decode`: `lz4_flex` and
-//! `half`), including on corrupt blocks, which both reject. [`reference`] holds the CPU models the tests
-//! use to check that.
+//! `half`; `crate::format::checksum` for xxh3), including on corrupt blocks, which both reject.
+//! [`reference`] holds the CPU models the tests use to check that.
 //!
 //! *Invariant*: a kernel writes only inside the extents its table names, after checking them against
 //! the lengths of the buffers it was given; a bad table entry or a malicious block is reported in the
@@ -17,6 +18,7 @@
 mod gather;
 mod lz4;
 pub mod reference;
+mod xxh3;
 
 pub use gather::{
     GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, GATHER_BLOCK_THREADS,
@@ -27,11 +29,17 @@ pub use lz4::{
     Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, LZ4_JOB_BYTES,
     LZ4_OUTCOME_BYTES, LZ4_SOURCE, SHUFFLE_BYTES_MAX,
 };
+pub use xxh3::{
+    ChecksumVerifier, Xxh3Config, Xxh3Job, Xxh3Outcome, Xxh3Status, XXH3_JOB_BYTES,
+    XXH3_OUTCOME_BYTES, XXH3_SOURCE,
+};
 
 use crate::device::{CacheDir, Device, DeviceError, ModuleOrigin};
 
-/// Both kernels, loaded for one device.
+/// Every kernel, loaded for one device.
 pub struct Kernels {
+    /// The block checksum verifier.
+    pub xxh3: ChecksumVerifier,
     /// The LZ4 decoder.
     pub lz4: Lz4Decoder,
     /// The gather + convert kernel.
@@ -41,15 +49,21 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Loads both kernels on `device`, compiling them with NVRTC unless a cache holds them.
+    /// Loads every kernel on `device`, compiling them with NVRTC unless a cache holds them.
     pub fn load(device: &Device, cache: CacheDir) -> Result<Kernels, DeviceError> {
+        let (xxh3, xxh3_origin) = ChecksumVerifier::new(device, cache.clone())?;
         let (lz4, lz4_origin) =
             Lz4Decoder::with_config(device, Lz4Config::STANDARD, cache.clone())?;
         let (gather, gather_origin) = Gatherer::new(device, GatherLayout::STANDARD, cache)?;
         Ok(Kernels {
+            xxh3,
             lz4,
             gather,
-            origins: vec![("lz4", lz4_origin), ("gather", gather_origin)],
+            origins: vec![
+                ("xxh3", xxh3_origin),
+                ("lz4", lz4_origin),
+                ("gather", gather_origin),
+            ],
         })
     }
 }
