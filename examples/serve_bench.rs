@@ -136,8 +136,15 @@ fn main() -> Result<()> {
         let batch = batch?;
         for field in batch.fields() {
             // Touch the bytes as a trainer's copy to the device would.
-            checksum =
-                checksum.wrapping_add(field.host_bytes().expect("host memory").iter().step_by(64).map(|&b| b as u64).sum());
+            checksum = checksum.wrapping_add(
+                field
+                    .host_bytes()
+                    .expect("host memory")
+                    .iter()
+                    .step_by(64)
+                    .map(|&b| b as u64)
+                    .sum(),
+            );
         }
         batches += 1;
     }
@@ -190,7 +197,10 @@ mod gpu {
             .clone()
             .context("--device cuda:N needs --consume-bin")?;
         let temp = tempfile::tempdir()?;
-        let root = args.dir.clone().unwrap_or_else(|| temp.path().to_path_buf());
+        let root = args
+            .dir
+            .clone()
+            .unwrap_or_else(|| temp.path().to_path_buf());
         let serving = Arc::new(GpuServing::open(ordinal, EngineMode::Auto)?);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let kinds: [(&str, FieldSource, Option<DType>); 2] = [
@@ -259,9 +269,8 @@ mod gpu {
             }];
             spec.device = Device::Cuda(ordinal);
             let plan = Arc::new(StreamPlan::new(Arc::clone(dataset), &spec, &limits)?);
-            let delivered: u64 = plan.fields[0].sample_bytes_out as u64
-                * args.batch_size as u64
-                * plan.steps;
+            let delivered: u64 =
+                plan.fields[0].sample_bytes_out as u64 * args.batch_size as u64 * plan.steps;
             let stored: u64 = dataset.manifest.shards.iter().map(|s| s.file_bytes).sum();
             for run in 0..2 {
                 // The pipeline alone, into a ring of four exportable slots.
@@ -299,7 +308,11 @@ mod gpu {
                     .args(["--dataset", &dataset.manifest.name])
                     .args(["--batch-size", &args.batch_size.to_string()])
                     .args(["--device", &format!("cuda:{ordinal}")])
-                    .args(dtype.map(|d| vec!["--dtype".to_string(), d.to_string()]).unwrap_or_default())
+                    .args(
+                        dtype
+                            .map(|d| vec!["--dtype".to_string(), d.to_string()])
+                            .unwrap_or_default(),
+                    )
                     .output()?;
                 anyhow::ensure!(output.status.success(), "consume failed: {output:?}");
                 let line = String::from_utf8(output.stdout)?;

@@ -30,7 +30,9 @@ fn binary(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
 }
 
 fn gpufeed_bin() -> PathBuf {
-    binary("GPUFEED_BIN", || PathBuf::from(env!("CARGO_BIN_EXE_gpufeed")))
+    binary("GPUFEED_BIN", || {
+        PathBuf::from(env!("CARGO_BIN_EXE_gpufeed"))
+    })
 }
 
 fn consume_bin() -> PathBuf {
@@ -111,7 +113,11 @@ fn pack_dataset(root: &Path) -> PathBuf {
         common::field("emb", DType::F16, &[EMB_DIM], embedding_bytes()),
         common::field("tok", DType::I32, &[TOK_LEN], token_bytes()),
     ];
-    common::pack_fields(&dir, &fields, &common::options("mixed", 64 << 10, Some(1000)));
+    common::pack_fields(
+        &dir,
+        &fields,
+        &common::options("mixed", 64 << 10, Some(1000)),
+    );
     dir
 }
 
@@ -171,7 +177,9 @@ fn compare_backends(root: &Path, requests: &[(&str, Vec<&str>)]) -> Vec<(Vec<u8>
     copy_dataset(&root.join("mixed"), &cpu_root.join("mixed"));
     let gpu = start_daemon(root, "cuda:0");
     let cpu = start_daemon(&cpu_root, "cpu");
-    let dumps = root.join("dumps").join(gpufeed_client::protocol::monotonic_ns().to_string());
+    let dumps = root
+        .join("dumps")
+        .join(gpufeed_client::protocol::monotonic_ns().to_string());
     std::fs::create_dir_all(&dumps).unwrap();
     let gpu_children: Vec<Child> = requests
         .iter()
@@ -263,7 +271,11 @@ fn device_batches_equal_the_source_and_the_cpu_backend() {
         .chunks_exact((TOK_LEN * 4) as usize)
         .map(|s| i32::from_le_bytes(s[..4].try_into().unwrap()))
         .collect();
-    assert_ne!(ids, (0..ids.len() as i32).collect::<Vec<_>>(), "not shuffled");
+    assert_ne!(
+        ids,
+        (0..ids.len() as i32).collect::<Vec<_>>(),
+        "not shuffled"
+    );
     ids.sort_unstable();
     assert_eq!(ids, (0..(SAMPLES as i32 / 64 * 64)).collect::<Vec<_>>());
 }
@@ -276,8 +288,12 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
     // Flip a byte in the middle of a compressed token block of shard 3, and in a raw embedding block.
     let dataset = Dataset::open(&dir).unwrap();
     let shard = &dataset.shards[3];
-    let tok = shard.metadata.field_blocks(dataset.field_index("tok").unwrap())[1];
-    let emb = shard.metadata.field_blocks(dataset.field_index("emb").unwrap())[2];
+    let tok = shard
+        .metadata
+        .field_blocks(dataset.field_index("tok").unwrap())[1];
+    let emb = shard
+        .metadata
+        .field_blocks(dataset.field_index("emb").unwrap())[2];
     let mut bytes = std::fs::read(&shard.path).unwrap();
     bytes[(tok.stored_offset + tok.stored_bytes as u64 / 2) as usize] ^= 0x5A;
     bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
@@ -304,7 +320,14 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
     let output = Command::new(consume_bin())
         .arg("--socket")
         .arg(&gpu.socket)
-        .args(["--dataset", "mixed", "--device", "cuda:0", "--batch-size", "100"])
+        .args([
+            "--dataset",
+            "mixed",
+            "--device",
+            "cuda:0",
+            "--batch-size",
+            "100",
+        ])
         .output()
         .unwrap();
     assert!(!output.status.success());
@@ -320,7 +343,10 @@ fn wait_for_no_slots(socket: &Path) {
         if status.slots_allocated == 0 && status.streams == 0 {
             return;
         }
-        assert!(Instant::now() < deadline, "slots never reclaimed: {status:?}");
+        assert!(
+            Instant::now() < deadline,
+            "slots never reclaimed: {status:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -376,7 +402,12 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
         wait_for_no_slots(&daemon.socket);
     }
     let (after, _) = device.memory_info().unwrap();
-    eprintln!("device free bytes: baseline {baseline}, with a consumer {during}, after 100 kills {after}");
+    eprintln!(
+        "device free bytes: baseline {baseline}, with a consumer {during}, after 100 kills {after}"
+    );
     assert!(during < baseline, "a stream did not use device memory?");
-    assert_eq!(after, baseline, "device memory did not return to its baseline");
+    assert_eq!(
+        after, baseline,
+        "device memory did not return to its baseline"
+    );
 }

@@ -228,7 +228,9 @@ fn check_spec(spec: &StreamSpec) -> Result<(), ClientError> {
         return invalid("a shuffle window holds at least one shard".to_string());
     }
     if spec.device == Device::Cuda(u32::MAX) {
-        return invalid("CUDA ordinal u32::MAX is reserved for host memory on the wire".to_string());
+        return invalid(
+            "CUDA ordinal u32::MAX is reserved for host memory on the wire".to_string(),
+        );
     }
     Ok(())
 }

@@ -213,7 +213,9 @@ impl DeviceSlots {
 
     fn bind(&self) -> Result<(), CudaError> {
         // SAFETY: the context was retained in `import` and is released only in Drop.
-        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(self.context) })
+        check("cuCtxSetCurrent", unsafe {
+            cu::cuCtxSetCurrent(self.context)
+        })
     }
 
     /// The device address of `slot`.
@@ -249,9 +251,16 @@ impl DeviceSlots {
     }
 
     /// Copies `out.len()` bytes at `ptr` (inside `slot`) to the host once the slot's fill is done.
-    pub(crate) fn copy_to_host(&self, slot: u32, ptr: u64, out: &mut [u8]) -> Result<(), CudaError> {
+    pub(crate) fn copy_to_host(
+        &self,
+        slot: u32,
+        ptr: u64,
+        out: &mut [u8],
+    ) -> Result<(), CudaError> {
         let mapped = &self.slots[slot as usize];
-        assert!(ptr >= mapped.ptr && ptr + out.len() as u64 <= mapped.ptr + mapped.mapped_bytes as u64);
+        assert!(
+            ptr >= mapped.ptr && ptr + out.len() as u64 <= mapped.ptr + mapped.mapped_bytes as u64
+        );
         self.bind()?;
         // SAFETY: the event is live; the range was checked to lie in the mapped slot.
         unsafe {

@@ -794,8 +794,14 @@ impl Message {
                         return r.fail(format!("slot_count {slot_count} exceeds {SLOTS_MAX}"));
                     }
                     for _ in 0..slot_count {
-                        let ready = r.take(IPC_EVENT_HANDLE_BYTES)?.try_into().expect("64 bytes");
-                        let released = r.take(IPC_EVENT_HANDLE_BYTES)?.try_into().expect("64 bytes");
+                        let ready = r
+                            .take(IPC_EVENT_HANDLE_BYTES)?
+                            .try_into()
+                            .expect("64 bytes");
+                        let released = r
+                            .take(IPC_EVENT_HANDLE_BYTES)?
+                            .try_into()
+                            .expect("64 bytes");
                         slot_events.push(SlotEvents { ready, released });
                     }
                 }

@@ -67,7 +67,6 @@ impl GpuServing {
     }
 }
 
-
 /// Settings of the socket server, all bounded.
 #[derive(Clone)]
 pub struct ServerConfig {
@@ -619,9 +618,7 @@ fn open_stream(
         );
         thread::Builder::new()
             .name("gpufeed-filler".into())
-            .spawn(move || {
-                fill_stream(plan, filler, ring, free, stop, writer, counters, &metrics)
-            })
+            .spawn(move || fill_stream(plan, filler, ring, free, stop, writer, counters, &metrics))
             .map_err(|e| {
                 (
                     ErrorCode::Internal,

@@ -396,7 +396,10 @@ impl GpuAssembler {
             .lru
             .first()
             .expect("plan_round checked that an entry can be evicted");
-        assert!(used != stamp, "plan_round checked that an entry can be evicted");
+        assert!(
+            used != stamp,
+            "plan_round checked that an entry can be evicted"
+        );
         self.lru.remove(&(used, key));
         match self.blocks.remove(&key) {
             Some(CacheEntry::Decoded { index, .. }) => index,
@@ -417,7 +420,8 @@ impl GpuAssembler {
         let stamp = self.round_stamp;
 
         // 1. Read every block of the round into staging, merging blocks adjacent in a file.
-        let mut reads: Vec<(BlockKey, u64)> = round.staged.iter().map(|(k, &at)| (*k, at)).collect();
+        let mut reads: Vec<(BlockKey, u64)> =
+            round.staged.iter().map(|(k, &at)| (*k, at)).collect();
         reads.extend(round.decode.iter().map(|&(key, at, ..)| (key, at)));
         reads.sort_unstable_by_key(|&(key, at)| (key.shard, self.entry(&key).stored_offset, at));
         let mut extents: Vec<DeviceExtent> = Vec::with_capacity(reads.len());
@@ -507,7 +511,9 @@ impl GpuAssembler {
             .map_err(device_error)?;
             self.stream.synchronize().map_err(device_error)?;
             let mut bytes = vec![0u8; jobs.len() * LZ4_OUTCOME_BYTES];
-            self.lz4_outcomes.read(0, &mut bytes).map_err(device_error)?;
+            self.lz4_outcomes
+                .read(0, &mut bytes)
+                .map_err(device_error)?;
             outcomes = Lz4Outcome::decode_all(&bytes);
         }
         let mut corrupt_blocks = 0u64;
@@ -642,7 +648,9 @@ impl GpuAssembler {
         if count > 0 {
             self.stream.synchronize().map_err(device_error)?;
             let mut bytes = [0u8; GATHER_OUTCOME_BYTES];
-            self.gather_outcome.read(0, &mut bytes).map_err(device_error)?;
+            self.gather_outcome
+                .read(0, &mut bytes)
+                .map_err(device_error)?;
             let outcome = GatherOutcome::decode(&bytes);
             if outcome.faulted_pieces > 0 {
                 return Err(FillError::Device(format!(

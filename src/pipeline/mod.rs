@@ -6,7 +6,7 @@ pub mod gpu;
 pub mod order;
 
 pub use assemble::{
-    Assembler, FieldPlan, FillError, FillReport, PlanError, Placement, StreamLimits, StreamPlan,
+    Assembler, FieldPlan, FillError, FillReport, Placement, PlanError, StreamLimits, StreamPlan,
 };
 pub use gpu::{GpuAssembler, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};
