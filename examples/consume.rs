@@ -235,13 +235,17 @@ fn run(args: &Args) -> Result<()> {
     let started = Instant::now();
     let limit = args.steps.unwrap_or(u64::MAX);
     while totals.batches < limit {
+        let waiting_since = monotonic_ns();
         let Some(batch) = stream.next() else { break };
         let batch = batch
             .with_context(|| format!("receiving the batch after {} batches", totals.batches))?;
         totals.batches += 1;
         totals.samples += u64::from(batch.samples());
         totals.replaced += u64::from(batch.replaced());
-        handoff_ns.push(monotonic_ns().saturating_sub(batch.info().ready_ns));
+        // The hand-off latency: from the batch being ready, or from the moment this consumer
+        // started waiting for it if it was ready before (prefetched), to its arrival here.
+        let ready_or_asked = batch.info().ready_ns.max(waiting_since);
+        handoff_ns.push(monotonic_ns().saturating_sub(ready_or_asked));
         totals.bytes += batch
             .fields()
             .map(|field| field.byte_len() as u64)

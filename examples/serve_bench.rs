@@ -300,6 +300,7 @@ mod gpu {
                     ready.synchronize()?;
                 }
                 let pipeline_seconds = started.elapsed().as_secs_f64();
+                let timings = assembler.timings;
                 drop(assembler);
                 // A consumer process through the socket.
                 let output = Command::new(&consume)
@@ -335,6 +336,12 @@ mod gpu {
                         "consumer_bytes": consumer["bytes"],
                         "handoff_us_p50": consumer["handoff_us_p50"],
                         "handoff_us_p99": consumer["handoff_us_p99"],
+                        "pipeline_seconds": pipeline_seconds,
+                        "pipeline_plan_s": timings.plan_s,
+                        "pipeline_read_s": timings.read_s,
+                        "pipeline_decode_s": timings.decode_s,
+                        "pipeline_gather_s": timings.gather_s,
+                        "pipeline_rounds": timings.rounds,
                     })
                 );
             }

@@ -537,7 +537,7 @@ fn open_stream(
             if let Some(note) = &assembler.engine_note {
                 tracing::warn!("{note}");
             }
-            (ring, Filler::Cpu(assembler))
+            (ring, Filler::Cpu(Box::new(assembler)))
         }
         Some(gpu) => {
             let ring = SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes)
@@ -727,7 +727,7 @@ fn fill_stream(
 
 /// What fills a stream's slots: the CPU assembler into memfds, or the GPU assembler into device slots.
 enum Filler {
-    Cpu(Assembler),
+    Cpu(Box<Assembler>),
     Gpu(Box<GpuAssembler>),
 }
 

@@ -27,8 +27,9 @@ use crate::device::{
 };
 use crate::format::{BlockEntry, Codec, Filter};
 use crate::kernels::{
-    GatherOp, GatherOutcome, GatherPlan, Kernels, Lz4Job, Lz4Outcome, Lz4Status,
-    GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES,
+    GatherOp, GatherOutcome, GatherPlan, Kernels, Lz4Job, Lz4Outcome, Lz4Status, Xxh3Job,
+    Xxh3Outcome, Xxh3Status, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, LZ4_JOB_BYTES,
+    LZ4_OUTCOME_BYTES, XXH3_JOB_BYTES, XXH3_OUTCOME_BYTES,
 };
 use crate::metrics::{Metrics, ReadPath as MetricsPath};
 use crate::storage::gpu::{DeviceExtent, GpuReader, PathChoice, ReadPath};
@@ -58,6 +59,22 @@ impl GpuStreamLimits {
             pieces_max: 64 << 10,
         }
     }
+}
+
+/// Wall time spent in each phase of filling slots (host view: each phase ends with the work it
+/// queued done).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuFillTimings {
+    /// Planning rounds on the host.
+    pub plan_s: f64,
+    /// Reads into staging (their copies complete).
+    pub read_s: f64,
+    /// Checksum verification and LZ4 decoding.
+    pub decode_s: f64,
+    /// Gather tables, the gather kernel and its outcome.
+    pub gather_s: f64,
+    /// Rounds run.
+    pub rounds: u64,
 }
 
 /// A decoded LZ4 block in the cache, or the reason a block is unusable.
@@ -113,6 +130,13 @@ pub struct GpuAssembler {
     scratch_bytes: u64,
     lz4_jobs: DeviceBuffer,
     lz4_outcomes: DeviceBuffer,
+    xxh3_jobs: DeviceBuffer,
+    xxh3_outcomes: DeviceBuffer,
+    /// Raw blocks whose checksum this stream has verified (LZ4 blocks are verified when they are
+    /// decoded into the cache, which keeps them).
+    verified: HashSet<BlockKey>,
+    /// Where the fill time went, for benchmarks.
+    pub timings: GpuFillTimings,
     pieces: DeviceBuffer,
     pieces_max: usize,
     gather_outcome: DeviceBuffer,
@@ -172,6 +196,10 @@ impl GpuAssembler {
             DeviceBuffer::new(&device, jobs_max * LZ4_JOB_BYTES).map_err(device_error)?;
         let lz4_outcomes =
             DeviceBuffer::new(&device, jobs_max * LZ4_OUTCOME_BYTES).map_err(device_error)?;
+        let xxh3_jobs =
+            DeviceBuffer::new(&device, jobs_max * XXH3_JOB_BYTES).map_err(device_error)?;
+        let xxh3_outcomes =
+            DeviceBuffer::new(&device, jobs_max * XXH3_OUTCOME_BYTES).map_err(device_error)?;
         let pieces_max = limits.pieces_max.max(1);
         let pieces =
             DeviceBuffer::new(&device, pieces_max * GATHER_PIECE_BYTES).map_err(device_error)?;
@@ -191,6 +219,10 @@ impl GpuAssembler {
             scratch_bytes,
             lz4_jobs,
             lz4_outcomes,
+            xxh3_jobs,
+            xxh3_outcomes,
+            verified: HashSet::new(),
+            timings: GpuFillTimings::default(),
             pieces,
             pieces_max,
             gather_outcome,
@@ -219,6 +251,8 @@ impl GpuAssembler {
             + self.cache.len()
             + self.lz4_jobs.len()
             + self.lz4_outcomes.len()
+            + self.xxh3_jobs.len()
+            + self.xxh3_outcomes.len()
             + self.pieces.len()
             + self.gather_outcome.len()) as u64
     }
@@ -258,7 +292,10 @@ impl GpuAssembler {
         let mut replaced = 0u32;
         let mut row = 0usize;
         while row < rows {
+            let planned = Instant::now();
             let round = self.plan_round(&placements, row, rows)?;
+            self.timings.plan_s += planned.elapsed().as_secs_f64();
+            self.timings.rounds += 1;
             row = round.rows.end;
             replaced += self.run_round(&placements, round, slot)?;
         }
@@ -447,10 +484,12 @@ impl GpuAssembler {
             }
             extent_of.push(extents.len() - 1);
         }
+        let read_started = Instant::now();
         let results = self
             .reader
             .read(&self.files, &extents, &self.staging, self.choice)
             .map_err(|e| FillError::Device(e.to_string()))?;
+        self.timings.read_s += read_started.elapsed().as_secs_f64();
         let mut unreadable: HashMap<BlockKey, String> = HashMap::new();
         for ((key, _), &extent) in reads.iter().zip(&extent_of) {
             match &results[extent] {
@@ -469,8 +508,22 @@ impl GpuAssembler {
             }
         }
 
-        // 2. Decode the LZ4 blocks into their cache entries.
+        // 2. Verify the checksums of the blocks read for the first time, and decode the LZ4 blocks
+        //    into their cache entries, in one pass on the stream: a block is usable only if both
+        //    succeed (decoding a corrupt block is harmless: the decoder checks every access).
         let decode_started = Instant::now();
+        let mut checks: Vec<Xxh3Job> = Vec::new();
+        let mut check_keys: Vec<BlockKey> = Vec::new();
+        for &(key, at) in &reads {
+            let first_time = match self.entry(&key).codec {
+                Codec::Raw => !self.verified.contains(&key),
+                Codec::Lz4 => true,
+            };
+            if first_time && !unreadable.contains_key(&key) {
+                checks.push(Xxh3Job::for_block(self.entry(&key), at));
+                check_keys.push(key);
+            }
+        }
         let mut jobs: Vec<Lz4Job> = Vec::with_capacity(round.decode.len());
         let mut job_keys: Vec<(BlockKey, u32)> = Vec::with_capacity(round.decode.len());
         for &(key, at, index, scratch_at) in &round.decode {
@@ -492,7 +545,23 @@ impl GpuAssembler {
             jobs.push(job);
             job_keys.push((key, index));
         }
-        let mut outcomes: Vec<Lz4Outcome> = Vec::new();
+        if !checks.is_empty() {
+            self.xxh3_jobs
+                .write(0, &Xxh3Job::encode_all(&checks))
+                .map_err(device_error)?;
+            // SAFETY: the tables and the staging buffer are this assembler's and are not touched
+            // until the stream is synchronised below.
+            unsafe {
+                self.kernels.xxh3.verify_async(
+                    &self.stream,
+                    &self.xxh3_jobs,
+                    checks.len() as u32,
+                    &self.staging,
+                    &self.xxh3_outcomes,
+                )
+            }
+            .map_err(device_error)?;
+        }
         if !jobs.is_empty() {
             let table = Lz4Job::encode_all(&jobs);
             self.lz4_jobs.write(0, &table).map_err(device_error)?;
@@ -509,15 +578,47 @@ impl GpuAssembler {
                 )
             }
             .map_err(device_error)?;
+        }
+        let mut outcomes: Vec<Lz4Outcome> = Vec::new();
+        if !checks.is_empty() || !jobs.is_empty() {
             self.stream.synchronize().map_err(device_error)?;
+        }
+        if !checks.is_empty() {
+            let mut bytes = vec![0u8; checks.len() * XXH3_OUTCOME_BYTES];
+            self.xxh3_outcomes.read(0, &mut bytes).map_err(device_error)?;
+            for ((key, job), outcome) in check_keys
+                .iter()
+                .zip(&checks)
+                .zip(Xxh3Outcome::decode_all(&bytes))
+            {
+                if outcome.status == Xxh3Status::Ok {
+                    if self.entry(key).codec == Codec::Raw {
+                        self.verified.insert(*key);
+                    }
+                } else {
+                    unreadable.insert(
+                        *key,
+                        format!(
+                            "{}: checksum mismatch (table says {:016x}, payload hashes to {:016x})",
+                            self.block_ref(key),
+                            job.expected,
+                            outcome.hash
+                        ),
+                    );
+                }
+            }
+        }
+        if !jobs.is_empty() {
             let mut bytes = vec![0u8; jobs.len() * LZ4_OUTCOME_BYTES];
-            self.lz4_outcomes
-                .read(0, &mut bytes)
-                .map_err(device_error)?;
+            self.lz4_outcomes.read(0, &mut bytes).map_err(device_error)?;
             outcomes = Lz4Outcome::decode_all(&bytes);
         }
         let mut corrupt_blocks = 0u64;
         for ((key, index), outcome) in job_keys.iter().zip(&outcomes) {
+            if unreadable.contains_key(key) {
+                // The checksum failed: handled with the unreadable blocks below.
+                continue;
+            }
             let cached = if outcome.status == Lz4Status::Ok {
                 self.lru.insert((stamp, *key));
                 CacheEntry::Decoded {
@@ -546,6 +647,7 @@ impl GpuAssembler {
         }
         self.metrics.add_corrupt_blocks(corrupt_blocks);
         self.metrics.add_decode_time(decode_started.elapsed());
+        self.timings.decode_s += decode_started.elapsed().as_secs_f64();
 
         // 3. Gather the round's rows into the slot.
         let gather_started = Instant::now();
@@ -661,6 +763,7 @@ impl GpuAssembler {
             }
         }
         self.metrics.add_gather_time(gather_started.elapsed());
+        self.timings.gather_s += gather_started.elapsed().as_secs_f64();
         Ok(corrupt_rows.len() as u32)
     }
 }

@@ -8,5 +8,5 @@ pub mod order;
 pub use assemble::{
     Assembler, FieldPlan, FillError, FillReport, Placement, PlanError, StreamLimits, StreamPlan,
 };
-pub use gpu::{GpuAssembler, GpuStreamLimits};
+pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};
