@@ -43,7 +43,6 @@ const CU_FILE_HANDLE_TYPE_OPAQUE_FD: c_int = 1;
 const SUCCESS: c_int = 0;
 
 type DriverOpenFn = unsafe extern "C" fn() -> RawError;
-type DriverCloseFn = unsafe extern "C" fn() -> RawError;
 type DriverGetPropertiesFn = unsafe extern "C" fn(*mut u8) -> RawError;
 type HandleRegisterFn = unsafe extern "C" fn(*mut *mut c_void, *mut Descriptor) -> RawError;
 type HandleDeregisterFn = unsafe extern "C" fn(*mut c_void);
@@ -106,7 +105,6 @@ fn check(call: &str, error: RawError) -> Result<(), String> {
 
 /// The entry points, resolved once.
 struct Api {
-    driver_close: DriverCloseFn,
     handle_register: HandleRegisterFn,
     handle_deregister: HandleDeregisterFn,
     buf_register: BufRegisterFn,
@@ -178,7 +176,6 @@ impl CuFileReader {
         let get_properties: DriverGetPropertiesFn =
             symbol!("cuFileDriverGetProperties", DriverGetPropertiesFn);
         let api = Api {
-            driver_close: symbol!("cuFileDriverClose", DriverCloseFn),
             handle_register: symbol!("cuFileHandleRegister", HandleRegisterFn),
             handle_deregister: symbol!("cuFileHandleDeregister", HandleDeregisterFn),
             buf_register: symbol!("cuFileBufRegister", BufRegisterFn),
@@ -186,24 +183,33 @@ impl CuFileReader {
             read: symbol!("cuFileRead", ReadFn),
         };
         device.bind().map_err(|e| e.to_string())?;
-        // SAFETY: plain call of a resolved entry point.
-        check("cuFileDriverOpen", unsafe { driver_open() })?;
-        // CUfileDrvProps_t is a few dozen bytes of integers; a larger zeroed buffer absorbs any growth
-        // of the struct in newer libraries.
-        let mut properties = [0u8; 512];
-        // SAFETY: the buffer is larger than the struct the library writes.
-        let nvfs_version = match check("cuFileDriverGetProperties", unsafe {
-            get_properties(properties.as_mut_ptr())
-        }) {
-            Ok(()) => (
-                u32::from_ne_bytes(properties[0..4].try_into().expect("4 bytes")),
-                u32::from_ne_bytes(properties[4..8].try_into().expect("4 bytes")),
-            ),
-            Err(reason) => {
-                tracing::warn!("{reason}");
-                (0, 0)
-            }
-        };
+        // The driver is opened once per process and stays open: every stream's reader shares it, and
+        // opening or closing it while another thread reads through it is not safe.
+        static DRIVER: std::sync::OnceLock<Result<(u32, u32), String>> = std::sync::OnceLock::new();
+        let nvfs_version = DRIVER
+            .get_or_init(|| {
+                // SAFETY: plain call of a resolved entry point.
+                check("cuFileDriverOpen", unsafe { driver_open() })?;
+                // CUfileDrvProps_t is a few dozen bytes of integers; a larger zeroed buffer absorbs
+                // any growth of the struct in newer libraries.
+                let mut properties = [0u8; 512];
+                // SAFETY: the buffer is larger than the struct the library writes.
+                Ok(
+                    match check("cuFileDriverGetProperties", unsafe {
+                        get_properties(properties.as_mut_ptr())
+                    }) {
+                        Ok(()) => (
+                            u32::from_ne_bytes(properties[0..4].try_into().expect("4 bytes")),
+                            u32::from_ne_bytes(properties[4..8].try_into().expect("4 bytes")),
+                        ),
+                        Err(reason) => {
+                            tracing::warn!("{reason}");
+                            (0, 0)
+                        }
+                    },
+                )
+            })
+            .clone()?;
         Ok(CuFileReader {
             device: device.clone(),
             api,
@@ -425,7 +431,6 @@ impl Drop for CuFileReader {
                 unsafe { (self.api.handle_deregister)(handle) };
             }
         }
-        // SAFETY: opened in `open`.
-        let _ = unsafe { (self.api.driver_close)() };
+        // The driver stays open for the process (see `open`).
     }
 }
