@@ -272,11 +272,19 @@ fn device_batches_equal_the_source_and_the_cpu_backend() {
         .chunks_exact((TOK_LEN * 4) as usize)
         .map(|s| i32::from_le_bytes(s[..4].try_into().unwrap()))
         .collect();
-    assert_ne!(ids, (0..ids.len() as i32).collect::<Vec<_>>(), "not shuffled");
+    assert_ne!(
+        ids,
+        (0..ids.len() as i32).collect::<Vec<_>>(),
+        "not shuffled"
+    );
     assert_eq!(ids.len() as u64, SAMPLES / 64 * 64);
     ids.sort_unstable();
     ids.dedup();
-    assert_eq!(ids.len() as u64, SAMPLES / 64 * 64, "a sample was served twice");
+    assert_eq!(
+        ids.len() as u64,
+        SAMPLES / 64 * 64,
+        "a sample was served twice"
+    );
     assert!(ids.iter().all(|&id| (0..SAMPLES as i32).contains(&id)));
 }
 

@@ -585,7 +585,9 @@ impl GpuAssembler {
         }
         if !checks.is_empty() {
             let mut bytes = vec![0u8; checks.len() * XXH3_OUTCOME_BYTES];
-            self.xxh3_outcomes.read(0, &mut bytes).map_err(device_error)?;
+            self.xxh3_outcomes
+                .read(0, &mut bytes)
+                .map_err(device_error)?;
             for ((key, job), outcome) in check_keys
                 .iter()
                 .zip(&checks)
@@ -610,7 +612,9 @@ impl GpuAssembler {
         }
         if !jobs.is_empty() {
             let mut bytes = vec![0u8; jobs.len() * LZ4_OUTCOME_BYTES];
-            self.lz4_outcomes.read(0, &mut bytes).map_err(device_error)?;
+            self.lz4_outcomes
+                .read(0, &mut bytes)
+                .map_err(device_error)?;
             outcomes = Lz4Outcome::decode_all(&bytes);
         }
         let mut corrupt_blocks = 0u64;
