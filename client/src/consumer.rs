@@ -1717,7 +1717,7 @@ mod tests {
             |s| s.rank = 1,
             |s| s.prefetch = SLOTS_MAX + 1,
             |s| s.shuffle = Shuffle::Window(0),
-            |s| s.device = Device::Cuda(0),
+            |s| s.device = Device::Cuda(u32::MAX),
             // 256 names of 1024 bytes fit the field bound but not a frame.
             |s| {
                 s.fields = (0..STREAM_FIELDS_MAX)
@@ -1768,7 +1768,7 @@ mod tests {
             assert!(fake.drain().is_empty());
         });
         let mut spec = StreamSpec::new("demo", BATCH_SIZE);
-        spec.device = Device::Cuda(0);
+        spec.device = Device::Cuda(u32::MAX);
         let result = Client::from_socket(socket).unwrap().open_stream(spec);
         assert!(matches!(result, Err(ClientError::InvalidSpec(_))));
         daemon.join().unwrap();
