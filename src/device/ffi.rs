@@ -556,6 +556,19 @@ pub unsafe fn event_create(timing: bool) -> DriverResult<cu::CUevent> {
     Ok(event)
 }
 
+/// `cuEventCreate` with `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`: synchronising on it puts the
+/// thread to sleep instead of spinning, so a host waiting for the device costs no CPU.
+///
+/// # Safety
+/// A context is current on the calling thread.
+pub unsafe fn event_create_blocking() -> DriverResult<cu::CUevent> {
+    let flags = cu::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint
+        | cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+    let mut event: cu::CUevent = std::ptr::null_mut();
+    check("cuEventCreate", cu::cuEventCreate(&mut event, flags))?;
+    Ok(event)
+}
+
 /// `cuEventCreate` with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING` (interprocess events may
 /// not record timestamps): an event another process can open with `cuIpcOpenEventHandle`.
 ///

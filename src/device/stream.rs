@@ -131,6 +131,18 @@ impl Event {
         })
     }
 
+    /// Creates an event whose [`Event::synchronize`] sleeps instead of spinning (no timing): for a host
+    /// thread that waits for the device on the hot path without burning a core.
+    pub fn new_blocking(device: &Device) -> Result<Event, DeviceError> {
+        device.bind()?;
+        // SAFETY: the device's context is current.
+        let event = unsafe { ffi::event_create_blocking() }?;
+        Ok(Event {
+            device: device.clone(),
+            event,
+        })
+    }
+
     /// Creates an interprocess event (no timing): [`Event::ipc_handle`] gives the bytes another
     /// process opens it with.
     pub fn new_interprocess(device: &Device) -> Result<Event, DeviceError> {

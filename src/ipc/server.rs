@@ -1,12 +1,13 @@
 //! The socket server: accepts consumers, checks their uid, runs one session per connection.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
@@ -26,6 +27,7 @@ use crate::pipeline::{
 };
 use crate::registry::Registry;
 use crate::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice};
+use crate::storage::windows::PageCacheWindows;
 
 /// What the GPU backend needs to serve streams on its device.
 pub struct GpuServing {
@@ -41,6 +43,9 @@ pub struct GpuServing {
     pub choice: PathChoice,
     /// Device memory of each stream besides its slots.
     pub stream_limits: GpuStreamLimits,
+    /// Registered page-cache windows, shared by every stream on the device so that data read once
+    /// stays registered for the next epoch and the next consumer.
+    pub windows: Arc<PageCacheWindows>,
 }
 
 impl GpuServing {
@@ -56,11 +61,18 @@ impl GpuServing {
         for (kernel, origin) in &kernels.origins {
             tracing::info!("kernel {kernel}: {origin:?}");
         }
+        let reader_limits = GpuReaderLimits::node_defaults();
+        let windows = Arc::new(PageCacheWindows::new(
+            &device,
+            reader_limits.window_bytes,
+            reader_limits.registered_bytes_max,
+        ));
         Ok(GpuServing {
+            windows,
             device,
             ordinal,
             kernels: Arc::new(kernels),
-            reader_limits: GpuReaderLimits::node_defaults(),
+            reader_limits,
             choice: PathChoice::from_mode(engine),
             stream_limits: GpuStreamLimits::node_defaults(),
         })
@@ -537,7 +549,13 @@ fn open_stream(
             if let Some(note) = &assembler.engine_note {
                 tracing::warn!("{note}");
             }
-            (ring, Filler::Cpu(Box::new(assembler)))
+            (
+                ring,
+                Filler::Cpu {
+                    assembler: Box::new(assembler),
+                    done: VecDeque::new(),
+                },
+            )
         }
         Some(gpu) => {
             let ring = SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes)
@@ -547,12 +565,14 @@ fn open_stream(
                         format!("cannot allocate device slots: {e}"),
                     )
                 })?;
-            let reader = GpuReader::new(&gpu.device, gpu.reader_limits).map_err(|e| {
-                undo(
-                    ErrorCode::ResourceExhausted,
-                    format!("cannot set up device reads: {e}"),
-                )
-            })?;
+            let reader =
+                GpuReader::with_windows(&gpu.device, gpu.reader_limits, Arc::clone(&gpu.windows))
+                    .map_err(|e| {
+                    undo(
+                        ErrorCode::ResourceExhausted,
+                        format!("cannot set up device reads: {e}"),
+                    )
+                })?;
             let assembler = GpuAssembler::new(
                 Arc::clone(&plan),
                 Arc::clone(&gpu.kernels),
@@ -562,7 +582,13 @@ fn open_stream(
                 Arc::clone(&metrics),
             )
             .map_err(|e| undo(ErrorCode::ResourceExhausted, e.to_string()))?;
-            (ring, Filler::Gpu(Box::new(assembler)))
+            (
+                ring,
+                Filler::Gpu {
+                    assembler: Box::new(assembler),
+                    slots: VecDeque::new(),
+                },
+            )
         }
     };
     let ring = Arc::new(ring);
@@ -644,7 +670,7 @@ fn open_stream(
 #[allow(clippy::too_many_arguments)]
 fn fill_stream(
     plan: Arc<StreamPlan>,
-    mut filler: Filler,
+    filler: Filler,
     ring: Arc<SlotRing>,
     free: Receiver<u32>,
     stop: Arc<AtomicBool>,
@@ -652,29 +678,61 @@ fn fill_stream(
     counters: Arc<Counters>,
     metrics: &crate::metrics::Metrics,
 ) {
-    let end_session = |code, message: String| {
+    let end_session = |error: FillError| {
+        let (code, message) = match error {
+            FillError::Corrupt(message) => (ErrorCode::CorruptData, message),
+            FillError::Storage(error) => (ErrorCode::Internal, error.to_string()),
+            FillError::Device(error) => (ErrorCode::Internal, error),
+        };
         send_error(&writer, code, message);
         let socket = writer.lock().expect("socket lock poisoned");
         let _ = socket.shutdown(std::net::Shutdown::Both);
     };
-    for step in 0..plan.steps {
-        let Ok(slot) = free.recv() else { return };
-        if stop.load(Ordering::SeqCst) {
-            return;
+    // Batches are submitted up to the filler's depth ahead of the hand-off. The filler never blocks
+    // on a free slot while it holds a batch the consumer has not got: the consumer may be waiting for
+    // exactly that batch before it releases anything.
+    // A local, so that it is dropped (its queued device work drained) before the ring it writes.
+    let mut filler = filler;
+    let depth = filler.depth();
+    let mut next = 0u64;
+    loop {
+        let pending = filler.pending();
+        if next == plan.steps && pending == 0 {
+            break;
         }
-        ring.transition(slot, Lease::Free, Lease::Filling)
-            .expect("only free slots are in the channel");
-        metrics.add_slots(SlotLease::Free, -1);
-        metrics.add_slots(SlotLease::Filling, 1);
-        let report = match filler.fill(&ring, slot, step) {
-            Ok(report) => report,
-            Err(FillError::Corrupt(message)) => {
-                return end_session(ErrorCode::CorruptData, message)
+        let slot = if next < plan.steps && pending < depth {
+            if pending == 0 {
+                match free.recv() {
+                    Ok(slot) => Some(slot),
+                    Err(_) => return,
+                }
+            } else {
+                match free.try_recv() {
+                    Ok(slot) => Some(slot),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return,
+                }
             }
-            Err(FillError::Storage(error)) => {
-                return end_session(ErrorCode::Internal, error.to_string())
+        } else {
+            None
+        };
+        if let Some(slot) = slot {
+            if stop.load(Ordering::SeqCst) {
+                return;
             }
-            Err(FillError::Device(error)) => return end_session(ErrorCode::Internal, error),
+            ring.transition(slot, Lease::Free, Lease::Filling)
+                .expect("only free slots are in the channel");
+            metrics.add_slots(SlotLease::Free, -1);
+            metrics.add_slots(SlotLease::Filling, 1);
+            if let Err(error) = filler.submit(&ring, slot, next) {
+                return end_session(error);
+            }
+            next += 1;
+            continue;
+        }
+        let (slot, step, report) = match filler.complete(&ring) {
+            Ok(done) => done,
+            Err(error) => return end_session(error),
         };
         let ready_ns = gpufeed_client::protocol::monotonic_ns();
         ring.transition(slot, Lease::Filling, Lease::Consumer)
@@ -727,32 +785,70 @@ fn fill_stream(
 
 /// What fills a stream's slots: the CPU assembler into memfds, or the GPU assembler into device slots.
 enum Filler {
-    Cpu(Box<Assembler>),
-    Gpu(Box<GpuAssembler>),
+    /// Fills each slot before `submit` returns; `done` holds the filled slots and steps.
+    Cpu {
+        assembler: Box<Assembler>,
+        done: VecDeque<(u32, u64, FillReport)>,
+    },
+    /// Queues batches on the device; `slots` holds the submitted slots, oldest first.
+    Gpu {
+        assembler: Box<GpuAssembler>,
+        slots: VecDeque<u32>,
+    },
 }
 
 impl Filler {
-    /// Fills `slot` with stream step `step`; the batch is complete when this returns (on the GPU: its
-    /// work is done and the slot's ready event recorded after it).
-    fn fill(&mut self, ring: &SlotRing, slot: u32, step: u64) -> Result<FillReport, FillError> {
+    /// Batches submitted ahead of the hand-off at most.
+    fn depth(&self) -> usize {
         match self {
-            Filler::Cpu(assembler) => {
+            Filler::Cpu { .. } => 1,
+            Filler::Gpu { .. } => crate::pipeline::gpu::ROUNDS_IN_FLIGHT,
+        }
+    }
+
+    /// Batches submitted and not completed.
+    fn pending(&self) -> usize {
+        match self {
+            Filler::Cpu { done, .. } => done.len(),
+            Filler::Gpu { slots, .. } => slots.len(),
+        }
+    }
+
+    /// Starts filling `slot` with stream step `step` (the filler thread holds its Filling lease).
+    fn submit(&mut self, ring: &SlotRing, slot: u32, step: u64) -> Result<(), FillError> {
+        match self {
+            Filler::Cpu { assembler, done } => {
                 // SAFETY: the filler thread holds the slot's Filling lease.
                 let memory = unsafe { ring.slot_mut(slot) };
-                assembler.fill(step, memory)
+                let report = assembler.fill(step, memory)?;
+                done.push_back((slot, step, report));
+                Ok(())
             }
-            Filler::Gpu(assembler) => {
+            Filler::Gpu { assembler, slots } => {
                 let device_slot = ring.device_slot(slot);
-                let report = assembler.fill(step, &device_slot.buffer, &device_slot.released)?;
-                device_slot
-                    .ready
-                    .record(assembler.stream())
-                    .map_err(|e| FillError::Device(e.to_string()))?;
-                device_slot
-                    .ready
-                    .synchronize()
-                    .map_err(|e| FillError::Device(e.to_string()))?;
-                Ok(report)
+                assembler.submit(
+                    step,
+                    &device_slot.buffer,
+                    &device_slot.released,
+                    Some(&device_slot.ready),
+                )?;
+                slots.push_back(slot);
+                Ok(())
+            }
+        }
+    }
+
+    /// The oldest submitted batch once it is complete and sound: its slot, step and report. On the
+    /// GPU its work is done (or, for samples zeroed at the last moment, queued before the slot's ready
+    /// event, which the consumer waits on).
+    fn complete(&mut self, ring: &SlotRing) -> Result<(u32, u64, FillReport), FillError> {
+        match self {
+            Filler::Cpu { done, .. } => Ok(done.pop_front().expect("a batch was submitted")),
+            Filler::Gpu { assembler, slots } => {
+                let slot = *slots.front().expect("a batch was submitted");
+                let (step, report) = assembler.complete(Some(&ring.device_slot(slot).ready))?;
+                slots.pop_front();
+                Ok((slot, step, report))
             }
         }
     }

@@ -235,6 +235,42 @@ impl GatherPlan {
         }
     }
 
+    /// As [`GatherPlan::push`], but first extends the last piece when the run continues it (same source,
+    /// conversion and scale; contiguous in the source and in the slot), up to `merged_out_bytes_max`
+    /// output bytes per piece: consecutive samples of one block become one piece.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_merged(
+        &mut self,
+        source: u16,
+        src_offset: u64,
+        dst_offset: u64,
+        elements: u64,
+        op: GatherOp,
+        scale: f32,
+        merged_out_bytes_max: u64,
+    ) {
+        let (mut src_offset, mut dst_offset, mut elements) = (src_offset, dst_offset, elements);
+        if let Some(last) = self.pieces.last_mut() {
+            let continues = last.source == source
+                && last.op == op
+                && last.scale.to_bits() == scale.to_bits()
+                && last.src_offset + last.elements as u64 * op.in_bytes() == src_offset
+                && last.dst_offset + last.elements as u64 * op.out_bytes() == dst_offset;
+            if continues {
+                let room =
+                    (merged_out_bytes_max / op.out_bytes()).saturating_sub(last.elements as u64);
+                let n = room.min(elements);
+                last.elements += n as u32;
+                src_offset += n * op.in_bytes();
+                dst_offset += n * op.out_bytes();
+                elements -= n;
+            }
+        }
+        if elements > 0 {
+            self.push(source, src_offset, dst_offset, elements, op, scale);
+        }
+    }
+
     /// Adds one piece as it is (no splitting; for tests of the kernel's checks).
     pub fn push_piece(&mut self, piece: GatherPiece) {
         self.pieces.push(piece);
@@ -402,5 +438,47 @@ impl Gatherer {
         // entries; buffer lifetimes are the caller's contract.
         self.kernel
             .launch(stream, grid, GATHER_BLOCK_THREADS, &mut params)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_pushes_join_contiguous_runs_up_to_the_bound() {
+        let op = GatherOp::for_dtypes(gpufeed_client::DType::F16, gpufeed_client::DType::F32)
+            .expect("f16 -> f32 is a gather op");
+        let mut plan = GatherPlan::new();
+        // Four consecutive samples of 1 Ki elements (4 KiB out each) with a 12 KiB bound: three join,
+        // the fourth starts a new piece.
+        for sample in 0..4u64 {
+            plan.push_merged(1, sample * 2048, sample * 4096, 1024, op, 1.0, 12 << 10);
+        }
+        let pieces = plan.pieces();
+        assert_eq!(pieces.len(), 2);
+        assert_eq!((pieces[0].src_offset, pieces[0].dst_offset), (0, 0));
+        assert_eq!(pieces[0].elements, 3072);
+        assert_eq!((pieces[1].src_offset, pieces[1].dst_offset), (6144, 12288));
+        assert_eq!(pieces[1].elements, 1024);
+        // A run that is not contiguous in the source, or comes from another source, is not joined.
+        plan.push_merged(1, 100_000, 16384, 8, op, 1.0, 12 << 10);
+        plan.push_merged(0, 100_016, 16416, 8, op, 1.0, 12 << 10);
+        assert_eq!(plan.pieces().len(), 4);
+        // A partly joined run: the remainder becomes a piece of its own.
+        let mut plan = GatherPlan::new();
+        plan.push_merged(0, 0, 0, 2048, op, 1.0, 12 << 10);
+        plan.push_merged(0, 4096, 8192, 2048, op, 1.0, 12 << 10);
+        let pieces = plan.pieces();
+        assert_eq!(pieces.len(), 2);
+        assert_eq!(pieces[0].elements, 3072);
+        assert_eq!(
+            (
+                pieces[1].src_offset,
+                pieces[1].dst_offset,
+                pieces[1].elements
+            ),
+            (6144, 12288, 1024)
+        );
     }
 }

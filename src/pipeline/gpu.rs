@@ -1,29 +1,43 @@
 //! Batch assembly on the GPU backend: blocks are read into device memory (page-cache DMA, the io_uring
-//! bounce path or cuFile, per [`GpuReader`]), LZ4 blocks are decoded by the LZ4 kernel into a device
-//! block cache, and the gather kernel converts every sample of the batch, in the stream's order, into
-//! the slot, which is exportable device memory that the consumer maps.
+//! bounce path or cuFile, per [`GpuReader`]), verified (xxh3 kernel), LZ4 blocks are decoded by the
+//! LZ4 kernel into a device block cache, and the gather kernel converts every sample of the batch, in
+//! the stream's order, into the slot, which is exportable device memory that the consumer maps.
 //!
-//! A batch is built in one or more *rounds*. A round reads the blocks its rows need into the staging
+//! A batch is built in one or more *rounds*. A round reads the blocks its rows need into a staging
 //! buffer (raw blocks) or decodes them into the block cache (LZ4 blocks, kept for later batches), then
 //! gathers its rows into the slot. Rows join a round until the staging buffer, the cache, the shuffle
 //! scratch or the gather table would overflow; the next rows go to the next round. So every size is
-//! fixed at stream open, whatever the batch size or the order, and nothing is allocated per batch.
+//! fixed at stream open, whatever the batch size or the order, and nothing is allocated on the device
+//! per batch.
 //!
-//! Ordering: all device work of a stream runs on its compute stream, except the reads, which
-//! [`GpuReader::read`] completes before it returns. A round starts by waiting for the previous round's
-//! work (the staging buffer and the tables are reused), and the first write into a slot waits on the
-//! slot's `released` event, which the consumer recorded on its own stream when it released the slot.
+//! Rounds are pipelined: [`ROUNDS_IN_FLIGHT`] sets of round buffers (staging, job and piece tables in
+//! pinned host memory and on the device, outcomes) are used in turn, so the reads of the next round
+//! are queued while the device still verifies, decodes and gathers the previous one, and the host
+//! plans ahead instead of waiting. The host waits for a round (one event, sleeping, no spin) only
+//! when its buffers are needed again or its batch is handed off. A round's outcomes (checksums, LZ4
+//! status, gather faults) are read when it completes: a sample whose block turns out to be corrupt
+//! then is zeroed (policy `replace`) or ends the stream (policy `fail`) before its batch is handed
+//! off, so nothing corrupt is ever served.
+//!
+//! Ordering: all device work of a stream runs on its compute stream, which waits on the reader's
+//! copy stream for each round's reads. The first write into a slot waits on the slot's `released`
+//! event, which the consumer recorded on its own stream when it released the slot. Block cache
+//! entries are reused in stream order, so a gather queued before a decode that overwrites its source
+//! entry has read it first.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use gpufeed_client::protocol::CorruptPolicy;
 
 use super::assemble::{BlockKey, FillError, FillReport, Placement, StreamPlan};
 use crate::decode::BlockRef;
 use crate::device::{
-    fill_async, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer, Stream,
+    fill_async, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer, PinnedBuffer,
+    Stream,
 };
 use crate::format::{BlockEntry, Codec, Filter};
 use crate::kernels::{
@@ -35,10 +49,17 @@ use crate::metrics::{Metrics, ReadPath as MetricsPath};
 use crate::storage::gpu::{DeviceExtent, GpuReader, PathChoice, ReadPath};
 use crate::storage::{DirectIo, FileId, FileTable, IO_ALIGN_BYTES};
 
+/// Sets of round buffers: a round's reads and tables are prepared while the previous round runs.
+pub const ROUNDS_IN_FLIGHT: usize = 2;
+
+/// Largest output of a gather piece made by merging adjacent samples: small enough that a batch of
+/// consecutive samples still spreads over many thread blocks.
+const MERGED_PIECE_OUT_BYTES_MAX: u64 = 64 << 10;
+
 /// Device memory of one GPU stream, all allocated when the stream opens.
 #[derive(Clone, Copy, Debug)]
 pub struct GpuStreamLimits {
-    /// Stored blocks read in one round.
+    /// Stored blocks read in one round (one such buffer per round in flight).
     pub staging_bytes: usize,
     /// Decoded LZ4 blocks kept on the device (the block cache).
     pub cache_bytes: usize,
@@ -49,8 +70,8 @@ pub struct GpuStreamLimits {
 }
 
 impl GpuStreamLimits {
-    /// Defaults for a GPU node: 64 MiB staging, a 256 MiB block cache, 16 MiB of shuffle scratch and
-    /// 64 Ki gather pieces (2 MiB of table) per round.
+    /// Defaults for a GPU node: 64 MiB staging per round in flight, a 256 MiB block cache, 16 MiB of
+    /// shuffle scratch per round in flight and 64 Ki gather pieces (2 MiB of table) per round.
     pub fn node_defaults() -> GpuStreamLimits {
         GpuStreamLimits {
             staging_bytes: 64 << 20,
@@ -61,18 +82,21 @@ impl GpuStreamLimits {
     }
 }
 
-/// Wall time spent in each phase of filling slots (host view: each phase ends with the work it
-/// queued done).
+/// Host time spent in each phase of filling slots. Device work is asynchronous: `wait_s` is the time
+/// the host waited for it; the rest is the host's own work (planning, queueing reads and kernels,
+/// reading outcomes).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GpuFillTimings {
     /// Planning rounds on the host.
     pub plan_s: f64,
-    /// Reads into staging (their copies complete).
+    /// Queueing reads (host-side reads of the bounce path and cuFile included).
     pub read_s: f64,
-    /// Checksum verification and LZ4 decoding.
+    /// Queueing checksum verification and LZ4 decoding, and reading their outcomes.
     pub decode_s: f64,
-    /// Gather tables, the gather kernel and its outcome.
+    /// Building and queueing the gather.
     pub gather_s: f64,
+    /// Waiting for the device to finish rounds.
+    pub wait_s: f64,
     /// Rounds run.
     pub rounds: u64,
 }
@@ -80,19 +104,12 @@ pub struct GpuFillTimings {
 /// A decoded LZ4 block in the cache, or the reason a block is unusable.
 #[derive(Clone)]
 enum CacheEntry {
-    /// In cache entry `index`; `stamp` is the round that last used it.
+    /// In cache entry `index`; `stamp` is the round that last used it. Its decode may still be in
+    /// flight (stream order makes it visible to later rounds) and its checks pending until the round
+    /// that decoded it completes.
     Decoded { index: u32, stamp: u64 },
     /// Corrupt or unreadable; the message names shard, field and block.
     Corrupt(Arc<String>),
-}
-
-/// Where a block's bytes are for the gather of the current round.
-#[derive(Clone, Copy)]
-enum Source {
-    /// Decoded, at this offset of the cache buffer.
-    Cache(u64),
-    /// Raw, at this offset of the staging buffer.
-    Staging(u64),
 }
 
 /// The blocks a round reads, and where each goes.
@@ -102,15 +119,127 @@ struct Round {
     staged: HashMap<BlockKey, u64>,
     /// LZ4 blocks to read and decode this round: key, staging offset, cache entry, scratch offset.
     decode: Vec<(BlockKey, u64, u32, Option<u64>)>,
-    /// The keys of `decode`.
-    decoding: HashSet<BlockKey>,
     /// Cached blocks that rows of this round use (they must not be evicted by it).
     pinned: usize,
     staging_used: u64,
     scratch_used: u64,
     pieces: usize,
     /// First row and one past the last row of the batch in this round.
-    rows: std::ops::Range<usize>,
+    rows: Range<usize>,
+}
+
+/// Offsets of the tables and outcomes in a round's pinned host buffer.
+#[derive(Clone, Copy)]
+struct HostLayout {
+    xxh3_jobs: usize,
+    lz4_jobs: usize,
+    pieces: usize,
+    xxh3_outcomes: usize,
+    lz4_outcomes: usize,
+    gather_outcome: usize,
+    bytes: usize,
+}
+
+impl HostLayout {
+    fn new(jobs_max: usize, pieces_max: usize) -> HostLayout {
+        let mut at = 0usize;
+        let mut take = |bytes: usize| {
+            let start = at;
+            at = (at + bytes).div_ceil(64) * 64;
+            start
+        };
+        let xxh3_jobs = take(jobs_max * XXH3_JOB_BYTES);
+        let lz4_jobs = take(jobs_max * LZ4_JOB_BYTES);
+        let pieces = take(pieces_max * GATHER_PIECE_BYTES);
+        let xxh3_outcomes = take(jobs_max * XXH3_OUTCOME_BYTES);
+        let lz4_outcomes = take(jobs_max * LZ4_OUTCOME_BYTES);
+        let gather_outcome = take(GATHER_OUTCOME_BYTES);
+        HostLayout {
+            xxh3_jobs,
+            lz4_jobs,
+            pieces,
+            xxh3_outcomes,
+            lz4_outcomes,
+            gather_outcome,
+            bytes: at,
+        }
+    }
+}
+
+/// The buffers of one round in flight.
+struct RoundBuffers {
+    staging: DeviceBuffer,
+    lz4_jobs: DeviceBuffer,
+    lz4_outcomes: DeviceBuffer,
+    xxh3_jobs: DeviceBuffer,
+    xxh3_outcomes: DeviceBuffer,
+    pieces: DeviceBuffer,
+    gather_outcome: DeviceBuffer,
+    /// Tables are written here and uploaded; outcomes are downloaded here (see [`HostLayout`]).
+    host: PinnedBuffer,
+    /// Recorded after the round's last work (outcome downloads included); sleeps when waited on.
+    done: Event,
+}
+
+impl RoundBuffers {
+    fn device_bytes(&self) -> usize {
+        self.staging.len()
+            + self.lz4_jobs.len()
+            + self.lz4_outcomes.len()
+            + self.xxh3_jobs.len()
+            + self.xxh3_outcomes.len()
+            + self.pieces.len()
+            + self.gather_outcome.len()
+    }
+}
+
+/// A round queued on the device whose outcomes have not been read yet.
+struct PendingRound {
+    buffers: usize,
+    /// The batch (stream step) it belongs to.
+    step: u64,
+    rows: Range<usize>,
+    placements: Arc<Vec<Placement>>,
+    /// Blocks whose checksum the round verifies, with the checksum they must have.
+    checks: Vec<(BlockKey, u64)>,
+    /// LZ4 blocks the round decodes, and their cache entries.
+    decoded: Vec<(BlockKey, u32)>,
+    /// Rows already zeroed because their blocks were known to be corrupt when the round was queued.
+    replaced: Vec<usize>,
+    /// [`GpuAssembler::corrupt_marks`] when the round was planned: if it moved by completion, rows
+    /// that used cached blocks found corrupt since are checked again.
+    corrupt_marks: u64,
+    /// Whether a gather ran (its outcome is to be checked).
+    gathered: bool,
+}
+
+/// A batch submitted and not yet completed.
+struct PendingBatch {
+    step: u64,
+    /// The slot's device address and length, for zeroing samples found corrupt at completion.
+    slot_ptr: u64,
+    slot_bytes: usize,
+    samples: u32,
+    replaced: u32,
+    /// Rounds of this batch not completed yet.
+    rounds_left: usize,
+    /// Whether work was queued on the slot after its ready event was recorded.
+    fixed_up: bool,
+}
+
+/// A slot seen through its device address (the ring owns the allocation).
+struct SlotRange {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceMemory for SlotRange {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.bytes
+    }
 }
 
 /// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.
@@ -121,30 +250,33 @@ pub struct GpuAssembler {
     choice: PathChoice,
     files: FileTable,
     stream: Stream,
-    staging: DeviceBuffer,
     /// The block cache (`cache_entries` entries of `entry_bytes`), then the shuffle scratch.
     cache: DeviceBuffer,
     entry_bytes: u64,
     cache_entries: u32,
     scratch_offset: u64,
     scratch_bytes: u64,
-    lz4_jobs: DeviceBuffer,
-    lz4_outcomes: DeviceBuffer,
-    xxh3_jobs: DeviceBuffer,
-    xxh3_outcomes: DeviceBuffer,
+    jobs_max: usize,
+    pieces_max: usize,
+    layout: HostLayout,
+    buffers: Vec<RoundBuffers>,
+    /// Rounds queued, oldest first (at most [`ROUNDS_IN_FLIGHT`]).
+    rounds: VecDeque<PendingRound>,
+    /// Batches submitted, oldest first.
+    batches: VecDeque<PendingBatch>,
+    next_buffers: usize,
     /// Raw blocks whose checksum this stream has verified (LZ4 blocks are verified when they are
     /// decoded into the cache, which keeps them).
     verified: HashSet<BlockKey>,
     /// Where the fill time went, for benchmarks.
     pub timings: GpuFillTimings,
-    pieces: DeviceBuffer,
-    pieces_max: usize,
-    gather_outcome: DeviceBuffer,
     blocks: HashMap<BlockKey, CacheEntry>,
     /// The decoded blocks by (last round used, key): the least recently used first.
     lru: BTreeSet<(u64, BlockKey)>,
     free_entries: Vec<u32>,
     round_stamp: u64,
+    /// Count of cached blocks found corrupt so far.
+    corrupt_marks: u64,
     metrics: Arc<Metrics>,
 }
 
@@ -165,6 +297,14 @@ fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
     (staged, raw.div_ceil(16) * 16)
 }
 
+fn device_error(error: DeviceError) -> FillError {
+    FillError::Device(error.to_string())
+}
+
+fn staged_bytes(entry: &BlockEntry) -> u64 {
+    (entry.stored_bytes as u64).div_ceil(IO_ALIGN_BYTES) * IO_ALIGN_BYTES
+}
+
 impl GpuAssembler {
     /// Opens the dataset's shards and allocates the stream's device memory on `reader`'s device.
     pub fn new(
@@ -181,61 +321,65 @@ impl GpuAssembler {
             files.open(&shard.path, DirectIo::Prefer)?;
         }
         let (staged_max, raw_max) = block_sizes_max(&plan);
-        let device_error = |e: DeviceError| FillError::Device(e.to_string());
         let staging_bytes = (limits.staging_bytes as u64).max(staged_max);
         let cache_entries = (limits.cache_bytes as u64 / raw_max).clamp(1, u32::MAX as u64) as u32;
         let scratch_bytes = (limits.scratch_bytes as u64).max(raw_max);
+        // The shuffle scratch follows the cache entries in the same buffer (the decoder writes both).
+        // One scratch serves every round: rounds run one after the other on the compute stream.
         let scratch_offset = cache_entries as u64 * raw_max;
         let stream = Stream::new(&device).map_err(device_error)?;
-        let staging = DeviceBuffer::new(&device, staging_bytes as usize).map_err(device_error)?;
         let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)
             .map_err(device_error)?;
-        // At most one LZ4 job per staged page: a bound on the jobs of one round.
+        // At most one job per staged page: a bound on the jobs of one round.
         let jobs_max = (staging_bytes / IO_ALIGN_BYTES) as usize;
-        let lz4_jobs =
-            DeviceBuffer::new(&device, jobs_max * LZ4_JOB_BYTES).map_err(device_error)?;
-        let lz4_outcomes =
-            DeviceBuffer::new(&device, jobs_max * LZ4_OUTCOME_BYTES).map_err(device_error)?;
-        let xxh3_jobs =
-            DeviceBuffer::new(&device, jobs_max * XXH3_JOB_BYTES).map_err(device_error)?;
-        let xxh3_outcomes =
-            DeviceBuffer::new(&device, jobs_max * XXH3_OUTCOME_BYTES).map_err(device_error)?;
         let pieces_max = limits.pieces_max.max(1);
-        let pieces =
-            DeviceBuffer::new(&device, pieces_max * GATHER_PIECE_BYTES).map_err(device_error)?;
-        let gather_outcome =
-            DeviceBuffer::new(&device, GATHER_OUTCOME_BYTES).map_err(device_error)?;
+        let layout = HostLayout::new(jobs_max, pieces_max);
+        let mut buffers = Vec::with_capacity(ROUNDS_IN_FLIGHT);
+        for _ in 0..ROUNDS_IN_FLIGHT {
+            let new = |bytes: usize| DeviceBuffer::new(&device, bytes).map_err(device_error);
+            buffers.push(RoundBuffers {
+                staging: new(staging_bytes as usize)?,
+                lz4_jobs: new(jobs_max * LZ4_JOB_BYTES)?,
+                lz4_outcomes: new(jobs_max * LZ4_OUTCOME_BYTES)?,
+                xxh3_jobs: new(jobs_max * XXH3_JOB_BYTES)?,
+                xxh3_outcomes: new(jobs_max * XXH3_OUTCOME_BYTES)?,
+                pieces: new(pieces_max * GATHER_PIECE_BYTES)?,
+                gather_outcome: new(GATHER_OUTCOME_BYTES)?,
+                host: PinnedBuffer::new(&device, layout.bytes).map_err(device_error)?,
+                done: Event::new_blocking(&device).map_err(device_error)?,
+            });
+        }
         Ok(GpuAssembler {
             kernels,
             reader,
             choice,
             files,
             stream,
-            staging,
             cache,
             entry_bytes: raw_max,
             cache_entries,
             scratch_offset,
             scratch_bytes,
-            lz4_jobs,
-            lz4_outcomes,
-            xxh3_jobs,
-            xxh3_outcomes,
+            jobs_max,
+            pieces_max,
+            layout,
+            buffers,
+            rounds: VecDeque::with_capacity(ROUNDS_IN_FLIGHT),
+            batches: VecDeque::new(),
+            next_buffers: 0,
             verified: HashSet::new(),
             timings: GpuFillTimings::default(),
-            pieces,
-            pieces_max,
-            gather_outcome,
             blocks: HashMap::new(),
             lru: BTreeSet::new(),
             free_entries: (0..cache_entries).rev().collect(),
             round_stamp: 0,
+            corrupt_marks: 0,
             metrics,
             plan,
         })
     }
 
-    /// The stream the batch work runs on: record a slot's ready event here after [`Self::fill`].
+    /// The stream the batch work runs on.
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
@@ -247,14 +391,12 @@ impl GpuAssembler {
 
     /// Device memory this stream holds besides its slots, in bytes.
     pub fn device_bytes(&self) -> u64 {
-        (self.staging.len()
-            + self.cache.len()
-            + self.lz4_jobs.len()
-            + self.lz4_outcomes.len()
-            + self.xxh3_jobs.len()
-            + self.xxh3_outcomes.len()
-            + self.pieces.len()
-            + self.gather_outcome.len()) as u64
+        (self.cache.len() + self.buffers.iter().map(|b| b.device_bytes()).sum::<usize>()) as u64
+    }
+
+    /// Batches submitted and not completed yet.
+    pub fn pending_batches(&self) -> usize {
+        self.batches.len()
     }
 
     fn entry(&self, key: &BlockKey) -> &BlockEntry {
@@ -273,39 +415,94 @@ impl GpuAssembler {
         }
     }
 
-    /// Queues stream step `step` into `slot`. The slot's previous contents may still be read by the
-    /// consumer until `released` completes: the first write waits for it on the device. The batch is
-    /// complete once the work queued on [`Self::stream`] is.
+    /// Fills `slot` with stream step `step` and waits for it: [`Self::submit`] then
+    /// [`Self::complete`]. Batches submitted before must have been completed.
     pub fn fill(
         &mut self,
         step: u64,
         slot: &ExportableBuffer,
         released: &Event,
     ) -> Result<FillReport, FillError> {
+        assert!(self.batches.is_empty(), "complete submitted batches first");
+        self.submit(step, slot, released, None)?;
+        let (_, report) = self.complete(None)?;
+        Ok(report)
+    }
+
+    /// Queues stream step `step` into `slot`. The slot's previous contents may still be read by the
+    /// consumer until `released` completes: the first write waits for it on the device. `ready` (if
+    /// any) is recorded on the stream after the batch's last work. The batch is not to be handed off
+    /// before [`Self::complete`] has returned it: only then are its blocks known to be sound.
+    ///
+    /// The slot must stay allocated until the batch is completed.
+    pub fn submit(
+        &mut self,
+        step: u64,
+        slot: &ExportableBuffer,
+        released: &Event,
+        ready: Option<&Event>,
+    ) -> Result<(), FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
         let plan = Arc::clone(&self.plan);
         let field_count = plan.fields.len();
-        let placements = plan.placements(step);
+        let placements = Arc::new(plan.placements(step));
         let rows = placements.len() / field_count;
-        let device_error = |e: DeviceError| FillError::Device(e.to_string());
         self.stream.wait(released).map_err(device_error)?;
-        let mut replaced = 0u32;
+        self.batches.push_back(PendingBatch {
+            step,
+            slot_ptr: slot.device_ptr(),
+            slot_bytes: slot.len(),
+            samples: rows as u32,
+            replaced: 0,
+            rounds_left: 0,
+            fixed_up: false,
+        });
         let mut row = 0usize;
         while row < rows {
+            // The round's buffers must be free: complete the round that used them last.
+            if self.rounds.len() == ROUNDS_IN_FLIGHT {
+                self.complete_round()?;
+            }
             let planned = Instant::now();
             let round = self.plan_round(&placements, row, rows)?;
             self.timings.plan_s += planned.elapsed().as_secs_f64();
             self.timings.rounds += 1;
             row = round.rows.end;
-            replaced += self.run_round(&placements, round, slot)?;
+            self.batches.back_mut().expect("just pushed").rounds_left += 1;
+            self.queue_round(step, &placements, round, slot)?;
         }
-        Ok(FillReport {
-            samples: rows as u32,
-            replaced,
-        })
+        if let Some(ready) = ready {
+            ready.record(&self.stream).map_err(device_error)?;
+        }
+        Ok(())
     }
 
-    /// Chooses the rows of the next round, starting at `first`, and where their blocks go.
+    /// Waits for the oldest submitted batch, checks what its rounds found, zeroes (or fails on) samples
+    /// whose blocks turned out to be corrupt, and returns its step and report. `ready` is the batch's
+    /// ready event, recorded again if work was queued on the slot after it.
+    pub fn complete(&mut self, ready: Option<&Event>) -> Result<(u64, FillReport), FillError> {
+        let oldest = self.batches.front().expect("a batch was submitted").step;
+        while self.batches.front().is_some_and(|b| b.rounds_left > 0) {
+            self.complete_round()?;
+        }
+        let batch = self.batches.pop_front().expect("checked above");
+        debug_assert_eq!(batch.step, oldest);
+        if batch.fixed_up {
+            if let Some(ready) = ready {
+                ready.record(&self.stream).map_err(device_error)?;
+            }
+        }
+        Ok((
+            batch.step,
+            FillReport {
+                samples: batch.samples,
+                replaced: batch.replaced,
+            },
+        ))
+    }
+
+    /// Chooses the rows of the next round, starting at `first`, and where their blocks go. LZ4 blocks
+    /// get their cache entries here (the entry is known to later rounds at once).
     fn plan_round(
         &mut self,
         placements: &[Placement],
@@ -320,11 +517,16 @@ impl GpuAssembler {
             rows: first..first,
             ..Round::default()
         };
+        // What the current row adds to the round, checked before anything is committed.
+        let mut new_staged: Vec<(BlockKey, u64)> = Vec::new();
+        let mut new_decoded: Vec<(BlockKey, u64, Option<u64>)> = Vec::new();
+        let mut new_pins: Vec<(BlockKey, u64)> = Vec::new();
+        // Consecutive samples mostly share their blocks: the last block committed needs no lookup.
+        let mut last_committed: Option<BlockKey> = None;
         for row in first..rows {
-            // What this row adds to the round, checked before anything is committed.
-            let mut new_staged: Vec<(BlockKey, u64)> = Vec::new();
-            let mut new_decoded: Vec<(BlockKey, u64, Option<u64>)> = Vec::new();
-            let mut new_pins: Vec<(BlockKey, u64)> = Vec::new();
+            new_staged.clear();
+            new_decoded.clear();
+            new_pins.clear();
             let mut staging = round.staging_used;
             let mut scratch = round.scratch_used;
             let mut pieces = 0usize;
@@ -341,16 +543,17 @@ impl GpuAssembler {
                         field: field.field_index as u32,
                         block,
                     };
+                    if last_committed == Some(key) {
+                        continue;
+                    }
                     let entry = *self.entry(&key);
-                    let staged_len =
-                        (entry.stored_bytes as u64).div_ceil(IO_ALIGN_BYTES) * IO_ALIGN_BYTES;
                     match (entry.codec, self.blocks.get(&key)) {
                         (Codec::Raw, _) => {
                             if !round.staged.contains_key(&key)
                                 && !new_staged.iter().any(|(k, _)| *k == key)
                             {
                                 new_staged.push((key, staging));
-                                staging += staged_len;
+                                staging += staged_bytes(&entry);
                             }
                         }
                         (Codec::Lz4, Some(CacheEntry::Decoded { stamp: used, .. })) => {
@@ -360,9 +563,7 @@ impl GpuAssembler {
                         }
                         (Codec::Lz4, Some(CacheEntry::Corrupt(_))) => {}
                         (Codec::Lz4, None) => {
-                            if !round.decoding.contains(&key)
-                                && !new_decoded.iter().any(|(k, ..)| *k == key)
-                            {
+                            if !new_decoded.iter().any(|(k, ..)| *k == key) {
                                 let shuffled = entry.filter == Filter::ByteShuffle
                                     && field.stored.size_bytes() > 1;
                                 let scratch_at = shuffled.then(|| {
@@ -371,7 +572,7 @@ impl GpuAssembler {
                                     at
                                 });
                                 new_decoded.push((key, staging, scratch_at));
-                                staging += staged_len;
+                                staging += staged_bytes(&entry);
                             }
                         }
                     }
@@ -379,9 +580,12 @@ impl GpuAssembler {
             }
             let entries_needed =
                 round.decode.len() + new_decoded.len() + round.pinned + new_pins.len();
-            let fits = staging <= self.staging.len() as u64
+            let jobs_needed =
+                round.staged.len() + new_staged.len() + round.decode.len() + new_decoded.len();
+            let fits = staging <= self.buffers[0].staging.len() as u64
                 && scratch <= self.scratch_bytes
                 && round.pieces + pieces <= self.pieces_max
+                && jobs_needed <= self.jobs_max
                 && entries_needed <= self.cache_entries as usize;
             if !fits {
                 if round.rows.is_empty() {
@@ -389,7 +593,7 @@ impl GpuAssembler {
                         "sample {row} of the batch needs more device memory than one round has \
                          (staging {} bytes, scratch {} bytes, {} gather pieces, {} cache entries of \
                          {} bytes): raise the GPU stream limits",
-                        self.staging.len(),
+                        self.buffers[0].staging.len(),
                         self.scratch_bytes,
                         self.pieces_max,
                         self.cache_entries,
@@ -399,7 +603,7 @@ impl GpuAssembler {
                 break;
             }
             // Commit the row: its cached blocks become the round's (not evictable by it).
-            for (key, used) in new_pins {
+            for &(key, used) in &new_pins {
                 self.lru.remove(&(used, key));
                 self.lru.insert((stamp, key));
                 if let Some(CacheEntry::Decoded { stamp: s, .. }) = self.blocks.get_mut(&key) {
@@ -407,13 +611,26 @@ impl GpuAssembler {
                 }
                 round.pinned += 1;
             }
-            for (key, at) in new_staged {
+            for &(key, at) in &new_staged {
                 round.staged.insert(key, at);
             }
-            for (key, at, scratch_at) in new_decoded {
+            for &(key, at, scratch_at) in &new_decoded {
                 let index = self.take_entry(stamp);
-                round.decoding.insert(key);
+                self.blocks
+                    .insert(key, CacheEntry::Decoded { index, stamp });
+                self.lru.insert((stamp, key));
+                round.pinned += 1;
                 round.decode.push((key, at, index, scratch_at));
+            }
+            if fields.len() == 1 {
+                // With several fields the rows alternate between them: only a single-field row's
+                // last block is sure to be the next row's first.
+                let placement = &placements[row];
+                last_committed = placement.blocks.clone().next_back().map(|block| BlockKey {
+                    shard: placement.shard as u32,
+                    field: fields[0].field_index as u32,
+                    block,
+                });
             }
             round.staging_used = staging;
             round.scratch_used = scratch;
@@ -424,7 +641,8 @@ impl GpuAssembler {
     }
 
     /// A cache entry for a new block of round `stamp`: a free one, else the least recently used one
-    /// that the round does not use.
+    /// that the round does not use. An entry whose old block is still read by a queued round is safe
+    /// to reuse: the decode into it is queued after that round's gather, on the same stream.
     fn take_entry(&mut self, stamp: u64) -> u32 {
         if let Some(index) = self.free_entries.pop() {
             return index;
@@ -444,19 +662,21 @@ impl GpuAssembler {
         }
     }
 
-    /// Reads, decodes and gathers one round; returns the rows replaced because of corrupt blocks.
-    fn run_round(
+    /// Queues one round: reads, checks, decodes and gathers, then the outcome downloads.
+    fn queue_round(
         &mut self,
-        placements: &[Placement],
+        step: u64,
+        placements: &Arc<Vec<Placement>>,
         round: Round,
         slot: &ExportableBuffer,
-    ) -> Result<u32, FillError> {
-        let device_error = |e: DeviceError| FillError::Device(e.to_string());
-        // The previous round's decode and gather read the staging buffer and the tables.
-        self.stream.synchronize().map_err(device_error)?;
-        let stamp = self.round_stamp;
+    ) -> Result<(), FillError> {
+        let index = self.next_buffers;
+        self.next_buffers = (self.next_buffers + 1) % ROUNDS_IN_FLIGHT;
+        let layout = self.layout;
+        let corrupt_marks = self.corrupt_marks;
 
         // 1. Read every block of the round into staging, merging blocks adjacent in a file.
+        let read_started = Instant::now();
         let mut reads: Vec<(BlockKey, u64)> =
             round.staged.iter().map(|(k, &at)| (*k, at)).collect();
         reads.extend(round.decode.iter().map(|&(key, at, ..)| (key, at)));
@@ -465,8 +685,7 @@ impl GpuAssembler {
         let mut extent_of: Vec<usize> = Vec::with_capacity(reads.len());
         for &(key, at) in &reads {
             let entry = self.entry(&key);
-            let len = (entry.stored_bytes as usize).div_ceil(IO_ALIGN_BYTES as usize)
-                * IO_ALIGN_BYTES as usize;
+            let len = staged_bytes(entry) as usize;
             match extents.last_mut() {
                 Some(last)
                     if last.file == FileId(key.shard)
@@ -484,12 +703,20 @@ impl GpuAssembler {
             }
             extent_of.push(extents.len() - 1);
         }
-        let read_started = Instant::now();
-        let results = self
-            .reader
-            .read(&self.files, &extents, &self.staging, self.choice)
-            .map_err(|e| FillError::Device(e.to_string()))?;
-        self.timings.read_s += read_started.elapsed().as_secs_f64();
+        // SAFETY: the staging buffer of this round is only touched by this round's work on the compute
+        // stream, which waits for the copies; the round that used it before has completed (the host
+        // waited for it), and the buffer lives as long as the assembler, which drains its rounds
+        // before it is dropped.
+        let results = unsafe {
+            self.reader.read_async(
+                &self.files,
+                &extents,
+                &self.buffers[index].staging,
+                self.choice,
+                &self.stream,
+            )
+        }
+        .map_err(|e| FillError::Device(e.to_string()))?;
         let mut unreadable: HashMap<BlockKey, String> = HashMap::new();
         for ((key, _), &extent) in reads.iter().zip(&extent_of) {
             match &results[extent] {
@@ -503,30 +730,40 @@ impl GpuAssembler {
                         .add_read_bytes(metrics_path, self.entry(key).stored_bytes as u64);
                 }
                 Err(error) => {
+                    if self.entry(key).codec == Codec::Raw {
+                        self.metrics.add_corrupt_blocks(1);
+                    }
                     unreadable.insert(*key, format!("{}: {error}", self.block_ref(key)));
                 }
             }
         }
+        // An LZ4 block that could not be read is corrupt for good: later rounds skip it.
+        for &(key, _, entry_index, _) in &round.decode {
+            if let Some(message) = unreadable.get(&key) {
+                self.mark_corrupt(key, entry_index, message.clone());
+            }
+        }
+        self.timings.read_s += read_started.elapsed().as_secs_f64();
 
         // 2. Verify the checksums of the blocks read for the first time, and decode the LZ4 blocks
-        //    into their cache entries, in one pass on the stream: a block is usable only if both
-        //    succeed (decoding a corrupt block is harmless: the decoder checks every access).
+        //    into their cache entries; the outcomes are read when the round completes.
         let decode_started = Instant::now();
-        let mut checks: Vec<Xxh3Job> = Vec::new();
-        let mut check_keys: Vec<BlockKey> = Vec::new();
+        let mut checks: Vec<(BlockKey, u64)> = Vec::new();
+        let mut check_jobs: Vec<Xxh3Job> = Vec::new();
         for &(key, at) in &reads {
-            let first_time = match self.entry(&key).codec {
+            let entry = self.entry(&key);
+            let first_time = match entry.codec {
                 Codec::Raw => !self.verified.contains(&key),
                 Codec::Lz4 => true,
             };
             if first_time && !unreadable.contains_key(&key) {
-                checks.push(Xxh3Job::for_block(self.entry(&key), at));
-                check_keys.push(key);
+                check_jobs.push(Xxh3Job::for_block(entry, at));
+                checks.push((key, entry.checksum));
             }
         }
         let mut jobs: Vec<Lz4Job> = Vec::with_capacity(round.decode.len());
-        let mut job_keys: Vec<(BlockKey, u32)> = Vec::with_capacity(round.decode.len());
-        for &(key, at, index, scratch_at) in &round.decode {
+        let mut decoded: Vec<(BlockKey, u32)> = Vec::with_capacity(round.decode.len());
+        for &(key, at, entry_index, scratch_at) in &round.decode {
             if unreadable.contains_key(&key) {
                 continue;
             }
@@ -538,130 +775,90 @@ impl GpuAssembler {
                 &entry,
                 element_bytes,
                 at,
-                index as u64 * self.entry_bytes,
+                entry_index as u64 * self.entry_bytes,
                 scratch_at.unwrap_or(0),
             )
             .expect("only LZ4 blocks are decoded");
             jobs.push(job);
-            job_keys.push((key, index));
+            decoded.push((key, entry_index));
         }
-        if !checks.is_empty() {
-            self.xxh3_jobs
-                .write(0, &Xxh3Job::encode_all(&checks))
-                .map_err(device_error)?;
-            // SAFETY: the tables and the staging buffer are this assembler's and are not touched
-            // until the stream is synchronised below.
+        let buffers = &mut self.buffers[index];
+        if !check_jobs.is_empty() {
+            let table = Xxh3Job::encode_all(&check_jobs);
+            buffers.host.as_mut_slice()[layout.xxh3_jobs..layout.xxh3_jobs + table.len()]
+                .copy_from_slice(&table);
+            // SAFETY: the pinned table is not written again before this round completes, and the
+            // device table is only read by this round's kernel, queued after the upload.
+            unsafe {
+                buffers.host.upload_async(
+                    &self.stream,
+                    layout.xxh3_jobs,
+                    &buffers.xxh3_jobs,
+                    0,
+                    table.len(),
+                )
+            }
+            .map_err(device_error)?;
+            // SAFETY: the tables and the staging buffer belong to this round and are not touched
+            // until it completes.
             unsafe {
                 self.kernels.xxh3.verify_async(
                     &self.stream,
-                    &self.xxh3_jobs,
-                    checks.len() as u32,
-                    &self.staging,
-                    &self.xxh3_outcomes,
+                    &buffers.xxh3_jobs,
+                    check_jobs.len() as u32,
+                    &buffers.staging,
+                    &buffers.xxh3_outcomes,
                 )
             }
             .map_err(device_error)?;
         }
         if !jobs.is_empty() {
             let table = Lz4Job::encode_all(&jobs);
-            self.lz4_jobs.write(0, &table).map_err(device_error)?;
-            // SAFETY: the tables and buffers are owned by this assembler and not touched until the
-            // stream is synchronised below; staging and cache are different allocations.
+            buffers.host.as_mut_slice()[layout.lz4_jobs..layout.lz4_jobs + table.len()]
+                .copy_from_slice(&table);
+            // SAFETY: as for the checksum table.
+            unsafe {
+                buffers.host.upload_async(
+                    &self.stream,
+                    layout.lz4_jobs,
+                    &buffers.lz4_jobs,
+                    0,
+                    table.len(),
+                )
+            }
+            .map_err(device_error)?;
+            // SAFETY: the tables and buffers belong to this round (the cache entries to its blocks,
+            // in stream order) and are not touched until it completes; staging, scratch and cache
+            // are different allocations.
             unsafe {
                 self.kernels.lz4.decode_async(
                     &self.stream,
-                    &self.lz4_jobs,
+                    &buffers.lz4_jobs,
                     jobs.len() as u32,
-                    &self.staging,
+                    &buffers.staging,
                     &self.cache,
-                    &self.lz4_outcomes,
+                    &buffers.lz4_outcomes,
                 )
             }
             .map_err(device_error)?;
         }
-        let mut outcomes: Vec<Lz4Outcome> = Vec::new();
-        if !checks.is_empty() || !jobs.is_empty() {
-            self.stream.synchronize().map_err(device_error)?;
-        }
-        if !checks.is_empty() {
-            let mut bytes = vec![0u8; checks.len() * XXH3_OUTCOME_BYTES];
-            self.xxh3_outcomes
-                .read(0, &mut bytes)
-                .map_err(device_error)?;
-            for ((key, job), outcome) in check_keys
-                .iter()
-                .zip(&checks)
-                .zip(Xxh3Outcome::decode_all(&bytes))
-            {
-                if outcome.status == Xxh3Status::Ok {
-                    if self.entry(key).codec == Codec::Raw {
-                        self.verified.insert(*key);
-                    }
-                } else {
-                    unreadable.insert(
-                        *key,
-                        format!(
-                            "{}: checksum mismatch (table says {:016x}, payload hashes to {:016x})",
-                            self.block_ref(key),
-                            job.expected,
-                            outcome.hash
-                        ),
-                    );
-                }
-            }
-        }
-        if !jobs.is_empty() {
-            let mut bytes = vec![0u8; jobs.len() * LZ4_OUTCOME_BYTES];
-            self.lz4_outcomes
-                .read(0, &mut bytes)
-                .map_err(device_error)?;
-            outcomes = Lz4Outcome::decode_all(&bytes);
-        }
-        let mut corrupt_blocks = 0u64;
-        for ((key, index), outcome) in job_keys.iter().zip(&outcomes) {
-            if unreadable.contains_key(key) {
-                // The checksum failed: handled with the unreadable blocks below.
-                continue;
-            }
-            let cached = if outcome.status == Lz4Status::Ok {
-                self.lru.insert((stamp, *key));
-                CacheEntry::Decoded {
-                    index: *index,
-                    stamp,
-                }
-            } else {
-                corrupt_blocks += 1;
-                self.free_entries.push(*index);
-                CacheEntry::Corrupt(Arc::new(format!(
-                    "{}: LZ4 block does not decode ({:?} after {} bytes)",
-                    self.block_ref(key),
-                    outcome.status,
-                    outcome.produced
-                )))
-            };
-            self.blocks.insert(*key, cached);
-        }
-        for &(key, _, index, _) in &round.decode {
-            if let Some(message) = unreadable.get(&key) {
-                corrupt_blocks += 1;
-                self.free_entries.push(index);
-                self.blocks
-                    .insert(key, CacheEntry::Corrupt(Arc::new(message.clone())));
-            }
-        }
-        self.metrics.add_corrupt_blocks(corrupt_blocks);
         self.metrics.add_decode_time(decode_started.elapsed());
         self.timings.decode_s += decode_started.elapsed().as_secs_f64();
 
-        // 3. Gather the round's rows into the slot.
+        // 3. Gather the round's rows into the slot. Rows whose blocks are known to be corrupt are
+        //    zeroed (or fail the stream) now; rows whose blocks this round checks are gathered and
+        //    checked when the round completes.
         let gather_started = Instant::now();
         let stream_plan = Arc::clone(&self.plan);
         let fields = &stream_plan.fields;
         let mut plan = GatherPlan::new();
-        let mut corrupt_rows: Vec<usize> = Vec::new();
+        let mut replaced: Vec<usize> = Vec::new();
+        // A row's runs (source, source offset, slot offset, elements, conversion), added to the plan
+        // only once every block of the row is known to be usable.
+        let mut runs: Vec<(u16, u64, u64, u64, GatherOp)> = Vec::new();
         for row in round.rows.clone() {
             let row_placements = &placements[row * fields.len()..(row + 1) * fields.len()];
-            let mut row_pieces = GatherPlan::new();
+            runs.clear();
             let mut corrupt: Option<String> = None;
             'fields: for (field, placement) in fields.iter().zip(row_placements) {
                 let op = GatherOp::for_dtypes(field.stored, field.out)
@@ -675,89 +872,209 @@ impl GpuAssembler {
                         block,
                     };
                     let entry = *self.entry(&key);
-                    let source = match (entry.codec, self.blocks.get(&key)) {
-                        (Codec::Raw, _) => match unreadable.get(&key) {
+                    let (source_index, base) = match entry.codec {
+                        Codec::Raw => match unreadable.get(&key) {
                             Some(message) => {
                                 corrupt = Some(message.clone());
                                 break 'fields;
                             }
-                            None => Source::Staging(round.staged[&key]),
+                            None => (1u16, round.staged[&key]),
                         },
-                        (Codec::Lz4, Some(CacheEntry::Decoded { index, .. })) => {
-                            Source::Cache(*index as u64 * self.entry_bytes)
-                        }
-                        (Codec::Lz4, Some(CacheEntry::Corrupt(message))) => {
-                            corrupt = Some(message.to_string());
-                            break 'fields;
-                        }
-                        (Codec::Lz4, None) => unreachable!("every LZ4 block of the round is known"),
+                        Codec::Lz4 => match self.blocks.get(&key) {
+                            Some(CacheEntry::Decoded { index, .. }) => {
+                                (0u16, *index as u64 * self.entry_bytes)
+                            }
+                            Some(CacheEntry::Corrupt(message)) => {
+                                corrupt = Some(message.to_string());
+                                break 'fields;
+                            }
+                            None => unreachable!("every LZ4 block of the round is known"),
+                        },
                     };
                     let from = placement.start.max(entry.raw_offset) - entry.raw_offset;
                     let to = placement.end.min(entry.raw_offset + entry.raw_bytes as u64)
                         - entry.raw_offset;
                     let elements = (to - from) / in_bytes;
-                    let (source_index, base) = match source {
-                        Source::Cache(base) => (0u16, base),
-                        Source::Staging(base) => (1u16, base),
-                    };
-                    row_pieces.push(source_index, base + from, out_at, elements, op, 1.0);
+                    runs.push((source_index, base + from, out_at, elements, op));
                     out_at += elements * op.out_bytes();
                 }
             }
             match corrupt {
                 None => {
-                    for piece in row_pieces.pieces() {
-                        plan.push_piece(*piece);
+                    for &(source, src_offset, dst_offset, elements, op) in &runs {
+                        plan.push_merged(
+                            source,
+                            src_offset,
+                            dst_offset,
+                            elements,
+                            op,
+                            1.0,
+                            MERGED_PIECE_OUT_BYTES_MAX,
+                        );
                     }
                 }
                 Some(message) => match self.plan.on_corrupt {
                     CorruptPolicy::Fail => return Err(FillError::Corrupt(message)),
-                    CorruptPolicy::Replace => corrupt_rows.push(row),
+                    CorruptPolicy::Replace => replaced.push(row),
                 },
             }
         }
-        let table = plan.encode();
         let count = plan.pieces().len();
         assert!(count <= self.pieces_max, "plan_round bounds the pieces");
-        self.pieces.write(0, &table).map_err(device_error)?;
-        // SAFETY: the table, the sources and the outcome belong to this assembler and are not
-        // rewritten before the next round synchronises the stream; the slot is this filler's (its
-        // lease is Filling and the consumer's release event was waited on); the sources do not
-        // overlap the slot.
-        unsafe {
-            self.kernels.gather.gather_async(
-                &self.stream,
-                &self.pieces,
-                count as u32,
-                &[&self.cache, &self.staging],
-                slot,
-                &self.gather_outcome,
-            )
+        let buffers = &mut self.buffers[index];
+        if count > 0 {
+            let table = plan.encode();
+            buffers.host.as_mut_slice()[layout.pieces..layout.pieces + table.len()]
+                .copy_from_slice(&table);
+            // SAFETY: as for the checksum table.
+            unsafe {
+                buffers.host.upload_async(
+                    &self.stream,
+                    layout.pieces,
+                    &buffers.pieces,
+                    0,
+                    table.len(),
+                )
+            }
+            .map_err(device_error)?;
+            // SAFETY: the table, the sources and the outcome belong to this round and are not
+            // rewritten before it completes; the slot is this filler's (its lease is Filling and the
+            // consumer's release event was waited on); the sources do not overlap the slot.
+            unsafe {
+                self.kernels.gather.gather_async(
+                    &self.stream,
+                    &buffers.pieces,
+                    count as u32,
+                    &[&self.cache, &buffers.staging],
+                    slot,
+                    &buffers.gather_outcome,
+                )
+            }
+            .map_err(device_error)?;
         }
-        .map_err(device_error)?;
         // The substitute for a corrupt sample is all zeros in every field, as on the CPU backend.
-        for &row in &corrupt_rows {
-            for field in fields {
-                // SAFETY: as for the gather; the range lies in the slot (validated plan).
-                unsafe {
-                    fill_async(
-                        &self.stream,
-                        slot,
-                        field.offset + row * field.sample_bytes_out,
-                        field.sample_bytes_out,
-                        0,
-                    )
-                }
+        for &row in &replaced {
+            self.zero_row(slot, row)?;
+        }
+        self.metrics.add_gather_time(gather_started.elapsed());
+        self.timings.gather_s += gather_started.elapsed().as_secs_f64();
+
+        // 4. Bring the outcomes back to pinned memory and mark the round's end.
+        let buffers = &self.buffers[index];
+        // SAFETY: the pinned outcome areas are only read by the host after `done` has completed.
+        unsafe {
+            buffers
+                .host
+                .download_async(
+                    &self.stream,
+                    &buffers.xxh3_outcomes,
+                    0,
+                    layout.xxh3_outcomes,
+                    checks.len() * XXH3_OUTCOME_BYTES,
+                )
                 .map_err(device_error)?;
+            buffers
+                .host
+                .download_async(
+                    &self.stream,
+                    &buffers.lz4_outcomes,
+                    0,
+                    layout.lz4_outcomes,
+                    decoded.len() * LZ4_OUTCOME_BYTES,
+                )
+                .map_err(device_error)?;
+            if count > 0 {
+                buffers
+                    .host
+                    .download_async(
+                        &self.stream,
+                        &buffers.gather_outcome,
+                        0,
+                        layout.gather_outcome,
+                        GATHER_OUTCOME_BYTES,
+                    )
+                    .map_err(device_error)?;
             }
         }
-        if count > 0 {
-            self.stream.synchronize().map_err(device_error)?;
-            let mut bytes = [0u8; GATHER_OUTCOME_BYTES];
-            self.gather_outcome
-                .read(0, &mut bytes)
-                .map_err(device_error)?;
-            let outcome = GatherOutcome::decode(&bytes);
+        buffers.done.record(&self.stream).map_err(device_error)?;
+        if let Some(batch) = self.batches.back_mut() {
+            batch.replaced += replaced.len() as u32;
+        }
+        self.rounds.push_back(PendingRound {
+            buffers: index,
+            step,
+            rows: round.rows,
+            placements: Arc::clone(placements),
+            checks,
+            decoded,
+            replaced,
+            corrupt_marks,
+            gathered: count > 0,
+        });
+        Ok(())
+    }
+
+    /// Queues zeros over every field of `row` in `slot`.
+    fn zero_row(&self, slot: &dyn DeviceMemory, row: usize) -> Result<(), FillError> {
+        for field in &self.plan.fields {
+            // SAFETY: the range lies in the slot (validated plan); the slot is this filler's until
+            // its batch is handed off, and the zeros are queued on the stream after the gather.
+            unsafe {
+                fill_async(
+                    &self.stream,
+                    slot,
+                    field.offset + row * field.sample_bytes_out,
+                    field.sample_bytes_out,
+                    0,
+                )
+            }
+            .map_err(device_error)?;
+        }
+        Ok(())
+    }
+
+    /// Records that an LZ4 block is unusable. Its cache entry is released if it still holds the block.
+    fn mark_corrupt(&mut self, key: BlockKey, entry_index: u32, message: String) {
+        if let Some(CacheEntry::Decoded { index, stamp }) = self.blocks.get(&key) {
+            if *index != entry_index {
+                // The block was evicted and decoded again since: that round reports on its own copy.
+                return;
+            }
+            self.lru.remove(&(*stamp, key));
+            self.free_entries.push(entry_index);
+        }
+        self.blocks
+            .insert(key, CacheEntry::Corrupt(Arc::new(message)));
+        self.corrupt_marks += 1;
+        self.metrics.add_corrupt_blocks(1);
+    }
+
+    /// Waits for the oldest queued round and acts on its outcomes.
+    fn complete_round(&mut self) -> Result<(), FillError> {
+        let round = self.rounds.pop_front().expect("a round is queued");
+        let layout = self.layout;
+        let waited = Instant::now();
+        self.buffers[round.buffers]
+            .done
+            .synchronize()
+            .map_err(device_error)?;
+        self.timings.wait_s += waited.elapsed().as_secs_f64();
+        let outcomes_started = Instant::now();
+        let host = self.buffers[round.buffers].host.as_slice();
+        let xxh3 = Xxh3Outcome::decode_all(
+            &host[layout.xxh3_outcomes
+                ..layout.xxh3_outcomes + round.checks.len() * XXH3_OUTCOME_BYTES],
+        );
+        let lz4 = Lz4Outcome::decode_all(
+            &host[layout.lz4_outcomes
+                ..layout.lz4_outcomes + round.decoded.len() * LZ4_OUTCOME_BYTES],
+        );
+        let gather = round.gathered.then(|| {
+            GatherOutcome::decode(
+                &host[layout.gather_outcome..layout.gather_outcome + GATHER_OUTCOME_BYTES],
+            )
+        });
+        if let Some(outcome) = gather {
             if outcome.faulted_pieces > 0 {
                 return Err(FillError::Device(format!(
                     "the gather kernel refused {} pieces (last {}): a bug in the batch plan",
@@ -766,8 +1083,113 @@ impl GpuAssembler {
                 )));
             }
         }
-        self.metrics.add_gather_time(gather_started.elapsed());
-        self.timings.gather_s += gather_started.elapsed().as_secs_f64();
-        Ok(corrupt_rows.len() as u32)
+        // Blocks this round found bad, with the reason.
+        let mut bad: HashMap<BlockKey, String> = HashMap::new();
+        for (&(key, expected), outcome) in round.checks.iter().zip(&xxh3) {
+            if outcome.status == Xxh3Status::Ok {
+                if self.entry(&key).codec == Codec::Raw {
+                    self.verified.insert(key);
+                }
+            } else {
+                if self.entry(&key).codec == Codec::Raw {
+                    self.metrics.add_corrupt_blocks(1);
+                }
+                bad.insert(
+                    key,
+                    format!(
+                        "{}: checksum mismatch (table says {expected:016x}, payload hashes to {:016x})",
+                        self.block_ref(&key),
+                        outcome.hash
+                    ),
+                );
+            }
+        }
+        for (&(key, entry_index), outcome) in round.decoded.iter().zip(&lz4) {
+            let message = match bad.get(&key) {
+                Some(message) => message.clone(),
+                None if outcome.status != Lz4Status::Ok => {
+                    let message = format!(
+                        "{}: LZ4 block does not decode ({:?} after {} bytes)",
+                        self.block_ref(&key),
+                        outcome.status,
+                        outcome.produced
+                    );
+                    bad.insert(key, message.clone());
+                    message
+                }
+                None => continue,
+            };
+            self.mark_corrupt(key, entry_index, message);
+        }
+        // Rows gathered from a block found bad by this round, or (if blocks were marked corrupt since
+        // the round was planned) from a cached block that is now known to be corrupt.
+        let recheck_cache = self.corrupt_marks != round.corrupt_marks;
+        if !bad.is_empty() || recheck_cache {
+            let plan = Arc::clone(&self.plan);
+            let fields = &plan.fields;
+            let mut fixes: Vec<usize> = Vec::new();
+            for row in round.rows.clone() {
+                if round.replaced.contains(&row) {
+                    continue;
+                }
+                let row_placements =
+                    &round.placements[row * fields.len()..(row + 1) * fields.len()];
+                let mut corrupt: Option<String> = None;
+                'fields: for (field, placement) in fields.iter().zip(row_placements) {
+                    for block in placement.blocks.clone() {
+                        let key = BlockKey {
+                            shard: placement.shard as u32,
+                            field: field.field_index as u32,
+                            block,
+                        };
+                        if let Some(message) = bad.get(&key) {
+                            corrupt = Some(message.clone());
+                            break 'fields;
+                        }
+                        if recheck_cache {
+                            if let Some(CacheEntry::Corrupt(message)) = self.blocks.get(&key) {
+                                corrupt = Some(message.to_string());
+                                break 'fields;
+                            }
+                        }
+                    }
+                }
+                if let Some(message) = corrupt {
+                    match plan.on_corrupt {
+                        CorruptPolicy::Fail => return Err(FillError::Corrupt(message)),
+                        CorruptPolicy::Replace => fixes.push(row),
+                    }
+                }
+            }
+            if !fixes.is_empty() {
+                let batch = self
+                    .batches
+                    .iter_mut()
+                    .find(|b| b.step == round.step)
+                    .expect("a queued round's batch is pending");
+                batch.replaced += fixes.len() as u32;
+                batch.fixed_up = true;
+                let slot = SlotRange {
+                    ptr: batch.slot_ptr,
+                    bytes: batch.slot_bytes,
+                };
+                for row in fixes {
+                    self.zero_row(&slot, row)?;
+                }
+            }
+        }
+        if let Some(batch) = self.batches.iter_mut().find(|b| b.step == round.step) {
+            batch.rounds_left -= 1;
+        }
+        self.metrics.add_decode_time(outcomes_started.elapsed());
+        self.timings.decode_s += outcomes_started.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
+
+impl Drop for GpuAssembler {
+    fn drop(&mut self) {
+        // Queued rounds read the staging buffers and write slots: let them finish first.
+        let _ = self.stream.synchronize();
     }
 }

@@ -15,17 +15,15 @@
 //! and the rest to the cold path: cuFile where real GDS (the nvidia-fs driver) is present, since
 //! cuFile's compatibility mode is itself a POSIX bounce path; the bounce path otherwise.
 
-use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
-use memmap2::Mmap;
 
 use super::engine::{EngineLimits, ReadEngine};
 use super::files::{FileId, FileTable};
 use super::queue::AnyQueue;
-use super::residency::ResidencyMap;
+use super::windows::{PageCacheWindows, WindowCopy};
 use super::{Extent, ReadError, IO_ALIGN_BYTES};
 use crate::device::{Device, DeviceError, DeviceMemory, Event, EventTiming, PinnedBuffer, Stream};
 
@@ -163,28 +161,6 @@ fn driver_check(call: &'static str, result: cu::CUresult) -> Result<(), String> 
     }
 }
 
-/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`
-/// (<https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>).
-///
-/// # Safety
-/// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until
-/// [`host_unregister`] is called for `ptr`; the device's context is current.
-unsafe fn host_register_read_only(ptr: *const u8, bytes: usize) -> Result<(), String> {
-    driver_check("cuMemHostRegister_v2", unsafe {
-        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, cu::CU_MEMHOSTREGISTER_READ_ONLY)
-    })
-}
-
-/// `cuMemHostUnregister`.
-///
-/// # Safety
-/// `ptr` was registered with [`host_register_read_only`] and no copy from it is in flight.
-unsafe fn host_unregister(ptr: *const u8) -> Result<(), String> {
-    driver_check("cuMemHostUnregister", unsafe {
-        cu::cuMemHostUnregister(ptr as *mut c_void)
-    })
-}
-
 /// An event whose synchronisation blocks the thread in the kernel instead of spinning, so that waiting
 /// for copies costs no host CPU (the default spin-wait costs a whole core for as long as the copies run).
 struct BlockingEvent {
@@ -223,27 +199,6 @@ impl Drop for BlockingEvent {
     }
 }
 
-/// One registered window of a shard mapping.
-struct Window {
-    file: FileId,
-    index: u64,
-    ptr: *const u8,
-    bytes: usize,
-    last_use: u64,
-    /// Recorded after the last copy that read from this window.
-    copies_done: Event,
-}
-
-/// The memory-mapped shards and their registered windows.
-struct PageCache {
-    maps: HashMap<FileId, (Mmap, ResidencyMap)>,
-    windows: Vec<Window>,
-    registered_bytes: usize,
-    clock: u64,
-    /// Files whose windows cannot be registered (the reason was logged once).
-    refused: HashMap<FileId, String>,
-}
-
 /// Reads extents into device memory by the page-cache, bounce and cuFile paths.
 pub struct GpuReader {
     device: Device,
@@ -255,7 +210,11 @@ pub struct GpuReader {
     fixed_buffers: bool,
     bounce: Vec<(PinnedBuffer, Event)>,
     next_bounce: usize,
-    page_cache: PageCache,
+    windows: Arc<PageCacheWindows>,
+    /// This reader's identity in `windows`.
+    reader_id: u64,
+    /// Recorded after the copies of a [`GpuReader::read_async`].
+    copies_done: Event,
     cufile: Option<super::cufile::CuFileReader>,
     /// Why the cold path is the bounce path rather than cuFile.
     pub cold_path_reason: String,
@@ -263,8 +222,7 @@ pub struct GpuReader {
     pub stats: GpuReadStats,
 }
 
-// SAFETY: the raw window pointers point into mappings owned by the reader; nothing is shared with
-// other threads except through &mut self.
+// SAFETY: the pinned buffers and the engine are only used through &mut self.
 unsafe impl Send for GpuReader {}
 
 impl GpuReader {
@@ -272,6 +230,21 @@ impl GpuReader {
     /// stream and the io_uring engine, and probes cuFile (used for cold reads only where the nvidia-fs
     /// driver is present, unless `cufile` is forced by the caller's [`PathChoice`]).
     pub fn new(device: &Device, limits: GpuReaderLimits) -> Result<GpuReader, GpuReadError> {
+        let windows = Arc::new(PageCacheWindows::new(
+            device,
+            limits.window_bytes,
+            limits.registered_bytes_max,
+        ));
+        GpuReader::with_windows(device, limits, windows)
+    }
+
+    /// As [`GpuReader::new`], with page-cache windows shared with the device's other readers (their
+    /// geometry and bound are the registry's, not `limits`').
+    pub fn with_windows(
+        device: &Device,
+        limits: GpuReaderLimits,
+        windows: Arc<PageCacheWindows>,
+    ) -> Result<GpuReader, GpuReadError> {
         assert!(limits.bounce_buffers >= 2, "at least two bounce buffers");
         assert!(limits.bounce_buffer_bytes % IO_ALIGN_BYTES as usize == 0);
         assert!(limits.window_bytes % IO_ALIGN_BYTES as usize == 0 && limits.window_bytes > 0);
@@ -339,13 +312,9 @@ impl GpuReader {
             fixed_buffers,
             bounce,
             next_bounce: 0,
-            page_cache: PageCache {
-                maps: HashMap::new(),
-                windows: Vec::new(),
-                registered_bytes: 0,
-                clock: 0,
-                refused: HashMap::new(),
-            },
+            reader_id: windows.reader_id(),
+            windows,
+            copies_done: Event::new(device, EventTiming::Disabled)?,
             cufile,
             cold_path_reason,
             stats: GpuReadStats::default(),
@@ -373,6 +342,44 @@ impl GpuReader {
     /// Reads every extent into `dest` and reports, per extent, the path that served it or the error.
     /// All copies have landed in device memory when this returns.
     pub fn read(
+        &mut self,
+        files: &FileTable,
+        extents: &[DeviceExtent],
+        dest: &dyn DeviceMemory,
+        choice: PathChoice,
+    ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
+        let results = self.queue_reads(files, extents, dest, choice)?;
+        self.done
+            .wait_for(&self.stream)
+            .map_err(|reason| GpuReadError::Unavailable {
+                path: "device",
+                reason,
+            })?;
+        Ok(results)
+    }
+
+    /// As [`GpuReader::read`], without waiting for the copies on the host: `consumer` waits for them
+    /// on the device instead, so work queued on it afterwards sees the bytes. Errors of the host-side
+    /// reads (io_uring, cuFile) are known when this returns.
+    ///
+    /// # Safety
+    /// Nothing may read or write `dest`'s extents other than through `consumer` (after this call)
+    /// until the copies have completed, and `dest` must stay allocated until then.
+    pub unsafe fn read_async(
+        &mut self,
+        files: &FileTable,
+        extents: &[DeviceExtent],
+        dest: &dyn DeviceMemory,
+        choice: PathChoice,
+        consumer: &Stream,
+    ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
+        let results = self.queue_reads(files, extents, dest, choice)?;
+        self.copies_done.record(&self.stream)?;
+        consumer.wait(&self.copies_done)?;
+        Ok(results)
+    }
+
+    fn queue_reads(
         &mut self,
         files: &FileTable,
         extents: &[DeviceExtent],
@@ -413,7 +420,19 @@ impl GpuReader {
             if paths[index] != ReadPath::PageCache {
                 continue;
             }
-            match self.copy_from_page_cache(files, extent, dest)? {
+            // SAFETY: the caller's contract (see `read` and `read_async`) keeps `dest` untouched until
+            // the copies on this reader's stream have completed; the extent was checked against it.
+            let copied = unsafe {
+                self.windows.copy(
+                    self.reader_id,
+                    &self.stream,
+                    files.get(extent.file).file(),
+                    extent.offset,
+                    extent.len,
+                    dest.device_ptr() + extent.dest_offset as u64,
+                )
+            }?;
+            match copied == WindowCopy::Queued {
                 true => {
                     self.stats
                         .page_cache_bytes
@@ -455,163 +474,16 @@ impl GpuReader {
             .filter(|&i| paths[i] == ReadPath::Bounce && results[i].is_ok())
             .collect();
         self.read_bounced(files, extents, &bounce, dest, &mut results)?;
-        self.done
-            .wait_for(&self.stream)
-            .map_err(|reason| GpuReadError::Unavailable {
-                path: "device",
-                reason,
-            })?;
         Ok(results)
     }
 
     fn resident(&mut self, files: &FileTable, extent: &DeviceExtent) -> bool {
-        // Pages of a registered window are locked in memory: no need to ask the kernel again, which
-        // costs a page-table walk per page.
-        let window_bytes = self.limits.window_bytes as u64;
-        let first = extent.offset / window_bytes;
-        let last = (extent.offset + extent.len.max(1) as u64 - 1) / window_bytes;
-        if (first..=last).all(|index| {
-            self.page_cache
-                .windows
-                .iter()
-                .any(|w| w.file == extent.file && w.index == index)
-        }) {
-            return true;
-        }
-        match self.map(files, extent.file) {
-            Some((_, residency)) => residency
-                .resident_fraction(extent.offset as usize, extent.len)
-                .is_ok_and(|f| f >= self.limits.resident_fraction_min),
-            None => false,
-        }
-    }
-
-    fn map(&mut self, files: &FileTable, file: FileId) -> Option<&(Mmap, ResidencyMap)> {
-        if let std::collections::hash_map::Entry::Vacant(entry) = self.page_cache.maps.entry(file) {
-            let open = files.get(file);
-            // SAFETY: read-only mapping of a shard, which gpufeed never modifies after its manifest
-            // exists; the mapping lives as long as this reader.
-            let map = unsafe { Mmap::map(open.file()) }.ok()?;
-            let residency = ResidencyMap::new(open.file()).ok()?;
-            entry.insert((map, residency));
-        }
-        self.page_cache.maps.get(&file)
-    }
-
-    /// Queues copies of `extent` from registered windows; false when the file cannot be registered.
-    fn copy_from_page_cache(
-        &mut self,
-        files: &FileTable,
-        extent: &DeviceExtent,
-        dest: &dyn DeviceMemory,
-    ) -> Result<bool, GpuReadError> {
-        if self.page_cache.refused.contains_key(&extent.file) {
-            return Ok(false);
-        }
-        let Some((map, _)) = self.map(files, extent.file) else {
-            return Ok(false);
-        };
-        let (base, file_len) = (map.as_ptr(), map.len());
-        if extent.offset as usize + extent.len > file_len {
-            return Ok(false);
-        }
-        let window_bytes = self.limits.window_bytes;
-        let mut done = 0usize;
-        while done < extent.len {
-            let offset = extent.offset as usize + done;
-            let index = (offset / window_bytes) as u64;
-            let window_start = index as usize * window_bytes;
-            // The mapping covers whole pages, so a window at the end of the file may be rounded up to
-            // a page: cuMemHostRegister wants page-granular ranges.
-            let window_len = window_bytes
-                .min(file_len - window_start)
-                .div_ceil(IO_ALIGN_BYTES as usize)
-                * IO_ALIGN_BYTES as usize;
-            let piece = (extent.len - done).min(window_start + window_len - offset);
-            debug_assert!(piece > 0);
-            let Some(slot) = self.window(extent.file, index, base, window_start, window_len)?
-            else {
-                return Ok(false);
-            };
-            let window = &self.page_cache.windows[slot];
-            // SAFETY: the source lies within the registered window, which stays registered until its
-            // `copies_done` event (recorded below) has completed; the destination range was checked
-            // against `dest` by the caller.
-            unsafe {
-                crate::device::ffi::memcpy_htod_async(
-                    dest.device_ptr() + (extent.dest_offset + done) as u64,
-                    window.ptr.add(offset - window_start),
-                    piece,
-                    self.stream.raw(),
-                )
-            }
-            .map_err(DeviceError::from)?;
-            window.copies_done.record(&self.stream)?;
-            done += piece;
-        }
-        Ok(true)
-    }
-
-    /// The registered window `index` of `file`, registering it (and evicting old ones) if needed.
-    fn window(
-        &mut self,
-        file: FileId,
-        index: u64,
-        base: *const u8,
-        start: usize,
-        bytes: usize,
-    ) -> Result<Option<usize>, GpuReadError> {
-        let cache = &mut self.page_cache;
-        cache.clock += 1;
-        if let Some(slot) = cache
-            .windows
-            .iter()
-            .position(|w| w.file == file && w.index == index)
-        {
-            cache.windows[slot].last_use = cache.clock;
-            return Ok(Some(slot));
-        }
-        while cache.registered_bytes + bytes > self.limits.registered_bytes_max
-            && !cache.windows.is_empty()
-        {
-            let oldest = cache
-                .windows
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, w)| w.last_use)
-                .map(|(i, _)| i)
-                .expect("not empty");
-            let window = cache.windows.swap_remove(oldest);
-            // Copies from the window must finish before its pages are unpinned.
-            window.copies_done.synchronize()?;
-            // SAFETY: registered by this reader, and no copy from it is in flight any more.
-            if let Err(reason) = unsafe { host_unregister(window.ptr) } {
-                tracing::warn!("unregistering a page-cache window failed: {reason}");
-            }
-            cache.registered_bytes -= window.bytes;
-        }
-        // SAFETY: `base + start .. + bytes` lies within the live mapping (page aligned, as windows
-        // start at multiples of window_bytes, itself a multiple of the page size), which outlives the
-        // registration; the device's context is current (bound in `read`).
-        let ptr = unsafe { base.add(start) };
-        if let Err(reason) = unsafe { host_register_read_only(ptr, bytes) } {
-            tracing::warn!(
-                "page-cache path unavailable for file {}: {reason}; using the bounce path",
-                file.0
-            );
-            cache.refused.insert(file, reason);
-            return Ok(None);
-        }
-        cache.registered_bytes += bytes;
-        cache.windows.push(Window {
-            file,
-            index,
-            ptr,
-            bytes,
-            last_use: cache.clock,
-            copies_done: Event::new(&self.device, EventTiming::Disabled)?,
-        });
-        Ok(Some(cache.windows.len() - 1))
+        self.windows.resident(
+            files.get(extent.file).file(),
+            extent.offset,
+            extent.len,
+            self.limits.resident_fraction_min,
+        )
     }
 
     /// Reads the selected extents through the bounce buffers: fill buffer k with io_uring while the
@@ -711,9 +583,6 @@ impl Drop for GpuReader {
     fn drop(&mut self) {
         let _ = self.device.bind();
         let _ = self.stream.synchronize();
-        for window in self.page_cache.windows.drain(..) {
-            // SAFETY: registered by this reader; the stream is drained, so no copy is in flight.
-            let _ = unsafe { host_unregister(window.ptr) };
-        }
+        self.windows.forget_reader(self.reader_id);
     }
 }

@@ -21,6 +21,7 @@ pub mod files;
 pub mod gpu;
 pub mod queue;
 pub mod residency;
+pub mod windows;
 
 use std::fmt;
 use std::path::PathBuf;
