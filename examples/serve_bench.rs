@@ -14,6 +14,7 @@
 //! Prints one JSON line. The dataset is generated (embedding-like fp16[256] delivered as f32, and
 //! zipf int32 tokens[128]) and packed into a temporary directory.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -49,6 +50,27 @@ struct Args {
     dir: Option<std::path::PathBuf>,
 }
 
+/// Packs `fields` into `dir` as dataset `name` the same way for both modes (64 KiB blocks, the
+/// default shard size, codec and byte shuffle chosen per block, every core) and opens it.
+fn pack_dataset(
+    dir: &Path,
+    name: &str,
+    fields: &[FieldSource],
+    on_existing: OnExisting,
+) -> Result<Arc<Dataset>> {
+    let options = PackOptions {
+        name: name.into(),
+        block_bytes: 64 << 10,
+        samples_per_shard: None,
+        codec: CodecChoice::Auto,
+        shuffle: ShuffleChoice::Auto,
+        on_existing,
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    pack::pack(dir, fields, &options, &Quiet)?;
+    Ok(Arc::new(Dataset::open(dir)?))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(ordinal) = args.device.strip_prefix("cuda:") {
@@ -69,17 +91,12 @@ fn main() -> Result<()> {
             synth::zipf_tokens_i32((args.samples * 128) as usize, 2),
         )?,
     ];
-    let options = PackOptions {
-        name: "bench".into(),
-        block_bytes: 64 << 10,
-        samples_per_shard: None,
-        codec: CodecChoice::Auto,
-        shuffle: ShuffleChoice::Auto,
-        on_existing: OnExisting::Refuse,
-        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-    };
-    pack::pack(&dir.path().join("bench"), &fields, &options, &Quiet)?;
-    let dataset = Arc::new(Dataset::open(&dir.path().join("bench"))?);
+    let dataset = pack_dataset(
+        &dir.path().join("bench"),
+        "bench",
+        &fields,
+        OnExisting::Refuse,
+    )?;
     let mut spec = StreamSpec::new("bench", args.batch_size);
     spec.fields = vec![
         FieldRequest {
@@ -176,11 +193,10 @@ mod gpu {
 
     use anyhow::{Context, Result};
     use gpufeed::device::{Event, ExportableBuffer};
-    use gpufeed::format::Dataset;
     use gpufeed::input::FieldSource;
     use gpufeed::ipc::{GpuServing, Server, ServerConfig};
     use gpufeed::metrics::Metrics;
-    use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
+    use gpufeed::pack::OnExisting;
     use gpufeed::pipeline::{GpuAssembler, StreamLimits, StreamPlan};
     use gpufeed::registry::Registry;
     use gpufeed::storage::gpu::GpuReader;
@@ -189,7 +205,7 @@ mod gpu {
     use gpufeed_client::protocol::{Device, FieldRequest, StreamSpec};
     use gpufeed_client::DType;
 
-    use super::Args;
+    use super::{pack_dataset, Args};
 
     pub fn run(args: &Args, ordinal: u32) -> Result<()> {
         let consume = args
@@ -202,7 +218,6 @@ mod gpu {
             .clone()
             .unwrap_or_else(|| temp.path().to_path_buf());
         let serving = Arc::new(GpuServing::open(ordinal, EngineMode::Auto)?);
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let kinds: [(&str, FieldSource, Option<DType>); 2] = [
             (
                 "emb",
@@ -228,18 +243,13 @@ mod gpu {
         let registry = Arc::new(Registry::new());
         let mut datasets = Vec::new();
         for (name, field, dtype) in kinds {
-            let dir = root.join(format!("serve-bench-{name}"));
-            let options = PackOptions {
-                name: format!("serve-bench-{name}"),
-                block_bytes: 64 << 10,
-                samples_per_shard: None,
-                codec: CodecChoice::Auto,
-                shuffle: ShuffleChoice::Auto,
-                on_existing: OnExisting::Replace,
-                threads,
-            };
-            pack::pack(&dir, &[field], &options, &Quiet)?;
-            let dataset = Arc::new(Dataset::open(&dir)?);
+            let dataset_name = format!("serve-bench-{name}");
+            let dataset = pack_dataset(
+                &root.join(&dataset_name),
+                &dataset_name,
+                &[field],
+                OnExisting::Replace,
+            )?;
             registry
                 .insert_shared(Arc::clone(&dataset))
                 .map_err(anyhow::Error::msg)?;

@@ -11,36 +11,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT="${OUT:-/tmp/gpufeed-check}"
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PATH="/usr/local/cuda/bin:$PATH"
-export GPUFEED_CACHE_DIR=/tmp/gpufeed-kernel-cache
-export PYTHONUNBUFFERED=1
 budget_s="${GPUFEED_CHECK_BUDGET_S:-540}"
-started=$(date +%s)
-summary=()
-
-# step NAME LOG LIMIT_S MIN_S COMMAND...: runs COMMAND with its output appended to $OUT/LOG.log, within
-# LIMIT_S and what is left of the budget; skipped when less than MIN_S is left. (The device tool brings
-# back at most 8 files, so related steps share a log.)
-step() {
-  local name=$1 log=$2 limit=$3 min=$4
-  shift 4
-  local left=$((budget_s - ($(date +%s) - started)))
-  if [ "$left" -lt "$min" ]; then
-    summary+=("$(printf '%-12s SKIPPED (%ss of budget left)' "$name" "$left")")
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0 rc
-  t0=$(date +%s)
-  echo "=== $name: $*" >>"$OUT/$log.log"
-  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log.log" 2>&1
-  rc=$?
-  local verdict=PASS
-  [ "$rc" -ne 0 ] && verdict="FAIL (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"
-  summary+=("$(printf '%-12s %-28s %4ss' "$name" "$verdict" "$(($(date +%s) - t0))")")
-}
+step_name_width=12
+. scripts/lib/check.sh
+export PYTHONUNBUFFERED=1
 
 {
   date -u
@@ -52,7 +26,6 @@ step() {
 tests=.gpu/bin/gpu_kernels
 step tests tests 150 30 "$tests" --include-ignored --test-threads=4 --nocapture
 
-sanitize=(env GPUFEED_TEST_SCALE=small compute-sanitizer --error-exitcode 99 --print-limit 20)
 run_tests=("$tests" --include-ignored --test-threads=1)
 step memcheck sanitizer 150 40 "${sanitize[@]}" --tool memcheck "${run_tests[@]}" gpu_lz4 gpu_gather gpu_captured
 step racecheck sanitizer 120 40 "${sanitize[@]}" --tool racecheck "${run_tests[@]}" gpu_lz4 gpu_gather
@@ -68,12 +41,11 @@ step ncu ncu 120 45 ncu --clock-control none --kernel-name regex:gf_ --launch-co
   .gpu/bin/kernel_bench --profile --mib 256
 
 # Sanitizer verdicts (their summaries), then the tables.
-grep -E '^=== |ERROR SUMMARY|RACECHECK SUMMARY|^test result' "$OUT/sanitizer.log" 2>/dev/null | cut -c1-160
+sanitizer_verdicts
 grep -E '^test result|FAILED|panicked' "$OUT/tests.log" | head -20
 echo
 grep -E '^\| ' "$OUT/nvcomp.log" 2>/dev/null
 echo
 [ -f "$OUT/kernel_bench.md" ] && cat "$OUT/kernel_bench.md"
 echo
-printf '%s\n' "${summary[@]}"
-echo "total $(($(date +%s) - started))s"
+step_summary

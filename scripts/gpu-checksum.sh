@@ -10,35 +10,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT="${OUT:-/tmp/gpufeed-checksum}"
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PATH="/usr/local/cuda/bin:$PATH"
-export GPUFEED_CACHE_DIR=/tmp/gpufeed-kernel-cache
 budget_s="${GPUFEED_CHECK_BUDGET_S:-270}"
-started=$(date +%s)
-summary=()
+step_name_width=10
+. scripts/lib/check.sh
 bin=.gpu/checksum/bin
-
-# step NAME LOG LIMIT_S MIN_S COMMAND...: runs COMMAND with its output appended to $OUT/LOG.log, within
-# LIMIT_S and what is left of the budget; skipped when less than MIN_S is left.
-step() {
-  local name=$1 log=$2 limit=$3 min=$4
-  shift 4
-  local left=$((budget_s - ($(date +%s) - started)))
-  if [ "$left" -lt "$min" ]; then
-    summary+=("$(printf '%-10s SKIPPED (%ss of budget left)' "$name" "$left")")
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0 rc
-  t0=$(date +%s)
-  echo "=== $name: $*" >>"$OUT/$log.log"
-  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log.log" 2>&1
-  rc=$?
-  local verdict=PASS
-  [ "$rc" -ne 0 ] && verdict="FAIL (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"
-  summary+=("$(printf '%-10s %-28s %4ss' "$name" "$verdict" "$(($(date +%s) - t0))")")
-}
 
 {
   date -u
@@ -48,14 +23,13 @@ step() {
 
 step tests tests 90 20 "$bin/gpu_checksum" --include-ignored --test-threads=2 --nocapture
 
-sanitize=(env GPUFEED_TEST_SCALE=small compute-sanitizer --error-exitcode 99 --print-limit 20)
 step memcheck sanitizer 100 30 "${sanitize[@]}" --tool memcheck "$bin/gpu_checksum" --include-ignored --test-threads=1
 step racecheck sanitizer 60 20 "${sanitize[@]}" --tool racecheck "$bin/gpu_checksum" --include-ignored --test-threads=1 gpu_xxh3_checks gpu_xxh3_matches
 
 step bench bench 60 20 "$bin/checksum_bench" --mib 1024 --reps 20
 grep -h '^{' "$OUT/bench.log" >"$OUT/checksum_bench.jsonl" 2>/dev/null
 
-grep -E '^=== |ERROR SUMMARY|RACECHECK SUMMARY|^test result' "$OUT/sanitizer.log" 2>/dev/null | cut -c1-160
+sanitizer_verdicts
 grep -E '^test |^test result|FAILED|panicked' "$OUT/tests.log" | head -20
 echo
 python3 - "$OUT/checksum_bench.jsonl" <<'PY'
@@ -73,5 +47,4 @@ for r in line["runs"]:
           f"{r['resident_warps_per_sm']:>8} {r['ms_median']:>8.3f} {r['gb_per_s']:>7.0f}")
 PY
 echo
-printf '%s\n' "${summary[@]}"
-echo "total $(($(date +%s) - started))s"
+step_summary

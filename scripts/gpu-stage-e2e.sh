@@ -9,7 +9,7 @@
 #   --no-dali       do not look at the DALI wheel
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+. scripts/lib/stage.sh
 stage=.gpu/e2e
 # What the device tool carries, working tree included, is at most 64 MiB.
 stage_bytes_max=$((55 << 20))
@@ -26,10 +26,8 @@ done
 mkdir -p "$stage/bin" "$stage/whl"
 
 if [ "$build" = 1 ]; then
-  rm -f "$stage"/bin/*
-  cargo build --release -p gpufeed --bin gpufeed --example consume
-  cp "$CARGO_TARGET_DIR/release/gpufeed" "$stage/bin/gpufeed"
-  cp "$CARGO_TARGET_DIR/release/examples/consume" "$stage/bin/consume"
+  stage_clean "$stage"
+  stage_build "$stage" --bin gpufeed --example consume
   strip "$stage"/bin/*
   # What was built, for the run's log: the commit and any uncommitted change to the code.
   git rev-parse HEAD >"$stage/bin/COMMIT" 2>/dev/null || echo unknown >"$stage/bin/COMMIT"
@@ -42,10 +40,7 @@ if ! ls "$stage"/whl/kvikio_cu13-*.whl >/dev/null 2>&1; then
   if ls .gpu/storage/whl/kvikio_cu13-*.whl >/dev/null 2>&1; then
     cp .gpu/storage/whl/*.whl "$stage/whl/"
   else
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$stage/whl" kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0
+    stage_kvikio_wheels "$stage/whl"
   fi
 fi
 

@@ -5,27 +5,15 @@
 #   command: bash scripts/gpu-storage.sh     carry: [".gpu"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-mkdir -p .gpu/storage/bin .gpu/storage/whl
-rm -f .gpu/storage/bin/*
+. scripts/lib/stage.sh
 
-tests_json=$(cargo test --release -p gpufeed --test gpu_storage --no-run --message-format=json)
-test_bin=$(printf '%s\n' "$tests_json" | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu_storage" and m.get("executable"):
-        print(m["executable"])
-')
-cargo build --release -p gpufeed --example read_bench
-cp "$test_bin" .gpu/storage/bin/gpu_storage
-cp "$CARGO_TARGET_DIR/release/examples/read_bench" .gpu/storage/bin/read_bench
+stage_clean .gpu/storage
+mkdir -p .gpu/storage/whl
+stage_test .gpu/storage gpu_storage
+stage_build .gpu/storage --example read_bench
 strip .gpu/storage/bin/*
 
 if ! ls .gpu/storage/whl/kvikio_cu13-*.whl >/dev/null 2>&1; then
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .gpu/storage/whl kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0
+  stage_kvikio_wheels .gpu/storage/whl
 fi
 du -sh .gpu/storage/bin/* .gpu/storage/whl .gpu

@@ -8,8 +8,10 @@
 //! removed, their end recorded), the sessions the socket server lists are closed, the catalog is
 //! written once more, the socket file is removed, and the process exits 0.
 
+use std::fmt;
 use std::io::{self, Write};
 use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,17 +53,53 @@ pub fn run(settings: Settings) -> Result<()> {
     result
 }
 
+/// What `--device` asks for (of `gpufeed serve` and `gpufeed demo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceRequest {
+    /// The GPU backend on CUDA device 0 where it can be used, else the CPU backend.
+    Auto,
+    /// The CPU backend: batches in host memory.
+    Cpu,
+    /// The GPU backend on this CUDA device, or an error saying why it cannot be used.
+    Cuda(u32),
+}
+
+impl FromStr for DeviceRequest {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<DeviceRequest, String> {
+        match text {
+            "auto" => Ok(DeviceRequest::Auto),
+            "cpu" => Ok(DeviceRequest::Cpu),
+            other => match other.strip_prefix("cuda:").map(str::parse::<u32>) {
+                Some(Ok(ordinal)) => Ok(DeviceRequest::Cuda(ordinal)),
+                _ => Err("expected auto, cpu or cuda:N".to_string()),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DeviceRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceRequest::Auto => f.write_str("auto"),
+            DeviceRequest::Cpu => f.write_str("cpu"),
+            DeviceRequest::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
 /// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying
 /// why it cannot be used); device 0 for `auto` where CUDA works, else none, with the reason logged.
 pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuServing>>> {
-    let device = settings.device.as_str();
-    let ordinal = match device {
-        "cpu" => return Ok(None),
-        "auto" => 0,
-        other => match other.strip_prefix("cuda:").map(str::parse::<u32>) {
-            Some(Ok(ordinal)) => ordinal,
-            _ => bail!("--device {other}: expected auto, cpu or cuda:N"),
-        },
+    let request: DeviceRequest = match settings.device.parse() {
+        Ok(request) => request,
+        Err(expected) => bail!("--device {}: {expected}", settings.device),
+    };
+    let ordinal = match request {
+        DeviceRequest::Cpu => return Ok(None),
+        DeviceRequest::Auto => 0,
+        DeviceRequest::Cuda(ordinal) => ordinal,
     };
     match GpuServing::open(ordinal, settings.engine) {
         Ok(gpu) => {
@@ -72,11 +110,11 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuServing>>> {
             );
             Ok(Some(Arc::new(gpu)))
         }
-        Err(error) if device == "auto" => {
+        Err(error) if request == DeviceRequest::Auto => {
             tracing::info!("device auto: {error}; serving from host memory (CPU backend)");
             Ok(None)
         }
-        Err(error) => Err(error).with_context(|| format!("--device {device}")),
+        Err(error) => Err(error).with_context(|| format!("--device {request}")),
     }
 }
 

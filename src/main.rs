@@ -7,6 +7,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpufeed::config::{ByteCount, ConfigLayer};
+use gpufeed::daemon::DeviceRequest;
+use gpufeed::demo::DemoOptions;
 use gpufeed::format::Dataset;
 use gpufeed::input::{self, FieldSource};
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackObserver, PackOptions, ShuffleChoice};
@@ -74,7 +76,9 @@ enum Command {
     /// Run the whole job on a generated dataset and print what it did and how fast.
     ///
     /// Generates an embedding-like fp16 field and a token-like int32 field, packs them, verifies the
-    /// shards and decodes both fields (fp16 to f32) on the CPU, checking every value against the source.
+    /// shards, starts the daemon (on the GPU backend where one can be used, else the CPU backend: see
+    /// --device), pulls a whole epoch of batches through the client crate (fp16 converted to f32) and
+    /// checks every value against the source.
     Demo {
         /// Work directory (default: a fresh temporary directory, removed afterwards).
         #[arg(long)]
@@ -82,6 +86,11 @@ enum Command {
         /// Samples to generate.
         #[arg(long, default_value_t = 65_536)]
         samples: u64,
+        /// Where the daemon serves from: auto (CUDA device 0 when the CUDA driver and NVRTC load and
+        /// the device exists, else the CPU backend; the choice and its reason are printed), cpu, or
+        /// cuda:N.
+        #[arg(long, default_value = "auto")]
+        device: DeviceRequest,
     },
 }
 
@@ -287,8 +296,18 @@ fn run(command: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Serve(args) => run_serve(args),
-        Command::Demo { dir, samples } => {
-            gpufeed::demo::run(dir.as_deref(), samples)?;
+        Command::Demo {
+            dir,
+            samples,
+            device,
+        } => {
+            gpufeed::demo::run(&DemoOptions {
+                dir,
+                samples,
+                device,
+                gpufeed_binary: std::env::current_exe()
+                    .context("finding the gpufeed executable (the demo starts it as the daemon)")?,
+            })?;
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -8,6 +8,9 @@
 //! transcription (`kernels::reference::xxh3_64_transcribed`), which the outcomes here are compared with
 //! as well.
 
+mod common;
+
+use common::{device, fresh_rng, small};
 use gpufeed::device::{CacheDir, Device, DeviceBuffer, DeviceError, Event, EventTiming, Stream};
 use gpufeed::format::checksum;
 use gpufeed::kernels::reference::xxh3_verify_transcribed;
@@ -17,30 +20,7 @@ use gpufeed::kernels::{
 };
 use gpufeed::synth;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-fn fresh_rng(test: &str) -> StdRng {
-    let seed = std::env::var("GPUFEED_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("{test}: GPUFEED_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-/// Smaller inputs under compute-sanitizer, which slows kernels down a hundredfold.
-fn small() -> bool {
-    std::env::var("GPUFEED_TEST_SCALE").is_ok_and(|s| s == "small")
-}
-
-fn device() -> Device {
-    Device::open(0).expect("the GPU tests need CUDA device 0")
-}
+use rand::Rng;
 
 fn verifier(device: &Device, config: Xxh3Config) -> ChecksumVerifier {
     ChecksumVerifier::with_config(device, config, CacheDir::Disabled)

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::Daemon;
 use gpufeed::device::Device;
 use gpufeed::format::Dataset;
 use gpufeed_client::consumer::Client;
@@ -47,37 +48,9 @@ fn consume_bin() -> PathBuf {
     })
 }
 
-/// The daemon as a child process; killed when dropped.
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start_daemon(root: &Path, device: &str) -> Daemon {
     let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
-    let mut child = Command::new(gpufeed_bin())
-        .args(["serve", "--data-root"])
-        .arg(root)
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--device", device, "--http", "off"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start gpufeed serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.starts_with("gpufeed: serving"), "daemon said {line:?}");
-    Daemon { child, socket }
+    common::start_daemon(&gpufeed_bin(), root, socket, device, &[], Stdio::inherit())
 }
 
 /// Token field: zipf-like small integers (compressible: LZ4 blocks, byte-shuffled where it pays),

@@ -4,7 +4,7 @@
 //! big-endian and unsupported dtypes, a missing tensor, a bad block size), each named in the error. It
 //! also covers the directory-level atomicity of a pack (an existing dataset is kept without `--force`
 //! and replaced with it; a failed or cancelled pack leaves no manifest and no staging directory), the
-//! JSON printed by `inspect`, and the `--help` texts.
+//! JSON printed by `inspect`, `gpufeed demo` on the CPU backend, and the `--help` texts.
 
 mod common;
 
@@ -520,6 +520,33 @@ fn safetensors_tensors_pack_as_fields_and_a_missing_tensor_lists_the_names() {
 }
 
 #[test]
+fn demo_on_the_cpu_backend_checks_every_value_and_names_its_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = assert_succeeds(&gpufeed(args![
+        "demo",
+        "--device",
+        "cpu",
+        "--samples",
+        "1000",
+        "--dir",
+        dir.path()
+    ]));
+    assert_line_with(&out, &["backend: cpu", "(--device cpu)"]);
+    assert_line_with(&out, &["serve:", "3 batches of 256", "through the socket"]);
+    assert_line_with(&out, &["check:", "every served value equals the source"]);
+    let summary: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["device"], "cpu");
+    assert_eq!(summary["batches"], 3);
+    assert_eq!(summary["samples"], 1000);
+}
+
+#[test]
+fn demo_refuses_an_unknown_device() {
+    let err = assert_fails(&gpufeed(["demo", "--device", "gpu"]));
+    assert_line_with(&err, &["--device", "expected auto, cpu or cuda:N"]);
+}
+
+#[test]
 fn help_texts_mention_every_subcommand_and_option() {
     let top = assert_succeeds(&gpufeed(["--help"]));
     for command in ["pack", "inspect", "verify", "unpack", "demo"] {
@@ -552,7 +579,7 @@ fn help_texts_mention_every_subcommand_and_option() {
             "unpack",
             &["<DIR>", "--field", "--out", "--dtype", "--quiet"],
         ),
-        ("demo", &["--dir", "--samples"]),
+        ("demo", &["--dir", "--samples", "--device"]),
     ];
     for (command, options) in options {
         let help = assert_succeeds(&gpufeed([command, "--help"]));

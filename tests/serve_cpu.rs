@@ -3,13 +3,16 @@
 //! deterministic order, rank coverage, resume and elastic resume, concurrent consumers, malformed
 //! frames, the uid allowlist, corrupt-block policies, and slot reclamation when a consumer dies.
 
+mod common;
+
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::Daemon;
 use gpufeed::format::Dataset;
 use gpufeed::input::FieldSource;
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
@@ -22,39 +25,10 @@ use gpufeed_client::{transport, DType};
 const SAMPLES: u64 = 1000;
 const EMB_DIM: u64 = 8;
 
-/// The daemon as a child process; killed when dropped.
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start_daemon(root: &Path, extra: &[&str]) -> Daemon {
+    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
     let socket = root.join("gpufeed.sock");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gpufeed"))
-        .args(["serve", "--data-root"])
-        .arg(root)
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--device", "cpu", "--http", "off"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start gpufeed serve");
-    // The daemon prints one line once it accepts connections: wait for it rather than for a time.
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.starts_with("gpufeed: serving"), "daemon said {line:?}");
-    Daemon { child, socket }
+    common::start_daemon(binary, root, socket, "cpu", extra, Stdio::null())
 }
 
 /// Token field: sample i holds [i, i*7, i*13, -i] so every sample identifies itself.

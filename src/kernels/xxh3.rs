@@ -8,8 +8,7 @@
 use std::ffi::c_void;
 
 use crate::device::{
-    CacheDir, CompileOptions, Device, DeviceError, DeviceMemory, Kernel, KernelSource,
-    ModuleOrigin, Stream,
+    CacheDir, Device, DeviceError, DeviceMemory, Kernel, KernelSource, ModuleOrigin, Stream,
 };
 use crate::format::BlockEntry;
 
@@ -180,12 +179,13 @@ impl ChecksumVerifier {
             (1..=8).contains(&config.blocks_per_step),
             "1 to 8 input blocks per step"
         );
-        let options = CompileOptions {
-            defines: config.defines(),
+        let (kernel, origin) = super::load_kernel(
+            device,
+            &XXH3_SOURCE,
+            config.defines(),
             cache,
-        };
-        let (module, origin) = device.load_module(&XXH3_SOURCE, &options)?;
-        let kernel = module.kernel(device, "gf_xxh3_verify")?;
+            "gf_xxh3_verify",
+        )?;
         Ok((
             ChecksumVerifier {
                 kernel,

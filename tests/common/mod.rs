@@ -1,18 +1,23 @@
-//! Helpers shared by the integration tests: packing in-memory fields, running the `gpufeed` binary and
-//! reading `.npy` files back through the crate's own input reader.
+//! Helpers shared by the integration tests: packing in-memory fields, running the `gpufeed` binary
+//! (once, or as a daemon), reading `.npy` files back through the crate's own input reader, and the
+//! setup of the GPU tests (device, fresh seeds, input scale).
 
 // Each test crate uses a different subset of these helpers.
 #![allow(dead_code)]
 
 use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
+use gpufeed::device::Device;
 use gpufeed::input::{self, FieldSource};
 use gpufeed::pack::{
     self, CodecChoice, OnExisting, PackOptions, PackSummary, Quiet, ShuffleChoice,
 };
 use gpufeed_client::DType;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 
 /// Pack options with small blocks, one shard per `samples_per_shard` and one thread.
 pub fn options(name: &str, block_bytes: u32, samples_per_shard: Option<u64>) -> PackOptions {
@@ -47,6 +52,52 @@ where
         .args(args)
         .output()
         .expect("the gpufeed binary runs")
+}
+
+/// The daemon (`gpufeed serve`) as a child process; killed when dropped.
+pub struct Daemon {
+    /// The `gpufeed serve` process.
+    pub child: Child,
+    /// The socket it serves on.
+    pub socket: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `binary serve` on the datasets under `root`, listening on `socket`, with `--device device
+/// --http off` and `extra` arguments, its standard error going to `stderr`; returns once the daemon
+/// accepts connections.
+pub fn start_daemon(
+    binary: &Path,
+    root: &Path,
+    socket: PathBuf,
+    device: &str,
+    extra: &[&str],
+    stderr: Stdio,
+) -> Daemon {
+    let mut child = Command::new(binary)
+        .args(["serve", "--data-root"])
+        .arg(root)
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--device", device, "--http", "off"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("start gpufeed serve");
+    // The daemon prints one line once it accepts connections: wait for it rather than for a time.
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("gpufeed: serving"), "daemon said {line:?}");
+    Daemon { child, socket }
 }
 
 /// Standard error of a finished process as text.
@@ -145,4 +196,30 @@ pub fn noise(len: usize, seed: u64) -> Vec<u8> {
 /// Little-endian i32 values `v(i)` for `i in 0..count`.
 pub fn i32_bytes(count: usize, mut v: impl FnMut(usize) -> i32) -> Vec<u8> {
     (0..count).flat_map(|i| v(i).to_le_bytes()).collect()
+}
+
+/// A generator seeded afresh every run (from the clock), or from `GPUFEED_TEST_SEED` to replay a run;
+/// the seed is printed under the test's name.
+pub fn fresh_rng(test: &str) -> StdRng {
+    let seed = std::env::var("GPUFEED_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    println!("{test}: GPUFEED_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// Smaller inputs under compute-sanitizer, which slows kernels down a hundredfold.
+pub fn small() -> bool {
+    std::env::var("GPUFEED_TEST_SCALE").is_ok_and(|s| s == "small")
+}
+
+/// CUDA device 0, which the GPU tests need.
+pub fn device() -> Device {
+    Device::open(0).expect("the GPU tests need CUDA device 0")
 }
