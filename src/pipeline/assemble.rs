@@ -276,6 +276,95 @@ impl StreamPlan {
             .collect()
     }
 
+    /// The rows of stream step `step` grouped into runs: consecutive rows whose samples are consecutive
+    /// in one shard, at most `run_out_bytes_max` delivered bytes per field (at least one row). A run's
+    /// bytes are contiguous in each field's stream and in the slot, so it is read, checked and gathered
+    /// like one large sample. Without shuffling a batch is a few runs; fully shuffled, one run per row.
+    pub fn placement_runs(&self, step: u64, run_out_bytes_max: usize) -> PlacementRuns {
+        let widest = self
+            .fields
+            .iter()
+            .map(|f| f.sample_bytes_out)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let rows_max = (run_out_bytes_max / widest).max(1);
+        let shards = &self.dataset.manifest.shards;
+        // (first row, rows, first sample, shard)
+        let mut spans: Vec<(usize, usize, u64, usize)> = Vec::new();
+        for (row, sample) in self.batch_samples(step).enumerate() {
+            if let Some(last) = spans.last_mut() {
+                let shard = &shards[last.3];
+                if sample == last.2 + last.1 as u64
+                    && sample < shard.first_sample + shard.sample_count
+                    && last.1 < rows_max
+                {
+                    last.1 += 1;
+                    continue;
+                }
+            }
+            let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
+            spans.push((row, 1, sample, shard));
+        }
+        let mut hints: Vec<(usize, u32)> = vec![(usize::MAX, 0); self.fields.len()];
+        let mut placements = Vec::with_capacity(spans.len() * self.fields.len());
+        for &(_, rows, sample, _) in &spans {
+            for (field, hint) in self.fields.iter().zip(hints.iter_mut()) {
+                let (shard, start, end) = self.locate(sample, field.field_index);
+                let end = end + (rows as u64 - 1) * (end - start);
+                let blocks = self.blocks_for_hinted(shard, field.field_index, start, end, hint);
+                placements.push(Placement {
+                    shard,
+                    start,
+                    end,
+                    blocks,
+                });
+            }
+        }
+        PlacementRuns {
+            runs: spans
+                .iter()
+                .map(|&(first, rows, ..)| (first, rows))
+                .collect(),
+            placements,
+        }
+    }
+
+    /// As [`Self::blocks_for`], trying first the block where the previous range of the same field
+    /// ended (`hint`: shard and block), which is where consecutive ranges usually start.
+    fn blocks_for_hinted(
+        &self,
+        shard: usize,
+        field: usize,
+        start: u64,
+        end: u64,
+        hint: &mut (usize, u32),
+    ) -> std::ops::Range<u32> {
+        let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
+        let covers = |i: usize| {
+            blocks
+                .get(i)
+                .is_some_and(|b| b.raw_offset <= start && start < b.raw_offset + b.raw_bytes as u64)
+        };
+        let first = if hint.0 == shard && covers(hint.1 as usize) {
+            hint.1 as usize
+        } else if hint.0 == shard && covers(hint.1 as usize + 1) {
+            hint.1 as usize + 1
+        } else {
+            return {
+                let range = self.blocks_for(shard, field, start, end);
+                *hint = (shard, range.end.saturating_sub(1));
+                range
+            };
+        };
+        let mut last = first;
+        while last < blocks.len() && blocks[last].raw_offset < end {
+            last += 1;
+        }
+        *hint = (shard, (last.max(first + 1) - 1) as u32);
+        first as u32..last as u32
+    }
+
     /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
     /// stream in that shard.
     fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
@@ -293,6 +382,15 @@ impl StreamPlan {
         let last = blocks.partition_point(|b| b.raw_offset < end);
         first as u32..last as u32
     }
+}
+
+/// A batch's rows grouped into runs (see [`StreamPlan::placement_runs`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlacementRuns {
+    /// First row and number of rows of each run, in row order.
+    pub runs: Vec<(usize, usize)>,
+    /// Per run, one placement per field (in field order) covering all of the run's rows.
+    pub placements: Vec<Placement>,
 }
 
 /// Where one field of one sample lives: its shard, its raw byte range in the field's stream there, and

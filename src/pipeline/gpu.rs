@@ -33,7 +33,9 @@ use std::time::Instant;
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use gpufeed_client::protocol::CorruptPolicy;
 
-use super::assemble::{BlockKey, FillError, FillReport, Placement, StreamPlan};
+use super::assemble::{
+    BlockKey, FieldPlan, FillError, FillReport, Placement, PlacementRuns, StreamPlan,
+};
 use crate::decode::BlockRef;
 use crate::device::{
     fill_async, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer, PinnedBuffer,
@@ -51,6 +53,10 @@ use crate::storage::{DirectIo, FileId, FileTable, IO_ALIGN_BYTES};
 
 /// Sets of round buffers: a round's reads and tables are prepared while the previous round runs.
 pub const ROUNDS_IN_FLIGHT: usize = 2;
+
+/// Largest delivered bytes per field of a run of consecutive rows planned as one (see
+/// [`StreamPlan::placement_runs`]).
+const RUN_OUT_BYTES_MAX: usize = 1 << 20;
 
 /// Largest output of a gather piece made by merging adjacent samples: small enough that a batch of
 /// consecutive samples still spreads over many thread blocks.
@@ -124,8 +130,8 @@ struct Round {
     staging_used: u64,
     scratch_used: u64,
     pieces: usize,
-    /// First row and one past the last row of the batch in this round.
-    rows: Range<usize>,
+    /// First run and one past the last run of the batch in this round.
+    runs: Range<usize>,
 }
 
 /// Offsets of the tables and outcomes in a round's pinned host buffer.
@@ -198,8 +204,8 @@ struct PendingRound {
     buffers: usize,
     /// The batch (stream step) it belongs to.
     step: u64,
-    rows: Range<usize>,
-    placements: Arc<Vec<Placement>>,
+    runs: Range<usize>,
+    placements: Arc<PlacementRuns>,
     /// Blocks whose checksum the round verifies, with the checksum they must have.
     checks: Vec<(BlockKey, u64)>,
     /// LZ4 blocks the round decodes, and their cache entries.
@@ -212,6 +218,9 @@ struct PendingRound {
     /// Whether a gather ran (its outcome is to be checked).
     gathered: bool,
 }
+
+/// One piece of a gather before merging: source, source offset, slot offset, elements, conversion.
+type GatherRun = (u16, u64, u64, u64, GatherOp);
 
 /// A batch submitted and not yet completed.
 struct PendingBatch {
@@ -443,10 +452,14 @@ impl GpuAssembler {
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
-        let plan = Arc::clone(&self.plan);
-        let field_count = plan.fields.len();
-        let placements = Arc::new(plan.placements(step));
-        let rows = placements.len() / field_count;
+        let planned = Instant::now();
+        let placements = Arc::new(self.plan.placement_runs(step, RUN_OUT_BYTES_MAX));
+        self.timings.plan_s += planned.elapsed().as_secs_f64();
+        let rows = placements
+            .runs
+            .last()
+            .map_or(0, |&(first, count)| first + count);
+        let runs = placements.runs.len();
         self.stream.wait(released).map_err(device_error)?;
         self.batches.push_back(PendingBatch {
             step,
@@ -457,17 +470,17 @@ impl GpuAssembler {
             rounds_left: 0,
             fixed_up: false,
         });
-        let mut row = 0usize;
-        while row < rows {
+        let mut run = 0usize;
+        while run < runs {
             // The round's buffers must be free: complete the round that used them last.
             if self.rounds.len() == ROUNDS_IN_FLIGHT {
                 self.complete_round()?;
             }
             let planned = Instant::now();
-            let round = self.plan_round(&placements, row, rows)?;
+            let round = self.plan_round(&placements, run)?;
             self.timings.plan_s += planned.elapsed().as_secs_f64();
             self.timings.rounds += 1;
-            row = round.rows.end;
+            run = round.runs.end;
             self.batches.back_mut().expect("just pushed").rounds_left += 1;
             self.queue_round(step, &placements, round, slot)?;
         }
@@ -501,42 +514,43 @@ impl GpuAssembler {
         ))
     }
 
-    /// Chooses the rows of the next round, starting at `first`, and where their blocks go. LZ4 blocks
-    /// get their cache entries here (the entry is known to later rounds at once).
-    fn plan_round(
-        &mut self,
-        placements: &[Placement],
-        first: usize,
-        rows: usize,
-    ) -> Result<Round, FillError> {
+    /// Chooses the runs of the next round, starting at run `first`, and where their blocks go. LZ4
+    /// blocks get their cache entries here (the entry is known to later rounds at once).
+    fn plan_round(&mut self, batch: &PlacementRuns, first: usize) -> Result<Round, FillError> {
         self.round_stamp += 1;
         let stamp = self.round_stamp;
         let plan = Arc::clone(&self.plan);
         let fields = &plan.fields;
         let mut round = Round {
-            rows: first..first,
+            runs: first..first,
             ..Round::default()
         };
-        // What the current row adds to the round, checked before anything is committed.
+        // What the current run adds to the round, checked before anything is committed.
         let mut new_staged: Vec<(BlockKey, u64)> = Vec::new();
         let mut new_decoded: Vec<(BlockKey, u64, Option<u64>)> = Vec::new();
         let mut new_pins: Vec<(BlockKey, u64)> = Vec::new();
-        // Consecutive samples mostly share their blocks: the last block committed needs no lookup.
+        // Consecutive runs mostly share a block: the last block committed needs no lookup.
         let mut last_committed: Option<BlockKey> = None;
-        for row in first..rows {
+        for run in first..batch.runs.len() {
+            let rows = batch.runs[run].1;
+            let placements = &batch.placements[run * fields.len()..(run + 1) * fields.len()];
             new_staged.clear();
             new_decoded.clear();
             new_pins.clear();
             let mut staging = round.staging_used;
             let mut scratch = round.scratch_used;
             let mut pieces = 0usize;
-            for (field, placement) in fields.iter().zip(&placements[row * fields.len()..]) {
-                // GatherPlan::push splits a run at GATHER_PIECE_OUT_BYTES_MAX output bytes, so a
-                // sample takes at most one piece per block plus one per such span.
+            for (field, placement) in fields.iter().zip(placements) {
+                // GatherPlan::push splits a piece at GATHER_PIECE_OUT_BYTES_MAX output bytes, so a
+                // run gathered whole takes at most one piece per block plus one per such span; if
+                // its rows are gathered one by one (a corrupt block), each row takes one piece per
+                // block it overlaps (at most the run's blocks plus its rows, over all rows) plus one
+                // per such span of the row.
                 pieces += placement.blocks.len()
-                    + (field.sample_bytes_out as u64)
-                        .div_ceil(crate::kernels::GATHER_PIECE_OUT_BYTES_MAX)
-                        as usize;
+                    + rows
+                        * (1 + (field.sample_bytes_out as u64)
+                            .div_ceil(crate::kernels::GATHER_PIECE_OUT_BYTES_MAX)
+                            as usize);
                 for block in placement.blocks.clone() {
                     let key = BlockKey {
                         shard: placement.shard as u32,
@@ -588,11 +602,12 @@ impl GpuAssembler {
                 && jobs_needed <= self.jobs_max
                 && entries_needed <= self.cache_entries as usize;
             if !fits {
-                if round.rows.is_empty() {
+                if round.runs.is_empty() {
                     return Err(FillError::Device(format!(
-                        "sample {row} of the batch needs more device memory than one round has \
+                        "sample {} of the batch needs more device memory than one round has \
                          (staging {} bytes, scratch {} bytes, {} gather pieces, {} cache entries of \
                          {} bytes): raise the GPU stream limits",
+                        batch.runs[run].0,
                         self.buffers[0].staging.len(),
                         self.scratch_bytes,
                         self.pieces_max,
@@ -623,9 +638,9 @@ impl GpuAssembler {
                 round.decode.push((key, at, index, scratch_at));
             }
             if fields.len() == 1 {
-                // With several fields the rows alternate between them: only a single-field row's
-                // last block is sure to be the next row's first.
-                let placement = &placements[row];
+                // With several fields the runs alternate between them: only a single-field run's
+                // last block is sure to be the next run's first.
+                let placement = &placements[0];
                 last_committed = placement.blocks.clone().next_back().map(|block| BlockKey {
                     shard: placement.shard as u32,
                     field: fields[0].field_index as u32,
@@ -635,7 +650,7 @@ impl GpuAssembler {
             round.staging_used = staging;
             round.scratch_used = scratch;
             round.pieces += pieces;
-            round.rows.end = row + 1;
+            round.runs.end = run + 1;
         }
         Ok(round)
     }
@@ -666,7 +681,7 @@ impl GpuAssembler {
     fn queue_round(
         &mut self,
         step: u64,
-        placements: &Arc<Vec<Placement>>,
+        placements: &Arc<PlacementRuns>,
         round: Round,
         slot: &ExportableBuffer,
     ) -> Result<(), FillError> {
@@ -853,71 +868,68 @@ impl GpuAssembler {
         let fields = &stream_plan.fields;
         let mut plan = GatherPlan::new();
         let mut replaced: Vec<usize> = Vec::new();
-        // A row's runs (source, source offset, slot offset, elements, conversion), added to the plan
-        // only once every block of the row is known to be usable.
-        let mut runs: Vec<(u16, u64, u64, u64, GatherOp)> = Vec::new();
-        for row in round.rows.clone() {
-            let row_placements = &placements[row * fields.len()..(row + 1) * fields.len()];
-            runs.clear();
-            let mut corrupt: Option<String> = None;
-            'fields: for (field, placement) in fields.iter().zip(row_placements) {
-                let op = GatherOp::for_dtypes(field.stored, field.out)
-                    .expect("conversions are validated when the stream is planned");
-                let in_bytes = op.in_bytes();
-                let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
-                for block in placement.blocks.clone() {
-                    let key = BlockKey {
-                        shard: placement.shard as u32,
-                        field: field.field_index as u32,
-                        block,
-                    };
-                    let entry = *self.entry(&key);
-                    let (source_index, base) = match entry.codec {
-                        Codec::Raw => match unreadable.get(&key) {
-                            Some(message) => {
-                                corrupt = Some(message.clone());
-                                break 'fields;
-                            }
-                            None => (1u16, round.staged[&key]),
-                        },
-                        Codec::Lz4 => match self.blocks.get(&key) {
-                            Some(CacheEntry::Decoded { index, .. }) => {
-                                (0u16, *index as u64 * self.entry_bytes)
-                            }
-                            Some(CacheEntry::Corrupt(message)) => {
-                                corrupt = Some(message.to_string());
-                                break 'fields;
-                            }
-                            None => unreachable!("every LZ4 block of the round is known"),
-                        },
-                    };
-                    let from = placement.start.max(entry.raw_offset) - entry.raw_offset;
-                    let to = placement.end.min(entry.raw_offset + entry.raw_bytes as u64)
-                        - entry.raw_offset;
-                    let elements = (to - from) / in_bytes;
-                    runs.push((source_index, base + from, out_at, elements, op));
-                    out_at += elements * op.out_bytes();
+        // Each run is gathered whole, unless a block it reads is known to be corrupt: then its rows
+        // are gathered one by one and those that read the corrupt block are zeroed (or fail).
+        let mut pieces: Vec<GatherRun> = Vec::new();
+        for run in round.runs.clone() {
+            let (first_row, rows) = placements.runs[run];
+            let run_placements =
+                &placements.placements[run * fields.len()..(run + 1) * fields.len()];
+            let corrupt =
+                self.corrupt_rows(run_placements, rows, |key| match self.entry(key).codec {
+                    Codec::Raw => unreadable.get(key).cloned(),
+                    Codec::Lz4 => match self.blocks.get(key) {
+                        Some(CacheEntry::Corrupt(message)) => Some(message.to_string()),
+                        _ => None,
+                    },
+                });
+            if let Some((_, message)) = corrupt.first() {
+                if self.plan.on_corrupt == CorruptPolicy::Fail {
+                    return Err(FillError::Corrupt(message.clone()));
                 }
             }
-            match corrupt {
-                None => {
-                    for &(source, src_offset, dst_offset, elements, op) in &runs {
-                        plan.push_merged(
-                            source,
-                            src_offset,
-                            dst_offset,
-                            elements,
-                            op,
-                            1.0,
-                            MERGED_PIECE_OUT_BYTES_MAX,
-                        );
+            pieces.clear();
+            for (field, placement) in fields.iter().zip(run_placements) {
+                let out_at = (field.offset + first_row * field.sample_bytes_out) as u64;
+                if corrupt.is_empty() {
+                    self.range_pieces(
+                        &round,
+                        field,
+                        placement,
+                        placement.start..placement.end,
+                        out_at,
+                        &mut pieces,
+                    );
+                    continue;
+                }
+                let width = field.sample_bytes_in as u64;
+                for i in 0..rows {
+                    if corrupt.iter().any(|(bad, _)| *bad == i) {
+                        continue;
                     }
+                    let start = placement.start + i as u64 * width;
+                    self.range_pieces(
+                        &round,
+                        field,
+                        placement,
+                        start..start + width,
+                        out_at + (i * field.sample_bytes_out) as u64,
+                        &mut pieces,
+                    );
                 }
-                Some(message) => match self.plan.on_corrupt {
-                    CorruptPolicy::Fail => return Err(FillError::Corrupt(message)),
-                    CorruptPolicy::Replace => replaced.push(row),
-                },
             }
+            for &(source, src_offset, dst_offset, elements, op) in &pieces {
+                plan.push_merged(
+                    source,
+                    src_offset,
+                    dst_offset,
+                    elements,
+                    op,
+                    1.0,
+                    MERGED_PIECE_OUT_BYTES_MAX,
+                );
+            }
+            replaced.extend(corrupt.iter().map(|(i, _)| first_row + i));
         }
         let count = plan.pieces().len();
         assert!(count <= self.pieces_max, "plan_round bounds the pieces");
@@ -1003,7 +1015,7 @@ impl GpuAssembler {
         self.rounds.push_back(PendingRound {
             buffers: index,
             step,
-            rows: round.rows,
+            runs: round.runs,
             placements: Arc::clone(placements),
             checks,
             decoded,
@@ -1012,6 +1024,87 @@ impl GpuAssembler {
             gathered: count > 0,
         });
         Ok(())
+    }
+
+    /// Appends the pieces that copy raw bytes `range` of `field` (a run's, or one of its rows') from
+    /// the blocks of `placement` that overlap it to slot offset `out_at`. Every block is usable: raw
+    /// blocks are in this round's staging, LZ4 blocks decoded in the cache.
+    fn range_pieces(
+        &self,
+        round: &Round,
+        field: &FieldPlan,
+        placement: &Placement,
+        range: Range<u64>,
+        out_at: u64,
+        pieces: &mut Vec<GatherRun>,
+    ) {
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let mut out_at = out_at;
+        for block in placement.blocks.clone() {
+            let key = BlockKey {
+                shard: placement.shard as u32,
+                field: field.field_index as u32,
+                block,
+            };
+            let entry = self.entry(&key);
+            let block_end = entry.raw_offset + entry.raw_bytes as u64;
+            if block_end <= range.start || entry.raw_offset >= range.end {
+                continue;
+            }
+            let (source, base) = match entry.codec {
+                Codec::Raw => (1u16, round.staged[&key]),
+                Codec::Lz4 => match self.blocks.get(&key) {
+                    Some(CacheEntry::Decoded { index, .. }) => {
+                        (0u16, *index as u64 * self.entry_bytes)
+                    }
+                    _ => unreachable!("the caller checked that every block is usable"),
+                },
+            };
+            let from = range.start.max(entry.raw_offset) - entry.raw_offset;
+            let to = range.end.min(block_end) - entry.raw_offset;
+            let elements = (to - from) / op.in_bytes();
+            pieces.push((source, base + from, out_at, elements, op));
+            out_at += elements * op.out_bytes();
+        }
+    }
+
+    /// The rows of a run (`rows` rows, `placements` one per field) that read a block `corrupt_of`
+    /// names, as (row within the run, message), in row order.
+    fn corrupt_rows(
+        &self,
+        placements: &[Placement],
+        rows: usize,
+        corrupt_of: impl Fn(&BlockKey) -> Option<String>,
+    ) -> Vec<(usize, String)> {
+        let mut found: Vec<(usize, String)> = Vec::new();
+        for (field, placement) in self.plan.fields.iter().zip(placements) {
+            let width = field.sample_bytes_in as u64;
+            for block in placement.blocks.clone() {
+                let key = BlockKey {
+                    shard: placement.shard as u32,
+                    field: field.field_index as u32,
+                    block,
+                };
+                let Some(message) = corrupt_of(&key) else {
+                    continue;
+                };
+                let entry = self.entry(&key);
+                let from = placement.start.max(entry.raw_offset) - placement.start;
+                let to =
+                    placement.end.min(entry.raw_offset + entry.raw_bytes as u64) - placement.start;
+                if to <= from {
+                    continue;
+                }
+                for i in (from / width) as usize..=((to - 1) / width) as usize {
+                    if i < rows && !found.iter().any(|(row, _)| *row == i) {
+                        found.push((i, message.clone()));
+                    }
+                }
+            }
+        }
+        found.sort_unstable_by_key(|(row, _)| *row);
+        found
     }
 
     /// Queues zeros over every field of `row` in `slot`.
@@ -1128,33 +1221,25 @@ impl GpuAssembler {
             let plan = Arc::clone(&self.plan);
             let fields = &plan.fields;
             let mut fixes: Vec<usize> = Vec::new();
-            for row in round.rows.clone() {
-                if round.replaced.contains(&row) {
-                    continue;
-                }
-                let row_placements =
-                    &round.placements[row * fields.len()..(row + 1) * fields.len()];
-                let mut corrupt: Option<String> = None;
-                'fields: for (field, placement) in fields.iter().zip(row_placements) {
-                    for block in placement.blocks.clone() {
-                        let key = BlockKey {
-                            shard: placement.shard as u32,
-                            field: field.field_index as u32,
-                            block,
-                        };
-                        if let Some(message) = bad.get(&key) {
-                            corrupt = Some(message.clone());
-                            break 'fields;
-                        }
-                        if recheck_cache {
-                            if let Some(CacheEntry::Corrupt(message)) = self.blocks.get(&key) {
-                                corrupt = Some(message.to_string());
-                                break 'fields;
+            for run in round.runs.clone() {
+                let (first_row, rows) = round.placements.runs[run];
+                let run_placements =
+                    &round.placements.placements[run * fields.len()..(run + 1) * fields.len()];
+                let corrupt = self.corrupt_rows(run_placements, rows, |key| {
+                    bad.get(key)
+                        .cloned()
+                        .or_else(|| match self.blocks.get(key) {
+                            Some(CacheEntry::Corrupt(message)) if recheck_cache => {
+                                Some(message.to_string())
                             }
-                        }
+                            _ => None,
+                        })
+                });
+                for (i, message) in corrupt {
+                    let row = first_row + i;
+                    if round.replaced.contains(&row) {
+                        continue;
                     }
-                }
-                if let Some(message) = corrupt {
                     match plan.on_corrupt {
                         CorruptPolicy::Fail => return Err(FillError::Corrupt(message)),
                         CorruptPolicy::Replace => fixes.push(row),

@@ -6,7 +6,8 @@ pub mod gpu;
 pub mod order;
 
 pub use assemble::{
-    Assembler, FieldPlan, FillError, FillReport, Placement, PlanError, StreamLimits, StreamPlan,
+    Assembler, FieldPlan, FillError, FillReport, Placement, PlacementRuns, PlanError, StreamLimits,
+    StreamPlan,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};
