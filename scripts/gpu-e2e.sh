@@ -5,7 +5,8 @@
 # cold and warm.
 #   1. data: emb_fp16.npy [N, 1024] float16 (incompressible) and tokens_i32.npy [M, 2048] int32 (zipf,
 #      compressible), written by scripts/e2e/make_data.py under $E2E_WORK/npy;
-#   2. gpufeed: both packed (`gpufeed pack`, codec auto), one daemon (`gpufeed serve`), then per kind,
+#   2. gpufeed: both packed (`gpufeed pack`, codec auto), a daemon (`gpufeed serve`, restarted before
+#      each cold run: it keeps page-cache windows pinned, which drop_caches cannot drop), then per kind,
 #      batch size and temperature one examples/consume process, measured by scripts/e2e/measure.py
 #      (daemon and consumer CPU time, nvidia-smi GPU busy); the daemon's /v1/status and /metrics;
 #   3. dd iflag=direct on the fp16 file, cold, before and after the gpufeed runs;
@@ -128,6 +129,30 @@ d = json.load(open(sys.argv[1]))
 print(d[sys.argv[2]] / d["samples"])' "$work/inspect-$1.json" "$2"
 }
 
+# Starts `gpufeed serve` and waits for its socket; returns 1 (daemon log in the main log) if it does
+# not come up.
+start_daemon() {
+  say "serve --device $device --engine $engine"
+  rm -f "$socket"
+  # Each start gets a fresh log (the readiness line is looked for in it); earlier ones are kept.
+  [ -s "$OUT/daemon.log" ] && cat "$OUT/daemon.log" >>"$OUT/daemon-earlier.log"
+  "$bin/gpufeed" serve --data-root "$data" --socket "$socket" --http "$http" --device "$device" \
+    --engine "$engine" >"$OUT/daemon.log" 2>&1 &
+  daemon_pid=$!
+  local up=0
+  for _ in $(seq 1 300); do
+    if grep -q '^gpufeed: serving' "$OUT/daemon.log" && [ -S "$socket" ]; then up=1; break; fi
+    kill -0 "$daemon_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  if [ "$up" != 1 ]; then
+    say "FAILED: the daemon did not come up (daemon.log follows); gpufeed runs skipped"
+    cat "$OUT/daemon.log" >>"$log"
+    stop_daemon
+    return 1
+  fi
+}
+
 run_gpufeed() {
   if [ ! -x "$bin/gpufeed" ] || [ ! -x "$bin/consume" ]; then
     say "SKIPPED gpufeed: no binaries in $bin (run scripts/gpu-stage-e2e.sh without --wheels-only)"
@@ -146,23 +171,7 @@ run_gpufeed() {
   done
   sync
 
-  say "serve --device $device --engine $engine"
-  rm -f "$socket"
-  "$bin/gpufeed" serve --data-root "$data" --socket "$socket" --http "$http" --device "$device" \
-    --engine "$engine" >"$OUT/daemon.log" 2>&1 &
-  daemon_pid=$!
-  local up=0
-  for _ in $(seq 1 300); do
-    if grep -q '^gpufeed: serving' "$OUT/daemon.log" && [ -S "$socket" ]; then up=1; break; fi
-    kill -0 "$daemon_pid" 2>/dev/null || break
-    sleep 0.2
-  done
-  if [ "$up" != 1 ]; then
-    say "FAILED: the daemon did not come up (daemon.log follows); gpufeed runs skipped"
-    cat "$OUT/daemon.log" >>"$log"
-    stop_daemon
-    return 0
-  fi
+  start_daemon || return 0
   cat "$OUT/daemon.log" >>"$log"
   # Which backend serves (the GPU one, or the CPU one when the GPU is not usable): every record says.
   local backend
@@ -198,6 +207,12 @@ except Exception as error:
         # not warm it. The warm case (data in the page cache, as after any buffered reader) is set up
         # by reading the shards once through the page cache.
         [ "$temperature" = warmup ] && cat "$data/$kind"/*.gfs >/dev/null
+        # The daemon keeps page-cache windows it read from registered (pinned) for later epochs and
+        # consumers, and pinned pages survive drop_caches: a cold run gets a fresh daemon.
+        if [ "$temperature" = cold ] && [ -n "$daemon_pid" ]; then
+          stop_daemon
+          start_daemon || return 0
+        fi
         for repeat in $(seq 1 "$repeats"); do
           in_budget "gpufeed $kind $batch $temperature" || return 0
           echo "--- gpufeed $kind batch $batch $temperature $repeat" >>"$log"
