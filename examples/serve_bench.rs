@@ -49,6 +49,9 @@ struct Args {
     /// Where the dataset is packed (default: a temporary directory).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// GPU mode: rounds queued on the device at once (default: the node default).
+    #[arg(long)]
+    rounds_in_flight: Option<usize>,
 }
 
 /// Packs `fields` into `dir` as dataset `name` the same way for both modes (64 KiB blocks, the
@@ -198,7 +201,6 @@ mod gpu {
     use gpufeed::ipc::{GpuServing, Server, ServerConfig};
     use gpufeed::metrics::Metrics;
     use gpufeed::pack::OnExisting;
-    use gpufeed::pipeline::gpu::ROUNDS_IN_FLIGHT;
     use gpufeed::pipeline::{GpuAssembler, StreamLimits, StreamPlan};
     use gpufeed::registry::Registry;
     use gpufeed::storage::gpu::GpuReader;
@@ -219,7 +221,11 @@ mod gpu {
             .dir
             .clone()
             .unwrap_or_else(|| temp.path().to_path_buf());
-        let serving = Arc::new(GpuServing::open(ordinal, EngineMode::Auto)?);
+        let mut serving = GpuServing::open(ordinal, EngineMode::Auto)?;
+        if let Some(rounds) = args.rounds_in_flight {
+            serving.stream_limits.rounds_in_flight = rounds;
+        }
+        let serving = Arc::new(serving);
         let kinds: [(&str, FieldSource, Option<DType>); 2] = [
             (
                 "emb",
@@ -314,7 +320,7 @@ mod gpu {
                 // Batches submitted up to the daemon's depth ahead of completion, as its filler does.
                 for step in 0..plan.steps {
                     let (slot, ready, released) = &slots[(step % 4) as usize];
-                    if assembler.pending_batches() == ROUNDS_IN_FLIGHT {
+                    if assembler.pending_batches() == assembler.rounds_in_flight() {
                         assembler.complete(None)?;
                     }
                     assembler.submit(step, slot, released, Some(ready))?;
@@ -367,6 +373,7 @@ mod gpu {
                         "pipeline_gather_s": timings.gather_s,
                         "pipeline_wait_s": timings.wait_s,
                         "pipeline_rounds": timings.rounds,
+                        "rounds_in_flight": serving.stream_limits.rounds_in_flight,
                     })
                 );
             }

@@ -2,7 +2,8 @@
 # Runs on the GPU machine after scripts/gpu-stage-serve.sh staged .gpu/serve/ here:
 #   1. the GPU serving tests (two consumer processes, bit-exact against the source and the CPU backend,
 #      corrupt blocks, 100 killed consumers and device memory back to its baseline);
-#   2. the serving benchmark: pipeline alone against a consumer process, hand-off latency.
+#   2. the serving benchmark: pipeline alone against a consumer process, hand-off latency, per batch
+#      size (SERVE_BATCHES) and rounds in flight (SERVE_ROUNDS, default: the node default).
 # Logs go to $OUT; a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +25,15 @@ echo "tests exit $?" | tee -a "$log"
 
 bench="$OUT/serve_bench.jsonl"
 : >"$bench"
-for batch in ${SERVE_BATCHES:-1024 4096}; do
-  echo "=== serve_bench batch $batch" >>"$log"
-  timeout 200 "$bin/serve_bench" --device cuda:0 --consume-bin "$bin/consume" --dir /var/tmp \
-    --samples "${SERVE_SAMPLES:-524288}" --batch-size "$batch" >>"$bench" 2>>"$log"
-  echo "bench exit $?" >>"$log"
+for rounds in ${SERVE_ROUNDS:-default}; do
+  rounds_args=()
+  [ "$rounds" != default ] && rounds_args=(--rounds-in-flight "$rounds")
+  for batch in ${SERVE_BATCHES:-1024 4096}; do
+    echo "=== serve_bench batch $batch rounds in flight $rounds" >>"$log"
+    timeout 200 "$bin/serve_bench" --device cuda:0 --consume-bin "$bin/consume" --dir /var/tmp \
+      --samples "${SERVE_SAMPLES:-524288}" --batch-size "$batch" "${rounds_args[@]}" >>"$bench" 2>>"$log"
+    echo "bench exit $?" >>"$log"
+  done
 done
 grep -E "^test |test result|exit" "$log" | tail -20
 cat "$bench"

@@ -70,18 +70,19 @@ fn runs_agree_with_per_row_placements() {
                         for (f, field) in plan.fields.iter().enumerate() {
                             let whole = &runs.placements[run * field_count + f];
                             let width = field.sample_bytes_in as u64;
-                            let mut blocks_needed = u32::MAX..0;
+                            let (mut first_block, mut end_block) = (u32::MAX, 0u32);
                             for i in 0..count {
                                 let row = &rows[(first + i) * field_count + f];
                                 assert_eq!(row.shard, whole.shard);
                                 assert_eq!(row.start, whole.start + i as u64 * width);
                                 assert_eq!(row.end, row.start + width);
-                                blocks_needed.start = blocks_needed.start.min(row.blocks.start);
-                                blocks_needed.end = blocks_needed.end.max(row.blocks.end);
+                                first_block = first_block.min(row.blocks.start);
+                                end_block = end_block.max(row.blocks.end);
                             }
                             assert_eq!(whole.end, whole.start + count as u64 * width);
                             assert_eq!(
-                                whole.blocks, blocks_needed,
+                                whole.blocks,
+                                first_block..end_block,
                                 "{shuffle:?} rank {rank} step {step} run {run} field {f}"
                             );
                         }

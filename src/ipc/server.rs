@@ -802,7 +802,7 @@ impl Filler {
     fn depth(&self) -> usize {
         match self {
             Filler::Cpu { .. } => 1,
-            Filler::Gpu { .. } => crate::pipeline::gpu::ROUNDS_IN_FLIGHT,
+            Filler::Gpu { assembler, .. } => assembler.rounds_in_flight(),
         }
     }
 

@@ -10,7 +10,7 @@
 //! fixed at stream open, whatever the batch size or the order, and nothing is allocated on the device
 //! per batch.
 //!
-//! Rounds are pipelined: [`ROUNDS_IN_FLIGHT`] sets of round buffers (staging, job and piece tables in
+//! Rounds are pipelined: [`GpuStreamLimits::rounds_in_flight`] sets of round buffers (staging, job and piece tables in
 //! pinned host memory and on the device, outcomes) are used in turn, so the reads of the next round
 //! are queued while the device still verifies, decodes and gathers the previous one, and the host
 //! plans ahead instead of waiting. The host waits for a round (one event, sleeping, no spin) only
@@ -51,8 +51,8 @@ use crate::metrics::{Metrics, ReadPath as MetricsPath};
 use crate::storage::gpu::{DeviceExtent, GpuReader, PathChoice, ReadPath};
 use crate::storage::{DirectIo, FileId, FileTable, IO_ALIGN_BYTES};
 
-/// Sets of round buffers: a round's reads and tables are prepared while the previous round runs.
-pub const ROUNDS_IN_FLIGHT: usize = 2;
+/// Most sets of round buffers a stream may ask for (see [`GpuStreamLimits::rounds_in_flight`]).
+pub const ROUNDS_IN_FLIGHT_MAX: usize = 4;
 
 /// Largest delivered bytes per field of a run of consecutive rows planned as one (see
 /// [`StreamPlan::placement_runs`]).
@@ -73,17 +73,21 @@ pub struct GpuStreamLimits {
     pub scratch_bytes: usize,
     /// Gather pieces per round.
     pub pieces_max: usize,
+    /// Rounds queued on the device at once (2 to [`ROUNDS_IN_FLIGHT_MAX`]), each with its own staging
+    /// buffer and tables: the next rounds' reads are queued while the device runs the oldest.
+    pub rounds_in_flight: usize,
 }
 
 impl GpuStreamLimits {
     /// Defaults for a GPU node: 64 MiB staging per round in flight, a 256 MiB block cache, 16 MiB of
-    /// shuffle scratch per round in flight and 64 Ki gather pieces (2 MiB of table) per round.
+    /// shuffle scratch, 64 Ki gather pieces (2 MiB of table) per round, three rounds in flight.
     pub fn node_defaults() -> GpuStreamLimits {
         GpuStreamLimits {
             staging_bytes: 64 << 20,
             cache_bytes: 256 << 20,
             scratch_bytes: 16 << 20,
             pieces_max: 64 << 10,
+            rounds_in_flight: 3,
         }
     }
 }
@@ -269,7 +273,7 @@ pub struct GpuAssembler {
     pieces_max: usize,
     layout: HostLayout,
     buffers: Vec<RoundBuffers>,
-    /// Rounds queued, oldest first (at most [`ROUNDS_IN_FLIGHT`]).
+    /// Rounds queued, oldest first (at most one per set of round buffers).
     rounds: VecDeque<PendingRound>,
     /// Batches submitted, oldest first.
     batches: VecDeque<PendingBatch>,
@@ -343,8 +347,9 @@ impl GpuAssembler {
         let jobs_max = (staging_bytes / IO_ALIGN_BYTES) as usize;
         let pieces_max = limits.pieces_max.max(1);
         let layout = HostLayout::new(jobs_max, pieces_max);
-        let mut buffers = Vec::with_capacity(ROUNDS_IN_FLIGHT);
-        for _ in 0..ROUNDS_IN_FLIGHT {
+        let rounds_in_flight = limits.rounds_in_flight.clamp(2, ROUNDS_IN_FLIGHT_MAX);
+        let mut buffers = Vec::with_capacity(rounds_in_flight);
+        for _ in 0..rounds_in_flight {
             let new = |bytes: usize| DeviceBuffer::new(&device, bytes).map_err(device_error);
             buffers.push(RoundBuffers {
                 staging: new(staging_bytes as usize)?,
@@ -373,7 +378,7 @@ impl GpuAssembler {
             pieces_max,
             layout,
             buffers,
-            rounds: VecDeque::with_capacity(ROUNDS_IN_FLIGHT),
+            rounds: VecDeque::with_capacity(rounds_in_flight),
             batches: VecDeque::new(),
             next_buffers: 0,
             verified: HashSet::new(),
@@ -401,6 +406,12 @@ impl GpuAssembler {
     /// Device memory this stream holds besides its slots, in bytes.
     pub fn device_bytes(&self) -> u64 {
         (self.cache.len() + self.buffers.iter().map(|b| b.device_bytes()).sum::<usize>()) as u64
+    }
+
+    /// Rounds queued on the device at once: submitting more batches than this ahead of completing
+    /// them only makes `submit` wait.
+    pub fn rounds_in_flight(&self) -> usize {
+        self.buffers.len()
     }
 
     /// Batches submitted and not completed yet.
@@ -473,7 +484,7 @@ impl GpuAssembler {
         let mut run = 0usize;
         while run < runs {
             // The round's buffers must be free: complete the round that used them last.
-            if self.rounds.len() == ROUNDS_IN_FLIGHT {
+            if self.rounds.len() == self.buffers.len() {
                 self.complete_round()?;
             }
             let planned = Instant::now();
@@ -686,7 +697,7 @@ impl GpuAssembler {
         slot: &ExportableBuffer,
     ) -> Result<(), FillError> {
         let index = self.next_buffers;
-        self.next_buffers = (self.next_buffers + 1) % ROUNDS_IN_FLIGHT;
+        self.next_buffers = (self.next_buffers + 1) % self.buffers.len();
         let layout = self.layout;
         let corrupt_marks = self.corrupt_marks;
 
