@@ -8,12 +8,13 @@
 //!
 //! It generates the two data sets of the issue (zipf-distributed int32 tokens and ReLU-sparse fp16),
 //! compresses each 64 KiB block with lz4_flex (plain, and byte-shuffled as the packer can store them),
-//! times the decoder with CUDA events (warm-up, then the median of repeated runs; outputs verified
-//! against the raw bytes once, never timed on zeros), times gather + convert batches against a large
-//! device-to-device copy measured in the same run, and times a small per-batch sequence with and
-//! without a CUDA graph. With `--data` it writes the same blocks for `scripts/nvcomp_bench.py`:
-//! `NAME.lz4` (blocks at 16-byte aligned offsets), `NAME.idx` (u64 offset, u64 stored bytes, u64 raw
-//! bytes per block) and `NAME.raw`.
+//! times both LZ4 decoders in several builds each (`Lz4Config::STANDARD`, one sequence per warp step,
+//! and the two-phase `Lz4Config::TWO_PHASE`) with CUDA events (warm-up, then the median of repeated
+//! runs; outputs verified against the raw bytes once, never timed on zeros) and prints the two side by
+//! side, times gather + convert batches against a large device-to-device copy measured in the same run,
+//! and times a small per-batch sequence with and without a CUDA graph. With `--data` it writes the
+//! same blocks for `scripts/nvcomp_bench.py`: `NAME.lz4` (blocks at 16-byte aligned offsets),
+//! `NAME.idx` (u64 offset, u64 stored bytes, u64 raw bytes per block) and `NAME.raw`.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -288,26 +289,37 @@ fn bench_decode(
     })
 }
 
-/// One launch of each kernel for a profiler (`ncu --launch-count 3`): LZ4 decode of both plain data
-/// sets with the default decoder, then one f16 -> f32 gather.
+/// One launch of each kernel for a profiler, in this order: LZ4 decode of both plain data sets with
+/// the two-phase decoder (`Lz4Config::TWO_PHASE`), the same with the standard decoder, then one
+/// f16 -> f32 gather. `ncu --launch-count 3` (scripts/gpu-check.sh) thus profiles the two-phase
+/// decoder on both sets and the standard one on zipf_i32.
 fn profile(device: &Device, stream: &Stream, zipf: Vec<u8>, relu: Vec<u8>) -> Result<()> {
-    let (decoder, _) =
-        Lz4Decoder::with_config(device, Lz4Config::STANDARD, CacheDir::FromEnvironment)?;
-    let mut decoded = Vec::new();
-    for set in [
+    let sets = [
         compress("zipf_i32", zipf, 4, false),
         compress("relu_f16", relu, 2, false),
-    ] {
-        let table = DeviceBuffer::from_host(device, &Lz4Job::encode_all(&set.jobs))?;
-        let src = DeviceBuffer::from_host(device, &set.staging)?;
-        let dst = DeviceBuffer::new(device, set.raw.len())?;
-        let outcomes = DeviceBuffer::new(device, set.jobs.len() * LZ4_OUTCOME_BYTES)?;
-        // SAFETY: the buffers outlive the synchronisation that follows.
-        unsafe {
-            decoder.decode_async(stream, &table, set.jobs.len() as u32, &src, &dst, &outcomes)?
-        };
-        stream.synchronize()?;
-        decoded.push(dst);
+    ];
+    let mut decoded = Vec::new();
+    for config in [Lz4Config::TWO_PHASE, Lz4Config::STANDARD] {
+        let (decoder, _) = Lz4Decoder::with_config(device, config, CacheDir::FromEnvironment)?;
+        for set in &sets {
+            let table = DeviceBuffer::from_host(device, &Lz4Job::encode_all(&set.jobs))?;
+            let src = DeviceBuffer::from_host(device, &set.staging)?;
+            let dst = DeviceBuffer::new(device, set.raw.len())?;
+            let outcomes = DeviceBuffer::new(device, set.jobs.len() * LZ4_OUTCOME_BYTES)?;
+            // SAFETY: the buffers outlive the synchronisation that follows.
+            unsafe {
+                decoder.decode_async(
+                    stream,
+                    &table,
+                    set.jobs.len() as u32,
+                    &src,
+                    &dst,
+                    &outcomes,
+                )?
+            };
+            stream.synchronize()?;
+            decoded.push(dst);
+        }
     }
     let (gatherer, _) = Gatherer::new(device, GatherLayout::STANDARD, CacheDir::FromEnvironment)?;
     let source = &decoded[1];
@@ -329,7 +341,10 @@ fn profile(device: &Device, stream: &Stream, zipf: Vec<u8>, relu: Vec<u8>) -> Re
         )?
     };
     stream.synchronize()?;
-    println!("profiled: lz4 decode of zipf_i32 and relu_f16, gather f16->f32");
+    println!(
+        "profiled, in order: lz4 decode of zipf_i32 and relu_f16 (two-phase), the same (standard), \
+         gather f16->f32"
+    );
     Ok(())
 }
 
@@ -479,17 +494,15 @@ fn main() -> Result<()> {
         println!("wrote the blocks to {}", dir.display());
     }
 
-    // LZ4 decode: the standard configuration and its neighbours.
+    // LZ4 decode: the standard configuration and its neighbours, then the two-phase decoder's builds.
     let general = Lz4Config {
         sequences: SequencePath::GeneralOnly,
         min_blocks_per_sm: 0,
         ..Lz4Config::STANDARD
     };
+    const STANDARD_LABEL: &str = "standard: 4 warps/block, fast path, 40 registers";
     let configs = [
-        (
-            "standard: 4 warps/block, fast path, 40 registers",
-            Lz4Config::STANDARD,
-        ),
+        (STANDARD_LABEL, Lz4Config::STANDARD),
         ("general path only (the run-1 kernel)", general),
         (
             "4 warps/block, fast path, 48 registers",
@@ -514,8 +527,40 @@ fn main() -> Result<()> {
                 ..Lz4Config::STANDARD
             },
         ),
+        (
+            "two-phase: 4 warps/block, 40 registers (TWO_PHASE)",
+            Lz4Config::TWO_PHASE,
+        ),
+        (
+            "two-phase: 4 warps/block, registers uncapped",
+            Lz4Config {
+                min_blocks_per_sm: 0,
+                ..Lz4Config::TWO_PHASE
+            },
+        ),
+        (
+            "two-phase: 8 warps/block, 40 registers",
+            Lz4Config {
+                warps_per_block: 8,
+                min_blocks_per_sm: 6,
+                ..Lz4Config::TWO_PHASE
+            },
+        ),
+        (
+            "two-phase: 8 warps/block, registers uncapped",
+            Lz4Config {
+                warps_per_block: 8,
+                min_blocks_per_sm: 0,
+                ..Lz4Config::TWO_PHASE
+            },
+        ),
     ];
     let mut best: Vec<(String, f64, &str)> = Vec::new();
+    // Per data set: the standard decoder's rate, and the best two-phase build's rate and label.
+    let mut side_by_side: Vec<(String, f64, f64, &str)> = sets
+        .iter()
+        .map(|set| (set.name.clone(), 0.0, 0.0, ""))
+        .collect();
     for (label, config) in configs {
         let (decoder, _) = Lz4Decoder::with_config(&device, config, CacheDir::FromEnvironment)?;
         let per_sm = decoder
@@ -540,6 +585,16 @@ fn main() -> Result<()> {
                     *l = label;
                 }
                 None => best.push((set.name.clone(), rate, label)),
+            }
+            let entry = side_by_side
+                .iter_mut()
+                .find(|(n, _, _, _)| *n == set.name)
+                .expect("every set has an entry");
+            if label == STANDARD_LABEL {
+                entry.1 = rate;
+            } else if config.sequences == SequencePath::TwoPhase && rate > entry.2 {
+                entry.2 = rate;
+                entry.3 = label;
             }
         }
     }
@@ -684,6 +739,19 @@ fn main() -> Result<()> {
         "worst gather / D2D copy ({:?}): {gather_worst:.2}x",
         GatherLayout::STANDARD
     )?;
+    writeln!(table)?;
+    writeln!(
+        table,
+        "| lz4 decode, GB/s out | standard | two-phase (best build) | two-phase / standard |"
+    )?;
+    writeln!(table, "|---|---|---|---|")?;
+    for (name, standard, two_phase, label) in &side_by_side {
+        writeln!(
+            table,
+            "| {name} | {standard:.1} | {two_phase:.1} ({label}) | {:.2}x |",
+            two_phase / standard
+        )?;
+    }
     print!("{table}");
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out)?;

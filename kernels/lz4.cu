@@ -4,6 +4,11 @@
 // integer types and the compiler's built-in intrinsics only. docs/KERNELS.md describes the design; the
 // CPU reference is lz4_flex::block::decompress_into followed by crate::decode::unshuffle.
 //
+// Two decoders share the job table, the outcomes and the rules below: gf_lz4_decode decodes one sequence
+// per warp step (the whole warp copies each sequence's literals, then its match);
+// gf_lz4_decode_two_phase (compiled instead with GF_LZ4_TWO_PHASE=1, at the end of this file) parses up
+// to 32 sequences into per-lane records first, then writes their output 32 bytes per warp step.
+//
 // Rules every line below keeps:
 // - every byte read from the input lies in [src + src_offset, src + src_offset + src_bytes);
 // - every byte written lies in the job's output extent (and, for a filtered block, its scratch extent);
@@ -35,6 +40,12 @@ typedef long long i64;
 #define GF_LZ4_BOUNDS __launch_bounds__(GF_LZ4_WARPS * 32, GF_LZ4_MIN_BLOCKS)
 #else
 #define GF_LZ4_BOUNDS __launch_bounds__(GF_LZ4_WARPS * 32)
+#endif
+
+// 1: compile gf_lz4_decode_two_phase (the two-phase decoder at the end of this file) instead of
+// gf_lz4_decode.
+#ifndef GF_LZ4_TWO_PHASE
+#define GF_LZ4_TWO_PHASE 0
 #endif
 
 // Bytes of input staged in shared memory per warp; each refill is one 16-byte load per lane and chunk.
@@ -371,6 +382,7 @@ __device__ void unshuffle_block(const u8* __restrict__ shuffled, u8* __restrict_
     }
 }
 
+#if !GF_LZ4_TWO_PHASE
 // Decodes jobs[0, job_count): warp w of the grid takes jobs w, w + total_warps, ...
 // `src` holds `src_capacity` bytes of stored payloads, `dst` `dst_capacity` bytes of output space.
 extern "C" __global__ void GF_LZ4_BOUNDS
@@ -417,3 +429,382 @@ gf_lz4_decode(const Lz4Job* __restrict__ jobs, u32 job_count, const u8* __restri
         __syncwarp();  // the window is reused by the next job
     }
 }
+#endif  // !GF_LZ4_TWO_PHASE
+
+#if GF_LZ4_TWO_PHASE
+// ------------------------------------------------------------------------------------------------
+// The two-phase decoder (SequencePath::TwoPhase).
+//
+// gf_lz4_decode spends a fixed ~100 warp instructions on every sequence, mostly on copying: a literal
+// run and a match of a few bytes each occupy the whole warp for a loop, a __syncwarp and the copy's
+// set-up. Here the block is decoded in chunks of up to 32 sequences, each in three steps:
+//
+// 1. Parse. All lanes walk the token stream together (warp-uniform state, as in gf_lz4_decode, so window
+//    refills and branches need no vote) and lane k keeps the chunk's k-th sequence as a record in
+//    registers: where its output starts, where its match starts (after the literals), where its
+//    literals are in the input. The fast parse only finds the sequences (lengths, positions, the
+//    window's bounds); nothing is copied or stored, and a record costs a compare and three selects.
+//    Whatever it does not take (length bytes of 255, a header leaving the window, the end of the block)
+//    goes through the checked parse, which applies every check of gf_lz4_decode in its order.
+// 2. Validate, all records at once: each lane reads its match offset and checks it (1 <= offset <=
+//    match start) and that its sequence ends within the output. At the first record that fails, the
+//    chunk is cut and that sequence is parsed again by the checked parse, which reports the fault
+//    exactly as gf_lz4_decode does (same status, same `produced`): what reaches the copy is valid.
+// 3. Copy. The warp writes the chunk's output 32 consecutive bytes per step, lane l byte q0 + l. A lane
+//    finds the record holding its byte from one bit mask per step (bit b: a record starts at q0 + b;
+//    each record's lane sets its bit, the warp ORs them), a popcount below the lane and three shuffles
+//    from that record's lane. Its byte's source is an input byte (a literal) or the output byte
+//    `offset` back (a match). A match source inside the current step has not been written yet; the
+//    lane then names the lane of that byte and takes its source with a shuffle, repeated until no lane
+//    names another (pointer jumping; names only go to lower lanes). For offsets below 32 the source is
+//    first moved back by whole periods to just below the step, or just below the match's start (a
+//    multiply by the offset's inverse, prepared in step 2), so only a match that starts inside the step
+//    names a lane, and only an earlier record's. Every source left is then an input byte or an output
+//    byte written by an earlier step (visible after that step's __syncwarp): one load and one store
+//    per lane finish the step.
+//
+// So a sequence costs its share of a short serial parse and of 32-byte copy steps whose cost does not
+// depend on how the bytes divide into sequences.
+//
+// Bounds: a record reaches the copy only once gf_lz4_decode's checks have passed for it, so the copy
+// reads only input bytes inside [0, len) (literal runs the parse checked), output bytes below the one it
+// writes (offsets checked against the match start) and writes only below the chunk's checked end.
+// Before validation, the parse reads the input only inside [0, len) (the window, or checked positions),
+// and validation reads each record's offset bytes, which the parse found inside [0, len). Positions are
+// 32-bit; comparisons are written so that they cannot wrap, and the fast parse (whose output end runs
+// ahead of its checks, at most 32 * GF_TP_FAST_SEQUENCE_MAX bytes) is used only where that cannot wrap.
+
+// A fast-parsed sequence's first GF_TP_FAST_HEADER bytes (token, a literal length byte, up to 14
+// literals, the offset, a match length byte) must lie in the staged window; longer literal runs are
+// checked against the window once their length is known.
+#define GF_TP_FAST_HEADER 20u
+// The window is moved to the cursor when the fast parse stops this close to its end: a fast sequence's
+// header spans at most 274 bytes (token, one length byte, 269 literals, offset, one length byte).
+#define GF_TP_REFILL_AHEAD 288
+// Most output bytes of one fast-parsed sequence: 15 + 254 literals, 15 + 254 + 4 match bytes.
+#define GF_TP_FAST_SEQUENCE_MAX 542u
+// Parse result: the block ended after a sequence's literals (not a status the host sees).
+#define GF_TP_PARSE_END 0xffu
+// Copy phase source codes: 0..31 name the lane whose byte this byte equals; these two are resolved.
+#define GF_TP_SRC_INPUT 32u
+#define GF_TP_SRC_OUTPUT 33u
+
+// One lane's record: the chunk's sequence number `lane`, if the chunk has that many.
+struct Record {
+    u32 start;        // output position of the sequence's first byte
+    u32 match_start;  // start + literal length
+    u32 literal_src;  // input position of the first literal
+    u32 match;        // match offset | ceil(1024 / offset) << 16 (0 for offsets of 32 or more): step 2
+};
+
+// Makes the sequence the k-th of the chunk: lane k keeps it.
+__device__ __forceinline__ void keep_record(Record& r, u32 k, u32 start, u32 match_start, u32 literal_src,
+                                            u32 lane) {
+    const bool mine = lane == k;
+    r.start = mine ? start : r.start;
+    r.match_start = mine ? match_start : r.match_start;
+    r.literal_src = mine ? literal_src : r.literal_src;
+}
+
+// `v`, which the compiler may no longer recompute from its inputs. Without it, it rebuilds loop bounds
+// and the window's address inside the fast parse loop at every sequence (64-bit window arithmetic, the
+// shared window's generic address), some ten instructions, to save a register.
+__device__ __forceinline__ u32 opaque(u32 v) {
+    asm volatile("" : "+r"(v));
+    return v;
+}
+
+// The shared-memory byte at `addr` (a shared-space address). Inline PTX, so that the window's address
+// stays one register (see `opaque`); volatile with a memory clobber, so that it stays after the
+// window's refill and its __syncwarp.
+__device__ __forceinline__ u32 shared_byte(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+// The bitwise OR of `v` over the warp.
+__device__ __forceinline__ u32 warp_or(u32 v) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm volatile("redux.sync.or.b32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+#else
+    for (u32 s = 16u; s != 0u; s >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, s);
+    return v;
+#endif
+}
+
+// Parses the sequence at *ip_io with every check of lz4_decode_block's general path, in the same order,
+// and keeps it as record *k_io if it produces bytes. Returns GF_LZ4_OK to go on, GF_TP_PARSE_END when
+// the block ended after its literals, or the fault; *op_io then counts the literals that gf_lz4_decode
+// would have copied before finding it.
+__device__ __forceinline__ u32 parse_sequence_checked(Window& w, const u8* __restrict__ in, u32 len, u32 cap,
+                                                      u32* ip_io, u32* op_io, Record& rec, u32* k_io,
+                                                      u32 lane) {
+    u32 ip = *ip_io;
+    const u32 op = *op_io;
+    if (ip >= len) return GF_LZ4_INPUT_OVERRUN;  // a block must end after a sequence's literals
+    const u32 token = window_byte(w, in, len, ip, lane);
+    ip += 1u;
+    u32 lit = token >> 4;
+    if (lit == 15u) {
+        const u32 status = read_length(w, in, len, &ip, &lit, len, GF_LZ4_INPUT_OVERRUN, lane);
+        if (status != GF_LZ4_OK) return status;
+    }
+    if (lit > len - ip) return GF_LZ4_INPUT_OVERRUN;
+    if (lit > cap - op) return GF_LZ4_OUTPUT_OVERRUN;
+    const u32 literal_src = ip;
+    ip += lit;
+    const u32 match_start = op + lit;
+    u32 status = GF_LZ4_OK;
+    u32 mlen = 0u;
+    if (ip == len) {
+        status = GF_TP_PARSE_END;  // the last sequence has no match
+    } else if (len - ip < 2u) {
+        status = GF_LZ4_INPUT_OVERRUN;
+    } else {
+        // Two statements: reading the high byte may move the window past the low one.
+        const u32 offset_low = window_byte(w, in, len, ip, lane);
+        const u32 offset = offset_low | (window_byte(w, in, len, ip + 1u, lane) << 8);
+        ip += 2u;
+        if (offset == 0u) {
+            status = GF_LZ4_BAD_OFFSET;
+        } else {
+            u32 m = token & 15u;
+            if (m == 15u) status = read_length(w, in, len, &ip, &m, cap, GF_LZ4_OUTPUT_OVERRUN, lane);
+            if (status == GF_LZ4_OK) {
+                // m + 4 > cap - match_start, written so that it cannot wrap.
+                const u32 room = cap - match_start;
+                if (room < 4u || m > room - 4u) {
+                    status = GF_LZ4_OUTPUT_OVERRUN;
+                } else if (offset > match_start) {
+                    status = GF_LZ4_BAD_OFFSET;
+                } else {
+                    mlen = m + 4u;
+                }
+            }
+        }
+    }
+    if (lit + mlen != 0u) {
+        keep_record(rec, *k_io, op, match_start, literal_src, lane);
+        *k_io += 1u;
+    }
+    *ip_io = ip;
+    *op_io = match_start + mlen;
+    return status;
+}
+
+// Step 2: reads each record's match offset into rec.match and returns the lanes whose record fails a
+// check of gf_lz4_decode: a match offset of 0 or beyond the match start, or an end beyond `cap`.
+// Records [0, count) cover output [.., end) in order; lanes from `count` on get a start that sets no
+// bit in the copy's masks. Every lane takes part.
+__device__ __forceinline__ u32 validate_records(Record& rec, u32 count, u32 first, u32 end, u32 cap,
+                                                const u8* __restrict__ in, u32 lane) {
+    const u32 next_start = __shfl_down_sync(0xffffffffu, rec.start, 1u);
+    const bool held = lane < count;
+    const u32 rec_end = lane + 1u < count ? next_start : end;
+    // A record has a match unless it is the block's last sequence or was cut by a fault; its offset
+    // then lies right after its literals, inside the input (the parse read or bounded it).
+    const bool has_match = held && rec_end != rec.match_start;
+    u32 offset = 0u;
+    if (has_match) {
+        const u32 at = rec.literal_src + (rec.match_start - rec.start);
+        offset = (u32)__ldg(in + at) | ((u32)__ldg(in + at + 1u) << 8);
+    }
+    // floor(t / offset) = (t * ceil(1024 / offset)) >> 10 for every t < 32 and offset < 32 (checked for
+    // all of them by the CPU model's tests).
+    const u32 inverse = offset != 0u && offset < 32u ? (1023u + offset) / offset : 0u;
+    rec.match = offset | (inverse << 16);
+    if (!held) rec.start = first - 1u;  // below every step's start: rel wraps past 32
+    const bool bad = held && (rec_end > cap || (has_match && offset - 1u >= rec.match_start));
+    return __ballot_sync(0xffffffffu, bad);
+}
+
+// Bits 0..lane.
+__device__ __forceinline__ u32 lanes_upto_self() {
+    u32 m;
+    asm("mov.u32 %0, %%lanemask_le;" : "=r"(m));
+    return m;
+}
+
+// Step 3: writes out[first, end) from the chunk's `count` records, which cover it in order (each
+// record's bytes run from its start to the next record's start, or to `end`). Every lane takes part.
+__device__ __forceinline__ void copy_chunk(const Record& rec, u32 first, u32 end, const u8* __restrict__ in,
+                                           u8* __restrict__ out, u32 lane) {
+    // A literal's input position is its output position plus this (modulo 2^32).
+    const u32 literal_delta = rec.literal_src - rec.start;
+    u32 before = 0u;  // records that start before this step
+    for (u32 q0 = first;; q0 += 32u) {
+        // Bit b of `starts`: a record starts at q0 + b. Records are never empty and lie in order, so at
+        // most 32 start in a step; records that started before (and lanes without one) have a start
+        // below q0, which wraps `rel` past 32.
+        const u32 rel = rec.start - q0;
+        const u32 starts = warp_or(rel < 32u ? 1u << rel : 0u);
+        const u32 mine = before + __popc(starts & lanes_upto_self()) - 1u;  // the record of q0 + lane
+        before += __popc(starts);
+        const u32 match_start = __shfl_sync(0xffffffffu, rec.match_start, mine);
+        const u32 delta = __shfl_sync(0xffffffffu, literal_delta, mine);
+        const u32 match = __shfl_sync(0xffffffffu, rec.match, mine);
+        const bool active = lane < end - q0;
+        const u32 q = q0 + lane;
+        // A match byte: out[q] = out[q - j * offset] for every j that keeps it at or after match_start -
+        // offset. Take the largest such j that lands below both the match start and this step:
+        // j = floor((q - b) / offset) + 1, with q - b < 32 for offsets below 32; j = 1 for the others,
+        // whose inverse is 0 (and q - offset < q0 then). Computed for every lane, without a branch.
+        const u32 offset = match & 0xffffu;
+        const u32 b = match_start > q0 ? match_start : q0;
+        const u32 from = q - offset * ((((q - b) * (match >> 16)) >> 10) + 1u);
+        u32 code = from >= q0 ? from - q0 : GF_TP_SRC_OUTPUT;  // a lane of this step, or written
+        u32 pos = from;
+        if (q < match_start) {
+            code = GF_TP_SRC_INPUT;
+            pos = q + delta;
+        }
+        if (!active) code = GF_TP_SRC_OUTPUT;  // resolved, and never named by another lane
+        // Pointer jumping: a lane naming lane j takes j's source; names only go to lower lanes.
+        while (__any_sync(0xffffffffu, code < 32u)) {
+            const u32 from_lane = code < 32u ? code : lane;
+            const u32 next_code = __shfl_sync(0xffffffffu, code, from_lane);
+            pos = __shfl_sync(0xffffffffu, pos, from_lane);
+            code = next_code;
+        }
+        if (active) {
+            const u8* src = code == GF_TP_SRC_INPUT ? in : out;
+            out[q] = src[pos];
+        }
+        __syncwarp();  // this step's bytes are visible to the next step's (and the next chunk's) loads
+        if (end - q0 <= 32u) break;
+    }
+}
+
+// Decodes one LZ4 block of `len` input bytes into exactly `cap` output bytes, chunk by chunk. Returns the
+// status and sets *produced, both as lz4_decode_block would. Reads only in[0, len), writes only
+// out[0, cap).
+__device__ u32 lz4_decode_block_two_phase(Window& w, const u8* __restrict__ in, u32 len,
+                                          u8* __restrict__ out, u32 cap, u32* produced, u32 lane) {
+    u32 ip = 0u;
+    u32 op = 0u;
+    u32 status = GF_LZ4_OK;
+    // The fast parse lets the output position run up to 32 sequences past `cap` before validation finds
+    // the overrun: allowed where that cannot wrap (every real block).
+    const bool fast_allowed = cap <= 0xffffffffu - 32u * GF_TP_FAST_SEQUENCE_MAX;
+    bool recheck = false;  // validation cut the chunk: the sequence at ip goes through the checked parse
+    Record rec = {0u, 0u, 0u, 0u};
+    window_fill(w, in, len, 0, lane);
+    while (status == GF_LZ4_OK) {
+        const u32 first = op;
+        u32 k = 0u;
+        // Step 1: parse up to 32 sequences.
+        while (k < 32u) {
+            // Window-relative positions (all below 2 * GF_WINDOW_BYTES): no check below can wrap.
+            const i64 wend = w.base + GF_WINDOW_BYTES;
+            const u32 wlim = (u32)((wend < (i64)len ? wend : (i64)len) - w.base);
+            const i64 rel = (i64)ip - w.base;
+            if (!recheck && fast_allowed && wlim >= GF_TP_FAST_HEADER && rel >= 0 &&
+                rel <= (i64)(wlim - GF_TP_FAST_HEADER)) {
+                // The fast parse: sequences whose header lies in the window and whose length bytes are
+                // not 255. Branch-free but for the one exit: every byte it may need is loaded (inside
+                // the window) and the conditions are combined.
+                const u32 wbase = (u32)w.base;  // positions are wbase + p, modulo 2^32
+                const u32 last = opaque(wlim - GF_TP_FAST_HEADER);  // the last p a sequence may start at
+                const u32 window = opaque((u32)__cvta_generic_to_shared(w.bytes));
+                u32 p = (u32)rel;
+                while (k < 32u && p <= last) {
+                    const u32 token = shared_byte(window + p);
+                    const u32 b1 = shared_byte(window + p + 1u);
+                    const bool lit_ext = token >= 0xf0u;
+                    const u32 lit = (token >> 4) + (lit_ext ? b1 : 0u);
+                    const u32 h = p + (lit_ext ? 2u : 1u);  // the first literal
+                    const u32 at = h + lit;                 // the offset
+                    // The offset and a length byte must lie in the window: at + 3 <= wlim = last + 20.
+                    bool bad = (lit_ext && b1 == 255u) || at > last + (GF_TP_FAST_HEADER - 3u);
+                    const u32 b2 = shared_byte(window + (bad ? p : at) + 2u);  // inside the window
+                    const u32 m = token & 15u;
+                    const bool match_ext = m == 15u;
+                    bad = bad || (match_ext && b2 == 255u);
+                    if (bad) break;
+                    const u32 match_start = op + lit;
+                    keep_record(rec, k, op, match_start, wbase + h, lane);
+                    k += 1u;
+                    op = match_start + m + 4u + (match_ext ? b2 : 0u);
+                    p = at + (match_ext ? 3u : 2u);
+                }
+                ip = wbase + p;
+                if (k == 32u) break;
+            }
+            if (!recheck && wend < (i64)len && (i64)ip + GF_TP_REFILL_AHEAD > wend) {
+                window_fill(w, in, len, ip, lane);  // then the fast parse again, from the cursor
+                continue;
+            }
+            // The checked parse reads forward from the window's base: after a cut, ip may lie before it.
+            if ((i64)ip < w.base) window_fill(w, in, len, ip, lane);
+            recheck = false;
+            status = parse_sequence_checked(w, in, len, cap, &ip, &op, rec, &k, lane);
+            if (status != GF_LZ4_OK) break;
+        }
+        // Step 2: validate. At the first bad record, cut the chunk and parse that sequence again, checked
+        // (it fails there, with gf_lz4_decode's status); whatever followed it is dropped.
+        const u32 bad = validate_records(rec, k, first, op, cap, in, lane);
+        if (bad != 0u) {
+            const u32 f = (u32)__ffs(bad) - 1u;
+            const u32 f_start = __shfl_sync(0xffffffffu, rec.start, f);
+            const u32 f_lit = __shfl_sync(0xffffffffu, rec.match_start, f) - f_start;
+            const u32 f_literal_src = __shfl_sync(0xffffffffu, rec.literal_src, f);
+            // Only fast-parsed records can fail, and their literal length has one extension byte exactly
+            // when it is 15 or more: the token lies right before.
+            ip = f_literal_src - (f_lit >= 15u ? 2u : 1u);
+            op = f_start;
+            k = f;
+            status = GF_LZ4_OK;
+            recheck = true;
+        }
+        // Step 3.
+        if (op != first) copy_chunk(rec, first, op, in, out, lane);
+    }
+    *produced = op;
+    if (status == GF_TP_PARSE_END) status = op == cap ? GF_LZ4_OK : GF_LZ4_SIZE_MISMATCH;
+    return status;
+}
+
+// Decodes jobs[0, job_count) like gf_lz4_decode (same table, outcomes and job checks), in two phases.
+extern "C" __global__ void GF_LZ4_BOUNDS
+gf_lz4_decode_two_phase(const Lz4Job* __restrict__ jobs, u32 job_count, const u8* __restrict__ src,
+                        u64 src_capacity, u8* __restrict__ dst, u64 dst_capacity,
+                        Lz4Outcome* __restrict__ outcomes) {
+    __shared__ __align__(16) u8 windows[GF_LZ4_WARPS][GF_WINDOW_BYTES];
+    const u32 lane = threadIdx.x & 31u;
+    const u32 warp = threadIdx.x >> 5;
+    Window w;
+    w.bytes = windows[warp];
+    const u32 total_warps = gridDim.x * GF_LZ4_WARPS;
+    for (u32 j = blockIdx.x * GF_LZ4_WARPS + warp; j < job_count; j += total_warps) {
+        const Lz4Job job = jobs[j];
+        const bool filtered = job.shuffle_bytes > 1u;
+        bool ok = extent_fits(job.src_offset, job.src_bytes, src_capacity) &&
+                  extent_fits(job.dst_offset, job.raw_bytes, dst_capacity);
+        if (filtered) {
+            ok = ok && job.shuffle_bytes <= GF_SHUFFLE_BYTES_MAX && job.raw_bytes % job.shuffle_bytes == 0u &&
+                 extent_fits(job.scratch_offset, job.raw_bytes, dst_capacity) &&
+                 (job.scratch_offset + job.raw_bytes <= job.dst_offset ||
+                  job.dst_offset + job.raw_bytes <= job.scratch_offset);
+        }
+        u32 status = GF_LZ4_BAD_JOB;
+        u32 produced = 0;
+        if (ok) {
+            u8* target = dst + (filtered ? job.scratch_offset : job.dst_offset);
+            status = lz4_decode_block_two_phase(w, src + job.src_offset, job.src_bytes, target, job.raw_bytes,
+                                                &produced, lane);
+            if (status == GF_LZ4_OK && filtered) {
+                __syncwarp();  // the shuffled bytes written by every lane are visible
+                unshuffle_block(target, dst + job.dst_offset, job.raw_bytes, job.shuffle_bytes, lane);
+            }
+        }
+        if (lane == 0) {
+            outcomes[j].status = status;
+            outcomes[j].produced = produced;
+        }
+        __syncwarp();  // the window is reused by the next job
+    }
+}
+#endif  // GF_LZ4_TWO_PHASE

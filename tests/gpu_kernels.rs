@@ -6,15 +6,20 @@
 //! `GPUFEED_TEST_SEED` to replay one). The two tests without the prefix run everywhere and check that a
 //! machine without CUDA gets typed errors, not panics.
 
+mod common;
+
 use std::collections::HashMap;
 
+use common::{device, fresh_rng, small};
 use gpufeed::decode::{decode_block, shuffle, BlockRef};
 use gpufeed::device::{
     compile, BufferPool, CacheDir, Device, DeviceBuffer, DeviceError, DeviceMemory, Event,
     EventTiming, ExportableBuffer, ModuleOrigin, Stream,
 };
 use gpufeed::format::{checksum, BlockEntry, Codec, Filter};
-use gpufeed::kernels::reference::{gather_reference, lz4_decode_transcribed, relu_sparse_f16};
+use gpufeed::kernels::reference::{
+    gather_reference, lz4_decode_transcribed, lz4_sequences, relu_sparse_f16,
+};
 use gpufeed::kernels::{
     GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, Kernels, Lz4Config,
     Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, GATHER_OUTCOME_BYTES,
@@ -23,38 +28,15 @@ use gpufeed::kernels::{
 use gpufeed::synth;
 use gpufeed_client::DType;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 const POISON: u8 = 0xA5;
-
-fn fresh_rng(test: &str) -> StdRng {
-    let seed = std::env::var("GPUFEED_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("{test}: GPUFEED_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-/// Smaller inputs under compute-sanitizer, which slows kernels down a hundredfold.
-fn small() -> bool {
-    std::env::var("GPUFEED_TEST_SCALE").is_ok_and(|s| s == "small")
-}
-
-fn device() -> Device {
-    Device::open(0).expect("the GPU tests need CUDA device 0")
-}
 
 fn kernels(device: &Device) -> Kernels {
     Kernels::load(device, CacheDir::Disabled).expect("kernels load")
 }
 
-/// Every decoder variant the benchmark compares: each must be exact.
+/// Every decoder variant the benchmark compares, the two-phase ones included: each must be exact.
 fn lz4_variants(device: &Device) -> Vec<(Lz4Config, Lz4Decoder)> {
     let general = Lz4Config {
         sequences: SequencePath::GeneralOnly,
@@ -70,13 +52,30 @@ fn lz4_variants(device: &Device) -> Vec<(Lz4Config, Lz4Decoder)> {
         min_blocks_per_sm: 0,
         ..Lz4Config::STANDARD
     };
-    [Lz4Config::STANDARD, general, uncapped, eight_warps]
-        .into_iter()
-        .map(|config| {
-            let (decoder, _) = Lz4Decoder::with_config(device, config, CacheDir::Disabled).unwrap();
-            (config, decoder)
-        })
-        .collect()
+    let two_phase_uncapped = Lz4Config {
+        min_blocks_per_sm: 0,
+        ..Lz4Config::TWO_PHASE
+    };
+    let two_phase_eight_warps = Lz4Config {
+        warps_per_block: 8,
+        min_blocks_per_sm: 0,
+        ..Lz4Config::TWO_PHASE
+    };
+    [
+        Lz4Config::STANDARD,
+        general,
+        uncapped,
+        eight_warps,
+        Lz4Config::TWO_PHASE,
+        two_phase_uncapped,
+        two_phase_eight_warps,
+    ]
+    .into_iter()
+    .map(|config| {
+        let (decoder, _) = Lz4Decoder::with_config(device, config, CacheDir::Disabled).unwrap();
+        (config, decoder)
+    })
+    .collect()
 }
 
 /// Both gather layouts: each must be exact.
@@ -103,6 +102,11 @@ fn device_open_without_cuda_is_a_typed_error() {
 #[test]
 fn kernels_compile_with_nvrtc_or_report_it_missing() {
     match compile(&LZ4_SOURCE, (9, 0), &[]) {
+        Ok(image) => assert!(image.image.starts_with(b"\x7fELF"), "an sm_90 cubin"),
+        Err(e) => assert!(e.is_unavailable(), "expected Unavailable, got {e}"),
+    }
+    // The two-phase build too (a different half of the source).
+    match compile(&LZ4_SOURCE, (9, 0), &Lz4Config::TWO_PHASE.defines()) {
         Ok(image) => assert!(image.image.starts_with(b"\x7fELF"), "an sm_90 cubin"),
         Err(e) => assert!(e.is_unavailable(), "expected Unavailable, got {e}"),
     }
@@ -450,6 +454,32 @@ fn adversarial_cases(rng: &mut StdRng) -> Vec<Case> {
         let at = rng.gen_range(0..damaged.len());
         damaged[at] ^= 1 << rng.gen_range(0..8);
         cases.push(plain(damaged, zipf.len()));
+    }
+    // One field of one sequence made wrong deep inside the block, where the two-phase decoder's fast
+    // parse takes the sequence and only its validation can catch it: offsets of 0, one and two past
+    // the match start; raw lengths ending at a match start or one byte short of a sequence's end.
+    let sequences = lz4_sequences(&valid.stored);
+    for k in [
+        0,
+        5,
+        31,
+        32,
+        33,
+        100,
+        sequences.len() / 2,
+        sequences.len() - 2,
+    ] {
+        let sequence = sequences[k];
+        let at = sequence.offset_at.expect("not the last sequence");
+        for offset in [0, sequence.match_start + 1, sequence.match_start + 2] {
+            if offset <= 65_535 {
+                let mut damaged = valid.stored.clone();
+                damaged[at..at + 2].copy_from_slice(&(offset as u16).to_le_bytes());
+                cases.push(plain(damaged, zipf.len()));
+            }
+        }
+        cases.push(plain(valid.stored.clone(), sequence.match_start));
+        cases.push(plain(valid.stored.clone(), sequence.end - 1));
     }
     // Hand-made sequences.
     cases.push(plain(vec![0x14, b'a', 0, 0, 0x00], 6)); // zero offset

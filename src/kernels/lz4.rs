@@ -178,11 +178,27 @@ impl Lz4Outcome {
 /// Which sequence decoder the kernel runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SequencePath {
-    /// A fast path for sequences that lie wholly in the staged window (no per-byte checks), the
-    /// general path for the rest. Same results, fewer instructions.
+    /// One sequence per warp step (`gf_lz4_decode`): a fast path for sequences that lie wholly in
+    /// the staged window (no per-byte checks), the general path for the rest. Same results, fewer
+    /// instructions.
     FastThenGeneral,
-    /// The general path only (every byte checked as it is read).
+    /// One sequence per warp step, the general path only (every byte checked as it is read).
     GeneralOnly,
+    /// The two-phase decoder (`gf_lz4_decode_two_phase`): the warp parses up to 32 sequences into
+    /// records held one per lane, validates them all at once, then writes their output 32 bytes per
+    /// warp step, whatever the sequences' lengths. Same results, statuses and bounds as the others,
+    /// about half their instructions on short sequences (`docs/KERNELS.md`).
+    TwoPhase,
+}
+
+impl SequencePath {
+    /// The kernel's entry point.
+    pub fn entry_point(self) -> &'static str {
+        match self {
+            SequencePath::FastThenGeneral | SequencePath::GeneralOnly => "gf_lz4_decode",
+            SequencePath::TwoPhase => "gf_lz4_decode_two_phase",
+        }
+    }
 }
 
 /// How the decoder kernel is compiled.
@@ -207,13 +223,23 @@ impl Lz4Config {
         min_blocks_per_sm: 12,
     };
 
-    fn defines(&self) -> Vec<(String, String)> {
-        vec![
+    /// The two-phase decoder's candidate configuration, benchmarked beside [`Lz4Config::STANDARD`]
+    /// and tested like it: 4 warps per block, registers capped at 40 (48 resident warps per
+    /// multiprocessor).
+    pub const TWO_PHASE: Lz4Config = Lz4Config {
+        warps_per_block: 4,
+        sequences: SequencePath::TwoPhase,
+        min_blocks_per_sm: 12,
+    };
+
+    /// The NVRTC `-D` settings that compile this configuration.
+    pub fn defines(&self) -> Vec<(String, String)> {
+        let mut defines = vec![
             ("GF_LZ4_WARPS".into(), self.warps_per_block.to_string()),
             (
                 "GF_LZ4_FAST".into(),
                 match self.sequences {
-                    SequencePath::FastThenGeneral => "1",
+                    SequencePath::FastThenGeneral | SequencePath::TwoPhase => "1",
                     SequencePath::GeneralOnly => "0",
                 }
                 .into(),
@@ -222,7 +248,13 @@ impl Lz4Config {
                 "GF_LZ4_MIN_BLOCKS".into(),
                 self.min_blocks_per_sm.to_string(),
             ),
-        ]
+        ];
+        // Only the two-phase build names it, so that the other builds' options (and cache files)
+        // stay as they were.
+        if self.sequences == SequencePath::TwoPhase {
+            defines.push(("GF_LZ4_TWO_PHASE".into(), "1".into()));
+        }
+        defines
     }
 }
 
@@ -266,7 +298,7 @@ impl Lz4Decoder {
             cache,
         };
         let (module, origin) = device.load_module(&LZ4_SOURCE, &options)?;
-        let kernel = module.kernel(device, "gf_lz4_decode")?;
+        let kernel = module.kernel(device, config.sequences.entry_point())?;
         Ok((
             Lz4Decoder {
                 kernel,
@@ -348,9 +380,9 @@ impl Lz4Decoder {
             &mut dst_capacity as *mut u64 as *mut c_void,
             &mut outcomes_ptr as *mut u64 as *mut c_void,
         ];
-        // SAFETY: the parameters match gf_lz4_decode's signature (pointer, u32, pointer, u64, pointer,
-        // u64, pointer); the tables were checked to hold job_count entries; buffer lifetimes are the
-        // caller's contract.
+        // SAFETY: the parameters match the signature of both entry points, gf_lz4_decode and
+        // gf_lz4_decode_two_phase (pointer, u32, pointer, u64, pointer, u64, pointer); the tables were
+        // checked to hold job_count entries; buffer lifetimes are the caller's contract.
         self.kernel
             .launch(stream, grid, self.warps_per_block * 32, &mut params)
     }
