@@ -52,10 +52,6 @@ fn lz4_variants(device: &Device) -> Vec<(Lz4Config, Lz4Decoder)> {
         min_blocks_per_sm: 0,
         ..Lz4Config::STANDARD
     };
-    let two_phase_uncapped = Lz4Config {
-        min_blocks_per_sm: 0,
-        ..Lz4Config::TWO_PHASE
-    };
     let two_phase_eight_warps = Lz4Config {
         warps_per_block: 8,
         min_blocks_per_sm: 0,
@@ -67,7 +63,7 @@ fn lz4_variants(device: &Device) -> Vec<(Lz4Config, Lz4Decoder)> {
         uncapped,
         eight_warps,
         Lz4Config::TWO_PHASE,
-        two_phase_uncapped,
+        Lz4Config::SERVING,
         two_phase_eight_warps,
     ]
     .into_iter()

@@ -232,6 +232,17 @@ impl Lz4Config {
         min_blocks_per_sm: 12,
     };
 
+    /// The decoder the daemon loads ([`crate::kernels::Kernels::load`]): the two-phase decoder, 4 warps
+    /// per block, registers uncapped. On the H100 (2026-11-23, `docs/benchmarks/gpu-kernels-2026-11-23.md`)
+    /// it decoded 64 KiB blocks of zipf int32 tokens at 136 GB/s and ReLU fp16 at 176 GB/s (the one-pass
+    /// [`Lz4Config::STANDARD`]: 65 and 94; nvCOMP in the same run: 113 and 113), and passed the full
+    /// exactness suite and the sanitizers.
+    pub const SERVING: Lz4Config = Lz4Config {
+        warps_per_block: 4,
+        sequences: SequencePath::TwoPhase,
+        min_blocks_per_sm: 0,
+    };
+
     /// The NVRTC `-D` settings that compile this configuration.
     pub fn defines(&self) -> Vec<(String, String)> {
         let mut defines = vec![
