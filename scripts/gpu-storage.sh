@@ -48,6 +48,16 @@ for run in "bounce cold" "bounce cold 64" "cufile cold - 1" "cufile cold - 8" "a
   timeout 120 "$bin/read_bench" --file "$file" --path "$1" --temperature "$2" "${extra[@]}" >>"$bench" 2>>"$log"
 done
 dd_direct
+# Interleaved cold rounds (STORAGE_COLD_ROUNDS, default 0): dd, then gpufeed's auto and bounce paths,
+# each after dropping the cache, so that the disk's drift within a run hits both sides alike.
+for round in $(seq 1 "${STORAGE_COLD_ROUNDS:-0}"); do
+  dd_direct
+  for path in auto bounce; do
+    echo "=== read_bench $path cold (interleaved round $round)" >>"$log"
+    echo 3 >/proc/sys/vm/drop_caches
+    timeout 120 "$bin/read_bench" --file "$file" --path "$path" --temperature cold >>"$bench" 2>>"$log"
+  done
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvikio-site .gpu/storage/whl/*.whl >>"$log" 2>&1
 # KvikIO twice: as it configures itself (it finds libcufile and, with the udev entry, uses cuFile's
 # compatibility mode, which reads with O_DIRECT), and forced to its POSIX path (KVIKIO_COMPAT_MODE=ON),
