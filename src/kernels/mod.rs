@@ -54,8 +54,7 @@ impl Kernels {
     /// Loads every kernel on `device`, compiling them with NVRTC unless a cache holds them.
     pub fn load(device: &Device, cache: CacheDir) -> Result<Kernels, DeviceError> {
         let (xxh3, xxh3_origin) = ChecksumVerifier::new(device, cache.clone())?;
-        let (lz4, lz4_origin) =
-            Lz4Decoder::with_config(device, Lz4Config::SERVING, cache.clone())?;
+        let (lz4, lz4_origin) = Lz4Decoder::with_config(device, Lz4Config::SERVING, cache.clone())?;
         let (gather, gather_origin) = Gatherer::new(device, GatherLayout::STANDARD, cache)?;
         Ok(Kernels {
             xxh3,
