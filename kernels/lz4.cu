@@ -382,6 +382,20 @@ __device__ void unshuffle_block(const u8* __restrict__ shuffled, u8* __restrict_
     }
 }
 
+// Whether a job's extents lie in their buffers, and a filtered job's scratch is valid and does not
+// overlap its output: a job that fails is refused (GF_LZ4_BAD_JOB) before any access.
+__device__ __forceinline__ bool lz4_job_fits(const Lz4Job& job, u64 src_capacity, u64 dst_capacity) {
+    bool ok = extent_fits(job.src_offset, job.src_bytes, src_capacity) &&
+              extent_fits(job.dst_offset, job.raw_bytes, dst_capacity);
+    if (job.shuffle_bytes > 1u) {
+        ok = ok && job.shuffle_bytes <= GF_SHUFFLE_BYTES_MAX && job.raw_bytes % job.shuffle_bytes == 0u &&
+             extent_fits(job.scratch_offset, job.raw_bytes, dst_capacity) &&
+             (job.scratch_offset + job.raw_bytes <= job.dst_offset ||
+              job.dst_offset + job.raw_bytes <= job.scratch_offset);
+    }
+    return ok;
+}
+
 #if !GF_LZ4_TWO_PHASE
 // Decodes jobs[0, job_count): warp w of the grid takes jobs w, w + total_warps, ...
 // `src` holds `src_capacity` bytes of stored payloads, `dst` `dst_capacity` bytes of output space.
@@ -403,14 +417,7 @@ gf_lz4_decode(const Lz4Job* __restrict__ jobs, u32 job_count, const u8* __restri
     for (u32 j = blockIdx.x * GF_LZ4_WARPS + warp; j < job_count; j += total_warps) {
         const Lz4Job job = jobs[j];
         const bool filtered = job.shuffle_bytes > 1u;
-        bool ok = extent_fits(job.src_offset, job.src_bytes, src_capacity) &&
-                  extent_fits(job.dst_offset, job.raw_bytes, dst_capacity);
-        if (filtered) {
-            ok = ok && job.shuffle_bytes <= GF_SHUFFLE_BYTES_MAX && job.raw_bytes % job.shuffle_bytes == 0u &&
-                 extent_fits(job.scratch_offset, job.raw_bytes, dst_capacity) &&
-                 (job.scratch_offset + job.raw_bytes <= job.dst_offset ||
-                  job.dst_offset + job.raw_bytes <= job.scratch_offset);
-        }
+        const bool ok = lz4_job_fits(job, src_capacity, dst_capacity);
         u32 status = GF_LZ4_BAD_JOB;
         u32 produced = 0;
         if (ok) {
@@ -781,14 +788,7 @@ gf_lz4_decode_two_phase(const Lz4Job* __restrict__ jobs, u32 job_count, const u8
     for (u32 j = blockIdx.x * GF_LZ4_WARPS + warp; j < job_count; j += total_warps) {
         const Lz4Job job = jobs[j];
         const bool filtered = job.shuffle_bytes > 1u;
-        bool ok = extent_fits(job.src_offset, job.src_bytes, src_capacity) &&
-                  extent_fits(job.dst_offset, job.raw_bytes, dst_capacity);
-        if (filtered) {
-            ok = ok && job.shuffle_bytes <= GF_SHUFFLE_BYTES_MAX && job.raw_bytes % job.shuffle_bytes == 0u &&
-                 extent_fits(job.scratch_offset, job.raw_bytes, dst_capacity) &&
-                 (job.scratch_offset + job.raw_bytes <= job.dst_offset ||
-                  job.dst_offset + job.raw_bytes <= job.scratch_offset);
-        }
+        const bool ok = lz4_job_fits(job, src_capacity, dst_capacity);
         u32 status = GF_LZ4_BAD_JOB;
         u32 produced = 0;
         if (ok) {

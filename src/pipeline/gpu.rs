@@ -314,6 +314,21 @@ fn device_error(error: DeviceError) -> FillError {
     FillError::Device(error.to_string())
 }
 
+/// Copies `table` into a round's pinned buffer at `host_offset` and queues its upload to `device` on
+/// `stream`.
+fn upload_table(
+    stream: &Stream,
+    host: &mut PinnedBuffer,
+    host_offset: usize,
+    device: &DeviceBuffer,
+    table: &[u8],
+) -> Result<(), FillError> {
+    host.as_mut_slice()[host_offset..host_offset + table.len()].copy_from_slice(table);
+    // SAFETY: a round's pinned tables are written again only after the host waited for the round, and
+    // its device tables are read only by its kernels, queued after the upload on the same stream.
+    unsafe { host.upload_async(stream, host_offset, device, 0, table.len()) }.map_err(device_error)
+}
+
 fn staged_bytes(entry: &BlockEntry) -> u64 {
     (entry.stored_bytes as u64).div_ceil(IO_ALIGN_BYTES) * IO_ALIGN_BYTES
 }
@@ -811,20 +826,13 @@ impl GpuAssembler {
         let buffers = &mut self.buffers[index];
         if !check_jobs.is_empty() {
             let table = Xxh3Job::encode_all(&check_jobs);
-            buffers.host.as_mut_slice()[layout.xxh3_jobs..layout.xxh3_jobs + table.len()]
-                .copy_from_slice(&table);
-            // SAFETY: the pinned table is not written again before this round completes, and the
-            // device table is only read by this round's kernel, queued after the upload.
-            unsafe {
-                buffers.host.upload_async(
-                    &self.stream,
-                    layout.xxh3_jobs,
-                    &buffers.xxh3_jobs,
-                    0,
-                    table.len(),
-                )
-            }
-            .map_err(device_error)?;
+            upload_table(
+                &self.stream,
+                &mut buffers.host,
+                layout.xxh3_jobs,
+                &buffers.xxh3_jobs,
+                &table,
+            )?;
             // SAFETY: the tables and the staging buffer belong to this round and are not touched
             // until it completes.
             unsafe {
@@ -840,19 +848,13 @@ impl GpuAssembler {
         }
         if !jobs.is_empty() {
             let table = Lz4Job::encode_all(&jobs);
-            buffers.host.as_mut_slice()[layout.lz4_jobs..layout.lz4_jobs + table.len()]
-                .copy_from_slice(&table);
-            // SAFETY: as for the checksum table.
-            unsafe {
-                buffers.host.upload_async(
-                    &self.stream,
-                    layout.lz4_jobs,
-                    &buffers.lz4_jobs,
-                    0,
-                    table.len(),
-                )
-            }
-            .map_err(device_error)?;
+            upload_table(
+                &self.stream,
+                &mut buffers.host,
+                layout.lz4_jobs,
+                &buffers.lz4_jobs,
+                &table,
+            )?;
             // SAFETY: the tables and buffers belong to this round (the cache entries to its blocks,
             // in stream order) and are not touched until it completes; staging, scratch and cache
             // are different allocations.
@@ -947,19 +949,13 @@ impl GpuAssembler {
         let buffers = &mut self.buffers[index];
         if count > 0 {
             let table = plan.encode();
-            buffers.host.as_mut_slice()[layout.pieces..layout.pieces + table.len()]
-                .copy_from_slice(&table);
-            // SAFETY: as for the checksum table.
-            unsafe {
-                buffers.host.upload_async(
-                    &self.stream,
-                    layout.pieces,
-                    &buffers.pieces,
-                    0,
-                    table.len(),
-                )
-            }
-            .map_err(device_error)?;
+            upload_table(
+                &self.stream,
+                &mut buffers.host,
+                layout.pieces,
+                &buffers.pieces,
+                &table,
+            )?;
             // SAFETY: the table, the sources and the outcome belong to this round and are not
             // rewritten before it completes; the slot is this filler's (its lease is Filling and the
             // consumer's release event was waited on); the sources do not overlap the slot.
