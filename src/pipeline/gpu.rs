@@ -79,13 +79,13 @@ pub struct GpuStreamLimits {
 }
 
 impl GpuStreamLimits {
-    /// Defaults for a GPU node: 64 MiB staging per round in flight, a 256 MiB block cache, 16 MiB of
+    /// Defaults for a GPU node: 64 MiB staging per round in flight, a 256 MiB block cache, 64 MiB of
     /// shuffle scratch, 64 Ki gather pieces (2 MiB of table) per round, three rounds in flight.
     pub fn node_defaults() -> GpuStreamLimits {
         GpuStreamLimits {
             staging_bytes: 64 << 20,
             cache_bytes: 256 << 20,
-            scratch_bytes: 16 << 20,
+            scratch_bytes: 64 << 20,
             pieces_max: 64 << 10,
             rounds_in_flight: 3,
         }
