@@ -888,14 +888,19 @@ impl GpuAssembler {
             let (first_row, rows) = placements.runs[run];
             let run_placements =
                 &placements.placements[run * fields.len()..(run + 1) * fields.len()];
-            let corrupt =
+            // Without an unreadable block this round and with no block ever found corrupt (every
+            // corrupt entry counts in `corrupt_marks`), no row can be corrupt: skip the look-ups.
+            let corrupt = if unreadable.is_empty() && self.corrupt_marks == 0 {
+                Vec::new()
+            } else {
                 self.corrupt_rows(run_placements, rows, |key| match self.entry(key).codec {
                     Codec::Raw => unreadable.get(key).cloned(),
                     Codec::Lz4 => match self.blocks.get(key) {
                         Some(CacheEntry::Corrupt(message)) => Some(message.to_string()),
                         _ => None,
                     },
-                });
+                })
+            };
             if let Some((_, message)) = corrupt.first() {
                 if self.plan.on_corrupt == CorruptPolicy::Fail {
                     return Err(FillError::Corrupt(message.clone()));
