@@ -51,15 +51,21 @@ enum Command {
         quiet: bool,
     },
     /// Decode one field of a dataset on the CPU into a .npy file of shape [samples, ...].
+    ///
+    /// The file appears at --out only once every block has decoded: a corrupt dataset leaves nothing
+    /// there (and an existing file intact).
     Unpack {
         /// The dataset directory.
         dir: PathBuf,
         /// The field to decode.
         #[arg(long)]
         field: String,
-        /// The .npy file to write.
+        /// The .npy file to write; it must not exist unless --force is given.
         #[arg(long)]
         out: PathBuf,
+        /// Replace an existing regular file at --out (only once the new one is complete).
+        #[arg(long)]
+        force: bool,
         /// Convert elements to this dtype (f16 and bf16 convert to f32 exactly as the GPU path does;
         /// integers of at most 32 bits widen to i64). Default: the stored dtype.
         #[arg(long)]
@@ -294,12 +300,13 @@ fn run(command: Command) -> Result<ExitCode> {
             dir,
             field,
             out,
+            force,
             dtype,
             quiet,
         } => {
             let dataset = Dataset::open(&dir)?;
             let bar = Bar::new(quiet, "unpack");
-            let bytes = tools::unpack(&dataset, &field, &out, dtype, &bar)?;
+            let bytes = tools::unpack_to(&dataset, &field, &out, dtype, on_existing(force), &bar)?;
             bar.finish();
             eprintln!("wrote {} ({bytes} bytes of data)", out.display());
             Ok(ExitCode::SUCCESS)
@@ -346,11 +353,7 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
             ShuffleArg::On => ShuffleChoice::On,
             ShuffleArg::Off => ShuffleChoice::Off,
         },
-        on_existing: if args.force {
-            OnExisting::Replace
-        } else {
-            OnExisting::Refuse
-        },
+        on_existing: on_existing(args.force),
         threads: args.threads.unwrap_or_else(default_threads),
     };
     let bar = Bar::new(args.quiet, "pack");
@@ -412,6 +415,15 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         .resolve(nix::unistd::getuid().as_raw())?;
     gpufeed::daemon::run(settings)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The policy a `--force` flag asks for.
+fn on_existing(force: bool) -> OnExisting {
+    if force {
+        OnExisting::Replace
+    } else {
+        OnExisting::Refuse
+    }
 }
 
 fn default_threads() -> usize {

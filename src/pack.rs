@@ -57,7 +57,7 @@ pub enum ShuffleChoice {
 /// What to do when the destination already holds something.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnExisting {
-    /// Fail with [`PackError::Exists`].
+    /// Fail ([`PackError::Exists`], [`crate::tools::UnpackError::Exists`]).
     Refuse,
     /// Replace it once the new output is complete, but only if it is what the tool writes (a gpufeed
     /// dataset for `pack`, a regular file for `unpack`); anything else is left untouched and the tool

@@ -3,7 +3,8 @@
 //! They read payloads with plain positional reads and decode on the CPU; the daemon's storage engines
 //! are not involved, so these tools also serve as an independent check of what the daemon serves.
 
-use std::fs::File;
+use std::fs::{self, File};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -13,6 +14,7 @@ use serde_json::{json, Value};
 use crate::decode::{self, BlockError, BlockRef, ConvertError};
 use crate::format::{Codec, Dataset, Filter, FormatError, Manifest, Shard};
 use crate::input::{npy, InputError};
+use crate::pack::OnExisting;
 
 /// Receives progress from a long-running tool.
 pub trait ToolProgress {
@@ -229,7 +231,21 @@ pub enum UnpackError {
     /// The output file could not be written.
     #[error(transparent)]
     Output(#[from] InputError),
-    /// A shard file could not be opened.
+    /// The output exists and replacing it was not asked for.
+    #[error("{path}: already exists (pass --force to replace it)")]
+    Exists {
+        /// The output path.
+        path: PathBuf,
+    },
+    /// The output exists and is not a regular file, which is never replaced.
+    #[error("{path}: already exists and is {what}; it was left untouched (--force replaces only a regular file)")]
+    NotAFile {
+        /// The output path.
+        path: PathBuf,
+        /// What is there, for the message.
+        what: &'static str,
+    },
+    /// A shard file could not be opened, or the output could not be written or renamed into place.
     #[error("{path}: {source}")]
     Io {
         /// The file.
@@ -239,13 +255,41 @@ pub enum UnpackError {
     },
 }
 
-/// Decodes a whole field to a `.npy` file of shape `[samples, ...shape]`, converting to `dtype` if given.
-/// Returns the number of bytes of array data written.
+/// Decodes a whole field to a `.npy` file of shape `[samples, ...shape]`, converting to `dtype` if given,
+/// replacing a regular file at `out`. Returns the number of bytes of array data written.
+///
+/// Like [`unpack_to`] with [`OnExisting::Replace`]: `out` holds either its old contents or the whole
+/// new array, never a partial one.
 pub fn unpack(
     dataset: &Dataset,
     field_name: &str,
     out: &Path,
     dtype: Option<DType>,
+    progress: &dyn ToolProgress,
+) -> Result<u64, UnpackError> {
+    unpack_to(
+        dataset,
+        field_name,
+        out,
+        dtype,
+        OnExisting::Replace,
+        progress,
+    )
+}
+
+/// Decodes a whole field to a `.npy` file of shape `[samples, ...shape]`, converting to `dtype` if given.
+/// Returns the number of bytes of array data written.
+///
+/// The array is written to a hidden temporary file beside `out` and renamed into place only once
+/// every block has decoded and the file is synced, so a corrupt block or a crash leaves no truncated
+/// `.npy` behind and an existing `out` intact. An existing `out` is replaced only under
+/// [`OnExisting::Replace`], and only if it is a regular file.
+pub fn unpack_to(
+    dataset: &Dataset,
+    field_name: &str,
+    out: &Path,
+    dtype: Option<DType>,
+    on_existing: OnExisting,
     progress: &dyn ToolProgress,
 ) -> Result<u64, UnpackError> {
     let field_index = dataset
@@ -277,7 +321,36 @@ pub fn unpack(
     }
     let mut shape = vec![dataset.manifest.sample_count];
     shape.extend_from_slice(&field.shape);
-    let mut writer = npy::write_npy(out, to, &shape)?;
+    // Checked before decoding anything so that a refusal costs nothing; the final link or rename
+    // decides again, since `out` may appear meanwhile.
+    check_output(out, on_existing)?;
+    let temporary = temporary_beside(out)?;
+    let result = write_field(dataset, field_index, to, &shape, &temporary, progress)
+        .map_err(|error| output_error(error, &temporary, out))
+        .and_then(|()| install_output(&temporary, out, on_existing));
+    if result.is_err() {
+        // Best effort: the temporary file is hidden and never read, but should not accumulate.
+        let _ = fs::remove_file(&temporary);
+    }
+    result?;
+    Ok(
+        dataset.manifest.sample_count
+            * field.shape.iter().product::<u64>()
+            * to.size_bytes() as u64,
+    )
+}
+
+/// Decodes field `field_index` into a new `.npy` file at `path`, converted to `to`.
+fn write_field(
+    dataset: &Dataset,
+    field_index: usize,
+    to: DType,
+    shape: &[u64],
+    path: &Path,
+    progress: &dyn ToolProgress,
+) -> Result<(), UnpackError> {
+    let field = &dataset.manifest.fields[field_index];
+    let mut writer = npy::write_npy(path, to, shape)?;
     let raw_total = field.sample_bytes() * dataset.manifest.sample_count;
     progress.started(raw_total);
     let (mut stored, mut scratch, mut raw, mut converted) =
@@ -312,9 +385,112 @@ pub fn unpack(
         }
     }
     writer.finish()?;
-    Ok(
-        dataset.manifest.sample_count
-            * field.shape.iter().product::<u64>()
-            * to.size_bytes() as u64,
-    )
+    Ok(())
+}
+
+/// Fails unless `unpack` may write to `out` under `on_existing`. A link is not followed: renaming
+/// over it would replace the link rather than write where it points.
+fn check_output(out: &Path, on_existing: OnExisting) -> Result<(), UnpackError> {
+    let metadata = match fs::symlink_metadata(out) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(UnpackError::Io {
+                path: out.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let file_type = metadata.file_type();
+    let what = if file_type.is_file() {
+        None
+    } else if file_type.is_dir() {
+        Some("a directory")
+    } else if file_type.is_symlink() {
+        Some("a symbolic link")
+    } else {
+        Some("a special file")
+    };
+    match (what, on_existing) {
+        (Some(what), _) => Err(UnpackError::NotAFile {
+            path: out.to_path_buf(),
+            what,
+        }),
+        (None, OnExisting::Refuse) => Err(UnpackError::Exists {
+            path: out.to_path_buf(),
+        }),
+        (None, OnExisting::Replace) => Ok(()),
+    }
+}
+
+/// A hidden name in `out`'s directory for the file being written.
+fn temporary_beside(out: &Path) -> Result<PathBuf, UnpackError> {
+    let name = out.file_name().ok_or_else(|| UnpackError::Io {
+        path: out.to_path_buf(),
+        source: io::Error::new(io::ErrorKind::InvalidInput, "not a file name"),
+    })?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    Ok(out.with_file_name(format!(
+        ".{}.partial-{}-{nanos}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// Names `out` instead of the temporary file in an I/O error, since that is the path the user gave.
+fn output_error(error: UnpackError, temporary: &Path, out: &Path) -> UnpackError {
+    match error {
+        UnpackError::Output(InputError::Io { path, source }) if path == temporary => {
+            UnpackError::Io {
+                path: out.to_path_buf(),
+                source,
+            }
+        }
+        other => other,
+    }
+}
+
+/// Moves the finished temporary file to `out`. Without replacing, a hard link creates `out` only if
+/// nothing is there (rename(2) would silently replace a file that appeared meanwhile).
+fn install_output(
+    temporary: &Path,
+    out: &Path,
+    on_existing: OnExisting,
+) -> Result<(), UnpackError> {
+    let io = |source| UnpackError::Io {
+        path: out.to_path_buf(),
+        source,
+    };
+    match on_existing {
+        OnExisting::Replace => {
+            check_output(out, on_existing)?;
+            fs::rename(temporary, out).map_err(io)?;
+        }
+        OnExisting::Refuse => match fs::hard_link(temporary, out) {
+            Ok(()) => fs::remove_file(temporary).map_err(io)?,
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(UnpackError::Exists {
+                    path: out.to_path_buf(),
+                })
+            }
+            // A file system without hard links: fall back to checking, then renaming.
+            Err(_) => {
+                check_output(out, on_existing)?;
+                fs::rename(temporary, out).map_err(io)?;
+            }
+        },
+    }
+    let parent = match out.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    File::open(parent)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|source| UnpackError::Io {
+            path: parent.to_path_buf(),
+            source,
+        })
 }

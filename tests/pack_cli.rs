@@ -577,7 +577,7 @@ fn help_texts_mention_every_subcommand_and_option() {
         ("verify", &["<DIR>", "--quiet"]),
         (
             "unpack",
-            &["<DIR>", "--field", "--out", "--dtype", "--quiet"],
+            &["<DIR>", "--field", "--out", "--force", "--dtype", "--quiet"],
         ),
         ("demo", &["--dir", "--samples", "--device"]),
     ];
