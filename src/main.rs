@@ -227,15 +227,59 @@ fn parse_bytes(text: &str) -> Result<u32, String> {
         .map_err(|_| format!("{text:?} is too large"))
 }
 
+/// Runs the command. A reader that closed the pipe on our output (`gpufeed inspect | head`) ends the
+/// command quietly with status 0, as the output simply stops where the reader stopped wanting it:
+/// `print_stdout` handles that where this file prints, and [`quiet_on_broken_pipe`] catches the
+/// panic of a `println!` or `eprintln!` elsewhere (the demo's report). `serve` is left out: a daemon
+/// must not stop, let alone report success, because its start-up line could not be printed.
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli.command) {
+    let outcome = if matches!(cli.command, Command::Serve(_)) {
+        run(cli.command)
+    } else {
+        match quiet_on_broken_pipe(|| run(cli.command)) {
+            Some(outcome) => outcome,
+            None => return ExitCode::SUCCESS,
+        }
+    };
+    match outcome {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {}", error_chain(&error));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Runs `command`; returns `None` if it panicked because standard output or standard error was a
+/// pipe whose reader had gone (the panic of `println!` and `eprintln!` on EPIPE), and lets every
+/// other panic through with its usual message. Destructors run while unwinding, so the demo's
+/// daemon and temporary directory are still cleaned up.
+fn quiet_on_broken_pipe<T>(command: impl FnOnce() -> T) -> Option<T> {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !is_broken_pipe_panic(info.payload()) {
+            default_hook(info);
+        }
+    }));
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(command)) {
+        Ok(value) => Some(value),
+        Err(payload) if is_broken_pipe_panic(payload.as_ref()) => None,
+        Err(payload) => std::panic::resume_unwind(payload),
+    }
+}
+
+/// Whether a panic payload is the standard library's "failed printing to stdout/stderr" for a
+/// closed pipe (the message of `print!` and `eprint!` when the write fails).
+fn is_broken_pipe_panic(payload: &(dyn std::any::Any + Send)) -> bool {
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied());
+    message.is_some_and(|m| {
+        m.starts_with("failed printing to std")
+            && m.contains(&std::io::Error::from_raw_os_error(libc::EPIPE).to_string())
+    })
 }
 
 /// Writes `text` and a newline to standard output. A reader that went away (`gpufeed inspect | head`)
