@@ -1,6 +1,6 @@
-//! The `gpufeed` command line: pack, inspect, verify, unpack and demo.
+//! The `gpufeed` command line: pack, inspect, verify, unpack, list-inputs, serve and demo.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -73,6 +73,16 @@ enum Command {
         /// Do not draw a progress bar.
         #[arg(long)]
         quiet: bool,
+    },
+    /// List the arrays of .npy and safetensors input files: each tensor's name, dtype and shape
+    /// (samples first), as `pack --field NAME=FILE.safetensors:TENSOR` needs them.
+    ///
+    /// The format is recognised from each file's first bytes; only headers are read. Exits 1 if a
+    /// file could not be listed (after listing the others).
+    ListInputs {
+        /// The input files.
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
     },
     /// Start the daemon: register every dataset under --data-root and serve batches to consumers
     /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
@@ -355,6 +365,7 @@ fn run(command: Command) -> Result<ExitCode> {
             eprintln!("wrote {} ({bytes} bytes of data)", out.display());
             Ok(ExitCode::SUCCESS)
         }
+        Command::ListInputs { files } => run_list_inputs(&files),
         Command::Serve(args) => run_serve(args),
         Command::Demo {
             dir,
@@ -417,6 +428,62 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
         summary.raw_bytes as f64 / seconds / 1e9
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn run_list_inputs(files: &[PathBuf]) -> Result<ExitCode> {
+    let mut failed = false;
+    for path in files {
+        let listing = match tools::list_input(path) {
+            Ok(listing) => listing,
+            Err(error) => {
+                eprintln!("error: {error}");
+                failed = true;
+                continue;
+            }
+        };
+        let mut text = match listing.format {
+            tools::InputFormat::Npy => format!("{}: NumPy .npy array", path.display()),
+            tools::InputFormat::Safetensors => format!(
+                "{}: safetensors, {} tensor(s)",
+                path.display(),
+                listing.arrays.len()
+            ),
+        };
+        let name_width = listing
+            .arrays
+            .iter()
+            .map(|a| a.name.as_deref().map_or(0, str::len))
+            .max()
+            .unwrap_or(0);
+        let dtype_width = listing
+            .arrays
+            .iter()
+            .map(|a| a.dtype.len())
+            .max()
+            .unwrap_or(0);
+        for array in &listing.arrays {
+            let shape: Vec<String> = array.shape.iter().map(u64::to_string).collect();
+            let name = array.name.as_deref().unwrap_or("");
+            let line = format!(
+                "  {name:name_width$}  {:dtype_width$}  [{}]{}",
+                array.dtype,
+                shape.join(", "),
+                if array.dtype_supported {
+                    ""
+                } else {
+                    "  (gpufeed cannot pack this dtype)"
+                }
+            );
+            text.push('\n');
+            text.push_str(line.trim_end());
+        }
+        print_stdout(&text)?;
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn run_serve(args: ServeArgs) -> Result<ExitCode> {
@@ -486,6 +553,9 @@ fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSour
         let Some((name, spec)) = arg.split_once('=') else {
             bail!("--field {arg:?}: expected NAME=FILE.npy or NAME=FILE.safetensors:TENSOR");
         };
+        if spec.ends_with(".safetensors") {
+            bail!(missing_tensor(arg, name, Path::new(spec)));
+        }
         if let Some((file, tensor)) = spec
             .rsplit_once(':')
             .filter(|(f, _)| f.ends_with(".safetensors"))
@@ -517,10 +587,58 @@ fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSour
                     .find(|(n, _)| *n == name)
                     .expect("recorded")
                     .1;
-                Ok(input::open_npy_field(&name, files)?)
+                input::open_npy_field(&name, files).map_err(|error| match &error {
+                    // A safetensors file given without `.safetensors` in its name: say so rather
+                    // than only that it is no .npy file.
+                    input::InputError::NotNpy { path }
+                        if tools::list_input(path).is_ok_and(|listing| {
+                            listing.format == tools::InputFormat::Safetensors
+                        }) =>
+                    {
+                        anyhow::anyhow!(missing_tensor(
+                            &format!("{name}={}", path.display()),
+                            &name,
+                            path
+                        ))
+                    }
+                    _ => error.into(),
+                })
             }
         })
         .collect()
+}
+
+/// Tensors named in the error for a safetensors `--field` without `:TENSOR`; `list-inputs` lists all.
+const LISTED_TENSORS_MAX: usize = 20;
+
+/// The error for `--field NAME=FILE` where FILE is a safetensors file and no tensor was named: what
+/// is missing, and the tensors FILE holds.
+fn missing_tensor(arg: &str, name: &str, file: &Path) -> String {
+    let mut text = format!(
+        "--field {arg:?}: a safetensors file holds many tensors; name the one to pack as \
+         --field {name}={}:TENSOR",
+        file.display()
+    );
+    match tools::list_input(file) {
+        Ok(listing) => {
+            let tensors: Vec<String> = listing
+                .arrays
+                .iter()
+                .take(LISTED_TENSORS_MAX)
+                .map(tools::InputArray::describe)
+                .collect();
+            text.push_str(&format!("; its tensors: {}", tensors.join(", ")));
+            let omitted = listing.arrays.len().saturating_sub(LISTED_TENSORS_MAX);
+            if omitted > 0 {
+                text.push_str(&format!(
+                    " and {omitted} more (gpufeed list-inputs {} lists them all)",
+                    file.display()
+                ));
+            }
+        }
+        Err(error) => text.push_str(&format!("; its tensors could not be listed: {error}")),
+    }
+    text
 }
 
 /// A byte-count progress bar on stderr (hidden when stderr is not a terminal or with --quiet).

@@ -494,3 +494,202 @@ fn install_output(
             source,
         })
 }
+
+/// Bytes of a safetensors header `list_input` reads at most (the `safetensors` crate's own limit).
+const SAFETENSORS_HEADER_BYTES_MAX: u64 = 100_000_000;
+
+/// The format of a pack input, as found from its first bytes (not its name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputFormat {
+    /// A NumPy `.npy` file: one array.
+    Npy,
+    /// A safetensors file: named tensors.
+    Safetensors,
+}
+
+/// One array of an input file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputArray {
+    /// The tensor's name; `None` for the single array of a `.npy` file.
+    pub name: Option<String>,
+    /// The element type as gpufeed names it, or as the file spells it when gpufeed cannot pack it.
+    pub dtype: String,
+    /// Whether gpufeed can pack this element type.
+    pub dtype_supported: bool,
+    /// The full shape, samples first.
+    pub shape: Vec<u64>,
+}
+
+/// What `gpufeed list-inputs` prints for one file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputListing {
+    /// The file.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: InputFormat,
+    /// Its arrays; tensors sorted by name.
+    pub arrays: Vec<InputArray>,
+}
+
+/// `gpufeed list-inputs` could not read a file.
+#[derive(Debug, thiserror::Error)]
+pub enum ListInputError {
+    /// The file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// The path is not a regular file (reading a FIFO or a device could block or never end).
+    #[error("{path}: not a regular file")]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The file starts like neither format.
+    #[error("{path}: neither a NumPy .npy file (no \\x93NUMPY magic) nor a safetensors file (no JSON header)")]
+    UnknownFormat {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The `.npy` file is invalid.
+    #[error(transparent)]
+    Npy(#[from] InputError),
+    /// The safetensors header is invalid.
+    #[error("{path}: bad safetensors header: {reason}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// Lists the arrays of a `.npy` or safetensors file (name, dtype, shape), reading only its header.
+///
+/// The format is recognised from the file's first bytes, so a safetensors file named otherwise is
+/// still listed as one.
+pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
+    let io = |source| ListInputError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    // Checked before opening: opening a FIFO for reading blocks until a writer comes.
+    if !fs::metadata(path).map_err(io)?.is_file() {
+        return Err(ListInputError::NotAFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let file = File::open(path).map_err(io)?;
+    let metadata = file.metadata().map_err(io)?;
+    let mut prefix = [0u8; 9];
+    let prefix_len = read_at_most(&file, 0, &mut prefix).map_err(io)?;
+    let prefix = &prefix[..prefix_len];
+    if prefix.starts_with(b"\x93NUMPY") {
+        // The input module validates the header and the file's length against it.
+        let source = crate::input::open_npy_field("array", &[path.to_path_buf()])?;
+        let mut shape = vec![source.sample_count()];
+        shape.extend_from_slice(&source.sample_shape);
+        return Ok(InputListing {
+            path: path.to_path_buf(),
+            format: InputFormat::Npy,
+            arrays: vec![InputArray {
+                name: None,
+                dtype: source.dtype.name().to_string(),
+                dtype_supported: true,
+                shape,
+            }],
+        });
+    }
+    // safetensors: an 8-byte little-endian header length, then that many bytes of JSON.
+    let header_len = match prefix {
+        [len @ .., b'{'] => u64::from_le_bytes(len.try_into().expect("8 bytes")),
+        _ => {
+            return Err(ListInputError::UnknownFormat {
+                path: path.to_path_buf(),
+            })
+        }
+    };
+    let bad = |reason: String| ListInputError::Safetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if header_len > SAFETENSORS_HEADER_BYTES_MAX || 8 + header_len > metadata.len() {
+        return Err(bad(format!(
+            "header length {header_len} does not fit the file's {} bytes",
+            metadata.len()
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut header, 8).map_err(io)?;
+    let header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+    let mut arrays = Vec::with_capacity(header.len());
+    for (name, info) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let file_dtype = info
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("tensor '{name}' has no dtype")))?;
+        let shape = info
+            .get("shape")
+            .and_then(Value::as_array)
+            .and_then(|dims| dims.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad(format!("tensor '{name}' has no valid shape")))?;
+        // safetensors spells dtypes in capitals (F32, BF16); gpufeed's names are the same in lower case.
+        let (dtype, dtype_supported) = match file_dtype.to_ascii_lowercase().parse::<DType>() {
+            Ok(dtype) => (dtype.name().to_string(), true),
+            Err(_) => (file_dtype.to_string(), false),
+        };
+        arrays.push(InputArray {
+            name: Some(name),
+            dtype,
+            dtype_supported,
+            shape,
+        });
+    }
+    arrays.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(InputListing {
+        path: path.to_path_buf(),
+        format: InputFormat::Safetensors,
+        arrays,
+    })
+}
+
+/// Reads up to `buf.len()` bytes at `offset`, fewer only at the end of the file.
+fn read_at_most(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], offset + filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(filled)
+}
+
+impl InputArray {
+    /// `NAME DTYPE [SHAPE]` (or `DTYPE [SHAPE]` for a `.npy` array), noting an unsupported dtype.
+    pub fn describe(&self) -> String {
+        let shape = self
+            .shape
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut text = match &self.name {
+            Some(name) => format!("{name} {} [{shape}]", self.dtype),
+            None => format!("{} [{shape}]", self.dtype),
+        };
+        if !self.dtype_supported {
+            text.push_str(" (gpufeed cannot pack this dtype)");
+        }
+        text
+    }
+}
