@@ -16,8 +16,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpufeed::device::{Device, DeviceBuffer};
-use gpufeed::storage::gpu::{DeviceExtent, GpuReader, GpuReaderLimits, PathChoice, ReadPath};
-use gpufeed::storage::{DirectIo, FileId, FileTable};
+use gpufeed::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice, ReadPath};
+use gpufeed::storage::{DirectIo, Extent, FileId, FileTable};
 
 #[derive(Parser)]
 struct Args {
@@ -77,10 +77,10 @@ fn main() -> Result<()> {
     }
     let mut reader = GpuReader::new(&device, limits)?;
     let extent_bytes = (args.extent_mib << 20) as u64;
-    let extents: Vec<DeviceExtent> = (0..len.div_ceil(extent_bytes))
+    let extents: Vec<Extent> = (0..len.div_ceil(extent_bytes))
         .map(|i| {
             let offset = i * extent_bytes;
-            DeviceExtent {
+            Extent {
                 file: FileId(0),
                 offset,
                 len: extent_bytes.min(len - offset) as usize,

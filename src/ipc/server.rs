@@ -680,9 +680,8 @@ fn fill_stream(
 ) {
     let end_session = |error: FillError| {
         let (code, message) = match error {
-            FillError::Corrupt(message) => (ErrorCode::CorruptData, message),
-            FillError::Storage(error) => (ErrorCode::Internal, error.to_string()),
-            FillError::Device(error) => (ErrorCode::Internal, error),
+            FillError::Corrupt { .. } => (ErrorCode::CorruptData, error.to_string()),
+            error => (ErrorCode::Internal, error.to_string()),
         };
         send_error(&writer, code, message);
         let socket = writer.lock().expect("socket lock poisoned");

@@ -12,8 +12,11 @@ use gpufeed_client::DType;
 
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
+use crate::device::DeviceError;
 use crate::format::Dataset;
+use crate::kernels::Lz4Status;
 use crate::metrics::{Metrics, ReadPath};
+use crate::storage::gpu::GpuReadError;
 use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
@@ -419,7 +422,7 @@ pub(crate) struct BlockKey {
 #[derive(Clone)]
 enum CachedBlock {
     Decoded(Arc<Vec<u8>>),
-    Corrupt(Arc<String>),
+    Corrupt(Arc<CorruptBlock>),
 }
 
 /// What filling one slot produced.
@@ -431,18 +434,127 @@ pub struct FillReport {
     pub replaced: u32,
 }
 
+/// Why a block is unusable. Built only when a block is found bad, so the hot path carries none.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CorruptReason {
+    /// The stored bytes do not hash to the checksum in the block table.
+    #[error("checksum mismatch (table says {expected:016x}, payload hashes to {computed:016x})")]
+    Checksum {
+        /// Checksum from the block table.
+        expected: u64,
+        /// Checksum of the bytes read.
+        computed: u64,
+    },
+    /// The LZ4 kernel refused the payload (GPU backend).
+    #[error("LZ4 block does not decode ({status:?} after {produced} bytes)")]
+    Lz4Kernel {
+        /// The kernel's status.
+        status: Lz4Status,
+        /// Bytes decoded before the fault.
+        produced: u32,
+    },
+    /// The CPU LZ4 decoder refused the payload.
+    #[error("corrupt LZ4 block: {0}")]
+    Lz4(String),
+    /// The payload decoded to fewer bytes than the table says.
+    #[error("decoded to {produced} bytes, the table says {expected}")]
+    Size {
+        /// `raw_bytes` from the table.
+        expected: u32,
+        /// Bytes the decoder produced.
+        produced: usize,
+    },
+    /// The payload could not be read; the read error's message.
+    #[error("{0}")]
+    Unreadable(String),
+}
+
+/// A block found unusable, and why.
+#[derive(Clone, Debug)]
+pub struct CorruptBlock {
+    /// The block: shard, field and block index.
+    pub block: BlockRef,
+    /// What is wrong with it.
+    pub reason: CorruptReason,
+}
+
+impl CorruptBlock {
+    /// The error that ends a stream whose policy is to fail on this block.
+    pub fn to_error(&self) -> FillError {
+        FillError::Corrupt {
+            block: self.block.clone(),
+            reason: self.reason.clone(),
+        }
+    }
+}
+
+impl From<decode::BlockError> for CorruptBlock {
+    fn from(error: decode::BlockError) -> CorruptBlock {
+        let block = error.block().clone();
+        let reason = match error {
+            decode::BlockError::Checksum {
+                expected, computed, ..
+            } => CorruptReason::Checksum { expected, computed },
+            decode::BlockError::Lz4 { reason, .. } => CorruptReason::Lz4(reason),
+            decode::BlockError::Size {
+                expected, produced, ..
+            } => CorruptReason::Size { expected, produced },
+            decode::BlockError::Io { source, .. } => {
+                CorruptReason::Unreadable(format!("read failed: {source}"))
+            }
+        };
+        CorruptBlock { block, reason }
+    }
+}
+
 /// A batch could not be filled.
 #[derive(Debug, thiserror::Error)]
 pub enum FillError {
-    /// A block is corrupt and the policy is to fail; the message names shard, field and block.
-    #[error("{0}")]
-    Corrupt(String),
+    /// A block is corrupt and the policy is to fail.
+    #[error("{block}: {reason}")]
+    Corrupt {
+        /// The block: shard, field and block index.
+        block: BlockRef,
+        /// What is wrong with it.
+        reason: CorruptReason,
+    },
     /// The storage engine failed.
     #[error(transparent)]
     Storage(#[from] StorageError),
     /// A device operation failed (GPU backend).
-    #[error("device: {0}")]
-    Device(String),
+    #[error("{0}")]
+    Device(#[from] DeviceError),
+    /// The GPU reader failed as a whole (not one block).
+    #[error("{0}")]
+    Read(#[from] GpuReadError),
+    /// One sample needs more device memory than a round of the GPU backend has.
+    #[error(
+        "sample {sample} of the batch needs more device memory than one round has (staging \
+         {staging_bytes} bytes, scratch {scratch_bytes} bytes, {pieces_max} gather pieces, \
+         {cache_entries} cache entries of {entry_bytes} bytes): raise the GPU stream limits"
+    )]
+    RoundTooSmall {
+        /// The sample's position in the batch.
+        sample: usize,
+        /// Staging buffer of a round.
+        staging_bytes: usize,
+        /// Shuffle scratch.
+        scratch_bytes: u64,
+        /// Gather pieces of a round.
+        pieces_max: usize,
+        /// Entries of the block cache.
+        cache_entries: u32,
+        /// Bytes of one cache entry.
+        entry_bytes: u64,
+    },
+    /// The gather kernel refused pieces of its table: a bug in the batch plan, not bad data.
+    #[error("the gather kernel refused {pieces} pieces (last {last}): a bug in the batch plan")]
+    GatherRefused {
+        /// Pieces refused.
+        pieces: u32,
+        /// Index of the last piece refused.
+        last: u32,
+    },
 }
 
 /// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and
@@ -537,7 +649,7 @@ impl Assembler {
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
         for (row, row_placements) in placements.chunks_exact(plan.fields.len()).enumerate() {
-            let mut corrupt: Option<Arc<String>> = None;
+            let mut corrupt: Option<Arc<CorruptBlock>> = None;
             for (field, placement) in plan.fields.iter().zip(row_placements) {
                 let (shard, start, end) = (placement.shard, placement.start, placement.end);
                 self.sample.clear();
@@ -558,7 +670,7 @@ impl Assembler {
                             self.sample
                                 .extend_from_slice(&bytes[from as usize..to as usize]);
                         }
-                        CachedBlock::Corrupt(message) => corrupt = Some(Arc::clone(message)),
+                        CachedBlock::Corrupt(bad) => corrupt = Some(Arc::clone(bad)),
                     }
                 }
                 if corrupt.is_some() {
@@ -569,9 +681,9 @@ impl Assembler {
                 decode::convert(field.stored, &self.sample, field.out, out)
                     .expect("conversions are validated when the stream is planned");
             }
-            if let Some(message) = corrupt {
+            if let Some(bad) = corrupt {
                 match plan.on_corrupt {
-                    CorruptPolicy::Fail => return Err(FillError::Corrupt(message.to_string())),
+                    CorruptPolicy::Fail => return Err(bad.to_error()),
                     CorruptPolicy::Replace => {
                         // The substitute is an all-zero sample in every field: deterministic, the
                         // same on every rank, and counted so the trainer can see it.
@@ -666,7 +778,10 @@ impl Assembler {
                     stored_offset: entry.stored_offset,
                 };
                 match result {
-                    Err(error) => CachedBlock::Corrupt(Arc::new(format!("{}: {error}", at()))),
+                    Err(error) => CachedBlock::Corrupt(Arc::new(CorruptBlock {
+                        block: at(),
+                        reason: CorruptReason::Unreadable(error.to_string()),
+                    })),
                     Ok(()) => {
                         let stored = &staging
                             [extent.dest_offset..extent.dest_offset + entry.stored_bytes as usize];
@@ -680,7 +795,7 @@ impl Assembler {
                             at,
                         ) {
                             Ok(()) => CachedBlock::Decoded(Arc::new(raw)),
-                            Err(error) => CachedBlock::Corrupt(Arc::new(error.to_string())),
+                            Err(error) => CachedBlock::Corrupt(Arc::new(error.into())),
                         }
                     }
                 }

@@ -12,8 +12,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
 use super::files::{FileId, FileTable};
-use super::gpu::DeviceExtent;
-use super::{ReadError, ReadErrorKind};
+use super::{Extent, ReadError, ReadErrorKind};
 use crate::device::{Device, DeviceMemory};
 
 /// cuFile's error struct as returned by value: an operation code and a CUDA driver result.
@@ -309,7 +308,7 @@ impl CuFileReader {
     pub fn read(
         &mut self,
         files: &FileTable,
-        extent: &DeviceExtent,
+        extent: &Extent,
         dest: &dyn DeviceMemory,
     ) -> Result<CuFileOutcome, ReadError> {
         let error = |offset: u64, kind| ReadError {

@@ -21,24 +21,11 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 
 use super::engine::{EngineLimits, ReadEngine};
-use super::files::{FileId, FileTable};
+use super::files::FileTable;
 use super::queue::AnyQueue;
 use super::windows::{PageCacheWindows, WindowCopy};
 use super::{Extent, ReadError, IO_ALIGN_BYTES};
 use crate::device::{Device, DeviceError, DeviceMemory, Event, EventTiming, PinnedBuffer, Stream};
-
-/// One read into device memory: `len` bytes at `offset` of `file`, to `dest_offset` of the destination.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceExtent {
-    /// The file.
-    pub file: FileId,
-    /// File offset.
-    pub offset: u64,
-    /// Bytes.
-    pub len: usize,
-    /// Offset in the destination device memory.
-    pub dest_offset: usize,
-}
 
 /// A way of getting bytes from a file into device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -344,7 +331,7 @@ impl GpuReader {
     pub fn read(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         dest: &dyn DeviceMemory,
         choice: PathChoice,
     ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
@@ -368,7 +355,7 @@ impl GpuReader {
     pub unsafe fn read_async(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         dest: &dyn DeviceMemory,
         choice: PathChoice,
         consumer: &Stream,
@@ -382,7 +369,7 @@ impl GpuReader {
     fn queue_reads(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         dest: &dyn DeviceMemory,
         choice: PathChoice,
     ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
@@ -477,7 +464,7 @@ impl GpuReader {
         Ok(results)
     }
 
-    fn resident(&mut self, files: &FileTable, extent: &DeviceExtent) -> bool {
+    fn resident(&mut self, files: &FileTable, extent: &Extent) -> bool {
         self.windows.resident(
             files.get(extent.file).file(),
             extent.offset,
@@ -491,7 +478,7 @@ impl GpuReader {
     fn read_bounced(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         selected: &[usize],
         dest: &dyn DeviceMemory,
         results: &mut [Result<ReadPath, ReadError>],
