@@ -5,7 +5,6 @@
 //! is not wired in yet: a machine with GPUs and GDS still serves from host memory, and the payload
 //! says so rather than implying otherwise.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -23,6 +22,7 @@ use super::state::Control;
 use crate::catalog::JobState;
 use crate::device::Device;
 use crate::metrics::{self, Snapshot};
+use crate::storage::cufile::{libcufile_present, nvidia_fs_loaded};
 use crate::storage::UringQueue;
 
 /// Whether something is usable, and why (not).
@@ -144,10 +144,6 @@ pub struct Health {
     pub status: String,
 }
 
-fn nvidia_fs_loaded() -> bool {
-    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
-}
-
 /// Probes the machine: the CUDA driver and devices, io_uring, libcufile and nvidia-fs. Blocks (the
 /// driver's initialization takes a while) and never panics without a GPU.
 pub fn probe_platform() -> Platform {
@@ -218,8 +214,7 @@ pub fn probe_platform() -> Platform {
         },
     ];
     if !devices.is_empty() {
-        // SAFETY: only tries to dlopen libcufile under its known names; nothing is called.
-        let libcufile = unsafe { cudarc::cufile::sys::is_culib_present() };
+        let libcufile = libcufile_present();
         let nvidia_fs = nvidia_fs_loaded();
         for device in &devices {
             let (available, reason) = match (libcufile, nvidia_fs) {

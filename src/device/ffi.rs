@@ -141,6 +141,8 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemFree_v2",
     "cuMemAllocHost_v2",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoDAsync_v2",
@@ -684,6 +686,31 @@ pub unsafe fn mem_alloc_host(bytes: usize) -> DriverResult<*mut c_void> {
 /// `ptr` came from [`mem_alloc_host`], no copy using it is in flight, and it is not used afterwards.
 pub unsafe fn mem_free_host(ptr: *mut c_void) -> DriverResult<()> {
     check("cuMemFreeHost", cu::cuMemFreeHost(ptr))
+}
+
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`: page-locks an existing host mapping and
+/// maps it for the device, which may only read it (the mapping may be read-only, as a shard's is).
+///
+/// # Safety
+/// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until
+/// [`mem_host_unregister`] is called for `ptr`; a context is current on the calling thread.
+pub unsafe fn mem_host_register_read_only(ptr: *const u8, bytes: usize) -> DriverResult<()> {
+    check(
+        "cuMemHostRegister_v2",
+        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, cu::CU_MEMHOSTREGISTER_READ_ONLY),
+    )
+}
+
+/// `cuMemHostUnregister`.
+///
+/// # Safety
+/// `ptr` was registered with [`mem_host_register_read_only`], no copy from it is in flight, and a
+/// context is current on the calling thread.
+pub unsafe fn mem_host_unregister(ptr: *const u8) -> DriverResult<()> {
+    check(
+        "cuMemHostUnregister",
+        cu::cuMemHostUnregister(ptr as *mut c_void),
+    )
 }
 
 /// `cuMemcpyHtoD` (synchronous).

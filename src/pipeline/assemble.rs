@@ -594,13 +594,7 @@ impl Assembler {
             AnyQueue::Pread(_) => ReadPath::Pread,
         };
         metrics.set_read_queue_depth(limits.queue_depth as u64);
-        let engine = ReadEngine::new(
-            queue,
-            EngineLimits {
-                chunk_bytes_max: 1 << 20,
-                retries_max: 8,
-            },
-        );
+        let engine = ReadEngine::new(queue, EngineLimits::node_defaults());
         Ok(Assembler {
             plan,
             files,

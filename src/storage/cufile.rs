@@ -90,16 +90,63 @@ impl std::fmt::Display for CuFileCode {
     }
 }
 
-fn check(call: &str, error: RawError) -> Result<(), String> {
+/// cuFile could not be opened, or a cuFile call failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CuFileError {
+    /// libcufile is not installed (or not under a name the loader knows).
+    #[error("libcufile could not be loaded")]
+    LibraryMissing,
+    /// libcufile lacks an entry point gpufeed calls.
+    #[error("libcufile lacks {symbol}: {reason}")]
+    MissingSymbol {
+        /// The entry point.
+        symbol: &'static str,
+        /// The loader's message.
+        reason: String,
+    },
+    /// A cuFile call returned an error.
+    #[error("{call} failed: {code} (CUDA result {cuda_result})")]
+    Call {
+        /// The entry point.
+        call: &'static str,
+        /// The cuFile status code.
+        code: CuFileCode,
+        /// The CUDA driver result cuFile passed on.
+        cuda_result: i32,
+    },
+    /// The device could not be made current.
+    #[error("{0}")]
+    Device(String),
+    /// The file has no O_DIRECT descriptor, which cuFile needs; the reason it has none.
+    #[error("{0}")]
+    NoDirectDescriptor(String),
+    /// The descriptor could not be duplicated for cuFile.
+    #[error("dup: {0}")]
+    Dup(String),
+}
+
+fn check(call: &'static str, error: RawError) -> Result<(), CuFileError> {
     if error.err == SUCCESS {
         Ok(())
     } else {
-        Err(format!(
-            "{call} failed: {} (CUDA result {})",
-            CuFileCode(error.err as i64),
-            error.cu_err
-        ))
+        Err(CuFileError::Call {
+            call,
+            code: CuFileCode(error.err as i64),
+            cuda_result: error.cu_err,
+        })
     }
+}
+
+/// Whether libcufile can be loaded. Only tries to open the library under its known names; calls
+/// nothing in it.
+pub fn libcufile_present() -> bool {
+    // SAFETY: only tries to dlopen the candidate names.
+    unsafe { cudarc::cufile::sys::is_culib_present() }
+}
+
+/// Whether the nvidia-fs kernel driver (real GPUDirect Storage) is loaded.
+pub fn nvidia_fs_loaded() -> bool {
+    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
 }
 
 /// The entry points, resolved once.
@@ -149,17 +196,12 @@ pub struct CuFileReader {
 // SAFETY: cuFile handles may be used from any thread; the reader is used through &mut self.
 unsafe impl Send for CuFileReader {}
 
-fn nvidia_fs_loaded() -> bool {
-    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
-}
-
 impl CuFileReader {
     /// Loads libcufile, opens the driver and reads its properties. Fails with a reason when libcufile
     /// is absent, lacks an entry point, or the driver does not open.
-    pub fn open(device: &Device) -> Result<CuFileReader, String> {
-        // SAFETY: only tries to dlopen the candidate names.
-        if !unsafe { cudarc::cufile::sys::is_culib_present() } {
-            return Err("libcufile could not be loaded".into());
+    pub fn open(device: &Device) -> Result<CuFileReader, CuFileError> {
+        if !libcufile_present() {
+            return Err(CuFileError::LibraryMissing);
         }
         // SAFETY: the library is loadable; cudarc keeps it open for the life of the process.
         let library = unsafe { cudarc::cufile::sys::culib() };
@@ -168,7 +210,10 @@ impl CuFileReader {
                 // SAFETY: the type matches the C prototype in cufile.h (with the error struct's enum
                 // field read as an integer).
                 *unsafe { library.get::<$ty>(concat!($name, "\0").as_bytes()) }
-                    .map_err(|e| format!("libcufile lacks {}: {e}", $name))?
+                    .map_err(|e| CuFileError::MissingSymbol {
+                        symbol: $name,
+                        reason: e.to_string(),
+                    })?
             };
         }
         let driver_open: DriverOpenFn = symbol!("cuFileDriverOpen", DriverOpenFn);
@@ -181,10 +226,13 @@ impl CuFileReader {
             buf_deregister: symbol!("cuFileBufDeregister", BufDeregisterFn),
             read: symbol!("cuFileRead", ReadFn),
         };
-        device.bind().map_err(|e| e.to_string())?;
+        device
+            .bind()
+            .map_err(|e| CuFileError::Device(e.to_string()))?;
         // The driver is opened once per process and stays open: every stream's reader shares it, and
         // opening or closing it while another thread reads through it is not safe.
-        static DRIVER: std::sync::OnceLock<Result<(u32, u32), String>> = std::sync::OnceLock::new();
+        static DRIVER: std::sync::OnceLock<Result<(u32, u32), CuFileError>> =
+            std::sync::OnceLock::new();
         let nvfs_version = DRIVER
             .get_or_init(|| {
                 // SAFETY: plain call of a resolved entry point.
@@ -254,18 +302,23 @@ impl CuFileReader {
         }
     }
 
-    fn register(&self, open: &super::files::OpenFile) -> Result<(*mut c_void, OwnedFd), String> {
+    fn register(
+        &self,
+        open: &super::files::OpenFile,
+    ) -> Result<(*mut c_void, OwnedFd), CuFileError> {
         let direct = open.direct_fd().ok_or_else(|| {
-            open.direct_unavailable
-                .clone()
-                .unwrap_or_else(|| "no O_DIRECT descriptor".into())
+            CuFileError::NoDirectDescriptor(
+                open.direct_unavailable
+                    .clone()
+                    .unwrap_or_else(|| "no O_DIRECT descriptor".into()),
+            )
         })?;
         // cuFile keeps using the descriptor; a duplicate ties its life to the registration.
         // SAFETY: `direct` is an open descriptor owned by the file table for the duration of this call.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(direct) };
         let fd = borrowed
             .try_clone_to_owned()
-            .map_err(|e| format!("dup: {e}"))?;
+            .map_err(|e| CuFileError::Dup(e.to_string()))?;
         let mut descriptor = Descriptor {
             handle_type: CU_FILE_HANDLE_TYPE_OPAQUE_FD,
             handle: DescriptorHandle {

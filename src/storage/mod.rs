@@ -16,6 +16,9 @@
 pub mod buffer;
 pub mod cufile;
 pub mod engine;
+// Test support, not API: the integration tests inject faults through it, so it stays public but out
+// of the documentation.
+#[doc(hidden)]
 pub mod fault;
 pub mod files;
 pub mod gpu;
@@ -30,7 +33,7 @@ use std::str::FromStr;
 pub use buffer::AlignedBuffer;
 pub use engine::{EngineLimits, ReadEngine};
 pub use files::{DirectIo, FileId, FileTable};
-pub use queue::{AnyQueue, Completion, PreadQueue, ReadOp, ReadQueue, UringQueue};
+pub use queue::{AnyQueue, Completion, PreadQueue, ReadOp, ReadQueue, UringQueue, QUEUE_DEPTH_MAX};
 
 /// Alignment O_DIRECT requires of file offsets, lengths and buffer addresses on the file systems
 /// gpufeed targets.

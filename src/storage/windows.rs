@@ -15,18 +15,17 @@
 //! (`GpuReaderLimits::registered_bytes_max`, 8 GiB by default) is what the daemon may hold locked.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys as cu;
 use memmap2::Mmap;
 
 use super::residency::ResidencyMap;
 use super::IO_ALIGN_BYTES;
-use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
+use crate::device::ffi::{mem_host_register_read_only, mem_host_unregister};
+use crate::device::{Device, DeviceError, DriverCallError, Event, EventTiming, Stream};
 
 /// Shard mappings kept for residency checks and registration before unused ones are dropped.
 const MAPPED_FILES_MAX: usize = 1024;
@@ -74,7 +73,7 @@ struct Registry {
     registered_bytes: usize,
     clock: u64,
     /// Files whose windows cannot be registered, with the reason (logged once).
-    refused: HashMap<FileKey, String>,
+    refused: HashMap<FileKey, DriverCallError>,
 }
 
 /// The registered page-cache windows of one device (see the module documentation).
@@ -91,36 +90,6 @@ pub struct PageCacheWindows {
 unsafe impl Send for PageCacheWindows {}
 // SAFETY: as above.
 unsafe impl Sync for PageCacheWindows {}
-
-fn driver_check(call: &'static str, result: cu::CUresult) -> Result<(), String> {
-    if result == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {result:?}"))
-    }
-}
-
-/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`.
-///
-/// # Safety
-/// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until [`host_unregister`]
-/// is called for `ptr`; the device's context is current.
-unsafe fn host_register_read_only(ptr: *const u8, bytes: usize) -> Result<(), String> {
-    let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY;
-    driver_check("cuMemHostRegister", unsafe {
-        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags)
-    })
-}
-
-/// `cuMemHostUnregister`.
-///
-/// # Safety
-/// `ptr` was registered with [`host_register_read_only`] and no copy from it is in flight.
-unsafe fn host_unregister(ptr: *const u8) -> Result<(), String> {
-    driver_check("cuMemHostUnregister", unsafe {
-        cu::cuMemHostUnregister(ptr as *mut c_void)
-    })
-}
 
 /// What [`PageCacheWindows::copy`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,7 +192,7 @@ impl PageCacheWindows {
         file: &File,
         offset: u64,
         len: usize,
-        dest: cu::CUdeviceptr,
+        dest: u64,
     ) -> Result<WindowCopy, DeviceError> {
         let Ok(key) = FileKey::of(file) else {
             return Ok(WindowCopy::Unavailable);
@@ -322,7 +291,7 @@ impl PageCacheWindows {
         // at multiples of window_bytes, itself a multiple of the page size), which the window keeps
         // alive for as long as it is registered; the device's context is current (the caller's).
         let ptr = unsafe { mapped.map.as_ptr().add(start) };
-        if let Err(reason) = unsafe { host_register_read_only(ptr, bytes) } {
+        if let Err(reason) = unsafe { mem_host_register_read_only(ptr, bytes) } {
             tracing::warn!(
                 "page-cache path unavailable for a shard: {reason}; using the cold path"
             );
@@ -348,7 +317,7 @@ impl PageCacheWindows {
             event.synchronize()?;
         }
         // SAFETY: registered by this registry, and no copy from it is in flight any more.
-        if let Err(reason) = unsafe { host_unregister(window.ptr) } {
+        if let Err(reason) = unsafe { mem_host_unregister(window.ptr) } {
             tracing::warn!("unregistering a page-cache window failed: {reason}");
         }
         Ok(())
