@@ -385,88 +385,105 @@ impl CuFileReader {
                 (start, (extent.len - start).min(READ_PIECE_BYTES))
             })
             .collect();
-        let read = self.api.read;
-        let (handle, base) = (handle as usize, dest.device_ptr());
-        let read_piece = |&(start, len): &(usize, usize)| -> Result<(), (u64, ReadErrorKind)> {
-            let mut done = 0usize;
-            while done < len {
-                let file_offset = extent.offset + (start + done) as u64;
-                // SAFETY: the destination range lies within `dest` (checked by the caller); the
-                // handle is registered and outlives this call; the call is synchronous.
-                let result = unsafe {
-                    read(
-                        handle as *mut c_void,
-                        base as *mut c_void,
-                        len - done,
-                        file_offset as i64,
-                        (extent.dest_offset + start + done) as i64,
-                    )
-                };
-                match result {
-                    0 => return Err((file_offset, ReadErrorKind::UnexpectedEof)),
-                    -1 => {
-                        return Err((
-                            file_offset,
-                            ReadErrorKind::Os(std::io::Error::last_os_error()),
-                        ))
-                    }
-                    r if r < -1 => {
-                        return Err((
-                            file_offset,
-                            ReadErrorKind::Os(std::io::Error::other(format!(
-                                "cuFileRead: {}",
-                                CuFileCode(-(r as i64))
-                            ))),
-                        ))
-                    }
-                    r if r as usize > len - done => {
-                        return Err((
-                            file_offset,
-                            ReadErrorKind::Overlong {
-                                returned: r as usize,
-                            },
-                        ))
-                    }
-                    r => done += r as usize,
-                }
-            }
-            Ok(())
+        let target = ReadTarget {
+            read: self.api.read,
+            handle: handle as usize,
+            base: dest.device_ptr(),
+            extent,
         };
         let threads = self.threads.min(pieces.len()).max(1);
         let outcome = if threads == 1 {
-            pieces.iter().try_for_each(read_piece)
+            pieces.iter().try_for_each(|piece| target.read_piece(piece))
         } else {
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            let device = &self.device;
-            std::thread::scope(|scope| {
-                let workers: Vec<_> = (0..threads)
-                    .map(|_| {
-                        scope.spawn(|| -> Result<(), (u64, ReadErrorKind)> {
-                            device.bind().map_err(|e| {
-                                (
-                                    extent.offset,
-                                    ReadErrorKind::Os(std::io::Error::other(e.to_string())),
-                                )
-                            })?;
-                            loop {
-                                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(piece) = pieces.get(index) else {
-                                    return Ok(());
-                                };
-                                read_piece(piece)?;
-                            }
-                        })
-                    })
-                    .collect();
-                workers
-                    .into_iter()
-                    .map(|w| w.join().expect("cuFile reads do not panic"))
-                    .collect::<Result<Vec<()>, _>>()
-                    .map(|_| ())
-            })
+            target.read_pieces_parallel(&self.device, &pieces, threads)
         };
         outcome.map_err(|(offset, kind)| error(offset, kind))?;
         Ok(CuFileOutcome::Read)
+    }
+}
+
+/// Where one extent's cuFile reads go: the entry point, the registered file handle, the destination's
+/// device address and the extent.
+struct ReadTarget<'a> {
+    read: ReadFn,
+    handle: usize,
+    base: u64,
+    extent: &'a Extent,
+}
+
+impl ReadTarget<'_> {
+    /// Reads piece `(start, len)` of the extent (offsets relative to the extent), continuing short
+    /// reads. Fails with the file offset at fault.
+    fn read_piece(&self, &(start, len): &(usize, usize)) -> Result<(), (u64, ReadErrorKind)> {
+        let extent = self.extent;
+        let mut done = 0usize;
+        while done < len {
+            let file_offset = extent.offset + (start + done) as u64;
+            // SAFETY: the destination range lies within the destination (checked by the caller); the
+            // handle is registered and outlives this call; the call is synchronous.
+            let result = unsafe {
+                (self.read)(
+                    self.handle as *mut c_void,
+                    self.base as *mut c_void,
+                    len - done,
+                    file_offset as i64,
+                    (extent.dest_offset + start + done) as i64,
+                )
+            };
+            let kind = match result {
+                0 => ReadErrorKind::UnexpectedEof,
+                -1 => ReadErrorKind::Os(std::io::Error::last_os_error()),
+                r if r < -1 => ReadErrorKind::Os(std::io::Error::other(format!(
+                    "cuFileRead: {}",
+                    CuFileCode(-(r as i64))
+                ))),
+                r if r as usize > len - done => ReadErrorKind::Overlong {
+                    returned: r as usize,
+                },
+                r => {
+                    done += r as usize;
+                    continue;
+                }
+            };
+            return Err((file_offset, kind));
+        }
+        Ok(())
+    }
+
+    /// Reads `pieces` on `threads` threads, each taking the next piece until none is left.
+    fn read_pieces_parallel(
+        &self,
+        device: &Device,
+        pieces: &[(usize, usize)],
+        threads: usize,
+    ) -> Result<(), (u64, ReadErrorKind)> {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), (u64, ReadErrorKind)> {
+                        device.bind().map_err(|e| {
+                            (
+                                self.extent.offset,
+                                ReadErrorKind::Os(std::io::Error::other(e.to_string())),
+                            )
+                        })?;
+                        loop {
+                            let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(piece) = pieces.get(index) else {
+                                return Ok(());
+                            };
+                            self.read_piece(piece)?;
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().expect("cuFile reads do not panic"))
+                .collect::<Result<Vec<()>, _>>()
+                .map(|_| ())
+        })
     }
 }
 
