@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::storage::EngineMode;
+use crate::storage::{EngineMode, UnknownEngine};
 
 /// Where the control API listens unless told otherwise.
 pub const HTTP_ADDR_DEFAULT: &str = "127.0.0.1:7070";
@@ -286,7 +286,7 @@ impl ConfigLayer {
             .as_deref()
             .unwrap_or("auto")
             .parse()
-            .map_err(|reason: String| invalid("--engine", reason))?;
+            .map_err(|error: UnknownEngine| invalid("--engine", error.to_string()))?;
         let allowed_uids = match self.allow_uids {
             Some(uids) if !uids.is_empty() => uids,
             _ => vec![own_uid],

@@ -64,17 +64,20 @@ pub enum EngineMode {
     Uring,
 }
 
-impl FromStr for EngineMode {
-    type Err = String;
+/// An engine name that is not one of `auto`, `cufile`, `uring`.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown engine {0:?} (expected auto, cufile or uring)")]
+pub struct UnknownEngine(pub String);
 
-    fn from_str(text: &str) -> Result<EngineMode, String> {
+impl FromStr for EngineMode {
+    type Err = UnknownEngine;
+
+    fn from_str(text: &str) -> Result<EngineMode, UnknownEngine> {
         match text {
             "auto" => Ok(EngineMode::Auto),
             "cufile" => Ok(EngineMode::CuFile),
             "uring" => Ok(EngineMode::Uring),
-            _ => Err(format!(
-                "unknown engine {text:?} (expected auto, cufile or uring)"
-            )),
+            _ => Err(UnknownEngine(text.to_string())),
         }
     }
 }
