@@ -169,6 +169,15 @@ struct RoundReads {
     unreadable: HashMap<BlockKey, Arc<CorruptBlock>>,
 }
 
+/// The gather of a round being planned.
+struct RoundGather {
+    plan: GatherPlan,
+    /// Scratch: the pieces of one run before they are merged into `plan`.
+    pieces: Vec<GatherRun>,
+    /// Rows zeroed because a block they read is known to be corrupt.
+    replaced: Vec<usize>,
+}
+
 /// Copies `table` into a round's pinned buffer at `host_offset` and queues its upload to `device` on
 /// `stream`.
 fn upload_table(
@@ -426,20 +435,15 @@ impl GpuAssembler {
         unreadable: &HashMap<BlockKey, Arc<CorruptBlock>>,
         slot: &ExportableBuffer,
     ) -> Result<(Vec<usize>, bool), FillError> {
-        let mut plan = GatherPlan::new();
-        let mut replaced: Vec<usize> = Vec::new();
-        let mut pieces: Vec<GatherRun> = Vec::new();
+        let mut gather = RoundGather {
+            plan: GatherPlan::new(),
+            pieces: Vec::new(),
+            replaced: Vec::new(),
+        };
         for run in round.runs.clone() {
-            self.plan_run_gather(
-                round,
-                placements,
-                run,
-                unreadable,
-                &mut plan,
-                &mut pieces,
-                &mut replaced,
-            )?;
+            self.plan_run_gather(round, placements, run, unreadable, &mut gather)?;
         }
+        let RoundGather { plan, replaced, .. } = gather;
         let count = plan.pieces().len();
         assert!(count <= self.pieces_max, "plan_round bounds the pieces");
         if count > 0 {
@@ -473,20 +477,22 @@ impl GpuAssembler {
         Ok((replaced, count > 0))
     }
 
-    /// Adds the gather pieces of run `run` to `plan`. The run is gathered whole, unless a block it
-    /// reads is known to be corrupt: then its rows are gathered one by one and those that read the
-    /// corrupt block are added to `replaced` (or fail the stream). `pieces` is scratch.
-    #[allow(clippy::too_many_arguments)]
+    /// Adds the gather pieces of run `run` to `gather.plan`. The run is gathered whole, unless a block
+    /// it reads is known to be corrupt: then its rows are gathered one by one and those that read the
+    /// corrupt block are added to `gather.replaced` (or fail the stream).
     fn plan_run_gather(
         &self,
         round: &Round,
         placements: &PlacementRuns,
         run: usize,
         unreadable: &HashMap<BlockKey, Arc<CorruptBlock>>,
-        plan: &mut GatherPlan,
-        pieces: &mut Vec<GatherRun>,
-        replaced: &mut Vec<usize>,
+        gather: &mut RoundGather,
     ) -> Result<(), FillError> {
+        let RoundGather {
+            plan,
+            pieces,
+            replaced,
+        } = gather;
         let fields = &self.plan.fields;
         let (first_row, rows) = placements.runs[run];
         let run_placements = &placements.placements[run * fields.len()..(run + 1) * fields.len()];
