@@ -26,6 +26,7 @@
 //! entry has read it first.
 
 mod cache;
+mod complete;
 mod plan;
 mod round;
 

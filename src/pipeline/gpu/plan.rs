@@ -5,9 +5,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use foldhash::HashMap;
-
 use super::cache::CacheEntry;
+use super::round::Round;
 use super::GpuAssembler;
 use crate::device::DeviceMemory;
 use crate::format::{BlockEntry, Codec, Filter};
@@ -19,22 +18,6 @@ use crate::storage::IO_ALIGN_BYTES;
 
 /// One piece of a gather before merging: source, source offset, slot offset, elements, conversion.
 pub(super) type GatherRun = (u16, u64, u64, u64, GatherOp);
-
-/// The blocks a round reads, and where each goes.
-#[derive(Default)]
-pub(super) struct Round {
-    /// Raw blocks read into staging this round, and where.
-    pub(super) staged: HashMap<BlockKey, u64>,
-    /// LZ4 blocks to read and decode this round: key, staging offset, cache entry, scratch offset.
-    pub(super) decode: Vec<(BlockKey, u64, u32, Option<u64>)>,
-    /// Cached blocks that rows of this round use (they must not be evicted by it).
-    pinned: usize,
-    staging_used: u64,
-    scratch_used: u64,
-    pieces: usize,
-    /// First run and one past the last run of the batch in this round.
-    pub(super) runs: Range<usize>,
-}
 
 /// What one run would add to a round, worked out before anything is committed.
 #[derive(Default)]

@@ -1,6 +1,6 @@
-//! Rounds on the device: the buffers of a round in flight, and queueing a round (read, verify and
-//! decode, gather, bring the outcomes back) and completing it (read its outcomes, fix up the rows of
-//! blocks found bad).
+//! Rounds on the device: what a round reads, the buffers of a round in flight, and queueing a round
+//! in four phases (read; verify and decode; gather; bring the outcomes back). Completing it is in
+//! [`super::complete`].
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::time::Instant;
 use foldhash::{HashMap, HashMapExt};
 use gpufeed_client::protocol::CorruptPolicy;
 
-use super::plan::{staged_bytes, GatherRun, Round};
+use super::plan::{staged_bytes, GatherRun};
 use super::{GpuAssembler, MERGED_PIECE_OUT_BYTES_MAX};
 use crate::device::{
     fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer,
@@ -17,25 +17,42 @@ use crate::device::{
 };
 use crate::format::Codec;
 use crate::kernels::{
-    GatherOutcome, GatherPlan, Lz4Job, Lz4Outcome, Lz4Status, Xxh3Job, Xxh3Outcome, Xxh3Status,
-    GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES, XXH3_JOB_BYTES,
-    XXH3_OUTCOME_BYTES,
+    GatherPlan, Lz4Job, Xxh3Job, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, LZ4_JOB_BYTES,
+    LZ4_OUTCOME_BYTES, XXH3_JOB_BYTES, XXH3_OUTCOME_BYTES,
 };
 use crate::metrics::ReadPath as MetricsPath;
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError, PlacementRuns};
 use crate::storage::gpu::ReadPath;
 use crate::storage::{Extent, FileId};
 
+/// The blocks a round reads, and where each goes.
+#[derive(Default)]
+pub(super) struct Round {
+    /// Raw blocks read into staging this round, and where.
+    pub(super) staged: HashMap<BlockKey, u64>,
+    /// LZ4 blocks to read and decode this round: key, staging offset, cache entry, scratch offset.
+    pub(super) decode: Vec<(BlockKey, u64, u32, Option<u64>)>,
+    /// Cached blocks that rows of this round use (they must not be evicted by it).
+    pub(super) pinned: usize,
+    /// Staging and shuffle scratch used, in bytes.
+    pub(super) staging_used: u64,
+    pub(super) scratch_used: u64,
+    /// Gather pieces (a bound).
+    pub(super) pieces: usize,
+    /// First run and one past the last run of the batch in this round.
+    pub(super) runs: Range<usize>,
+}
+
 /// Offsets of the tables and outcomes in a round's pinned host buffer.
 #[derive(Clone, Copy)]
 pub(super) struct HostLayout {
-    xxh3_jobs: usize,
-    lz4_jobs: usize,
-    pieces: usize,
-    xxh3_outcomes: usize,
-    lz4_outcomes: usize,
-    gather_outcome: usize,
-    bytes: usize,
+    pub(super) xxh3_jobs: usize,
+    pub(super) lz4_jobs: usize,
+    pub(super) pieces: usize,
+    pub(super) xxh3_outcomes: usize,
+    pub(super) lz4_outcomes: usize,
+    pub(super) gather_outcome: usize,
+    pub(super) bytes: usize,
 }
 
 impl HostLayout {
@@ -67,16 +84,16 @@ impl HostLayout {
 /// The buffers of one round in flight.
 pub(super) struct RoundBuffers {
     pub(super) staging: DeviceBuffer,
-    lz4_jobs: DeviceBuffer,
-    lz4_outcomes: DeviceBuffer,
-    xxh3_jobs: DeviceBuffer,
-    xxh3_outcomes: DeviceBuffer,
-    pieces: DeviceBuffer,
-    gather_outcome: DeviceBuffer,
+    pub(super) lz4_jobs: DeviceBuffer,
+    pub(super) lz4_outcomes: DeviceBuffer,
+    pub(super) xxh3_jobs: DeviceBuffer,
+    pub(super) xxh3_outcomes: DeviceBuffer,
+    pub(super) pieces: DeviceBuffer,
+    pub(super) gather_outcome: DeviceBuffer,
     /// Tables are written here and uploaded; outcomes are downloaded here (see [`HostLayout`]).
-    host: PinnedBuffer,
+    pub(super) host: PinnedBuffer,
     /// Recorded after the round's last work (outcome downloads included); sleeps when waited on.
-    done: Event,
+    pub(super) done: Event,
 }
 
 impl RoundBuffers {
@@ -115,22 +132,22 @@ impl RoundBuffers {
 
 /// A round queued on the device whose outcomes have not been read yet.
 pub(super) struct PendingRound {
-    buffers: usize,
+    pub(super) buffers: usize,
     /// The batch (stream step) it belongs to.
-    step: u64,
-    runs: Range<usize>,
-    placements: Arc<PlacementRuns>,
+    pub(super) step: u64,
+    pub(super) runs: Range<usize>,
+    pub(super) placements: Arc<PlacementRuns>,
     /// Blocks whose checksum the round verifies, with the checksum they must have.
-    checks: Vec<(BlockKey, u64)>,
+    pub(super) checks: Vec<(BlockKey, u64)>,
     /// LZ4 blocks the round decodes, and their cache entries.
-    decoded: Vec<(BlockKey, u32)>,
+    pub(super) decoded: Vec<(BlockKey, u32)>,
     /// Rows already zeroed because their blocks were known to be corrupt when the round was queued.
-    replaced: Vec<usize>,
+    pub(super) replaced: Vec<usize>,
     /// [`super::cache::BlockCache::corrupt_marks`] when the round was planned: if it moved by
     /// completion, rows that used cached blocks found corrupt since are checked again.
-    corrupt_marks: u64,
+    pub(super) corrupt_marks: u64,
     /// Whether a gather ran (its outcome is to be checked).
-    gathered: bool,
+    pub(super) gathered: bool,
 }
 
 /// A batch submitted and not yet completed.
@@ -145,21 +162,6 @@ pub(super) struct PendingBatch {
     pub(super) rounds_left: usize,
     /// Whether work was queued on the slot after its ready event was recorded.
     pub(super) fixed_up: bool,
-}
-
-/// A slot seen through its device address (the ring owns the allocation).
-struct SlotRange {
-    ptr: u64,
-    bytes: usize,
-}
-
-impl DeviceMemory for SlotRange {
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.bytes
-    }
 }
 
 /// What phase 1 of a round read: each block with its staging offset, and the blocks that could not
@@ -592,7 +594,7 @@ impl GpuAssembler {
     }
 
     /// Queues zeros over every field of `row` in `slot`.
-    fn zero_row(&self, slot: &dyn DeviceMemory, row: usize) -> Result<(), FillError> {
+    pub(super) fn zero_row(&self, slot: &dyn DeviceMemory, row: usize) -> Result<(), FillError> {
         for field in &self.plan.fields {
             // SAFETY: the range lies in the slot (validated plan); the slot is this filler's until
             // its batch is handed off, and the zeros are queued on the stream after the gather.
@@ -610,163 +612,14 @@ impl GpuAssembler {
     }
 
     /// Records that an LZ4 block is unusable. Its cache entry is released if it still holds the block.
-    fn mark_corrupt(&mut self, key: BlockKey, entry_index: u32, bad: Arc<CorruptBlock>) {
+    pub(super) fn mark_corrupt(&mut self, key: BlockKey, entry_index: u32, bad: Arc<CorruptBlock>) {
         if self.block_cache.mark_corrupt(key, entry_index, bad) {
             self.metrics.add_corrupt_blocks(1);
         }
     }
 
-    /// Waits for the oldest queued round and acts on its outcomes.
-    pub(super) fn complete_round(&mut self) -> Result<(), FillError> {
-        let round = self.rounds.pop_front().expect("a round is queued");
-        let waited = Instant::now();
-        self.buffers[round.buffers].done.synchronize()?;
-        self.timings.wait_s += waited.elapsed().as_secs_f64();
-        let outcomes_started = Instant::now();
-        let (xxh3, lz4) = self.read_outcomes(&round)?;
-        let bad = self.bad_blocks(&round, &xxh3, &lz4);
-        self.fix_up_rows(&round, &bad)?;
-        if let Some(batch) = self.batches.iter_mut().find(|b| b.step == round.step) {
-            batch.rounds_left -= 1;
-        }
-        self.metrics.add_decode_time(outcomes_started.elapsed());
-        self.timings.decode_s += outcomes_started.elapsed().as_secs_f64();
-        Ok(())
-    }
-
-    /// The checksum and LZ4 outcomes of a completed round; an error if the gather refused pieces.
-    fn read_outcomes(
-        &self,
-        round: &PendingRound,
-    ) -> Result<(Vec<Xxh3Outcome>, Vec<Lz4Outcome>), FillError> {
-        let layout = &self.layout;
-        let host = self.buffers[round.buffers].host.as_slice();
-        let xxh3 = Xxh3Outcome::decode_all(
-            &host[layout.xxh3_outcomes
-                ..layout.xxh3_outcomes + round.checks.len() * XXH3_OUTCOME_BYTES],
-        );
-        let lz4 = Lz4Outcome::decode_all(
-            &host[layout.lz4_outcomes
-                ..layout.lz4_outcomes + round.decoded.len() * LZ4_OUTCOME_BYTES],
-        );
-        if round.gathered {
-            let outcome = GatherOutcome::decode(
-                &host[layout.gather_outcome..layout.gather_outcome + GATHER_OUTCOME_BYTES],
-            );
-            if outcome.faulted_pieces > 0 {
-                return Err(FillError::GatherRefused {
-                    pieces: outcome.faulted_pieces,
-                    last: outcome.last_faulted_plus_1 - 1,
-                });
-            }
-        }
-        Ok((xxh3, lz4))
-    }
-
-    /// The blocks a completed round found bad, with the reason. Raw blocks that passed are verified
-    /// for the rest of the stream; LZ4 blocks that failed are marked corrupt in the cache.
-    fn bad_blocks(
-        &mut self,
-        round: &PendingRound,
-        xxh3: &[Xxh3Outcome],
-        lz4: &[Lz4Outcome],
-    ) -> HashMap<BlockKey, Arc<CorruptBlock>> {
-        let mut bad: HashMap<BlockKey, Arc<CorruptBlock>> = HashMap::new();
-        for (&(key, expected), outcome) in round.checks.iter().zip(xxh3) {
-            let raw = self.entry(&key).codec == Codec::Raw;
-            if outcome.status == Xxh3Status::Ok {
-                if raw {
-                    self.verified.insert(key);
-                }
-                continue;
-            }
-            if raw {
-                self.metrics.add_corrupt_blocks(1);
-            }
-            let reason = CorruptReason::Checksum {
-                expected,
-                computed: outcome.hash,
-            };
-            bad.insert(key, self.corrupt_block(&key, reason));
-        }
-        for (&(key, entry_index), outcome) in round.decoded.iter().zip(lz4) {
-            let found = match bad.get(&key) {
-                Some(found) => Arc::clone(found),
-                None if outcome.status != Lz4Status::Ok => {
-                    let reason = CorruptReason::Lz4Kernel {
-                        status: outcome.status,
-                        produced: outcome.produced,
-                    };
-                    let found = self.corrupt_block(&key, reason);
-                    bad.insert(key, Arc::clone(&found));
-                    found
-                }
-                None => continue,
-            };
-            self.mark_corrupt(key, entry_index, found);
-        }
-        bad
-    }
-
-    /// Zeroes (or fails on) the rows of a completed round gathered from a block found `bad` by it,
-    /// or (if blocks were marked corrupt since the round was planned) from a cached block that is now
-    /// known to be corrupt.
-    fn fix_up_rows(
-        &mut self,
-        round: &PendingRound,
-        bad: &HashMap<BlockKey, Arc<CorruptBlock>>,
-    ) -> Result<(), FillError> {
-        let recheck_cache = self.block_cache.corrupt_marks != round.corrupt_marks;
-        if bad.is_empty() && !recheck_cache {
-            return Ok(());
-        }
-        let plan = Arc::clone(&self.plan);
-        let fields = &plan.fields;
-        let mut fixes: Vec<usize> = Vec::new();
-        for run in round.runs.clone() {
-            let (first_row, rows) = round.placements.runs[run];
-            let run_placements =
-                &round.placements.placements[run * fields.len()..(run + 1) * fields.len()];
-            let corrupt = self.corrupt_rows(run_placements, rows, |key| {
-                bad.get(key).cloned().or_else(|| {
-                    recheck_cache
-                        .then(|| self.block_cache.corrupt(key).cloned())
-                        .flatten()
-                })
-            });
-            for (i, found) in corrupt {
-                let row = first_row + i;
-                if round.replaced.contains(&row) {
-                    continue;
-                }
-                match plan.on_corrupt {
-                    CorruptPolicy::Fail => return Err(found.to_error()),
-                    CorruptPolicy::Replace => fixes.push(row),
-                }
-            }
-        }
-        if fixes.is_empty() {
-            return Ok(());
-        }
-        let batch = self
-            .batches
-            .iter_mut()
-            .find(|b| b.step == round.step)
-            .expect("a queued round's batch is pending");
-        batch.replaced += fixes.len() as u32;
-        batch.fixed_up = true;
-        let slot = SlotRange {
-            ptr: batch.slot_ptr,
-            bytes: batch.slot_bytes,
-        };
-        for row in fixes {
-            self.zero_row(&slot, row)?;
-        }
-        Ok(())
-    }
-
     /// A block found unusable, named for error messages. Called only when a block is found bad.
-    fn corrupt_block(&self, key: &BlockKey, reason: CorruptReason) -> Arc<CorruptBlock> {
+    pub(super) fn corrupt_block(&self, key: &BlockKey, reason: CorruptReason) -> Arc<CorruptBlock> {
         Arc::new(CorruptBlock {
             block: self.block_ref(key),
             reason,
