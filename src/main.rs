@@ -195,6 +195,11 @@ struct ServeArgs {
     /// serving (suffixes K, M, G). Default: unlimited.
     #[arg(long, value_name = "BYTES_PER_S", value_parser = parse_byte_count)]
     pack_rate_max: Option<ByteCount>,
+    /// Most bytes of page cache the daemon keeps registered (locked in memory) so that GPUs read
+    /// shards straight from it; data beyond it is read through bounce buffers or cuFile. 0 turns
+    /// the page-cache path off (suffixes K, M, G). Default: half the RAM, within RLIMIT_MEMLOCK.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    registered_memory_max: Option<ByteCount>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
@@ -387,6 +392,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         job_records_max: args.job_records_max,
         pack_threads: args.pack_threads,
         pack_rate_max: args.pack_rate_max,
+        registered_memory_max: args.registered_memory_max,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {
