@@ -143,6 +143,7 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemFreeHost",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
+    "cuMemHostGetDevicePointer_v2",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoDAsync_v2",
@@ -688,17 +689,37 @@ pub unsafe fn mem_free_host(ptr: *mut c_void) -> DriverResult<()> {
     check("cuMemFreeHost", cu::cuMemFreeHost(ptr))
 }
 
-/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`: page-locks an existing host mapping and
-/// maps it for the device, which may only read it (the mapping may be read-only, as a shard's is).
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_DEVICEMAP`, then
+/// `cuMemHostGetDevicePointer`: page-locks an existing host mapping and maps it for the device,
+/// which may only read it (the mapping may be read-only, as a shard's is), and returns the address
+/// at which kernels read it (copies use the host address). On failure nothing stays registered.
 ///
 /// # Safety
 /// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until
 /// [`mem_host_unregister`] is called for `ptr`; a context is current on the calling thread.
-pub unsafe fn mem_host_register_read_only(ptr: *const u8, bytes: usize) -> DriverResult<()> {
+pub unsafe fn mem_host_register_read_only(
+    ptr: *const u8,
+    bytes: usize,
+) -> DriverResult<cu::CUdeviceptr> {
+    let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
     check(
         "cuMemHostRegister_v2",
-        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, cu::CU_MEMHOSTREGISTER_READ_ONLY),
-    )
+        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags),
+    )?;
+    let mut device_ptr: cu::CUdeviceptr = 0;
+    let mapped = check(
+        "cuMemHostGetDevicePointer_v2",
+        cu::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr as *mut c_void, 0),
+    );
+    if let Err(error) = mapped {
+        // Registered just above and not used yet: undo it so that the caller sees nothing locked.
+        let _ = check(
+            "cuMemHostUnregister",
+            cu::cuMemHostUnregister(ptr as *mut c_void),
+        );
+        return Err(error);
+    }
+    Ok(device_ptr)
 }
 
 /// `cuMemHostUnregister`.

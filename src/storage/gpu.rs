@@ -259,6 +259,21 @@ impl GpuReader {
         &self.stream
     }
 
+    /// The device's registered page-cache windows, which this reader shares.
+    pub fn windows(&self) -> &Arc<PageCacheWindows> {
+        &self.windows
+    }
+
+    /// This reader's identity in [`Self::windows`].
+    pub fn reader_id(&self) -> u64 {
+        self.reader_id
+    }
+
+    /// Fraction of a range's pages that must be resident for the page-cache path.
+    pub fn resident_fraction_min(&self) -> f64 {
+        self.limits.resident_fraction_min
+    }
+
     /// Whether a cuFile driver could be opened at all.
     pub fn cufile_available(&self) -> bool {
         self.cufile.is_some()

@@ -54,13 +54,46 @@ struct Mapped {
     residency: ResidencyMap,
 }
 
+/// Names a registered window: the shard file and the window's index in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WindowId {
+    file: FileKey,
+    index: u64,
+}
+
+/// A range of a shard that a kernel may read straight from host memory (see
+/// [`PageCacheWindows::map`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MappedRange {
+    /// The window the range lies in, pinned until [`PageCacheWindows::record_reads`].
+    pub window: WindowId,
+    /// Device address of the window's first byte.
+    pub window_device_ptr: u64,
+    /// Length of the window in bytes.
+    pub window_bytes: u64,
+    /// Offset of the range's first byte in the window.
+    pub offset_in_window: u64,
+}
+
+/// Most blocks a window remembers as verified (a 256 MiB window holds 4096 blocks of 64 KiB).
+const VERIFIED_PER_WINDOW_MAX: usize = 1 << 16;
+
 /// One registered window of a shard mapping.
 struct Window {
     file: FileKey,
     index: u64,
     ptr: *const u8,
+    /// The window's address for kernels (registered with `DEVICEMAP`).
+    device_ptr: u64,
     bytes: usize,
     last_use: u64,
+    /// Rounds being planned or queued that read this window directly (see
+    /// [`PageCacheWindows::map`]): a pinned window is never evicted.
+    pins: u32,
+    /// File offsets of blocks whose checksum a kernel verified while this window was registered.
+    /// The pages are locked and shards are immutable, so the mark holds until the window goes; every
+    /// stream on the device shares it.
+    verified: std::collections::HashSet<u64>,
     /// Per reader, an event recorded on its stream after its last copy from this window.
     copies_done: Vec<(u64, Event)>,
     /// Keeps the registered pages mapped.
@@ -253,6 +286,132 @@ impl PageCacheWindows {
         Ok(WindowCopy::Queued)
     }
 
+    /// Maps `len` bytes at `offset` of `file` for a kernel to read straight from host memory: the
+    /// range's window is registered (if its pages are resident, per `fraction_min` of `mincore`, or
+    /// it is registered already) and pinned until [`Self::record_reads`] for `reader`. `None` when the
+    /// range crosses a window boundary, the window is not resident, or every registered window is
+    /// pinned and the budget is full: stage the bytes instead.
+    pub fn map(
+        &self,
+        file: &File,
+        offset: u64,
+        len: usize,
+        fraction_min: f64,
+    ) -> Result<Option<MappedRange>, DeviceError> {
+        let Ok(key) = FileKey::of(file) else {
+            return Ok(None);
+        };
+        let window_bytes = self.window_bytes;
+        let index = offset / window_bytes as u64;
+        let window_start = index as usize * window_bytes;
+        if offset as usize + len > window_start + window_bytes || len == 0 {
+            return Ok(None);
+        }
+        let mut registry = self.lock();
+        if registry.refused.contains_key(&key) {
+            return Ok(None);
+        }
+        let known = registry
+            .windows
+            .iter()
+            .any(|w| w.file == key && w.index == index);
+        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+            return Ok(None);
+        };
+        let file_len = mapped.map.len();
+        if offset as usize + len > file_len {
+            return Ok(None);
+        }
+        let window_len = window_bytes
+            .min(file_len - window_start)
+            .div_ceil(IO_ALIGN_BYTES as usize)
+            * IO_ALIGN_BYTES as usize;
+        if !known
+            && !mapped
+                .residency
+                .resident_fraction(window_start, window_len.min(file_len - window_start))
+                .is_ok_and(|f| f >= fraction_min)
+        {
+            // Registering faults every page of the window in: a cold window is read by the cold
+            // path, which reads only what is needed.
+            return Ok(None);
+        }
+        let Some(slot) = self.window(&mut registry, key, &mapped, index, window_start, window_len)?
+        else {
+            return Ok(None);
+        };
+        let window = &mut registry.windows[slot];
+        window.pins += 1;
+        Ok(Some(MappedRange {
+            window: WindowId { file: key, index },
+            window_device_ptr: window.device_ptr,
+            window_bytes: window.bytes as u64,
+            offset_in_window: offset - window_start as u64,
+        }))
+    }
+
+    /// Records on `stream` (reader `reader`'s) that the kernels reading `windows` directly have been
+    /// queued, and unpins them: each stays registered until that point of the stream has passed.
+    /// Every window was pinned by one [`Self::map`] call.
+    pub fn record_reads(
+        &self,
+        reader: u64,
+        stream: &Stream,
+        windows: &[WindowId],
+    ) -> Result<(), DeviceError> {
+        let mut registry = self.lock();
+        for id in windows {
+            let Some(window) = registry
+                .windows
+                .iter_mut()
+                .find(|w| w.file == id.file && w.index == id.index)
+            else {
+                unreachable!("a pinned window is never evicted");
+            };
+            window.pins -= 1;
+            let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
+                Some(i) => &window.copies_done[i].1,
+                None => {
+                    let event = Event::new(&self.device, EventTiming::Disabled)?;
+                    window.copies_done.push((reader, event));
+                    &window.copies_done.last().expect("just pushed").1
+                }
+            };
+            event.record(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the block stored at `offset` of the file of `window` was verified while the window has
+    /// been registered.
+    pub fn is_verified(&self, window: WindowId, offset: u64) -> bool {
+        self.lock()
+            .windows
+            .iter()
+            .find(|w| w.file == window.file && w.index == window.index)
+            .is_some_and(|w| w.verified.contains(&offset))
+    }
+
+    /// Marks the block stored at `offset` of the file of `window` as verified (a kernel found its
+    /// checksum right), for every stream of the device, while the window stays registered.
+    pub fn mark_verified(&self, window: WindowId, offset: u64) {
+        let mut registry = self.lock();
+        if let Some(w) = registry
+            .windows
+            .iter_mut()
+            .find(|w| w.file == window.file && w.index == window.index)
+        {
+            if w.verified.len() < VERIFIED_PER_WINDOW_MAX {
+                w.verified.insert(offset);
+            }
+        }
+    }
+
+    /// The most bytes this registry keeps registered.
+    pub fn registered_bytes_max(&self) -> usize {
+        self.registered_bytes_max
+    }
+
     /// The registered window `index` of `key`, registering it (and evicting old ones) if needed.
     fn window(
         &self,
@@ -273,16 +432,18 @@ impl PageCacheWindows {
             registry.windows[slot].last_use = clock;
             return Ok(Some(slot));
         }
-        while registry.registered_bytes + bytes > self.registered_bytes_max
-            && !registry.windows.is_empty()
-        {
-            let oldest = registry
+        while registry.registered_bytes + bytes > self.registered_bytes_max {
+            // Pinned windows are read by queued kernels without a copy: never evicted.
+            let Some(oldest) = registry
                 .windows
                 .iter()
                 .enumerate()
+                .filter(|(_, w)| w.pins == 0)
                 .min_by_key(|(_, w)| w.last_use)
                 .map(|(i, _)| i)
-                .expect("not empty");
+            else {
+                return Ok(None);
+            };
             let window = registry.windows.swap_remove(oldest);
             registry.registered_bytes -= window.bytes;
             Self::unregister(window)?;
@@ -291,20 +452,26 @@ impl PageCacheWindows {
         // at multiples of window_bytes, itself a multiple of the page size), which the window keeps
         // alive for as long as it is registered; the device's context is current (the caller's).
         let ptr = unsafe { mapped.map.as_ptr().add(start) };
-        if let Err(reason) = unsafe { mem_host_register_read_only(ptr, bytes) } {
-            tracing::warn!(
-                "page-cache path unavailable for a shard: {reason}; using the cold path"
-            );
-            registry.refused.insert(key, reason);
-            return Ok(None);
-        }
+        let device_ptr = match unsafe { mem_host_register_read_only(ptr, bytes) } {
+            Ok(device_ptr) => device_ptr,
+            Err(reason) => {
+                tracing::warn!(
+                    "page-cache path unavailable for a shard: {reason}; using the cold path"
+                );
+                registry.refused.insert(key, reason);
+                return Ok(None);
+            }
+        };
         registry.registered_bytes += bytes;
         registry.windows.push(Window {
             file: key,
             index,
             ptr,
+            device_ptr,
             bytes,
             last_use: clock,
+            pins: 0,
+            verified: std::collections::HashSet::new(),
             copies_done: Vec::new(),
             _mapped: Arc::clone(mapped),
         });
