@@ -40,7 +40,10 @@ pub struct GatherRegion {
 impl GatherRegion {
     /// The source index pieces use to read region `index` of a launch's region table.
     pub fn source_index(index: usize) -> u16 {
-        assert!(index < GATHER_REGIONS_MAX, "at most {GATHER_REGIONS_MAX} regions");
+        assert!(
+            index < GATHER_REGIONS_MAX,
+            "at most {GATHER_REGIONS_MAX} regions"
+        );
         (GATHER_SOURCES_MAX + index) as u16
     }
 
@@ -418,7 +421,9 @@ impl Gatherer {
         outcome: &dyn DeviceMemory,
     ) -> Result<(), DeviceError> {
         // SAFETY: no region table; the rest is the caller's contract, the same as here.
-        unsafe { self.gather_regions_async(stream, pieces, piece_count, sources, None, dst, outcome) }
+        unsafe {
+            self.gather_regions_async(stream, pieces, piece_count, sources, None, dst, outcome)
+        }
     }
 
     /// [`Self::gather_async`] with a region table: `regions` is a device buffer holding `count`

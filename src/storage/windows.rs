@@ -336,7 +336,8 @@ impl PageCacheWindows {
             // path, which reads only what is needed.
             return Ok(None);
         }
-        let Some(slot) = self.window(&mut registry, key, &mapped, index, window_start, window_len)?
+        let Some(slot) =
+            self.window(&mut registry, key, &mapped, index, window_start, window_len)?
         else {
             return Ok(None);
         };
@@ -410,6 +411,25 @@ impl PageCacheWindows {
     /// The most bytes this registry keeps registered.
     pub fn registered_bytes_max(&self) -> usize {
         self.registered_bytes_max
+    }
+
+    /// The size of a window: a range that [`Self::map`] maps lies within one.
+    pub fn window_bytes(&self) -> u64 {
+        self.window_bytes as u64
+    }
+
+    /// Unpins windows that [`Self::map`] pinned for work that was never queued.
+    pub fn unpin(&self, windows: &[WindowId]) {
+        let mut registry = self.lock();
+        for id in windows {
+            if let Some(window) = registry
+                .windows
+                .iter_mut()
+                .find(|w| w.file == id.file && w.index == id.index)
+            {
+                window.pins -= 1;
+            }
+        }
     }
 
     /// The registered window `index` of `key`, registering it (and evicting old ones) if needed.

@@ -8,9 +8,8 @@ use std::time::Instant;
 use foldhash::{HashMap, HashMapExt};
 use gpufeed_client::protocol::CorruptPolicy;
 
-use super::round::PendingRound;
+use super::round::{DeviceRange, PendingRound};
 use super::GpuAssembler;
-use crate::device::DeviceMemory;
 use crate::format::Codec;
 use crate::kernels::{
     GatherOutcome, Lz4Outcome, Lz4Status, Xxh3Outcome, Xxh3Status, GATHER_OUTCOME_BYTES,
@@ -18,20 +17,6 @@ use crate::kernels::{
 };
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError};
 
-/// A slot seen through its device address (the ring owns the allocation).
-struct SlotRange {
-    ptr: u64,
-    bytes: usize,
-}
-
-impl DeviceMemory for SlotRange {
-    fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.bytes
-    }
-}
 impl GpuAssembler {
     /// Waits for the oldest queued round and acts on its outcomes.
     pub(super) fn complete_round(&mut self) -> Result<(), FillError> {
@@ -89,11 +74,16 @@ impl GpuAssembler {
         lz4: &[Lz4Outcome],
     ) -> HashMap<BlockKey, Arc<CorruptBlock>> {
         let mut bad: HashMap<BlockKey, Arc<CorruptBlock>> = HashMap::new();
-        for (&(key, expected), outcome) in round.checks.iter().zip(xxh3) {
+        let checks = round.checks.iter().zip(&round.check_windows);
+        for ((&(key, expected), window), outcome) in checks.zip(xxh3) {
             let raw = self.entry(&key).codec == Codec::Raw;
             if outcome.status == Xxh3Status::Ok {
                 if raw {
                     self.verified.insert(key);
+                }
+                if let Some(window) = window {
+                    let offset = self.entry(&key).stored_offset;
+                    self.reader.windows().mark_verified(*window, offset);
                 }
                 continue;
             }
@@ -172,7 +162,7 @@ impl GpuAssembler {
             .expect("a queued round's batch is pending");
         batch.replaced += fixes.len() as u32;
         batch.fixed_up = true;
-        let slot = SlotRange {
+        let slot = DeviceRange {
             ptr: batch.slot_ptr,
             bytes: batch.slot_bytes,
         };

@@ -72,7 +72,40 @@ pub struct GpuStreamLimits {
     /// Rounds queued on the device at once (2 to [`ROUNDS_IN_FLIGHT_MAX`]), each with its own staging
     /// buffer and tables: the next rounds' reads are queued while the device runs the oldest.
     pub rounds_in_flight: usize,
+    /// When raw blocks are read by the gather kernel straight from registered page-cache memory
+    /// instead of being staged whole.
+    pub zero_copy: ZeroCopy,
 }
+
+/// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
+/// mapped for the device (zero-copy, over PCIe, row by row) instead of staging whole blocks in device
+/// memory first. Either way every byte is verified before its batch is handed off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroCopy {
+    /// Always stage whole blocks.
+    Off,
+    /// Read a block's rows in place when a run uses less than half of it (shuffled orders), stage it
+    /// when a run uses most of it (in order: the copy engines move whole blocks at the PCIe limit).
+    Auto,
+    /// Read every raw block in place when its window can be mapped.
+    Always,
+}
+
+impl std::str::FromStr for ZeroCopy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<ZeroCopy, String> {
+        match text {
+            "off" => Ok(ZeroCopy::Off),
+            "auto" => Ok(ZeroCopy::Auto),
+            "always" => Ok(ZeroCopy::Always),
+            other => Err(format!("{other:?} is not auto, always or off")),
+        }
+    }
+}
+
+/// Share of a raw block's bytes below which [`ZeroCopy::Auto`] reads the rows in place.
+const ZERO_COPY_COVERAGE_MAX: f64 = 0.5;
 
 impl GpuStreamLimits {
     /// Defaults for a GPU node: 64 MiB staging per round in flight, a 256 MiB block cache, 64 MiB of
@@ -84,6 +117,7 @@ impl GpuStreamLimits {
             scratch_bytes: 64 << 20,
             pieces_max: 64 << 10,
             rounds_in_flight: 3,
+            zero_copy: ZeroCopy::Auto,
         }
     }
 }
@@ -122,6 +156,7 @@ pub struct GpuAssembler {
     scratch_bytes: u64,
     jobs_max: usize,
     pieces_max: usize,
+    zero_copy: ZeroCopy,
     layout: HostLayout,
     buffers: Vec<RoundBuffers>,
     /// Rounds queued, oldest first (at most one per set of round buffers).
@@ -192,6 +227,7 @@ impl GpuAssembler {
             scratch_bytes,
             jobs_max,
             pieces_max,
+            zero_copy: limits.zero_copy,
             layout,
             buffers,
             rounds: VecDeque::with_capacity(rounds_in_flight),

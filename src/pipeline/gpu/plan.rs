@@ -6,14 +6,15 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::cache::CacheEntry;
-use super::round::Round;
-use super::GpuAssembler;
+use super::round::{Round, REGIONS_MAX};
+use super::{GpuAssembler, ZeroCopy, ZERO_COPY_COVERAGE_MAX};
 use crate::device::DeviceMemory;
 use crate::format::{BlockEntry, Codec, Filter};
-use crate::kernels::GatherOp;
+use crate::kernels::{GatherOp, GatherRegion};
 use crate::pipeline::assemble::{
     BlockKey, CorruptBlock, FieldPlan, FillError, Placement, PlacementRuns, StreamPlan,
 };
+use crate::storage::windows::MappedRange;
 use crate::storage::IO_ALIGN_BYTES;
 
 /// One piece of a gather before merging: source, source offset, slot offset, elements, conversion.
@@ -28,6 +29,11 @@ struct RunDemand {
     decoded: Vec<(BlockKey, u64, Option<u64>)>,
     /// Cached blocks the run uses, with the round that used them last.
     pins: Vec<(BlockKey, u64)>,
+    /// Raw blocks new to the round that the gather reads in place: region index and offset in it.
+    mapped: Vec<(BlockKey, usize, u64)>,
+    /// Windows the run maps that the round does not have yet (pinned by the mapping), keyed by
+    /// (shard, window index); their regions follow the round's.
+    regions: Vec<((u32, u64), MappedRange)>,
     /// Staging and scratch used by the round with the run.
     staging: u64,
     scratch: u64,
@@ -90,6 +96,7 @@ impl GpuAssembler {
             let placements = &batch.placements[run * fields.len()..(run + 1) * fields.len()];
             self.run_demand(&round, placements, rows, last_committed, stamp, &mut demand);
             if !self.fits(&round, &demand) {
+                self.unpin_demand(&demand);
                 if round.runs.is_empty() {
                     return Err(self.round_too_small(batch.runs[run].0));
                 }
@@ -124,6 +131,8 @@ impl GpuAssembler {
         demand.staged.clear();
         demand.decoded.clear();
         demand.pins.clear();
+        demand.mapped.clear();
+        demand.regions.clear();
         demand.staging = round.staging_used;
         demand.scratch = round.scratch_used;
         demand.pieces = 0;
@@ -141,7 +150,7 @@ impl GpuAssembler {
             for block in placement.blocks.clone() {
                 let key = block_key(placement, field, block);
                 if last_committed != Some(key) {
-                    self.block_demand(round, field, key, stamp, demand);
+                    self.block_demand(round, field, placement, key, stamp, demand);
                 }
             }
         }
@@ -152,6 +161,7 @@ impl GpuAssembler {
         &self,
         round: &Round,
         field: &FieldPlan,
+        placement: &Placement,
         key: BlockKey,
         stamp: u64,
         demand: &mut RunDemand,
@@ -159,11 +169,21 @@ impl GpuAssembler {
         let entry = *self.entry(&key);
         match (entry.codec, self.block_cache.get(&key)) {
             (Codec::Raw, _) => {
-                if !round.staged.contains_key(&key) && !demand.staged.iter().any(|(k, _)| *k == key)
+                if round.staged.contains_key(&key)
+                    || round.mapped.contains_key(&key)
+                    || demand.staged.iter().any(|(k, _)| *k == key)
+                    || demand.mapped.iter().any(|(k, ..)| *k == key)
                 {
-                    demand.staged.push((key, demand.staging));
-                    demand.staging += staged_bytes(&entry);
+                    return;
                 }
+                if self.reads_in_place(&entry, placement) {
+                    if let Some((region, offset)) = self.map_block(round, &key, &entry, demand) {
+                        demand.mapped.push((key, region, offset));
+                        return;
+                    }
+                }
+                demand.staged.push((key, demand.staging));
+                demand.staging += staged_bytes(&entry);
             }
             (Codec::Lz4, Some(CacheEntry::Decoded { stamp: used, .. })) => {
                 if *used != stamp && !demand.pins.iter().any(|(k, _)| *k == key) {
@@ -187,12 +207,85 @@ impl GpuAssembler {
         }
     }
 
+    /// Whether the zero-copy policy wants raw block `entry` read in place for a run whose rows cover
+    /// `placement`'s range.
+    fn reads_in_place(&self, entry: &BlockEntry, placement: &Placement) -> bool {
+        match self.zero_copy {
+            ZeroCopy::Off => false,
+            ZeroCopy::Always => true,
+            ZeroCopy::Auto => {
+                let block_end = entry.raw_offset + entry.raw_bytes as u64;
+                let used = placement.end.min(block_end) - placement.start.max(entry.raw_offset);
+                (used as f64) < entry.raw_bytes as f64 * ZERO_COPY_COVERAGE_MAX
+            }
+        }
+    }
+
+    /// Where the gather reads raw block `key` in place: the round's region for the block's window
+    /// (mapping and pinning the window if the round has none yet) and the block's offset in it.
+    /// `None` when the window cannot be mapped (not resident, crossing a window boundary, budget full
+    /// of pinned windows) or the round has no room for another region: the block is staged instead.
+    fn map_block(
+        &self,
+        round: &Round,
+        key: &BlockKey,
+        entry: &BlockEntry,
+        demand: &mut RunDemand,
+    ) -> Option<(usize, u64)> {
+        let windows = self.reader.windows();
+        let window_bytes = windows.window_bytes();
+        let index = entry.stored_offset / window_bytes;
+        let offset = entry.stored_offset - index * window_bytes;
+        if offset + entry.stored_bytes as u64 > window_bytes {
+            return None;
+        }
+        let window_key = (key.shard, index);
+        if let Some(&region) = round.region_of.get(&window_key) {
+            return Some((region, offset));
+        }
+        if let Some(i) = demand.regions.iter().position(|(k, _)| *k == window_key) {
+            return Some((round.regions.len() + i, offset));
+        }
+        if round.regions.len() + demand.regions.len() >= REGIONS_MAX {
+            return None;
+        }
+        let file = self.files.get(crate::storage::FileId(key.shard)).file();
+        let fraction = self.reader.resident_fraction_min();
+        // A device error here leaves the block to the staging path, which reports it if it persists.
+        let mapped = windows
+            .map(
+                file,
+                entry.stored_offset,
+                entry.stored_bytes as usize,
+                fraction,
+            )
+            .ok()
+            .flatten()?;
+        debug_assert_eq!(mapped.offset_in_window, offset);
+        demand.regions.push((window_key, mapped));
+        Some((round.regions.len() + demand.regions.len() - 1, offset))
+    }
+
+    /// Releases the windows a run mapped but the round did not take.
+    fn unpin_demand(&self, demand: &RunDemand) {
+        if demand.regions.is_empty() {
+            return;
+        }
+        let windows: Vec<_> = demand.regions.iter().map(|(_, m)| m.window).collect();
+        self.reader.windows().unpin(&windows);
+    }
+
     /// Whether `round` still fits its buffers with the run of `demand` added.
     fn fits(&self, round: &Round, demand: &RunDemand) -> bool {
         let entries_needed =
             round.decode.len() + demand.decoded.len() + round.pinned + demand.pins.len();
-        let jobs_needed =
-            round.staged.len() + demand.staged.len() + round.decode.len() + demand.decoded.len();
+        // Every block read in place may need a checksum job.
+        let jobs_needed = round.staged.len()
+            + demand.staged.len()
+            + round.decode.len()
+            + demand.decoded.len()
+            + round.mapped.len()
+            + demand.mapped.len();
         demand.staging <= self.buffers[0].staging.len() as u64
             && demand.scratch <= self.scratch_bytes
             && round.pieces + demand.pieces <= self.pieces_max
@@ -221,6 +314,17 @@ impl GpuAssembler {
         }
         for &(key, at) in &demand.staged {
             round.staged.insert(key, at);
+        }
+        for &(window_key, mapped) in &demand.regions {
+            round.region_of.insert(window_key, round.regions.len());
+            round.regions.push(GatherRegion {
+                ptr: mapped.window_device_ptr,
+                bytes: mapped.window_bytes,
+            });
+            round.region_windows.push(mapped.window);
+        }
+        for &(key, region, offset) in &demand.mapped {
+            round.mapped.insert(key, (region, offset));
         }
         for &(key, at, scratch_at) in &demand.decoded {
             let index = self.block_cache.insert(key, stamp);
@@ -255,7 +359,10 @@ impl GpuAssembler {
                 continue;
             }
             let (source, base) = match entry.codec {
-                Codec::Raw => (1u16, round.staged[&key]),
+                Codec::Raw => match round.mapped.get(&key) {
+                    Some(&(region, offset)) => (GatherRegion::source_index(region), offset),
+                    None => (1u16, round.staged[&key]),
+                },
                 Codec::Lz4 => match self.block_cache.get(&key) {
                     Some(CacheEntry::Decoded { index, .. }) => {
                         (0u16, *index as u64 * self.entry_bytes)

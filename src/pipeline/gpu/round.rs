@@ -17,19 +17,34 @@ use crate::device::{
 };
 use crate::format::Codec;
 use crate::kernels::{
-    GatherPlan, Lz4Job, Xxh3Job, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, LZ4_JOB_BYTES,
-    LZ4_OUTCOME_BYTES, XXH3_JOB_BYTES, XXH3_OUTCOME_BYTES,
+    GatherPlan, GatherRegion, Lz4Job, Xxh3Job, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES,
+    GATHER_REGION_BYTES, GATHER_SOURCES_MAX, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES, XXH3_JOB_BYTES,
+    XXH3_OUTCOME_BYTES,
 };
 use crate::metrics::ReadPath as MetricsPath;
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError, PlacementRuns};
 use crate::storage::gpu::ReadPath;
+use crate::storage::windows::WindowId;
 use crate::storage::{Extent, FileId};
+
+/// Most mapped page-cache windows one round reads in place (its region table; 256 GiB of 256 MiB
+/// windows).
+pub(super) const REGIONS_MAX: usize = 1024;
 
 /// The blocks a round reads, and where each goes.
 #[derive(Default)]
 pub(super) struct Round {
     /// Raw blocks read into staging this round, and where.
     pub(super) staged: HashMap<BlockKey, u64>,
+    /// Raw blocks the gather reads in place from mapped page-cache windows: region index in
+    /// `regions`, and the block's offset in it.
+    pub(super) mapped: HashMap<BlockKey, (usize, u64)>,
+    /// The mapped windows the round reads (the gather's region table), pinned until the round's
+    /// kernels are queued.
+    pub(super) regions: Vec<GatherRegion>,
+    pub(super) region_windows: Vec<WindowId>,
+    /// The region of each (shard, window index).
+    pub(super) region_of: HashMap<(u32, u64), usize>,
     /// LZ4 blocks to read and decode this round: key, staging offset, cache entry, scratch offset.
     pub(super) decode: Vec<(BlockKey, u64, u32, Option<u64>)>,
     /// Cached blocks that rows of this round use (they must not be evicted by it).
@@ -52,6 +67,7 @@ pub(super) struct HostLayout {
     pub(super) xxh3_outcomes: usize,
     pub(super) lz4_outcomes: usize,
     pub(super) gather_outcome: usize,
+    pub(super) regions: usize,
     pub(super) bytes: usize,
 }
 
@@ -69,6 +85,7 @@ impl HostLayout {
         let xxh3_outcomes = take(jobs_max * XXH3_OUTCOME_BYTES);
         let lz4_outcomes = take(jobs_max * LZ4_OUTCOME_BYTES);
         let gather_outcome = take(GATHER_OUTCOME_BYTES);
+        let regions = take(REGIONS_MAX * GATHER_REGION_BYTES);
         HostLayout {
             xxh3_jobs,
             lz4_jobs,
@@ -76,6 +93,7 @@ impl HostLayout {
             xxh3_outcomes,
             lz4_outcomes,
             gather_outcome,
+            regions,
             bytes: at,
         }
     }
@@ -90,6 +108,8 @@ pub(super) struct RoundBuffers {
     pub(super) xxh3_outcomes: DeviceBuffer,
     pub(super) pieces: DeviceBuffer,
     pub(super) gather_outcome: DeviceBuffer,
+    /// The gather's region table.
+    pub(super) regions: DeviceBuffer,
     /// Tables are written here and uploaded; outcomes are downloaded here (see [`HostLayout`]).
     pub(super) host: PinnedBuffer,
     /// Recorded after the round's last work (outcome downloads included); sleeps when waited on.
@@ -114,6 +134,7 @@ impl RoundBuffers {
             xxh3_outcomes: new(jobs_max * XXH3_OUTCOME_BYTES)?,
             pieces: new(pieces_max * GATHER_PIECE_BYTES)?,
             gather_outcome: new(GATHER_OUTCOME_BYTES)?,
+            regions: new(REGIONS_MAX * GATHER_REGION_BYTES)?,
             host: PinnedBuffer::new(device, layout.bytes)?,
             done: Event::new_blocking(device)?,
         })
@@ -127,6 +148,7 @@ impl RoundBuffers {
             + self.xxh3_outcomes.len()
             + self.pieces.len()
             + self.gather_outcome.len()
+            + self.regions.len()
     }
 }
 
@@ -139,6 +161,9 @@ pub(super) struct PendingRound {
     pub(super) placements: Arc<PlacementRuns>,
     /// Blocks whose checksum the round verifies, with the checksum they must have.
     pub(super) checks: Vec<(BlockKey, u64)>,
+    /// For each check, the mapped window the block was verified in place in (the mark is shared
+    /// by every stream of the device), if it was.
+    pub(super) check_windows: Vec<Option<WindowId>>,
     /// LZ4 blocks the round decodes, and their cache entries.
     pub(super) decoded: Vec<(BlockKey, u32)>,
     /// Rows already zeroed because their blocks were known to be corrupt when the round was queued.
@@ -180,6 +205,26 @@ struct RoundGather {
     replaced: Vec<usize>,
 }
 
+/// The checks a round queued: each block with the checksum it must have, and the mapped window of
+/// each in-place check.
+type RoundChecks = (Vec<(BlockKey, u64)>, Vec<Option<WindowId>>);
+
+/// A range of device-addressable memory another owner keeps alive (a slot, a mapped window, part of a
+/// table).
+pub(super) struct DeviceRange {
+    pub(super) ptr: u64,
+    pub(super) bytes: usize,
+}
+
+impl DeviceMemory for DeviceRange {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
 /// Copies `table` into a round's pinned buffer at `host_offset` and queues its upload to `device` on
 /// `stream`.
 fn upload_table(
@@ -205,23 +250,47 @@ impl GpuAssembler {
         round: Round,
         slot: &ExportableBuffer,
     ) -> Result<(), FillError> {
+        let queued = self.queue_round_phases(step, placements, &round, slot);
+        // The mapped windows stay registered until the stream has passed this point: after the
+        // round's kernels if they were queued, harmlessly early if an error stopped them.
+        let windows = self.reader.windows();
+        let released =
+            windows.record_reads(self.reader.reader_id(), &self.stream, &round.region_windows);
+        let pending = queued?;
+        released?;
+        self.rounds.push_back(PendingRound {
+            runs: round.runs,
+            ..pending
+        });
+        Ok(())
+    }
+
+    /// The phases of [`Self::queue_round`]; returns the pending round (its runs filled in by the
+    /// caller).
+    fn queue_round_phases(
+        &mut self,
+        step: u64,
+        placements: &Arc<PlacementRuns>,
+        round: &Round,
+        slot: &ExportableBuffer,
+    ) -> Result<PendingRound, FillError> {
         let index = self.next_buffers;
         self.next_buffers = (self.next_buffers + 1) % self.buffers.len();
         let corrupt_marks = self.block_cache.corrupt_marks;
 
         let read_started = Instant::now();
-        let reads = self.read_round(index, &round)?;
+        let reads = self.read_round(index, round)?;
         self.timings.read_s += read_started.elapsed().as_secs_f64();
 
         let decode_started = Instant::now();
-        let checks = self.queue_checks(index, &reads)?;
-        let decoded = self.queue_decodes(index, &round, &reads.unreadable)?;
+        let (checks, check_windows) = self.queue_checks(index, round, &reads)?;
+        let decoded = self.queue_decodes(index, round, &reads.unreadable)?;
         self.metrics.add_decode_time(decode_started.elapsed());
         self.timings.decode_s += decode_started.elapsed().as_secs_f64();
 
         let gather_started = Instant::now();
         let (replaced, gathered) =
-            self.queue_gather(index, &round, placements, &reads.unreadable, slot)?;
+            self.queue_gather(index, round, placements, &reads.unreadable, slot)?;
         self.metrics.add_gather_time(gather_started.elapsed());
         self.timings.gather_s += gather_started.elapsed().as_secs_f64();
 
@@ -229,18 +298,18 @@ impl GpuAssembler {
         if let Some(batch) = self.batches.back_mut() {
             batch.replaced += replaced.len() as u32;
         }
-        self.rounds.push_back(PendingRound {
+        Ok(PendingRound {
             buffers: index,
             step,
-            runs: round.runs,
+            runs: 0..0,
             placements: Arc::clone(placements),
             checks,
+            check_windows,
             decoded,
             replaced,
             corrupt_marks,
             gathered,
-        });
-        Ok(())
+        })
     }
 
     /// Phase 1: reads every block of the round into the staging of round buffers `index`, merging
@@ -322,15 +391,20 @@ impl GpuAssembler {
         (extents, extent_of)
     }
 
-    /// Phase 2a: queues the checksum verification of the blocks read for the first time (raw blocks
-    /// once per stream, LZ4 blocks whenever they are decoded). Returns the blocks checked, with the
-    /// checksum each must have; the outcomes are read when the round completes.
+    /// Phase 2a: queues the checksum verification of the blocks read for the first time: raw blocks
+    /// once per stream (and, for blocks read in place, once per device while their window stays
+    /// registered), LZ4 blocks whenever they are decoded. Staged blocks are checked in staging, blocks
+    /// read in place in their mapped window, one launch per window. Returns the blocks checked, with
+    /// the checksum each must have, and the window of each in-place check; the outcomes are read when
+    /// the round completes.
     fn queue_checks(
         &mut self,
         index: usize,
+        round: &Round,
         reads: &RoundReads,
-    ) -> Result<Vec<(BlockKey, u64)>, FillError> {
+    ) -> Result<RoundChecks, FillError> {
         let mut checks: Vec<(BlockKey, u64)> = Vec::new();
+        let mut check_windows: Vec<Option<WindowId>> = Vec::new();
         let mut check_jobs: Vec<Xxh3Job> = Vec::new();
         for &(key, at) in &reads.reads {
             let entry = self.entry(&key);
@@ -341,10 +415,14 @@ impl GpuAssembler {
             if first_time && !reads.unreadable.contains_key(&key) {
                 check_jobs.push(Xxh3Job::for_block(entry, at));
                 checks.push((key, entry.checksum));
+                check_windows.push(None);
             }
         }
+        let staged_jobs = check_jobs.len();
+        let launches =
+            self.in_place_checks(round, &mut check_jobs, &mut checks, &mut check_windows);
         if check_jobs.is_empty() {
-            return Ok(checks);
+            return Ok((checks, check_windows));
         }
         let buffers = &mut self.buffers[index];
         let table = Xxh3Job::encode_all(&check_jobs);
@@ -355,18 +433,87 @@ impl GpuAssembler {
             &buffers.xxh3_jobs,
             &table,
         )?;
-        // SAFETY: the tables and the staging buffer belong to this round and are not touched until it
-        // completes.
-        unsafe {
-            self.kernels.xxh3.verify_async(
-                &self.stream,
-                &buffers.xxh3_jobs,
-                check_jobs.len() as u32,
-                &buffers.staging,
-                &buffers.xxh3_outcomes,
-            )
-        }?;
-        Ok(checks)
+        let buffers = &self.buffers[index];
+        if staged_jobs > 0 {
+            // SAFETY: the tables and the staging buffer belong to this round and are not touched
+            // until it completes.
+            unsafe {
+                self.kernels.xxh3.verify_async(
+                    &self.stream,
+                    &buffers.xxh3_jobs,
+                    staged_jobs as u32,
+                    &buffers.staging,
+                    &buffers.xxh3_outcomes,
+                )
+            }?;
+        }
+        for (region, first, count) in launches {
+            let jobs = DeviceRange {
+                ptr: buffers.xxh3_jobs.device_ptr() + (first * XXH3_JOB_BYTES) as u64,
+                bytes: count * XXH3_JOB_BYTES,
+            };
+            let outcomes = DeviceRange {
+                ptr: buffers.xxh3_outcomes.device_ptr() + (first * XXH3_OUTCOME_BYTES) as u64,
+                bytes: count * XXH3_OUTCOME_BYTES,
+            };
+            let window = DeviceRange {
+                ptr: round.regions[region].ptr,
+                bytes: round.regions[region].bytes as usize,
+            };
+            // SAFETY: the job and outcome ranges belong to this round; the window is registered,
+            // mapped and pinned until the round's kernels are queued, and stays registered until
+            // the stream passes the event recorded after them.
+            unsafe {
+                self.kernels.xxh3.verify_async(
+                    &self.stream,
+                    &jobs,
+                    count as u32,
+                    &window,
+                    &outcomes,
+                )
+            }?;
+        }
+        Ok((checks, check_windows))
+    }
+
+    /// Adds checksum jobs for the round's blocks read in place that no stream of the device has
+    /// verified in their window yet, grouped by window; returns the launches as (region, first job,
+    /// job count).
+    fn in_place_checks(
+        &mut self,
+        round: &Round,
+        jobs: &mut Vec<Xxh3Job>,
+        checks: &mut Vec<(BlockKey, u64)>,
+        check_windows: &mut Vec<Option<WindowId>>,
+    ) -> Vec<(usize, usize, usize)> {
+        let mut in_place: Vec<(usize, u64, BlockKey)> = round
+            .mapped
+            .iter()
+            .filter(|(key, _)| !self.verified.contains(*key))
+            .map(|(key, &(region, offset))| (region, offset, *key))
+            .collect();
+        in_place.sort_unstable_by_key(|&(region, offset, _)| (region, offset));
+        let windows = Arc::clone(self.reader.windows());
+        let mut launches: Vec<(usize, usize, usize)> = Vec::new();
+        for (region, offset, key) in in_place {
+            let window = round.region_windows[region];
+            let entry = *self.entry(&key);
+            if windows.is_verified(window, entry.stored_offset) {
+                self.verified.insert(key);
+                continue;
+            }
+            match launches.last_mut() {
+                Some(last) if last.0 == region => last.2 += 1,
+                _ => launches.push((region, jobs.len(), 1)),
+            }
+            jobs.push(Xxh3Job::for_block(&entry, offset));
+            checks.push((key, entry.checksum));
+            check_windows.push(Some(window));
+            // Verifying in place reads the whole block over PCIe.
+            self.metrics
+                .add_read_bytes(MetricsPath::PageCache, entry.stored_bytes as u64);
+        }
+        launches
     }
 
     /// Phase 2b: queues the decoding of the round's readable LZ4 blocks into their cache entries.
@@ -458,19 +605,47 @@ impl GpuAssembler {
                 &buffers.pieces,
                 &table,
             )?;
-            // SAFETY: the table, the sources and the outcome belong to this round and are not
-            // rewritten before it completes; the slot is this filler's (its lease is Filling and the
-            // consumer's release event was waited on); the sources do not overlap the slot.
+            if !round.regions.is_empty() {
+                let regions = GatherRegion::encode_all(&round.regions);
+                upload_table(
+                    &self.stream,
+                    &mut buffers.host,
+                    self.layout.regions,
+                    &buffers.regions,
+                    &regions,
+                )?;
+            }
+            let regions: Option<(&dyn DeviceMemory, u32)> =
+                (!round.regions.is_empty()).then_some((
+                    &buffers.regions as &dyn DeviceMemory,
+                    round.regions.len() as u32,
+                ));
+            // SAFETY: the tables, the sources and the outcome belong to this round and are not
+            // rewritten before it completes; the regions are registered, mapped windows pinned until
+            // the round is queued and registered until the stream passes it; the slot is this
+            // filler's (its lease is Filling and the consumer's release event was waited on); the
+            // sources do not overlap the slot.
             unsafe {
-                self.kernels.gather.gather_async(
+                self.kernels.gather.gather_regions_async(
                     &self.stream,
                     &buffers.pieces,
                     count as u32,
                     &[&self.cache, &buffers.staging],
+                    regions,
                     slot,
                     &buffers.gather_outcome,
                 )
             }?;
+            let in_place: u64 = plan
+                .pieces()
+                .iter()
+                .filter(|p| p.source as usize >= GATHER_SOURCES_MAX)
+                .map(|p| p.elements as u64 * p.op.in_bytes())
+                .sum();
+            if in_place > 0 {
+                self.metrics
+                    .add_read_bytes(MetricsPath::PageCache, in_place);
+            }
         }
         // The substitute for a corrupt sample is all zeros in every field, as on the CPU backend.
         for &row in &replaced {
