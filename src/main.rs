@@ -200,6 +200,14 @@ struct ServeArgs {
     /// the page-cache path off (suffixes K, M, G). Default: half the RAM, within RLIMIT_MEMLOCK.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     registered_memory_max: Option<ByteCount>,
+    /// Size of one registered page-cache window (a multiple of 4096; suffixes K, M, G). Default: 256M.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    registered_window: Option<ByteCount>,
+    /// When GPUs read rows of raw (uncompressed) blocks straight from registered page cache instead
+    /// of staging whole blocks: `auto` (when a batch uses less than half a block, as shuffled orders
+    /// do), `always` or `off`. Default: auto.
+    #[arg(long, value_name = "auto|always|off")]
+    zero_copy: Option<String>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
@@ -393,6 +401,8 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         pack_threads: args.pack_threads,
         pack_rate_max: args.pack_rate_max,
         registered_memory_max: args.registered_memory_max,
+        registered_window: args.registered_window,
+        zero_copy: args.zero_copy,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {
