@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use memmap2::Mmap;
 
@@ -103,26 +103,63 @@ struct Window {
 struct Registry {
     maps: HashMap<FileKey, Arc<Mapped>>,
     windows: Vec<Window>,
+    /// Bytes of the registered windows and of those the worker is registering.
     registered_bytes: usize,
+    /// Windows the worker is registering (ahead of the reads), by file and index.
+    registering: std::collections::HashSet<(FileKey, u64)>,
     clock: u64,
     /// Files whose windows cannot be registered, with the reason (logged once).
     refused: HashMap<FileKey, DriverCallError>,
 }
 
+/// Windows registered ahead of a sequential scan, past the one it reads.
+const WINDOWS_AHEAD: u64 = 2;
+/// Registrations queued for the register-ahead worker at most.
+const AHEAD_QUEUE_MAX: usize = 8;
+/// Fraction of a window's pages that must be resident for it to be registered ahead (registering
+/// faults the rest in from disk on the worker: a cold window is left to the cold path).
+const AHEAD_RESIDENT_MIN: f64 = 0.95;
+
+/// A window for the register-ahead worker.
+struct Ahead {
+    key: FileKey,
+    mapped: Arc<Mapped>,
+    index: u64,
+    start: usize,
+    bytes: usize,
+}
+
+/// What the readers and the register-ahead worker share.
+struct Shared {
+    device: Device,
+    registered_bytes_max: usize,
+    registry: Mutex<Registry>,
+    /// Notified whenever the worker finishes (or gives up) a registration.
+    registered: std::sync::Condvar,
+}
+
+// SAFETY: the raw window pointers point into mappings the registry owns (through `Mapped`), and every
+// access to them goes through the mutex.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
 /// The registered page-cache windows of one device (see the module documentation).
+///
+/// A sequential scan (the page-cache path in dataset order) would wait for each window's
+/// registration (about 9 ms per 256 MiB) before copying from it; instead, a worker thread registers
+/// the next [`WINDOWS_AHEAD`] windows of a file while the current one is read, evicting the least
+/// recently used windows behind the reads, so that a dataset larger than the budget streams through
+/// it without the filler registering anything itself.
 pub struct PageCacheWindows {
     device: Device,
     window_bytes: usize,
     registered_bytes_max: usize,
     next_reader: AtomicU64,
-    registry: Mutex<Registry>,
+    shared: Arc<Shared>,
+    ahead: Mutex<Option<std::sync::mpsc::SyncSender<Ahead>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
-
-// SAFETY: the raw window pointers point into mappings the registry owns (through `Mapped`), and every
-// access to them goes through the mutex.
-unsafe impl Send for PageCacheWindows {}
-// SAFETY: as above.
-unsafe impl Sync for PageCacheWindows {}
 
 /// What [`PageCacheWindows::copy`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,18 +175,40 @@ impl PageCacheWindows {
     /// `registered_bytes_max` registered at once.
     pub fn new(device: &Device, window_bytes: usize, registered_bytes_max: usize) -> Self {
         assert!(window_bytes > 0 && window_bytes % IO_ALIGN_BYTES as usize == 0);
+        let shared = Arc::new(Shared {
+            device: device.clone(),
+            registered_bytes_max,
+            registry: Mutex::new(Registry {
+                maps: HashMap::new(),
+                windows: Vec::new(),
+                registered_bytes: 0,
+                registering: std::collections::HashSet::new(),
+                clock: 0,
+                refused: HashMap::new(),
+            }),
+            registered: std::sync::Condvar::new(),
+        });
+        // Registering ahead needs room for the window being read, the ones ahead and one to spare.
+        let (ahead, worker) = if registered_bytes_max >= (WINDOWS_AHEAD as usize + 2) * window_bytes
+        {
+            let (sender, receiver) = std::sync::mpsc::sync_channel(AHEAD_QUEUE_MAX);
+            let worker_shared = Arc::clone(&shared);
+            let worker = std::thread::Builder::new()
+                .name("gpufeed-register-ahead".into())
+                .spawn(move || register_ahead(&worker_shared, &receiver))
+                .ok();
+            (worker.is_some().then_some(sender), worker)
+        } else {
+            (None, None)
+        };
         PageCacheWindows {
             device: device.clone(),
             window_bytes,
             registered_bytes_max,
             next_reader: AtomicU64::new(1),
-            registry: Mutex::new(Registry {
-                maps: HashMap::new(),
-                windows: Vec::new(),
-                registered_bytes: 0,
-                clock: 0,
-                refused: HashMap::new(),
-            }),
+            shared,
+            ahead: Mutex::new(ahead),
+            worker: Mutex::new(worker),
         }
     }
 
@@ -163,8 +222,8 @@ impl PageCacheWindows {
         self.lock().registered_bytes
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
-        self.registry.lock().expect("page-cache registry poisoned")
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        self.shared.lock()
     }
 
     /// Whether `offset .. offset + len` of `file` is resident: covered by registered windows (whose
@@ -255,9 +314,10 @@ impl PageCacheWindows {
                 * IO_ALIGN_BYTES as usize;
             let piece = (len - done).min(window_start + window_len - at);
             debug_assert!(piece > 0);
-            let Some(slot) =
-                self.window(&mut registry, key, &mapped, index, window_start, window_len)?
-            else {
+            let (guard, slot) =
+                self.window(registry, key, &mapped, index, window_start, window_len)?;
+            registry = guard;
+            let Some(slot) = slot else {
                 return Ok(WindowCopy::Unavailable);
             };
             let window = &mut registry.windows[slot];
@@ -336,9 +396,9 @@ impl PageCacheWindows {
             // path, which reads only what is needed.
             return Ok(None);
         }
-        let Some(slot) =
-            self.window(&mut registry, key, &mapped, index, window_start, window_len)?
-        else {
+        let (mut registry, slot) =
+            self.window(registry, key, &mapped, index, window_start, window_len)?;
+        let Some(slot) = slot else {
             return Ok(None);
         };
         let window = &mut registry.windows[slot];
@@ -367,7 +427,8 @@ impl PageCacheWindows {
                 .iter_mut()
                 .find(|w| w.file == id.file && w.index == id.index)
             else {
-                unreachable!("a pinned window is never evicted");
+                // Only dropping the registry removes a pinned window.
+                continue;
             };
             window.pins -= 1;
             let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
@@ -432,8 +493,49 @@ impl PageCacheWindows {
         }
     }
 
-    /// The registered window `index` of `key`, registering it (and evicting old ones) if needed.
-    fn window(
+    /// The registered window `index` of `key`, registering it (and evicting old ones) if needed, and
+    /// waiting for it if the worker is registering it; queues the windows after it for the worker.
+    /// `None` when it cannot be registered.
+    #[allow(clippy::type_complexity)]
+    fn window<'a>(
+        &'a self,
+        mut registry: MutexGuard<'a, Registry>,
+        key: FileKey,
+        mapped: &Arc<Mapped>,
+        index: u64,
+        start: usize,
+        bytes: usize,
+    ) -> Result<(MutexGuard<'a, Registry>, Option<usize>), DeviceError> {
+        while registry.registering.contains(&(key, index)) {
+            registry = self
+                .shared
+                .registered
+                .wait(registry)
+                .expect("page-cache registry poisoned");
+        }
+        registry.clock += 1;
+        let clock = registry.clock;
+        let found = registry
+            .windows
+            .iter()
+            .position(|w| w.file == key && w.index == index);
+        let slot = match found {
+            Some(slot) => {
+                registry.windows[slot].last_use = clock;
+                Some(slot)
+            }
+            None => self.register(&mut registry, key, mapped, index, start, bytes, clock)?,
+        };
+        if slot.is_some() {
+            self.queue_ahead(&mut registry, key, mapped, index);
+        }
+        Ok((registry, slot))
+    }
+
+    /// Registers window `index` of `key` on the calling thread, evicting least recently used
+    /// unpinned windows to make room.
+    #[allow(clippy::too_many_arguments)]
+    fn register(
         &self,
         registry: &mut Registry,
         key: FileKey,
@@ -441,37 +543,19 @@ impl PageCacheWindows {
         index: u64,
         start: usize,
         bytes: usize,
+        clock: u64,
     ) -> Result<Option<usize>, DeviceError> {
-        registry.clock += 1;
-        let clock = registry.clock;
-        if let Some(slot) = registry
-            .windows
-            .iter()
-            .position(|w| w.file == key && w.index == index)
-        {
-            registry.windows[slot].last_use = clock;
-            return Ok(Some(slot));
-        }
-        while registry.registered_bytes + bytes > self.registered_bytes_max {
-            // Pinned windows are read by queued kernels without a copy: never evicted.
-            let Some(oldest) = registry
-                .windows
-                .iter()
-                .enumerate()
-                .filter(|(_, w)| w.pins == 0)
-                .min_by_key(|(_, w)| w.last_use)
-                .map(|(i, _)| i)
-            else {
-                return Ok(None);
-            };
-            let window = registry.windows.swap_remove(oldest);
-            registry.registered_bytes -= window.bytes;
-            Self::unregister(window)?;
+        let Some(evicted) = make_room(registry, bytes, self.registered_bytes_max) else {
+            return Ok(None);
+        };
+        for window in evicted {
+            unregister(window)?;
         }
         // SAFETY: `start .. start + bytes` lies within the live mapping (page aligned, as windows start
         // at multiples of window_bytes, itself a multiple of the page size), which the window keeps
         // alive for as long as it is registered; the device's context is current (the caller's).
         let ptr = unsafe { mapped.map.as_ptr().add(start) };
+        // SAFETY: as above.
         let device_ptr = match unsafe { mem_host_register_read_only(ptr, bytes) } {
             Ok(device_ptr) => device_ptr,
             Err(reason) => {
@@ -483,31 +567,56 @@ impl PageCacheWindows {
             }
         };
         registry.registered_bytes += bytes;
-        registry.windows.push(Window {
-            file: key,
-            index,
-            ptr,
-            device_ptr,
-            bytes,
-            last_use: clock,
-            pins: 0,
-            verified: std::collections::HashSet::new(),
-            copies_done: Vec::new(),
-            _mapped: Arc::clone(mapped),
-        });
+        registry.windows.push(Window::new(
+            key, index, ptr, device_ptr, bytes, clock, mapped,
+        ));
         Ok(Some(registry.windows.len() - 1))
     }
 
-    /// Unregisters `window` once every copy from it has completed.
-    fn unregister(window: Window) -> Result<(), DeviceError> {
-        for (_, event) in &window.copies_done {
-            event.synchronize()?;
+    /// Queues for the worker the windows after `index` of `key` that are not registered yet, if the
+    /// window before `index` is registered (the file is being read in sequence).
+    fn queue_ahead(&self, registry: &mut Registry, key: FileKey, mapped: &Arc<Mapped>, index: u64) {
+        let scanning = index > 0
+            && registry
+                .windows
+                .iter()
+                .any(|w| w.file == key && w.index == index - 1);
+        if !scanning {
+            return;
         }
-        // SAFETY: registered by this registry, and no copy from it is in flight any more.
-        if let Err(reason) = unsafe { mem_host_unregister(window.ptr) } {
-            tracing::warn!("unregistering a page-cache window failed: {reason}");
+        let sender = self.ahead.lock().expect("register-ahead sender poisoned");
+        let Some(sender) = sender.as_ref() else {
+            return;
+        };
+        let file_len = mapped.map.len();
+        for next in index + 1..=index + WINDOWS_AHEAD {
+            let start = next as usize * self.window_bytes;
+            if start >= file_len
+                || registry.registering.contains(&(key, next))
+                || registry
+                    .windows
+                    .iter()
+                    .any(|w| w.file == key && w.index == next)
+            {
+                continue;
+            }
+            let bytes = self
+                .window_bytes
+                .min(file_len - start)
+                .div_ceil(IO_ALIGN_BYTES as usize)
+                * IO_ALIGN_BYTES as usize;
+            let job = Ahead {
+                key,
+                mapped: Arc::clone(mapped),
+                index: next,
+                start,
+                bytes,
+            };
+            if sender.try_send(job).is_err() {
+                return;
+            }
+            registry.registering.insert((key, next));
         }
-        Ok(())
     }
 
     /// Drops reader `reader`'s events (its stream must be drained first): called when a reader goes.
@@ -526,7 +635,7 @@ impl PageCacheWindows {
         registry.registered_bytes = 0;
         registry.maps.clear();
         for window in std::mem::take(&mut registry.windows) {
-            Self::unregister(window)?;
+            unregister(window)?;
         }
         Ok(())
     }
@@ -534,6 +643,147 @@ impl PageCacheWindows {
 
 impl Drop for PageCacheWindows {
     fn drop(&mut self) {
+        // Stop the worker first: it must not register a window after the registry is cleared.
+        drop(self.ahead.lock().map(|mut sender| sender.take()));
+        if let Some(worker) = self.worker.lock().ok().and_then(|mut w| w.take()) {
+            let _ = worker.join();
+        }
         let _ = self.clear();
     }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().expect("page-cache registry poisoned")
+    }
+}
+
+impl Window {
+    fn new(
+        file: FileKey,
+        index: u64,
+        ptr: *const u8,
+        device_ptr: u64,
+        bytes: usize,
+        last_use: u64,
+        mapped: &Arc<Mapped>,
+    ) -> Window {
+        Window {
+            file,
+            index,
+            ptr,
+            device_ptr,
+            bytes,
+            last_use,
+            pins: 0,
+            verified: std::collections::HashSet::new(),
+            copies_done: Vec::new(),
+            _mapped: Arc::clone(mapped),
+        }
+    }
+}
+
+/// Takes out of `registry` the least recently used unpinned windows until `bytes` more fit under
+/// `bytes_max` (their bytes no longer counted), for the caller to unregister; `None` (nothing taken)
+/// when pinned windows leave no room.
+fn make_room(registry: &mut Registry, bytes: usize, bytes_max: usize) -> Option<Vec<Window>> {
+    let mut evicted = Vec::new();
+    while registry.registered_bytes + bytes > bytes_max {
+        // Pinned windows are read by queued kernels without a copy: never evicted.
+        let oldest = registry
+            .windows
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.pins == 0)
+            .min_by_key(|(_, w)| w.last_use)
+            .map(|(i, _)| i);
+        let Some(oldest) = oldest else {
+            for window in evicted.drain(..) {
+                let window: Window = window;
+                registry.registered_bytes += window.bytes;
+                registry.windows.push(window);
+            }
+            return None;
+        };
+        let window = registry.windows.swap_remove(oldest);
+        registry.registered_bytes -= window.bytes;
+        evicted.push(window);
+    }
+    Some(evicted)
+}
+
+/// Unregisters `window` once every copy from it has completed.
+fn unregister(window: Window) -> Result<(), DeviceError> {
+    for (_, event) in &window.copies_done {
+        event.synchronize()?;
+    }
+    // SAFETY: registered by this registry, and no copy from it is in flight any more.
+    if let Err(reason) = unsafe { mem_host_unregister(window.ptr) } {
+        tracing::warn!("unregistering a page-cache window failed: {reason}");
+    }
+    Ok(())
+}
+
+/// The register-ahead worker: registers the windows queued by [`PageCacheWindows::queue_ahead`],
+/// evicting behind the reads, until the queue's sender is dropped.
+fn register_ahead(shared: &Shared, jobs: &std::sync::mpsc::Receiver<Ahead>) {
+    let bound = shared.device.bind();
+    for job in jobs {
+        let registered = bound.is_ok() && register_one(shared, &job);
+        let mut registry = shared.lock();
+        registry.registering.remove(&(job.key, job.index));
+        if !registered {
+            registry.registered_bytes -= job.bytes;
+        }
+        drop(registry);
+        shared.registered.notify_all();
+    }
+}
+
+/// Registers one window for the worker. Its bytes are counted (reserved) while it registers; the
+/// caller un-counts them if this returns false.
+fn register_one(shared: &Shared, job: &Ahead) -> bool {
+    let resident = job
+        .mapped
+        .residency
+        .resident_fraction(job.start, job.bytes.min(job.mapped.map.len() - job.start))
+        .is_ok_and(|f| f >= AHEAD_RESIDENT_MIN);
+    let mut registry = shared.lock();
+    if !resident || registry.refused.contains_key(&job.key) {
+        registry.registered_bytes += job.bytes;
+        return false;
+    }
+    let Some(evicted) = make_room(&mut registry, job.bytes, shared.registered_bytes_max) else {
+        registry.registered_bytes += job.bytes;
+        return false;
+    };
+    registry.registered_bytes += job.bytes;
+    drop(registry);
+    for window in evicted {
+        if unregister(window).is_err() {
+            return false;
+        }
+    }
+    // SAFETY: `job.start .. job.start + job.bytes` lies within the live mapping `job.mapped` (page
+    // aligned), kept alive by the window for as long as it is registered; this thread's context is
+    // the device's (bound above); no other thread registers this window (it is in `registering`).
+    let ptr = unsafe { job.mapped.map.as_ptr().add(job.start) };
+    // SAFETY: as above.
+    let Ok(device_ptr) = (unsafe { mem_host_register_read_only(ptr, job.bytes) }) else {
+        return false;
+    };
+    let mut registry = shared.lock();
+    registry.clock += 1;
+    let clock = registry.clock;
+    let window = Window::new(
+        job.key,
+        job.index,
+        ptr,
+        device_ptr,
+        job.bytes,
+        clock,
+        &job.mapped,
+    );
+    registry.windows.push(window);
+    true
 }
