@@ -353,7 +353,7 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
     )];
     let flags = [
         "--registered-window",
-        "1M",
+        "256K",
         "--registered-memory-max",
         "1M",
         "--zero-copy",
