@@ -13,7 +13,7 @@ use gpufeed_client::DType;
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
 use crate::device::DeviceError;
-use crate::format::Dataset;
+use crate::format::{Codec, Dataset};
 use crate::kernels::Lz4Status;
 use crate::metrics::{Metrics, ReadPath};
 use crate::storage::gpu::GpuReadError;
@@ -575,7 +575,16 @@ pub struct Assembler {
     sample: Vec<u8>,
     metrics: Arc<Metrics>,
     read_path: ReadPath,
+    /// Read-only maps of the shards, made on first use, for raw blocks read in place.
+    maps: Vec<Option<memmap2::Mmap>>,
+    /// Raw blocks read in place whose checksum this stream has verified.
+    verified_in_place: std::collections::HashSet<BlockKey>,
 }
+
+/// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
+/// shard's page cache (a memory map) instead of reading and caching the whole block: shuffled orders
+/// touch a few rows of many blocks, and reading each block whole per batch multiplies the bytes read.
+const IN_PLACE_COVERAGE_MAX: f64 = 0.5;
 
 impl Assembler {
     /// Opens the dataset's shards and sets up the engine.
@@ -588,6 +597,7 @@ impl Assembler {
         for shard in &plan.dataset.shards {
             files.open(&shard.path, DirectIo::Prefer)?;
         }
+        let plan_shards = plan.dataset.shards.len();
         let (queue, engine_note) = AnyQueue::best(limits.queue_depth);
         let read_path = match queue {
             AnyQueue::Uring(_) => ReadPath::Uring,
@@ -610,6 +620,8 @@ impl Assembler {
             metrics,
             read_path,
             sample: Vec::new(),
+            maps: (0..plan_shards).map(|_| None).collect(),
+            verified_in_place: std::collections::HashSet::new(),
         })
     }
 
@@ -621,8 +633,10 @@ impl Assembler {
         // Where every (sample, field) of the batch lives, row by row, located once for both passes.
         let placements = plan.placements(step);
         let sample_count = placements.len() / plan.fields.len();
-        // The blocks the batch needs that are not decoded yet.
+        // The blocks the batch needs that are not decoded yet; raw blocks the batch uses little of
+        // are read in place instead (see IN_PLACE_COVERAGE_MAX).
         let mut missing: Vec<BlockKey> = Vec::new();
+        let mut sparse: HashMap<BlockKey, u64> = HashMap::new();
         for (placement, field) in placements.iter().zip(plan.fields.iter().cycle()) {
             for block in placement.blocks.clone() {
                 let key = BlockKey {
@@ -630,10 +644,24 @@ impl Assembler {
                     field: field.field_index as u32,
                     block,
                 };
-                match self.cache.get_mut(&key) {
-                    Some((stamp, _)) => *stamp = self.batch_stamp,
-                    None => missing.push(key),
+                if let Some((stamp, _)) = self.cache.get_mut(&key) {
+                    *stamp = self.batch_stamp;
+                    continue;
                 }
+                let entry = self.entry(&key);
+                if entry.codec == Codec::Raw {
+                    let block_end = entry.raw_offset + entry.raw_bytes as u64;
+                    let used = placement.end.min(block_end) - placement.start.max(entry.raw_offset);
+                    *sparse.entry(key).or_default() += used;
+                } else {
+                    missing.push(key);
+                }
+            }
+        }
+        for (key, used) in sparse {
+            let raw_bytes = self.entry(&key).raw_bytes as f64;
+            if (used as f64) >= raw_bytes * IN_PLACE_COVERAGE_MAX || !self.map_in_place(&key) {
+                missing.push(key);
             }
         }
         missing.sort_unstable();
@@ -642,6 +670,7 @@ impl Assembler {
 
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
+        let mut in_place_bytes = 0u64;
         for (row, row_placements) in placements.chunks_exact(plan.fields.len()).enumerate() {
             let mut corrupt: Option<Arc<CorruptBlock>> = None;
             for (field, placement) in plan.fields.iter().zip(row_placements) {
@@ -656,15 +685,23 @@ impl Assembler {
                     let entry = &self.plan.dataset.shards[shard]
                         .metadata
                         .field_blocks(field.field_index)[block_index as usize];
-                    match &self.cache[&key].1 {
-                        CachedBlock::Decoded(bytes) => {
-                            let from = start.max(entry.raw_offset) - entry.raw_offset;
-                            let to = end.min(entry.raw_offset + entry.raw_bytes as u64)
-                                - entry.raw_offset;
+                    let from = start.max(entry.raw_offset) - entry.raw_offset;
+                    let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
+                    match self.cache.get(&key).map(|(_, cached)| cached) {
+                        Some(CachedBlock::Decoded(bytes)) => {
                             self.sample
                                 .extend_from_slice(&bytes[from as usize..to as usize]);
                         }
-                        CachedBlock::Corrupt(bad) => corrupt = Some(Arc::clone(bad)),
+                        Some(CachedBlock::Corrupt(bad)) => corrupt = Some(Arc::clone(bad)),
+                        None => {
+                            // Read in place: a raw block (stored bytes are the raw bytes) whose
+                            // checksum map_in_place verified.
+                            let map = self.maps[shard].as_ref().expect("mapped in map_in_place");
+                            let at = entry.stored_offset as usize;
+                            self.sample
+                                .extend_from_slice(&map[at + from as usize..at + to as usize]);
+                            in_place_bytes += to - from;
+                        }
                     }
                 }
                 if corrupt.is_some() {
@@ -691,12 +728,70 @@ impl Assembler {
                 }
             }
         }
+        if in_place_bytes > 0 {
+            self.metrics
+                .add_read_bytes(ReadPath::PageCache, in_place_bytes);
+        }
         self.metrics.add_gather_time(gather_started.elapsed());
         self.evict();
         Ok(FillReport {
             samples: sample_count as u32,
             replaced,
         })
+    }
+
+    fn entry(&self, key: &BlockKey) -> crate::format::BlockEntry {
+        self.plan.dataset.shards[key.shard as usize]
+            .metadata
+            .field_blocks(key.field as usize)[key.block as usize]
+    }
+
+    /// Prepares raw block `key` to be read in place from its shard's memory map: maps the shard if
+    /// needed and verifies the block's checksum the first time (a corrupt block goes into the cache
+    /// as such, for the rows that read it). False when the shard cannot be mapped: read the block
+    /// whole instead.
+    fn map_in_place(&mut self, key: &BlockKey) -> bool {
+        let shard = key.shard as usize;
+        if self.maps[shard].is_none() {
+            let file = self.files.get(FileId(key.shard)).file();
+            // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset
+            // exists; datasets are replaced by renaming a new directory into place, never in place.
+            match unsafe { memmap2::Mmap::map(file) } {
+                Ok(map) => self.maps[shard] = Some(map),
+                Err(_) => return false,
+            }
+        }
+        if self.verified_in_place.contains(key) {
+            return true;
+        }
+        let entry = self.entry(key);
+        let map = self.maps[shard].as_ref().expect("mapped above");
+        let at = entry.stored_offset as usize;
+        if at + entry.stored_bytes as usize > map.len() {
+            return false;
+        }
+        let stored = &map[at..at + entry.stored_bytes as usize];
+        let shard_ref = &self.plan.dataset.shards[shard];
+        let checked = decode::check_block(stored, &entry, || BlockRef {
+            shard: shard_ref.path.clone(),
+            field: shard_ref.metadata.fields[key.field as usize].name.clone(),
+            block: key.block,
+            stored_offset: entry.stored_offset,
+        });
+        // Verifying reads the whole block, once per stream.
+        self.metrics
+            .add_read_bytes(ReadPath::PageCache, entry.stored_bytes as u64);
+        match checked {
+            Ok(()) => {
+                self.verified_in_place.insert(*key);
+            }
+            Err(error) => {
+                self.metrics.add_corrupt_blocks(1);
+                let bad = CachedBlock::Corrupt(Arc::new(CorruptBlock::from(error)));
+                self.cache.insert(*key, (self.batch_stamp, bad));
+            }
+        }
+        true
     }
 
     /// Reads and decodes `keys` into the cache.
