@@ -17,6 +17,7 @@ use crate::format::{Codec, Dataset};
 use crate::kernels::Lz4Status;
 use crate::metrics::{Metrics, ReadPath};
 use crate::storage::gpu::GpuReadError;
+use crate::storage::residency::ResidencyMap;
 use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
@@ -575,16 +576,19 @@ pub struct Assembler {
     sample: Vec<u8>,
     metrics: Arc<Metrics>,
     read_path: ReadPath,
-    /// Read-only maps of the shards, made on first use, for raw blocks read in place.
-    maps: Vec<Option<memmap2::Mmap>>,
-    /// Raw blocks read in place whose checksum this stream has verified.
-    verified_in_place: std::collections::HashSet<BlockKey>,
+    /// Read-only maps of the shards, made on first use, for raw blocks read in place, with the
+    /// shard's residency map.
+    maps: Vec<Option<(memmap2::Mmap, ResidencyMap)>>,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
 /// shard's page cache (a memory map) instead of reading and caching the whole block: shuffled orders
 /// touch a few rows of many blocks, and reading each block whole per batch multiplies the bytes read.
+/// Blocks a batch uses more of are read in place too when their pages are cached (copying from the
+/// page cache beats reading the disk again with O_DIRECT); otherwise the read engine reads them.
 const IN_PLACE_COVERAGE_MAX: f64 = 0.5;
+/// Fraction of a dense block's pages that must be cached for it to be read in place.
+const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
 
 impl Assembler {
     /// Opens the dataset's shards and sets up the engine.
@@ -621,7 +625,6 @@ impl Assembler {
             read_path,
             sample: Vec::new(),
             maps: (0..plan_shards).map(|_| None).collect(),
-            verified_in_place: std::collections::HashSet::new(),
         })
     }
 
@@ -659,8 +662,8 @@ impl Assembler {
             }
         }
         for (key, used) in sparse {
-            let raw_bytes = self.entry(&key).raw_bytes as f64;
-            if (used as f64) >= raw_bytes * IN_PLACE_COVERAGE_MAX || !self.map_in_place(&key) {
+            let dense = used as f64 >= self.entry(&key).raw_bytes as f64 * IN_PLACE_COVERAGE_MAX;
+            if !self.map_in_place(&key, dense) {
                 missing.push(key);
             }
         }
@@ -696,7 +699,8 @@ impl Assembler {
                         None => {
                             // Read in place: a raw block (stored bytes are the raw bytes) whose
                             // checksum map_in_place verified.
-                            let map = self.maps[shard].as_ref().expect("mapped in map_in_place");
+                            let (map, _) =
+                                self.maps[shard].as_ref().expect("mapped in map_in_place");
                             let at = entry.stored_offset as usize;
                             self.sample
                                 .extend_from_slice(&map[at + from as usize..at + to as usize]);
@@ -746,26 +750,37 @@ impl Assembler {
             .field_blocks(key.field as usize)[key.block as usize]
     }
 
-    /// Prepares raw block `key` to be read in place from its shard's memory map: maps the shard if
-    /// needed and verifies the block's checksum the first time (a corrupt block goes into the cache
-    /// as such, for the rows that read it). False when the shard cannot be mapped: read the block
-    /// whole instead.
-    fn map_in_place(&mut self, key: &BlockKey) -> bool {
+    /// Prepares raw block `key` to be read in place from its shard's memory map (`dense`: the batch
+    /// uses most of it, so only if its pages are cached): maps the shard if needed and verifies the block's checksum unless a reader of the dataset has (a corrupt block
+    /// goes into the cache as such, for the rows that read it). False when the shard cannot be mapped:
+    /// read the block whole instead, as when a dense block is not cached.
+    fn map_in_place(&mut self, key: &BlockKey, dense: bool) -> bool {
         let shard = key.shard as usize;
         if self.maps[shard].is_none() {
             let file = self.files.get(FileId(key.shard)).file();
             // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset
             // exists; datasets are replaced by renaming a new directory into place, never in place.
-            match unsafe { memmap2::Mmap::map(file) } {
-                Ok(map) => self.maps[shard] = Some(map),
-                Err(_) => return false,
+            let map = unsafe { memmap2::Mmap::map(file) };
+            match (map, ResidencyMap::new(file)) {
+                (Ok(map), Ok(residency)) => self.maps[shard] = Some((map, residency)),
+                _ => return false,
             }
         }
-        if self.verified_in_place.contains(key) {
+        let entry = self.entry(key);
+        if dense {
+            let (_, residency) = self.maps[shard].as_ref().expect("mapped above");
+            let cached = residency
+                .resident_fraction(entry.stored_offset as usize, entry.stored_bytes as usize)
+                .is_ok_and(|f| f >= IN_PLACE_RESIDENT_MIN);
+            if !cached {
+                return false;
+            }
+        }
+        let verified = &self.plan.dataset.verified;
+        if verified.contains(shard, key.field as usize, key.block) {
             return true;
         }
-        let entry = self.entry(key);
-        let map = self.maps[shard].as_ref().expect("mapped above");
+        let (map, _) = self.maps[shard].as_ref().expect("mapped above");
         let at = entry.stored_offset as usize;
         if at + entry.stored_bytes as usize > map.len() {
             return false;
@@ -778,12 +793,15 @@ impl Assembler {
             block: key.block,
             stored_offset: entry.stored_offset,
         });
-        // Verifying reads the whole block, once per stream.
+        // Verifying reads the whole block, once per dataset.
         self.metrics
             .add_read_bytes(ReadPath::PageCache, entry.stored_bytes as u64);
         match checked {
             Ok(()) => {
-                self.verified_in_place.insert(*key);
+                self.plan
+                    .dataset
+                    .verified
+                    .insert(shard, key.field as usize, key.block);
             }
             Err(error) => {
                 self.metrics.add_corrupt_blocks(1);
