@@ -87,6 +87,16 @@ pub struct Serving {
     pub engine: String,
     /// Why the backend is what it is.
     pub note: String,
+    /// Most bytes of page cache kept registered (locked) for device reads; 0: the page-cache path
+    /// is off. Data beyond it streams through registration ahead of the reads, or the cold path.
+    pub registered_memory_max: u64,
+    /// `configured` (flag, variable or file) or `derived` (half the RAM within RLIMIT_MEMLOCK).
+    pub registered_memory_source: String,
+    /// Size of one registered window.
+    pub registered_window_bytes: u64,
+    /// When GPUs read rows of raw blocks in place from registered page cache: `auto`, `always`,
+    /// `off`.
+    pub zero_copy: String,
 }
 
 /// Bounded pools and what is in use.
@@ -308,6 +318,10 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 device: options.device.clone(),
                 engine: options.engine.to_string(),
                 note,
+                registered_memory_max: options.registered.bytes_max,
+                registered_memory_source: options.registered.source.name().to_string(),
+                registered_window_bytes: options.registered.window_bytes,
+                zero_copy: options.zero_copy.name().to_string(),
             }
         },
         platform,

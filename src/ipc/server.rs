@@ -46,6 +46,8 @@ pub struct GpuServing {
     /// Registered page-cache windows, shared by every stream on the device so that data read once
     /// stays registered for the next epoch and the next consumer.
     pub windows: Arc<PageCacheWindows>,
+    /// The registration budget the windows were made with (for status).
+    pub registered: crate::config::RegistrationBudget,
 }
 
 impl GpuServing {
@@ -55,13 +57,25 @@ impl GpuServing {
     pub fn open(
         ordinal: u32,
         engine: crate::storage::EngineMode,
+        registered: crate::config::RegistrationBudget,
+        zero_copy: crate::pipeline::gpu::ZeroCopy,
     ) -> Result<GpuServing, crate::device::DeviceError> {
         let device = CudaDevice::open(ordinal as usize)?;
         let kernels = Kernels::load(&device, crate::device::CacheDir::FromEnvironment)?;
         for (kernel, origin) in &kernels.origins {
             tracing::info!("kernel {kernel}: {origin:?}");
         }
-        let reader_limits = GpuReaderLimits::node_defaults();
+        let reader_limits = GpuReaderLimits {
+            window_bytes: registered.window_bytes as usize,
+            registered_bytes_max: registered.bytes_max as usize,
+            ..GpuReaderLimits::node_defaults()
+        };
+        tracing::info!(
+            "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {zero_copy:?}",
+            registered.bytes_max,
+            registered.source.name(),
+            registered.window_bytes
+        );
         let windows = Arc::new(PageCacheWindows::new(
             &device,
             reader_limits.window_bytes,
@@ -74,7 +88,11 @@ impl GpuServing {
             kernels: Arc::new(kernels),
             reader_limits,
             choice: PathChoice::from_mode(engine),
-            stream_limits: GpuStreamLimits::node_defaults(),
+            stream_limits: GpuStreamLimits {
+                zero_copy,
+                ..GpuStreamLimits::node_defaults()
+            },
+            registered,
         })
     }
 }

@@ -91,6 +91,17 @@ pub enum ZeroCopy {
     Always,
 }
 
+impl ZeroCopy {
+    /// The name used in configuration and status.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroCopy::Off => "off",
+            ZeroCopy::Auto => "auto",
+            ZeroCopy::Always => "always",
+        }
+    }
+}
+
 impl std::str::FromStr for ZeroCopy {
     type Err = String;
 
