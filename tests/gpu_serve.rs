@@ -377,6 +377,40 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
     )];
     let full = compare_backends_with(root.path(), &tok_full, &flags);
     assert_eq!(distinct_ids(&full[0].0).len() as u64, SAMPLES / 64 * 64);
+    // Resident streams: the raw embedding field alone, the whole dataset mapped for the stream's
+    // life (default budget), every order planned row by row in place.
+    let emb_orders = |shuffle: &'static str| {
+        vec![
+            "--batch-size",
+            "96",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "3",
+        ]
+    };
+    let resident = vec![
+        ("resident-none", emb_orders("none")),
+        ("resident-window", emb_orders("window")),
+        ("resident-full", emb_orders("full")),
+    ];
+    for zero_copy in ["always", "auto"] {
+        let flags = ["--registered-window", "256K", "--zero-copy", zero_copy];
+        let dumps = compare_backends_with(root.path(), &resident, &flags);
+        for ((name, _), (gpu, cpu)) in resident.iter().zip(&dumps) {
+            assert!(!gpu.is_empty(), "{zero_copy} {name}: nothing dumped");
+            assert!(
+                gpu == cpu,
+                "{zero_copy} {name}: GPU and CPU backends differ"
+            );
+        }
+    }
     // A corrupt raw embedding block read in place: zeroed like the CPU backend does.
     let dataset = Dataset::open(&root.path().join("mixed")).unwrap();
     let shard = &dataset.shards[2];
@@ -410,6 +444,35 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
     )];
     let dumps = compare_backends_with(root.path(), &corrupt, &flags);
     assert!(dumps[0].0 == dumps[0].1, "GPU and CPU substitutes differ");
+    // The same from a resident stream (found when it opens), and `fail` ends it naming the shard.
+    let resident_flags = ["--registered-window", "256K", "--zero-copy", "always"];
+    let dumps = compare_backends_with(root.path(), &corrupt, &resident_flags);
+    assert!(
+        dumps[0].0 == dumps[0].1,
+        "resident: GPU and CPU substitutes differ"
+    );
+    let gpu = start_daemon_with(root.path(), "cuda:0", &resident_flags);
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args([
+            "--dataset",
+            "mixed",
+            "--device",
+            "cuda:0",
+            "--batch-size",
+            "64",
+            "--field",
+            "emb",
+            "--shuffle",
+            "full",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "a corrupt block with policy fail");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
 #[test]

@@ -317,6 +317,11 @@ impl GatherPlan {
         &self.pieces
     }
 
+    /// Removes every piece, keeping the allocation.
+    pub fn clear(&mut self) {
+        self.pieces.clear();
+    }
+
     /// The device encoding of the table.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.pieces.len() * GATHER_PIECE_BYTES);

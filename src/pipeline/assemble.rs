@@ -371,7 +371,7 @@ impl StreamPlan {
 
     /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
     /// stream in that shard.
-    fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
+    pub(crate) fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
         let shards = &self.dataset.manifest.shards;
         let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
         let local = sample - shards[shard].first_sample;
@@ -380,7 +380,13 @@ impl StreamPlan {
     }
 
     /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
-    fn blocks_for(&self, shard: usize, field: usize, start: u64, end: u64) -> std::ops::Range<u32> {
+    pub(crate) fn blocks_for(
+        &self,
+        shard: usize,
+        field: usize,
+        start: u64,
+        end: u64,
+    ) -> std::ops::Range<u32> {
         let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
         let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
         let last = blocks.partition_point(|b| b.raw_offset < end);

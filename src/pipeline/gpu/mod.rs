@@ -28,6 +28,7 @@
 mod cache;
 mod complete;
 mod plan;
+mod resident;
 mod round;
 
 use std::collections::VecDeque;
@@ -168,6 +169,8 @@ pub struct GpuAssembler {
     jobs_max: usize,
     pieces_max: usize,
     zero_copy: ZeroCopy,
+    /// Set when the whole dataset is read in place (see [`resident`]).
+    resident: Option<resident::Resident>,
     layout: HostLayout,
     buffers: Vec<RoundBuffers>,
     /// Rounds queued, oldest first (at most one per set of round buffers).
@@ -209,6 +212,14 @@ impl GpuAssembler {
         // One scratch serves every round: rounds run one after the other on the compute stream.
         let scratch_offset = cache_entries as u64 * raw_max;
         let stream = Stream::new(&device)?;
+        let resident = resident::Resident::open(
+            &plan,
+            &files,
+            reader.windows(),
+            limits.zero_copy,
+            reader.resident_fraction_min(),
+            &device,
+        )?;
         let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;
         // At most one job per staged page: a bound on the jobs of one round.
         let jobs_max = (staging_bytes / IO_ALIGN_BYTES) as usize;
@@ -239,6 +250,7 @@ impl GpuAssembler {
             jobs_max,
             pieces_max,
             zero_copy: limits.zero_copy,
+            resident,
             layout,
             buffers,
             rounds: VecDeque::with_capacity(rounds_in_flight),
@@ -323,6 +335,9 @@ impl GpuAssembler {
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
+        if self.resident.is_some() {
+            return self.submit_resident(step, slot, released, ready);
+        }
         let planned = Instant::now();
         let placements = Arc::new(self.plan.placement_runs(step, RUN_OUT_BYTES_MAX));
         self.timings.plan_s += planned.elapsed().as_secs_f64();
@@ -390,5 +405,8 @@ impl Drop for GpuAssembler {
     fn drop(&mut self) {
         // Queued rounds read the staging buffers and write slots: let them finish first.
         let _ = self.stream.synchronize();
+        if let Some(resident) = &self.resident {
+            resident.release(self.reader.windows());
+        }
     }
 }

@@ -227,7 +227,7 @@ impl DeviceMemory for DeviceRange {
 
 /// Copies `table` into a round's pinned buffer at `host_offset` and queues its upload to `device` on
 /// `stream`.
-fn upload_table(
+pub(super) fn upload_table(
     stream: &Stream,
     host: &mut PinnedBuffer,
     host_offset: usize,
@@ -729,7 +729,7 @@ impl GpuAssembler {
     }
 
     /// Phase 4: brings the outcomes back to pinned memory and marks the round's end.
-    fn queue_downloads(
+    pub(super) fn queue_downloads(
         &self,
         index: usize,
         checks: usize,
