@@ -26,7 +26,7 @@ bin="$PWD/.gpu/read/bin"
 export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
 mkdir -p /run/udev/data
 printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
-if [ "${1:-}" != --bench-only ]; then
+if [ "${1:-}" != --bench-only ] && [ -z "${READ_BENCH_ONLY:-}" ]; then
   {
     date -u
     cat "$bin/COMMIT"
@@ -134,7 +134,7 @@ read_bench() {
   cat "$work/npy/emb_fp16.npy" >/dev/null
   local third=$(( (gib << 30) / 3 ))
   set +e
-  for case in default always third zero-copy-off; do
+  for case in ${READ_CASES:-default always third zero-copy-off}; do
     case $case in
       default) start_daemon ;;
       always) start_daemon --zero-copy always ;;
@@ -142,7 +142,7 @@ read_bench() {
       zero-copy-off) start_daemon --zero-copy off ;;
     esac
     python3 -c 'import json,urllib.request; print(json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/status"))["serving"])' || true
-    for order in none window full; do
+    for order in ${READ_ORDERS:-none window full}; do
       [ "$case" = third ] && [ "$order" = full ] && continue
       [ "$case" = zero-copy-off ] && [ "$order" != full ] && continue
       [ "$case" = always ] && [ "$order" != none ] && continue
@@ -169,7 +169,7 @@ fi
 step read_bench bench 240 60 bash "$0" --bench-only
 # API errors are not reported: libcufile's own cuFileDriverOpen frees an invalid pointer once per
 # process (an error inside NVIDIA's library, seen in the first run); kernel memory errors still are.
-step memcheck sanitizer 200 60 compute-sanitizer --error-exitcode 99 --print-limit 20 \
+[ -z "${READ_BENCH_ONLY:-}" ] && step memcheck sanitizer 200 60 compute-sanitizer --error-exitcode 99 --print-limit 20 \
   --report-api-errors no --target-processes all --tool memcheck \
   "$bin/gpu_serve" --include-ignored --test-threads=1 zero_copy
 

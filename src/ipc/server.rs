@@ -793,6 +793,20 @@ fn fill_stream(
             .replaced
             .fetch_add(report.replaced as u64, Ordering::SeqCst);
     }
+    if let Filler::Gpu { assembler, .. } = &filler {
+        let t = assembler.timings;
+        tracing::info!(
+            "GPU stream done: {} steps in {} rounds; host plan {:.3} s, read {:.3} s, decode {:.3} s, \
+             gather {:.3} s, waiting for the device {:.3} s",
+            plan.steps,
+            t.rounds,
+            t.plan_s,
+            t.read_s,
+            t.decode_s,
+            t.gather_s,
+            t.wait_s
+        );
+    }
     let end = Message::EndOfEpoch {
         epoch: plan.epoch,
         steps: plan.steps,
