@@ -322,6 +322,11 @@ impl GatherPlan {
         self.pieces.clear();
     }
 
+    /// Moves every piece of `other` to the end of this plan (plans built in parallel, in row order).
+    pub fn append(&mut self, other: &mut GatherPlan) {
+        self.pieces.append(&mut other.pieces);
+    }
+
     /// The device encoding of the table.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.pieces.len() * GATHER_PIECE_BYTES);

@@ -388,6 +388,26 @@ impl StreamPlan {
         end: u64,
     ) -> std::ops::Range<u32> {
         let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
+        // Blocks of a field hold the same raw size but the last, so the first block is found by a
+        // division: one look-up instead of a binary search whose steps miss the cache when rows are
+        // shuffled over a large block table.
+        if let Some(size) = blocks
+            .first()
+            .map(|b| b.raw_bytes as u64)
+            .filter(|&s| s > 0)
+        {
+            let guess = (start / size) as usize;
+            if blocks
+                .get(guess)
+                .is_some_and(|b| b.raw_offset <= start && start < b.raw_offset + b.raw_bytes as u64)
+            {
+                let mut last = guess + 1;
+                while last < blocks.len() && blocks[last].raw_offset < end {
+                    last += 1;
+                }
+                return guess as u32..last as u32;
+            }
+        }
         let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
         let last = blocks.partition_point(|b| b.raw_offset < end);
         first as u32..last as u32

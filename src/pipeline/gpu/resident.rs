@@ -33,15 +33,27 @@ const ROW_PIECES_MAX_PER_FIELD: usize = 4;
 /// Threads verifying a dataset's blocks when a resident stream opens.
 const VERIFY_THREADS_MAX: usize = 8;
 
+/// Rows a planning thread takes at least: starting a thread costs some tens of microseconds.
+const PLAN_ROWS_PER_THREAD_MIN: usize = 1024;
+
+/// Threads planning the rows of one round of a resident stream.
+const PLAN_THREADS_MAX: usize = 4;
+
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
     /// The region table on the device (one region per window, shards in order).
     regions: DeviceBuffer,
     region_count: u32,
-    /// Region index of each shard's first window.
-    first_region: Vec<u32>,
     /// Windows pinned for the stream's life.
     windows: Vec<WindowId>,
+    /// Where rows are read from, shared by the planning threads.
+    geometry: RowGeometry,
+}
+
+/// What planning a row needs besides the stream plan.
+struct RowGeometry {
+    /// Region index of each shard's first window.
+    first_region: Vec<u32>,
     window_bytes: u64,
     /// Raw blocks found corrupt when the stream opened.
     corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
@@ -126,10 +138,12 @@ impl Resident {
         Ok(Some(Resident {
             regions,
             region_count: table.len() as u32,
-            first_region,
             windows: mapped,
-            window_bytes,
-            corrupt,
+            geometry: RowGeometry {
+                first_region,
+                window_bytes,
+                corrupt,
+            },
         }))
     }
 
@@ -232,9 +246,124 @@ fn check_in_map(
     decode::check_block(stored, &entry, at).map_err(|e| Arc::new(CorruptBlock::from(e)))
 }
 
+/// Plans rows `rows` of a batch (global order positions `positions`), on several threads when there
+/// are enough rows: the pieces in row order and the rows to zero.
+fn plan_rows(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows: std::ops::Range<usize>,
+) -> Result<(GatherPlan, Vec<usize>), FillError> {
+    let threads = (rows.len() / PLAN_ROWS_PER_THREAD_MIN).clamp(1, PLAN_THREADS_MAX);
+    if threads == 1 {
+        return plan_chunk(plan, geometry, positions, rows);
+    }
+    let chunk = rows.len().div_ceil(threads);
+    let parts: Vec<Result<(GatherPlan, Vec<usize>), FillError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let start = rows.start + t * chunk;
+                let end = (start + chunk).min(rows.end);
+                scope.spawn(move || plan_chunk(plan, geometry, positions, start..end))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a planning thread panicked"))
+            .collect()
+    });
+    let mut gather = GatherPlan::new();
+    let mut replaced = Vec::new();
+    for part in parts {
+        let (mut pieces, rows) = part?;
+        gather.append(&mut pieces);
+        replaced.extend(rows);
+    }
+    Ok((gather, replaced))
+}
+
+/// Plans rows `rows` on the calling thread.
+fn plan_chunk(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows: std::ops::Range<usize>,
+) -> Result<(GatherPlan, Vec<usize>), FillError> {
+    let mut gather = GatherPlan::new();
+    let mut replaced = Vec::new();
+    for row in rows {
+        let sample = plan.order.sample_at(positions[row]);
+        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather) {
+            if plan.on_corrupt == CorruptPolicy::Fail {
+                return Err(bad.to_error());
+            }
+            replaced.push(row);
+        }
+    }
+    Ok((gather, replaced))
+}
+
+/// Adds the pieces of one row (sample `sample` at row `row` of the slot) to `gather`; returns the
+/// corrupt block it reads, if any (then it adds nothing).
+fn row_pieces(
+    plan: &StreamPlan,
+    resident: &RowGeometry,
+    sample: u64,
+    row: usize,
+    gather: &mut GatherPlan,
+) -> Option<Arc<CorruptBlock>> {
+    for field in &plan.fields {
+        let (shard, start, end) = plan.locate(sample, field.field_index);
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        let blocks = plan.dataset.shards[shard]
+            .metadata
+            .field_blocks(field.field_index);
+        for block in plan.blocks_for(shard, field.field_index, start, end) {
+            let key = BlockKey {
+                shard: shard as u32,
+                field: field.field_index as u32,
+                block,
+            };
+            if !resident.corrupt.is_empty() {
+                if let Some(bad) = resident.corrupt.get(&key) {
+                    // Pieces already added for the row are overwritten by its zeros, which are
+                    // queued after the gather.
+                    return Some(Arc::clone(bad));
+                }
+            }
+            let entry = &blocks[block as usize];
+            let from = start.max(entry.raw_offset) - entry.raw_offset;
+            let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
+            // Raw blocks store the raw bytes: the row's stored range, split at window edges.
+            let mut at = entry.stored_offset + from;
+            let stop = entry.stored_offset + to;
+            while at < stop {
+                let window = at / resident.window_bytes;
+                let piece_end = stop.min((window + 1) * resident.window_bytes);
+                let region = resident.first_region[shard] as usize + window as usize;
+                let elements = (piece_end - at) / op.in_bytes();
+                gather.push_merged(
+                    GatherRegion::source_index(region),
+                    at - window * resident.window_bytes,
+                    out_at,
+                    elements,
+                    op,
+                    1.0,
+                    super::MERGED_PIECE_OUT_BYTES_MAX,
+                );
+                out_at += elements * op.out_bytes();
+                at = piece_end;
+            }
+        }
+    }
+    None
+}
+
 impl GpuAssembler {
-    /// [`Self::submit`] for a resident stream: every row gathered in place, planned by arithmetic, in
-    /// rounds of at most `pieces_max` pieces.
+    /// [`Self::submit`] for a resident stream: every row gathered in place, planned by arithmetic on
+    /// up to [`PLAN_THREADS_MAX`] threads, in rounds of at most `pieces_max` pieces.
     pub(super) fn submit_resident(
         &mut self,
         step: u64,
@@ -244,102 +373,36 @@ impl GpuAssembler {
     ) -> Result<(), FillError> {
         let plan = Arc::clone(&self.plan);
         self.stream.wait(released)?;
-        let rows_per_field = plan.fields.len() * ROW_PIECES_MAX_PER_FIELD;
-        let mut gather = GatherPlan::new();
-        let mut replaced: Vec<usize> = Vec::new();
-        let mut rows = 0usize;
+        let positions: Vec<u64> = plan
+            .rank
+            .batch_positions(plan.order.len(), plan.start_cursor, step)
+            .collect();
+        let rows = positions.len();
         self.batches.push_back(PendingBatch {
             step,
             slot_ptr: slot.device_ptr(),
             slot_bytes: slot.len(),
-            samples: 0,
+            samples: rows as u32,
             replaced: 0,
             rounds_left: 0,
             fixed_up: false,
         });
-        let planned = std::time::Instant::now();
-        for (row, sample) in plan.batch_samples(step).enumerate() {
-            rows = row + 1;
-            if gather.pieces().len() + rows_per_field > self.pieces_max {
-                self.timings.plan_s += planned.elapsed().as_secs_f64();
-                self.queue_resident_round(step, &mut gather, &mut replaced, slot)?;
-            }
-            if let Some(bad) = self.row_pieces(&plan, sample, row, &mut gather) {
-                if plan.on_corrupt == CorruptPolicy::Fail {
-                    return Err(bad.to_error());
-                }
-                replaced.push(row);
-            }
-        }
-        self.timings.plan_s += planned.elapsed().as_secs_f64();
-        if !gather.pieces().is_empty() || !replaced.is_empty() {
+        let rows_per_round =
+            (self.pieces_max / (plan.fields.len() * ROW_PIECES_MAX_PER_FIELD)).max(1);
+        let mut first = 0;
+        while first < rows {
+            let end = (first + rows_per_round).min(rows);
+            let planned = std::time::Instant::now();
+            let geometry = &self.resident.as_ref().expect("a resident stream").geometry;
+            let (mut gather, mut replaced) = plan_rows(&plan, geometry, &positions, first..end)?;
+            self.timings.plan_s += planned.elapsed().as_secs_f64();
             self.queue_resident_round(step, &mut gather, &mut replaced, slot)?;
+            first = end;
         }
-        let batch = self.batches.back_mut().expect("pushed above");
-        batch.samples = rows as u32;
         if let Some(ready) = ready {
             ready.record(&self.stream)?;
         }
         Ok(())
-    }
-
-    /// Adds the pieces of one row (sample `sample` at row `row` of the slot) to `gather`; returns the
-    /// corrupt block it reads, if any (then it adds nothing).
-    fn row_pieces(
-        &self,
-        plan: &StreamPlan,
-        sample: u64,
-        row: usize,
-        gather: &mut GatherPlan,
-    ) -> Option<Arc<CorruptBlock>> {
-        let resident = self.resident.as_ref().expect("a resident stream");
-        for field in &plan.fields {
-            let (shard, start, end) = plan.locate(sample, field.field_index);
-            let op = GatherOp::for_dtypes(field.stored, field.out)
-                .expect("conversions are validated when the stream is planned");
-            let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
-            let blocks = plan.dataset.shards[shard]
-                .metadata
-                .field_blocks(field.field_index);
-            for block in plan.blocks_for(shard, field.field_index, start, end) {
-                let key = BlockKey {
-                    shard: shard as u32,
-                    field: field.field_index as u32,
-                    block,
-                };
-                if !resident.corrupt.is_empty() {
-                    if let Some(bad) = resident.corrupt.get(&key) {
-                        // Pieces already added for the row are overwritten by its zeros, which are
-                        // queued after the gather.
-                        return Some(Arc::clone(bad));
-                    }
-                }
-                let entry = &blocks[block as usize];
-                let from = start.max(entry.raw_offset) - entry.raw_offset;
-                let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
-                // Raw blocks store the raw bytes: the row's stored range, split at window edges.
-                let mut at = entry.stored_offset + from;
-                let stop = entry.stored_offset + to;
-                while at < stop {
-                    let window = at / resident.window_bytes;
-                    let piece_end = stop.min((window + 1) * resident.window_bytes);
-                    let region = resident.first_region[shard] as usize + window as usize;
-                    let elements = (piece_end - at) / op.in_bytes();
-                    gather.push_merged(
-                        GatherRegion::source_index(region),
-                        at - window * resident.window_bytes,
-                        out_at,
-                        elements,
-                        op,
-                        1.0,
-                        super::MERGED_PIECE_OUT_BYTES_MAX,
-                    );
-                    out_at += elements * op.out_bytes();
-                    at = piece_end;
-                }
-            }
-        }
-        None
     }
 
     /// Queues one round of a resident stream: its pieces, the zeroing of its corrupt rows, and the
