@@ -317,15 +317,6 @@ impl GatherPlan {
         &self.pieces
     }
 
-    /// Removes every piece, keeping the allocation.
-    pub fn clear(&mut self) {
-        self.pieces.clear();
-    }
-
-    /// Moves every piece of `other` to the end of this plan (plans built in parallel, in row order).
-    pub fn append(&mut self, other: &mut GatherPlan) {
-        self.pieces.append(&mut other.pieces);
-    }
 
     /// The device encoding of the table.
     pub fn encode(&self) -> Vec<u8> {

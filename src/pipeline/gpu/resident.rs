@@ -57,6 +57,26 @@ struct RowGeometry {
     window_bytes: u64,
     /// Raw blocks found corrupt when the stream opened.
     corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
+    /// Per shard, per stream field (in plan order): where the field's raw bytes start in the shard
+    /// file, and its blocks' raw size, when its blocks lie back to back in raw order (the packer's
+    /// layout for raw blocks of a page-multiple size), so that a row's file offset is one addition.
+    linear: Vec<Vec<Option<(u64, u64)>>>,
+}
+
+/// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
+fn linear_layout(blocks: &[crate::format::BlockEntry]) -> Option<(u64, u64)> {
+    let first = blocks.first()?;
+    let size = first.raw_bytes as u64;
+    let base = first.stored_offset;
+    let linear = blocks.iter().enumerate().all(|(i, b)| {
+        let last = i + 1 == blocks.len();
+        b.codec == Codec::Raw
+            && b.raw_offset == i as u64 * size
+            && b.stored_offset == base + i as u64 * size
+            && b.stored_bytes == b.raw_bytes
+            && (last || b.raw_bytes as u64 == size)
+    });
+    (linear && first.raw_offset == 0 && size > 0).then_some((base, size))
 }
 
 impl Resident {
@@ -143,6 +163,17 @@ impl Resident {
                 first_region,
                 window_bytes,
                 corrupt,
+                linear: plan
+                    .dataset
+                    .shards
+                    .iter()
+                    .map(|shard| {
+                        plan.fields
+                            .iter()
+                            .map(|f| linear_layout(shard.metadata.field_blocks(f.field_index)))
+                            .collect()
+                    })
+                    .collect(),
             },
         }))
     }
@@ -246,20 +277,62 @@ fn check_in_map(
     decode::check_block(stored, &entry, at).map_err(|e| Arc::new(CorruptBlock::from(e)))
 }
 
+/// Adds pieces reading file bytes `at..stop` of shard `shard` in place to slot offset `out_at`,
+/// split at window edges (windows are registered separately, so their device addresses are not
+/// contiguous); returns the slot offset after them.
+fn push_in_place(
+    gather: &mut GatherPlan,
+    resident: &RowGeometry,
+    shard: usize,
+    mut at: u64,
+    stop: u64,
+    mut out_at: u64,
+    op: GatherOp,
+) -> u64 {
+    while at < stop {
+        let window = at / resident.window_bytes;
+        let piece_end = stop.min((window + 1) * resident.window_bytes);
+        let region = resident.first_region[shard] as usize + window as usize;
+        let elements = (piece_end - at) / op.in_bytes();
+        gather.push_merged(
+            GatherRegion::source_index(region),
+            at - window * resident.window_bytes,
+            out_at,
+            elements,
+            op,
+            1.0,
+            super::MERGED_PIECE_OUT_BYTES_MAX,
+        );
+        out_at += elements * op.out_bytes();
+        at = piece_end;
+    }
+    out_at
+}
+
+/// The rows of one round, planned: the encoded piece table, its piece count, the bytes the pieces
+/// read, and the rows to zero.
+#[derive(Default)]
+struct PlannedRows {
+    table: Vec<u8>,
+    pieces: usize,
+    bytes_in: u64,
+    replaced: Vec<usize>,
+}
+
 /// Plans rows `rows` of a batch (global order positions `positions`), on several threads when there
-/// are enough rows: the pieces in row order and the rows to zero.
+/// are enough rows, each encoding its own part of the piece table.
 fn plan_rows(
     plan: &StreamPlan,
     geometry: &RowGeometry,
     positions: &[u64],
     rows: std::ops::Range<usize>,
-) -> Result<(GatherPlan, Vec<usize>), FillError> {
+) -> Result<PlannedRows, FillError> {
     let threads = (rows.len() / PLAN_ROWS_PER_THREAD_MIN).clamp(1, PLAN_THREADS_MAX);
     if threads == 1 {
         return plan_chunk(plan, geometry, positions, rows);
     }
     let chunk = rows.len().div_ceil(threads);
-    let parts: Vec<Result<(GatherPlan, Vec<usize>), FillError>> = std::thread::scope(|scope| {
+    let parts: Vec<Result<PlannedRows, FillError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let start = rows.start + t * chunk;
@@ -272,14 +345,15 @@ fn plan_rows(
             .map(|h| h.join().expect("a planning thread panicked"))
             .collect()
     });
-    let mut gather = GatherPlan::new();
-    let mut replaced = Vec::new();
+    let mut all = PlannedRows::default();
     for part in parts {
-        let (mut pieces, rows) = part?;
-        gather.append(&mut pieces);
-        replaced.extend(rows);
+        let part = part?;
+        all.table.extend_from_slice(&part.table);
+        all.pieces += part.pieces;
+        all.bytes_in += part.bytes_in;
+        all.replaced.extend(part.replaced);
     }
-    Ok((gather, replaced))
+    Ok(all)
 }
 
 /// Plans rows `rows` on the calling thread.
@@ -288,7 +362,7 @@ fn plan_chunk(
     geometry: &RowGeometry,
     positions: &[u64],
     rows: std::ops::Range<usize>,
-) -> Result<(GatherPlan, Vec<usize>), FillError> {
+) -> Result<PlannedRows, FillError> {
     let mut gather = GatherPlan::new();
     let mut replaced = Vec::new();
     for row in rows {
@@ -300,7 +374,16 @@ fn plan_chunk(
             replaced.push(row);
         }
     }
-    Ok((gather, replaced))
+    Ok(PlannedRows {
+        table: gather.encode(),
+        pieces: gather.pieces().len(),
+        bytes_in: gather
+            .pieces()
+            .iter()
+            .map(|p| p.elements as u64 * p.op.in_bytes())
+            .sum(),
+        replaced,
+    })
 }
 
 /// Adds the pieces of one row (sample `sample` at row `row` of the slot) to `gather`; returns the
@@ -312,11 +395,35 @@ fn row_pieces(
     row: usize,
     gather: &mut GatherPlan,
 ) -> Option<Arc<CorruptBlock>> {
-    for field in &plan.fields {
+    for (index, field) in plan.fields.iter().enumerate() {
         let (shard, start, end) = plan.locate(sample, field.field_index);
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        if let Some((base, size)) = resident.linear[shard][index] {
+            if !resident.corrupt.is_empty() {
+                for block in (start / size)..=((end - 1) / size) {
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block: block as u32,
+                    };
+                    if let Some(bad) = resident.corrupt.get(&key) {
+                        return Some(Arc::clone(bad));
+                    }
+                }
+            }
+            push_in_place(
+                gather,
+                resident,
+                shard,
+                base + start,
+                base + end,
+                out_at,
+                op,
+            );
+            continue;
+        }
         let blocks = plan.dataset.shards[shard]
             .metadata
             .field_blocks(field.field_index);
@@ -336,26 +443,9 @@ fn row_pieces(
             let entry = &blocks[block as usize];
             let from = start.max(entry.raw_offset) - entry.raw_offset;
             let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
-            // Raw blocks store the raw bytes: the row's stored range, split at window edges.
-            let mut at = entry.stored_offset + from;
-            let stop = entry.stored_offset + to;
-            while at < stop {
-                let window = at / resident.window_bytes;
-                let piece_end = stop.min((window + 1) * resident.window_bytes);
-                let region = resident.first_region[shard] as usize + window as usize;
-                let elements = (piece_end - at) / op.in_bytes();
-                gather.push_merged(
-                    GatherRegion::source_index(region),
-                    at - window * resident.window_bytes,
-                    out_at,
-                    elements,
-                    op,
-                    1.0,
-                    super::MERGED_PIECE_OUT_BYTES_MAX,
-                );
-                out_at += elements * op.out_bytes();
-                at = piece_end;
-            }
+            // Raw blocks store the raw bytes.
+            let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
+            out_at = push_in_place(gather, resident, shard, at, stop, out_at, op);
         }
     }
     None
@@ -394,9 +484,9 @@ impl GpuAssembler {
             let end = (first + rows_per_round).min(rows);
             let planned = std::time::Instant::now();
             let geometry = &self.resident.as_ref().expect("a resident stream").geometry;
-            let (mut gather, mut replaced) = plan_rows(&plan, geometry, &positions, first..end)?;
+            let planned_rows = plan_rows(&plan, geometry, &positions, first..end)?;
             self.timings.plan_s += planned.elapsed().as_secs_f64();
-            self.queue_resident_round(step, &mut gather, &mut replaced, slot)?;
+            self.queue_resident_round(step, planned_rows, slot)?;
             first = end;
         }
         if let Some(ready) = ready {
@@ -410,8 +500,7 @@ impl GpuAssembler {
     fn queue_resident_round(
         &mut self,
         step: u64,
-        gather: &mut GatherPlan,
-        replaced: &mut Vec<usize>,
+        planned: PlannedRows,
         slot: &ExportableBuffer,
     ) -> Result<(), FillError> {
         if self.rounds.len() == self.buffers.len() {
@@ -420,17 +509,16 @@ impl GpuAssembler {
         let index = self.next_buffers;
         self.next_buffers = (self.next_buffers + 1) % self.buffers.len();
         let queued = std::time::Instant::now();
-        let count = gather.pieces().len();
+        let count = planned.pieces;
         if count > 0 {
             let resident = self.resident.as_ref().expect("a resident stream");
-            let table = gather.encode();
             let buffers = &mut self.buffers[index];
             super::round::upload_table(
                 &self.stream,
                 &mut buffers.host,
                 self.layout.pieces,
                 &buffers.pieces,
-                &table,
+                &planned.table,
             )?;
             let buffers = &self.buffers[index];
             // SAFETY: the piece table and outcome belong to this round; the region table and the
@@ -450,15 +538,10 @@ impl GpuAssembler {
                     &buffers.gather_outcome,
                 )
             }?;
-            let bytes: u64 = gather
-                .pieces()
-                .iter()
-                .map(|p| p.elements as u64 * p.op.in_bytes())
-                .sum();
             self.metrics
-                .add_read_bytes(crate::metrics::ReadPath::PageCache, bytes);
+                .add_read_bytes(crate::metrics::ReadPath::PageCache, planned.bytes_in);
         }
-        for &row in replaced.iter() {
+        for &row in &planned.replaced {
             self.zero_row(slot, row)?;
         }
         self.queue_downloads(index, 0, 0, count > 0)?;
@@ -466,7 +549,7 @@ impl GpuAssembler {
         self.timings.rounds += 1;
         let batch = self.batches.back_mut().expect("a batch is being submitted");
         batch.rounds_left += 1;
-        batch.replaced += replaced.len() as u32;
+        batch.replaced += planned.replaced.len() as u32;
         self.rounds.push_back(PendingRound {
             buffers: index,
             step,
@@ -478,11 +561,10 @@ impl GpuAssembler {
             checks: Vec::new(),
             check_windows: Vec::new(),
             decoded: Vec::new(),
-            replaced: std::mem::take(replaced),
+            replaced: planned.replaced,
             corrupt_marks: self.block_cache.corrupt_marks,
             gathered: count > 0,
         });
-        gather.clear();
         Ok(())
     }
 }
