@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -177,7 +177,19 @@ impl Server {
     /// (one nobody is listening on); refuses if another daemon is listening there.
     pub fn bind(config: ServerConfig, registry: Arc<Registry>) -> io::Result<Server> {
         let path = &config.socket_path;
-        if path.exists() {
+        // Only a stale socket is replaced: anything else at the path (a user's file, a directory, a
+        // symbolic link) is left alone and refused, whatever it is.
+        if let Ok(metadata) = std::fs::symlink_metadata(path) {
+            if !metadata.file_type().is_socket() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{}: exists and is not a socket; refusing to replace it (choose another \
+                         --socket path or remove it yourself)",
+                        path.display()
+                    ),
+                ));
+            }
             match UnixStream::connect(path) {
                 Ok(_) => {
                     return Err(io::Error::new(

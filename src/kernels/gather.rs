@@ -317,7 +317,6 @@ impl GatherPlan {
         &self.pieces
     }
 
-
     /// The device encoding of the table.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.pieces.len() * GATHER_PIECE_BYTES);
