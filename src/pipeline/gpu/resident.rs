@@ -37,7 +37,7 @@ const VERIFY_THREADS_MAX: usize = 8;
 const PLAN_ROWS_PER_THREAD_MIN: usize = 1024;
 
 /// Threads planning the rows of one round of a resident stream.
-const PLAN_THREADS_MAX: usize = 8;
+const PLAN_THREADS_MAX: usize = 4;
 
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
