@@ -219,6 +219,7 @@ impl GpuAssembler {
             limits.zero_copy,
             reader.resident_fraction_min(),
             &device,
+            &metrics,
         )?;
         let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;
         // At most one job per staged page: a bound on the jobs of one round.

@@ -90,6 +90,7 @@ impl Resident {
         zero_copy: ZeroCopy,
         fraction_min: f64,
         device: &crate::device::Device,
+        metrics: &crate::metrics::Metrics,
     ) -> Result<Option<Resident>, FillError> {
         let wanted = match zero_copy {
             ZeroCopy::Off => false,
@@ -146,7 +147,9 @@ impl Resident {
                 start += window_bytes;
             }
         }
-        let corrupt = verify_blocks(plan, files)?;
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        // Verifying reads each block whole once per dataset: counted as read, like any other read.
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
         // Written synchronously, before any kernel of the stream can read it.
         let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
         tracing::info!(
@@ -185,11 +188,13 @@ impl Resident {
 }
 
 /// Verifies the checksum of every block of the stream's fields that no reader of the dataset has
-/// verified yet, from the page cache, on several threads; returns the corrupt ones.
+/// verified yet, from the page cache, on several threads; returns the corrupt ones and the bytes
+/// read.
+#[allow(clippy::type_complexity)]
 fn verify_blocks(
     plan: &StreamPlan,
     files: &FileTable,
-) -> Result<HashMap<BlockKey, Arc<CorruptBlock>>, FillError> {
+) -> Result<(HashMap<BlockKey, Arc<CorruptBlock>>, u64), FillError> {
     let verified = &plan.dataset.verified;
     let mut work: Vec<(usize, usize, u32)> = Vec::new();
     for (shard_index, shard) in plan.dataset.shards.iter().enumerate() {
@@ -203,8 +208,15 @@ fn verify_blocks(
         }
     }
     if work.is_empty() {
-        return Ok(HashMap::new());
+        return Ok((HashMap::new(), 0));
     }
+    let bytes: u64 = work
+        .iter()
+        .map(|&(shard, field, block)| {
+            plan.dataset.shards[shard].metadata.field_blocks(field)[block as usize].stored_bytes
+                as u64
+        })
+        .sum();
     let mut maps: Vec<Option<Mmap>> = Vec::with_capacity(plan.dataset.shards.len());
     for index in 0..plan.dataset.shards.len() {
         let file = files.get(FileId(index as u32)).file();
@@ -242,7 +254,7 @@ fn verify_blocks(
             .flat_map(|h| h.join().expect("a verify thread panicked"))
             .collect()
     });
-    Ok(found.into_iter().collect())
+    Ok((found.into_iter().collect(), bytes))
 }
 
 /// Checks one block's stored bytes in its shard's map against its table checksum.
