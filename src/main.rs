@@ -245,6 +245,17 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes `text` and a newline to standard output. A reader that went away (`gpufeed inspect | head`)
+/// is not an error: the output simply ends, as with other Unix tools, instead of a panic.
+fn print_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
+
 /// The error and its causes joined with ": ", leaving out a cause whose text the message before it
 /// already ends with (our error types name their I/O cause in their own message).
 fn error_chain(error: &anyhow::Error) -> String {
@@ -267,10 +278,8 @@ fn run(command: Command) -> Result<ExitCode> {
         Command::Pack(args) => run_pack(args),
         Command::Inspect { dir } => {
             let dataset = Dataset::open(&dir)?;
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&tools::inspect(&dataset))?
-            );
+            let text = serde_json::to_string_pretty(&tools::inspect(&dataset))?;
+            print_stdout(&text)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Verify { dir, quiet } => {
@@ -280,14 +289,14 @@ fn run(command: Command) -> Result<ExitCode> {
             for problem in &report.problems {
                 eprintln!("corrupt: {problem}");
             }
-            println!(
+            print_stdout(&format!(
                 "{}: {}/{} shards readable, {} blocks intact, {} problems",
                 dir.display(),
                 report.shards_ok,
                 report.shards_total,
                 report.blocks_ok,
                 report.problems.len()
-            );
+            ))?;
             Ok(if report.problems.is_empty() {
                 ExitCode::SUCCESS
             } else {
