@@ -297,7 +297,7 @@ fn distinct_ids(dump: &[u8]) -> Vec<i32> {
 }
 
 /// Rows of raw blocks read in place from registered page cache (zero-copy), with a registration
-/// budget (8 windows of 256 KiB: enough for registering ahead; shards of about 750 KiB span several windows) smaller than the dataset (about 4.5 MiB), so that windows are evicted,
+/// budget (4 windows of 256 KiB: enough for registering ahead; shards of about 750 KiB span several windows) smaller than the dataset (about 4.5 MiB), so that windows are evicted,
 /// re-registered and pinned while rounds read them: every order mode bit-exact against the CPU
 /// backend, every sample once per epoch, and a corrupt raw block found by the in-place checksum.
 #[test]
@@ -333,7 +333,7 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
             "--registered-window",
             "256K",
             "--registered-memory-max",
-            "2M",
+            "1M",
             "--zero-copy",
             zero_copy,
         ];
@@ -355,7 +355,7 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
         "--registered-window",
         "256K",
         "--registered-memory-max",
-        "2M",
+        "1M",
         "--zero-copy",
         "always",
     ];

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::engine::{EngineLimits, ReadEngine};
-use super::files::{FileId, FileTable};
+use super::files::FileTable;
 use super::queue::AnyQueue;
 use super::windows::{PageCacheWindows, WindowCopy};
 use super::{Extent, ReadError, IO_ALIGN_BYTES};
@@ -274,33 +274,6 @@ impl GpuReader {
         self.limits.resident_fraction_min
     }
 
-    /// For a page-cache read that reaches the last window of its shard, asks the windows' worker to
-    /// register the first window of the next shard, so that a scan in dataset order finds it
-    /// registered instead of registering it on the reading thread.
-    fn hint_next_files(&self, files: &FileTable, extents: &[Extent], paths: &[ReadPath]) {
-        let Some(last) = extents
-            .iter()
-            .zip(paths)
-            .filter(|(_, path)| **path == ReadPath::PageCache)
-            .map(|(extent, _)| extent)
-            .max_by_key(|extent| (extent.file.0, extent.offset))
-        else {
-            return;
-        };
-        let file = files.get(last.file).file();
-        let Ok(metadata) = file.metadata() else {
-            return;
-        };
-        let end = last.offset + last.len as u64 - 1;
-        if !self.windows.in_last_window(metadata.len(), end) {
-            return;
-        }
-        let next = FileId(last.file.0 + 1);
-        if (next.0 as usize) < files.len() {
-            self.windows.hint(files.get(next).file(), 0);
-        }
-    }
-
     /// Whether a cuFile driver could be opened at all.
     pub fn cufile_available(&self) -> bool {
         self.cufile.is_some()
@@ -417,7 +390,6 @@ impl GpuReader {
                 }
             }
         }
-        self.hint_next_files(files, extents, &paths);
         // cuFile: a file it cannot register goes to the bounce path.
         if let Some(reader) = self.cufile.as_mut() {
             for (index, extent) in extents.iter().enumerate() {

@@ -113,11 +113,8 @@ struct Registry {
 }
 
 /// Windows registered ahead of a sequential scan, past the one it reads.
-const WINDOWS_AHEAD: u64 = 3;
-/// Threads registering windows ahead: registering a 256 MiB window (about 9 ms) and unregistering the
-/// one it replaces take one thread longer than copying a window at the PCIe limit (about 5 ms).
-const AHEAD_WORKERS: usize = 2;
-/// Registrations queued for the register-ahead workers at most.
+const WINDOWS_AHEAD: u64 = 2;
+/// Registrations queued for the register-ahead worker at most.
 const AHEAD_QUEUE_MAX: usize = 8;
 /// Fraction of a window's pages that must be resident for it to be registered ahead (registering
 /// faults the rest in from disk on the worker: a cold window is left to the cold path).
@@ -161,7 +158,7 @@ pub struct PageCacheWindows {
     next_reader: AtomicU64,
     shared: Arc<Shared>,
     ahead: Mutex<Option<std::sync::mpsc::SyncSender<Ahead>>>,
-    workers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// What [`PageCacheWindows::copy`] did.
@@ -192,23 +189,18 @@ impl PageCacheWindows {
             registered: std::sync::Condvar::new(),
         });
         // Registering ahead needs room for the window being read, the ones ahead and one to spare.
-        let (ahead, workers) =
-            if registered_bytes_max >= (WINDOWS_AHEAD as usize + 2) * window_bytes {
-                let (sender, receiver) = std::sync::mpsc::sync_channel(AHEAD_QUEUE_MAX);
-                let receiver = Arc::new(Mutex::new(receiver));
-                let workers: Vec<_> = (0..AHEAD_WORKERS)
-                    .filter_map(|_| {
-                        let (shared, receiver) = (Arc::clone(&shared), Arc::clone(&receiver));
-                        std::thread::Builder::new()
-                            .name("gpufeed-register-ahead".into())
-                            .spawn(move || register_ahead(&shared, &receiver))
-                            .ok()
-                    })
-                    .collect();
-                ((!workers.is_empty()).then_some(sender), workers)
-            } else {
-                (None, Vec::new())
-            };
+        let (ahead, worker) = if registered_bytes_max >= (WINDOWS_AHEAD as usize + 2) * window_bytes
+        {
+            let (sender, receiver) = std::sync::mpsc::sync_channel(AHEAD_QUEUE_MAX);
+            let worker_shared = Arc::clone(&shared);
+            let worker = std::thread::Builder::new()
+                .name("gpufeed-register-ahead".into())
+                .spawn(move || register_ahead(&worker_shared, &receiver))
+                .ok();
+            (worker.is_some().then_some(sender), worker)
+        } else {
+            (None, None)
+        };
         PageCacheWindows {
             device: device.clone(),
             window_bytes,
@@ -216,7 +208,7 @@ impl PageCacheWindows {
             next_reader: AtomicU64::new(1),
             shared,
             ahead: Mutex::new(ahead),
-            workers: Mutex::new(workers),
+            worker: Mutex::new(worker),
         }
     }
 
@@ -581,59 +573,6 @@ impl PageCacheWindows {
         Ok(Some(registry.windows.len() - 1))
     }
 
-    /// Asks the worker to register window `index` of `file` ahead of the reads (for a scan that is
-    /// about to move on to the next shard), unless it is registered or being registered, or there is
-    /// no worker.
-    pub fn hint(&self, file: &File, index: u64) {
-        let Ok(key) = FileKey::of(file) else {
-            return;
-        };
-        let mut registry = self.lock();
-        if registry.refused.contains_key(&key)
-            || registry.registering.contains(&(key, index))
-            || registry
-                .windows
-                .iter()
-                .any(|w| w.file == key && w.index == index)
-        {
-            return;
-        }
-        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
-            return;
-        };
-        let start = index as usize * self.window_bytes;
-        let file_len = mapped.map.len();
-        if start >= file_len {
-            return;
-        }
-        let sender = self.ahead.lock().expect("register-ahead sender poisoned");
-        let Some(sender) = sender.as_ref() else {
-            return;
-        };
-        let bytes = self
-            .window_bytes
-            .min(file_len - start)
-            .div_ceil(IO_ALIGN_BYTES as usize)
-            * IO_ALIGN_BYTES as usize;
-        let job = Ahead {
-            key,
-            mapped,
-            index,
-            start,
-            bytes,
-        };
-        if sender.try_send(job).is_ok() {
-            registry.registering.insert((key, index));
-        }
-    }
-
-    /// Whether `offset` of `file` lies in the file's last window (a scan reaching it will move on to
-    /// another file next).
-    pub fn in_last_window(&self, file_len: u64, offset: u64) -> bool {
-        let window_bytes = self.window_bytes as u64;
-        file_len > 0 && offset / window_bytes == (file_len - 1) / window_bytes
-    }
-
     /// Queues for the worker the windows after `index` of `key` that are not registered yet, if the
     /// window before `index` is registered (the file is being read in sequence).
     fn queue_ahead(&self, registry: &mut Registry, key: FileKey, mapped: &Arc<Mapped>, index: u64) {
@@ -706,12 +645,7 @@ impl Drop for PageCacheWindows {
     fn drop(&mut self) {
         // Stop the worker first: it must not register a window after the registry is cleared.
         drop(self.ahead.lock().map(|mut sender| sender.take()));
-        let workers = self
-            .workers
-            .lock()
-            .map(|mut w| std::mem::take(&mut *w))
-            .unwrap_or_default();
-        for worker in workers {
+        if let Some(worker) = self.worker.lock().ok().and_then(|mut w| w.take()) {
             let _ = worker.join();
         }
         let _ = self.clear();
@@ -792,13 +726,9 @@ fn unregister(window: Window) -> Result<(), DeviceError> {
 
 /// The register-ahead worker: registers the windows queued by [`PageCacheWindows::queue_ahead`],
 /// evicting behind the reads, until the queue's sender is dropped.
-fn register_ahead(shared: &Shared, jobs: &Mutex<std::sync::mpsc::Receiver<Ahead>>) {
+fn register_ahead(shared: &Shared, jobs: &std::sync::mpsc::Receiver<Ahead>) {
     let bound = shared.device.bind();
-    loop {
-        let job = match jobs.lock().map(|receiver| receiver.recv()) {
-            Ok(Ok(job)) => job,
-            _ => return,
-        };
+    for job in jobs {
         let registered = bound.is_ok() && register_one(shared, &job);
         let mut registry = shared.lock();
         registry.registering.remove(&(job.key, job.index));
