@@ -10,7 +10,8 @@
 #      (full shuffle staging whole blocks, for comparison); per order (none, window of 4 shards, full) a
 #      consumer process (`consume`, fp32 device batches of READ_BATCH rows), one warm-up epoch then
 #      READ_REPEAT measured epochs; KvikIO (8 threads, 8 batches in flight, read + astype) interleaved
-#      with gpufeed's runs. Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
+#      with gpufeed's runs, and after the full-shuffle runs a PyTorch DataLoader with a RandomSampler
+#      (best of 4/8/16 workers, 64 batches each). Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
 #      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
 #      the run and the bytes the daemon read (from /metrics) per byte of the epoch.
 # Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last.
@@ -116,6 +117,14 @@ PY
   tail -1 "$jsonl"
 }
 
+# run_torch_random: the PyTorch DataLoader peer of a full shuffle (RandomSampler over single rows of
+# the memory-mapped .npy, pin_memory, fp32 on the GPU), best of 4, 8 and 16 workers, 64 batches each.
+run_torch_random() {
+  python3 scripts/e2e/peers.py torch --random --file "$work/npy/emb_fp16.npy" \
+    --batch-sizes "$batch" --temperatures warm --workers 4,8,16 --batches-max 64 --jsonl "$jsonl" \
+    --no-gpu-busy | tail -3
+}
+
 run_kvikio() {
   env PYTHONPATH=/tmp/kvikio-site python3 scripts/e2e/peers.py kvikio --file "$work/npy/emb_fp16.npy" \
     --batch-sizes "$batch" --temperatures warm --repeat 1 --threads 8 --depth 8 --jsonl "$jsonl" \
@@ -157,6 +166,7 @@ read_bench() {
         run_gpufeed "$case" "$order" "$run"
         [ "$case" = default ] && [ "$order" = none ] && run_kvikio
       done
+      [ "$case" = default ] && [ "$order" = full ] && run_torch_random
     done
     python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:7171/metrics").read().decode())' | grep -E "read_bytes" >>"$OUT/daemon.log" || true
     stop_daemon
@@ -184,12 +194,15 @@ for r in rows:
         groups.setdefault((r["case"], r["order"]), []).append(r)
     elif r.get("loader", "").startswith("kvikio"):
         groups.setdefault(("kvikio", "none"), []).append(r)
+    elif r.get("loader") == "torch-random":
+        groups.setdefault(("torch-random", "full"), []).append(r)
 print("| case | order | runs | GB/s in (stream) | GB/s in (wall) | daemon cores | read / byte in |")
 print("|---|---|---|---|---|---|---|")
 for (case, order), rs in groups.items():
     med = lambda k: statistics.median([r[k] for r in rs if r.get(k) is not None] or [float("nan")])
-    if case == "kvikio":
-        print(f"| kvikio | none | {len(rs)} | {med('gb_per_s_in'):.2f} | | | |")
+    if case in ("kvikio", "torch-random"):
+        best = max(r["gb_per_s_in"] for r in rs)
+        print(f"| {case} | {order} | {len(rs)} | {med('gb_per_s_in'):.2f} (best {best:.2f}) | | | |")
     else:
         print(f"| {case} | {order} | {len(rs)} | {med('gb_per_s_in_stream'):.2f} | {med('gb_per_s_in_wall'):.2f} | {med('daemon_cores'):.2f} | {med('read_per_byte_in'):.2f} |")
 PY
