@@ -1126,3 +1126,24 @@ fn program_log(program: rtc::nvrtcProgram) -> Result<String, NvrtcCallError> {
     let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
     Ok(String::from_utf8_lossy(&log[..end]).trim_end().to_owned())
 }
+
+/// Whether libcufile can be loaded: only tries to open the library under its known names.
+pub fn cufile_library_present() -> bool {
+    // SAFETY: only tries to dlopen the candidate names; calls nothing in the library.
+    unsafe { cudarc::cufile::sys::is_culib_present() }
+}
+
+/// The entry point `name` (NUL-terminated) of the loaded libcufile, as a function pointer of type
+/// `T` (cudarc keeps the library open for the life of the process). Call only after
+/// [`cufile_library_present`] returned true.
+///
+/// # Safety
+/// `T` is a function pointer type matching the entry point's C prototype in cufile.h.
+pub unsafe fn cufile_symbol<T: Copy>(name: &[u8]) -> Result<T, String> {
+    // SAFETY: the caller checked that the library is loadable.
+    let library = unsafe { cudarc::cufile::sys::culib() };
+    // SAFETY: the caller vouches for the type.
+    unsafe { library.get::<T>(name) }
+        .map(|symbol| *symbol)
+        .map_err(|e| e.to_string())
+}

@@ -1,6 +1,6 @@
 //! The cuFile (GPUDirect Storage) engine: reads straight into device memory.
 //!
-//! libcufile is loaded at run time through cudarc's loader, but its entry points are called through
+//! libcufile is loaded at run time through cudarc's loader (in `device::ffi`), but its entry points are called through
 //! function types declared here: cuFile returns a `CUfileError` struct whose error field is a C enum,
 //! and binding it as a Rust enum would make an error code unknown to the bindings undefined behaviour.
 //! Here every code is an integer, decoded into [`CuFileCode`] with a catch-all.
@@ -140,8 +140,7 @@ fn check(call: &'static str, error: RawError) -> Result<(), CuFileError> {
 /// Whether libcufile can be loaded. Only tries to open the library under its known names; calls
 /// nothing in it.
 pub fn libcufile_present() -> bool {
-    // SAFETY: only tries to dlopen the candidate names.
-    unsafe { cudarc::cufile::sys::is_culib_present() }
+    crate::device::ffi::cufile_library_present()
 }
 
 /// Whether the nvidia-fs kernel driver (real GPUDirect Storage) is loaded.
@@ -203,17 +202,17 @@ impl CuFileReader {
         if !libcufile_present() {
             return Err(CuFileError::LibraryMissing);
         }
-        // SAFETY: the library is loadable; cudarc keeps it open for the life of the process.
-        let library = unsafe { cudarc::cufile::sys::culib() };
         macro_rules! symbol {
             ($name:literal, $ty:ty) => {
                 // SAFETY: the type matches the C prototype in cufile.h (with the error struct's enum
-                // field read as an integer).
-                *unsafe { library.get::<$ty>(concat!($name, "\0").as_bytes()) }
-                    .map_err(|e| CuFileError::MissingSymbol {
-                        symbol: $name,
-                        reason: e.to_string(),
-                    })?
+                // field read as an integer); the library is present (checked above).
+                unsafe {
+                    crate::device::ffi::cufile_symbol::<$ty>(concat!($name, "\0").as_bytes())
+                }
+                .map_err(|reason| CuFileError::MissingSymbol {
+                    symbol: $name,
+                    reason,
+                })?
             };
         }
         let driver_open: DriverOpenFn = symbol!("cuFileDriverOpen", DriverOpenFn);

@@ -267,9 +267,10 @@ impl ReadQueue for AnyQueue {
     }
 
     unsafe fn push(&mut self, op: ReadOp) {
-        // SAFETY: forwarded under the caller's guarantee.
         match self {
+            // SAFETY: forwarded under the caller's guarantee.
             AnyQueue::Uring(q) => unsafe { q.push(op) },
+            // SAFETY: forwarded under the caller's guarantee.
             AnyQueue::Pread(q) => unsafe { q.push(op) },
         }
     }
