@@ -140,6 +140,15 @@ pub enum PackError {
         /// The destination.
         path: PathBuf,
     },
+    /// The destination is something `--force` must not replace: not a directory, or a non-empty
+    /// directory that is not a gpufeed dataset. It is left untouched.
+    #[error("{path}: {reason}; refusing to replace it")]
+    NotADataset {
+        /// The destination.
+        path: PathBuf,
+        /// What it is.
+        reason: String,
+    },
     /// A file could not be written.
     #[error("{path}: {source}")]
     Io {
@@ -341,11 +350,7 @@ pub fn pack(
             )));
         }
     }
-    if out.exists() && options.on_existing == OnExisting::Refuse && !is_empty_dir(out) {
-        return Err(PackError::Exists {
-            path: out.to_path_buf(),
-        });
-    }
+    check_destination(out, options.on_existing)?;
     let staging = staging_dir(out, "partial")?;
     fs::create_dir(&staging).map_err(|source| PackError::Io {
         path: staging.clone(),
@@ -371,6 +376,45 @@ pub fn pack(
             let _ = fs::remove_dir_all(&staging);
             Err(error)
         }
+    }
+}
+
+/// Whether `out` may receive a new dataset: absent, an empty directory, or (with
+/// [`OnExisting::Replace`]) a gpufeed dataset, which is replaced. Anything else (a file, a link, a
+/// directory holding other things) is refused and left alone: `--force` replaces datasets only.
+fn check_destination(out: &Path, on_existing: OnExisting) -> Result<(), PackError> {
+    let metadata = match fs::symlink_metadata(out) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(PackError::Io {
+                path: out.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let refuse = |reason: &str| PackError::NotADataset {
+        path: out.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    if metadata.file_type().is_symlink() {
+        return Err(refuse("is a symbolic link, not a dataset directory"));
+    }
+    if !metadata.is_dir() {
+        return Err(refuse("is not a directory"));
+    }
+    if is_empty_dir(out) {
+        return Ok(());
+    }
+    match on_existing {
+        OnExisting::Refuse => Err(PackError::Exists {
+            path: out.to_path_buf(),
+        }),
+        OnExisting::Replace if crate::format::Manifest::load(out).is_ok() => Ok(()),
+        OnExisting::Replace => Err(refuse(
+            "is a non-empty directory but not a gpufeed dataset (no valid manifest.json); --force \
+             replaces only datasets",
+        )),
     }
 }
 
@@ -650,12 +694,9 @@ fn commit(staging: &Path, out: &Path, on_existing: OnExisting) -> Result<(), Pac
     };
     let parent = staging.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut retired = None;
+    // Checked again: the destination may have changed while the dataset was written.
+    check_destination(out, on_existing)?;
     if out.exists() && !is_empty_dir(out) {
-        if on_existing == OnExisting::Refuse {
-            return Err(PackError::Exists {
-                path: out.to_path_buf(),
-            });
-        }
         let old = staging_dir(out, "old")?;
         fs::rename(out, &old).map_err(io(out))?;
         retired = Some(old);
