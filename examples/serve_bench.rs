@@ -221,7 +221,12 @@ mod gpu {
             .dir
             .clone()
             .unwrap_or_else(|| temp.path().to_path_buf());
-        let mut serving = GpuServing::open(ordinal, EngineMode::Auto)?;
+        let mut serving = GpuServing::open(
+            ordinal,
+            EngineMode::Auto,
+            gpufeed::config::registered_bytes_max_default(),
+            gpufeed::pipeline::gpu::ZeroCopy::Auto,
+        )?;
         if let Some(rounds) = args.rounds_in_flight {
             serving.stream_limits.rounds_in_flight = rounds;
         }

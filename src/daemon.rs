@@ -101,7 +101,12 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuServing>>> {
         DeviceRequest::Auto => 0,
         DeviceRequest::Cuda(ordinal) => ordinal,
     };
-    match GpuServing::open(ordinal, settings.engine) {
+    match GpuServing::open(
+        ordinal,
+        settings.engine,
+        settings.registered,
+        settings.zero_copy,
+    ) {
         Ok(gpu) => {
             tracing::info!(
                 "GPU backend on cuda:{ordinal} ({}); read path choice {:?}",

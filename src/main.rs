@@ -211,6 +211,19 @@ struct ServeArgs {
     /// serving (suffixes K, M, G). Default: unlimited.
     #[arg(long, value_name = "BYTES_PER_S", value_parser = parse_byte_count)]
     pack_rate_max: Option<ByteCount>,
+    /// Most bytes of page cache the daemon keeps registered (locked in memory) so that GPUs read
+    /// shards straight from it; data beyond it is read through bounce buffers or cuFile. 0 turns
+    /// the page-cache path off (suffixes K, M, G). Default: half the RAM, within RLIMIT_MEMLOCK.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    registered_memory_max: Option<ByteCount>,
+    /// Size of one registered page-cache window (a multiple of 4096; suffixes K, M, G). Default: 256M.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    registered_window: Option<ByteCount>,
+    /// When GPUs read rows of raw (uncompressed) blocks straight from registered page cache instead
+    /// of staging whole blocks: `auto` (when a batch uses less than half a block, as shuffled orders
+    /// do), `always` or `off`. Default: auto.
+    #[arg(long, value_name = "auto|always|off")]
+    zero_copy: Option<String>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
@@ -510,6 +523,9 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         job_records_max: args.job_records_max,
         pack_threads: args.pack_threads,
         pack_rate_max: args.pack_rate_max,
+        registered_memory_max: args.registered_memory_max,
+        registered_window: args.registered_window,
+        zero_copy: args.zero_copy,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {

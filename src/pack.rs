@@ -143,12 +143,12 @@ pub enum PackError {
         path: PathBuf,
     },
     /// The destination holds something other than a gpufeed dataset, which is never replaced.
-    #[error("{path}: already exists and is {what}; it was left untouched (--force replaces only a gpufeed dataset: a directory holding a valid manifest.json and the shards it names, nothing else)")]
+    #[error("{path}: {reason}; it was left untouched (--force replaces only a gpufeed dataset: a directory holding a valid manifest.json and the shards it names, nothing else)")]
     NotADataset {
         /// The destination.
         path: PathBuf,
-        /// What is there instead, for the message.
-        what: String,
+        /// What is there instead and why it is not a dataset.
+        reason: String,
     },
     /// A file could not be written.
     #[error("{path}: {source}")]
@@ -410,13 +410,15 @@ fn examine_destination(out: &Path) -> Result<Destination, PackError> {
     };
     let file_type = metadata.file_type();
     if file_type.is_symlink() {
-        return Ok(Destination::Other("a symbolic link".into()));
+        return Ok(Destination::Other(
+            "is a symbolic link, not a dataset directory".into(),
+        ));
     }
     if !file_type.is_dir() {
         let what = if file_type.is_file() {
-            "a regular file"
+            "is not a directory but a regular file"
         } else {
-            "a special file (not a directory)"
+            "is not a directory but a special file"
         };
         return Ok(Destination::Other(what.into()));
     }
@@ -433,14 +435,14 @@ fn examine_destination(out: &Path) -> Result<Destination, PackError> {
     }
     if !names.iter().any(|n| n.as_os_str() == MANIFEST_FILE_NAME) {
         return Ok(Destination::Other(format!(
-            "a non-empty directory without {MANIFEST_FILE_NAME}"
+            "is a non-empty directory but not a gpufeed dataset (no {MANIFEST_FILE_NAME})"
         )));
     }
     let manifest = match Manifest::load(out) {
         Ok(manifest) => manifest,
         Err(error) => {
             return Ok(Destination::Other(format!(
-                "a directory whose {MANIFEST_FILE_NAME} is not a valid gpufeed manifest ({error})"
+                "is a directory but not a gpufeed dataset: its {MANIFEST_FILE_NAME} is not a valid gpufeed manifest ({error})"
             )))
         }
     };
@@ -455,7 +457,7 @@ fn examine_destination(out: &Path) -> Result<Destination, PackError> {
     });
     if let Some(stranger) = stranger {
         return Ok(Destination::Other(format!(
-            "a dataset directory that also holds {:?}, which its manifest does not name",
+            "is a gpufeed dataset that also holds {:?}, which its manifest does not name",
             stranger
         )));
     }
@@ -472,9 +474,9 @@ fn check_destination(out: &Path, on_existing: OnExisting) -> Result<Destination,
             path: out.to_path_buf(),
         }),
         // Not suggesting --force here: it would not replace this either.
-        (Destination::Other(what), _) => Err(PackError::NotADataset {
+        (Destination::Other(reason), _) => Err(PackError::NotADataset {
             path: out.to_path_buf(),
-            what: what.clone(),
+            reason: reason.clone(),
         }),
     }
 }

@@ -1,13 +1,14 @@
-//! Regression tests (issue 16, item 1): `pack --force --out DIR` deleted any non-empty directory that
-//! was not a dataset (a user's file vanished, exit 0), and with `--out` naming a regular file it moved
-//! the file to a hidden `.old-*` name, installed the dataset and exited 1. `--force` now replaces only
-//! a gpufeed dataset (a directory holding a valid manifest.json and only the shards it names); anything
-//! else is left untouched and the error names the path. The HTTP pack jobs call the same
-//! `pack::pack`, whose check is exercised here through the library with both policies.
+//! Regression tests for two data-loss bugs of `pack --force`: with `--out` naming a non-empty directory
+//! that was not a dataset, the user's files in it were deleted (exit 0); with `--out` naming a regular
+//! file, the file was moved to a hidden `.old-*` name, the dataset installed, and the pack exited 1.
+//! `--force` now replaces only a gpufeed dataset (a directory holding a valid manifest.json and only
+//! the shards it names); anything else (a dataset directory holding other files, an invalid manifest,
+//! a symbolic link) is refused with a clear error naming the path and left exactly as it was, with
+//! nothing written beside it. The HTTP pack jobs call the same `pack::pack`, whose check is exercised
+//! here through the library with both policies.
 
 mod common;
 
-use std::ffi::OsString;
 use std::fs;
 use std::path::Path;
 
@@ -15,13 +16,10 @@ use common::{assert_fails, assert_line_with, assert_succeeds, gpufeed, write_npy
 use gpufeed::pack::{self, OnExisting, PackError, Quiet};
 use gpufeed_client::DType;
 
-/// Runs `gpufeed pack --quiet --block-bytes 4K --force --out OUT INPUT`.
 fn pack_force(out: &Path, input: &Path) -> std::process::Output {
-    let args: Vec<OsString> = vec![
+    let args: Vec<std::ffi::OsString> = vec![
         "pack".into(),
         "--quiet".into(),
-        "--block-bytes".into(),
-        "4K".into(),
         "--force".into(),
         "--out".into(),
         out.into(),
@@ -30,13 +28,6 @@ fn pack_force(out: &Path, input: &Path) -> std::process::Output {
     gpufeed(args)
 }
 
-/// A small `.npy` input in `dir`.
-fn input(dir: &Path) -> std::path::PathBuf {
-    let bytes = common::i32_bytes(64, |i| i as i32);
-    write_npy(&dir.join("input.npy"), DType::I32, &[64], &bytes)
-}
-
-/// Names in `dir`, sorted.
 fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(dir)
         .unwrap()
@@ -46,40 +37,52 @@ fn names(dir: &Path) -> Vec<String> {
     names
 }
 
-#[test]
-fn force_leaves_a_directory_that_is_not_a_dataset_untouched() {
-    let tmp = tempfile::tempdir().unwrap();
-    let input = input(tmp.path());
-    let out = tmp.path().join("mine");
-    fs::create_dir(&out).unwrap();
-    fs::write(out.join("thesis.tex"), b"years of work").unwrap();
-
-    let err = assert_fails(&pack_force(&out, &input));
-    assert_line_with(
-        &err,
-        &[
-            &out.display().to_string(),
-            "without manifest.json",
-            "left untouched",
-        ],
-    );
-    assert_eq!(fs::read(out.join("thesis.tex")).unwrap(), b"years of work");
-    assert_eq!(names(&out), ["thesis.tex"]);
-    assert_eq!(names(tmp.path()), ["input.npy", "mine"]);
+fn input(dir: &Path) -> std::path::PathBuf {
+    write_npy(
+        &dir.join("in.npy"),
+        DType::I32,
+        &[10],
+        &common::i32_bytes(10, |i| i as i32),
+    )
 }
 
 #[test]
-fn force_leaves_a_regular_file_untouched() {
+fn force_refuses_a_directory_that_is_not_a_dataset() {
     let tmp = tempfile::tempdir().unwrap();
-    let input = input(tmp.path());
-    let out = tmp.path().join("notes.txt");
-    fs::write(&out, b"do not lose me").unwrap();
+    let npy = input(tmp.path());
+    let out = tmp.path().join("photos");
+    fs::create_dir(&out).unwrap();
+    fs::write(out.join("holiday.jpg"), b"precious").unwrap();
+    let err = assert_fails(&pack_force(&out, &npy));
+    assert!(err.contains("not a gpufeed dataset"), "{err}");
+    assert_eq!(names(&out), vec!["holiday.jpg"]);
+    assert_eq!(fs::read(out.join("holiday.jpg")).unwrap(), b"precious");
+    assert_eq!(names(tmp.path()), vec!["in.npy", "photos"]);
+}
 
-    let err = assert_fails(&pack_force(&out, &input));
-    assert_line_with(&err, &[&out.display().to_string(), "a regular file"]);
-    assert_eq!(fs::read(&out).unwrap(), b"do not lose me");
-    // No hidden `.old-*` or staging entry, and no dataset installed in the file's place.
-    assert_eq!(names(tmp.path()), ["input.npy", "notes.txt"]);
+#[test]
+fn force_refuses_a_regular_file_and_moves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let npy = input(tmp.path());
+    let out = tmp.path().join("notes.txt");
+    fs::write(&out, b"my notes").unwrap();
+    let err = assert_fails(&pack_force(&out, &npy));
+    assert!(err.contains("is not a directory"), "{err}");
+    assert_eq!(fs::read(&out).unwrap(), b"my notes");
+    // No hidden `.old-*` or staging directory beside it, no dataset anywhere.
+    assert_eq!(names(tmp.path()), vec!["in.npy", "notes.txt"]);
+}
+
+#[test]
+fn force_still_replaces_a_dataset_and_fills_an_empty_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let npy = input(tmp.path());
+    let empty = tmp.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    assert_succeeds(&pack_force(&empty, &npy));
+    assert!(empty.join("manifest.json").exists());
+    assert_succeeds(&pack_force(&empty, &npy));
+    assert!(empty.join("manifest.json").exists());
 }
 
 #[test]
@@ -120,18 +123,6 @@ fn force_leaves_a_directory_with_an_invalid_manifest_untouched() {
 }
 
 #[test]
-fn force_replaces_a_dataset_and_an_empty_directory() {
-    let tmp = tempfile::tempdir().unwrap();
-    let input = input(tmp.path());
-    let out = tmp.path().join("ds");
-    fs::create_dir(&out).unwrap();
-    assert_succeeds(&pack_force(&out, &input));
-    assert_succeeds(&pack_force(&out, &input));
-    assert!(names(&out).contains(&"manifest.json".to_string()));
-    assert_eq!(names(tmp.path()), ["ds", "input.npy"]);
-}
-
-#[test]
 fn force_does_not_follow_a_symbolic_link() {
     let tmp = tempfile::tempdir().unwrap();
     let input = input(tmp.path());
@@ -147,6 +138,9 @@ fn force_does_not_follow_a_symbolic_link() {
         .file_type()
         .is_symlink());
 }
+
+/// The HTTP pack jobs run `pack::pack` with [`OnExisting::Refuse`]: a file at the destination is
+/// refused and kept, under either policy.
 
 /// The HTTP pack jobs run `pack::pack` with [`OnExisting::Refuse`]: a file at the destination is
 /// refused and kept, under either policy.

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -46,6 +46,8 @@ pub struct GpuServing {
     /// Registered page-cache windows, shared by every stream on the device so that data read once
     /// stays registered for the next epoch and the next consumer.
     pub windows: Arc<PageCacheWindows>,
+    /// The registration budget the windows were made with (for status).
+    pub registered: crate::config::RegistrationBudget,
 }
 
 impl GpuServing {
@@ -55,13 +57,25 @@ impl GpuServing {
     pub fn open(
         ordinal: u32,
         engine: crate::storage::EngineMode,
+        registered: crate::config::RegistrationBudget,
+        zero_copy: crate::pipeline::gpu::ZeroCopy,
     ) -> Result<GpuServing, crate::device::DeviceError> {
         let device = CudaDevice::open(ordinal as usize)?;
         let kernels = Kernels::load(&device, crate::device::CacheDir::FromEnvironment)?;
         for (kernel, origin) in &kernels.origins {
             tracing::info!("kernel {kernel}: {origin:?}");
         }
-        let reader_limits = GpuReaderLimits::node_defaults();
+        let reader_limits = GpuReaderLimits {
+            window_bytes: registered.window_bytes as usize,
+            registered_bytes_max: registered.bytes_max as usize,
+            ..GpuReaderLimits::node_defaults()
+        };
+        tracing::info!(
+            "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {zero_copy:?}",
+            registered.bytes_max,
+            registered.source.name(),
+            registered.window_bytes
+        );
         let windows = Arc::new(PageCacheWindows::new(
             &device,
             reader_limits.window_bytes,
@@ -74,7 +88,11 @@ impl GpuServing {
             kernels: Arc::new(kernels),
             reader_limits,
             choice: PathChoice::from_mode(engine),
-            stream_limits: GpuStreamLimits::node_defaults(),
+            stream_limits: GpuStreamLimits {
+                zero_copy,
+                ..GpuStreamLimits::node_defaults()
+            },
+            registered,
         })
     }
 }
@@ -159,7 +177,19 @@ impl Server {
     /// (one nobody is listening on); refuses if another daemon is listening there.
     pub fn bind(config: ServerConfig, registry: Arc<Registry>) -> io::Result<Server> {
         let path = &config.socket_path;
-        if path.exists() {
+        // Only a stale socket is replaced: anything else at the path (a user's file, a directory, a
+        // symbolic link) is left alone and refused, whatever it is.
+        if let Ok(metadata) = std::fs::symlink_metadata(path) {
+            if !metadata.file_type().is_socket() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{}: exists and is not a socket; refusing to replace it (choose another \
+                         --socket path or remove it yourself)",
+                        path.display()
+                    ),
+                ));
+            }
             match UnixStream::connect(path) {
                 Ok(_) => {
                     return Err(io::Error::new(
@@ -680,9 +710,8 @@ fn fill_stream(
 ) {
     let end_session = |error: FillError| {
         let (code, message) = match error {
-            FillError::Corrupt(message) => (ErrorCode::CorruptData, message),
-            FillError::Storage(error) => (ErrorCode::Internal, error.to_string()),
-            FillError::Device(error) => (ErrorCode::Internal, error),
+            FillError::Corrupt { .. } => (ErrorCode::CorruptData, error.to_string()),
+            error => (ErrorCode::Internal, error.to_string()),
         };
         send_error(&writer, code, message);
         let socket = writer.lock().expect("socket lock poisoned");
@@ -775,6 +804,20 @@ fn fill_stream(
         counters
             .replaced
             .fetch_add(report.replaced as u64, Ordering::SeqCst);
+    }
+    if let Filler::Gpu { assembler, .. } = &filler {
+        let t = assembler.timings;
+        tracing::info!(
+            "GPU stream done: {} steps in {} rounds; host plan {:.3} s, read {:.3} s, decode {:.3} s, \
+             gather {:.3} s, waiting for the device {:.3} s",
+            plan.steps,
+            t.rounds,
+            t.plan_s,
+            t.read_s,
+            t.decode_s,
+            t.gather_s,
+            t.wait_s
+        );
     }
     let end = Message::EndOfEpoch {
         epoch: plan.epoch,
