@@ -141,9 +141,6 @@ fn force_does_not_follow_a_symbolic_link() {
 
 /// The HTTP pack jobs run `pack::pack` with [`OnExisting::Refuse`]: a file at the destination is
 /// refused and kept, under either policy.
-
-/// The HTTP pack jobs run `pack::pack` with [`OnExisting::Refuse`]: a file at the destination is
-/// refused and kept, under either policy.
 #[test]
 fn library_pack_refuses_a_file_under_both_policies() {
     let tmp = tempfile::tempdir().unwrap();
