@@ -67,6 +67,9 @@ enum Command {
         /// Do not draw a progress bar.
         #[arg(long)]
         quiet: bool,
+        /// Replace --out if it exists (it is replaced only once the new file is complete).
+        #[arg(long)]
+        force: bool,
     },
     /// Start the daemon: register every dataset under --data-root and serve batches to consumers
     /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
@@ -309,7 +312,14 @@ fn run(command: Command) -> Result<ExitCode> {
             out,
             dtype,
             quiet,
+            force,
         } => {
+            if !force && std::fs::symlink_metadata(&out).is_ok() {
+                anyhow::bail!(
+                    "{}: already exists (pass --force to replace it)",
+                    out.display()
+                );
+            }
             let dataset = Dataset::open(&dir)?;
             let bar = Bar::new(quiet, "unpack");
             let bytes = tools::unpack(&dataset, &field, &out, dtype, &bar)?;

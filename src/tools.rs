@@ -277,7 +277,48 @@ pub fn unpack(
     }
     let mut shape = vec![dataset.manifest.sample_count];
     shape.extend_from_slice(&field.shape);
-    let mut writer = npy::write_npy(out, to, &shape)?;
+    // Written beside `out` under a hidden name and renamed over it only when complete: a corrupt
+    // dataset or a failed write leaves no truncated file and an existing `out` as it was.
+    let partial = partial_path(out);
+    let written = write_field(dataset, field_index, to, &shape, &partial, progress);
+    if let Err(error) = written {
+        let _ = std::fs::remove_file(&partial);
+        return Err(error);
+    }
+    std::fs::rename(&partial, out).map_err(|source| {
+        let _ = std::fs::remove_file(&partial);
+        UnpackError::Io {
+            path: out.to_path_buf(),
+            source,
+        }
+    })?;
+    Ok(
+        dataset.manifest.sample_count
+            * field.shape.iter().product::<u64>()
+            * to.size_bytes() as u64,
+    )
+}
+
+/// The hidden name `out` is written under before it is complete.
+fn partial_path(out: &Path) -> std::path::PathBuf {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    out.with_file_name(format!(".{name}.partial-{}", std::process::id()))
+}
+
+/// Decodes field `field_index` of every shard, converted to `to`, into a new `.npy` file at `path`.
+fn write_field(
+    dataset: &Dataset,
+    field_index: usize,
+    to: DType,
+    shape: &[u64],
+    path: &Path,
+    progress: &dyn ToolProgress,
+) -> Result<(), UnpackError> {
+    let field = &dataset.manifest.fields[field_index];
+    let mut writer = npy::write_npy(path, to, shape)?;
     let raw_total = field.sample_bytes() * dataset.manifest.sample_count;
     progress.started(raw_total);
     let (mut stored, mut scratch, mut raw, mut converted) =
@@ -312,9 +353,5 @@ pub fn unpack(
         }
     }
     writer.finish()?;
-    Ok(
-        dataset.manifest.sample_count
-            * field.shape.iter().product::<u64>()
-            * to.size_bytes() as u64,
-    )
+    Ok(())
 }
