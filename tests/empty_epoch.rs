@@ -15,5 +15,8 @@ fn a_batch_larger_than_the_dataset_is_refused_at_open() {
             && err.contains("no batch would be served"),
         "{err}"
     );
-    assert!(!err.contains("every served value equals the source"), "{err}");
+    assert!(
+        !err.contains("every served value equals the source"),
+        "{err}"
+    );
 }

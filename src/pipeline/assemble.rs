@@ -227,10 +227,7 @@ impl StreamPlan {
                 gpufeed_client::protocol::Tail::Pad => Tail::Pad,
             },
         };
-        if spec.start_cursor == 0
-            && rank.tail == Tail::Drop
-            && rank.step_samples() > sample_count
-        {
+        if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
             // Nothing would be served: say so rather than end the epoch at once, silently.
             return invalid(format!(
                 "batch_size {} x world_size {} is more than the dataset's {sample_count} samples: \
