@@ -227,6 +227,14 @@ impl StreamPlan {
                 gpufeed_client::protocol::Tail::Pad => Tail::Pad,
             },
         };
+        if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
+            // Nothing would be served: say so rather than end the epoch at once, silently.
+            return invalid(format!(
+                "batch_size {} x world_size {} is more than the dataset's {sample_count} samples: \
+                 with tail drop no batch would be served (lower the batch size, or use tail pad)",
+                spec.batch_size, spec.world_size
+            ));
+        }
         let shard_samples: Vec<u64> = manifest.shards.iter().map(|s| s.sample_count).collect();
         let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, mode);
         Ok(StreamPlan {
