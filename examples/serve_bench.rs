@@ -146,6 +146,7 @@ fn main() -> Result<()> {
             stream_limits: limits,
             metrics: Arc::clone(&metrics),
             gpu: None,
+            handshake_timeout: gpufeed::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
         },
         registry,
     )?;
@@ -279,6 +280,7 @@ mod gpu {
                 stream_limits: StreamLimits::node_defaults(),
                 metrics: Arc::clone(&metrics),
                 gpu: Some(Arc::clone(&serving)),
+                handshake_timeout: gpufeed::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
             },
             registry,
         )?;

@@ -159,6 +159,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
         stream_limits: StreamLimits::node_defaults(),
         metrics: Arc::clone(&metrics),
         gpu,
+        handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
     };
     let server = Server::bind(server_config, Arc::clone(&registry))
         .with_context(|| format!("binding {}", settings.socket_path.display()))?;

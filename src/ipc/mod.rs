@@ -7,4 +7,6 @@
 pub mod server;
 pub mod slots;
 
-pub use server::{Counters, GpuServing, Server, ServerConfig, ServerStopper};
+pub use server::{
+    Counters, GpuServing, Server, ServerConfig, ServerStopper, HANDSHAKE_TIMEOUT_DEFAULT,
+};
