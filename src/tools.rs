@@ -123,7 +123,7 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
             }
         };
         report.shards_ok += 1;
-        let file = match File::open(&shard.path) {
+        let file = match crate::format::open_regular(&shard.path) {
             Ok(file) => file,
             Err(error) => {
                 report
@@ -357,7 +357,7 @@ fn write_field(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut done = 0u64;
     for shard in &dataset.shards {
-        let file = File::open(&shard.path).map_err(|source| UnpackError::Io {
+        let file = crate::format::open_regular(&shard.path).map_err(|source| UnpackError::Io {
             path: shard.path.clone(),
             source,
         })?;

@@ -1,6 +1,5 @@
 //! Opening a dataset directory: the manifest plus every shard's validated metadata.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::{parse_shard_metadata, FormatError, Manifest, ShardMetadata};
@@ -120,7 +119,7 @@ impl Shard {
     pub fn open(dir: &Path, manifest: &Manifest, index: usize) -> Result<Shard, FormatError> {
         let entry = &manifest.shards[index];
         let path = manifest.shard_path(dir, index);
-        let file = File::open(&path).map_err(|source| {
+        let file = super::open_regular(&path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
                 FormatError::MissingShard { path: path.clone() }
             } else {
