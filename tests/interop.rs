@@ -20,16 +20,10 @@ const INSTALL_HINT: &str = "python3 -m pip install -r tests/requirements.txt";
 /// Whether `python3` and the required modules are importable. Panics when they are not and `CI` is
 /// set; otherwise prints a loud SKIPPED line for the test `test` and returns false.
 fn python_ready(test: &str) -> bool {
-    let probe = Command::new("python3")
-        .args(["-c", "import numpy, lz4.block, xxhash"])
-        .output();
-    let problem = match probe {
-        Ok(output) if output.status.success() => return true,
-        Ok(output) => format!(
-            "python3 cannot import numpy, lz4 and xxhash: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        ),
-        Err(error) => format!("cannot run python3: {error}"),
+    let problem = match missing_modules(None) {
+        Ok(missing) if missing.is_empty() => return true,
+        Ok(missing) => format!("python3 cannot import {}", missing.join(", ")),
+        Err(problem) => problem,
     };
     if std::env::var_os("CI").is_some() {
         panic!("{problem}\nThe interop tests need them in CI; run `{INSTALL_HINT}`.");
@@ -41,6 +35,65 @@ fn python_ready(test: &str) -> bool {
         "\n*** SKIPPED: interop test {test}: {problem}. Run `{INSTALL_HINT}` to enable it. ***\n"
     );
     false
+}
+
+/// The modules the interop tests need that python3 cannot import, each tried on its own so that the
+/// message names the ones missing (it used to blame numpy when only lz4 was missing); with
+/// `python_path`, as seen with that PYTHONPATH. An error when python3 itself cannot run.
+fn missing_modules(python_path: Option<&std::path::Path>) -> Result<Vec<String>, String> {
+    let mut command = Command::new("python3");
+    command.args([
+        "-c",
+        "import importlib, sys\n\
+         missing = []\n\
+         for name in ('numpy', 'lz4.block', 'xxhash'):\n\
+         \x20   try:\n\
+         \x20       importlib.import_module(name)\n\
+         \x20   except ImportError:\n\
+         \x20       missing.append(name)\n\
+         print(' '.join(missing))",
+    ]);
+    if let Some(path) = python_path {
+        command.env("PYTHONPATH", path);
+    }
+    let output = command
+        .output()
+        .map_err(|error| format!("cannot run python3: {error}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "the python3 probe failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect())
+}
+
+/// Regression test for the probe: with an `lz4` that cannot be imported (a stand-in package first
+/// on PYTHONPATH), exactly `lz4.block` is named, not numpy.
+#[test]
+fn the_probe_names_the_missing_module() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        // Without python3 there is nothing to probe; python_ready reports that case itself.
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("lz4")).unwrap();
+    std::fs::write(
+        dir.path().join("lz4").join("__init__.py"),
+        "raise ImportError('a broken lz4 for the test')\n",
+    )
+    .unwrap();
+    let missing = missing_modules(Some(dir.path())).unwrap();
+    assert!(missing.contains(&"lz4.block".to_string()), "{missing:?}");
+    assert!(
+        !missing.contains(&"numpy".to_string())
+            || missing_modules(None)
+                .unwrap()
+                .contains(&"numpy".to_string())
+    );
 }
 
 fn describe(command: &Command) -> String {
