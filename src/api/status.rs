@@ -92,7 +92,7 @@ pub struct Serving {
 /// Bounded pools and what is in use.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct Pools {
-    /// Whether the socket server's counters are connected (when false, the in-use values are 0).
+    /// Whether a socket server is attached and feeds the counts (when false, the in-use values are 0).
     pub socket_server: bool,
     /// Open consumer sessions.
     pub sessions: u64,
@@ -295,6 +295,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
         .await
         .clone();
     let snapshot = snapshot(&control);
+    let counts = control.metrics.serving();
     let limits = control.jobs.limits();
     let options = &control.options;
     Json(StatusView {
@@ -318,11 +319,11 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
         platform,
         pools: Pools {
             socket_server: snapshot.socket_server,
-            sessions: snapshot.sessions,
+            sessions: counts.sessions,
             sessions_max: snapshot.sessions_max,
-            streams: snapshot.streams,
-            slots_allocated: snapshot.slots_allocated,
-            slot_bytes_allocated: snapshot.slot_bytes_allocated,
+            streams: counts.streams,
+            slots_allocated: counts.slots_allocated,
+            slot_bytes_allocated: counts.slot_bytes_allocated,
             slot_bytes_max: snapshot.slot_bytes_max,
             jobs_running: u64::from(control.jobs.running_count()),
             jobs_running_max: u64::from(limits.running_max),
@@ -340,7 +341,6 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
 }
 
 fn snapshot(control: &Control) -> Snapshot {
-    let status = control.counters().map(|c| c.status());
     let records = control.catalog.snapshot();
     let mut ready = 0;
     let mut missing = 0;
@@ -369,15 +369,9 @@ fn snapshot(control: &Control) -> Snapshot {
     .collect();
     Snapshot {
         uptime_seconds: control.started.elapsed().as_secs_f64(),
-        socket_server: status.is_some(),
-        sessions: status.as_ref().map_or(0, |s| u64::from(s.sessions)),
+        socket_server: control.registry.sessions().is_attached(),
         sessions_max: u64::from(control.options.sessions_max),
-        streams: status.as_ref().map_or(0, |s| u64::from(s.streams)),
-        slots_allocated: status.as_ref().map_or(0, |s| s.slots_allocated),
-        slot_bytes_allocated: status.as_ref().map_or(0, |s| s.slot_bytes_allocated),
         slot_bytes_max: control.options.slot_memory_bytes_max,
-        batches_served: status.as_ref().map_or(0, |s| s.batches_served),
-        samples_replaced: status.as_ref().map_or(0, |s| s.samples_replaced),
         datasets: vec![("ready", ready), ("missing", missing), ("invalid", invalid)],
         jobs,
     }

@@ -31,10 +31,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
-use gpufeed_client::protocol::CorruptPolicy;
 
 use super::assemble::{
-    BlockKey, FieldPlan, FillError, FillReport, Placement, PlacementRuns, StreamPlan,
+    BlockKey, CorruptPolicy, FieldPlan, FillError, FillReport, Placement, PlacementRuns, StreamPlan,
 };
 use crate::decode::BlockRef;
 use crate::device::{
