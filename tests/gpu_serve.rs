@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Daemon;
+use common::daemon::Daemon;
 use gpufeed::device::Device;
 use gpufeed::format::Dataset;
 use gpufeed_client::consumer::Client;
@@ -50,7 +50,7 @@ fn consume_bin() -> PathBuf {
 
 fn start_daemon(root: &Path, device: &str) -> Daemon {
     let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
-    common::start_daemon(&gpufeed_bin(), root, socket, device, &[], Stdio::inherit())
+    common::daemon::start_daemon(&gpufeed_bin(), root, socket, device, &[], Stdio::inherit())
 }
 
 /// Token field: zipf-like small integers (compressible: LZ4 blocks, byte-shuffled where it pays),
