@@ -28,8 +28,8 @@ use tokio::sync::Semaphore;
 
 use super::confine::{ConfineError, DataRoot};
 use super::error::ApiError;
-use super::jobs::JobTable;
-use super::status::Platform;
+use super::job_table::JobTable;
+use super::platform::Platform;
 use crate::catalog::{Catalog, CatalogData, CatalogError, DatasetRecord, JobState, Origin};
 use crate::config::{JobLimits, Settings};
 use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};

@@ -1,9 +1,9 @@
 //! `/v1/status`, `/metrics` and `/healthz`.
 //!
 //! The status reports what this machine offers (devices, and each read path with the reason it is
-//! or is not usable) separately from what this daemon serves with, because the daemon's GPU backend
-//! is not wired in yet: a machine with GPUs and GDS still serves from host memory, and the payload
-//! says so rather than implying otherwise.
+//! or is not usable; [`Platform`]) separately from what this daemon serves with, because the two may
+//! differ: a machine with GPUs and GDS may still serve from host memory (`--device cpu`, or `auto`
+//! where CUDA cannot be used), and the payload says so rather than implying otherwise.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -19,61 +19,12 @@ use super::blocking;
 use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
 use super::error::ErrorBody;
+pub use super::platform::{Availability, DeviceView, EngineView, Platform};
 use super::state::Control;
 use crate::catalog::JobState;
 use crate::device::Device;
 use crate::metrics::{self, Snapshot};
 use crate::storage::UringQueue;
-
-/// Whether something is usable, and why (not).
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct Availability {
-    /// Usable.
-    pub available: bool,
-    /// Why it is or is not.
-    pub reason: String,
-}
-
-/// A CUDA device.
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct DeviceView {
-    /// `cuda:N`.
-    pub device: String,
-    /// The marketing name.
-    pub name: String,
-    /// Device memory in bytes.
-    pub memory_bytes: u64,
-    /// Compute capability, `major.minor`.
-    pub compute_capability: String,
-    /// Streaming multiprocessors.
-    pub multiprocessors: u32,
-    /// Whether allocations can be exported as file descriptors (needed for shared batch slots).
-    pub exportable_memory: bool,
-}
-
-/// One read path on one device.
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct EngineView {
-    /// `host` or `cuda:N`.
-    pub device: String,
-    /// `io_uring`, `pread`, `cufile`, `uring_bounce` or `page_cache_copy`.
-    pub engine: String,
-    /// Usable on this machine.
-    pub available: bool,
-    /// Why it is or is not.
-    pub reason: String,
-}
-
-/// What the machine offers, probed once (on the first status request).
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct Platform {
-    /// The CUDA driver: loadable, with a device.
-    pub cuda: Availability,
-    /// The CUDA devices seen.
-    pub devices: Vec<DeviceView>,
-    /// Every read path per device.
-    pub engines: Vec<EngineView>,
-}
 
 /// What the daemon serves with.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
