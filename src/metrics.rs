@@ -561,6 +561,51 @@ mod tests {
     }
 
     #[test]
+    fn the_serving_ledger_returns_to_zero_when_sessions_and_streams_end() {
+        let metrics = Metrics::new();
+        assert!(metrics.open_session(2));
+        assert!(metrics.open_session(2));
+        assert!(!metrics.open_session(2), "a third session is refused");
+        assert!(metrics.reserve_slot_bytes(600, 1000));
+        assert!(
+            !metrics.reserve_slot_bytes(600, 1000),
+            "over the slot memory bound"
+        );
+        assert!(metrics.reserve_slot_bytes(400, 1000));
+        metrics.unreserve_slot_bytes(400);
+        metrics.stream_opened(3);
+        metrics.move_slot(SlotLease::Free, SlotLease::Filling);
+        metrics.move_slot(SlotLease::Filling, SlotLease::Consumer);
+        metrics.batch_served(2, Duration::from_micros(40));
+        assert_eq!(
+            metrics.serving(),
+            ServingCounts {
+                sessions: 2,
+                streams: 1,
+                slots_allocated: 3,
+                slot_bytes_allocated: 600,
+                batches_served: 1,
+                samples_replaced: 2,
+            }
+        );
+        metrics.stream_closed([2, 0, 1], 600);
+        metrics.close_session();
+        metrics.close_session();
+        assert_eq!(
+            metrics.serving(),
+            ServingCounts {
+                batches_served: 1,
+                samples_replaced: 2,
+                ..ServingCounts::default()
+            }
+        );
+        let text = render(&metrics, &Snapshot::default());
+        for lease in ["free", "filling", "consumer"] {
+            assert!(text.contains(&format!("gpufeed_slots{{lease=\"{lease}\"}} 0\n")));
+        }
+    }
+
+    #[test]
     fn every_family_has_help_and_type() {
         let metrics = Metrics::new();
         metrics.add_read_bytes(ReadPath::Pread, 4096);
