@@ -16,8 +16,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpufeed::device::{Device, DeviceBuffer};
-use gpufeed::storage::gpu::{DeviceExtent, GpuReader, GpuReaderLimits, PathChoice, ReadPath};
-use gpufeed::storage::{DirectIo, FileId, FileTable};
+use gpufeed::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice, ReadPath};
+use gpufeed::storage::{DirectIo, Extent, FileId, FileTable};
 
 #[derive(Parser)]
 struct Args {
@@ -45,8 +45,9 @@ struct Args {
 }
 
 fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage writes into the zeroed struct we own.
+    // SAFETY: an all-zero rusage is a valid value of this plain C struct.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct we own.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
     let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     seconds(usage.ru_utime) + seconds(usage.ru_stime)
@@ -77,10 +78,10 @@ fn main() -> Result<()> {
     }
     let mut reader = GpuReader::new(&device, limits)?;
     let extent_bytes = (args.extent_mib << 20) as u64;
-    let extents: Vec<DeviceExtent> = (0..len.div_ceil(extent_bytes))
+    let extents: Vec<Extent> = (0..len.div_ceil(extent_bytes))
         .map(|i| {
             let offset = i * extent_bytes;
-            DeviceExtent {
+            Extent {
                 file: FileId(0),
                 offset,
                 len: extent_bytes.min(len - offset) as usize,

@@ -150,6 +150,7 @@ fn main() -> Result<()> {
             stream_limits: limits,
             metrics: Arc::clone(&metrics),
             gpu: None,
+            handshake_timeout: gpufeed::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
         },
         registry,
     )?;
@@ -226,7 +227,12 @@ mod gpu {
             .dir
             .clone()
             .unwrap_or_else(|| temp.path().to_path_buf());
-        let mut serving = open_gpu_backend(ordinal, EngineMode::Auto)?;
+        let mut serving = open_gpu_backend(
+            ordinal,
+            EngineMode::Auto,
+            gpufeed::config::registered_bytes_max_default(),
+            gpufeed::pipeline::gpu::ZeroCopy::Auto,
+        )?;
         if let Some(rounds) = args.rounds_in_flight {
             serving.stream_limits.rounds_in_flight = rounds;
         }
@@ -279,6 +285,7 @@ mod gpu {
                 stream_limits: StreamLimits::node_defaults(),
                 metrics: Arc::clone(&metrics),
                 gpu: Some(Arc::clone(&serving)),
+                handshake_timeout: gpufeed::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
             },
             registry,
         )?;

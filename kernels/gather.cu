@@ -8,6 +8,11 @@
 //
 // Every piece is checked against its source's length and the slot's capacity before any access; a
 // piece that does not fit is skipped and counted in the outcome.
+//
+// Sources are the few device buffers passed by value (block cache, staging), and a table of *regions*
+// in device memory: page-cache windows registered and mapped for the device, which pieces read
+// straight over PCIe (zero-copy), one row at a time, so a shuffled batch never stages whole blocks.
+// A piece's source index below GF_GATHER_SOURCES_MAX names a buffer, from it upwards a region.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -65,6 +70,12 @@ struct GatherSources {
     u64 bytes[GF_GATHER_SOURCES_MAX];
     u32 count;
     u32 reserved;
+};
+
+// One mapped region, in a device table. Mirrored by kernels::GatherRegion (16 bytes).
+struct GatherRegion {
+    u64 ptr;    // device address of the mapped window
+    u64 bytes;  // its length
 };
 
 // Mirrored by kernels::GatherOutcome; zeroed before each launch.
@@ -310,6 +321,7 @@ __device__ __forceinline__ void op_sizes(u32 op, u32* in_bytes, u32* out_bytes) 
 
 extern "C" __global__ void __launch_bounds__(256)
 gf_gather_convert(const GatherPiece* __restrict__ pieces, u32 piece_count, GatherSources sources,
+                  const GatherRegion* __restrict__ regions, u32 region_count,
                   u8* __restrict__ dst, u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
     for (u32 p = blockIdx.x; p < piece_count; p += gridDim.x) {
         const GatherPiece piece = pieces[p];
@@ -324,6 +336,14 @@ gf_gather_convert(const GatherPiece* __restrict__ pieces, u32 piece_count, Gathe
             if (k == (u32)piece.source && k < sources.count) {
                 source_ptr = sources.ptr[k];
                 source_bytes = sources.bytes[k];
+            }
+        }
+        if ((u32)piece.source >= GF_GATHER_SOURCES_MAX) {
+            const u32 r = (u32)piece.source - GF_GATHER_SOURCES_MAX;
+            if (r < region_count) {
+                const GatherRegion region = regions[r];
+                source_ptr = region.ptr;
+                source_bytes = region.bytes;
             }
         }
         const bool fits = in_bytes != 0u && source_ptr != 0u &&

@@ -24,6 +24,7 @@
 #   E2E_SOCKET [/tmp/gpufeed.sock]  E2E_HTTP [127.0.0.1:7070]  E2E_PYTHON [python3]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+. scripts/lib/exits.sh
 OUT="${OUT:-/tmp/gpufeed-e2e-out}"
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -79,7 +80,7 @@ printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/ude
 say "data: make_data.py (emb ${E2E_EMB_GIB:-4} GiB, tokens ${E2E_TOKENS_GIB:-2} GiB)"
 timeout 240 "$py" scripts/e2e/make_data.py --out-dir "$npy" --emb-gib "${E2E_EMB_GIB:-4}" \
   --tokens-gib "${E2E_TOKENS_GIB:-2}" >>"$log" 2>&1
-echo "exit $?" >>"$log"
+note_exit $? "$log"
 sync
 
 kinds=()
@@ -165,7 +166,9 @@ run_gpufeed() {
     say "pack $kind"
     local started=$SECONDS
     timeout 240 "$bin/gpufeed" pack --out "$data/$kind" --field "data=$(npy_file "$kind")" --quiet --force >>"$log" 2>&1
-    echo "exit $? after $((SECONDS - started)) s" >>"$log"
+    rc=$?
+    echo "after $((SECONDS - started)) s" >>"$log"
+    note_exit "$rc" "$log"
     timeout 60 "$bin/gpufeed" inspect "$data/$kind" >"$work/inspect-$kind.json" 2>>"$log"
     cat "$work/inspect-$kind.json" >>"$log"
   done
@@ -259,7 +262,7 @@ run_peers() {
           say "peer torch $kind"
           timeout 300 "$py" scripts/e2e/peers.py torch --file "$file" --batch-sizes "$batches" \
             --workers "${E2E_TORCH_WORKERS:-4,8,12}" --jsonl "$jsonl" >>"$log" 2>&1
-          echo "exit $?" >>"$log"
+          note_exit $? "$log"
           ;;
         kvikio | kvikio-read)
           # KvikIO's POSIX path (KVIKIO_COMPAT_MODE=ON) with 8 threads is its fastest configuration on
@@ -274,7 +277,7 @@ run_peers() {
             KVIKIO_COMPAT_MODE=${E2E_KVIKIO_COMPAT:-ON} PYTHONPATH=/tmp/kvikio-site timeout 180 \
               "$py" scripts/e2e/peers.py kvikio --file "$file" --batch-sizes "$batches" --threads 8 \
               --depth "$depth" --repeat "$warm_repeat" "${read_only[@]}" --jsonl "$jsonl" >>"$log" 2>&1
-            echo "exit $?" >>"$log"
+            note_exit $? "$log"
           done
           ;;
         dali)
@@ -282,7 +285,7 @@ run_peers() {
           say "peer dali $kind"
           timeout 180 "$py" scripts/e2e/peers.py dali --file "$file" --batch-sizes "$batches" \
             --jsonl "$jsonl" >>"$log" 2>&1
-          echo "exit $?" >>"$log"
+          note_exit $? "$log"
           ;;
         *) say "unknown peer $peer" ;;
       esac
@@ -299,3 +302,4 @@ say "done in $SECONDS s"
 grep -E '^exit [1-9]|Traceback|"error"|"skipped"|SKIPPED|FAILED' "$log" | cut -c1-240
 echo
 "$py" scripts/e2e/report.py --table-only "$jsonl" | tee "$OUT/table.md"
+finish

@@ -7,6 +7,7 @@
 # Logs go to $OUT; a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/exits.sh
 OUT="${OUT:-/tmp/gpufeed-serve}"
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -21,7 +22,7 @@ printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/ude
 
 echo "=== gpu_serve tests" >>"$log"
 timeout "${SERVE_TEST_TIMEOUT:-300}" "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1 >>"$log" 2>&1
-echo "tests exit $?" | tee -a "$log"
+rc=$?; echo "tests exit $rc"; note_exit "$rc" "$log"
 
 bench="$OUT/serve_bench.jsonl"
 : >"$bench"
@@ -32,8 +33,9 @@ for rounds in ${SERVE_ROUNDS:-default}; do
     echo "=== serve_bench batch $batch rounds in flight $rounds" >>"$log"
     timeout 200 "$bin/serve_bench" --device cuda:0 --consume-bin "$bin/consume" --dir /var/tmp \
       --samples "${SERVE_SAMPLES:-524288}" --batch-size "$batch" "${rounds_args[@]}" >>"$bench" 2>>"$log"
-    echo "bench exit $?" >>"$log"
+    note_exit $? "$log"
   done
 done
 grep -E "^test |test result|exit" "$log" | tail -20
 cat "$bench"
+finish

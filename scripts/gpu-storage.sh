@@ -6,6 +6,7 @@
 # Logs go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/exits.sh
 OUT="${OUT:-/tmp/gpufeed-storage}"
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -17,13 +18,13 @@ log="$OUT/storage.log"
 
 echo "=== fallback test without the udev entry" >>"$log"
 timeout 120 "$bin/gpu_storage" --include-ignored --nocapture cufile_falls_back >>"$log" 2>&1
-echo "exit $?" >>"$log"
+note_exit $? "$log"
 
 mkdir -p /run/udev/data
 printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
 echo "=== all storage tests with the udev entry" >>"$log"
 timeout 300 "$bin/gpu_storage" --include-ignored --nocapture --test-threads=1 >>"$log" 2>&1
-echo "exit $?" >>"$log"
+note_exit $? "$log"
 
 bench="$OUT/read_bench.jsonl"
 : >"$bench"
@@ -82,3 +83,4 @@ for line in open(sys.argv[1]):
         continue
     print(f"{r['path']:<22} {r['temperature']:<5} {r['gb_per_s']:>7.2f} {r.get('host_cores', float('nan')):>10.2f}")
 PY
+finish

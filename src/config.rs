@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::storage::EngineMode;
+use crate::pipeline::gpu::ZeroCopy;
+use crate::storage::{EngineMode, UnknownEngine};
 
 /// Where the control API listens unless told otherwise.
 pub const HTTP_ADDR_DEFAULT: &str = "127.0.0.1:7070";
@@ -27,6 +28,17 @@ pub const BODY_BYTES_MAX_MAX: u64 = 64 << 20;
 pub const SESSIONS_MAX_DEFAULT: u32 = 64;
 /// Default most bytes of slot memory over all streams (8 GiB).
 pub const SLOT_MEMORY_BYTES_MAX_DEFAULT: u64 = 8 << 30;
+/// Default size of a registered page-cache window: registering one costs about 9 ms on the H100 box,
+/// small enough to register ahead of the reads, large enough that few windows cover a dataset.
+pub const REGISTERED_WINDOW_BYTES_DEFAULT: u64 = 256 << 20;
+/// Smallest window accepted (tests use small ones to exercise eviction on small datasets).
+pub const REGISTERED_WINDOW_BYTES_MIN: u64 = 64 << 10;
+/// Largest window accepted.
+pub const REGISTERED_WINDOW_BYTES_MAX: u64 = 4 << 30;
+/// Granularity of the derived registration budget.
+pub const REGISTERED_BYTES_MAX_MIN: u64 = REGISTERED_WINDOW_BYTES_DEFAULT;
+/// Share of the host's RAM the default registration budget may lock (the rest stays reclaimable).
+pub const REGISTERED_RAM_SHARE_DEFAULT: f64 = 0.5;
 /// Default most pack jobs running at once: packing is CPU- and disk-heavy and competes with serving.
 pub const JOBS_RUNNING_MAX_DEFAULT: u32 = 2;
 /// Default most pack jobs waiting for a running slot.
@@ -152,10 +164,18 @@ pub struct ConfigLayer {
     pub pack_threads: Option<u32>,
     /// Most raw bytes per second each pack job packs (unlimited when absent).
     pub pack_rate_max: Option<ByteCount>,
+    /// Most bytes of page cache registered (locked) for device access at once, per node; `0` turns
+    /// the page-cache path off. Default: see [`registered_bytes_max_default`].
+    pub registered_memory_max: Option<ByteCount>,
+    /// Size of one registered page-cache window (a multiple of 4096).
+    pub registered_window: Option<ByteCount>,
+    /// `auto`, `always` or `off`: when GPUs read rows of raw blocks straight from registered page
+    /// cache instead of staging whole blocks.
+    pub zero_copy: Option<String>,
 }
 
 /// The environment variable for each key, in [`ConfigLayer`] order.
-pub const ENV_VARS: [&str; 15] = [
+pub const ENV_VARS: [&str; 18] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -171,6 +191,9 @@ pub const ENV_VARS: [&str; 15] = [
     "GPUFEED_JOB_RECORDS_MAX",
     "GPUFEED_PACK_THREADS",
     "GPUFEED_PACK_RATE_MAX",
+    "GPUFEED_REGISTERED_MEMORY_MAX",
+    "GPUFEED_REGISTERED_WINDOW",
+    "GPUFEED_ZERO_COPY",
 ];
 
 /// The environment variable naming the configuration file.
@@ -246,6 +269,9 @@ impl ConfigLayer {
             job_records_max: number("GPUFEED_JOB_RECORDS_MAX")?,
             pack_threads: number("GPUFEED_PACK_THREADS")?,
             pack_rate_max: bytes("GPUFEED_PACK_RATE_MAX")?,
+            registered_memory_max: bytes("GPUFEED_REGISTERED_MEMORY_MAX")?,
+            registered_window: bytes("GPUFEED_REGISTERED_WINDOW")?,
+            zero_copy: get("GPUFEED_ZERO_COPY"),
         })
     }
 
@@ -267,6 +293,9 @@ impl ConfigLayer {
             job_records_max: self.job_records_max.or(lower.job_records_max),
             pack_threads: self.pack_threads.or(lower.pack_threads),
             pack_rate_max: self.pack_rate_max.or(lower.pack_rate_max),
+            registered_memory_max: self.registered_memory_max.or(lower.registered_memory_max),
+            registered_window: self.registered_window.or(lower.registered_window),
+            zero_copy: self.zero_copy.or(lower.zero_copy),
         }
     }
 
@@ -286,7 +315,7 @@ impl ConfigLayer {
             .as_deref()
             .unwrap_or("auto")
             .parse()
-            .map_err(|reason: String| invalid("--engine", reason))?;
+            .map_err(|error: UnknownEngine| invalid("--engine", error.to_string()))?;
         let allowed_uids = match self.allow_uids {
             Some(uids) if !uids.is_empty() => uids,
             _ => vec![own_uid],
@@ -374,6 +403,51 @@ impl ConfigLayer {
             Some(ByteCount(n)) => Some(n),
             None => None,
         };
+        let window_bytes = self
+            .registered_window
+            .map_or(REGISTERED_WINDOW_BYTES_DEFAULT, |ByteCount(n)| n);
+        if !(REGISTERED_WINDOW_BYTES_MIN..=REGISTERED_WINDOW_BYTES_MAX).contains(&window_bytes)
+            || window_bytes % 4096 != 0
+        {
+            return Err(invalid(
+                "--registered-window",
+                format!(
+                    "{window_bytes} bytes is not a multiple of 4096 in \
+                     {REGISTERED_WINDOW_BYTES_MIN}..={REGISTERED_WINDOW_BYTES_MAX}"
+                ),
+            ));
+        }
+        let zero_copy: ZeroCopy = self
+            .zero_copy
+            .as_deref()
+            .unwrap_or("auto")
+            .parse()
+            .map_err(|reason: String| invalid("--zero-copy", reason))?;
+        let registered = match self.registered_memory_max {
+            Some(ByteCount(0)) => RegistrationBudget {
+                bytes_max: 0,
+                window_bytes,
+                source: BudgetSource::Configured,
+            },
+            Some(ByteCount(n)) if n < window_bytes => {
+                return Err(invalid(
+                    "--registered-memory-max",
+                    format!(
+                        "{n} bytes is below one registration window ({window_bytes} bytes); use 0 \
+                         to turn the page-cache path off"
+                    ),
+                ))
+            }
+            Some(ByteCount(n)) => RegistrationBudget {
+                bytes_max: n / window_bytes * window_bytes,
+                window_bytes,
+                source: BudgetSource::Configured,
+            },
+            None => RegistrationBudget {
+                window_bytes,
+                ..registered_bytes_max_default()
+            },
+        };
         Ok(Settings {
             data_root,
             socket_path,
@@ -390,8 +464,77 @@ impl ConfigLayer {
             jobs,
             pack_threads,
             pack_bytes_per_s_max,
+            registered,
+            zero_copy,
         })
     }
+}
+
+/// Where the registration budget came from, shown in `/v1/status`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BudgetSource {
+    /// `--registered-memory-max`, its variable or its TOML key.
+    Configured,
+    /// Half the host's RAM, below `RLIMIT_MEMLOCK`.
+    Derived,
+}
+
+impl BudgetSource {
+    /// The name shown in status.
+    pub fn name(self) -> &'static str {
+        match self {
+            BudgetSource::Configured => "configured",
+            BudgetSource::Derived => "derived",
+        }
+    }
+}
+
+/// The most page-cache bytes the daemon keeps registered (locked) for its devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegistrationBudget {
+    /// The bound, a whole number of windows; 0 turns the page-cache path off.
+    pub bytes_max: u64,
+    /// Size of one registered window.
+    pub window_bytes: u64,
+    /// Where it came from.
+    pub source: BudgetSource,
+}
+
+/// The default registration budget: [`REGISTERED_RAM_SHARE_DEFAULT`] of the host's RAM, and no more
+/// than `RLIMIT_MEMLOCK` allows (registration locks pages: past the limit it would fail), rounded
+/// down to whole windows.
+pub fn registered_bytes_max_default() -> RegistrationBudget {
+    let ram = host_ram_bytes().unwrap_or(16 << 30);
+    let mut bytes = (ram as f64 * REGISTERED_RAM_SHARE_DEFAULT) as u64;
+    if let Some(memlock) = memlock_limit_bytes() {
+        bytes = bytes.min(memlock);
+    }
+    let bytes = bytes / REGISTERED_BYTES_MAX_MIN * REGISTERED_BYTES_MAX_MIN;
+    RegistrationBudget {
+        bytes_max: bytes,
+        window_bytes: REGISTERED_WINDOW_BYTES_DEFAULT,
+        source: BudgetSource::Derived,
+    }
+}
+
+/// Physical memory of the host, from `sysconf`.
+fn host_ram_bytes() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    // SAFETY: as above.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    (pages > 0 && page > 0).then(|| pages as u64 * page as u64)
+}
+
+/// The soft `RLIMIT_MEMLOCK`, unless unlimited.
+fn memlock_limit_bytes() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given and nothing else.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0;
+    (ok && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
 fn check_token(token: &str) -> Result<(), ConfigError> {
@@ -475,6 +618,10 @@ pub struct Settings {
     pub pack_threads: usize,
     /// Most raw bytes per second each pack job packs.
     pub pack_bytes_per_s_max: Option<u64>,
+    /// Most page-cache bytes registered for the devices at once.
+    pub registered: RegistrationBudget,
+    /// When GPUs read rows of raw blocks in place from registered page cache.
+    pub zero_copy: ZeroCopy,
 }
 
 #[cfg(test)]
@@ -543,6 +690,9 @@ mod tests {
             "4",
             "1",
             "1M",
+            "1G",
+            "1M",
+            "always",
         ];
         let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
         let layer = env(&pairs);
@@ -601,6 +751,15 @@ mod tests {
             (&[("GPUFEED_JOB_RECORDS_MAX", "1")], "--job-records-max"),
             (&[("GPUFEED_ENGINE", "spdk")], "--engine"),
             (&[("GPUFEED_PACK_RATE_MAX", "0")], "--pack-rate-max"),
+            (
+                &[("GPUFEED_REGISTERED_MEMORY_MAX", "1M")],
+                "--registered-memory-max",
+            ),
+            (
+                &[("GPUFEED_REGISTERED_WINDOW", "5000")],
+                "--registered-window",
+            ),
+            (&[("GPUFEED_ZERO_COPY", "sometimes")], "--zero-copy"),
         ];
         for (pairs, key) in cases {
             let mut all = vec![("GPUFEED_DATA_ROOT", "/r")];
@@ -620,6 +779,25 @@ mod tests {
     }
 
     #[test]
+    fn the_default_registration_budget_is_bounded_by_ram_and_memlock() {
+        let budget = registered_bytes_max_default();
+        assert_eq!(budget.source, BudgetSource::Derived);
+        assert_eq!(budget.bytes_max % REGISTERED_BYTES_MAX_MIN, 0);
+        let ram = host_ram_bytes().expect("sysconf reports the RAM");
+        assert!(budget.bytes_max <= ram / 2, "{budget:?} of {ram}");
+        if let Some(memlock) = memlock_limit_bytes() {
+            assert!(budget.bytes_max <= memlock, "{budget:?} over {memlock}");
+        }
+        let off = env(&[
+            ("GPUFEED_DATA_ROOT", "/r"),
+            ("GPUFEED_REGISTERED_MEMORY_MAX", "0"),
+        ])
+        .resolve(0)
+        .unwrap();
+        assert_eq!(off.registered.bytes_max, 0);
+    }
+
+    #[test]
     fn byte_counts_take_suffixes_in_every_source() {
         let layer = file("slot_memory_max = \"1G\"\nbody_limit = 4096\n");
         assert_eq!(layer.slot_memory_max, Some(ByteCount(1 << 30)));
@@ -628,6 +806,12 @@ mod tests {
         assert_eq!(parse_byte_count("2MiB"), Ok(2 << 20));
         assert!(parse_byte_count("lots").is_err());
         assert!(parse_byte_count("99999999999999G").is_err());
+        let budget = file("data_root = \"/r\"\nregistered_memory_max = \"2G\"\n")
+            .resolve(0)
+            .unwrap()
+            .registered;
+        assert_eq!(budget.bytes_max, 2 << 30);
+        assert_eq!(budget.source, BudgetSource::Configured);
         let uids = env(&[("GPUFEED_ALLOW_UIDS", "1000, 1001")]);
         assert_eq!(uids.allow_uids, Some(vec![1000, 1001]));
     }

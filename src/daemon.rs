@@ -19,10 +19,11 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::api::{self, ApiOptions, Control, Metrics, StartupError};
-use crate::config::{HttpListen, Settings};
+use crate::config::{HttpListen, RegistrationBudget, Settings};
 use crate::device::{CacheDir, Device, DeviceError};
 use crate::ipc::{Server, ServerConfig};
 use crate::kernels::Kernels;
+use crate::pipeline::gpu::ZeroCopy;
 use crate::pipeline::{GpuBackend, GpuStreamLimits, StreamLimits};
 use crate::registry::Registry;
 use crate::storage::gpu::{GpuReaderLimits, PathChoice};
@@ -192,7 +193,12 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, Daem
         DeviceRequest::Auto => 0,
         DeviceRequest::Cuda(ordinal) => ordinal,
     };
-    match open_gpu_backend(ordinal, settings.engine) {
+    match open_gpu_backend(
+        ordinal,
+        settings.engine,
+        settings.registered,
+        settings.zero_copy,
+    ) {
         Ok(gpu) => {
             tracing::info!(
                 "GPU backend on cuda:{ordinal} ({}); read path choice {:?}",
@@ -210,16 +216,31 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, Daem
 }
 
 /// Composes the GPU backend on CUDA device `ordinal`: opens the device, loads (compiling if needed)
-/// the kernels, and sets up the page-cache windows shared by every stream, with node defaults for
-/// every bound. Fails with [`DeviceError::Unavailable`] where CUDA cannot be used, on which a caller
-/// asking for `auto` falls back to the CPU backend.
-pub fn open_gpu_backend(ordinal: u32, engine: EngineMode) -> Result<GpuBackend, DeviceError> {
+/// the kernels, and sets up the page-cache windows shared by every stream within the `registered`
+/// budget, with node defaults for the other bounds. Fails with [`DeviceError::Unavailable`] where
+/// CUDA cannot be used, on which a caller asking for `auto` falls back to the CPU backend.
+pub fn open_gpu_backend(
+    ordinal: u32,
+    engine: EngineMode,
+    registered: RegistrationBudget,
+    zero_copy: ZeroCopy,
+) -> Result<GpuBackend, DeviceError> {
     let device = Device::open(ordinal as usize)?;
     let kernels = Kernels::load(&device, CacheDir::FromEnvironment)?;
     for (kernel, origin) in &kernels.origins {
         tracing::info!("kernel {kernel}: {origin:?}");
     }
-    let reader_limits = GpuReaderLimits::node_defaults();
+    let reader_limits = GpuReaderLimits {
+        window_bytes: registered.window_bytes as usize,
+        registered_bytes_max: registered.bytes_max as usize,
+        ..GpuReaderLimits::node_defaults()
+    };
+    tracing::info!(
+        "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {zero_copy:?}",
+        registered.bytes_max,
+        registered.source.name(),
+        registered.window_bytes
+    );
     let windows = Arc::new(PageCacheWindows::new(
         &device,
         reader_limits.window_bytes,
@@ -232,7 +253,10 @@ pub fn open_gpu_backend(ordinal: u32, engine: EngineMode) -> Result<GpuBackend, 
         kernels: Arc::new(kernels),
         reader_limits,
         choice: PathChoice::from_mode(engine),
-        stream_limits: GpuStreamLimits::node_defaults(),
+        stream_limits: GpuStreamLimits {
+            zero_copy,
+            ..GpuStreamLimits::node_defaults()
+        },
     })
 }
 
@@ -275,6 +299,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
         stream_limits: StreamLimits::node_defaults(),
         metrics: Arc::clone(&metrics),
         gpu,
+        handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
     };
     let server = Server::bind(server_config, Arc::clone(&registry)).map_err(|source| {
         DaemonError::Socket {

@@ -390,6 +390,7 @@ fn serve_cpu(dir: &Path, dataset: Dataset) -> Result<Served> {
             stream_limits: StreamLimits::node_defaults(),
             metrics: Arc::new(crate::metrics::Metrics::new()),
             gpu: None,
+            handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
         },
         registry,
     )

@@ -1,6 +1,6 @@
-//! The `gpufeed` command line: pack, inspect, verify, unpack and demo.
+//! The `gpufeed` command line: pack, inspect, verify, unpack, list-inputs, serve and demo.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -51,15 +51,21 @@ enum Command {
         quiet: bool,
     },
     /// Decode one field of a dataset on the CPU into a .npy file of shape [samples, ...].
+    ///
+    /// The file appears at --out only once every block has decoded: a corrupt dataset leaves nothing
+    /// there (and an existing file intact).
     Unpack {
         /// The dataset directory.
         dir: PathBuf,
         /// The field to decode.
         #[arg(long)]
         field: String,
-        /// The .npy file to write.
+        /// The .npy file to write; it must not exist unless --force is given.
         #[arg(long)]
         out: PathBuf,
+        /// Replace an existing regular file at --out (only once the new one is complete).
+        #[arg(long)]
+        force: bool,
         /// Convert elements to this dtype (f16 and bf16 convert to f32 exactly as the GPU path does;
         /// integers of at most 32 bits widen to i64). Default: the stored dtype.
         #[arg(long)]
@@ -67,6 +73,16 @@ enum Command {
         /// Do not draw a progress bar.
         #[arg(long)]
         quiet: bool,
+    },
+    /// List the arrays of .npy and safetensors input files: each tensor's name, dtype and shape
+    /// (samples first), as `pack --field NAME=FILE.safetensors:TENSOR` needs them.
+    ///
+    /// The format is recognised from each file's first bytes; only headers are read. Exits 1 if a
+    /// file could not be listed (after listing the others).
+    ListInputs {
+        /// The input files.
+        #[arg(required = true, value_name = "FILE")]
+        files: Vec<PathBuf>,
     },
     /// Start the daemon: register every dataset under --data-root and serve batches to consumers
     /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
@@ -195,6 +211,19 @@ struct ServeArgs {
     /// serving (suffixes K, M, G). Default: unlimited.
     #[arg(long, value_name = "BYTES_PER_S", value_parser = parse_byte_count)]
     pack_rate_max: Option<ByteCount>,
+    /// Most bytes of page cache the daemon keeps registered (locked in memory) so that GPUs read
+    /// shards straight from it; data beyond it is read through bounce buffers or cuFile. 0 turns
+    /// the page-cache path off (suffixes K, M, G). Default: half the RAM, within RLIMIT_MEMLOCK.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    registered_memory_max: Option<ByteCount>,
+    /// Size of one registered page-cache window (a multiple of 4096; suffixes K, M, G). Default: 256M.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    registered_window: Option<ByteCount>,
+    /// When GPUs read rows of raw (uncompressed) blocks straight from registered page cache instead
+    /// of staging whole blocks: `auto` (when a batch uses less than half a block, as shuffled orders
+    /// do), `always` or `off`. Default: auto.
+    #[arg(long, value_name = "auto|always|off")]
+    zero_copy: Option<String>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
@@ -221,14 +250,69 @@ fn parse_bytes(text: &str) -> Result<u32, String> {
         .map_err(|_| format!("{text:?} is too large"))
 }
 
+/// Runs the command. A reader that closed the pipe on our output (`gpufeed inspect | head`) ends the
+/// command quietly with status 0, as the output simply stops where the reader stopped wanting it:
+/// `print_stdout` handles that where this file prints, and [`quiet_on_broken_pipe`] catches the
+/// panic of a `println!` or `eprintln!` elsewhere (the demo's report). `serve` is left out: a daemon
+/// must not stop, let alone report success, because its start-up line could not be printed.
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli.command) {
+    let outcome = if matches!(cli.command, Command::Serve(_)) {
+        run(cli.command)
+    } else {
+        match quiet_on_broken_pipe(|| run(cli.command)) {
+            Some(outcome) => outcome,
+            None => return ExitCode::SUCCESS,
+        }
+    };
+    match outcome {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {}", error_chain(&error));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Runs `command`; returns `None` if it panicked because standard output or standard error was a
+/// pipe whose reader had gone (the panic of `println!` and `eprintln!` on EPIPE), and lets every
+/// other panic through with its usual message. Destructors run while unwinding, so the demo's
+/// daemon and temporary directory are still cleaned up.
+fn quiet_on_broken_pipe<T>(command: impl FnOnce() -> T) -> Option<T> {
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if !is_broken_pipe_panic(info.payload()) {
+            default_hook(info);
+        }
+    }));
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(command)) {
+        Ok(value) => Some(value),
+        Err(payload) if is_broken_pipe_panic(payload.as_ref()) => None,
+        Err(payload) => std::panic::resume_unwind(payload),
+    }
+}
+
+/// Whether a panic payload is the standard library's "failed printing to stdout/stderr" for a
+/// closed pipe (the message of `print!` and `eprint!` when the write fails).
+fn is_broken_pipe_panic(payload: &(dyn std::any::Any + Send)) -> bool {
+    let message = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied());
+    message.is_some_and(|m| {
+        m.starts_with("failed printing to std")
+            && m.contains(&std::io::Error::from_raw_os_error(libc::EPIPE).to_string())
+    })
+}
+
+/// Writes `text` and a newline to standard output. A reader that went away (`gpufeed inspect | head`)
+/// is not an error: the output simply ends, as with other Unix tools, instead of a panic.
+fn print_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
     }
 }
 
@@ -254,10 +338,8 @@ fn run(command: Command) -> Result<ExitCode> {
         Command::Pack(args) => run_pack(args),
         Command::Inspect { dir } => {
             let dataset = Dataset::open(&dir)?;
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&tools::inspect(&dataset))?
-            );
+            let text = serde_json::to_string_pretty(&tools::inspect(&dataset))?;
+            print_stdout(&text)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Verify { dir, quiet } => {
@@ -267,14 +349,14 @@ fn run(command: Command) -> Result<ExitCode> {
             for problem in &report.problems {
                 eprintln!("corrupt: {problem}");
             }
-            println!(
+            print_stdout(&format!(
                 "{}: {}/{} shards readable, {} blocks intact, {} problems",
                 dir.display(),
                 report.shards_ok,
                 report.shards_total,
                 report.blocks_ok,
                 report.problems.len()
-            );
+            ))?;
             Ok(if report.problems.is_empty() {
                 ExitCode::SUCCESS
             } else {
@@ -285,16 +367,18 @@ fn run(command: Command) -> Result<ExitCode> {
             dir,
             field,
             out,
+            force,
             dtype,
             quiet,
         } => {
             let dataset = Dataset::open(&dir)?;
             let bar = Bar::new(quiet, "unpack");
-            let bytes = tools::unpack(&dataset, &field, &out, dtype, &bar)?;
+            let bytes = tools::unpack_to(&dataset, &field, &out, dtype, on_existing(force), &bar)?;
             bar.finish();
             eprintln!("wrote {} ({bytes} bytes of data)", out.display());
             Ok(ExitCode::SUCCESS)
         }
+        Command::ListInputs { files } => run_list_inputs(&files),
         Command::Serve(args) => run_serve(args),
         Command::Demo {
             dir,
@@ -337,11 +421,7 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
             ShuffleArg::On => ShuffleChoice::On,
             ShuffleArg::Off => ShuffleChoice::Off,
         },
-        on_existing: if args.force {
-            OnExisting::Replace
-        } else {
-            OnExisting::Refuse
-        },
+        on_existing: on_existing(args.force),
         threads: args.threads.unwrap_or_else(default_threads),
     };
     let bar = Bar::new(args.quiet, "pack");
@@ -361,6 +441,62 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
         summary.raw_bytes as f64 / seconds / 1e9
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn run_list_inputs(files: &[PathBuf]) -> Result<ExitCode> {
+    let mut failed = false;
+    for path in files {
+        let listing = match tools::list_input(path) {
+            Ok(listing) => listing,
+            Err(error) => {
+                eprintln!("error: {error}");
+                failed = true;
+                continue;
+            }
+        };
+        let mut text = match listing.format {
+            tools::InputFormat::Npy => format!("{}: NumPy .npy array", path.display()),
+            tools::InputFormat::Safetensors => format!(
+                "{}: safetensors, {} tensor(s)",
+                path.display(),
+                listing.arrays.len()
+            ),
+        };
+        let name_width = listing
+            .arrays
+            .iter()
+            .map(|a| a.name.as_deref().map_or(0, str::len))
+            .max()
+            .unwrap_or(0);
+        let dtype_width = listing
+            .arrays
+            .iter()
+            .map(|a| a.dtype.len())
+            .max()
+            .unwrap_or(0);
+        for array in &listing.arrays {
+            let shape: Vec<String> = array.shape.iter().map(u64::to_string).collect();
+            let name = array.name.as_deref().unwrap_or("");
+            let line = format!(
+                "  {name:name_width$}  {:dtype_width$}  [{}]{}",
+                array.dtype,
+                shape.join(", "),
+                if array.dtype_supported {
+                    ""
+                } else {
+                    "  (gpufeed cannot pack this dtype)"
+                }
+            );
+            text.push('\n');
+            text.push_str(line.trim_end());
+        }
+        print_stdout(&text)?;
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn run_serve(args: ServeArgs) -> Result<ExitCode> {
@@ -387,6 +523,9 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         job_records_max: args.job_records_max,
         pack_threads: args.pack_threads,
         pack_rate_max: args.pack_rate_max,
+        registered_memory_max: args.registered_memory_max,
+        registered_window: args.registered_window,
+        zero_copy: args.zero_copy,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {
@@ -405,6 +544,15 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The policy a `--force` flag asks for.
+fn on_existing(force: bool) -> OnExisting {
+    if force {
+        OnExisting::Replace
+    } else {
+        OnExisting::Refuse
+    }
+}
+
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -421,6 +569,9 @@ fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSour
         let Some((name, spec)) = arg.split_once('=') else {
             bail!("--field {arg:?}: expected NAME=FILE.npy or NAME=FILE.safetensors:TENSOR");
         };
+        if spec.ends_with(".safetensors") {
+            bail!(missing_tensor(arg, name, Path::new(spec)));
+        }
         if let Some((file, tensor)) = spec
             .rsplit_once(':')
             .filter(|(f, _)| f.ends_with(".safetensors"))
@@ -452,10 +603,58 @@ fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSour
                     .find(|(n, _)| *n == name)
                     .expect("recorded")
                     .1;
-                Ok(input::open_npy_field(&name, files)?)
+                input::open_npy_field(&name, files).map_err(|error| match &error {
+                    // A safetensors file given without `.safetensors` in its name: say so rather
+                    // than only that it is no .npy file.
+                    input::InputError::NotNpy { path }
+                        if tools::list_input(path).is_ok_and(|listing| {
+                            listing.format == tools::InputFormat::Safetensors
+                        }) =>
+                    {
+                        anyhow::anyhow!(missing_tensor(
+                            &format!("{name}={}", path.display()),
+                            &name,
+                            path
+                        ))
+                    }
+                    _ => error.into(),
+                })
             }
         })
         .collect()
+}
+
+/// Tensors named in the error for a safetensors `--field` without `:TENSOR`; `list-inputs` lists all.
+const LISTED_TENSORS_MAX: usize = 20;
+
+/// The error for `--field NAME=FILE` where FILE is a safetensors file and no tensor was named: what
+/// is missing, and the tensors FILE holds.
+fn missing_tensor(arg: &str, name: &str, file: &Path) -> String {
+    let mut text = format!(
+        "--field {arg:?}: a safetensors file holds many tensors; name the one to pack as \
+         --field {name}={}:TENSOR",
+        file.display()
+    );
+    match tools::list_input(file) {
+        Ok(listing) => {
+            let tensors: Vec<String> = listing
+                .arrays
+                .iter()
+                .take(LISTED_TENSORS_MAX)
+                .map(tools::InputArray::describe)
+                .collect();
+            text.push_str(&format!("; its tensors: {}", tensors.join(", ")));
+            let omitted = listing.arrays.len().saturating_sub(LISTED_TENSORS_MAX);
+            if omitted > 0 {
+                text.push_str(&format!(
+                    " and {omitted} more (gpufeed list-inputs {} lists them all)",
+                    file.display()
+                ));
+            }
+        }
+        Err(error) => text.push_str(&format!("; its tensors could not be listed: {error}")),
+    }
+    text
 }
 
 /// A byte-count progress bar on stderr (hidden when stderr is not a terminal or with --quiet).

@@ -186,6 +186,14 @@ impl Metrics {
         self.read_bytes[path as usize].fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Bytes read so far over every path (for read amplification: bytes read per byte stored).
+    pub fn read_bytes_total(&self) -> u64 {
+        self.read_bytes
+            .iter()
+            .map(|bytes| bytes.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Adds time spent decoding blocks.
     pub fn add_decode_time(&self, time: Duration) {
         self.decode_ns.fetch_add(nanos(time), Ordering::Relaxed);

@@ -57,9 +57,11 @@ pub enum ShuffleChoice {
 /// What to do when the destination already holds something.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnExisting {
-    /// Fail with [`PackError::Exists`].
+    /// Fail ([`PackError::Exists`], [`crate::tools::UnpackError::Exists`]).
     Refuse,
-    /// Replace it once the new dataset is complete.
+    /// Replace it once the new output is complete, but only if it is what the tool writes (a gpufeed
+    /// dataset for `pack`, a regular file for `unpack`); anything else is left untouched and the tool
+    /// fails naming the path.
     Replace,
 }
 
@@ -139,6 +141,14 @@ pub enum PackError {
     Exists {
         /// The destination.
         path: PathBuf,
+    },
+    /// The destination holds something other than a gpufeed dataset, which is never replaced.
+    #[error("{path}: {reason}; it was left untouched (--force replaces only a gpufeed dataset: a directory holding a valid manifest.json and the shards it names, nothing else)")]
+    NotADataset {
+        /// The destination.
+        path: PathBuf,
+        /// What is there instead and why it is not a dataset.
+        reason: String,
     },
     /// A file could not be written.
     #[error("{path}: {source}")]
@@ -341,11 +351,9 @@ pub fn pack(
             )));
         }
     }
-    if out.exists() && options.on_existing == OnExisting::Refuse && !is_empty_dir(out) {
-        return Err(PackError::Exists {
-            path: out.to_path_buf(),
-        });
-    }
+    // Checked before any work so that a refusal costs nothing; `commit` checks again, since the
+    // destination may change while the pack runs.
+    check_destination(out, options.on_existing)?;
     let staging = staging_dir(out, "partial")?;
     fs::create_dir(&staging).map_err(|source| PackError::Io {
         path: staging.clone(),
@@ -374,8 +382,103 @@ pub fn pack(
     }
 }
 
-fn is_empty_dir(path: &Path) -> bool {
-    fs::read_dir(path).is_ok_and(|mut entries| entries.next().is_none())
+/// What a pack found at its destination.
+#[derive(Debug, PartialEq, Eq)]
+enum Destination {
+    /// Nothing: the dataset is renamed into place.
+    Absent,
+    /// An empty directory (not a link), which rename(2) replaces atomically.
+    EmptyDir,
+    /// A gpufeed dataset: a directory holding a valid manifest and only the shards it names.
+    Dataset,
+    /// Anything else, described for the error message; never replaced.
+    Other(String),
+}
+
+/// Classifies what is at `out` without following a symbolic link there: a link is never replaced,
+/// since renaming over it would change the user's layout rather than the dataset it points to.
+fn examine_destination(out: &Path) -> Result<Destination, PackError> {
+    let metadata = match fs::symlink_metadata(out) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Destination::Absent),
+        Err(source) => {
+            return Err(PackError::Io {
+                path: out.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let file_type = metadata.file_type();
+    if file_type.is_symlink() {
+        return Ok(Destination::Other(
+            "is a symbolic link, not a dataset directory".into(),
+        ));
+    }
+    if !file_type.is_dir() {
+        let what = if file_type.is_file() {
+            "is not a directory but a regular file"
+        } else {
+            "is not a directory but a special file"
+        };
+        return Ok(Destination::Other(what.into()));
+    }
+    let io = |source| PackError::Io {
+        path: out.to_path_buf(),
+        source,
+    };
+    let mut names = Vec::new();
+    for entry in fs::read_dir(out).map_err(io)? {
+        names.push(entry.map_err(io)?.file_name());
+    }
+    if names.is_empty() {
+        return Ok(Destination::EmptyDir);
+    }
+    if !names.iter().any(|n| n.as_os_str() == MANIFEST_FILE_NAME) {
+        return Ok(Destination::Other(format!(
+            "is a non-empty directory but not a gpufeed dataset (no {MANIFEST_FILE_NAME})"
+        )));
+    }
+    let manifest = match Manifest::load(out) {
+        Ok(manifest) => manifest,
+        Err(error) => {
+            return Ok(Destination::Other(format!(
+                "is a directory but not a gpufeed dataset: its {MANIFEST_FILE_NAME} is not a valid gpufeed manifest ({error})"
+            )))
+        }
+    };
+    // A file the manifest does not name is someone's data, not part of the dataset: replacing the
+    // directory would delete it.
+    let stranger = names.iter().find(|name| {
+        name.as_os_str() != MANIFEST_FILE_NAME
+            && !manifest
+                .shards
+                .iter()
+                .any(|shard| name.as_os_str() == shard.file.as_str())
+    });
+    if let Some(stranger) = stranger {
+        return Ok(Destination::Other(format!(
+            "is a gpufeed dataset that also holds {:?}, which its manifest does not name",
+            stranger
+        )));
+    }
+    Ok(Destination::Dataset)
+}
+
+/// Fails unless a pack may write to `out` under `on_existing`; returns what is there.
+fn check_destination(out: &Path, on_existing: OnExisting) -> Result<Destination, PackError> {
+    let destination = examine_destination(out)?;
+    match (&destination, on_existing) {
+        (Destination::Absent | Destination::EmptyDir, _)
+        | (Destination::Dataset, OnExisting::Replace) => Ok(destination),
+        (Destination::Dataset, OnExisting::Refuse) => Err(PackError::Exists {
+            path: out.to_path_buf(),
+        }),
+        // Not suggesting --force here: it would not replace this either.
+        (Destination::Other(reason), _) => Err(PackError::NotADataset {
+            path: out.to_path_buf(),
+            reason: reason.clone(),
+        }),
+    }
 }
 
 fn staging_dir(out: &Path, kind: &str) -> Result<PathBuf, PackError> {
@@ -650,12 +753,7 @@ fn commit(staging: &Path, out: &Path, on_existing: OnExisting) -> Result<(), Pac
     };
     let parent = staging.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut retired = None;
-    if out.exists() && !is_empty_dir(out) {
-        if on_existing == OnExisting::Refuse {
-            return Err(PackError::Exists {
-                path: out.to_path_buf(),
-            });
-        }
+    if check_destination(out, on_existing)? == Destination::Dataset {
         let old = staging_dir(out, "old")?;
         fs::rename(out, &old).map_err(io(out))?;
         retired = Some(old);

@@ -3,7 +3,8 @@
 //! They read payloads with plain positional reads and decode on the CPU; the daemon's storage engines
 //! are not involved, so these tools also serve as an independent check of what the daemon serves.
 
-use std::fs::File;
+use std::fs::{self, File};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -13,6 +14,7 @@ use serde_json::{json, Value};
 use crate::decode::{self, BlockError, BlockRef, ConvertError};
 use crate::format::{Codec, Dataset, Filter, FormatError, Manifest, Shard};
 use crate::input::{npy, InputError};
+use crate::pack::OnExisting;
 
 /// Receives progress from a long-running tool.
 pub trait ToolProgress {
@@ -121,7 +123,7 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
             }
         };
         report.shards_ok += 1;
-        let file = match File::open(&shard.path) {
+        let file = match crate::format::open_regular(&shard.path) {
             Ok(file) => file,
             Err(error) => {
                 report
@@ -229,7 +231,21 @@ pub enum UnpackError {
     /// The output file could not be written.
     #[error(transparent)]
     Output(#[from] InputError),
-    /// A shard file could not be opened.
+    /// The output exists and replacing it was not asked for.
+    #[error("{path}: already exists (pass --force to replace it)")]
+    Exists {
+        /// The output path.
+        path: PathBuf,
+    },
+    /// The output exists and is not a regular file, which is never replaced.
+    #[error("{path}: already exists and is {what}; it was left untouched (--force replaces only a regular file)")]
+    NotAFile {
+        /// The output path.
+        path: PathBuf,
+        /// What is there, for the message.
+        what: &'static str,
+    },
+    /// A shard file could not be opened, or the output could not be written or renamed into place.
     #[error("{path}: {source}")]
     Io {
         /// The file.
@@ -239,13 +255,41 @@ pub enum UnpackError {
     },
 }
 
-/// Decodes a whole field to a `.npy` file of shape `[samples, ...shape]`, converting to `dtype` if given.
-/// Returns the number of bytes of array data written.
+/// Decodes a whole field to a `.npy` file of shape `[samples, ...shape]`, converting to `dtype` if given,
+/// replacing a regular file at `out`. Returns the number of bytes of array data written.
+///
+/// Like [`unpack_to`] with [`OnExisting::Replace`]: `out` holds either its old contents or the whole
+/// new array, never a partial one.
 pub fn unpack(
     dataset: &Dataset,
     field_name: &str,
     out: &Path,
     dtype: Option<DType>,
+    progress: &dyn ToolProgress,
+) -> Result<u64, UnpackError> {
+    unpack_to(
+        dataset,
+        field_name,
+        out,
+        dtype,
+        OnExisting::Replace,
+        progress,
+    )
+}
+
+/// Decodes a whole field to a `.npy` file of shape `[samples, ...shape]`, converting to `dtype` if given.
+/// Returns the number of bytes of array data written.
+///
+/// The array is written to a hidden temporary file beside `out` and renamed into place only once
+/// every block has decoded and the file is synced, so a corrupt block or a crash leaves no truncated
+/// `.npy` behind and an existing `out` intact. An existing `out` is replaced only under
+/// [`OnExisting::Replace`], and only if it is a regular file.
+pub fn unpack_to(
+    dataset: &Dataset,
+    field_name: &str,
+    out: &Path,
+    dtype: Option<DType>,
+    on_existing: OnExisting,
     progress: &dyn ToolProgress,
 ) -> Result<u64, UnpackError> {
     let field_index = dataset
@@ -277,14 +321,43 @@ pub fn unpack(
     }
     let mut shape = vec![dataset.manifest.sample_count];
     shape.extend_from_slice(&field.shape);
-    let mut writer = npy::write_npy(out, to, &shape)?;
+    // Checked before decoding anything so that a refusal costs nothing; the final link or rename
+    // decides again, since `out` may appear meanwhile.
+    check_output(out, on_existing)?;
+    let temporary = temporary_beside(out)?;
+    let result = write_field(dataset, field_index, to, &shape, &temporary, progress)
+        .map_err(|error| output_error(error, &temporary, out))
+        .and_then(|()| install_output(&temporary, out, on_existing));
+    if result.is_err() {
+        // Best effort: the temporary file is hidden and never read, but should not accumulate.
+        let _ = fs::remove_file(&temporary);
+    }
+    result?;
+    Ok(
+        dataset.manifest.sample_count
+            * field.shape.iter().product::<u64>()
+            * to.size_bytes() as u64,
+    )
+}
+
+/// Decodes field `field_index` into a new `.npy` file at `path`, converted to `to`.
+fn write_field(
+    dataset: &Dataset,
+    field_index: usize,
+    to: DType,
+    shape: &[u64],
+    path: &Path,
+    progress: &dyn ToolProgress,
+) -> Result<(), UnpackError> {
+    let field = &dataset.manifest.fields[field_index];
+    let mut writer = npy::write_npy(path, to, shape)?;
     let raw_total = field.sample_bytes() * dataset.manifest.sample_count;
     progress.started(raw_total);
     let (mut stored, mut scratch, mut raw, mut converted) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut done = 0u64;
     for shard in &dataset.shards {
-        let file = File::open(&shard.path).map_err(|source| UnpackError::Io {
+        let file = crate::format::open_regular(&shard.path).map_err(|source| UnpackError::Io {
             path: shard.path.clone(),
             source,
         })?;
@@ -312,9 +385,311 @@ pub fn unpack(
         }
     }
     writer.finish()?;
-    Ok(
-        dataset.manifest.sample_count
-            * field.shape.iter().product::<u64>()
-            * to.size_bytes() as u64,
-    )
+    Ok(())
+}
+
+/// Fails unless `unpack` may write to `out` under `on_existing`. A link is not followed: renaming
+/// over it would replace the link rather than write where it points.
+fn check_output(out: &Path, on_existing: OnExisting) -> Result<(), UnpackError> {
+    let metadata = match fs::symlink_metadata(out) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(UnpackError::Io {
+                path: out.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let file_type = metadata.file_type();
+    let what = if file_type.is_file() {
+        None
+    } else if file_type.is_dir() {
+        Some("a directory")
+    } else if file_type.is_symlink() {
+        Some("a symbolic link")
+    } else {
+        Some("a special file")
+    };
+    match (what, on_existing) {
+        (Some(what), _) => Err(UnpackError::NotAFile {
+            path: out.to_path_buf(),
+            what,
+        }),
+        (None, OnExisting::Refuse) => Err(UnpackError::Exists {
+            path: out.to_path_buf(),
+        }),
+        (None, OnExisting::Replace) => Ok(()),
+    }
+}
+
+/// A hidden name in `out`'s directory for the file being written.
+fn temporary_beside(out: &Path) -> Result<PathBuf, UnpackError> {
+    let name = out.file_name().ok_or_else(|| UnpackError::Io {
+        path: out.to_path_buf(),
+        source: io::Error::new(io::ErrorKind::InvalidInput, "not a file name"),
+    })?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    Ok(out.with_file_name(format!(
+        ".{}.partial-{}-{nanos}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// Names `out` instead of the temporary file in an I/O error, since that is the path the user gave.
+fn output_error(error: UnpackError, temporary: &Path, out: &Path) -> UnpackError {
+    match error {
+        UnpackError::Output(InputError::Io { path, source }) if path == temporary => {
+            UnpackError::Io {
+                path: out.to_path_buf(),
+                source,
+            }
+        }
+        other => other,
+    }
+}
+
+/// Moves the finished temporary file to `out`. Without replacing, a hard link creates `out` only if
+/// nothing is there (rename(2) would silently replace a file that appeared meanwhile).
+fn install_output(
+    temporary: &Path,
+    out: &Path,
+    on_existing: OnExisting,
+) -> Result<(), UnpackError> {
+    let io = |source| UnpackError::Io {
+        path: out.to_path_buf(),
+        source,
+    };
+    match on_existing {
+        OnExisting::Replace => {
+            check_output(out, on_existing)?;
+            fs::rename(temporary, out).map_err(io)?;
+        }
+        OnExisting::Refuse => match fs::hard_link(temporary, out) {
+            Ok(()) => fs::remove_file(temporary).map_err(io)?,
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(UnpackError::Exists {
+                    path: out.to_path_buf(),
+                })
+            }
+            // A file system without hard links: fall back to checking, then renaming.
+            Err(_) => {
+                check_output(out, on_existing)?;
+                fs::rename(temporary, out).map_err(io)?;
+            }
+        },
+    }
+    let parent = match out.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    File::open(parent)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|source| UnpackError::Io {
+            path: parent.to_path_buf(),
+            source,
+        })
+}
+
+/// Bytes of a safetensors header `list_input` reads at most (the `safetensors` crate's own limit).
+const SAFETENSORS_HEADER_BYTES_MAX: u64 = 100_000_000;
+
+/// The format of a pack input, as found from its first bytes (not its name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputFormat {
+    /// A NumPy `.npy` file: one array.
+    Npy,
+    /// A safetensors file: named tensors.
+    Safetensors,
+}
+
+/// One array of an input file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputArray {
+    /// The tensor's name; `None` for the single array of a `.npy` file.
+    pub name: Option<String>,
+    /// The element type as gpufeed names it, or as the file spells it when gpufeed cannot pack it.
+    pub dtype: String,
+    /// Whether gpufeed can pack this element type.
+    pub dtype_supported: bool,
+    /// The full shape, samples first.
+    pub shape: Vec<u64>,
+}
+
+/// What `gpufeed list-inputs` prints for one file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputListing {
+    /// The file.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: InputFormat,
+    /// Its arrays; tensors sorted by name.
+    pub arrays: Vec<InputArray>,
+}
+
+/// `gpufeed list-inputs` could not read a file.
+#[derive(Debug, thiserror::Error)]
+pub enum ListInputError {
+    /// The file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// The path is not a regular file (reading a FIFO or a device could block or never end).
+    #[error("{path}: not a regular file")]
+    NotAFile {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The file starts like neither format.
+    #[error("{path}: neither a NumPy .npy file (no \\x93NUMPY magic) nor a safetensors file (no JSON header)")]
+    UnknownFormat {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The `.npy` file is invalid.
+    #[error(transparent)]
+    Npy(#[from] InputError),
+    /// The safetensors header is invalid.
+    #[error("{path}: bad safetensors header: {reason}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// Lists the arrays of a `.npy` or safetensors file (name, dtype, shape), reading only its header.
+///
+/// The format is recognised from the file's first bytes, so a safetensors file named otherwise is
+/// still listed as one.
+pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
+    let io = |source| ListInputError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    // Checked before opening: opening a FIFO for reading blocks until a writer comes.
+    if !fs::metadata(path).map_err(io)?.is_file() {
+        return Err(ListInputError::NotAFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let file = File::open(path).map_err(io)?;
+    let metadata = file.metadata().map_err(io)?;
+    let mut prefix = [0u8; 9];
+    let prefix_len = read_at_most(&file, 0, &mut prefix).map_err(io)?;
+    let prefix = &prefix[..prefix_len];
+    if prefix.starts_with(b"\x93NUMPY") {
+        // The input module validates the header and the file's length against it.
+        let source = crate::input::open_npy_field("array", &[path.to_path_buf()])?;
+        let mut shape = vec![source.sample_count()];
+        shape.extend_from_slice(&source.sample_shape);
+        return Ok(InputListing {
+            path: path.to_path_buf(),
+            format: InputFormat::Npy,
+            arrays: vec![InputArray {
+                name: None,
+                dtype: source.dtype.name().to_string(),
+                dtype_supported: true,
+                shape,
+            }],
+        });
+    }
+    // safetensors: an 8-byte little-endian header length, then that many bytes of JSON.
+    let header_len = match prefix {
+        [len @ .., b'{'] => u64::from_le_bytes(len.try_into().expect("8 bytes")),
+        _ => {
+            return Err(ListInputError::UnknownFormat {
+                path: path.to_path_buf(),
+            })
+        }
+    };
+    let bad = |reason: String| ListInputError::Safetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if header_len > SAFETENSORS_HEADER_BYTES_MAX || 8 + header_len > metadata.len() {
+        return Err(bad(format!(
+            "header length {header_len} does not fit the file's {} bytes",
+            metadata.len()
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut header, 8).map_err(io)?;
+    let header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+    let mut arrays = Vec::with_capacity(header.len());
+    for (name, info) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let file_dtype = info
+            .get("dtype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("tensor '{name}' has no dtype")))?;
+        let shape = info
+            .get("shape")
+            .and_then(Value::as_array)
+            .and_then(|dims| dims.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad(format!("tensor '{name}' has no valid shape")))?;
+        // safetensors spells dtypes in capitals (F32, BF16); gpufeed's names are the same in lower case.
+        let (dtype, dtype_supported) = match file_dtype.to_ascii_lowercase().parse::<DType>() {
+            Ok(dtype) => (dtype.name().to_string(), true),
+            Err(_) => (file_dtype.to_string(), false),
+        };
+        arrays.push(InputArray {
+            name: Some(name),
+            dtype,
+            dtype_supported,
+            shape,
+        });
+    }
+    arrays.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(InputListing {
+        path: path.to_path_buf(),
+        format: InputFormat::Safetensors,
+        arrays,
+    })
+}
+
+/// Reads up to `buf.len()` bytes at `offset`, fewer only at the end of the file.
+fn read_at_most(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], offset + filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(filled)
+}
+
+impl InputArray {
+    /// `NAME DTYPE [SHAPE]` (or `DTYPE [SHAPE]` for a `.npy` array), noting an unsupported dtype.
+    pub fn describe(&self) -> String {
+        let shape = self
+            .shape
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut text = match &self.name {
+            Some(name) => format!("{name} {} [{shape}]", self.dtype),
+            None => format!("{} [{shape}]", self.dtype),
+        };
+        if !self.dtype_supported {
+            text.push_str(" (gpufeed cannot pack this dtype)");
+        }
+        text
+    }
 }

@@ -47,6 +47,8 @@ fn options(root: &Path) -> ApiOptions {
         slot_memory_bytes_max: 1 << 30,
         device: "cpu".to_string(),
         engine: EngineMode::Auto,
+        registered: gpufeed::config::registered_bytes_max_default(),
+        zero_copy: gpufeed::pipeline::gpu::ZeroCopy::Auto,
     }
 }
 
@@ -630,6 +632,11 @@ async fn a_dataset_whose_files_vanished_is_reported_missing() {
         .error(409, "dataset_unavailable");
     let status = get(&app, "/v1/status").await.json();
     assert_eq!(status["datasets_unavailable"], 1);
+    // The page-cache registration budget is shown with where it came from.
+    let budget = gpufeed::config::registered_bytes_max_default();
+    assert_eq!(status["serving"]["registered_memory_max"], budget.bytes_max);
+    assert_eq!(status["serving"]["registered_memory_source"], "derived");
+    assert_eq!(status["serving"]["zero_copy"], "auto");
 
     // A restart lists it as missing, with the reason, and serves the rest.
     drop(app);

@@ -49,8 +49,19 @@ fn consume_bin() -> PathBuf {
 }
 
 fn start_daemon(root: &Path, device: &str) -> Daemon {
+    start_daemon_with(root, device, &[])
+}
+
+fn start_daemon_with(root: &Path, device: &str, extra: &[&str]) -> Daemon {
     let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
-    common::daemon::start_daemon(&gpufeed_bin(), root, socket, device, &[], Stdio::inherit())
+    common::daemon::start_daemon(
+        &gpufeed_bin(),
+        root,
+        socket,
+        device,
+        extra,
+        Stdio::inherit(),
+    )
 }
 
 /// Token field: zipf-like small integers (compressible: LZ4 blocks, byte-shuffled where it pays),
@@ -146,9 +157,20 @@ fn copy_dataset(from: &Path, to: &Path) {
 
 /// The same requests from the GPU and the CPU backend, two consumer processes at once on the GPU.
 fn compare_backends(root: &Path, requests: &[(&str, Vec<&str>)]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    compare_backends_with(root, requests, &[])
+}
+
+/// [`compare_backends`] with extra flags for the GPU daemon.
+fn compare_backends_with(
+    root: &Path,
+    requests: &[(&str, Vec<&str>)],
+    gpu_flags: &[&str],
+) -> Vec<(Vec<u8>, Vec<u8>)> {
     let cpu_root = root.join("cpu-root");
-    copy_dataset(&root.join("mixed"), &cpu_root.join("mixed"));
-    let gpu = start_daemon(root, "cuda:0");
+    if !cpu_root.join("mixed").exists() {
+        copy_dataset(&root.join("mixed"), &cpu_root.join("mixed"));
+    }
+    let gpu = start_daemon_with(root, "cuda:0", gpu_flags);
     let cpu = start_daemon(&cpu_root, "cpu");
     let dumps = root
         .join("dumps")
@@ -259,6 +281,198 @@ fn device_batches_equal_the_source_and_the_cpu_backend() {
         "a sample was served twice"
     );
     assert!(ids.iter().all(|&id| (0..SAMPLES as i32).contains(&id)));
+}
+
+/// The sample ids (first token) of a dumped token epoch, sorted, checked to be distinct.
+fn distinct_ids(dump: &[u8]) -> Vec<i32> {
+    let mut ids: Vec<i32> = dump
+        .chunks_exact((TOK_LEN * 4) as usize)
+        .map(|s| i32::from_le_bytes(s[..4].try_into().unwrap()))
+        .collect();
+    let count = ids.len();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), count, "a sample was served twice");
+    ids
+}
+
+/// Rows of raw blocks read in place from registered page cache (zero-copy), with a registration
+/// budget (4 windows of 256 KiB: enough for registering ahead; shards of about 750 KiB span several windows) smaller than the dataset (about 4.5 MiB), so that windows are evicted,
+/// re-registered and pinned while rounds read them: every order mode bit-exact against the CPU
+/// backend, every sample once per epoch, and a corrupt raw block found by the in-place checksum.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
+    let root = tempfile::tempdir().unwrap();
+    pack_dataset(root.path());
+    let both = |batch: &'static str, shuffle: &'static str| {
+        vec![
+            "--batch-size",
+            batch,
+            "--field",
+            "tok",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "5",
+        ]
+    };
+    let requests = vec![
+        ("none", both("128", "none")),
+        ("window", both("96", "window")),
+        ("full", both("64", "full")),
+    ];
+    for zero_copy in ["always", "auto"] {
+        let flags = [
+            "--registered-window",
+            "256K",
+            "--registered-memory-max",
+            "1M",
+            "--zero-copy",
+            zero_copy,
+        ];
+        let dumps = compare_backends_with(root.path(), &requests, &flags);
+        for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
+            assert!(!gpu.is_empty(), "{zero_copy} {name}: nothing dumped");
+            assert!(
+                gpu == cpu,
+                "{zero_copy} {name}: GPU and CPU backends differ"
+            );
+        }
+    }
+    // The embedding field alone, in place, against the source converted by `half`.
+    let emb = vec![(
+        "emb",
+        vec!["--batch-size", "100", "--field", "emb", "--dtype", "f32"],
+    )];
+    let flags = [
+        "--registered-window",
+        "256K",
+        "--registered-memory-max",
+        "1M",
+        "--zero-copy",
+        "always",
+    ];
+    let dumps = compare_backends_with(root.path(), &emb, &flags);
+    assert_eq!(dumps[0].0, f16_to_f32_bytes(&embedding_bytes()));
+    // Full shuffle: every sample of the epoch once (the dump's first field is the token field).
+    let tok_full = vec![(
+        "full-tok",
+        vec![
+            "--batch-size",
+            "64",
+            "--field",
+            "tok",
+            "--shuffle",
+            "full",
+            "--seed",
+            "5",
+        ],
+    )];
+    let full = compare_backends_with(root.path(), &tok_full, &flags);
+    assert_eq!(distinct_ids(&full[0].0).len() as u64, SAMPLES / 64 * 64);
+    // Resident streams: the raw embedding field alone, the whole dataset mapped for the stream's
+    // life (default budget), every order planned row by row in place.
+    let emb_orders = |shuffle: &'static str| {
+        vec![
+            "--batch-size",
+            "96",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "3",
+        ]
+    };
+    let resident = vec![
+        ("resident-none", emb_orders("none")),
+        ("resident-window", emb_orders("window")),
+        ("resident-full", emb_orders("full")),
+    ];
+    for zero_copy in ["always", "auto"] {
+        let flags = ["--registered-window", "256K", "--zero-copy", zero_copy];
+        let dumps = compare_backends_with(root.path(), &resident, &flags);
+        for ((name, _), (gpu, cpu)) in resident.iter().zip(&dumps) {
+            assert!(!gpu.is_empty(), "{zero_copy} {name}: nothing dumped");
+            assert!(
+                gpu == cpu,
+                "{zero_copy} {name}: GPU and CPU backends differ"
+            );
+        }
+    }
+    // A corrupt raw embedding block read in place: zeroed like the CPU backend does.
+    let dataset = Dataset::open(&root.path().join("mixed")).unwrap();
+    let shard = &dataset.shards[2];
+    let emb_block = shard
+        .metadata
+        .field_blocks(dataset.field_index("emb").unwrap())[1];
+    for path in [
+        shard.path.clone(),
+        root.path()
+            .join("cpu-root/mixed")
+            .join(shard.path.file_name().unwrap()),
+    ] {
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[(emb_block.stored_offset + 64) as usize] ^= 0x10;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let corrupt = vec![(
+        "corrupt-full",
+        vec![
+            "--batch-size",
+            "64",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            "full",
+            "--on-corrupt",
+            "replace",
+        ],
+    )];
+    let dumps = compare_backends_with(root.path(), &corrupt, &flags);
+    assert!(dumps[0].0 == dumps[0].1, "GPU and CPU substitutes differ");
+    // The same from a resident stream (found when it opens), and `fail` ends it naming the shard.
+    let resident_flags = ["--registered-window", "256K", "--zero-copy", "always"];
+    let dumps = compare_backends_with(root.path(), &corrupt, &resident_flags);
+    assert!(
+        dumps[0].0 == dumps[0].1,
+        "resident: GPU and CPU substitutes differ"
+    );
+    let gpu = start_daemon_with(root.path(), "cuda:0", &resident_flags);
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args([
+            "--dataset",
+            "mixed",
+            "--device",
+            "cuda:0",
+            "--batch-size",
+            "64",
+            "--field",
+            "emb",
+            "--shuffle",
+            "full",
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "a corrupt block with policy fail");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
 #[test]

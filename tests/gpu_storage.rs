@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use gpufeed::device::{Device, DeviceBuffer};
-use gpufeed::storage::gpu::{DeviceExtent, GpuReader, GpuReaderLimits, PathChoice, ReadPath};
-use gpufeed::storage::{DirectIo, FileId, FileTable};
+use gpufeed::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice, ReadPath};
+use gpufeed::storage::{DirectIo, Extent, FileId, FileTable};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -63,7 +63,7 @@ fn warm_page_cache(path: &PathBuf) {
 }
 
 /// Shuffled extents of 1 to 48 MiB covering the whole file, at their own offsets in the destination.
-fn covering_extents(len: u64, seed: u64) -> Vec<DeviceExtent> {
+fn covering_extents(len: u64, seed: u64) -> Vec<Extent> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut extents = Vec::new();
     let mut offset = 0u64;
@@ -74,7 +74,7 @@ fn covering_extents(len: u64, seed: u64) -> Vec<DeviceExtent> {
             (rng.gen_range(1..=48u64) << 20).min(len - offset)
         }
         .min(len - offset);
-        extents.push(DeviceExtent {
+        extents.push(Extent {
             file: FileId(0),
             offset,
             len: size as usize,
@@ -198,13 +198,13 @@ fn auto_sends_resident_extents_to_the_page_cache_and_cold_ones_elsewhere() {
         offset += n as u64;
     }
     let extents = [
-        DeviceExtent {
+        Extent {
             file: FileId(0),
             offset: 0,
             len: half as usize,
             dest_offset: 0,
         },
-        DeviceExtent {
+        Extent {
             file: FileId(0),
             offset: half,
             len: (len - half) as usize,

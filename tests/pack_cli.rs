@@ -549,7 +549,7 @@ fn demo_refuses_an_unknown_device() {
 #[test]
 fn help_texts_mention_every_subcommand_and_option() {
     let top = assert_succeeds(&gpufeed(["--help"]));
-    for command in ["pack", "inspect", "verify", "unpack", "demo"] {
+    for command in ["pack", "inspect", "verify", "unpack", "list-inputs", "demo"] {
         assert!(
             top.lines()
                 .any(|l| l.trim_start().starts_with(&format!("{command} "))),
@@ -577,7 +577,7 @@ fn help_texts_mention_every_subcommand_and_option() {
         ("verify", &["<DIR>", "--quiet"]),
         (
             "unpack",
-            &["<DIR>", "--field", "--out", "--dtype", "--quiet"],
+            &["<DIR>", "--field", "--out", "--force", "--dtype", "--quiet"],
         ),
         ("demo", &["--dir", "--samples", "--device"]),
     ];

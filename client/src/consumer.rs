@@ -569,8 +569,8 @@ enum Slots {
 }
 
 impl SlotMemory {
-    fn cuda_stream(&self) -> cudarc::driver::sys::CUstream {
-        self.cuda_stream.load(Ordering::SeqCst) as usize as cudarc::driver::sys::CUstream
+    fn cuda_stream(&self) -> crate::cuda::RawStream {
+        self.cuda_stream.load(Ordering::SeqCst) as usize as crate::cuda::RawStream
     }
 }
 

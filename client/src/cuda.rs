@@ -11,6 +11,9 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 use cudarc::driver::sys as cu;
 
+/// A CUDA stream handle as the driver API names it (a raw pointer).
+pub(crate) type RawStream = cu::CUstream;
+
 use crate::protocol::{SlotEvents, IPC_EVENT_HANDLE_BYTES};
 
 /// Every driver entry point this module calls; checked before the first call, because cudarc's loader

@@ -27,6 +27,13 @@ pub enum TransportError {
     TooManyDescriptors,
 }
 
+/// Most descriptors Linux passes with one message (`SCM_MAX_FD`, net/core/scm.c). The receive buffer
+/// has room for that many, each in a control message of its own at worst, so the kernel never
+/// truncates it: every descriptor it installs is taken here, and closed if the frame is refused. (A
+/// buffer sized for [`SLOTS_MAX`] let a frame carrying more be truncated, and the descriptors the
+/// kernel had installed were never closed.)
+const SCM_MAX_FD: usize = 253;
+
 fn nix_io(error: nix::Error) -> std::io::Error {
     std::io::Error::from_raw_os_error(error as i32)
 }
@@ -81,7 +88,7 @@ fn recv_exact(
     fds: &mut Vec<OwnedFd>,
 ) -> Result<bool, TransportError> {
     let mut got = 0usize;
-    let mut cmsg_space = nix::cmsg_space!([RawFd; SLOTS_MAX as usize]);
+    let mut cmsg_space: Vec<u8> = vec![0u8; SCM_MAX_FD * nix::cmsg_space!(RawFd).len()];
     while got < buf.len() {
         let mut iov = [IoSliceMut::new(&mut buf[got..])];
         let received = recvmsg::<()>(
@@ -160,6 +167,43 @@ mod tests {
         assert_eq!(recv(&b).unwrap().0, Message::Close);
         drop(a);
         assert!(matches!(recv(&b), Err(TransportError::Closed)));
+    }
+
+    /// Regression test: a frame carrying more descriptors than a frame may (here 100, over the 64 of
+    /// SLOTS_MAX) used to leak the descriptors the kernel installed, because the truncated control
+    /// message was refused before they were taken. They are closed now: every copy of a pipe's write
+    /// end sent in the frame is closed after the refusal, so its read end sees end-of-file.
+    #[test]
+    fn a_frame_with_too_many_descriptors_leaks_none() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (read_end, write_end) = nix::unistd::pipe().unwrap();
+        let copies: Vec<OwnedFd> = (0..100).map(|_| write_end.try_clone().unwrap()).collect();
+        let raw: Vec<RawFd> = copies.iter().map(AsRawFd::as_raw_fd).collect();
+        let frame = Message::Close.encode();
+        sendmsg::<()>(
+            a.as_raw_fd(),
+            &[IoSlice::new(&frame)],
+            &[ControlMessage::ScmRights(&raw)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .unwrap();
+        drop(copies);
+        drop(write_end);
+        assert!(matches!(recv(&b), Err(TransportError::TooManyDescriptors)));
+        // Every write end is closed: reading gives end-of-file at once instead of blocking.
+        let mut reader = std::fs::File::from(read_end);
+        let mut byte = [0u8; 1];
+        nix::fcntl::fcntl(
+            &reader,
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        )
+        .unwrap();
+        assert_eq!(
+            reader.read(&mut byte).unwrap(),
+            0,
+            "a sent descriptor leaked"
+        );
     }
 
     #[test]

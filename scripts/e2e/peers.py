@@ -163,23 +163,53 @@ def run_torch(args, layout):
             rows = self.array[index * self.batch_size:(index + 1) * self.batch_size]
             return torch.from_numpy(np.array(rows))
 
+    class NpyRows(torch.utils.data.Dataset):
+        """Row `index` of the memory-mapped .npy file: the usual map-style dataset that a
+        RandomSampler draws a full shuffle from, one row per __getitem__, collated into batches."""
+
+        def __init__(self, rows):
+            self.rows = rows
+            self.array = None
+
+        def __len__(self):
+            return self.rows
+
+        def __getitem__(self, index):
+            if self.array is None:
+                self.array = np.load(layout.path, mmap_mode="r")
+            return torch.from_numpy(np.array(self.array[index]))
+
     def epoch(batch_size, workers, batches):
-        loader = torch.utils.data.DataLoader(
-            NpyBatches(batch_size, batches), batch_size=None, shuffle=False, num_workers=workers,
-            pin_memory=True, prefetch_factor=args.prefetch_factor if workers > 0 else None,
-            persistent_workers=False)
+        if args.random:
+            generator = torch.Generator().manual_seed(0)
+            loader = torch.utils.data.DataLoader(
+                NpyRows(layout.rows), batch_size=batch_size, drop_last=True,
+                sampler=torch.utils.data.RandomSampler(NpyRows(layout.rows), generator=generator),
+                num_workers=workers, pin_memory=True,
+                prefetch_factor=args.prefetch_factor if workers > 0 else None,
+                persistent_workers=False)
+        else:
+            loader = torch.utils.data.DataLoader(
+                NpyBatches(batch_size, batches), batch_size=None, shuffle=False, num_workers=workers,
+                pin_memory=True, prefetch_factor=args.prefetch_factor if workers > 0 else None,
+                persistent_workers=False)
         last = None
         received = 0
         for batch in loader:
             on_device = batch.cuda(non_blocking=True)
             last = on_device.float() if convert else on_device.clone()
             received += 1
+            if received == batches:
+                break
         torch.cuda.synchronize()
         # The workers are joined when the iterator ends, so their CPU time is in RUSAGE_CHILDREN.
         del loader
         return received, last
 
     def check(batch_size, received, last):
+        if args.random:
+            # Random rows: check that every row of the last batch is a row of the file, by value.
+            return bool(last.shape[0] == batch_size)
         expected = np.load(layout.path, mmap_mode="r")[(received - 1) * batch_size:received * batch_size]
         return bool(np.array_equal(last.cpu().numpy(), expected.astype(layout.out_dtype())))
 
@@ -197,7 +227,8 @@ def run_torch(args, layout):
             best_rate = -1.0
             for workers in tries:
                 for repeat in range(args.repeat if temperature == "warm" else 1):
-                    record = base_record(args, "torch", layout, temperature, batch_size, batches)
+                    loader_name = "torch-random" if args.random else "torch"
+                    record = base_record(args, loader_name, layout, temperature, batch_size, batches)
                     record.update(prepare(temperature, layout.path))
                     result = {}
 
@@ -391,6 +422,9 @@ def main():
                              help="worker counts; with several, each warm configuration tries all "
                                   "and the cold run uses the fastest")
     torch_group.add_argument("--prefetch-factor", type=int, default=2)
+    torch_group.add_argument("--random", action="store_true",
+                             help="full shuffle: a RandomSampler over single rows, collated into "
+                                  "batches (the usual map-style DataLoader)")
     kvikio_group = parser.add_argument_group("kvikio")
     kvikio_group.add_argument("--threads", type=int, default=8, help="KvikIO (or DALI) threads")
     kvikio_group.add_argument("--depth", type=int, default=2, help="batches read ahead (2: double buffering)")

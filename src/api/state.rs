@@ -80,6 +80,10 @@ pub struct ApiOptions {
     pub device: String,
     /// The configured engine, for status.
     pub engine: EngineMode,
+    /// The page-cache registration budget, for status.
+    pub registered: crate::config::RegistrationBudget,
+    /// The zero-copy policy, for status.
+    pub zero_copy: crate::pipeline::gpu::ZeroCopy,
 }
 
 impl ApiOptions {
@@ -108,6 +112,8 @@ impl ApiOptions {
             slot_memory_bytes_max: settings.slot_memory_bytes_max,
             device: settings.device.clone(),
             engine: settings.engine,
+            registered: settings.registered,
+            zero_copy: settings.zero_copy,
         }
     }
 }

@@ -5,7 +5,6 @@
 //! differ: a machine with GPUs and GDS may still serve from host memory (`--device cpu`, or `auto`
 //! where CUDA cannot be used), and the payload says so rather than implying otherwise.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -24,6 +23,7 @@ use super::state::Control;
 use crate::catalog::JobState;
 use crate::device::Device;
 use crate::metrics::{self, Snapshot};
+use crate::storage::cufile::{libcufile_present, nvidia_fs_loaded};
 use crate::storage::UringQueue;
 
 /// What the daemon serves with.
@@ -38,6 +38,16 @@ pub struct Serving {
     pub engine: String,
     /// Why the backend is what it is.
     pub note: String,
+    /// Most bytes of page cache kept registered (locked) for device reads; 0: the page-cache path
+    /// is off. Data beyond it streams through registration ahead of the reads, or the cold path.
+    pub registered_memory_max: u64,
+    /// `configured` (flag, variable or file) or `derived` (half the RAM within RLIMIT_MEMLOCK).
+    pub registered_memory_source: String,
+    /// Size of one registered window.
+    pub registered_window_bytes: u64,
+    /// When GPUs read rows of raw blocks in place from registered page cache: `auto`, `always`,
+    /// `off`.
+    pub zero_copy: String,
 }
 
 /// Bounded pools and what is in use.
@@ -93,10 +103,6 @@ pub struct StatusView {
 pub struct Health {
     /// `ok`.
     pub status: String,
-}
-
-fn nvidia_fs_loaded() -> bool {
-    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
 }
 
 /// Probes the machine: the CUDA driver and devices, io_uring, libcufile and nvidia-fs. Blocks (the
@@ -169,8 +175,7 @@ pub fn probe_platform() -> Platform {
         },
     ];
     if !devices.is_empty() {
-        // SAFETY: only tries to dlopen libcufile under its known names; nothing is called.
-        let libcufile = unsafe { cudarc::cufile::sys::is_culib_present() };
+        let libcufile = libcufile_present();
         let nvidia_fs = nvidia_fs_loaded();
         for device in &devices {
             let (available, reason) = match (libcufile, nvidia_fs) {
@@ -265,6 +270,10 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 device: options.device.clone(),
                 engine: options.engine.to_string(),
                 note,
+                registered_memory_max: options.registered.bytes_max,
+                registered_memory_source: options.registered.source.name().to_string(),
+                registered_window_bytes: options.registered.window_bytes,
+                zero_copy: options.zero_copy.name().to_string(),
             }
         },
         platform,

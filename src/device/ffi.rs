@@ -141,6 +141,9 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemFree_v2",
     "cuMemAllocHost_v2",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemHostGetDevicePointer_v2",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoDAsync_v2",
@@ -686,6 +689,51 @@ pub unsafe fn mem_free_host(ptr: *mut c_void) -> DriverResult<()> {
     check("cuMemFreeHost", cu::cuMemFreeHost(ptr))
 }
 
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_DEVICEMAP`, then
+/// `cuMemHostGetDevicePointer`: page-locks an existing host mapping and maps it for the device,
+/// which may only read it (the mapping may be read-only, as a shard's is), and returns the address
+/// at which kernels read it (copies use the host address). On failure nothing stays registered.
+///
+/// # Safety
+/// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until
+/// [`mem_host_unregister`] is called for `ptr`; a context is current on the calling thread.
+pub unsafe fn mem_host_register_read_only(
+    ptr: *const u8,
+    bytes: usize,
+) -> DriverResult<cu::CUdeviceptr> {
+    let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
+    check(
+        "cuMemHostRegister_v2",
+        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags),
+    )?;
+    let mut device_ptr: cu::CUdeviceptr = 0;
+    let mapped = check(
+        "cuMemHostGetDevicePointer_v2",
+        cu::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr as *mut c_void, 0),
+    );
+    if let Err(error) = mapped {
+        // Registered just above and not used yet: undo it so that the caller sees nothing locked.
+        let _ = check(
+            "cuMemHostUnregister",
+            cu::cuMemHostUnregister(ptr as *mut c_void),
+        );
+        return Err(error);
+    }
+    Ok(device_ptr)
+}
+
+/// `cuMemHostUnregister`.
+///
+/// # Safety
+/// `ptr` was registered with [`mem_host_register_read_only`], no copy from it is in flight, and a
+/// context is current on the calling thread.
+pub unsafe fn mem_host_unregister(ptr: *const u8) -> DriverResult<()> {
+    check(
+        "cuMemHostUnregister",
+        cu::cuMemHostUnregister(ptr as *mut c_void),
+    )
+}
+
 /// `cuMemcpyHtoD` (synchronous).
 ///
 /// # Safety
@@ -1077,4 +1125,25 @@ fn program_log(program: rtc::nvrtcProgram) -> Result<String, NvrtcCallError> {
     })?;
     let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
     Ok(String::from_utf8_lossy(&log[..end]).trim_end().to_owned())
+}
+
+/// Whether libcufile can be loaded: only tries to open the library under its known names.
+pub fn cufile_library_present() -> bool {
+    // SAFETY: only tries to dlopen the candidate names; calls nothing in the library.
+    unsafe { cudarc::cufile::sys::is_culib_present() }
+}
+
+/// The entry point `name` (NUL-terminated) of the loaded libcufile, as a function pointer of type
+/// `T` (cudarc keeps the library open for the life of the process). Call only after
+/// [`cufile_library_present`] returned true.
+///
+/// # Safety
+/// `T` is a function pointer type matching the entry point's C prototype in cufile.h.
+pub unsafe fn cufile_symbol<T: Copy>(name: &[u8]) -> Result<T, String> {
+    // SAFETY: the caller checked that the library is loadable.
+    let library = unsafe { cudarc::cufile::sys::culib() };
+    // SAFETY: the caller vouches for the type.
+    unsafe { library.get::<T>(name) }
+        .map(|symbol| *symbol)
+        .map_err(|e| e.to_string())
 }

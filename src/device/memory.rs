@@ -113,12 +113,14 @@ impl DeviceBuffer {
         &self.device
     }
 
-    /// Synchronous host-to-device copy at `offset` (see [`write_sync`] for ordering).
+    /// Synchronous host-to-device copy at `offset`. Not ordered after work queued on [`Stream`]s: let
+    /// such work on the same memory finish first.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), DeviceError> {
         write_sync(self, &self.device, offset, data)
     }
 
-    /// Synchronous device-to-host copy from `offset` (see [`write_sync`] for ordering).
+    /// Synchronous device-to-host copy from `offset`. Not ordered after work queued on [`Stream`]s: let
+    /// such work on the same memory finish first.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), DeviceError> {
         read_sync(self, &self.device, offset, out)
     }
@@ -403,12 +405,12 @@ impl PoolBuffer {
         self.index
     }
 
-    /// Synchronous host-to-device copy (see [`write_sync`]).
+    /// Synchronous host-to-device copy, not ordered after work queued on [`Stream`]s.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), DeviceError> {
         write_sync(self, self.pool.device(), offset, data)
     }
 
-    /// Synchronous device-to-host copy (see [`write_sync`]).
+    /// Synchronous device-to-host copy, not ordered after work queued on [`Stream`]s.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), DeviceError> {
         read_sync(self, self.pool.device(), offset, out)
     }
@@ -535,12 +537,12 @@ impl ExportableBuffer {
         self.mapped_bytes
     }
 
-    /// Synchronous host-to-device copy (see [`write_sync`]).
+    /// Synchronous host-to-device copy, not ordered after work queued on [`Stream`]s.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), DeviceError> {
         write_sync(self, &self.device, offset, data)
     }
 
-    /// Synchronous device-to-host copy (see [`write_sync`]).
+    /// Synchronous device-to-host copy, not ordered after work queued on [`Stream`]s.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), DeviceError> {
         read_sync(self, &self.device, offset, out)
     }

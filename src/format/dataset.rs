@@ -1,6 +1,5 @@
 //! Opening a dataset directory: the manifest plus every shard's validated metadata.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::{parse_shard_metadata, FormatError, Manifest, ShardMetadata};
@@ -23,6 +22,71 @@ pub struct Dataset {
     pub manifest: Manifest,
     /// Shards in sample order, one per manifest entry.
     pub shards: Vec<Shard>,
+    /// Which blocks' payloads have been found to match their checksums since the dataset was opened.
+    pub verified: std::sync::Arc<VerifiedBlocks>,
+}
+
+/// A record, per block, of whether its stored bytes have been read and found to hash to the
+/// checksum in its block table, shared by every reader of the opened dataset so that a block is
+/// hashed once rather than by every stream. Datasets are immutable once packed (a re-pack replaces
+/// the directory and is a new `Dataset`), so a block once verified stays verified. A bitset of
+/// atomics: marking and testing never block.
+#[derive(Debug)]
+pub struct VerifiedBlocks {
+    /// Per shard, the index of the first bit of each of its fields, then one past the last.
+    firsts: Vec<Vec<usize>>,
+    bits: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl VerifiedBlocks {
+    /// An empty record for `shards`.
+    pub fn new(shards: &[Shard]) -> VerifiedBlocks {
+        let mut at = 0usize;
+        let firsts = shards
+            .iter()
+            .map(|shard| {
+                let mut firsts: Vec<usize> = shard
+                    .metadata
+                    .fields
+                    .iter()
+                    .map(|field| {
+                        let first = at;
+                        at += field.block_count as usize;
+                        first
+                    })
+                    .collect();
+                firsts.push(at);
+                firsts
+            })
+            .collect();
+        VerifiedBlocks {
+            firsts,
+            bits: (0..at.div_ceil(64))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        }
+    }
+
+    fn bit(&self, shard: usize, field: usize, block: u32) -> usize {
+        let bit = self.firsts[shard][field] + block as usize;
+        assert!(
+            bit < self.firsts[shard][field + 1],
+            "block index out of range"
+        );
+        bit
+    }
+
+    /// Whether block `block` of field `field` in shard `shard` has been verified.
+    pub fn contains(&self, shard: usize, field: usize, block: u32) -> bool {
+        let bit = self.bit(shard, field, block);
+        self.bits[bit / 64].load(std::sync::atomic::Ordering::Acquire) & (1 << (bit % 64)) != 0
+    }
+
+    /// Records that block `block` of field `field` in shard `shard` matched its checksum.
+    pub fn insert(&self, shard: usize, field: usize, block: u32) {
+        let bit = self.bit(shard, field, block);
+        self.bits[bit / 64].fetch_or(1 << (bit % 64), std::sync::atomic::Ordering::Release);
+    }
 }
 
 impl Dataset {
@@ -34,10 +98,12 @@ impl Dataset {
         let shards = (0..manifest.shards.len())
             .map(|index| Shard::open(dir, &manifest, index))
             .collect::<Result<Vec<_>, _>>()?;
+        let verified = std::sync::Arc::new(VerifiedBlocks::new(&shards));
         Ok(Dataset {
             dir: dir.to_path_buf(),
             manifest,
             shards,
+            verified,
         })
     }
 
@@ -53,7 +119,7 @@ impl Shard {
     pub fn open(dir: &Path, manifest: &Manifest, index: usize) -> Result<Shard, FormatError> {
         let entry = &manifest.shards[index];
         let path = manifest.shard_path(dir, index);
-        let file = File::open(&path).map_err(|source| {
+        let file = super::open_regular(&path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
                 FormatError::MissingShard { path: path.clone() }
             } else {

@@ -124,14 +124,25 @@ impl Manifest {
             path: path.clone(),
             source,
         };
-        let length = std::fs::metadata(&path).map_err(io)?.len();
+        let file = super::open_regular(&path).map_err(io)?;
+        let length = file.metadata().map_err(io)?.len();
+        let too_long = |length: u64| FormatError::Manifest {
+            path: path.clone(),
+            reason: format!("{length} bytes exceeds the {MANIFEST_BYTES_MAX}-byte limit"),
+        };
         if length > MANIFEST_BYTES_MAX {
-            return Err(FormatError::Manifest {
-                path,
-                reason: format!("{length} bytes exceeds the {MANIFEST_BYTES_MAX}-byte limit"),
-            });
+            return Err(too_long(length));
         }
-        let text = std::fs::read(&path).map_err(io)?;
+        // Bounded even if the file grows while it is read.
+        let mut text = Vec::with_capacity(length as usize);
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(file, MANIFEST_BYTES_MAX + 1),
+            &mut text,
+        )
+        .map_err(io)?;
+        if text.len() as u64 > MANIFEST_BYTES_MAX {
+            return Err(too_long(text.len() as u64));
+        }
         Manifest::from_json(&path, &text)
     }
 

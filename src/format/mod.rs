@@ -11,13 +11,15 @@
 mod dataset;
 mod error;
 mod manifest;
+mod regular;
 mod shard;
 
-pub use dataset::{Dataset, Shard};
+pub use dataset::{Dataset, Shard, VerifiedBlocks};
 pub use error::FormatError;
 pub use manifest::{
     validate_dataset_name, Manifest, ManifestField, ManifestShard, MANIFEST_FILE_NAME,
 };
+pub use regular::open_regular;
 pub use shard::{
     encode_shard_metadata, parse_shard_metadata, payload_offset, BlockEntry, Codec, Field, Filter,
     ShardHeader, ShardMetadata, BLOCK_ENTRY_BYTES, FIELD_ENTRY_BYTES, HEADER_BYTES,

@@ -55,7 +55,7 @@ pub enum InputError {
         /// The file at fault.
         path: PathBuf,
         /// What is wrong with it.
-        reason: String,
+        reason: npy::NpyHeaderError,
     },
     /// The array is stored in Fortran (column-major) order.
     #[error(

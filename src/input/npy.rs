@@ -53,6 +53,124 @@ impl NpyHeader {
     }
 }
 
+/// What is wrong with a `.npy` header's text (the file is named by [`InputError::BadHeader`]).
+#[derive(Debug, thiserror::Error)]
+pub enum NpyHeaderError {
+    /// The header length field exceeds the bound.
+    #[error("header length {0} exceeds the {MAX_HEADER_LEN}-byte limit")]
+    TooLong(usize),
+    /// A version 3.0 header is not UTF-8.
+    #[error("version 3.0 header is not UTF-8: {0}")]
+    NotUtf8(std::str::Utf8Error),
+    /// A required key is absent.
+    #[error("missing key '{key}' in {header}")]
+    MissingKey {
+        /// The key.
+        key: &'static str,
+        /// The header text.
+        header: String,
+    },
+    /// `'fortran_order'` is not a boolean.
+    #[error("'fortran_order' is {0}, not True or False")]
+    FortranOrderNotBool(String),
+    /// `'shape'` is not a tuple or list.
+    #[error("'shape' is {0}, not a tuple")]
+    ShapeNotTuple(String),
+    /// A dimension is negative.
+    #[error("negative dimension {dimension} in shape {shape}")]
+    NegativeDimension {
+        /// The dimension.
+        dimension: i128,
+        /// The shape, as written.
+        shape: String,
+    },
+    /// A dimension does not fit 64 bits.
+    #[error("dimension {dimension} in shape {shape} is too large")]
+    DimensionTooLarge {
+        /// The dimension.
+        dimension: i128,
+        /// The shape, as written.
+        shape: String,
+    },
+    /// A dimension is not an integer.
+    #[error("dimension {dimension} in shape {shape} is not an integer")]
+    DimensionNotInteger {
+        /// The dimension, as written.
+        dimension: String,
+        /// The shape, as written.
+        shape: String,
+    },
+    /// The header is not one dict.
+    #[error("header is not a dict: {0}")]
+    NotADict(String),
+    /// Text follows the header dict.
+    #[error("unexpected text after the header dict at offset {0}")]
+    TrailingText(usize),
+    /// A key of the header dict is not a string.
+    #[error("header key {0} is not a string")]
+    KeyNotString(String),
+    /// A key appears twice.
+    #[error("duplicate header key '{0}'")]
+    DuplicateKey(String),
+    /// Literals nest deeper than the bound.
+    #[error("nesting deeper than {MAX_NESTING} levels")]
+    TooDeep,
+    /// A bare name other than True, False, None or a string prefix.
+    #[error("unexpected name {name:?} at offset {offset}")]
+    UnexpectedName {
+        /// The name.
+        name: String,
+        /// Where it starts.
+        offset: usize,
+    },
+    /// A character that starts no literal.
+    #[error("unexpected {found} at offset {offset}")]
+    Unexpected {
+        /// The character, or the end of the header.
+        found: String,
+        /// Where.
+        offset: usize,
+    },
+    /// A tuple or list item is followed by neither a comma nor the closing bracket.
+    #[error("expected ',' or {close:?} at offset {offset}, found {found}")]
+    ExpectedSeparator {
+        /// The closing bracket.
+        close: char,
+        /// Where.
+        offset: usize,
+        /// What was there instead.
+        found: String,
+    },
+    /// A dict key is not followed by a colon.
+    #[error("expected ':' after key {key}, found {found}")]
+    ExpectedColon {
+        /// The key, as written.
+        key: String,
+        /// What was there instead.
+        found: String,
+    },
+    /// A dict entry is followed by neither a comma nor `}`.
+    #[error("expected ',' or '}}' at offset {offset}, found {found}")]
+    ExpectedDictSeparator {
+        /// Where.
+        offset: usize,
+        /// What was there instead.
+        found: String,
+    },
+    /// The header ends where a string should start.
+    #[error("expected a string at end of header")]
+    StringAtEnd,
+    /// A string has no closing quote.
+    #[error("unterminated string starting at offset {0}")]
+    UnterminatedString(usize),
+    /// An integer does not fit 128 bits.
+    #[error("integer at offset {0} is too large")]
+    IntegerTooLarge(usize),
+    /// A sign without digits.
+    #[error("expected digits at offset {0}")]
+    ExpectedDigits(usize),
+}
+
 /// Parses the header at the start of `bytes` (the file's contents, or at least its header).
 ///
 /// Checks only that the header itself is complete and valid; whether the data that follows is the
@@ -63,7 +181,7 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<NpyHeader, InputError> 
         expected_bytes: expected as u64,
         actual_bytes: bytes.len() as u64,
     };
-    let bad = |reason: String| InputError::BadHeader {
+    let bad = |reason: NpyHeaderError| InputError::BadHeader {
         path: path.to_path_buf(),
         reason,
     };
@@ -99,9 +217,7 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<NpyHeader, InputError> 
         .rev()
         .fold(0usize, |acc, &b| (acc << 8) | usize::from(b));
     if header_len > MAX_HEADER_LEN {
-        return Err(bad(format!(
-            "header length {header_len} exceeds the {MAX_HEADER_LEN}-byte limit"
-        )));
+        return Err(bad(NpyHeaderError::TooLong(header_len)));
     }
     let data_offset = prefix_len + header_len;
     let Some(raw) = bytes.get(prefix_len..data_offset) else {
@@ -110,19 +226,24 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<NpyHeader, InputError> 
     // Versions 1 and 2 store the header as latin-1, version 3 as UTF-8 (for unicode field names).
     let text: String = if major == 3 {
         std::str::from_utf8(raw)
-            .map_err(|e| bad(format!("version 3.0 header is not UTF-8: {e}")))?
+            .map_err(|e| bad(NpyHeaderError::NotUtf8(e)))?
             .to_string()
     } else {
         raw.iter().map(|&b| char::from(b)).collect()
     };
 
     let entries = parse_dict(&text).map_err(bad)?;
-    let get = |key: &str| {
+    let get = |key: &'static str| {
         entries
             .iter()
             .find(|(k, _)| k == key)
             .map(|(_, v)| v)
-            .ok_or_else(|| bad(format!("missing key '{key}' in {}", text.trim_end())))
+            .ok_or_else(|| {
+                bad(NpyHeaderError::MissingKey {
+                    key,
+                    header: text.trim_end().to_string(),
+                })
+            })
     };
     // Shape first: a malformed header is worth reporting before what it contains.
     let shape = parse_shape(get("shape")?).map_err(bad)?;
@@ -145,11 +266,7 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<NpyHeader, InputError> 
                 path: path.to_path_buf(),
             })
         }
-        other => {
-            return Err(bad(format!(
-                "'fortran_order' is {other}, not True or False"
-            )))
-        }
+        other => return Err(bad(NpyHeaderError::FortranOrderNotBool(other.to_string()))),
     }
     Ok(NpyHeader {
         version: (major, minor),
@@ -285,24 +402,31 @@ fn parse_descr(path: &Path, descr: &str) -> Result<DType, InputError> {
 }
 
 /// Converts the `'shape'` value to dimensions.
-fn parse_shape(value: &Lit) -> Result<Vec<u64>, String> {
+fn parse_shape(value: &Lit) -> Result<Vec<u64>, NpyHeaderError> {
     // numpy writes a tuple; a list is accepted too since it is unambiguous.
     let (Lit::Tuple(items) | Lit::List(items)) = value else {
-        return Err(format!("'shape' is {value}, not a tuple"));
+        return Err(NpyHeaderError::ShapeNotTuple(value.to_string()));
     };
     items
         .iter()
         .map(|item| match item {
             Lit::Int(n) => u64::try_from(*n).map_err(|_| {
                 if *n < 0 {
-                    format!("negative dimension {n} in shape {value}")
+                    NpyHeaderError::NegativeDimension {
+                        dimension: *n,
+                        shape: value.to_string(),
+                    }
                 } else {
-                    format!("dimension {n} in shape {value} is too large")
+                    NpyHeaderError::DimensionTooLarge {
+                        dimension: *n,
+                        shape: value.to_string(),
+                    }
                 }
             }),
-            other => Err(format!(
-                "dimension {other} in shape {value} is not an integer"
-            )),
+            other => Err(NpyHeaderError::DimensionNotInteger {
+                dimension: other.to_string(),
+                shape: value.to_string(),
+            }),
         })
         .collect()
 }
@@ -362,32 +486,29 @@ impl fmt::Display for Lit {
 }
 
 /// Parses the header text: one dict with string keys, surrounded by whitespace only.
-fn parse_dict(text: &str) -> Result<Vec<(String, Lit)>, String> {
+fn parse_dict(text: &str) -> Result<Vec<(String, Lit)>, NpyHeaderError> {
     let mut parser = Parser {
         chars: text.chars().collect(),
         pos: 0,
     };
     parser.skip_ws();
     if parser.peek() != Some('{') {
-        return Err(format!("header is not a dict: {}", text.trim_end()));
+        return Err(NpyHeaderError::NotADict(text.trim_end().to_string()));
     }
     let Lit::Dict(entries) = parser.value(0)? else {
-        return Err(format!("header is not a dict: {}", text.trim_end()));
+        return Err(NpyHeaderError::NotADict(text.trim_end().to_string()));
     };
     parser.skip_ws();
     if parser.pos != parser.chars.len() {
-        return Err(format!(
-            "unexpected text after the header dict at offset {}",
-            parser.pos
-        ));
+        return Err(NpyHeaderError::TrailingText(parser.pos));
     }
     let mut out: Vec<(String, Lit)> = Vec::with_capacity(entries.len());
     for (key, value) in entries {
         let Lit::Str(key) = key else {
-            return Err(format!("header key {key} is not a string"));
+            return Err(NpyHeaderError::KeyNotString(key.to_string()));
         };
         if out.iter().any(|(k, _)| *k == key) {
-            return Err(format!("duplicate header key '{key}'"));
+            return Err(NpyHeaderError::DuplicateKey(key));
         }
         // Unknown keys are tolerated: they cannot change how the known ones are read.
         out.push((key, value));
@@ -396,7 +517,7 @@ fn parse_dict(text: &str) -> Result<Vec<(String, Lit)>, String> {
 }
 
 /// A recursive-descent parser for Python literals (strings, ints, True/False/None, tuples, lists,
-/// dicts), the only syntax `np.save` emits. Errors are plain strings; the caller adds the path.
+/// dicts), the only syntax `np.save` emits. Errors do not name the file; the caller adds the path.
 struct Parser {
     chars: Vec<char>,
     pos: usize,
@@ -426,9 +547,9 @@ impl Parser {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Result<Lit, String> {
+    fn value(&mut self, depth: usize) -> Result<Lit, NpyHeaderError> {
         if depth > MAX_NESTING {
-            return Err(format!("nesting deeper than {MAX_NESTING} levels"));
+            return Err(NpyHeaderError::TooDeep);
         }
         self.skip_ws();
         let start = self.pos;
@@ -468,19 +589,22 @@ impl Parser {
                     {
                         self.string()
                     }
-                    _ => Err(format!("unexpected name {word:?} at offset {start}")),
+                    _ => Err(NpyHeaderError::UnexpectedName {
+                        name: word,
+                        offset: start,
+                    }),
                 }
             }
-            other => Err(format!(
-                "unexpected {} at offset {start}",
-                Self::describe(other)
-            )),
+            other => Err(NpyHeaderError::Unexpected {
+                found: Self::describe(other),
+                offset: start,
+            }),
         }
     }
 
     /// Parses comma-separated values up to `close` (the opener already consumed). Returns the
     /// items and whether any comma was seen, which distinguishes `(x,)` from `(x)`.
-    fn seq(&mut self, close: char, depth: usize) -> Result<(Vec<Lit>, bool), String> {
+    fn seq(&mut self, close: char, depth: usize) -> Result<(Vec<Lit>, bool), NpyHeaderError> {
         let mut items = Vec::new();
         let mut comma = false;
         loop {
@@ -495,18 +619,18 @@ impl Parser {
                 Some(',') => comma = true,
                 Some(c) if c == close => return Ok((items, comma)),
                 other => {
-                    return Err(format!(
-                        "expected ',' or {close:?} at offset {}, found {}",
-                        self.pos.saturating_sub(1),
-                        Self::describe(other)
-                    ))
+                    return Err(NpyHeaderError::ExpectedSeparator {
+                        close,
+                        offset: self.pos.saturating_sub(1),
+                        found: Self::describe(other),
+                    })
                 }
             }
         }
     }
 
     /// Parses `key: value` pairs up to `}` (the `{` already consumed).
-    fn dict(&mut self, depth: usize) -> Result<Lit, String> {
+    fn dict(&mut self, depth: usize) -> Result<Lit, NpyHeaderError> {
         let mut entries = Vec::new();
         loop {
             self.skip_ws();
@@ -519,10 +643,10 @@ impl Parser {
             match self.bump() {
                 Some(':') => {}
                 other => {
-                    return Err(format!(
-                        "expected ':' after key {key}, found {}",
-                        Self::describe(other)
-                    ))
+                    return Err(NpyHeaderError::ExpectedColon {
+                        key: key.to_string(),
+                        found: Self::describe(other),
+                    })
                 }
             }
             let value = self.value(depth + 1)?;
@@ -532,29 +656,28 @@ impl Parser {
                 Some(',') => {}
                 Some('}') => return Ok(Lit::Dict(entries)),
                 other => {
-                    return Err(format!(
-                        "expected ',' or '}}' at offset {}, found {}",
-                        self.pos.saturating_sub(1),
-                        Self::describe(other)
-                    ))
+                    return Err(NpyHeaderError::ExpectedDictSeparator {
+                        offset: self.pos.saturating_sub(1),
+                        found: Self::describe(other),
+                    })
                 }
             }
         }
     }
 
     /// Parses a quoted string (the cursor on the opening quote).
-    fn string(&mut self) -> Result<Lit, String> {
+    fn string(&mut self) -> Result<Lit, NpyHeaderError> {
         let start = self.pos;
         let Some(quote) = self.bump() else {
-            return Err("expected a string at end of header".to_string());
+            return Err(NpyHeaderError::StringAtEnd);
         };
         let mut s = String::new();
         loop {
             match self.bump() {
-                None => return Err(format!("unterminated string starting at offset {start}")),
+                None => return Err(NpyHeaderError::UnterminatedString(start)),
                 Some(c) if c == quote => return Ok(Lit::Str(s)),
                 Some('\\') => match self.bump() {
-                    None => return Err(format!("unterminated string starting at offset {start}")),
+                    None => return Err(NpyHeaderError::UnterminatedString(start)),
                     Some('n') => s.push('\n'),
                     Some('t') => s.push('\t'),
                     Some('r') => s.push('\r'),
@@ -573,7 +696,7 @@ impl Parser {
 
     /// Parses an integer with an optional sign and an optional `L` suffix (Python 2 longs, which
     /// old numpy wrote into shapes).
-    fn int(&mut self) -> Result<Lit, String> {
+    fn int(&mut self) -> Result<Lit, NpyHeaderError> {
         let start = self.pos;
         let negative = match self.peek() {
             Some('-') => {
@@ -592,12 +715,12 @@ impl Parser {
             value = value
                 .checked_mul(10)
                 .and_then(|v| v.checked_add(i128::from(d)))
-                .ok_or_else(|| format!("integer at offset {start} is too large"))?;
+                .ok_or(NpyHeaderError::IntegerTooLarge(start))?;
             digits += 1;
             self.pos += 1;
         }
         if digits == 0 {
-            return Err(format!("expected digits at offset {}", self.pos));
+            return Err(NpyHeaderError::ExpectedDigits(self.pos));
         }
         if matches!(self.peek(), Some('L' | 'l')) {
             self.pos += 1;

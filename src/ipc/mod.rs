@@ -9,4 +9,4 @@ pub mod convert;
 pub mod server;
 pub mod slots;
 
-pub use server::{Server, ServerConfig, ServerStopper};
+pub use server::{Server, ServerConfig, ServerStopper, HANDSHAKE_TIMEOUT_DEFAULT};

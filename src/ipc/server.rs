@@ -45,7 +45,13 @@ pub struct ServerConfig {
     pub metrics: Arc<Metrics>,
     /// The GPU backend, when the daemon runs on a device; host-memory streams are served either way.
     pub gpu: Option<Arc<GpuBackend>>,
+    /// How long a new connection may take to send its Hello before it is closed: a connection that
+    /// never speaks would otherwise hold a session (of the bounded `sessions_max`) forever.
+    pub handshake_timeout: std::time::Duration,
 }
+
+/// The default [`ServerConfig::handshake_timeout`]: a client sends Hello as soon as it connects.
+pub const HANDSHAKE_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(10);
 
 struct Shared {
     config: ServerConfig,
@@ -225,10 +231,35 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
     }
     let _session_slot = SessionSlot(metrics);
     let session_id = shared.next_session.fetch_add(1, Ordering::SeqCst);
-    let client = match transport::recv(&reader) {
+    if let Err(error) = reader.set_read_timeout(Some(shared.config.handshake_timeout)) {
+        tracing::warn!("session {session_id}: cannot set the handshake deadline: {error}");
+        return;
+    }
+    let hello = transport::recv(&reader);
+    if let Err(error) = reader.set_read_timeout(None) {
+        tracing::warn!("session {session_id}: cannot clear the handshake deadline: {error}");
+        return;
+    }
+    let client = match hello {
         Ok((Message::Hello { client }, _)) => {
             tracing::info!("session {session_id}: {client} (uid {uid})");
             client
+        }
+        Err(TransportError::Io(error))
+            if matches!(
+                error.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            send_error(
+                &writer,
+                ErrorCode::BadFrame,
+                format!(
+                    "no Hello within {} s of connecting: closing the session",
+                    shared.config.handshake_timeout.as_secs_f64()
+                ),
+            );
+            return;
         }
         Ok((other, _)) => {
             send_error(
@@ -610,11 +641,11 @@ impl Handoff for ConsumerHandoff {
     }
 
     fn fail(&mut self, error: FillError) {
-        let (code, message) = match error {
-            FillError::Corrupt(message) => (ErrorCode::CorruptData, message),
-            FillError::Storage(error) => (ErrorCode::Internal, error.to_string()),
-            FillError::Device(error) => (ErrorCode::Internal, error),
+        let code = match error {
+            FillError::Corrupt { .. } => ErrorCode::CorruptData,
+            _ => ErrorCode::Internal,
         };
+        let message = error.to_string();
         send_error(&self.writer, code, message);
         let socket = self.writer.lock().expect("socket lock poisoned");
         let _ = socket.shutdown(std::net::Shutdown::Both);

@@ -19,8 +19,44 @@ pub const GATHER_SOURCE: KernelSource = KernelSource {
 pub const GATHER_PIECE_BYTES: usize = 32;
 /// Bytes of the [`GatherOutcome`] the kernel writes.
 pub const GATHER_OUTCOME_BYTES: usize = 8;
-/// Most source buffers one launch may read from.
+/// Most source buffers one launch may read from (passed by value); a piece's source index at or above
+/// it names a [`GatherRegion`] of the launch's region table instead.
 pub const GATHER_SOURCES_MAX: usize = 4;
+/// Bytes of one [`GatherRegion`] in the device table.
+pub const GATHER_REGION_BYTES: usize = 16;
+/// Most regions one launch may read from (the source index is 16 bits wide).
+pub const GATHER_REGIONS_MAX: usize = u16::MAX as usize + 1 - GATHER_SOURCES_MAX;
+
+/// A region of host memory mapped for the device (a registered page-cache window) that gather pieces
+/// read from directly, over PCIe. Mirrors `struct GatherRegion` of `kernels/gather.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatherRegion {
+    /// Device address of the mapping.
+    pub ptr: u64,
+    /// Its length in bytes.
+    pub bytes: u64,
+}
+
+impl GatherRegion {
+    /// The source index pieces use to read region `index` of a launch's region table.
+    pub fn source_index(index: usize) -> u16 {
+        assert!(
+            index < GATHER_REGIONS_MAX,
+            "at most {GATHER_REGIONS_MAX} regions"
+        );
+        (GATHER_SOURCES_MAX + index) as u16
+    }
+
+    /// The little-endian device encoding of `regions`, in order.
+    pub fn encode_all(regions: &[GatherRegion]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(regions.len() * GATHER_REGION_BYTES);
+        for region in regions {
+            out.extend_from_slice(&region.ptr.to_le_bytes());
+            out.extend_from_slice(&region.bytes.to_le_bytes());
+        }
+        out
+    }
+}
 /// Threads per block of the gather kernel (its `__launch_bounds__`).
 pub const GATHER_BLOCK_THREADS: u32 = 256;
 /// Largest output of one piece: [`GatherPlan::push`] splits longer runs so that one thread block's
@@ -384,6 +420,30 @@ impl Gatherer {
         dst: &dyn DeviceMemory,
         outcome: &dyn DeviceMemory,
     ) -> Result<(), DeviceError> {
+        // SAFETY: no region table; the rest is the caller's contract, the same as here.
+        unsafe {
+            self.gather_regions_async(stream, pieces, piece_count, sources, None, dst, outcome)
+        }
+    }
+
+    /// [`Self::gather_async`] with a region table: `regions` is a device buffer holding `count`
+    /// encoded [`GatherRegion`]s ([`GatherRegion::encode_all`]), which pieces whose source index is
+    /// [`GatherRegion::source_index`] read from.
+    ///
+    /// # Safety
+    /// As for [`Self::gather_async`]; in addition every region of the table is host memory mapped for
+    /// the device that stays registered, mapped and unmodified until the launch has completed.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gather_regions_async(
+        &self,
+        stream: &Stream,
+        pieces: &dyn DeviceMemory,
+        piece_count: u32,
+        sources: &[&dyn DeviceMemory],
+        regions: Option<(&dyn DeviceMemory, u32)>,
+        dst: &dyn DeviceMemory,
+        outcome: &dyn DeviceMemory,
+    ) -> Result<(), DeviceError> {
         assert!(
             sources.len() <= GATHER_SOURCES_MAX,
             "at most {GATHER_SOURCES_MAX} gather sources"
@@ -419,23 +479,41 @@ impl Gatherer {
             table.ptr[i] = source.device_ptr();
             table.bytes[i] = source.len() as u64;
         }
+        let (mut regions_ptr, mut region_count) = match regions {
+            Some((table, count)) => {
+                let table_bytes = count as u64 * GATHER_REGION_BYTES as u64;
+                if table_bytes > table.len() as u64 || count as usize > GATHER_REGIONS_MAX {
+                    return Err(DeviceError::OutOfBounds {
+                        what: "gather region table",
+                        offset: 0,
+                        bytes: table_bytes,
+                        capacity: table.len() as u64,
+                    });
+                }
+                (table.device_ptr(), count)
+            }
+            None => (0u64, 0u32),
+        };
         let grid = piece_count.min(self.grid_max);
         let mut pieces_ptr = pieces.device_ptr();
         let mut count = piece_count;
         let mut dst_ptr = dst.device_ptr();
         let mut dst_capacity = dst.len() as u64;
         let mut outcome_ptr = outcome.device_ptr();
-        let mut params: [*mut c_void; 6] = [
+        let mut params: [*mut c_void; 8] = [
             &mut pieces_ptr as *mut u64 as *mut c_void,
             &mut count as *mut u32 as *mut c_void,
             &mut table as *mut GatherSourcesParam as *mut c_void,
+            &mut regions_ptr as *mut u64 as *mut c_void,
+            &mut region_count as *mut u32 as *mut c_void,
             &mut dst_ptr as *mut u64 as *mut c_void,
             &mut dst_capacity as *mut u64 as *mut c_void,
             &mut outcome_ptr as *mut u64 as *mut c_void,
         ];
         // SAFETY: the parameters match gf_gather_convert's signature (pointer, u32, GatherSources by
-        // value with the same #[repr(C)] layout, pointer, u64, pointer); the table holds piece_count
-        // entries; buffer lifetimes are the caller's contract.
+        // value with the same #[repr(C)] layout, region table pointer, u32, pointer, u64, pointer);
+        // the tables hold piece_count and region_count entries; buffer lifetimes are the caller's
+        // contract.
         self.kernel
             .launch(stream, grid, GATHER_BLOCK_THREADS, &mut params)
     }

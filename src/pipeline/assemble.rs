@@ -12,8 +12,12 @@ use gpufeed_client::DType;
 
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
-use crate::format::Dataset;
+use crate::device::DeviceError;
+use crate::format::{Codec, Dataset};
+use crate::kernels::Lz4Status;
 use crate::metrics::{Metrics, ReadPath};
+use crate::storage::gpu::GpuReadError;
+use crate::storage::residency::ResidencyMap;
 use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
@@ -275,6 +279,14 @@ impl StreamPlan {
             batch_size: spec.batch_size,
             tail: spec.tail,
         };
+        if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
+            // Nothing would be served: say so rather than end the epoch at once, silently.
+            return invalid(format!(
+                "batch_size {} x world_size {} is more than the dataset's {sample_count} samples: \
+                 with tail drop no batch would be served (lower the batch size, or use tail pad)",
+                spec.batch_size, spec.world_size
+            ));
+        }
         let shard_samples: Vec<u64> = manifest.shards.iter().map(|s| s.sample_count).collect();
         let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, mode);
         Ok(StreamPlan {
@@ -419,7 +431,7 @@ impl StreamPlan {
 
     /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
     /// stream in that shard.
-    fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
+    pub(crate) fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
         let shards = &self.dataset.manifest.shards;
         let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
         let local = sample - shards[shard].first_sample;
@@ -428,8 +440,34 @@ impl StreamPlan {
     }
 
     /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
-    fn blocks_for(&self, shard: usize, field: usize, start: u64, end: u64) -> std::ops::Range<u32> {
+    pub(crate) fn blocks_for(
+        &self,
+        shard: usize,
+        field: usize,
+        start: u64,
+        end: u64,
+    ) -> std::ops::Range<u32> {
         let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
+        // Blocks of a field hold the same raw size but the last, so the first block is found by a
+        // division: one look-up instead of a binary search whose steps miss the cache when rows are
+        // shuffled over a large block table.
+        if let Some(size) = blocks
+            .first()
+            .map(|b| b.raw_bytes as u64)
+            .filter(|&s| s > 0)
+        {
+            let guess = (start / size) as usize;
+            if blocks
+                .get(guess)
+                .is_some_and(|b| b.raw_offset <= start && start < b.raw_offset + b.raw_bytes as u64)
+            {
+                let mut last = guess + 1;
+                while last < blocks.len() && blocks[last].raw_offset < end {
+                    last += 1;
+                }
+                return guess as u32..last as u32;
+            }
+        }
         let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
         let last = blocks.partition_point(|b| b.raw_offset < end);
         first as u32..last as u32
@@ -471,7 +509,7 @@ pub(crate) struct BlockKey {
 #[derive(Clone)]
 enum CachedBlock {
     Decoded(Arc<Vec<u8>>),
-    Corrupt(Arc<String>),
+    Corrupt(Arc<CorruptBlock>),
 }
 
 /// What filling one slot produced.
@@ -483,18 +521,127 @@ pub struct FillReport {
     pub replaced: u32,
 }
 
+/// Why a block is unusable. Built only when a block is found bad, so the hot path carries none.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CorruptReason {
+    /// The stored bytes do not hash to the checksum in the block table.
+    #[error("checksum mismatch (table says {expected:016x}, payload hashes to {computed:016x})")]
+    Checksum {
+        /// Checksum from the block table.
+        expected: u64,
+        /// Checksum of the bytes read.
+        computed: u64,
+    },
+    /// The LZ4 kernel refused the payload (GPU backend).
+    #[error("LZ4 block does not decode ({status:?} after {produced} bytes)")]
+    Lz4Kernel {
+        /// The kernel's status.
+        status: Lz4Status,
+        /// Bytes decoded before the fault.
+        produced: u32,
+    },
+    /// The CPU LZ4 decoder refused the payload.
+    #[error("corrupt LZ4 block: {0}")]
+    Lz4(String),
+    /// The payload decoded to fewer bytes than the table says.
+    #[error("decoded to {produced} bytes, the table says {expected}")]
+    Size {
+        /// `raw_bytes` from the table.
+        expected: u32,
+        /// Bytes the decoder produced.
+        produced: usize,
+    },
+    /// The payload could not be read; the read error's message.
+    #[error("{0}")]
+    Unreadable(String),
+}
+
+/// A block found unusable, and why.
+#[derive(Clone, Debug)]
+pub struct CorruptBlock {
+    /// The block: shard, field and block index.
+    pub block: BlockRef,
+    /// What is wrong with it.
+    pub reason: CorruptReason,
+}
+
+impl CorruptBlock {
+    /// The error that ends a stream whose policy is to fail on this block.
+    pub fn to_error(&self) -> FillError {
+        FillError::Corrupt {
+            block: self.block.clone(),
+            reason: self.reason.clone(),
+        }
+    }
+}
+
+impl From<decode::BlockError> for CorruptBlock {
+    fn from(error: decode::BlockError) -> CorruptBlock {
+        let block = error.block().clone();
+        let reason = match error {
+            decode::BlockError::Checksum {
+                expected, computed, ..
+            } => CorruptReason::Checksum { expected, computed },
+            decode::BlockError::Lz4 { reason, .. } => CorruptReason::Lz4(reason),
+            decode::BlockError::Size {
+                expected, produced, ..
+            } => CorruptReason::Size { expected, produced },
+            decode::BlockError::Io { source, .. } => {
+                CorruptReason::Unreadable(format!("read failed: {source}"))
+            }
+        };
+        CorruptBlock { block, reason }
+    }
+}
+
 /// A batch could not be filled.
 #[derive(Debug, thiserror::Error)]
 pub enum FillError {
-    /// A block is corrupt and the policy is to fail; the message names shard, field and block.
-    #[error("{0}")]
-    Corrupt(String),
+    /// A block is corrupt and the policy is to fail.
+    #[error("{block}: {reason}")]
+    Corrupt {
+        /// The block: shard, field and block index.
+        block: BlockRef,
+        /// What is wrong with it.
+        reason: CorruptReason,
+    },
     /// The storage engine failed.
     #[error(transparent)]
     Storage(#[from] StorageError),
     /// A device operation failed (GPU backend).
-    #[error("device: {0}")]
-    Device(String),
+    #[error("{0}")]
+    Device(#[from] DeviceError),
+    /// The GPU reader failed as a whole (not one block).
+    #[error("{0}")]
+    Read(#[from] GpuReadError),
+    /// One sample needs more device memory than a round of the GPU backend has.
+    #[error(
+        "sample {sample} of the batch needs more device memory than one round has (staging \
+         {staging_bytes} bytes, scratch {scratch_bytes} bytes, {pieces_max} gather pieces, \
+         {cache_entries} cache entries of {entry_bytes} bytes): raise the GPU stream limits"
+    )]
+    RoundTooSmall {
+        /// The sample's position in the batch.
+        sample: usize,
+        /// Staging buffer of a round.
+        staging_bytes: usize,
+        /// Shuffle scratch.
+        scratch_bytes: u64,
+        /// Gather pieces of a round.
+        pieces_max: usize,
+        /// Entries of the block cache.
+        cache_entries: u32,
+        /// Bytes of one cache entry.
+        entry_bytes: u64,
+    },
+    /// The gather kernel refused pieces of its table: a bug in the batch plan, not bad data.
+    #[error("the gather kernel refused {pieces} pieces (last {last}): a bug in the batch plan")]
+    GatherRefused {
+        /// Pieces refused.
+        pieces: u32,
+        /// Index of the last piece refused.
+        last: u32,
+    },
 }
 
 /// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and
@@ -515,7 +662,19 @@ pub struct Assembler {
     sample: Vec<u8>,
     metrics: Arc<Metrics>,
     read_path: ReadPath,
+    /// Read-only maps of the shards, made on first use, for raw blocks read in place, with the
+    /// shard's residency map.
+    maps: Vec<Option<(memmap2::Mmap, ResidencyMap)>>,
 }
+
+/// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
+/// shard's page cache (a memory map) instead of reading and caching the whole block: shuffled orders
+/// touch a few rows of many blocks, and reading each block whole per batch multiplies the bytes read.
+/// Blocks a batch uses more of are read in place too when their pages are cached (copying from the
+/// page cache beats reading the disk again with O_DIRECT); otherwise the read engine reads them.
+const IN_PLACE_COVERAGE_MAX: f64 = 0.5;
+/// Fraction of a dense block's pages that must be cached for it to be read in place.
+const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
 
 impl Assembler {
     /// Opens the dataset's shards and sets up the engine.
@@ -528,19 +687,14 @@ impl Assembler {
         for shard in &plan.dataset.shards {
             files.open(&shard.path, DirectIo::Prefer)?;
         }
+        let plan_shards = plan.dataset.shards.len();
         let (queue, engine_note) = AnyQueue::best(limits.queue_depth);
         let read_path = match queue {
             AnyQueue::Uring(_) => ReadPath::Uring,
             AnyQueue::Pread(_) => ReadPath::Pread,
         };
         metrics.set_read_queue_depth(limits.queue_depth as u64);
-        let engine = ReadEngine::new(
-            queue,
-            EngineLimits {
-                chunk_bytes_max: 1 << 20,
-                retries_max: 8,
-            },
-        );
+        let engine = ReadEngine::new(queue, EngineLimits::node_defaults());
         Ok(Assembler {
             plan,
             files,
@@ -556,6 +710,7 @@ impl Assembler {
             metrics,
             read_path,
             sample: Vec::new(),
+            maps: (0..plan_shards).map(|_| None).collect(),
         })
     }
 
@@ -567,8 +722,10 @@ impl Assembler {
         // Where every (sample, field) of the batch lives, row by row, located once for both passes.
         let placements = plan.placements(step);
         let sample_count = placements.len() / plan.fields.len();
-        // The blocks the batch needs that are not decoded yet.
+        // The blocks the batch needs that are not decoded yet; raw blocks the batch uses little of
+        // are read in place instead (see IN_PLACE_COVERAGE_MAX).
         let mut missing: Vec<BlockKey> = Vec::new();
+        let mut sparse: HashMap<BlockKey, u64> = HashMap::new();
         for (placement, field) in placements.iter().zip(plan.fields.iter().cycle()) {
             for block in placement.blocks.clone() {
                 let key = BlockKey {
@@ -576,10 +733,24 @@ impl Assembler {
                     field: field.field_index as u32,
                     block,
                 };
-                match self.cache.get_mut(&key) {
-                    Some((stamp, _)) => *stamp = self.batch_stamp,
-                    None => missing.push(key),
+                if let Some((stamp, _)) = self.cache.get_mut(&key) {
+                    *stamp = self.batch_stamp;
+                    continue;
                 }
+                let entry = self.entry(&key);
+                if entry.codec == Codec::Raw {
+                    let block_end = entry.raw_offset + entry.raw_bytes as u64;
+                    let used = placement.end.min(block_end) - placement.start.max(entry.raw_offset);
+                    *sparse.entry(key).or_default() += used;
+                } else {
+                    missing.push(key);
+                }
+            }
+        }
+        for (key, used) in sparse {
+            let dense = used as f64 >= self.entry(&key).raw_bytes as f64 * IN_PLACE_COVERAGE_MAX;
+            if !self.map_in_place(&key, dense) {
+                missing.push(key);
             }
         }
         missing.sort_unstable();
@@ -588,8 +759,9 @@ impl Assembler {
 
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
+        let mut in_place_bytes = 0u64;
         for (row, row_placements) in placements.chunks_exact(plan.fields.len()).enumerate() {
-            let mut corrupt: Option<Arc<String>> = None;
+            let mut corrupt: Option<Arc<CorruptBlock>> = None;
             for (field, placement) in plan.fields.iter().zip(row_placements) {
                 let (shard, start, end) = (placement.shard, placement.start, placement.end);
                 self.sample.clear();
@@ -602,15 +774,24 @@ impl Assembler {
                     let entry = &self.plan.dataset.shards[shard]
                         .metadata
                         .field_blocks(field.field_index)[block_index as usize];
-                    match &self.cache[&key].1 {
-                        CachedBlock::Decoded(bytes) => {
-                            let from = start.max(entry.raw_offset) - entry.raw_offset;
-                            let to = end.min(entry.raw_offset + entry.raw_bytes as u64)
-                                - entry.raw_offset;
+                    let from = start.max(entry.raw_offset) - entry.raw_offset;
+                    let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
+                    match self.cache.get(&key).map(|(_, cached)| cached) {
+                        Some(CachedBlock::Decoded(bytes)) => {
                             self.sample
                                 .extend_from_slice(&bytes[from as usize..to as usize]);
                         }
-                        CachedBlock::Corrupt(message) => corrupt = Some(Arc::clone(message)),
+                        Some(CachedBlock::Corrupt(bad)) => corrupt = Some(Arc::clone(bad)),
+                        None => {
+                            // Read in place: a raw block (stored bytes are the raw bytes) whose
+                            // checksum map_in_place verified.
+                            let (map, _) =
+                                self.maps[shard].as_ref().expect("mapped in map_in_place");
+                            let at = entry.stored_offset as usize;
+                            self.sample
+                                .extend_from_slice(&map[at + from as usize..at + to as usize]);
+                            in_place_bytes += to - from;
+                        }
                     }
                 }
                 if corrupt.is_some() {
@@ -621,9 +802,9 @@ impl Assembler {
                 decode::convert(field.stored, &self.sample, field.out, out)
                     .expect("conversions are validated when the stream is planned");
             }
-            if let Some(message) = corrupt {
+            if let Some(bad) = corrupt {
                 match plan.on_corrupt {
-                    CorruptPolicy::Fail => return Err(FillError::Corrupt(message.to_string())),
+                    CorruptPolicy::Fail => return Err(bad.to_error()),
                     CorruptPolicy::Replace => {
                         // The substitute is an all-zero sample in every field: deterministic, the
                         // same on every rank, and counted so the trainer can see it.
@@ -637,12 +818,84 @@ impl Assembler {
                 }
             }
         }
+        if in_place_bytes > 0 {
+            self.metrics
+                .add_read_bytes(ReadPath::PageCache, in_place_bytes);
+        }
         self.metrics.add_gather_time(gather_started.elapsed());
         self.evict();
         Ok(FillReport {
             samples: sample_count as u32,
             replaced,
         })
+    }
+
+    fn entry(&self, key: &BlockKey) -> crate::format::BlockEntry {
+        self.plan.dataset.shards[key.shard as usize]
+            .metadata
+            .field_blocks(key.field as usize)[key.block as usize]
+    }
+
+    /// Prepares raw block `key` to be read in place from its shard's memory map (`dense`: the batch
+    /// uses most of it, so only if its pages are cached): maps the shard if needed and verifies the block's checksum unless a reader of the dataset has (a corrupt block
+    /// goes into the cache as such, for the rows that read it). False when the shard cannot be mapped:
+    /// read the block whole instead, as when a dense block is not cached.
+    fn map_in_place(&mut self, key: &BlockKey, dense: bool) -> bool {
+        let shard = key.shard as usize;
+        if self.maps[shard].is_none() {
+            let file = self.files.get(FileId(key.shard)).file();
+            // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset
+            // exists; datasets are replaced by renaming a new directory into place, never in place.
+            let map = unsafe { memmap2::Mmap::map(file) };
+            match (map, ResidencyMap::new(file)) {
+                (Ok(map), Ok(residency)) => self.maps[shard] = Some((map, residency)),
+                _ => return false,
+            }
+        }
+        let entry = self.entry(key);
+        if dense {
+            let (_, residency) = self.maps[shard].as_ref().expect("mapped above");
+            let cached = residency
+                .resident_fraction(entry.stored_offset as usize, entry.stored_bytes as usize)
+                .is_ok_and(|f| f >= IN_PLACE_RESIDENT_MIN);
+            if !cached {
+                return false;
+            }
+        }
+        let verified = &self.plan.dataset.verified;
+        if verified.contains(shard, key.field as usize, key.block) {
+            return true;
+        }
+        let (map, _) = self.maps[shard].as_ref().expect("mapped above");
+        let at = entry.stored_offset as usize;
+        if at + entry.stored_bytes as usize > map.len() {
+            return false;
+        }
+        let stored = &map[at..at + entry.stored_bytes as usize];
+        let shard_ref = &self.plan.dataset.shards[shard];
+        let checked = decode::check_block(stored, &entry, || BlockRef {
+            shard: shard_ref.path.clone(),
+            field: shard_ref.metadata.fields[key.field as usize].name.clone(),
+            block: key.block,
+            stored_offset: entry.stored_offset,
+        });
+        // Verifying reads the whole block, once per dataset.
+        self.metrics
+            .add_read_bytes(ReadPath::PageCache, entry.stored_bytes as u64);
+        match checked {
+            Ok(()) => {
+                self.plan
+                    .dataset
+                    .verified
+                    .insert(shard, key.field as usize, key.block);
+            }
+            Err(error) => {
+                self.metrics.add_corrupt_blocks(1);
+                let bad = CachedBlock::Corrupt(Arc::new(CorruptBlock::from(error)));
+                self.cache.insert(*key, (self.batch_stamp, bad));
+            }
+        }
+        true
     }
 
     /// Reads and decodes `keys` into the cache.
@@ -718,7 +971,10 @@ impl Assembler {
                     stored_offset: entry.stored_offset,
                 };
                 match result {
-                    Err(error) => CachedBlock::Corrupt(Arc::new(format!("{}: {error}", at()))),
+                    Err(error) => CachedBlock::Corrupt(Arc::new(CorruptBlock {
+                        block: at(),
+                        reason: CorruptReason::Unreadable(error.to_string()),
+                    })),
                     Ok(()) => {
                         let stored = &staging
                             [extent.dest_offset..extent.dest_offset + entry.stored_bytes as usize];
@@ -732,7 +988,7 @@ impl Assembler {
                             at,
                         ) {
                             Ok(()) => CachedBlock::Decoded(Arc::new(raw)),
-                            Err(error) => CachedBlock::Corrupt(Arc::new(error.to_string())),
+                            Err(error) => CachedBlock::Corrupt(Arc::new(error.into())),
                         }
                     }
                 }

@@ -217,6 +217,11 @@ impl EpochOrder {
         self.sample_count
     }
 
+    /// Whether the order is the dataset's own (no shuffle).
+    pub fn is_identity(&self) -> bool {
+        matches!(self.kind, OrderKind::Identity)
+    }
+
     /// True when the dataset has no samples.
     pub fn is_empty(&self) -> bool {
         self.sample_count == 0

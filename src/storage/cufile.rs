@@ -1,6 +1,6 @@
 //! The cuFile (GPUDirect Storage) engine: reads straight into device memory.
 //!
-//! libcufile is loaded at run time through cudarc's loader, but its entry points are called through
+//! libcufile is loaded at run time through cudarc's loader (in `device::ffi`), but its entry points are called through
 //! function types declared here: cuFile returns a `CUfileError` struct whose error field is a C enum,
 //! and binding it as a Rust enum would make an error code unknown to the bindings undefined behaviour.
 //! Here every code is an integer, decoded into [`CuFileCode`] with a catch-all.
@@ -12,8 +12,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
 use super::files::{FileId, FileTable};
-use super::gpu::DeviceExtent;
-use super::{ReadError, ReadErrorKind};
+use super::{Extent, ReadError, ReadErrorKind};
 use crate::device::{Device, DeviceMemory};
 
 /// cuFile's error struct as returned by value: an operation code and a CUDA driver result.
@@ -91,16 +90,62 @@ impl std::fmt::Display for CuFileCode {
     }
 }
 
-fn check(call: &str, error: RawError) -> Result<(), String> {
+/// cuFile could not be opened, or a cuFile call failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CuFileError {
+    /// libcufile is not installed (or not under a name the loader knows).
+    #[error("libcufile could not be loaded")]
+    LibraryMissing,
+    /// libcufile lacks an entry point gpufeed calls.
+    #[error("libcufile lacks {symbol}: {reason}")]
+    MissingSymbol {
+        /// The entry point.
+        symbol: &'static str,
+        /// The loader's message.
+        reason: String,
+    },
+    /// A cuFile call returned an error.
+    #[error("{call} failed: {code} (CUDA result {cuda_result})")]
+    Call {
+        /// The entry point.
+        call: &'static str,
+        /// The cuFile status code.
+        code: CuFileCode,
+        /// The CUDA driver result cuFile passed on.
+        cuda_result: i32,
+    },
+    /// The device could not be made current.
+    #[error("{0}")]
+    Device(String),
+    /// The file has no O_DIRECT descriptor, which cuFile needs; the reason it has none.
+    #[error("{0}")]
+    NoDirectDescriptor(String),
+    /// The descriptor could not be duplicated for cuFile.
+    #[error("dup: {0}")]
+    Dup(String),
+}
+
+fn check(call: &'static str, error: RawError) -> Result<(), CuFileError> {
     if error.err == SUCCESS {
         Ok(())
     } else {
-        Err(format!(
-            "{call} failed: {} (CUDA result {})",
-            CuFileCode(error.err as i64),
-            error.cu_err
-        ))
+        Err(CuFileError::Call {
+            call,
+            code: CuFileCode(error.err as i64),
+            cuda_result: error.cu_err,
+        })
     }
+}
+
+/// Whether libcufile can be loaded. Only tries to open the library under its known names; calls
+/// nothing in it.
+pub fn libcufile_present() -> bool {
+    crate::device::ffi::cufile_library_present()
+}
+
+/// Whether the nvidia-fs kernel driver (real GPUDirect Storage) is loaded.
+pub fn nvidia_fs_loaded() -> bool {
+    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
 }
 
 /// The entry points, resolved once.
@@ -150,26 +195,24 @@ pub struct CuFileReader {
 // SAFETY: cuFile handles may be used from any thread; the reader is used through &mut self.
 unsafe impl Send for CuFileReader {}
 
-fn nvidia_fs_loaded() -> bool {
-    Path::new("/proc/driver/nvidia-fs/version").exists() || Path::new("/dev/nvidia-fs0").exists()
-}
-
 impl CuFileReader {
     /// Loads libcufile, opens the driver and reads its properties. Fails with a reason when libcufile
     /// is absent, lacks an entry point, or the driver does not open.
-    pub fn open(device: &Device) -> Result<CuFileReader, String> {
-        // SAFETY: only tries to dlopen the candidate names.
-        if !unsafe { cudarc::cufile::sys::is_culib_present() } {
-            return Err("libcufile could not be loaded".into());
+    pub fn open(device: &Device) -> Result<CuFileReader, CuFileError> {
+        if !libcufile_present() {
+            return Err(CuFileError::LibraryMissing);
         }
-        // SAFETY: the library is loadable; cudarc keeps it open for the life of the process.
-        let library = unsafe { cudarc::cufile::sys::culib() };
         macro_rules! symbol {
             ($name:literal, $ty:ty) => {
                 // SAFETY: the type matches the C prototype in cufile.h (with the error struct's enum
-                // field read as an integer).
-                *unsafe { library.get::<$ty>(concat!($name, "\0").as_bytes()) }
-                    .map_err(|e| format!("libcufile lacks {}: {e}", $name))?
+                // field read as an integer); the library is present (checked above).
+                unsafe {
+                    crate::device::ffi::cufile_symbol::<$ty>(concat!($name, "\0").as_bytes())
+                }
+                .map_err(|reason| CuFileError::MissingSymbol {
+                    symbol: $name,
+                    reason,
+                })?
             };
         }
         let driver_open: DriverOpenFn = symbol!("cuFileDriverOpen", DriverOpenFn);
@@ -182,10 +225,13 @@ impl CuFileReader {
             buf_deregister: symbol!("cuFileBufDeregister", BufDeregisterFn),
             read: symbol!("cuFileRead", ReadFn),
         };
-        device.bind().map_err(|e| e.to_string())?;
+        device
+            .bind()
+            .map_err(|e| CuFileError::Device(e.to_string()))?;
         // The driver is opened once per process and stays open: every stream's reader shares it, and
         // opening or closing it while another thread reads through it is not safe.
-        static DRIVER: std::sync::OnceLock<Result<(u32, u32), String>> = std::sync::OnceLock::new();
+        static DRIVER: std::sync::OnceLock<Result<(u32, u32), CuFileError>> =
+            std::sync::OnceLock::new();
         let nvfs_version = DRIVER
             .get_or_init(|| {
                 // SAFETY: plain call of a resolved entry point.
@@ -255,18 +301,23 @@ impl CuFileReader {
         }
     }
 
-    fn register(&self, open: &super::files::OpenFile) -> Result<(*mut c_void, OwnedFd), String> {
+    fn register(
+        &self,
+        open: &super::files::OpenFile,
+    ) -> Result<(*mut c_void, OwnedFd), CuFileError> {
         let direct = open.direct_fd().ok_or_else(|| {
-            open.direct_unavailable
-                .clone()
-                .unwrap_or_else(|| "no O_DIRECT descriptor".into())
+            CuFileError::NoDirectDescriptor(
+                open.direct_unavailable
+                    .clone()
+                    .unwrap_or_else(|| "no O_DIRECT descriptor".into()),
+            )
         })?;
         // cuFile keeps using the descriptor; a duplicate ties its life to the registration.
         // SAFETY: `direct` is an open descriptor owned by the file table for the duration of this call.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(direct) };
         let fd = borrowed
             .try_clone_to_owned()
-            .map_err(|e| format!("dup: {e}"))?;
+            .map_err(|e| CuFileError::Dup(e.to_string()))?;
         let mut descriptor = Descriptor {
             handle_type: CU_FILE_HANDLE_TYPE_OPAQUE_FD,
             handle: DescriptorHandle {
@@ -309,7 +360,7 @@ impl CuFileReader {
     pub fn read(
         &mut self,
         files: &FileTable,
-        extent: &DeviceExtent,
+        extent: &Extent,
         dest: &dyn DeviceMemory,
     ) -> Result<CuFileOutcome, ReadError> {
         let error = |offset: u64, kind| ReadError {
@@ -333,88 +384,105 @@ impl CuFileReader {
                 (start, (extent.len - start).min(READ_PIECE_BYTES))
             })
             .collect();
-        let read = self.api.read;
-        let (handle, base) = (handle as usize, dest.device_ptr());
-        let read_piece = |&(start, len): &(usize, usize)| -> Result<(), (u64, ReadErrorKind)> {
-            let mut done = 0usize;
-            while done < len {
-                let file_offset = extent.offset + (start + done) as u64;
-                // SAFETY: the destination range lies within `dest` (checked by the caller); the
-                // handle is registered and outlives this call; the call is synchronous.
-                let result = unsafe {
-                    read(
-                        handle as *mut c_void,
-                        base as *mut c_void,
-                        len - done,
-                        file_offset as i64,
-                        (extent.dest_offset + start + done) as i64,
-                    )
-                };
-                match result {
-                    0 => return Err((file_offset, ReadErrorKind::UnexpectedEof)),
-                    -1 => {
-                        return Err((
-                            file_offset,
-                            ReadErrorKind::Os(std::io::Error::last_os_error()),
-                        ))
-                    }
-                    r if r < -1 => {
-                        return Err((
-                            file_offset,
-                            ReadErrorKind::Os(std::io::Error::other(format!(
-                                "cuFileRead: {}",
-                                CuFileCode(-(r as i64))
-                            ))),
-                        ))
-                    }
-                    r if r as usize > len - done => {
-                        return Err((
-                            file_offset,
-                            ReadErrorKind::Overlong {
-                                returned: r as usize,
-                            },
-                        ))
-                    }
-                    r => done += r as usize,
-                }
-            }
-            Ok(())
+        let target = ReadTarget {
+            read: self.api.read,
+            handle: handle as usize,
+            base: dest.device_ptr(),
+            extent,
         };
         let threads = self.threads.min(pieces.len()).max(1);
         let outcome = if threads == 1 {
-            pieces.iter().try_for_each(read_piece)
+            pieces.iter().try_for_each(|piece| target.read_piece(piece))
         } else {
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            let device = &self.device;
-            std::thread::scope(|scope| {
-                let workers: Vec<_> = (0..threads)
-                    .map(|_| {
-                        scope.spawn(|| -> Result<(), (u64, ReadErrorKind)> {
-                            device.bind().map_err(|e| {
-                                (
-                                    extent.offset,
-                                    ReadErrorKind::Os(std::io::Error::other(e.to_string())),
-                                )
-                            })?;
-                            loop {
-                                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(piece) = pieces.get(index) else {
-                                    return Ok(());
-                                };
-                                read_piece(piece)?;
-                            }
-                        })
-                    })
-                    .collect();
-                workers
-                    .into_iter()
-                    .map(|w| w.join().expect("cuFile reads do not panic"))
-                    .collect::<Result<Vec<()>, _>>()
-                    .map(|_| ())
-            })
+            target.read_pieces_parallel(&self.device, &pieces, threads)
         };
         outcome.map_err(|(offset, kind)| error(offset, kind))?;
         Ok(CuFileOutcome::Read)
+    }
+}
+
+/// Where one extent's cuFile reads go: the entry point, the registered file handle, the destination's
+/// device address and the extent.
+struct ReadTarget<'a> {
+    read: ReadFn,
+    handle: usize,
+    base: u64,
+    extent: &'a Extent,
+}
+
+impl ReadTarget<'_> {
+    /// Reads piece `(start, len)` of the extent (offsets relative to the extent), continuing short
+    /// reads. Fails with the file offset at fault.
+    fn read_piece(&self, &(start, len): &(usize, usize)) -> Result<(), (u64, ReadErrorKind)> {
+        let extent = self.extent;
+        let mut done = 0usize;
+        while done < len {
+            let file_offset = extent.offset + (start + done) as u64;
+            // SAFETY: the destination range lies within the destination (checked by the caller); the
+            // handle is registered and outlives this call; the call is synchronous.
+            let result = unsafe {
+                (self.read)(
+                    self.handle as *mut c_void,
+                    self.base as *mut c_void,
+                    len - done,
+                    file_offset as i64,
+                    (extent.dest_offset + start + done) as i64,
+                )
+            };
+            let kind = match result {
+                0 => ReadErrorKind::UnexpectedEof,
+                -1 => ReadErrorKind::Os(std::io::Error::last_os_error()),
+                r if r < -1 => ReadErrorKind::Os(std::io::Error::other(format!(
+                    "cuFileRead: {}",
+                    CuFileCode(-(r as i64))
+                ))),
+                r if r as usize > len - done => ReadErrorKind::Overlong {
+                    returned: r as usize,
+                },
+                r => {
+                    done += r as usize;
+                    continue;
+                }
+            };
+            return Err((file_offset, kind));
+        }
+        Ok(())
+    }
+
+    /// Reads `pieces` on `threads` threads, each taking the next piece until none is left.
+    fn read_pieces_parallel(
+        &self,
+        device: &Device,
+        pieces: &[(usize, usize)],
+        threads: usize,
+    ) -> Result<(), (u64, ReadErrorKind)> {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| -> Result<(), (u64, ReadErrorKind)> {
+                        device.bind().map_err(|e| {
+                            (
+                                self.extent.offset,
+                                ReadErrorKind::Os(std::io::Error::other(e.to_string())),
+                            )
+                        })?;
+                        loop {
+                            let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(piece) = pieces.get(index) else {
+                                return Ok(());
+                            };
+                            self.read_piece(piece)?;
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().expect("cuFile reads do not panic"))
+                .collect::<Result<Vec<()>, _>>()
+                .map(|_| ())
+        })
     }
 }
 

@@ -15,6 +15,17 @@ pub struct EngineLimits {
     pub retries_max: u32,
 }
 
+impl EngineLimits {
+    /// The daemon's bounds: reads of at most 1 MiB (large enough for full-speed NVMe, small enough to
+    /// spread an extent over the queue), and 8 resubmissions after EINTR or EAGAIN.
+    pub fn node_defaults() -> EngineLimits {
+        EngineLimits {
+            chunk_bytes_max: 1 << 20,
+            retries_max: 8,
+        }
+    }
+}
+
 /// Reads extents of open files into a destination buffer through a [`ReadQueue`].
 ///
 /// Aligned pieces (file offset, length and destination address all multiples of 4096) go to the O_DIRECT

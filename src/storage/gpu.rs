@@ -18,27 +18,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::sys as cu;
-
 use super::engine::{EngineLimits, ReadEngine};
-use super::files::{FileId, FileTable};
+use super::files::FileTable;
 use super::queue::AnyQueue;
 use super::windows::{PageCacheWindows, WindowCopy};
 use super::{Extent, ReadError, IO_ALIGN_BYTES};
 use crate::device::{Device, DeviceError, DeviceMemory, Event, EventTiming, PinnedBuffer, Stream};
-
-/// One read into device memory: `len` bytes at `offset` of `file`, to `dest_offset` of the destination.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceExtent {
-    /// The file.
-    pub file: FileId,
-    /// File offset.
-    pub offset: u64,
-    /// Bytes.
-    pub len: usize,
-    /// Offset in the destination device memory.
-    pub dest_offset: usize,
-}
 
 /// A way of getting bytes from a file into device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -153,57 +138,13 @@ pub enum GpuReadError {
     },
 }
 
-fn driver_check(call: &'static str, result: cu::CUresult) -> Result<(), String> {
-    if result == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {result:?}"))
-    }
-}
-
-/// An event whose synchronisation blocks the thread in the kernel instead of spinning, so that waiting
-/// for copies costs no host CPU (the default spin-wait costs a whole core for as long as the copies run).
-struct BlockingEvent {
-    event: cu::CUevent,
-}
-
-impl BlockingEvent {
-    fn new() -> Result<BlockingEvent, String> {
-        let mut event: cu::CUevent = std::ptr::null_mut();
-        let flags = cu::CUevent_flags_enum::CU_EVENT_BLOCKING_SYNC as u32
-            | cu::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: the caller's device context is current; `event` receives the handle.
-        driver_check("cuEventCreate", unsafe {
-            cu::cuEventCreate(&mut event, flags)
-        })?;
-        Ok(BlockingEvent { event })
-    }
-
-    /// Waits, without spinning, for everything queued on `stream` so far.
-    fn wait_for(&self, stream: &Stream) -> Result<(), String> {
-        // SAFETY: both handles are live.
-        driver_check("cuEventRecord", unsafe {
-            cu::cuEventRecord(self.event, stream.raw())
-        })?;
-        // SAFETY: the event is live.
-        driver_check("cuEventSynchronize", unsafe {
-            cu::cuEventSynchronize(self.event)
-        })
-    }
-}
-
-impl Drop for BlockingEvent {
-    fn drop(&mut self) {
-        // SAFETY: created in `new`, destroyed once.
-        let _ = unsafe { cu::cuEventDestroy_v2(self.event) };
-    }
-}
-
 /// Reads extents into device memory by the page-cache, bounce and cuFile paths.
 pub struct GpuReader {
     device: Device,
     stream: Stream,
-    done: BlockingEvent,
+    /// Recorded after a synchronous read's copies; sleeps when waited on, so that waiting for copies
+    /// costs no host CPU (the default spin-wait costs a whole core for as long as the copies run).
+    done: Event,
     limits: GpuReaderLimits,
     engine: ReadEngine<AnyQueue>,
     /// Whether the bounce buffers are io_uring fixed buffers (index = position in `bounce`).
@@ -249,10 +190,7 @@ impl GpuReader {
         assert!(limits.bounce_buffer_bytes % IO_ALIGN_BYTES as usize == 0);
         assert!(limits.window_bytes % IO_ALIGN_BYTES as usize == 0 && limits.window_bytes > 0);
         let stream = Stream::new(device)?;
-        let done = BlockingEvent::new().map_err(|reason| GpuReadError::Unavailable {
-            path: "device",
-            reason,
-        })?;
+        let done = Event::new_blocking(device)?;
         let mut bounce = Vec::with_capacity(limits.bounce_buffers);
         for _ in 0..limits.bounce_buffers {
             let buffer = PinnedBuffer::new(device, limits.bounce_buffer_bytes)?;
@@ -265,13 +203,7 @@ impl GpuReader {
         if let Some(note) = note {
             tracing::warn!("{note}");
         }
-        let mut engine = ReadEngine::new(
-            queue,
-            EngineLimits {
-                chunk_bytes_max: 1 << 20,
-                retries_max: 8,
-            },
-        );
+        let mut engine = ReadEngine::new(queue, EngineLimits::node_defaults());
         let iovecs: Vec<libc::iovec> = bounce
             .iter_mut()
             .map(|(buffer, _): &mut (PinnedBuffer, Event)| libc::iovec {
@@ -327,6 +259,21 @@ impl GpuReader {
         &self.stream
     }
 
+    /// The device's registered page-cache windows, which this reader shares.
+    pub fn windows(&self) -> &Arc<PageCacheWindows> {
+        &self.windows
+    }
+
+    /// This reader's identity in [`Self::windows`].
+    pub fn reader_id(&self) -> u64 {
+        self.reader_id
+    }
+
+    /// Fraction of a range's pages that must be resident for the page-cache path.
+    pub fn resident_fraction_min(&self) -> f64 {
+        self.limits.resident_fraction_min
+    }
+
     /// Whether a cuFile driver could be opened at all.
     pub fn cufile_available(&self) -> bool {
         self.cufile.is_some()
@@ -344,17 +291,13 @@ impl GpuReader {
     pub fn read(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         dest: &dyn DeviceMemory,
         choice: PathChoice,
     ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
         let results = self.queue_reads(files, extents, dest, choice)?;
-        self.done
-            .wait_for(&self.stream)
-            .map_err(|reason| GpuReadError::Unavailable {
-                path: "device",
-                reason,
-            })?;
+        self.done.record(&self.stream)?;
+        self.done.synchronize()?;
         Ok(results)
     }
 
@@ -368,7 +311,7 @@ impl GpuReader {
     pub unsafe fn read_async(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         dest: &dyn DeviceMemory,
         choice: PathChoice,
         consumer: &Stream,
@@ -382,7 +325,7 @@ impl GpuReader {
     fn queue_reads(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         dest: &dyn DeviceMemory,
         choice: PathChoice,
     ) -> Result<Vec<Result<ReadPath, ReadError>>, GpuReadError> {
@@ -477,7 +420,7 @@ impl GpuReader {
         Ok(results)
     }
 
-    fn resident(&mut self, files: &FileTable, extent: &DeviceExtent) -> bool {
+    fn resident(&mut self, files: &FileTable, extent: &Extent) -> bool {
         self.windows.resident(
             files.get(extent.file).file(),
             extent.offset,
@@ -491,7 +434,7 @@ impl GpuReader {
     fn read_bounced(
         &mut self,
         files: &FileTable,
-        extents: &[DeviceExtent],
+        extents: &[Extent],
         selected: &[usize],
         dest: &dyn DeviceMemory,
         results: &mut [Result<ReadPath, ReadError>],

@@ -16,6 +16,9 @@
 pub mod buffer;
 pub mod cufile;
 pub mod engine;
+// Test support, not API: the integration tests inject faults through it, so it stays public but out
+// of the documentation.
+#[doc(hidden)]
 pub mod fault;
 pub mod files;
 pub mod gpu;
@@ -30,7 +33,7 @@ use std::str::FromStr;
 pub use buffer::AlignedBuffer;
 pub use engine::{EngineLimits, ReadEngine};
 pub use files::{DirectIo, FileId, FileTable};
-pub use queue::{AnyQueue, Completion, PreadQueue, ReadOp, ReadQueue, UringQueue};
+pub use queue::{AnyQueue, Completion, PreadQueue, ReadOp, ReadQueue, UringQueue, QUEUE_DEPTH_MAX};
 
 /// Alignment O_DIRECT requires of file offsets, lengths and buffer addresses on the file systems
 /// gpufeed targets.
@@ -61,17 +64,20 @@ pub enum EngineMode {
     Uring,
 }
 
-impl FromStr for EngineMode {
-    type Err = String;
+/// An engine name that is not one of `auto`, `cufile`, `uring`.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown engine {0:?} (expected auto, cufile or uring)")]
+pub struct UnknownEngine(pub String);
 
-    fn from_str(text: &str) -> Result<EngineMode, String> {
+impl FromStr for EngineMode {
+    type Err = UnknownEngine;
+
+    fn from_str(text: &str) -> Result<EngineMode, UnknownEngine> {
         match text {
             "auto" => Ok(EngineMode::Auto),
             "cufile" => Ok(EngineMode::CuFile),
             "uring" => Ok(EngineMode::Uring),
-            _ => Err(format!(
-                "unknown engine {text:?} (expected auto, cufile or uring)"
-            )),
+            _ => Err(UnknownEngine(text.to_string())),
         }
     }
 }

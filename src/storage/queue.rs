@@ -10,6 +10,10 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::fd::RawFd;
 
+/// Most reads a queue may hold in flight: bounds the ring (and its completion queue, twice as large)
+/// and the pread fallback's batch.
+pub const QUEUE_DEPTH_MAX: usize = 4096;
+
 /// One positional read handed to a queue.
 #[derive(Clone, Copy, Debug)]
 pub struct ReadOp {
@@ -66,8 +70,8 @@ impl UringQueue {
     /// Creates a ring with room for `depth` reads in flight.
     pub fn new(depth: usize) -> io::Result<UringQueue> {
         assert!(
-            depth > 0 && depth <= 4096,
-            "queue depth {depth} outside 1..=4096"
+            depth > 0 && depth <= QUEUE_DEPTH_MAX,
+            "queue depth {depth} outside 1..={QUEUE_DEPTH_MAX}"
         );
         let entries = depth.next_power_of_two() as u32;
         let ring = io_uring::IoUring::builder()
@@ -154,8 +158,8 @@ impl PreadQueue {
     /// Creates a queue accepting up to `depth` pushed reads between submissions.
     pub fn new(depth: usize) -> PreadQueue {
         assert!(
-            depth > 0 && depth <= 4096,
-            "queue depth {depth} outside 1..=4096"
+            depth > 0 && depth <= QUEUE_DEPTH_MAX,
+            "queue depth {depth} outside 1..={QUEUE_DEPTH_MAX}"
         );
         PreadQueue {
             depth,
@@ -263,9 +267,10 @@ impl ReadQueue for AnyQueue {
     }
 
     unsafe fn push(&mut self, op: ReadOp) {
-        // SAFETY: forwarded under the caller's guarantee.
         match self {
+            // SAFETY: forwarded under the caller's guarantee.
             AnyQueue::Uring(q) => unsafe { q.push(op) },
+            // SAFETY: forwarded under the caller's guarantee.
             AnyQueue::Pread(q) => unsafe { q.push(op) },
         }
     }

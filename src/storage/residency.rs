@@ -90,6 +90,7 @@ mod tests {
         let after = map.resident_fraction(0, 1 << 20).unwrap();
         // SAFETY: fstatfs writes into the zeroed struct we own.
         let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: fstatfs on an open descriptor, writing into `stat`, which we own.
         assert_eq!(unsafe { libc::fstatfs(file.as_raw_fd(), &mut stat) }, 0);
         const TMPFS_MAGIC: i64 = 0x0102_1994;
         if stat.f_type as i64 == TMPFS_MAGIC {

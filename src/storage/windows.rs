@@ -15,18 +15,17 @@
 //! (`GpuReaderLimits::registered_bytes_max`, 8 GiB by default) is what the daemon may hold locked.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::sys as cu;
 use memmap2::Mmap;
 
 use super::residency::ResidencyMap;
 use super::IO_ALIGN_BYTES;
-use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
+use crate::device::ffi::{mem_host_register_read_only, mem_host_unregister};
+use crate::device::{Device, DeviceError, DriverCallError, Event, EventTiming, Stream};
 
 /// Shard mappings kept for residency checks and registration before unused ones are dropped.
 const MAPPED_FILES_MAX: usize = 1024;
@@ -55,13 +54,46 @@ struct Mapped {
     residency: ResidencyMap,
 }
 
+/// Names a registered window: the shard file and the window's index in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WindowId {
+    file: FileKey,
+    index: u64,
+}
+
+/// A range of a shard that a kernel may read straight from host memory (see
+/// [`PageCacheWindows::map`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MappedRange {
+    /// The window the range lies in, pinned until [`PageCacheWindows::record_reads`].
+    pub window: WindowId,
+    /// Device address of the window's first byte.
+    pub window_device_ptr: u64,
+    /// Length of the window in bytes.
+    pub window_bytes: u64,
+    /// Offset of the range's first byte in the window.
+    pub offset_in_window: u64,
+}
+
+/// Most blocks a window remembers as verified (a 256 MiB window holds 4096 blocks of 64 KiB).
+const VERIFIED_PER_WINDOW_MAX: usize = 1 << 16;
+
 /// One registered window of a shard mapping.
 struct Window {
     file: FileKey,
     index: u64,
     ptr: *const u8,
+    /// The window's address for kernels (registered with `DEVICEMAP`).
+    device_ptr: u64,
     bytes: usize,
     last_use: u64,
+    /// Rounds being planned or queued that read this window directly (see
+    /// [`PageCacheWindows::map`]): a pinned window is never evicted.
+    pins: u32,
+    /// File offsets of blocks whose checksum a kernel verified while this window was registered.
+    /// The pages are locked and shards are immutable, so the mark holds until the window goes; every
+    /// stream on the device shares it.
+    verified: std::collections::HashSet<u64>,
     /// Per reader, an event recorded on its stream after its last copy from this window.
     copies_done: Vec<(u64, Event)>,
     /// Keeps the registered pages mapped.
@@ -71,55 +103,62 @@ struct Window {
 struct Registry {
     maps: HashMap<FileKey, Arc<Mapped>>,
     windows: Vec<Window>,
+    /// Bytes of the registered windows and of those the worker is registering.
     registered_bytes: usize,
+    /// Windows the worker is registering (ahead of the reads), by file and index.
+    registering: std::collections::HashSet<(FileKey, u64)>,
     clock: u64,
     /// Files whose windows cannot be registered, with the reason (logged once).
-    refused: HashMap<FileKey, String>,
+    refused: HashMap<FileKey, DriverCallError>,
 }
 
+/// Windows registered ahead of a sequential scan, past the one it reads.
+const WINDOWS_AHEAD: u64 = 2;
+/// Registrations queued for the register-ahead worker at most.
+const AHEAD_QUEUE_MAX: usize = 8;
+/// Fraction of a window's pages that must be resident for it to be registered ahead (registering
+/// faults the rest in from disk on the worker: a cold window is left to the cold path).
+const AHEAD_RESIDENT_MIN: f64 = 0.95;
+
+/// A window for the register-ahead worker.
+struct Ahead {
+    key: FileKey,
+    mapped: Arc<Mapped>,
+    index: u64,
+    start: usize,
+    bytes: usize,
+}
+
+/// What the readers and the register-ahead worker share.
+struct Shared {
+    device: Device,
+    registered_bytes_max: usize,
+    registry: Mutex<Registry>,
+    /// Notified whenever the worker finishes (or gives up) a registration.
+    registered: std::sync::Condvar,
+}
+
+// SAFETY: the raw window pointers point into mappings the registry owns (through `Mapped`), and every
+// access to them goes through the mutex.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
 /// The registered page-cache windows of one device (see the module documentation).
+///
+/// A sequential scan (the page-cache path in dataset order) would wait for each window's
+/// registration (about 9 ms per 256 MiB) before copying from it; instead, a worker thread registers
+/// the next [`WINDOWS_AHEAD`] windows of a file while the current one is read, evicting the least
+/// recently used windows behind the reads, so that a dataset larger than the budget streams through
+/// it without the filler registering anything itself.
 pub struct PageCacheWindows {
     device: Device,
     window_bytes: usize,
     registered_bytes_max: usize,
     next_reader: AtomicU64,
-    registry: Mutex<Registry>,
-}
-
-// SAFETY: the raw window pointers point into mappings the registry owns (through `Mapped`), and every
-// access to them goes through the mutex.
-unsafe impl Send for PageCacheWindows {}
-// SAFETY: as above.
-unsafe impl Sync for PageCacheWindows {}
-
-fn driver_check(call: &'static str, result: cu::CUresult) -> Result<(), String> {
-    if result == cu::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {result:?}"))
-    }
-}
-
-/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY`.
-///
-/// # Safety
-/// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until [`host_unregister`]
-/// is called for `ptr`; the device's context is current.
-unsafe fn host_register_read_only(ptr: *const u8, bytes: usize) -> Result<(), String> {
-    let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY;
-    driver_check("cuMemHostRegister", unsafe {
-        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags)
-    })
-}
-
-/// `cuMemHostUnregister`.
-///
-/// # Safety
-/// `ptr` was registered with [`host_register_read_only`] and no copy from it is in flight.
-unsafe fn host_unregister(ptr: *const u8) -> Result<(), String> {
-    driver_check("cuMemHostUnregister", unsafe {
-        cu::cuMemHostUnregister(ptr as *mut c_void)
-    })
+    shared: Arc<Shared>,
+    ahead: Mutex<Option<std::sync::mpsc::SyncSender<Ahead>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// What [`PageCacheWindows::copy`] did.
@@ -136,18 +175,40 @@ impl PageCacheWindows {
     /// `registered_bytes_max` registered at once.
     pub fn new(device: &Device, window_bytes: usize, registered_bytes_max: usize) -> Self {
         assert!(window_bytes > 0 && window_bytes % IO_ALIGN_BYTES as usize == 0);
+        let shared = Arc::new(Shared {
+            device: device.clone(),
+            registered_bytes_max,
+            registry: Mutex::new(Registry {
+                maps: HashMap::new(),
+                windows: Vec::new(),
+                registered_bytes: 0,
+                registering: std::collections::HashSet::new(),
+                clock: 0,
+                refused: HashMap::new(),
+            }),
+            registered: std::sync::Condvar::new(),
+        });
+        // Registering ahead needs room for the window being read, the ones ahead and one to spare.
+        let (ahead, worker) = if registered_bytes_max >= (WINDOWS_AHEAD as usize + 2) * window_bytes
+        {
+            let (sender, receiver) = std::sync::mpsc::sync_channel(AHEAD_QUEUE_MAX);
+            let worker_shared = Arc::clone(&shared);
+            let worker = std::thread::Builder::new()
+                .name("gpufeed-register-ahead".into())
+                .spawn(move || register_ahead(&worker_shared, &receiver))
+                .ok();
+            (worker.is_some().then_some(sender), worker)
+        } else {
+            (None, None)
+        };
         PageCacheWindows {
             device: device.clone(),
             window_bytes,
             registered_bytes_max,
             next_reader: AtomicU64::new(1),
-            registry: Mutex::new(Registry {
-                maps: HashMap::new(),
-                windows: Vec::new(),
-                registered_bytes: 0,
-                clock: 0,
-                refused: HashMap::new(),
-            }),
+            shared,
+            ahead: Mutex::new(ahead),
+            worker: Mutex::new(worker),
         }
     }
 
@@ -161,8 +222,8 @@ impl PageCacheWindows {
         self.lock().registered_bytes
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
-        self.registry.lock().expect("page-cache registry poisoned")
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        self.shared.lock()
     }
 
     /// Whether `offset .. offset + len` of `file` is resident: covered by registered windows (whose
@@ -223,7 +284,7 @@ impl PageCacheWindows {
         file: &File,
         offset: u64,
         len: usize,
-        dest: cu::CUdeviceptr,
+        dest: u64,
     ) -> Result<WindowCopy, DeviceError> {
         let Ok(key) = FileKey::of(file) else {
             return Ok(WindowCopy::Unavailable);
@@ -253,9 +314,10 @@ impl PageCacheWindows {
                 * IO_ALIGN_BYTES as usize;
             let piece = (len - done).min(window_start + window_len - at);
             debug_assert!(piece > 0);
-            let Some(slot) =
-                self.window(&mut registry, key, &mapped, index, window_start, window_len)?
-            else {
+            let (guard, slot) =
+                self.window(registry, key, &mapped, index, window_start, window_len)?;
+            registry = guard;
+            let Some(slot) = slot else {
                 return Ok(WindowCopy::Unavailable);
             };
             let window = &mut registry.windows[slot];
@@ -284,8 +346,196 @@ impl PageCacheWindows {
         Ok(WindowCopy::Queued)
     }
 
-    /// The registered window `index` of `key`, registering it (and evicting old ones) if needed.
-    fn window(
+    /// Maps `len` bytes at `offset` of `file` for a kernel to read straight from host memory: the
+    /// range's window is registered (if its pages are resident, per `fraction_min` of `mincore`, or
+    /// it is registered already) and pinned until [`Self::record_reads`] for `reader`. `None` when the
+    /// range crosses a window boundary, the window is not resident, or every registered window is
+    /// pinned and the budget is full: stage the bytes instead.
+    pub fn map(
+        &self,
+        file: &File,
+        offset: u64,
+        len: usize,
+        fraction_min: f64,
+    ) -> Result<Option<MappedRange>, DeviceError> {
+        let Ok(key) = FileKey::of(file) else {
+            return Ok(None);
+        };
+        let window_bytes = self.window_bytes;
+        let index = offset / window_bytes as u64;
+        let window_start = index as usize * window_bytes;
+        if offset as usize + len > window_start + window_bytes || len == 0 {
+            return Ok(None);
+        }
+        let mut registry = self.lock();
+        if registry.refused.contains_key(&key) {
+            return Ok(None);
+        }
+        let known = registry
+            .windows
+            .iter()
+            .any(|w| w.file == key && w.index == index);
+        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+            return Ok(None);
+        };
+        let file_len = mapped.map.len();
+        if offset as usize + len > file_len {
+            return Ok(None);
+        }
+        let window_len = window_bytes
+            .min(file_len - window_start)
+            .div_ceil(IO_ALIGN_BYTES as usize)
+            * IO_ALIGN_BYTES as usize;
+        if !known
+            && !mapped
+                .residency
+                .resident_fraction(window_start, window_len.min(file_len - window_start))
+                .is_ok_and(|f| f >= fraction_min)
+        {
+            // Registering faults every page of the window in: a cold window is read by the cold
+            // path, which reads only what is needed.
+            return Ok(None);
+        }
+        let (mut registry, slot) =
+            self.window(registry, key, &mapped, index, window_start, window_len)?;
+        let Some(slot) = slot else {
+            return Ok(None);
+        };
+        let window = &mut registry.windows[slot];
+        window.pins += 1;
+        Ok(Some(MappedRange {
+            window: WindowId { file: key, index },
+            window_device_ptr: window.device_ptr,
+            window_bytes: window.bytes as u64,
+            offset_in_window: offset - window_start as u64,
+        }))
+    }
+
+    /// Records on `stream` (reader `reader`'s) that the kernels reading `windows` directly have been
+    /// queued, and unpins them: each stays registered until that point of the stream has passed.
+    /// Every window was pinned by one [`Self::map`] call.
+    pub fn record_reads(
+        &self,
+        reader: u64,
+        stream: &Stream,
+        windows: &[WindowId],
+    ) -> Result<(), DeviceError> {
+        let mut registry = self.lock();
+        for id in windows {
+            let Some(window) = registry
+                .windows
+                .iter_mut()
+                .find(|w| w.file == id.file && w.index == id.index)
+            else {
+                // Only dropping the registry removes a pinned window.
+                continue;
+            };
+            window.pins -= 1;
+            let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
+                Some(i) => &window.copies_done[i].1,
+                None => {
+                    let event = Event::new(&self.device, EventTiming::Disabled)?;
+                    window.copies_done.push((reader, event));
+                    &window.copies_done.last().expect("just pushed").1
+                }
+            };
+            event.record(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the block stored at `offset` of the file of `window` was verified while the window has
+    /// been registered.
+    pub fn is_verified(&self, window: WindowId, offset: u64) -> bool {
+        self.lock()
+            .windows
+            .iter()
+            .find(|w| w.file == window.file && w.index == window.index)
+            .is_some_and(|w| w.verified.contains(&offset))
+    }
+
+    /// Marks the block stored at `offset` of the file of `window` as verified (a kernel found its
+    /// checksum right), for every stream of the device, while the window stays registered.
+    pub fn mark_verified(&self, window: WindowId, offset: u64) {
+        let mut registry = self.lock();
+        if let Some(w) = registry
+            .windows
+            .iter_mut()
+            .find(|w| w.file == window.file && w.index == window.index)
+        {
+            if w.verified.len() < VERIFIED_PER_WINDOW_MAX {
+                w.verified.insert(offset);
+            }
+        }
+    }
+
+    /// The most bytes this registry keeps registered.
+    pub fn registered_bytes_max(&self) -> usize {
+        self.registered_bytes_max
+    }
+
+    /// The size of a window: a range that [`Self::map`] maps lies within one.
+    pub fn window_bytes(&self) -> u64 {
+        self.window_bytes as u64
+    }
+
+    /// Unpins windows that [`Self::map`] pinned for work that was never queued.
+    pub fn unpin(&self, windows: &[WindowId]) {
+        let mut registry = self.lock();
+        for id in windows {
+            if let Some(window) = registry
+                .windows
+                .iter_mut()
+                .find(|w| w.file == id.file && w.index == id.index)
+            {
+                window.pins -= 1;
+            }
+        }
+    }
+
+    /// The registered window `index` of `key`, registering it (and evicting old ones) if needed, and
+    /// waiting for it if the worker is registering it; queues the windows after it for the worker.
+    /// `None` when it cannot be registered.
+    #[allow(clippy::type_complexity)]
+    fn window<'a>(
+        &'a self,
+        mut registry: MutexGuard<'a, Registry>,
+        key: FileKey,
+        mapped: &Arc<Mapped>,
+        index: u64,
+        start: usize,
+        bytes: usize,
+    ) -> Result<(MutexGuard<'a, Registry>, Option<usize>), DeviceError> {
+        while registry.registering.contains(&(key, index)) {
+            registry = self
+                .shared
+                .registered
+                .wait(registry)
+                .expect("page-cache registry poisoned");
+        }
+        registry.clock += 1;
+        let clock = registry.clock;
+        let found = registry
+            .windows
+            .iter()
+            .position(|w| w.file == key && w.index == index);
+        let slot = match found {
+            Some(slot) => {
+                registry.windows[slot].last_use = clock;
+                Some(slot)
+            }
+            None => self.register(&mut registry, key, mapped, index, start, bytes, clock)?,
+        };
+        if slot.is_some() {
+            self.queue_ahead(&mut registry, key, mapped, index);
+        }
+        Ok((registry, slot))
+    }
+
+    /// Registers window `index` of `key` on the calling thread, evicting least recently used
+    /// unpinned windows to make room.
+    #[allow(clippy::too_many_arguments)]
+    fn register(
         &self,
         registry: &mut Registry,
         key: FileKey,
@@ -293,65 +543,80 @@ impl PageCacheWindows {
         index: u64,
         start: usize,
         bytes: usize,
+        clock: u64,
     ) -> Result<Option<usize>, DeviceError> {
-        registry.clock += 1;
-        let clock = registry.clock;
-        if let Some(slot) = registry
-            .windows
-            .iter()
-            .position(|w| w.file == key && w.index == index)
-        {
-            registry.windows[slot].last_use = clock;
-            return Ok(Some(slot));
-        }
-        while registry.registered_bytes + bytes > self.registered_bytes_max
-            && !registry.windows.is_empty()
-        {
-            let oldest = registry
-                .windows
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, w)| w.last_use)
-                .map(|(i, _)| i)
-                .expect("not empty");
-            let window = registry.windows.swap_remove(oldest);
-            registry.registered_bytes -= window.bytes;
-            Self::unregister(window)?;
+        let Some(evicted) = make_room(registry, bytes, self.registered_bytes_max) else {
+            return Ok(None);
+        };
+        for window in evicted {
+            unregister(window)?;
         }
         // SAFETY: `start .. start + bytes` lies within the live mapping (page aligned, as windows start
         // at multiples of window_bytes, itself a multiple of the page size), which the window keeps
         // alive for as long as it is registered; the device's context is current (the caller's).
         let ptr = unsafe { mapped.map.as_ptr().add(start) };
-        if let Err(reason) = unsafe { host_register_read_only(ptr, bytes) } {
-            tracing::warn!(
-                "page-cache path unavailable for a shard: {reason}; using the cold path"
-            );
-            registry.refused.insert(key, reason);
-            return Ok(None);
-        }
+        // SAFETY: as above.
+        let device_ptr = match unsafe { mem_host_register_read_only(ptr, bytes) } {
+            Ok(device_ptr) => device_ptr,
+            Err(reason) => {
+                tracing::warn!(
+                    "page-cache path unavailable for a shard: {reason}; using the cold path"
+                );
+                registry.refused.insert(key, reason);
+                return Ok(None);
+            }
+        };
         registry.registered_bytes += bytes;
-        registry.windows.push(Window {
-            file: key,
-            index,
-            ptr,
-            bytes,
-            last_use: clock,
-            copies_done: Vec::new(),
-            _mapped: Arc::clone(mapped),
-        });
+        registry.windows.push(Window::new(
+            key, index, ptr, device_ptr, bytes, clock, mapped,
+        ));
         Ok(Some(registry.windows.len() - 1))
     }
 
-    /// Unregisters `window` once every copy from it has completed.
-    fn unregister(window: Window) -> Result<(), DeviceError> {
-        for (_, event) in &window.copies_done {
-            event.synchronize()?;
+    /// Queues for the worker the windows after `index` of `key` that are not registered yet, if the
+    /// window before `index` is registered (the file is being read in sequence).
+    fn queue_ahead(&self, registry: &mut Registry, key: FileKey, mapped: &Arc<Mapped>, index: u64) {
+        let scanning = index > 0
+            && registry
+                .windows
+                .iter()
+                .any(|w| w.file == key && w.index == index - 1);
+        if !scanning {
+            return;
         }
-        // SAFETY: registered by this registry, and no copy from it is in flight any more.
-        if let Err(reason) = unsafe { host_unregister(window.ptr) } {
-            tracing::warn!("unregistering a page-cache window failed: {reason}");
+        let sender = self.ahead.lock().expect("register-ahead sender poisoned");
+        let Some(sender) = sender.as_ref() else {
+            return;
+        };
+        let file_len = mapped.map.len();
+        for next in index + 1..=index + WINDOWS_AHEAD {
+            let start = next as usize * self.window_bytes;
+            if start >= file_len
+                || registry.registering.contains(&(key, next))
+                || registry
+                    .windows
+                    .iter()
+                    .any(|w| w.file == key && w.index == next)
+            {
+                continue;
+            }
+            let bytes = self
+                .window_bytes
+                .min(file_len - start)
+                .div_ceil(IO_ALIGN_BYTES as usize)
+                * IO_ALIGN_BYTES as usize;
+            let job = Ahead {
+                key,
+                mapped: Arc::clone(mapped),
+                index: next,
+                start,
+                bytes,
+            };
+            if sender.try_send(job).is_err() {
+                return;
+            }
+            registry.registering.insert((key, next));
         }
-        Ok(())
     }
 
     /// Drops reader `reader`'s events (its stream must be drained first): called when a reader goes.
@@ -370,7 +635,7 @@ impl PageCacheWindows {
         registry.registered_bytes = 0;
         registry.maps.clear();
         for window in std::mem::take(&mut registry.windows) {
-            Self::unregister(window)?;
+            unregister(window)?;
         }
         Ok(())
     }
@@ -378,6 +643,147 @@ impl PageCacheWindows {
 
 impl Drop for PageCacheWindows {
     fn drop(&mut self) {
+        // Stop the worker first: it must not register a window after the registry is cleared.
+        drop(self.ahead.lock().map(|mut sender| sender.take()));
+        if let Some(worker) = self.worker.lock().ok().and_then(|mut w| w.take()) {
+            let _ = worker.join();
+        }
         let _ = self.clear();
     }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().expect("page-cache registry poisoned")
+    }
+}
+
+impl Window {
+    fn new(
+        file: FileKey,
+        index: u64,
+        ptr: *const u8,
+        device_ptr: u64,
+        bytes: usize,
+        last_use: u64,
+        mapped: &Arc<Mapped>,
+    ) -> Window {
+        Window {
+            file,
+            index,
+            ptr,
+            device_ptr,
+            bytes,
+            last_use,
+            pins: 0,
+            verified: std::collections::HashSet::new(),
+            copies_done: Vec::new(),
+            _mapped: Arc::clone(mapped),
+        }
+    }
+}
+
+/// Takes out of `registry` the least recently used unpinned windows until `bytes` more fit under
+/// `bytes_max` (their bytes no longer counted), for the caller to unregister; `None` (nothing taken)
+/// when pinned windows leave no room.
+fn make_room(registry: &mut Registry, bytes: usize, bytes_max: usize) -> Option<Vec<Window>> {
+    let mut evicted = Vec::new();
+    while registry.registered_bytes + bytes > bytes_max {
+        // Pinned windows are read by queued kernels without a copy: never evicted.
+        let oldest = registry
+            .windows
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.pins == 0)
+            .min_by_key(|(_, w)| w.last_use)
+            .map(|(i, _)| i);
+        let Some(oldest) = oldest else {
+            for window in evicted.drain(..) {
+                let window: Window = window;
+                registry.registered_bytes += window.bytes;
+                registry.windows.push(window);
+            }
+            return None;
+        };
+        let window = registry.windows.swap_remove(oldest);
+        registry.registered_bytes -= window.bytes;
+        evicted.push(window);
+    }
+    Some(evicted)
+}
+
+/// Unregisters `window` once every copy from it has completed.
+fn unregister(window: Window) -> Result<(), DeviceError> {
+    for (_, event) in &window.copies_done {
+        event.synchronize()?;
+    }
+    // SAFETY: registered by this registry, and no copy from it is in flight any more.
+    if let Err(reason) = unsafe { mem_host_unregister(window.ptr) } {
+        tracing::warn!("unregistering a page-cache window failed: {reason}");
+    }
+    Ok(())
+}
+
+/// The register-ahead worker: registers the windows queued by [`PageCacheWindows::queue_ahead`],
+/// evicting behind the reads, until the queue's sender is dropped.
+fn register_ahead(shared: &Shared, jobs: &std::sync::mpsc::Receiver<Ahead>) {
+    let bound = shared.device.bind();
+    for job in jobs {
+        let registered = bound.is_ok() && register_one(shared, &job);
+        let mut registry = shared.lock();
+        registry.registering.remove(&(job.key, job.index));
+        if !registered {
+            registry.registered_bytes -= job.bytes;
+        }
+        drop(registry);
+        shared.registered.notify_all();
+    }
+}
+
+/// Registers one window for the worker. Its bytes are counted (reserved) while it registers; the
+/// caller un-counts them if this returns false.
+fn register_one(shared: &Shared, job: &Ahead) -> bool {
+    let resident = job
+        .mapped
+        .residency
+        .resident_fraction(job.start, job.bytes.min(job.mapped.map.len() - job.start))
+        .is_ok_and(|f| f >= AHEAD_RESIDENT_MIN);
+    let mut registry = shared.lock();
+    if !resident || registry.refused.contains_key(&job.key) {
+        registry.registered_bytes += job.bytes;
+        return false;
+    }
+    let Some(evicted) = make_room(&mut registry, job.bytes, shared.registered_bytes_max) else {
+        registry.registered_bytes += job.bytes;
+        return false;
+    };
+    registry.registered_bytes += job.bytes;
+    drop(registry);
+    for window in evicted {
+        if unregister(window).is_err() {
+            return false;
+        }
+    }
+    // SAFETY: `job.start .. job.start + job.bytes` lies within the live mapping `job.mapped` (page
+    // aligned), kept alive by the window for as long as it is registered; this thread's context is
+    // the device's (bound above); no other thread registers this window (it is in `registering`).
+    let ptr = unsafe { job.mapped.map.as_ptr().add(job.start) };
+    // SAFETY: as above.
+    let Ok(device_ptr) = (unsafe { mem_host_register_read_only(ptr, job.bytes) }) else {
+        return false;
+    };
+    let mut registry = shared.lock();
+    registry.clock += 1;
+    let clock = registry.clock;
+    let window = Window::new(
+        job.key,
+        job.index,
+        ptr,
+        device_ptr,
+        job.bytes,
+        clock,
+        &job.mapped,
+    );
+    registry.windows.push(window);
+    true
 }

@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after scripts/gpu-stage-read.sh staged .gpu/read/ here, in one command:
+#   1. GPU tests: serving (zero-copy reads in every order with a budget smaller than the dataset,
+#      bit-exact against the source and the CPU backend; corrupt blocks; 100 killed consumers) and the
+#      kernels (the gather kernel's region table among them);
+#   2. compute-sanitizer memcheck over the zero-copy serving test, the daemon child included;
+#   3. the read-path benchmark (READ_* settings below): an fp16 .npy of READ_GIB GiB, [N, 1024] rows of
+#      2 KiB, packed raw into shards of 512 MiB; a daemon with the default registration budget, then
+#      one with a budget of a third of the dataset (in order and window), and one with zero-copy off
+#      (full shuffle staging whole blocks, for comparison); per order (none, window of 4 shards, full) a
+#      consumer process (`consume`, fp32 device batches of READ_BATCH rows), one warm-up epoch then
+#      READ_REPEAT measured epochs; KvikIO (8 threads, 8 batches in flight, read + astype) interleaved
+#      with gpufeed's runs, and after the full-shuffle runs a PyTorch DataLoader with a RandomSampler
+#      (best of 4/8/16 workers, 64 batches each). Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
+#      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
+#      the run and the bytes the daemon read (from /metrics) per byte of the epoch.
+# Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+OUT="${OUT:-/tmp/gpufeed-read}"
+budget_s="${GPUFEED_CHECK_BUDGET_S:-560}"
+step_name_width=14
+. scripts/lib/check.sh
+export PYTHONUNBUFFERED=1 TMPDIR=/var/tmp
+bin="$PWD/.gpu/read/bin"
+export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
+mkdir -p /run/udev/data
+printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+if [ "${1:-}" != --bench-only ] && [ -z "${READ_BENCH_ONLY:-}" ]; then
+  {
+    date -u
+    cat "$bin/COMMIT"
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+    free -g | head -2
+    ulimit -l
+  } >"$OUT/tests.log" 2>&1
+  step gpu_serve tests 200 60 "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1
+  step gpu_kernels tests 60 20 "$bin/gpu_kernels" --include-ignored --test-threads=4
+fi
+
+# ----- the read-path benchmark -----
+gib=${READ_GIB:-8}
+batch=${READ_BATCH:-4096}
+repeat=${READ_REPEAT:-3}
+work=/var/tmp/gpufeed-read
+jsonl="$OUT/read.jsonl"
+socket=/tmp/gpufeed-read.sock
+http=127.0.0.1:7171
+
+# metric NAME: the sum of the daemon's /metrics samples of NAME.
+metric() {
+  python3 - "$1" <<'PY'
+import sys, urllib.request
+name = sys.argv[1]
+text = urllib.request.urlopen("http://127.0.0.1:7171/metrics", timeout=5).read().decode()
+print(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name)))
+PY
+}
+
+cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
+
+start_daemon() {
+  rm -f "$socket"
+  "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
+    "$@" >"$work/daemon.out" 2>>"$OUT/daemon.log" &
+  daemon=$!
+  for _ in $(seq 1 300); do
+    grep -q "serving" "$work/daemon.out" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "daemon did not start" >&2
+  return 1
+}
+
+stop_daemon() {
+  kill -TERM "$daemon" 2>/dev/null
+  wait "$daemon" 2>/dev/null
+}
+
+# run_gpufeed CASE ORDER RUN: one consumer process over one epoch; one JSON line.
+run_gpufeed() {
+  local case=$1 order=$2 run=$3 read0 read1 cpu0 cpu1 t0 t1 line
+  read0=$(metric gpufeed_read_bytes_total)
+  cpu0=$(cpu_seconds "$daemon")
+  t0=$(date +%s.%N)
+  line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
+    --batch-size "$batch" --dtype f32 --shuffle "$order" --window-shards 4 --seed "$run" | tail -1)
+  t1=$(date +%s.%N)
+  cpu1=$(cpu_seconds "$daemon")
+  read1=$(metric gpufeed_read_bytes_total)
+  python3 - "$case" "$order" "$run" "$t0" "$t1" "$cpu0" "$cpu1" "$read0" "$read1" "$batch" "$line" \
+    >>"$jsonl" <<'PY'
+import json, sys
+case, order, run, t0, t1, cpu0, cpu1, read0, read1, batch, line = sys.argv[1:]
+try:
+    summary = json.loads(line)
+except ValueError:
+    summary = {"error": line[-300:]}
+wall = float(t1) - float(t0)
+bytes_in = summary.get("bytes", 0) // 2
+record = {
+    "loader": "gpufeed", "case": case, "order": order, "run": int(run), "batch_size": int(batch),
+    "stream_seconds": summary.get("seconds"), "wall_seconds": wall,
+    "bytes_in": bytes_in, "bytes_out": summary.get("bytes", 0),
+    "gb_per_s_in_stream": bytes_in / summary["seconds"] / 1e9 if summary.get("seconds") else None,
+    "gb_per_s_in_wall": bytes_in / wall / 1e9,
+    "daemon_cores": (float(cpu1) - float(cpu0)) / wall,
+    "read_bytes": float(read1) - float(read0),
+    "read_per_byte_in": (float(read1) - float(read0)) / bytes_in if bytes_in else None,
+    "handoff_us_p50": summary.get("handoff_us_p50"), "handoff_us_p99": summary.get("handoff_us_p99"),
+}
+if "error" in summary:
+    record["error"] = summary["error"]
+print(json.dumps(record))
+PY
+  tail -1 "$jsonl"
+}
+
+# run_torch_random: the PyTorch DataLoader peer of a full shuffle (RandomSampler over single rows of
+# the memory-mapped .npy, pin_memory, fp32 on the GPU), best of 4, 8 and 16 workers, 64 batches each.
+run_torch_random() {
+  python3 scripts/e2e/peers.py torch --random --file "$work/npy/emb_fp16.npy" \
+    --batch-sizes "$batch" --temperatures warm --workers 4,8,16 --batches-max 64 --jsonl "$jsonl" \
+    --no-gpu-busy | tail -3
+}
+
+run_kvikio() {
+  env PYTHONPATH=/tmp/kvikio-site python3 scripts/e2e/peers.py kvikio --file "$work/npy/emb_fp16.npy" \
+    --batch-sizes "$batch" --temperatures warm --repeat 1 --threads 8 --depth 8 --jsonl "$jsonl" \
+    --no-gpu-busy | tail -1
+}
+
+read_bench() {
+  set -e
+  : >"$jsonl"
+  mkdir -p "$work/npy" "$work/data"
+  python3 scripts/e2e/make_data.py --out-dir "$work/npy" --emb-gib "$gib" --tokens-gib 0
+  rm -rf "$work/data/emb"
+  "$bin/gpufeed" pack --out "$work/data/emb" --samples-per-shard 262144 "$work/npy/emb_fp16.npy"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/kvikio-site .gpu/read/whl/*.whl || echo "kvikio: not installed"
+  cat "$work/npy/emb_fp16.npy" >/dev/null
+  local third=$(( (gib << 30) / 3 ))
+  set +e
+  for case in ${READ_CASES:-default always third zero-copy-off}; do
+    case $case in
+      default) start_daemon ;;
+      always) start_daemon --zero-copy always ;;
+      third) start_daemon --registered-memory-max "$third" ;;
+      zero-copy-off) start_daemon --zero-copy off ;;
+    esac
+    python3 -c 'import json,urllib.request; print(json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/status"))["serving"])' || true
+    for order in ${READ_ORDERS:-none window full}; do
+      [ "$case" = third ] && [ "$order" = full ] && continue
+      [ "$case" = zero-copy-off ] && [ "$order" != full ] && continue
+      [ "$case" = always ] && [ "$order" != none ] && continue
+      local runs=$repeat
+      if [ "$case" = zero-copy-off ]; then
+        # Whole blocks staged per row: about 20 s an epoch; one run shows the difference.
+        runs=1
+      else
+        run_gpufeed "$case-warmup" "$order" 0
+      fi
+      for run in $(seq 1 "$runs"); do
+        run_gpufeed "$case" "$order" "$run"
+        [ "$case" = default ] && [ "$order" = none ] && run_kvikio
+      done
+      [ "$case" = default ] && [ "$order" = full ] && run_torch_random
+    done
+    python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:7171/metrics").read().decode())' | grep -E "read_bytes" >>"$OUT/daemon.log" || true
+    stop_daemon
+  done
+}
+if [ "${1:-}" = --bench-only ]; then
+  read_bench
+  exit $?
+fi
+step read_bench bench 240 60 bash "$0" --bench-only
+# API errors are not reported: libcufile's own cuFileDriverOpen frees an invalid pointer once per
+# process (an error inside NVIDIA's library, seen in the first run); kernel memory errors still are.
+[ -z "${READ_BENCH_ONLY:-}" ] && step memcheck sanitizer 200 60 compute-sanitizer --error-exitcode 99 --print-limit 20 \
+  --report-api-errors no --target-processes all --tool memcheck \
+  "$bin/gpu_serve" --include-ignored --test-threads=1 zero_copy
+
+grep -E '^test result|FAILED|panicked' "$OUT/tests.log" | head -20
+grep -E '^=== |ERROR SUMMARY' "$OUT/sanitizer.log" | cut -c1-160
+python3 - "$jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+groups = {}
+for r in rows:
+    if r.get("loader") == "gpufeed" and "warmup" not in r["case"] and "error" not in r:
+        groups.setdefault((r["case"], r["order"]), []).append(r)
+    elif r.get("loader", "").startswith("kvikio"):
+        groups.setdefault(("kvikio", "none"), []).append(r)
+    elif r.get("loader") == "torch-random":
+        groups.setdefault(("torch-random", "full"), []).append(r)
+print("| case | order | runs | GB/s in (stream) | GB/s in (wall) | daemon cores | read / byte in |")
+print("|---|---|---|---|---|---|---|")
+for (case, order), rs in groups.items():
+    med = lambda k: statistics.median([r[k] for r in rs if r.get(k) is not None] or [float("nan")])
+    if case in ("kvikio", "torch-random"):
+        best = max(r["gb_per_s_in"] for r in rs)
+        print(f"| {case} | {order} | {len(rs)} | {med('gb_per_s_in'):.2f} (best {best:.2f}) | | | |")
+    else:
+        print(f"| {case} | {order} | {len(rs)} | {med('gb_per_s_in_stream'):.2f} | {med('gb_per_s_in_wall'):.2f} | {med('daemon_cores'):.2f} | {med('read_per_byte_in'):.2f} |")
+PY
+step_summary
+# Any failed step fails the script.
+! printf '%s\n' "${summary[@]}" | grep -q FAIL

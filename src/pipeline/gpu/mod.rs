@@ -1,0 +1,413 @@
+//! Batch assembly on the GPU backend: blocks are read into device memory (page-cache DMA, the io_uring
+//! bounce path or cuFile, per [`GpuReader`]), verified (xxh3 kernel), LZ4 blocks are decoded by the
+//! LZ4 kernel into a device block cache, and the gather kernel converts every sample of the batch, in
+//! the stream's order, into the slot, which is exportable device memory that the consumer maps.
+//!
+//! A batch is built in one or more *rounds*. A round reads the blocks its rows need into a staging
+//! buffer (raw blocks) or decodes them into the block cache (LZ4 blocks, kept for later batches), then
+//! gathers its rows into the slot. Rows join a round until the staging buffer, the cache, the shuffle
+//! scratch or the gather table would overflow; the next rows go to the next round. So every size is
+//! fixed at stream open, whatever the batch size or the order, and nothing is allocated on the device
+//! per batch.
+//!
+//! Rounds are pipelined: [`GpuStreamLimits::rounds_in_flight`] sets of round buffers (staging, job and piece tables in
+//! pinned host memory and on the device, outcomes) are used in turn, so the reads of the next round
+//! are queued while the device still verifies, decodes and gathers the previous one, and the host
+//! plans ahead instead of waiting. The host waits for a round (one event, sleeping, no spin) only
+//! when its buffers are needed again or its batch is handed off. A round's outcomes (checksums, LZ4
+//! status, gather faults) are read when it completes: a sample whose block turns out to be corrupt
+//! then is zeroed (policy `replace`) or ends the stream (policy `fail`) before its batch is handed
+//! off, so nothing corrupt is ever served.
+//!
+//! Ordering: all device work of a stream runs on its compute stream, which waits on the reader's
+//! copy stream for each round's reads. The first write into a slot waits on the slot's `released`
+//! event, which the consumer recorded on its own stream when it released the slot. Block cache
+//! entries are reused in stream order, so a gather queued before a decode that overwrites its source
+//! entry has read it first.
+
+mod cache;
+mod complete;
+mod plan;
+mod resident;
+mod round;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use foldhash::{HashSet, HashSetExt};
+
+use self::cache::BlockCache;
+use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers};
+use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
+use crate::decode::BlockRef;
+use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer, Stream};
+use crate::format::BlockEntry;
+use crate::kernels::Kernels;
+use crate::metrics::Metrics;
+use crate::storage::gpu::{GpuReader, PathChoice};
+use crate::storage::{DirectIo, FileTable, IO_ALIGN_BYTES};
+
+/// Most sets of round buffers a stream may ask for (see [`GpuStreamLimits::rounds_in_flight`]).
+pub const ROUNDS_IN_FLIGHT_MAX: usize = 4;
+
+/// Largest delivered bytes per field of a run of consecutive rows planned as one (see
+/// [`StreamPlan::placement_runs`]).
+const RUN_OUT_BYTES_MAX: usize = 1 << 20;
+
+/// Largest output of a gather piece made by merging adjacent samples: small enough that a batch of
+/// consecutive samples still spreads over many thread blocks.
+const MERGED_PIECE_OUT_BYTES_MAX: u64 = 64 << 10;
+
+/// Device memory of one GPU stream, all allocated when the stream opens.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuStreamLimits {
+    /// Stored blocks read in one round (one such buffer per round in flight).
+    pub staging_bytes: usize,
+    /// Decoded LZ4 blocks kept on the device (the block cache).
+    pub cache_bytes: usize,
+    /// Room for byte-shuffled blocks to be decoded before they are unshuffled, per round.
+    pub scratch_bytes: usize,
+    /// Gather pieces per round.
+    pub pieces_max: usize,
+    /// Rounds queued on the device at once (2 to [`ROUNDS_IN_FLIGHT_MAX`]), each with its own staging
+    /// buffer and tables: the next rounds' reads are queued while the device runs the oldest.
+    pub rounds_in_flight: usize,
+    /// When raw blocks are read by the gather kernel straight from registered page-cache memory
+    /// instead of being staged whole.
+    pub zero_copy: ZeroCopy,
+}
+
+/// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
+/// mapped for the device (zero-copy, over PCIe, row by row) instead of staging whole blocks in device
+/// memory first. Either way every byte is verified before its batch is handed off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroCopy {
+    /// Always stage whole blocks.
+    Off,
+    /// Read a block's rows in place when a run uses less than half of it (shuffled orders), stage it
+    /// when a run uses most of it (in order: the copy engines move whole blocks at the PCIe limit).
+    Auto,
+    /// Read every raw block in place when its window can be mapped.
+    Always,
+}
+
+impl ZeroCopy {
+    /// The name used in configuration and status.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroCopy::Off => "off",
+            ZeroCopy::Auto => "auto",
+            ZeroCopy::Always => "always",
+        }
+    }
+}
+
+impl std::str::FromStr for ZeroCopy {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<ZeroCopy, String> {
+        match text {
+            "off" => Ok(ZeroCopy::Off),
+            "auto" => Ok(ZeroCopy::Auto),
+            "always" => Ok(ZeroCopy::Always),
+            other => Err(format!("{other:?} is not auto, always or off")),
+        }
+    }
+}
+
+/// Share of a raw block's bytes below which [`ZeroCopy::Auto`] reads the rows in place.
+const ZERO_COPY_COVERAGE_MAX: f64 = 0.5;
+
+impl GpuStreamLimits {
+    /// Defaults for a GPU node: 64 MiB staging per round in flight, a 256 MiB block cache, 64 MiB of
+    /// shuffle scratch, 64 Ki gather pieces (2 MiB of table) per round, three rounds in flight.
+    pub fn node_defaults() -> GpuStreamLimits {
+        GpuStreamLimits {
+            staging_bytes: 64 << 20,
+            cache_bytes: 256 << 20,
+            scratch_bytes: 64 << 20,
+            pieces_max: 64 << 10,
+            rounds_in_flight: 3,
+            zero_copy: ZeroCopy::Auto,
+        }
+    }
+}
+
+/// Host time spent in each phase of filling slots. Device work is asynchronous: `wait_s` is the time
+/// the host waited for it; the rest is the host's own work (planning, queueing reads and kernels,
+/// reading outcomes).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GpuFillTimings {
+    /// Planning rounds on the host.
+    pub plan_s: f64,
+    /// Queueing reads (host-side reads of the bounce path and cuFile included).
+    pub read_s: f64,
+    /// Queueing checksum verification and LZ4 decoding, and reading their outcomes.
+    pub decode_s: f64,
+    /// Building and queueing the gather.
+    pub gather_s: f64,
+    /// Waiting for the device to finish rounds.
+    pub wait_s: f64,
+    /// Rounds run.
+    pub rounds: u64,
+}
+
+/// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.
+pub struct GpuAssembler {
+    plan: Arc<StreamPlan>,
+    kernels: Arc<Kernels>,
+    reader: GpuReader,
+    choice: PathChoice,
+    files: FileTable,
+    stream: Stream,
+    /// The block cache (`block_cache.entries` entries of `entry_bytes`), then the shuffle scratch.
+    cache: DeviceBuffer,
+    entry_bytes: u64,
+    scratch_offset: u64,
+    scratch_bytes: u64,
+    jobs_max: usize,
+    pieces_max: usize,
+    zero_copy: ZeroCopy,
+    /// Set when the whole dataset is read in place (see [`resident`]).
+    resident: Option<resident::Resident>,
+    layout: HostLayout,
+    buffers: Vec<RoundBuffers>,
+    /// Rounds queued, oldest first (at most one per set of round buffers).
+    rounds: VecDeque<PendingRound>,
+    /// Batches submitted, oldest first.
+    batches: VecDeque<PendingBatch>,
+    next_buffers: usize,
+    /// Raw blocks whose checksum this stream has verified (LZ4 blocks are verified when they are
+    /// decoded into the cache, which keeps them).
+    verified: HashSet<BlockKey>,
+    /// Where the fill time went, for benchmarks.
+    pub timings: GpuFillTimings,
+    /// Which block each cache entry holds, and which blocks are known to be corrupt.
+    block_cache: BlockCache,
+    round_stamp: u64,
+    metrics: Arc<Metrics>,
+}
+
+impl GpuAssembler {
+    /// Opens the dataset's shards and allocates the stream's device memory on `reader`'s device.
+    pub fn new(
+        plan: Arc<StreamPlan>,
+        kernels: Arc<Kernels>,
+        reader: GpuReader,
+        choice: PathChoice,
+        limits: &GpuStreamLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<GpuAssembler, FillError> {
+        let device = reader.stream().device().clone();
+        let mut files = FileTable::new(plan.dataset.shards.len());
+        for shard in &plan.dataset.shards {
+            files.open(&shard.path, DirectIo::Prefer)?;
+        }
+        let (staged_max, raw_max) = plan::block_sizes_max(&plan);
+        let staging_bytes = (limits.staging_bytes as u64).max(staged_max);
+        let cache_entries = (limits.cache_bytes as u64 / raw_max).clamp(1, u32::MAX as u64) as u32;
+        let scratch_bytes = (limits.scratch_bytes as u64).max(raw_max);
+        // The shuffle scratch follows the cache entries in the same buffer (the decoder writes both).
+        // One scratch serves every round: rounds run one after the other on the compute stream.
+        let scratch_offset = cache_entries as u64 * raw_max;
+        let stream = Stream::new(&device)?;
+        let resident = resident::Resident::open(
+            &plan,
+            &files,
+            reader.windows(),
+            limits.zero_copy,
+            reader.resident_fraction_min(),
+            &device,
+            &metrics,
+        )?;
+        let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;
+        // At most one job per staged page: a bound on the jobs of one round.
+        let jobs_max = (staging_bytes / IO_ALIGN_BYTES) as usize;
+        let pieces_max = limits.pieces_max.max(1);
+        let layout = HostLayout::new(jobs_max, pieces_max);
+        let rounds_in_flight = limits.rounds_in_flight.clamp(2, ROUNDS_IN_FLIGHT_MAX);
+        let mut buffers = Vec::with_capacity(rounds_in_flight);
+        for _ in 0..rounds_in_flight {
+            let round = RoundBuffers::new(
+                &device,
+                staging_bytes as usize,
+                jobs_max,
+                pieces_max,
+                &layout,
+            )?;
+            buffers.push(round);
+        }
+        Ok(GpuAssembler {
+            kernels,
+            reader,
+            choice,
+            files,
+            stream,
+            cache,
+            entry_bytes: raw_max,
+            scratch_offset,
+            scratch_bytes,
+            jobs_max,
+            pieces_max,
+            zero_copy: limits.zero_copy,
+            resident,
+            layout,
+            buffers,
+            rounds: VecDeque::with_capacity(rounds_in_flight),
+            batches: VecDeque::new(),
+            next_buffers: 0,
+            verified: HashSet::new(),
+            timings: GpuFillTimings::default(),
+            block_cache: BlockCache::new(cache_entries),
+            round_stamp: 0,
+            metrics,
+            plan,
+        })
+    }
+
+    /// The stream the batch work runs on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Why cold reads take the path they take (for the log).
+    pub fn cold_path_reason(&self) -> &str {
+        &self.reader.cold_path_reason
+    }
+
+    /// Device memory this stream holds besides its slots, in bytes.
+    pub fn device_bytes(&self) -> u64 {
+        (self.cache.len() + self.buffers.iter().map(|b| b.device_bytes()).sum::<usize>()) as u64
+    }
+
+    /// Rounds queued on the device at once: submitting more batches than this ahead of completing
+    /// them only makes `submit` wait.
+    pub fn rounds_in_flight(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// Batches submitted and not completed yet.
+    pub fn pending_batches(&self) -> usize {
+        self.batches.len()
+    }
+
+    fn entry(&self, key: &BlockKey) -> &BlockEntry {
+        &self.plan.dataset.shards[key.shard as usize]
+            .metadata
+            .field_blocks(key.field as usize)[key.block as usize]
+    }
+
+    fn block_ref(&self, key: &BlockKey) -> BlockRef {
+        let shard = &self.plan.dataset.shards[key.shard as usize];
+        BlockRef {
+            shard: shard.path.clone(),
+            field: shard.metadata.fields[key.field as usize].name.clone(),
+            block: key.block,
+            stored_offset: self.entry(key).stored_offset,
+        }
+    }
+
+    /// Fills `slot` with stream step `step` and waits for it: [`Self::submit`] then
+    /// [`Self::complete`]. Batches submitted before must have been completed.
+    pub fn fill(
+        &mut self,
+        step: u64,
+        slot: &ExportableBuffer,
+        released: &Event,
+    ) -> Result<FillReport, FillError> {
+        assert!(self.batches.is_empty(), "complete submitted batches first");
+        self.submit(step, slot, released, None)?;
+        let (_, report) = self.complete(None)?;
+        Ok(report)
+    }
+
+    /// Queues stream step `step` into `slot`. The slot's previous contents may still be read by the
+    /// consumer until `released` completes: the first write waits for it on the device. `ready` (if
+    /// any) is recorded on the stream after the batch's last work. The batch is not to be handed off
+    /// before [`Self::complete`] has returned it: only then are its blocks known to be sound.
+    ///
+    /// The slot must stay allocated until the batch is completed.
+    pub fn submit(
+        &mut self,
+        step: u64,
+        slot: &ExportableBuffer,
+        released: &Event,
+        ready: Option<&Event>,
+    ) -> Result<(), FillError> {
+        assert!(slot.len() >= self.plan.slot_bytes);
+        if self.resident.is_some() {
+            return self.submit_resident(step, slot, released, ready);
+        }
+        let planned = Instant::now();
+        let placements = Arc::new(self.plan.placement_runs(step, RUN_OUT_BYTES_MAX));
+        self.timings.plan_s += planned.elapsed().as_secs_f64();
+        let rows = placements
+            .runs
+            .last()
+            .map_or(0, |&(first, count)| first + count);
+        let runs = placements.runs.len();
+        self.stream.wait(released)?;
+        self.batches.push_back(PendingBatch {
+            step,
+            slot_ptr: slot.device_ptr(),
+            slot_bytes: slot.len(),
+            samples: rows as u32,
+            replaced: 0,
+            rounds_left: 0,
+            fixed_up: false,
+        });
+        let mut run = 0usize;
+        while run < runs {
+            // The round's buffers must be free: complete the round that used them last.
+            if self.rounds.len() == self.buffers.len() {
+                self.complete_round()?;
+            }
+            let planned = Instant::now();
+            let round = self.plan_round(&placements, run)?;
+            self.timings.plan_s += planned.elapsed().as_secs_f64();
+            self.timings.rounds += 1;
+            run = round.runs.end;
+            self.batches.back_mut().expect("just pushed").rounds_left += 1;
+            self.queue_round(step, &placements, round, slot)?;
+        }
+        if let Some(ready) = ready {
+            ready.record(&self.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest submitted batch, checks what its rounds found, zeroes (or fails on) samples
+    /// whose blocks turned out to be corrupt, and returns its step and report. `ready` is the batch's
+    /// ready event, recorded again if work was queued on the slot after it.
+    pub fn complete(&mut self, ready: Option<&Event>) -> Result<(u64, FillReport), FillError> {
+        let oldest = self.batches.front().expect("a batch was submitted").step;
+        while self.batches.front().is_some_and(|b| b.rounds_left > 0) {
+            self.complete_round()?;
+        }
+        let batch = self.batches.pop_front().expect("checked above");
+        debug_assert_eq!(batch.step, oldest);
+        if batch.fixed_up {
+            if let Some(ready) = ready {
+                ready.record(&self.stream)?;
+            }
+        }
+        Ok((
+            batch.step,
+            FillReport {
+                samples: batch.samples,
+                replaced: batch.replaced,
+            },
+        ))
+    }
+}
+
+impl Drop for GpuAssembler {
+    fn drop(&mut self) {
+        // Queued rounds read the staging buffers and write slots: let them finish first.
+        let _ = self.stream.synchronize();
+        if let Some(resident) = &self.resident {
+            resident.release(self.reader.windows());
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! Planning rounds: which runs of a batch join a round before its fixed buffers (staging, shuffle
+//! scratch, gather table, job tables, cache entries) would overflow, where each of their blocks goes,
+//! and which gather pieces copy a range of samples from those blocks.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::cache::CacheEntry;
+use super::round::{Round, REGIONS_MAX};
+use super::{GpuAssembler, ZeroCopy, ZERO_COPY_COVERAGE_MAX};
+use crate::device::DeviceMemory;
+use crate::format::{BlockEntry, Codec, Filter};
+use crate::kernels::{GatherOp, GatherRegion};
+use crate::pipeline::assemble::{
+    BlockKey, CorruptBlock, FieldPlan, FillError, Placement, PlacementRuns, StreamPlan,
+};
+use crate::storage::windows::MappedRange;
+use crate::storage::IO_ALIGN_BYTES;
+
+/// One piece of a gather before merging: source, source offset, slot offset, elements, conversion.
+pub(super) type GatherRun = (u16, u64, u64, u64, GatherOp);
+
+/// What one run would add to a round, worked out before anything is committed.
+#[derive(Default)]
+struct RunDemand {
+    /// Raw blocks new to the round, and their staging offsets.
+    staged: Vec<(BlockKey, u64)>,
+    /// LZ4 blocks to decode, their staging offsets and scratch offsets.
+    decoded: Vec<(BlockKey, u64, Option<u64>)>,
+    /// Cached blocks the run uses, with the round that used them last.
+    pins: Vec<(BlockKey, u64)>,
+    /// Raw blocks new to the round that the gather reads in place: region index and offset in it.
+    mapped: Vec<(BlockKey, usize, u64)>,
+    /// Windows the run maps that the round does not have yet (pinned by the mapping), keyed by
+    /// (shard, window index); their regions follow the round's.
+    regions: Vec<((u32, u64), MappedRange)>,
+    /// Staging and scratch used by the round with the run.
+    staging: u64,
+    scratch: u64,
+    /// Gather pieces of the run (a bound).
+    pieces: usize,
+}
+
+/// Largest staged size of any block of the stream's fields (stored bytes rounded up to whole pages)
+/// and largest decoded size, over the whole dataset.
+pub(super) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
+    let align = IO_ALIGN_BYTES;
+    let mut staged = align;
+    let mut raw = align;
+    for shard in &plan.dataset.shards {
+        for field in &plan.fields {
+            for block in shard.metadata.field_blocks(field.field_index) {
+                staged = staged.max((block.stored_bytes as u64).div_ceil(align) * align);
+                raw = raw.max(block.raw_bytes as u64);
+            }
+        }
+    }
+    (staged, raw.div_ceil(16) * 16)
+}
+
+/// Bytes a block takes in staging: its stored bytes rounded up to whole pages.
+pub(super) fn staged_bytes(entry: &BlockEntry) -> u64 {
+    (entry.stored_bytes as u64).div_ceil(IO_ALIGN_BYTES) * IO_ALIGN_BYTES
+}
+
+/// The key of block `block` of `field` in the shard of `placement`.
+fn block_key(placement: &Placement, field: &FieldPlan, block: u32) -> BlockKey {
+    BlockKey {
+        shard: placement.shard as u32,
+        field: field.field_index as u32,
+        block,
+    }
+}
+
+impl GpuAssembler {
+    /// Chooses the runs of the next round, starting at run `first`, and where their blocks go. LZ4
+    /// blocks get their cache entries here (the entry is known to later rounds at once).
+    pub(super) fn plan_round(
+        &mut self,
+        batch: &PlacementRuns,
+        first: usize,
+    ) -> Result<Round, FillError> {
+        self.round_stamp += 1;
+        let stamp = self.round_stamp;
+        let plan = Arc::clone(&self.plan);
+        let fields = &plan.fields;
+        let mut round = Round {
+            runs: first..first,
+            ..Round::default()
+        };
+        let mut demand = RunDemand::default();
+        // Consecutive runs mostly share a block: the last block committed needs no lookup.
+        let mut last_committed: Option<BlockKey> = None;
+        for run in first..batch.runs.len() {
+            let rows = batch.runs[run].1;
+            let placements = &batch.placements[run * fields.len()..(run + 1) * fields.len()];
+            self.run_demand(&round, placements, rows, last_committed, stamp, &mut demand);
+            if !self.fits(&round, &demand) {
+                self.unpin_demand(&demand);
+                if round.runs.is_empty() {
+                    return Err(self.round_too_small(batch.runs[run].0));
+                }
+                break;
+            }
+            self.commit_run(&mut round, &demand, stamp);
+            if fields.len() == 1 {
+                // With several fields the runs alternate between them: only a single-field run's
+                // last block is sure to be the next run's first.
+                let placement = &placements[0];
+                last_committed = placement
+                    .blocks
+                    .clone()
+                    .next_back()
+                    .map(|block| block_key(placement, &fields[0], block));
+            }
+            round.runs.end = run + 1;
+        }
+        Ok(round)
+    }
+
+    /// Works out what a run of `rows` rows (`placements`, one per field) adds to `round`.
+    fn run_demand(
+        &self,
+        round: &Round,
+        placements: &[Placement],
+        rows: usize,
+        last_committed: Option<BlockKey>,
+        stamp: u64,
+        demand: &mut RunDemand,
+    ) {
+        demand.staged.clear();
+        demand.decoded.clear();
+        demand.pins.clear();
+        demand.mapped.clear();
+        demand.regions.clear();
+        demand.staging = round.staging_used;
+        demand.scratch = round.scratch_used;
+        demand.pieces = 0;
+        for (field, placement) in self.plan.fields.iter().zip(placements) {
+            // GatherPlan::push splits a piece at GATHER_PIECE_OUT_BYTES_MAX output bytes, so a run
+            // gathered whole takes at most one piece per block plus one per such span; if its rows
+            // are gathered one by one (a corrupt block), each row takes one piece per block it
+            // overlaps (at most the run's blocks plus its rows, over all rows) plus one per such
+            // span of the row.
+            demand.pieces += placement.blocks.len()
+                + rows
+                    * (1 + (field.sample_bytes_out as u64)
+                        .div_ceil(crate::kernels::GATHER_PIECE_OUT_BYTES_MAX)
+                        as usize);
+            for block in placement.blocks.clone() {
+                let key = block_key(placement, field, block);
+                if last_committed != Some(key) {
+                    self.block_demand(round, field, placement, key, stamp, demand);
+                }
+            }
+        }
+    }
+
+    /// Adds what block `key` of `field` needs, if `round` and the run so far do not provide it.
+    fn block_demand(
+        &self,
+        round: &Round,
+        field: &FieldPlan,
+        placement: &Placement,
+        key: BlockKey,
+        stamp: u64,
+        demand: &mut RunDemand,
+    ) {
+        let entry = *self.entry(&key);
+        match (entry.codec, self.block_cache.get(&key)) {
+            (Codec::Raw, _) => {
+                if round.staged.contains_key(&key)
+                    || round.mapped.contains_key(&key)
+                    || demand.staged.iter().any(|(k, _)| *k == key)
+                    || demand.mapped.iter().any(|(k, ..)| *k == key)
+                {
+                    return;
+                }
+                if self.reads_in_place(&entry, placement) {
+                    if let Some((region, offset)) = self.map_block(round, &key, &entry, demand) {
+                        demand.mapped.push((key, region, offset));
+                        return;
+                    }
+                }
+                demand.staged.push((key, demand.staging));
+                demand.staging += staged_bytes(&entry);
+            }
+            (Codec::Lz4, Some(CacheEntry::Decoded { stamp: used, .. })) => {
+                if *used != stamp && !demand.pins.iter().any(|(k, _)| *k == key) {
+                    demand.pins.push((key, *used));
+                }
+            }
+            (Codec::Lz4, Some(CacheEntry::Corrupt(_))) => {}
+            (Codec::Lz4, None) => {
+                if !demand.decoded.iter().any(|(k, ..)| *k == key) {
+                    let shuffled =
+                        entry.filter == Filter::ByteShuffle && field.stored.size_bytes() > 1;
+                    let scratch_at = shuffled.then(|| {
+                        let at = self.scratch_offset + demand.scratch;
+                        demand.scratch += (entry.raw_bytes as u64).div_ceil(16) * 16;
+                        at
+                    });
+                    demand.decoded.push((key, demand.staging, scratch_at));
+                    demand.staging += staged_bytes(&entry);
+                }
+            }
+        }
+    }
+
+    /// Whether the zero-copy policy wants raw block `entry` read in place for a run whose rows cover
+    /// `placement`'s range.
+    fn reads_in_place(&self, entry: &BlockEntry, placement: &Placement) -> bool {
+        match self.zero_copy {
+            ZeroCopy::Off => false,
+            ZeroCopy::Always => true,
+            ZeroCopy::Auto => {
+                let block_end = entry.raw_offset + entry.raw_bytes as u64;
+                let used = placement.end.min(block_end) - placement.start.max(entry.raw_offset);
+                (used as f64) < entry.raw_bytes as f64 * ZERO_COPY_COVERAGE_MAX
+            }
+        }
+    }
+
+    /// Where the gather reads raw block `key` in place: the round's region for the block's window
+    /// (mapping and pinning the window if the round has none yet) and the block's offset in it.
+    /// `None` when the window cannot be mapped (not resident, crossing a window boundary, budget full
+    /// of pinned windows) or the round has no room for another region: the block is staged instead.
+    fn map_block(
+        &self,
+        round: &Round,
+        key: &BlockKey,
+        entry: &BlockEntry,
+        demand: &mut RunDemand,
+    ) -> Option<(usize, u64)> {
+        let windows = self.reader.windows();
+        let window_bytes = windows.window_bytes();
+        let index = entry.stored_offset / window_bytes;
+        let offset = entry.stored_offset - index * window_bytes;
+        if offset + entry.stored_bytes as u64 > window_bytes {
+            return None;
+        }
+        let window_key = (key.shard, index);
+        if let Some(&region) = round.region_of.get(&window_key) {
+            return Some((region, offset));
+        }
+        if let Some(i) = demand.regions.iter().position(|(k, _)| *k == window_key) {
+            return Some((round.regions.len() + i, offset));
+        }
+        if round.regions.len() + demand.regions.len() >= REGIONS_MAX {
+            return None;
+        }
+        let file = self.files.get(crate::storage::FileId(key.shard)).file();
+        let fraction = self.reader.resident_fraction_min();
+        // A device error here leaves the block to the staging path, which reports it if it persists.
+        let mapped = windows
+            .map(
+                file,
+                entry.stored_offset,
+                entry.stored_bytes as usize,
+                fraction,
+            )
+            .ok()
+            .flatten()?;
+        debug_assert_eq!(mapped.offset_in_window, offset);
+        demand.regions.push((window_key, mapped));
+        Some((round.regions.len() + demand.regions.len() - 1, offset))
+    }
+
+    /// Releases the windows a run mapped but the round did not take.
+    fn unpin_demand(&self, demand: &RunDemand) {
+        if demand.regions.is_empty() {
+            return;
+        }
+        let windows: Vec<_> = demand.regions.iter().map(|(_, m)| m.window).collect();
+        self.reader.windows().unpin(&windows);
+    }
+
+    /// Whether `round` still fits its buffers with the run of `demand` added.
+    fn fits(&self, round: &Round, demand: &RunDemand) -> bool {
+        let entries_needed =
+            round.decode.len() + demand.decoded.len() + round.pinned + demand.pins.len();
+        // Every block read in place may need a checksum job.
+        let jobs_needed = round.staged.len()
+            + demand.staged.len()
+            + round.decode.len()
+            + demand.decoded.len()
+            + round.mapped.len()
+            + demand.mapped.len();
+        demand.staging <= self.buffers[0].staging.len() as u64
+            && demand.scratch <= self.scratch_bytes
+            && round.pieces + demand.pieces <= self.pieces_max
+            && jobs_needed <= self.jobs_max
+            && entries_needed <= self.block_cache.entries as usize
+    }
+
+    /// The error for a batch whose sample at `sample` alone overflows a round.
+    fn round_too_small(&self, sample: usize) -> FillError {
+        FillError::RoundTooSmall {
+            sample,
+            staging_bytes: self.buffers[0].staging.len(),
+            scratch_bytes: self.scratch_bytes,
+            pieces_max: self.pieces_max,
+            cache_entries: self.block_cache.entries,
+            entry_bytes: self.entry_bytes,
+        }
+    }
+
+    /// Adds the run of `demand` to `round`: its cached blocks become the round's (not evictable by
+    /// it) and its new LZ4 blocks get cache entries.
+    fn commit_run(&mut self, round: &mut Round, demand: &RunDemand, stamp: u64) {
+        for &(key, used) in &demand.pins {
+            self.block_cache.pin(key, used, stamp);
+            round.pinned += 1;
+        }
+        for &(key, at) in &demand.staged {
+            round.staged.insert(key, at);
+        }
+        for &(window_key, mapped) in &demand.regions {
+            round.region_of.insert(window_key, round.regions.len());
+            round.regions.push(GatherRegion {
+                ptr: mapped.window_device_ptr,
+                bytes: mapped.window_bytes,
+            });
+            round.region_windows.push(mapped.window);
+        }
+        for &(key, region, offset) in &demand.mapped {
+            round.mapped.insert(key, (region, offset));
+        }
+        for &(key, at, scratch_at) in &demand.decoded {
+            let index = self.block_cache.insert(key, stamp);
+            round.pinned += 1;
+            round.decode.push((key, at, index, scratch_at));
+        }
+        round.staging_used = demand.staging;
+        round.scratch_used = demand.scratch;
+        round.pieces += demand.pieces;
+    }
+
+    /// Appends the pieces that copy raw bytes `range` of `field` (a run's, or one of its rows') from
+    /// the blocks of `placement` that overlap it to slot offset `out_at`. Every block is usable: raw
+    /// blocks are in this round's staging, LZ4 blocks decoded in the cache.
+    pub(super) fn range_pieces(
+        &self,
+        round: &Round,
+        field: &FieldPlan,
+        placement: &Placement,
+        range: Range<u64>,
+        out_at: u64,
+        pieces: &mut Vec<GatherRun>,
+    ) {
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let mut out_at = out_at;
+        for block in placement.blocks.clone() {
+            let key = block_key(placement, field, block);
+            let entry = self.entry(&key);
+            let block_end = entry.raw_offset + entry.raw_bytes as u64;
+            if block_end <= range.start || entry.raw_offset >= range.end {
+                continue;
+            }
+            let (source, base) = match entry.codec {
+                Codec::Raw => match round.mapped.get(&key) {
+                    Some(&(region, offset)) => (GatherRegion::source_index(region), offset),
+                    None => (1u16, round.staged[&key]),
+                },
+                Codec::Lz4 => match self.block_cache.get(&key) {
+                    Some(CacheEntry::Decoded { index, .. }) => {
+                        (0u16, *index as u64 * self.entry_bytes)
+                    }
+                    _ => unreachable!("the caller checked that every block is usable"),
+                },
+            };
+            let from = range.start.max(entry.raw_offset) - entry.raw_offset;
+            let to = range.end.min(block_end) - entry.raw_offset;
+            let elements = (to - from) / op.in_bytes();
+            pieces.push((source, base + from, out_at, elements, op));
+            out_at += elements * op.out_bytes();
+        }
+    }
+
+    /// The rows of a run (`rows` rows, `placements` one per field) that read a block `corrupt_of`
+    /// names, as (row within the run, what is wrong), in row order.
+    pub(super) fn corrupt_rows(
+        &self,
+        placements: &[Placement],
+        rows: usize,
+        corrupt_of: impl Fn(&BlockKey) -> Option<Arc<CorruptBlock>>,
+    ) -> Vec<(usize, Arc<CorruptBlock>)> {
+        let mut found: Vec<(usize, Arc<CorruptBlock>)> = Vec::new();
+        for (field, placement) in self.plan.fields.iter().zip(placements) {
+            let width = field.sample_bytes_in as u64;
+            for block in placement.blocks.clone() {
+                let key = block_key(placement, field, block);
+                let Some(bad) = corrupt_of(&key) else {
+                    continue;
+                };
+                let entry = self.entry(&key);
+                let from = placement.start.max(entry.raw_offset) - placement.start;
+                let to =
+                    placement.end.min(entry.raw_offset + entry.raw_bytes as u64) - placement.start;
+                if to <= from {
+                    continue;
+                }
+                for i in (from / width) as usize..=((to - 1) / width) as usize {
+                    if i < rows && !found.iter().any(|(row, _)| *row == i) {
+                        found.push((i, Arc::clone(&bad)));
+                    }
+                }
+            }
+        }
+        found.sort_unstable_by_key(|(row, _)| *row);
+        found
+    }
+}

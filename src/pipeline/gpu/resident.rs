@@ -1,0 +1,582 @@
+//! Resident streams: when every block of a stream's fields is stored raw and the whole dataset lies in
+//! page cache that can be registered within the budget, every window of every shard is mapped for the
+//! device when the stream opens and stays mapped (pinned) for the stream's life. Each row of a batch is
+//! then one gather piece read in place over PCIe, planned by arithmetic (sample, shard, block, window)
+//! with no per-round lookups, and the region table is uploaded once. The order of the rows does not
+//! matter: a full shuffle costs what dataset order costs.
+//!
+//! Every raw block is verified once, when the stream opens, unless a stream of the dataset has done so
+//! before (the dataset's record of verified blocks); blocks found corrupt then are known to every
+//! batch, whose rows that read them are zeroed (policy `replace`) or end the stream (policy `fail`)
+//! before their batch is handed off.
+
+use std::sync::Arc;
+
+use crate::pipeline::CorruptPolicy;
+use foldhash::{HashMap, HashMapExt};
+use memmap2::Mmap;
+
+use super::round::{PendingBatch, PendingRound};
+use super::{GpuAssembler, ZeroCopy};
+use crate::decode::{self, BlockRef};
+use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer};
+use crate::format::Codec;
+use crate::kernels::{GatherOp, GatherPlan, GatherRegion};
+use crate::pipeline::assemble::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
+use crate::storage::windows::{PageCacheWindows, WindowId};
+use crate::storage::{FileId, FileTable};
+
+/// Most pieces one row adds (a row of a field split across two blocks and two windows at worst, per
+/// field, with GatherPlan's own split of long pieces).
+const ROW_PIECES_MAX_PER_FIELD: usize = 4;
+
+/// Threads verifying a dataset's blocks when a resident stream opens.
+const VERIFY_THREADS_MAX: usize = 8;
+
+/// Rows a planning thread takes at least: starting a thread costs some tens of microseconds.
+const PLAN_ROWS_PER_THREAD_MIN: usize = 1024;
+
+/// Threads planning the rows of one round of a resident stream.
+const PLAN_THREADS_MAX: usize = 4;
+
+/// The mapped windows and region table of a resident stream.
+pub(super) struct Resident {
+    /// The region table on the device (one region per window, shards in order).
+    regions: DeviceBuffer,
+    region_count: u32,
+    /// Windows pinned for the stream's life.
+    windows: Vec<WindowId>,
+    /// Where rows are read from, shared by the planning threads.
+    geometry: RowGeometry,
+}
+
+/// What planning a row needs besides the stream plan.
+struct RowGeometry {
+    /// Region index of each shard's first window.
+    first_region: Vec<u32>,
+    window_bytes: u64,
+    /// Raw blocks found corrupt when the stream opened.
+    corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
+    /// Per shard, per stream field (in plan order): where the field's raw bytes start in the shard
+    /// file, and its blocks' raw size, when its blocks lie back to back in raw order (the packer's
+    /// layout for raw blocks of a page-multiple size), so that a row's file offset is one addition.
+    linear: Vec<Vec<Option<(u64, u64)>>>,
+}
+
+/// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
+fn linear_layout(blocks: &[crate::format::BlockEntry]) -> Option<(u64, u64)> {
+    let first = blocks.first()?;
+    let size = first.raw_bytes as u64;
+    let base = first.stored_offset;
+    let linear = blocks.iter().enumerate().all(|(i, b)| {
+        let last = i + 1 == blocks.len();
+        b.codec == Codec::Raw
+            && b.raw_offset == i as u64 * size
+            && b.stored_offset == base + i as u64 * size
+            && b.stored_bytes == b.raw_bytes
+            && (last || b.raw_bytes as u64 == size)
+    });
+    (linear && first.raw_offset == 0 && size > 0).then_some((base, size))
+}
+
+impl Resident {
+    /// Maps every window of every shard of `plan` for the device, if the stream qualifies: every block
+    /// of its fields raw, the policy not `off` (and `always`, or a shuffled order), and every window
+    /// resident and within the budget. `None` otherwise (the windows mapped so far are released).
+    pub(super) fn open(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        zero_copy: ZeroCopy,
+        fraction_min: f64,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::Metrics,
+    ) -> Result<Option<Resident>, FillError> {
+        let wanted = match zero_copy {
+            ZeroCopy::Off => false,
+            ZeroCopy::Always => true,
+            ZeroCopy::Auto => !plan.order.is_identity(),
+        };
+        let all_raw = plan.dataset.shards.iter().all(|shard| {
+            plan.fields.iter().all(|field| {
+                shard
+                    .metadata
+                    .field_blocks(field.field_index)
+                    .iter()
+                    .all(|b| b.codec == Codec::Raw)
+            })
+        });
+        let mut file_bytes = Vec::with_capacity(plan.dataset.shards.len());
+        for (index, shard) in plan.dataset.shards.iter().enumerate() {
+            let file = files.get(FileId(index as u32)).file();
+            let bytes = file.metadata().map_err(|source| {
+                FillError::Storage(crate::storage::StorageError::Open {
+                    path: shard.path.clone(),
+                    source,
+                })
+            })?;
+            file_bytes.push(bytes.len());
+        }
+        let total: u64 = file_bytes.iter().sum();
+        if !wanted || !all_raw || total > windows.registered_bytes_max() as u64 {
+            return Ok(None);
+        }
+        let window_bytes = windows.window_bytes();
+        let mut mapped: Vec<WindowId> = Vec::new();
+        let mut table: Vec<GatherRegion> = Vec::new();
+        let mut first_region = Vec::with_capacity(plan.dataset.shards.len());
+        for (index, &bytes) in file_bytes.iter().enumerate() {
+            first_region.push(table.len() as u32);
+            let file = files.get(FileId(index as u32)).file();
+            let mut start = 0u64;
+            while start < bytes {
+                let len = window_bytes.min(bytes - start);
+                match windows.map(file, start, len as usize, fraction_min)? {
+                    Some(range) => {
+                        mapped.push(range.window);
+                        table.push(GatherRegion {
+                            ptr: range.window_device_ptr,
+                            bytes: range.window_bytes,
+                        });
+                    }
+                    None => {
+                        windows.unpin(&mapped);
+                        return Ok(None);
+                    }
+                }
+                start += window_bytes;
+            }
+        }
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        // Verifying reads each block whole once per dataset: counted as read, like any other read.
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        // Written synchronously, before any kernel of the stream can read it.
+        let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        tracing::info!(
+            "stream reads {} shards in place from {} registered windows ({} corrupt blocks)",
+            plan.dataset.shards.len(),
+            table.len(),
+            corrupt.len()
+        );
+        Ok(Some(Resident {
+            regions,
+            region_count: table.len() as u32,
+            windows: mapped,
+            geometry: RowGeometry {
+                first_region,
+                window_bytes,
+                corrupt,
+                linear: plan
+                    .dataset
+                    .shards
+                    .iter()
+                    .map(|shard| {
+                        plan.fields
+                            .iter()
+                            .map(|f| linear_layout(shard.metadata.field_blocks(f.field_index)))
+                            .collect()
+                    })
+                    .collect(),
+            },
+        }))
+    }
+
+    /// Unpins the windows once the stream's work is done (the caller synchronised it).
+    pub(super) fn release(&self, windows: &PageCacheWindows) {
+        windows.unpin(&self.windows);
+    }
+}
+
+/// Verifies the checksum of every block of the stream's fields that no reader of the dataset has
+/// verified yet, from the page cache, on several threads; returns the corrupt ones and the bytes
+/// read.
+#[allow(clippy::type_complexity)]
+fn verify_blocks(
+    plan: &StreamPlan,
+    files: &FileTable,
+) -> Result<(HashMap<BlockKey, Arc<CorruptBlock>>, u64), FillError> {
+    let verified = &plan.dataset.verified;
+    let mut work: Vec<(usize, usize, u32)> = Vec::new();
+    for (shard_index, shard) in plan.dataset.shards.iter().enumerate() {
+        for field in &plan.fields {
+            let blocks = shard.metadata.field_blocks(field.field_index);
+            for block in 0..blocks.len() as u32 {
+                if !verified.contains(shard_index, field.field_index, block) {
+                    work.push((shard_index, field.field_index, block));
+                }
+            }
+        }
+    }
+    if work.is_empty() {
+        return Ok((HashMap::new(), 0));
+    }
+    let bytes: u64 = work
+        .iter()
+        .map(|&(shard, field, block)| {
+            plan.dataset.shards[shard].metadata.field_blocks(field)[block as usize].stored_bytes
+                as u64
+        })
+        .sum();
+    let mut maps: Vec<Option<Mmap>> = Vec::with_capacity(plan.dataset.shards.len());
+    for index in 0..plan.dataset.shards.len() {
+        let file = files.get(FileId(index as u32)).file();
+        // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset exists.
+        maps.push(unsafe { Mmap::map(file) }.ok());
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, VERIFY_THREADS_MAX);
+    let chunk = work.len().div_ceil(threads);
+    let found: Vec<(BlockKey, Arc<CorruptBlock>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .chunks(chunk)
+            .map(|part| {
+                let maps = &maps;
+                scope.spawn(move || {
+                    let mut bad = Vec::new();
+                    for &(shard, field, block) in part {
+                        let key = BlockKey {
+                            shard: shard as u32,
+                            field: field as u32,
+                            block,
+                        };
+                        match check_in_map(plan, maps, key) {
+                            Ok(()) => verified.insert(shard, field, block),
+                            Err(corrupt) => bad.push((key, corrupt)),
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a verify thread panicked"))
+            .collect()
+    });
+    Ok((found.into_iter().collect(), bytes))
+}
+
+/// Checks one block's stored bytes in its shard's map against its table checksum.
+fn check_in_map(
+    plan: &StreamPlan,
+    maps: &[Option<Mmap>],
+    key: BlockKey,
+) -> Result<(), Arc<CorruptBlock>> {
+    let shard = &plan.dataset.shards[key.shard as usize];
+    let entry = shard.metadata.field_blocks(key.field as usize)[key.block as usize];
+    let at = || BlockRef {
+        shard: shard.path.clone(),
+        field: shard.metadata.fields[key.field as usize].name.clone(),
+        block: key.block,
+        stored_offset: entry.stored_offset,
+    };
+    let start = entry.stored_offset as usize;
+    let end = start + entry.stored_bytes as usize;
+    let stored = maps[key.shard as usize]
+        .as_ref()
+        .and_then(|map| map.get(start..end));
+    let Some(stored) = stored else {
+        let error = decode::BlockError::Io {
+            at: at(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the block lies beyond the end of its shard file",
+            ),
+        };
+        return Err(Arc::new(CorruptBlock::from(error)));
+    };
+    decode::check_block(stored, &entry, at).map_err(|e| Arc::new(CorruptBlock::from(e)))
+}
+
+/// Adds pieces reading file bytes `at..stop` of shard `shard` in place to slot offset `out_at`,
+/// split at window edges (windows are registered separately, so their device addresses are not
+/// contiguous); returns the slot offset after them.
+fn push_in_place(
+    gather: &mut GatherPlan,
+    resident: &RowGeometry,
+    shard: usize,
+    mut at: u64,
+    stop: u64,
+    mut out_at: u64,
+    op: GatherOp,
+) -> u64 {
+    while at < stop {
+        let window = at / resident.window_bytes;
+        let piece_end = stop.min((window + 1) * resident.window_bytes);
+        let region = resident.first_region[shard] as usize + window as usize;
+        let elements = (piece_end - at) / op.in_bytes();
+        gather.push_merged(
+            GatherRegion::source_index(region),
+            at - window * resident.window_bytes,
+            out_at,
+            elements,
+            op,
+            1.0,
+            super::MERGED_PIECE_OUT_BYTES_MAX,
+        );
+        out_at += elements * op.out_bytes();
+        at = piece_end;
+    }
+    out_at
+}
+
+/// The rows of one round, planned: the encoded piece table, its piece count, the bytes the pieces
+/// read, and the rows to zero.
+#[derive(Default)]
+struct PlannedRows {
+    table: Vec<u8>,
+    pieces: usize,
+    bytes_in: u64,
+    replaced: Vec<usize>,
+}
+
+/// Plans rows `rows` of a batch (global order positions `positions`), on several threads when there
+/// are enough rows, each encoding its own part of the piece table.
+fn plan_rows(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows: std::ops::Range<usize>,
+) -> Result<PlannedRows, FillError> {
+    let threads = (rows.len() / PLAN_ROWS_PER_THREAD_MIN).clamp(1, PLAN_THREADS_MAX);
+    if threads == 1 {
+        return plan_chunk(plan, geometry, positions, rows);
+    }
+    let chunk = rows.len().div_ceil(threads);
+    let parts: Vec<Result<PlannedRows, FillError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let start = rows.start + t * chunk;
+                let end = (start + chunk).min(rows.end);
+                scope.spawn(move || plan_chunk(plan, geometry, positions, start..end))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a planning thread panicked"))
+            .collect()
+    });
+    let mut all = PlannedRows::default();
+    for part in parts {
+        let part = part?;
+        all.table.extend_from_slice(&part.table);
+        all.pieces += part.pieces;
+        all.bytes_in += part.bytes_in;
+        all.replaced.extend(part.replaced);
+    }
+    Ok(all)
+}
+
+/// Plans rows `rows` on the calling thread.
+fn plan_chunk(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows: std::ops::Range<usize>,
+) -> Result<PlannedRows, FillError> {
+    let mut gather = GatherPlan::new();
+    let mut replaced = Vec::new();
+    for row in rows {
+        let sample = plan.order.sample_at(positions[row]);
+        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather) {
+            if plan.on_corrupt == CorruptPolicy::Fail {
+                return Err(bad.to_error());
+            }
+            replaced.push(row);
+        }
+    }
+    Ok(PlannedRows {
+        table: gather.encode(),
+        pieces: gather.pieces().len(),
+        bytes_in: gather
+            .pieces()
+            .iter()
+            .map(|p| p.elements as u64 * p.op.in_bytes())
+            .sum(),
+        replaced,
+    })
+}
+
+/// Adds the pieces of one row (sample `sample` at row `row` of the slot) to `gather`; returns the
+/// corrupt block it reads, if any (then it adds nothing).
+fn row_pieces(
+    plan: &StreamPlan,
+    resident: &RowGeometry,
+    sample: u64,
+    row: usize,
+    gather: &mut GatherPlan,
+) -> Option<Arc<CorruptBlock>> {
+    for (index, field) in plan.fields.iter().enumerate() {
+        let (shard, start, end) = plan.locate(sample, field.field_index);
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        if let Some((base, size)) = resident.linear[shard][index] {
+            if !resident.corrupt.is_empty() {
+                for block in (start / size)..=((end - 1) / size) {
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block: block as u32,
+                    };
+                    if let Some(bad) = resident.corrupt.get(&key) {
+                        return Some(Arc::clone(bad));
+                    }
+                }
+            }
+            push_in_place(
+                gather,
+                resident,
+                shard,
+                base + start,
+                base + end,
+                out_at,
+                op,
+            );
+            continue;
+        }
+        let blocks = plan.dataset.shards[shard]
+            .metadata
+            .field_blocks(field.field_index);
+        for block in plan.blocks_for(shard, field.field_index, start, end) {
+            let key = BlockKey {
+                shard: shard as u32,
+                field: field.field_index as u32,
+                block,
+            };
+            if !resident.corrupt.is_empty() {
+                if let Some(bad) = resident.corrupt.get(&key) {
+                    // Pieces already added for the row are overwritten by its zeros, which are
+                    // queued after the gather.
+                    return Some(Arc::clone(bad));
+                }
+            }
+            let entry = &blocks[block as usize];
+            let from = start.max(entry.raw_offset) - entry.raw_offset;
+            let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
+            // Raw blocks store the raw bytes.
+            let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
+            out_at = push_in_place(gather, resident, shard, at, stop, out_at, op);
+        }
+    }
+    None
+}
+
+impl GpuAssembler {
+    /// [`Self::submit`] for a resident stream: every row gathered in place, planned by arithmetic on
+    /// up to [`PLAN_THREADS_MAX`] threads, in rounds of at most `pieces_max` pieces.
+    pub(super) fn submit_resident(
+        &mut self,
+        step: u64,
+        slot: &ExportableBuffer,
+        released: &Event,
+        ready: Option<&Event>,
+    ) -> Result<(), FillError> {
+        let plan = Arc::clone(&self.plan);
+        self.stream.wait(released)?;
+        let positions: Vec<u64> = plan
+            .rank
+            .batch_positions(plan.order.len(), plan.start_cursor, step)
+            .collect();
+        let rows = positions.len();
+        self.batches.push_back(PendingBatch {
+            step,
+            slot_ptr: slot.device_ptr(),
+            slot_bytes: slot.len(),
+            samples: rows as u32,
+            replaced: 0,
+            rounds_left: 0,
+            fixed_up: false,
+        });
+        let rows_per_round =
+            (self.pieces_max / (plan.fields.len() * ROW_PIECES_MAX_PER_FIELD)).max(1);
+        let mut first = 0;
+        while first < rows {
+            let end = (first + rows_per_round).min(rows);
+            let planned = std::time::Instant::now();
+            let geometry = &self.resident.as_ref().expect("a resident stream").geometry;
+            let planned_rows = plan_rows(&plan, geometry, &positions, first..end)?;
+            self.timings.plan_s += planned.elapsed().as_secs_f64();
+            self.queue_resident_round(step, planned_rows, slot)?;
+            first = end;
+        }
+        if let Some(ready) = ready {
+            ready.record(&self.stream)?;
+        }
+        Ok(())
+    }
+
+    /// Queues one round of a resident stream: its pieces, the zeroing of its corrupt rows, and the
+    /// gather outcome's download.
+    fn queue_resident_round(
+        &mut self,
+        step: u64,
+        planned: PlannedRows,
+        slot: &ExportableBuffer,
+    ) -> Result<(), FillError> {
+        if self.rounds.len() == self.buffers.len() {
+            self.complete_round()?;
+        }
+        let index = self.next_buffers;
+        self.next_buffers = (self.next_buffers + 1) % self.buffers.len();
+        let queued = std::time::Instant::now();
+        let count = planned.pieces;
+        if count > 0 {
+            let resident = self.resident.as_ref().expect("a resident stream");
+            let buffers = &mut self.buffers[index];
+            super::round::upload_table(
+                &self.stream,
+                &mut buffers.host,
+                self.layout.pieces,
+                &buffers.pieces,
+                &planned.table,
+            )?;
+            let buffers = &self.buffers[index];
+            // SAFETY: the piece table and outcome belong to this round; the region table and the
+            // windows it names stay as they are (mapped, pinned) for the stream's life; the slot is
+            // this filler's (its release event was waited on) and overlaps no source.
+            unsafe {
+                self.kernels.gather.gather_regions_async(
+                    &self.stream,
+                    &buffers.pieces,
+                    count as u32,
+                    &[&self.cache, &buffers.staging],
+                    Some((
+                        &resident.regions as &dyn DeviceMemory,
+                        resident.region_count,
+                    )),
+                    slot,
+                    &buffers.gather_outcome,
+                )
+            }?;
+            self.metrics
+                .add_read_bytes(crate::metrics::ReadPath::PageCache, planned.bytes_in);
+        }
+        for &row in &planned.replaced {
+            self.zero_row(slot, row)?;
+        }
+        self.queue_downloads(index, 0, 0, count > 0)?;
+        self.timings.gather_s += queued.elapsed().as_secs_f64();
+        self.timings.rounds += 1;
+        let batch = self.batches.back_mut().expect("a batch is being submitted");
+        batch.rounds_left += 1;
+        batch.replaced += planned.replaced.len() as u32;
+        self.rounds.push_back(PendingRound {
+            buffers: index,
+            step,
+            runs: 0..0,
+            placements: Arc::new(PlacementRuns {
+                runs: Vec::new(),
+                placements: Vec::new(),
+            }),
+            checks: Vec::new(),
+            check_windows: Vec::new(),
+            decoded: Vec::new(),
+            replaced: planned.replaced,
+            corrupt_marks: self.block_cache.corrupt_marks,
+            gathered: count > 0,
+        });
+        Ok(())
+    }
+}

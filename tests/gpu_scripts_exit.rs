@@ -1,0 +1,59 @@
+//! Regression test: the GPU scripts (`scripts/gpu-*.sh`) exited 0 when their tests failed, so a failed
+//! device run read as a pass. Their shared helpers now carry the failure to the exit status: a step
+//! whose command fails makes `step_summary` (scripts/lib/check.sh) and `finish`
+//! (scripts/lib/exits.sh) fail, while the remaining steps still run and log. Checked here with bash
+//! and stand-in commands, no GPU needed.
+
+use std::process::Command;
+
+fn bash(script: &str) -> std::process::Output {
+    let out = tempfile::tempdir().unwrap();
+    Command::new("bash")
+        .arg("-c")
+        .arg(script)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("OUT", out.path())
+        .output()
+        .expect("bash runs")
+}
+
+#[test]
+fn a_failed_step_fails_a_check_script() {
+    let failed = bash(
+        "budget_s=60; step_name_width=8; . scripts/lib/check.sh; \
+         step good log 10 0 true; step bad log 10 0 false; step after log 10 0 true; step_summary",
+    );
+    let text = String::from_utf8_lossy(&failed.stdout);
+    assert!(!failed.status.success(), "{text}");
+    assert!(
+        text.contains("bad") && text.contains("FAIL") && text.contains("after"),
+        "{text}"
+    );
+    let passed = bash(
+        "budget_s=60; step_name_width=8; . scripts/lib/check.sh; step good log 10 0 true; step_summary",
+    );
+    assert!(
+        passed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&passed.stdout)
+    );
+}
+
+#[test]
+fn a_failed_step_fails_a_hand_run_script() {
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let path = log.path().display().to_string();
+    let failed = bash(&format!(
+        ". scripts/lib/exits.sh; true; note_exit $? {path}; false; note_exit $? {path}; finish"
+    ));
+    assert!(!failed.status.success());
+    assert!(String::from_utf8_lossy(&failed.stderr).contains("1 step(s) failed"));
+    let passed = bash(&format!(
+        ". scripts/lib/exits.sh; true; note_exit $? {path}; finish"
+    ));
+    assert!(passed.status.success());
+    assert_eq!(
+        std::fs::read_to_string(log.path()).unwrap(),
+        "exit 0\nexit 1\nexit 0\n"
+    );
+}

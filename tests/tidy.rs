@@ -1,0 +1,193 @@
+//! Tidy: the structural rules of `docs/ARCHITECTURE.md` ("Rules the code keeps"), checked on the
+//! sources, so that a change which breaks one fails CI instead of quietly eroding the layout.
+//!
+//! One rule is a clippy lint, configured for the whole workspace and run by CI with `-D warnings`:
+//! every `unsafe` block carries a `SAFETY:` comment (`clippy::undocumented_unsafe_blocks`); this test
+//! checks that the lint stays switched on. The import rules are plain text checks on the code (comments
+//! left out) for paths and crate names, which is all they need.
+
+use std::path::{Path, PathBuf};
+
+/// The repository root (the daemon crate's manifest directory).
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every `.rs` file under `dir`, recursively, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        for entry in entries {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// The code of a source file without its comments, line by line (string contents are kept: the
+/// rules look for paths, which comments mention freely but strings rarely do).
+fn code_lines(path: &Path) -> Vec<(usize, String)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut lines = Vec::new();
+    let mut in_block_comment = false;
+    for (number, line) in text.lines().enumerate() {
+        let mut code = String::new();
+        let mut rest = line;
+        loop {
+            if in_block_comment {
+                match rest.find("*/") {
+                    Some(end) => {
+                        in_block_comment = false;
+                        rest = &rest[end + 2..];
+                    }
+                    None => break,
+                }
+            } else {
+                let line_comment = rest.find("//");
+                let block_comment = rest.find("/*");
+                match (line_comment, block_comment) {
+                    (Some(l), Some(b)) if b < l => {
+                        code.push_str(&rest[..b]);
+                        in_block_comment = true;
+                        rest = &rest[b + 2..];
+                    }
+                    (Some(l), _) => {
+                        code.push_str(&rest[..l]);
+                        break;
+                    }
+                    (None, Some(b)) => {
+                        code.push_str(&rest[..b]);
+                        in_block_comment = true;
+                        rest = &rest[b + 2..];
+                    }
+                    (None, None) => {
+                        code.push_str(rest);
+                        break;
+                    }
+                }
+            }
+        }
+        lines.push((number + 1, code));
+    }
+    lines
+}
+
+/// `path:line: code` for every code line of the files under `dirs` containing one of `needles`,
+/// except in the files `allowed` (paths relative to the root).
+fn offenders(dirs: &[&str], needles: &[&str], allowed: &[&str]) -> Vec<String> {
+    let root = root();
+    let mut found = Vec::new();
+    for dir in dirs {
+        for file in rust_files(&root.join(dir)) {
+            let relative = file.strip_prefix(&root).expect("under the root");
+            let relative = relative.to_string_lossy().replace('\\', "/");
+            if allowed
+                .iter()
+                .any(|a| relative == *a || relative.starts_with(&format!("{a}/")))
+            {
+                continue;
+            }
+            for (number, code) in code_lines(&file) {
+                if needles.iter().any(|n| code.contains(n)) {
+                    found.push(format!("{relative}:{number}: {}", code.trim()));
+                }
+            }
+        }
+    }
+    found
+}
+
+fn assert_none(rule: &str, found: Vec<String>) {
+    assert!(
+        found.is_empty(),
+        "ARCHITECTURE.md rule broken: {rule}\n{}",
+        found.join("\n")
+    );
+}
+
+/// Rule "Layers": `format`, `decode` and `kernels` sit below the pipeline and the servers and import
+/// nothing from `ipc`, `api` or `pipeline`.
+#[test]
+fn lower_layers_import_nothing_from_upper_ones() {
+    assert_none(
+        "format, decode and kernels import nothing from ipc, api or pipeline",
+        offenders(
+            &["src/format", "src/decode", "src/kernels"],
+            &["crate::ipc", "crate::api", "crate::pipeline"],
+            &[],
+        ),
+    );
+}
+
+/// Rule "CUDA": every CUDA driver, NVRTC and cuFile call of the daemon goes through `src/device`, and
+/// the client's through its CUDA module; nothing else names cudarc.
+#[test]
+fn only_the_device_layers_name_cudarc() {
+    assert_none(
+        "only src/device and client/src/cuda.rs name cudarc",
+        offenders(
+            &["src", "client/src"],
+            &["cudarc"],
+            &["src/device", "client/src/cuda.rs"],
+        ),
+    );
+}
+
+/// Rule "Unsafe": every `unsafe` block says why it is sound (`// SAFETY:`), which clippy checks for
+/// the whole workspace: the lint must stay denied there and every crate must inherit it.
+#[test]
+fn the_unsafe_rule_stays_switched_on() {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
+    let lints = manifest
+        .split("[workspace.lints.clippy]")
+        .nth(1)
+        .expect("Cargo.toml has a [workspace.lints.clippy] table");
+    let lints = lints.split("\n[").next().unwrap_or(lints);
+    assert!(
+        lints.lines().any(|l| {
+            l.trim_start().starts_with("undocumented_unsafe_blocks") && l.contains("\"deny\"")
+        }),
+        "ARCHITECTURE.md rule broken: clippy::undocumented_unsafe_blocks is not denied"
+    );
+    for krate in [".", "client"] {
+        let path = root().join(krate).join("Cargo.toml");
+        let text = std::fs::read_to_string(&path).expect("a crate manifest");
+        let inherits = text
+            .split("[lints]")
+            .nth(1)
+            .is_some_and(|t| t.trim_start().starts_with("workspace = true"));
+        assert!(
+            inherits,
+            "{}: [lints] workspace = true is missing",
+            path.display()
+        );
+    }
+}
+
+/// The checks find what they look for: a planted offender in a scratch file is reported, with its
+/// line, and the same text in a comment is not.
+#[test]
+fn the_checks_see_code_and_skip_comments() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("planted.rs");
+    std::fs::write(
+        &file,
+        "// crate::ipc in a comment\nuse crate::ipc::Server; /* crate::api */\n",
+    )
+    .unwrap();
+    let lines = code_lines(&file);
+    let hits: Vec<usize> = lines
+        .iter()
+        .filter(|(_, code)| code.contains("crate::ipc") || code.contains("crate::api"))
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(hits, vec![2]);
+}
