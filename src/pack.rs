@@ -367,7 +367,14 @@ pub fn pack(
         samples_per_shard,
         observer,
     )
-    .and_then(|summary| commit(&staging, out, options.on_existing).map(|()| summary));
+    .and_then(|summary| {
+        // A cancel that arrives while the last block is written (or while a rate limit holds the
+        // pack back) must win over the commit: a cancelled job never installs its dataset.
+        if observer.cancelled() {
+            return Err(PackError::Cancelled);
+        }
+        commit(&staging, out, options.on_existing).map(|()| summary)
+    });
     match result {
         Ok(mut summary) => {
             summary.dir = out.to_path_buf();
