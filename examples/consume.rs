@@ -328,29 +328,12 @@ fn hold_until_stdin_closes(held: &VecDeque<Batch>) -> Result<()> {
     Ok(())
 }
 
-/// The error and its causes joined with ": ", leaving out a cause whose text the message before it
-/// already ends with (the client's errors name their cause in their own message).
-fn error_chain(error: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in error.chain() {
-        let message = cause.to_string();
-        if text.ends_with(&message) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&message);
-    }
-    text
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("consume: error: {}", error_chain(&error));
+            eprintln!("consume: error: {}", gpufeed::error_chain(error.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -21,7 +21,7 @@ use gpufeed::format::Dataset;
 use gpufeed::input::FieldSource;
 use gpufeed::metrics::Metrics;
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
-use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan};
+use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan, StreamRequest};
 use gpufeed::synth;
 use gpufeed_client::protocol::{FieldRequest, Shuffle, StreamSpec};
 use gpufeed_client::DType;
@@ -137,7 +137,11 @@ fn epoch(
     }];
     let metrics = Arc::new(Metrics::new());
     let started = Instant::now();
-    let plan = Arc::new(StreamPlan::new(Arc::clone(dataset), &spec, limits)?);
+    let plan = Arc::new(StreamPlan::new(
+        Arc::clone(dataset),
+        &StreamRequest::from(&spec),
+        limits,
+    )?);
     let mut assembler = Assembler::new(Arc::clone(&plan), limits, Arc::clone(&metrics))?;
     let mut slot = vec![0u8; plan.slot_bytes];
     for step in 0..plan.steps {

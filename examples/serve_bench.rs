@@ -26,7 +26,7 @@ use gpufeed::input::FieldSource;
 use gpufeed::ipc::{Server, ServerConfig};
 use gpufeed::metrics::Metrics;
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
-use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan};
+use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan, StreamRequest};
 use gpufeed::registry::Registry;
 use gpufeed::synth;
 use gpufeed_client::protocol::{FieldRequest, StreamSpec};
@@ -115,7 +115,11 @@ fn main() -> Result<()> {
     let limits = StreamLimits::node_defaults();
 
     // The pipeline alone: fill one slot per step, no socket, no consumer.
-    let plan = Arc::new(StreamPlan::new(Arc::clone(&dataset), &spec, &limits)?);
+    let plan = Arc::new(StreamPlan::new(
+        Arc::clone(&dataset),
+        &StreamRequest::from(&spec),
+        &limits,
+    )?);
     let mut assembler = Assembler::new(Arc::clone(&plan), &limits, Arc::new(Metrics::new()))?;
     let mut slot = vec![0u8; plan.slot_bytes];
     let started = Instant::now();
@@ -197,12 +201,13 @@ mod gpu {
     use std::time::Instant;
 
     use anyhow::{Context, Result};
+    use gpufeed::daemon::open_gpu_backend;
     use gpufeed::device::{Event, ExportableBuffer};
     use gpufeed::input::FieldSource;
-    use gpufeed::ipc::{GpuServing, Server, ServerConfig};
+    use gpufeed::ipc::{Server, ServerConfig};
     use gpufeed::metrics::Metrics;
     use gpufeed::pack::OnExisting;
-    use gpufeed::pipeline::{GpuAssembler, StreamLimits, StreamPlan};
+    use gpufeed::pipeline::{GpuAssembler, StreamLimits, StreamPlan, StreamRequest};
     use gpufeed::registry::Registry;
     use gpufeed::storage::gpu::GpuReader;
     use gpufeed::storage::EngineMode;
@@ -222,7 +227,7 @@ mod gpu {
             .dir
             .clone()
             .unwrap_or_else(|| temp.path().to_path_buf());
-        let mut serving = GpuServing::open(
+        let mut serving = open_gpu_backend(
             ordinal,
             EngineMode::Auto,
             gpufeed::config::registered_bytes_max_default(),
@@ -293,7 +298,11 @@ mod gpu {
                 dtype: *dtype,
             }];
             spec.device = Device::Cuda(ordinal);
-            let plan = Arc::new(StreamPlan::new(Arc::clone(dataset), &spec, &limits)?);
+            let plan = Arc::new(StreamPlan::new(
+                Arc::clone(dataset),
+                &StreamRequest::from(&spec),
+                &limits,
+            )?);
             let delivered: u64 =
                 plan.fields[0].sample_bytes_out as u64 * args.batch_size as u64 * plan.steps;
             let stored: u64 = dataset.manifest.shards.iter().map(|s| s.file_bytes).sum();

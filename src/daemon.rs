@@ -11,18 +11,23 @@
 use std::fmt;
 use std::io::{self, Write};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
 use tokio::net::TcpListener;
 
-use crate::api::{self, ApiOptions, Control, Metrics};
-use crate::config::{HttpListen, Settings};
-use crate::ipc::{GpuServing, Server, ServerConfig};
-use crate::pipeline::StreamLimits;
+use crate::api::{self, ApiOptions, Control, Metrics, StartupError};
+use crate::config::{HttpListen, RegistrationBudget, Settings};
+use crate::device::{CacheDir, Device, DeviceError};
+use crate::ipc::{Server, ServerConfig};
+use crate::kernels::Kernels;
+use crate::pipeline::gpu::ZeroCopy;
+use crate::pipeline::{GpuBackend, GpuStreamLimits, StreamLimits};
 use crate::registry::Registry;
+use crate::storage::gpu::{GpuReaderLimits, PathChoice};
+use crate::storage::windows::PageCacheWindows;
 use crate::storage::EngineMode;
 
 /// Longest the API waits for requests in flight once shutdown begins.
@@ -30,23 +35,106 @@ const HTTP_DRAIN: Duration = Duration::from_secs(10);
 /// Longest shutdown waits for pack jobs to stop (each stops at its next step, within a second or so).
 const JOBS_DRAIN: Duration = Duration::from_secs(30);
 
+/// Why the daemon could not start, or stopped other than on a signal. Each names what it was doing;
+/// the cause, where there is one, is its source.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// `--device` is not `auto`, `cpu` or `cuda:N`.
+    #[error("--device {given}: {expected}")]
+    DeviceFlag {
+        /// What was given.
+        given: String,
+        /// What is expected.
+        expected: String,
+    },
+    /// The device asked for cannot serve.
+    #[error("--device {request}")]
+    Gpu {
+        /// The request.
+        request: DeviceRequest,
+        /// Why.
+        source: DeviceError,
+    },
+    /// `--engine cufile` on the CPU backend.
+    #[error(
+        "--engine cufile: the cuFile engine serves only the GPU backend, and this daemon runs the \
+         CPU backend"
+    )]
+    CuFileWithoutGpu,
+    /// The control API's runtime, a signal handler or a thread could not be started.
+    #[error("{what}")]
+    Start {
+        /// What was being started.
+        what: &'static str,
+        /// Why it failed.
+        source: io::Error,
+    },
+    /// The catalog's opening task failed.
+    #[error("opening the catalog")]
+    CatalogTask(#[source] tokio::task::JoinError),
+    /// The data root or its catalog could not be opened.
+    #[error("opening the data root {path}")]
+    DataRoot {
+        /// The data root.
+        path: PathBuf,
+        /// Why.
+        source: StartupError,
+    },
+    /// The socket could not be bound.
+    #[error("binding {path}")]
+    Socket {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+    /// The control API's address could not be bound.
+    #[error("binding the control API to {address}{flag}")]
+    Http {
+        /// The address.
+        address: SocketAddr,
+        /// ` (--http)` when the address was asked for.
+        flag: &'static str,
+        /// Why.
+        source: io::Error,
+    },
+    /// The readiness line could not be written, or the bound address read.
+    #[error("announcing readiness")]
+    Announce(#[source] io::Error),
+    /// The socket server's accept loop ended on its own.
+    #[error("the socket listener stopped")]
+    SocketStopped,
+    /// The socket server's accept loop failed.
+    #[error("the socket listener failed")]
+    SocketFailed(#[source] io::Error),
+    /// The socket server's thread ended without a result.
+    #[error("the socket server's thread ended")]
+    SocketThreadEnded,
+    /// Shutdown could not write the catalog or stop the jobs.
+    #[error("shutting down: {0}")]
+    Shutdown(String),
+}
+
 /// Starts the daemon and serves until SIGTERM or SIGINT (then returns `Ok`) or until the socket
 /// listener fails (then returns the error).
 ///
 /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections, so that
 /// supervisors and tests can wait for readiness without polling, then `gpufeed: http on ADDR` (the
 /// bound address, so port 0 can be used) once the control API listens.
-pub fn run(settings: Settings) -> Result<()> {
+pub fn run(settings: Settings) -> Result<(), DaemonError> {
     let gpu = open_backend(&settings)?;
     if gpu.is_none() && settings.engine == EngineMode::CuFile {
-        bail!("--engine cufile: the cuFile engine serves only the GPU backend, and this daemon runs the CPU backend");
+        return Err(DaemonError::CuFileWithoutGpu);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("gpufeed-api")
         .enable_all()
         .build()
-        .context("starting the control API's runtime")?;
+        .map_err(|source| DaemonError::Start {
+            what: "starting the control API's runtime",
+            source,
+        })?;
     let result = runtime.block_on(serve(settings, gpu));
     // Blocking tasks still running (a verification) must not hold the exit up.
     runtime.shutdown_timeout(Duration::from_secs(1));
@@ -91,17 +179,21 @@ impl fmt::Display for DeviceRequest {
 
 /// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying
 /// why it cannot be used); device 0 for `auto` where CUDA works, else none, with the reason logged.
-pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuServing>>> {
-    let request: DeviceRequest = match settings.device.parse() {
-        Ok(request) => request,
-        Err(expected) => bail!("--device {}: {expected}", settings.device),
-    };
+pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, DaemonError> {
+    let request: DeviceRequest =
+        settings
+            .device
+            .parse()
+            .map_err(|expected| DaemonError::DeviceFlag {
+                given: settings.device.clone(),
+                expected,
+            })?;
     let ordinal = match request {
         DeviceRequest::Cpu => return Ok(None),
         DeviceRequest::Auto => 0,
         DeviceRequest::Cuda(ordinal) => ordinal,
     };
-    match GpuServing::open(
+    match open_gpu_backend(
         ordinal,
         settings.engine,
         settings.registered,
@@ -119,11 +211,56 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuServing>>> {
             tracing::info!("device auto: {error}; serving from host memory (CPU backend)");
             Ok(None)
         }
-        Err(error) => Err(error).with_context(|| format!("--device {request}")),
+        Err(source) => Err(DaemonError::Gpu { request, source }),
     }
 }
 
-async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
+/// Composes the GPU backend on CUDA device `ordinal`: opens the device, loads (compiling if needed)
+/// the kernels, and sets up the page-cache windows shared by every stream within the `registered`
+/// budget, with node defaults for the other bounds. Fails with [`DeviceError::Unavailable`] where
+/// CUDA cannot be used, on which a caller asking for `auto` falls back to the CPU backend.
+pub fn open_gpu_backend(
+    ordinal: u32,
+    engine: EngineMode,
+    registered: RegistrationBudget,
+    zero_copy: ZeroCopy,
+) -> Result<GpuBackend, DeviceError> {
+    let device = Device::open(ordinal as usize)?;
+    let kernels = Kernels::load(&device, CacheDir::FromEnvironment)?;
+    for (kernel, origin) in &kernels.origins {
+        tracing::info!("kernel {kernel}: {origin:?}");
+    }
+    let reader_limits = GpuReaderLimits {
+        window_bytes: registered.window_bytes as usize,
+        registered_bytes_max: registered.bytes_max as usize,
+        ..GpuReaderLimits::node_defaults()
+    };
+    tracing::info!(
+        "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {zero_copy:?}",
+        registered.bytes_max,
+        registered.source.name(),
+        registered.window_bytes
+    );
+    let windows = Arc::new(PageCacheWindows::new(
+        &device,
+        reader_limits.window_bytes,
+        reader_limits.registered_bytes_max,
+    ));
+    Ok(GpuBackend {
+        windows,
+        device,
+        ordinal,
+        kernels: Arc::new(kernels),
+        reader_limits,
+        choice: PathChoice::from_mode(engine),
+        stream_limits: GpuStreamLimits {
+            zero_copy,
+            ..GpuStreamLimits::node_defaults()
+        },
+    })
+}
+
+async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), DaemonError> {
     // Installed before anything is announced, so that a signal sent as soon as the readiness line
     // is read already finds the handlers.
     let mut signals = Signals::install()?;
@@ -135,8 +272,11 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
         let metrics = Arc::clone(&metrics);
         tokio::task::spawn_blocking(move || Control::open(options, registry, metrics))
             .await
-            .context("opening the catalog")?
-            .with_context(|| format!("opening the data root {}", settings.data_root.display()))?
+            .map_err(DaemonError::CatalogTask)?
+            .map_err(|source| DaemonError::DataRoot {
+                path: settings.data_root.clone(),
+                source,
+            })?
     };
     for note in &notes {
         tracing::warn!("{note}");
@@ -161,9 +301,12 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
         gpu,
         handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
     };
-    let server = Server::bind(server_config, Arc::clone(&registry))
-        .with_context(|| format!("binding {}", settings.socket_path.display()))?;
-    control.attach_counters(server.counters());
+    let server = Server::bind(server_config, Arc::clone(&registry)).map_err(|source| {
+        DaemonError::Socket {
+            path: settings.socket_path.clone(),
+            source,
+        }
+    })?;
     control.attach_backend(
         match &gpu_for_status {
             Some((ordinal, _)) => format!("cuda:{ordinal}"),
@@ -197,19 +340,22 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
             let result = server.run();
             let _ = socket_failed.send(result);
         })
-        .context("starting the socket server's thread")?;
+        .map_err(|source| DaemonError::Start {
+            what: "starting the socket server's thread",
+            source,
+        })?;
 
     println!(
         "gpufeed: serving {} dataset(s) on {}",
         names.len(),
         settings.socket_path.display()
     );
-    io::stdout().flush()?;
+    io::stdout().flush().map_err(DaemonError::Announce)?;
 
     let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
     let http_task = match listener {
         Some(listener) => {
-            let address = listener.local_addr()?;
+            let address = listener.local_addr().map_err(DaemonError::Announce)?;
             // Whoever started the daemon may have stopped reading stdout after the first line: a
             // closed pipe must not take the daemon down.
             let mut stdout = io::stdout();
@@ -231,9 +377,9 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
     let outcome = tokio::select! {
         signal = signals.recv() => Ok(signal),
         failed = socket_failure => Err(match failed {
-            Ok(Ok(())) => anyhow::anyhow!("the socket listener stopped"),
-            Ok(Err(error)) => anyhow::Error::new(error).context("the socket listener failed"),
-            Err(_) => anyhow::anyhow!("the socket server's thread ended"),
+            Ok(Ok(())) => DaemonError::SocketStopped,
+            Ok(Err(error)) => DaemonError::SocketFailed(error),
+            Err(_) => DaemonError::SocketThreadEnded,
         }),
     };
     if let Ok(signal) = &outcome {
@@ -280,7 +426,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
         Err(error) => {
             tracing::error!("{error}");
             if outcome.is_ok() {
-                bail!("shutting down: {}", error.message);
+                return Err(DaemonError::Shutdown(error.message));
             }
         }
     }
@@ -290,14 +436,20 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuServing>>) -> Result<()> {
 /// Binds the control API's listener, or none when it is off. The built-in default address is
 /// allowed to be taken (another daemon on the node holds it): the daemon then serves its socket
 /// without a control API and says so. An address that was asked for must bind.
-async fn bind_http(listen: HttpListen) -> Result<Option<TcpListener>> {
+async fn bind_http(listen: HttpListen) -> Result<Option<TcpListener>, DaemonError> {
     let bind = |address: SocketAddr| async move { TcpListener::bind(address).await };
     match listen {
         HttpListen::Off => Ok(None),
-        HttpListen::Chosen(address) => bind(address)
-            .await
-            .map(Some)
-            .with_context(|| format!("binding the control API to {address} (--http)")),
+        HttpListen::Chosen(address) => {
+            bind(address)
+                .await
+                .map(Some)
+                .map_err(|source| DaemonError::Http {
+                    address,
+                    flag: " (--http)",
+                    source,
+                })
+        }
         HttpListen::Default(address) => match bind(address).await {
             Ok(listener) => Ok(Some(listener)),
             Err(error) if error.kind() == io::ErrorKind::AddrInUse => {
@@ -307,9 +459,11 @@ async fn bind_http(listen: HttpListen) -> Result<Option<TcpListener>> {
                 );
                 Ok(None)
             }
-            Err(error) => {
-                Err(error).with_context(|| format!("binding the control API to {address}"))
-            }
+            Err(source) => Err(DaemonError::Http {
+                address,
+                flag: "",
+                source,
+            }),
         },
     }
 }
@@ -321,11 +475,14 @@ struct Signals {
 }
 
 impl Signals {
-    fn install() -> Result<Signals> {
+    fn install() -> Result<Signals, DaemonError> {
         use tokio::signal::unix::{signal, SignalKind};
+        let handler = |kind: SignalKind, what: &'static str| {
+            signal(kind).map_err(|source| DaemonError::Start { what, source })
+        };
         Ok(Signals {
-            terminate: signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
-            interrupt: signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
+            terminate: handler(SignalKind::terminate(), "installing a SIGTERM handler")?,
+            interrupt: handler(SignalKind::interrupt(), "installing a SIGINT handler")?,
         })
     }
 

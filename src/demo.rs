@@ -26,19 +26,18 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context, Result};
-use gpufeed_client::consumer::{Client, FieldData, FieldView};
+use gpufeed_client::consumer::{Client, ClientError, FieldData, FieldView};
 use gpufeed_client::protocol::{Backend, Device as SlotDevice, FieldRequest, Shuffle, StreamSpec};
 use gpufeed_client::DType;
 use serde_json::json;
 
 use crate::daemon::DeviceRequest;
-use crate::decode;
+use crate::decode::{self, ConvertError};
 use crate::device::{self, Device, DeviceBuffer, DeviceError, DeviceMemory, Stream};
-use crate::format::{Dataset, BLOCK_BYTES_DEFAULT};
-use crate::input::FieldSource;
+use crate::format::{Dataset, FormatError, BLOCK_BYTES_DEFAULT};
+use crate::input::{FieldSource, InputError};
 use crate::ipc::{Server, ServerConfig};
-use crate::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
+use crate::pack::{self, CodecChoice, OnExisting, PackError, PackOptions, Quiet, ShuffleChoice};
 use crate::pipeline::StreamLimits;
 use crate::registry::Registry;
 use crate::synth;
@@ -53,6 +52,68 @@ const BATCH_SIZE: u32 = 256;
 /// Largest share of the device's memory the GPU demo keeps the served epoch in (for the check), in
 /// percent; the daemon needs the rest.
 const EPOCH_DEVICE_MEMORY_PERCENT_MAX: u64 = 25;
+
+/// Why the demo failed. Each variant names the step; the cause, where there is one, is its source.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    /// `--samples 0`.
+    #[error("--samples must be at least 1")]
+    NoSamples,
+    /// The CUDA device asked for cannot serve.
+    #[error("--device {request}")]
+    Gpu {
+        /// The request.
+        request: DeviceRequest,
+        /// Why.
+        source: DeviceError,
+    },
+    /// A file or process operation failed.
+    #[error("{what}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// The generated data could not be made into fields.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// Packing failed.
+    #[error(transparent)]
+    Pack(#[from] PackError),
+    /// The packed dataset does not open or verify.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// Verification found problems.
+    #[error("verify found problems: {0:?}")]
+    Verify(Vec<String>),
+    /// The dataset could not be registered with the in-process socket server.
+    #[error("registering the demo dataset: {0}")]
+    Register(String),
+    /// The consumer failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// A device operation of the GPU consumer failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The expected values could not be computed.
+    #[error(transparent)]
+    Convert(#[from] ConvertError),
+    /// The daemon did not start, stop or serve as expected.
+    #[error("{0}")]
+    Daemon(String),
+    /// What was served is not what was packed, or not in the shape asked for.
+    #[error("{0}")]
+    Check(String),
+}
+
+/// `Err(DemoError::Io)` naming `what` for an I/O failure.
+fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DemoError {
+    let what = what.into();
+    move |source| DemoError::Io { what, source }
+}
+
+type Result<T, E = DemoError> = std::result::Result<T, E>;
 
 /// What `gpufeed demo` was asked to do.
 pub struct DemoOptions {
@@ -86,7 +147,8 @@ impl DemoBackend {
                 reason: "--device cpu".to_string(),
             }),
             DeviceRequest::Cuda(ordinal) => {
-                let device = probe_gpu(ordinal).with_context(|| format!("--device {request}"))?;
+                let device =
+                    probe_gpu(ordinal).map_err(|source| DemoError::Gpu { request, source })?;
                 Ok(DemoBackend::Gpu {
                     device,
                     ordinal,
@@ -160,18 +222,21 @@ struct Served {
 /// Runs the demo as `demo` says.
 pub fn run(demo: &DemoOptions) -> Result<()> {
     let samples = demo.samples;
-    ensure!(samples > 0, "--samples must be at least 1");
+    if samples == 0 {
+        return Err(DemoError::NoSamples);
+    }
     let temporary;
     let dir = match &demo.dir {
         Some(dir) => {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir)
+                .map_err(io_error(format!("creating {}", dir.display())))?;
             dir.clone()
         }
         None => {
             temporary = tempfile::Builder::new()
                 .prefix("gpufeed-demo-")
                 .tempdir()
-                .context("creating a temporary directory")?;
+                .map_err(io_error("creating a temporary directory"))?;
             temporary.path().to_path_buf()
         }
     };
@@ -235,11 +300,9 @@ pub fn run(demo: &DemoOptions) -> Result<()> {
     let started = Instant::now();
     let report = tools::verify(&dataset_dir, &NoProgress)?;
     let verify_seconds = started.elapsed().as_secs_f64();
-    ensure!(
-        report.problems.is_empty(),
-        "verify found problems: {:?}",
-        report.problems
-    );
+    if !report.problems.is_empty() {
+        return Err(DemoError::Verify(report.problems));
+    }
     println!(
         "verify: {} blocks intact in {:.3} s ({:.2} GB/s of raw data)",
         report.blocks_ok,
@@ -267,14 +330,16 @@ pub fn run(demo: &DemoOptions) -> Result<()> {
         DType::F32,
         &mut expected,
     )?;
-    ensure!(
-        served.embedding == expected,
-        "served embeddings differ from the source"
-    );
-    ensure!(
-        served.tokens[..] == tokens[..served_count * SEQUENCE_TOKENS as usize * 4],
-        "served tokens differ from the source"
-    );
+    if served.embedding != expected {
+        return Err(DemoError::Check(
+            "served embeddings differ from the source".into(),
+        ));
+    }
+    if served.tokens[..] != tokens[..served_count * SEQUENCE_TOKENS as usize * 4] {
+        return Err(DemoError::Check(
+            "served tokens differ from the source".into(),
+        ));
+    }
     println!("check:  every served value equals the source");
     println!(
         "{}",
@@ -314,7 +379,7 @@ fn demo_spec() -> StreamSpec {
 /// copying every batch out of the shared host memory as it arrives (timed with the pulls).
 fn serve_cpu(dir: &Path, dataset: Dataset) -> Result<Served> {
     let registry = Arc::new(Registry::new());
-    registry.insert(dataset).map_err(anyhow::Error::msg)?;
+    registry.insert(dataset).map_err(DemoError::Register)?;
     let socket_path = dir.join("gpufeed-demo.sock");
     let server = Server::bind(
         ServerConfig {
@@ -328,20 +393,19 @@ fn serve_cpu(dir: &Path, dataset: Dataset) -> Result<Served> {
             handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
         },
         registry,
-    )?;
+    )
+    .map_err(io_error(format!("binding {}", socket_path.display())))?;
     std::thread::Builder::new()
         .name("gpufeed-demo-server".into())
-        .spawn(move || server.run())?;
+        .spawn(move || server.run())
+        .map_err(io_error("starting the socket server's thread"))?;
     let started = Instant::now();
     let mut stream = Client::connect(&socket_path)?.open_stream(demo_spec())?;
     let (mut embedding_out, mut tokens_out) = (Vec::new(), Vec::new());
     let (mut batches, mut served_bytes) = (0u64, 0u64);
     for batch in stream.by_ref() {
         let batch = batch?;
-        let embedding = batch
-            .field("embedding")
-            .context("batch without 'embedding'")?;
-        let tokens = batch.field("tokens").context("batch without 'tokens'")?;
+        let (embedding, tokens) = demo_fields(&batch)?;
         embedding.copy_to_host(&mut embedding_out)?;
         tokens.copy_to_host(&mut tokens_out)?;
         served_bytes += (embedding.byte_len() + tokens.byte_len()) as u64;
@@ -379,10 +443,11 @@ fn serve_gpu(dir: &Path, gpufeed_binary: &Path, device: &Device, ordinal: u32) -
     let cuda_stream = Stream::new(device)?;
     let started = Instant::now();
     let client = Client::connect(&socket_path)?;
-    ensure!(
-        client.backend() == Backend::Cuda,
-        "the daemon started with --device cuda:{ordinal} serves from host memory"
-    );
+    if client.backend() != Backend::Cuda {
+        return Err(DemoError::Daemon(format!(
+            "the daemon started with --device cuda:{ordinal} serves from host memory"
+        )));
+    }
     let mut spec = demo_spec();
     spec.device = SlotDevice::Cuda(ordinal);
     let mut stream = client.open_stream(spec)?;
@@ -396,27 +461,25 @@ fn serve_gpu(dir: &Path, gpufeed_binary: &Path, device: &Device, ordinal: u32) -
             .fields
             .iter()
             .find(|field| field.name == name)
-            .with_context(|| format!("the stream has no field '{name}'"))?;
+            .ok_or_else(|| DemoError::Check(format!("the stream has no field '{name}'")))?;
         Ok(steps * field.batch_bytes)
     };
     let (embedding_bytes, tokens_bytes) = (epoch_bytes("embedding")?, epoch_bytes("tokens")?);
     let memory_bytes = device.properties().memory_bytes;
-    ensure!(
-        (embedding_bytes + tokens_bytes) * 100 <= memory_bytes * EPOCH_DEVICE_MEMORY_PERCENT_MAX,
-        "the served epoch ({:.1} MB) would take more than {EPOCH_DEVICE_MEMORY_PERCENT_MAX} % of cuda:{ordinal}'s {:.1} GB, where the demo keeps it for the check: pass fewer --samples",
-        (embedding_bytes + tokens_bytes) as f64 / 1e6,
-        memory_bytes as f64 / 1e9
-    );
+    if (embedding_bytes + tokens_bytes) * 100 > memory_bytes * EPOCH_DEVICE_MEMORY_PERCENT_MAX {
+        return Err(DemoError::Check(format!(
+            "the served epoch ({:.1} MB) would take more than {EPOCH_DEVICE_MEMORY_PERCENT_MAX} % of cuda:{ordinal}'s {:.1} GB, where the demo keeps it for the check: pass fewer --samples",
+            (embedding_bytes + tokens_bytes) as f64 / 1e6,
+            memory_bytes as f64 / 1e9
+        )));
+    }
     let embedding_epoch = DeviceBuffer::new(device, embedding_bytes as usize)?;
     let tokens_epoch = DeviceBuffer::new(device, tokens_bytes as usize)?;
     let (mut embedding_filled, mut tokens_filled) = (0usize, 0usize);
     let mut batches = 0u64;
     for batch in stream.by_ref() {
         let batch = batch?;
-        let embedding = batch
-            .field("embedding")
-            .context("batch without 'embedding'")?;
-        let tokens = batch.field("tokens").context("batch without 'tokens'")?;
+        let (embedding, tokens) = demo_fields(&batch)?;
         copy_on_device(
             &cuda_stream,
             &embedding,
@@ -458,6 +521,16 @@ fn serve_gpu(dir: &Path, gpufeed_binary: &Path, device: &Device, ordinal: u32) -
     })
 }
 
+/// The two fields of a demo batch.
+fn demo_fields(batch: &gpufeed_client::consumer::Batch) -> Result<(FieldView<'_>, FieldView<'_>)> {
+    let field = |name: &str| {
+        batch
+            .field(name)
+            .ok_or_else(|| DemoError::Check(format!("batch without '{name}'")))
+    };
+    Ok((field("embedding")?, field("tokens")?))
+}
+
 /// A field of a batch in device memory, as the client mapped it.
 struct MappedField {
     ptr: u64,
@@ -483,10 +556,10 @@ fn copy_on_device(
     filled: &mut usize,
 ) -> Result<()> {
     let FieldData::Device { ptr, bytes } = field.data else {
-        bail!(
+        return Err(DemoError::Check(format!(
             "field '{}' arrived in host memory on a stream of a CUDA device",
             field.name
-        );
+        )));
     };
     // SAFETY: the source is the batch's slot, which `stream` waits on before the copy (the client made
     // it wait for the slot's ready event) and which the daemon writes again only after the release
@@ -524,8 +597,8 @@ impl DaemonProcess {
         ordinal: u32,
     ) -> Result<DaemonProcess> {
         let log_path = data_root.join("gpufeed-demo-daemon.log");
-        let log =
-            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let log = File::create(&log_path)
+            .map_err(io_error(format!("creating {}", log_path.display())))?;
         let child = Command::new(gpufeed_binary)
             .arg("serve")
             .arg("--data-root")
@@ -539,7 +612,10 @@ impl DaemonProcess {
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()
-            .with_context(|| format!("starting {} serve", gpufeed_binary.display()))?;
+            .map_err(io_error(format!(
+                "starting {} serve",
+                gpufeed_binary.display()
+            )))?;
         let mut daemon = DaemonProcess { child, log_path };
         // The daemon prints one line once it accepts connections; anything else (or nothing: it
         // exited) means it did not start.
@@ -548,11 +624,14 @@ impl DaemonProcess {
         let read = BufReader::new(stdout).read_line(&mut line);
         if read.is_err() || !line.starts_with("gpufeed: serving") {
             let _ = daemon.child.kill();
-            let status = daemon.child.wait()?;
-            bail!(
+            let status = daemon
+                .child
+                .wait()
+                .map_err(io_error("waiting for the daemon"))?;
+            return Err(DemoError::Daemon(format!(
                 "`gpufeed serve --device cuda:{ordinal}` did not start ({status}, first line {line:?}); its log:\n{}",
                 daemon.log()
-            );
+            )));
         }
         Ok(daemon)
     }
@@ -562,15 +641,21 @@ impl DaemonProcess {
     fn stop(mut self) -> Result<()> {
         // SAFETY: kill(2) on our own child, which has not been waited for, so its pid is still ours.
         if unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) } != 0 {
-            return Err(std::io::Error::last_os_error()).context("sending SIGTERM to the daemon");
+            return Err(io_error("sending SIGTERM to the daemon")(
+                std::io::Error::last_os_error(),
+            ));
         }
         // Bounded: the daemon's shutdown waits a bounded time for each part.
-        let status = self.child.wait()?;
-        ensure!(
-            status.success(),
-            "the daemon ended with {status} after SIGTERM; its log:\n{}",
-            self.log()
-        );
+        let status = self
+            .child
+            .wait()
+            .map_err(io_error("waiting for the daemon"))?;
+        if !status.success() {
+            return Err(DemoError::Daemon(format!(
+                "the daemon ended with {status} after SIGTERM; its log:\n{}",
+                self.log()
+            )));
+        }
         Ok(())
     }
 

@@ -268,7 +268,7 @@ fn main() -> ExitCode {
     match outcome {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("error: {}", error_chain(&error));
+            eprintln!("error: {}", gpufeed::error_chain(error.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -314,23 +314,6 @@ fn print_stdout(text: &str) -> Result<()> {
         Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => Ok(other?),
     }
-}
-
-/// The error and its causes joined with ": ", leaving out a cause whose text the message before it
-/// already ends with (our error types name their I/O cause in their own message).
-fn error_chain(error: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in error.chain() {
-        let message = cause.to_string();
-        if text.ends_with(&message) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&message);
-    }
-    text
 }
 
 fn run(command: Command) -> Result<ExitCode> {

@@ -5,10 +5,15 @@
 //! Prometheus conventions with the unit last (`gpufeed_read_bytes_total`,
 //! `gpufeed_handoff_latency_seconds`).
 //!
-//! The socket server feeds slot occupancy and hand-off latency (from a filled slot to its `Batch` frame
-//! written to the consumer's socket); the CPU backend's assembler feeds bytes read per engine, decode
-//! and gather time and corrupt blocks. The GPU read paths keep their own per-path byte counts
-//! (`storage::gpu::GpuReadStats`) until the GPU backend serves.
+//! [`Metrics`] is also the one ledger of what the socket server holds: sessions, streams, slots and
+//! their bytes, slots by lease, batches served and samples replaced. Each serving event updates it
+//! once, through one method ([`Metrics::open_session`], [`Metrics::stream_opened`],
+//! [`Metrics::move_slot`], [`Metrics::batch_served`]...), and both the socket protocol's `Status` and
+//! the control API's status and metrics read the same values ([`Metrics::serving`]).
+//!
+//! The socket server feeds that ledger and the hand-off latency (from a filled slot to its `Batch`
+//! frame written to the consumer's socket); the assemblers feed bytes read per engine, decode and
+//! gather time and corrupt blocks.
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -103,12 +108,12 @@ impl Histogram {
 
 /// Counters and gauges fed by the daemon's parts; see the module documentation for which are fed.
 pub struct Metrics {
+    serving: ServingLedger,
     read_bytes: [AtomicU64; 4],
     decode_ns: AtomicU64,
     gather_ns: AtomicU64,
     read_queue_depth: AtomicU64,
     corrupt_blocks: AtomicU64,
-    slots_by_lease: [AtomicU64; 3],
     handoff_latency: Histogram,
     http_responses: [AtomicU64; 5],
     pack_raw_bytes: AtomicU64,
@@ -118,6 +123,35 @@ impl Default for Metrics {
     fn default() -> Metrics {
         Metrics::new()
     }
+}
+
+/// What the socket server holds and has served, as one set of atomics.
+#[derive(Default)]
+struct ServingLedger {
+    sessions: AtomicU64,
+    streams: AtomicU64,
+    slots: AtomicU64,
+    slot_bytes: AtomicU64,
+    slots_by_lease: [AtomicU64; 3],
+    batches: AtomicU64,
+    replaced: AtomicU64,
+}
+
+/// A snapshot of the serving ledger: what `Status` on the socket and the control API report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServingCounts {
+    /// Open consumer sessions.
+    pub sessions: u64,
+    /// Open streams.
+    pub streams: u64,
+    /// Slots allocated over all streams.
+    pub slots_allocated: u64,
+    /// Bytes of slot memory reserved over all streams.
+    pub slot_bytes_allocated: u64,
+    /// Batches handed to consumers.
+    pub batches_served: u64,
+    /// Samples replaced under the corrupt-block policy.
+    pub samples_replaced: u64,
 }
 
 /// A slot's lease, for the occupancy gauge.
@@ -135,12 +169,12 @@ impl Metrics {
     /// All zero.
     pub fn new() -> Metrics {
         Metrics {
+            serving: ServingLedger::default(),
             read_bytes: Default::default(),
             decode_ns: AtomicU64::new(0),
             gather_ns: AtomicU64::new(0),
             read_queue_depth: AtomicU64::new(0),
             corrupt_blocks: AtomicU64::new(0),
-            slots_by_lease: Default::default(),
             handoff_latency: Histogram::new(&HANDOFF_BUCKETS_US),
             http_responses: Default::default(),
             pack_raw_bytes: AtomicU64::new(0),
@@ -180,13 +214,91 @@ impl Metrics {
         self.corrupt_blocks.fetch_add(blocks, Ordering::Relaxed);
     }
 
-    /// Moves `count` slots into `lease` (positive) or out of it (negative).
-    pub fn add_slots(&self, lease: SlotLease, count: i64) {
-        let gauge = &self.slots_by_lease[lease as usize];
-        if count >= 0 {
-            gauge.fetch_add(count as u64, Ordering::Relaxed);
-        } else {
-            gauge.fetch_sub(count.unsigned_abs(), Ordering::Relaxed);
+    /// Admits one more consumer session unless `sessions_max` are open; the session is counted until
+    /// [`Metrics::close_session`].
+    pub fn open_session(&self, sessions_max: u32) -> bool {
+        self.serving
+            .sessions
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |open| {
+                (open < u64::from(sessions_max)).then_some(open + 1)
+            })
+            .is_ok()
+    }
+
+    /// A session admitted by [`Metrics::open_session`] ended.
+    pub fn close_session(&self) {
+        self.serving.sessions.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Reserves `bytes` of slot memory for a stream being opened unless that would exceed
+    /// `slot_bytes_max`; the bytes stay reserved until [`Metrics::unreserve_slot_bytes`] (the stream
+    /// could not open) or [`Metrics::stream_closed`].
+    pub fn reserve_slot_bytes(&self, bytes: u64, slot_bytes_max: u64) -> bool {
+        self.serving
+            .slot_bytes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |reserved| {
+                reserved
+                    .checked_add(bytes)
+                    .filter(|&total| total <= slot_bytes_max)
+            })
+            .is_ok()
+    }
+
+    /// Gives back slot memory reserved for a stream that did not open.
+    pub fn unreserve_slot_bytes(&self, bytes: u64) {
+        self.serving.slot_bytes.fetch_sub(bytes, Ordering::SeqCst);
+    }
+
+    /// A stream opened with `slots` slots, all free (its slot bytes are already reserved).
+    pub fn stream_opened(&self, slots: u32) {
+        let serving = &self.serving;
+        serving.streams.fetch_add(1, Ordering::SeqCst);
+        serving.slots.fetch_add(u64::from(slots), Ordering::SeqCst);
+        serving.slots_by_lease[SlotLease::Free as usize]
+            .fetch_add(u64::from(slots), Ordering::Relaxed);
+    }
+
+    /// A stream closed: its slots (`by_lease`: how many were free, filling and held by the consumer)
+    /// and its `slot_bytes` are freed.
+    pub fn stream_closed(&self, by_lease: [u64; 3], slot_bytes: u64) {
+        let serving = &self.serving;
+        for (gauge, count) in serving.slots_by_lease.iter().zip(by_lease) {
+            gauge.fetch_sub(count, Ordering::Relaxed);
+        }
+        serving
+            .slots
+            .fetch_sub(by_lease.iter().sum(), Ordering::SeqCst);
+        serving.slot_bytes.fetch_sub(slot_bytes, Ordering::SeqCst);
+        serving.streams.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// One slot's lease moved from `from` to `to`.
+    pub fn move_slot(&self, from: SlotLease, to: SlotLease) {
+        let gauges = &self.serving.slots_by_lease;
+        gauges[from as usize].fetch_sub(1, Ordering::Relaxed);
+        gauges[to as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One batch was handed to its consumer, `latency` after its slot was filled, with `replaced`
+    /// samples zeroed under the corrupt-block policy.
+    pub fn batch_served(&self, replaced: u32, latency: Duration) {
+        self.handoff_latency.observe(latency);
+        self.serving.batches.fetch_add(1, Ordering::SeqCst);
+        self.serving
+            .replaced
+            .fetch_add(u64::from(replaced), Ordering::SeqCst);
+    }
+
+    /// The serving ledger now.
+    pub fn serving(&self) -> ServingCounts {
+        let serving = &self.serving;
+        ServingCounts {
+            sessions: serving.sessions.load(Ordering::SeqCst),
+            streams: serving.streams.load(Ordering::SeqCst),
+            slots_allocated: serving.slots.load(Ordering::SeqCst),
+            slot_bytes_allocated: serving.slot_bytes.load(Ordering::SeqCst),
+            batches_served: serving.batches.load(Ordering::SeqCst),
+            samples_replaced: serving.replaced.load(Ordering::SeqCst),
         }
     }
 
@@ -194,11 +306,6 @@ impl Metrics {
     /// latencies observed so far; `None` before any observation or when it lies past the last bound.
     pub fn handoff_quantile_us(&self, quantile: f64) -> Option<u64> {
         self.handoff_latency.quantile_upper_bound_us(quantile)
-    }
-
-    /// Records one hand-off: from a filled slot to its `Batch` frame written to the consumer.
-    pub fn observe_handoff(&self, latency: Duration) {
-        self.handoff_latency.observe(latency);
     }
 
     /// Counts one HTTP response by status class.
@@ -217,30 +324,18 @@ fn nanos(time: Duration) -> u64 {
     u64::try_from(time.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// The values `GET /metrics` reports besides [`Metrics`]: read from the socket server's counters,
-/// the registry and the job table when the page is rendered.
+/// The values `GET /metrics` reports besides [`Metrics`]: read from the configuration, the session
+/// directory, the catalog and the job table when the page is rendered.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     /// Seconds since the daemon started.
     pub uptime_seconds: f64,
-    /// Whether the socket server's counters are connected.
+    /// Whether a socket server feeds the serving ledger.
     pub socket_server: bool,
-    /// Open sessions.
-    pub sessions: u64,
     /// Most sessions.
     pub sessions_max: u64,
-    /// Open streams.
-    pub streams: u64,
-    /// Slots allocated over all streams.
-    pub slots_allocated: u64,
-    /// Bytes of those slots.
-    pub slot_bytes_allocated: u64,
     /// Most slot bytes.
     pub slot_bytes_max: u64,
-    /// Batches handed to consumers.
-    pub batches_served: u64,
-    /// Samples replaced under the corrupt-block policy.
-    pub samples_replaced: u64,
     /// Datasets by state name.
     pub datasets: Vec<(&'static str, u64)>,
     /// Job records by state name.
@@ -259,6 +354,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     };
     let one = |value: u64| vec![(String::new(), value.to_string())];
     let load = |atomic: &AtomicU64| atomic.load(Ordering::Relaxed);
+    let serving = metrics.serving();
     let counters_note = if snapshot.socket_server {
         ""
     } else {
@@ -284,7 +380,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         "gpufeed_sessions",
         "gauge",
         &format!("Open consumer sessions{counters_note}"),
-        &one(snapshot.sessions),
+        &one(serving.sessions),
     );
     family(
         "gpufeed_sessions_max",
@@ -296,19 +392,19 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         "gpufeed_streams",
         "gauge",
         &format!("Open streams{counters_note}"),
-        &one(snapshot.streams),
+        &one(serving.streams),
     );
     family(
         "gpufeed_slots_allocated",
         "gauge",
         &format!("Batch slots allocated over all streams{counters_note}"),
-        &one(snapshot.slots_allocated),
+        &one(serving.slots_allocated),
     );
     family(
         "gpufeed_slot_bytes_allocated",
         "gauge",
         &format!("Bytes of batch slots allocated over all streams{counters_note}"),
-        &one(snapshot.slot_bytes_allocated),
+        &one(serving.slot_bytes_allocated),
     );
     family(
         "gpufeed_slot_bytes_max",
@@ -330,7 +426,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
                 };
                 (
                     format!("{{lease=\"{name}\"}}"),
-                    load(&metrics.slots_by_lease[lease as usize]).to_string(),
+                    load(&metrics.serving.slots_by_lease[lease as usize]).to_string(),
                 )
             })
             .collect::<Vec<_>>(),
@@ -339,13 +435,13 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         "gpufeed_batches_served_total",
         "counter",
         &format!("Batches handed to consumers{counters_note}"),
-        &one(snapshot.batches_served),
+        &one(serving.batches_served),
     );
     family(
         "gpufeed_samples_replaced_total",
         "counter",
         &format!("Samples replaced because their block was corrupt{counters_note}"),
-        &one(snapshot.samples_replaced),
+        &one(serving.samples_replaced),
     );
     family(
         "gpufeed_corrupt_blocks_total",
@@ -462,10 +558,9 @@ mod tests {
     #[test]
     fn histogram_buckets_are_cumulative_in_the_rendering() {
         let metrics = Metrics::new();
-        metrics.observe_handoff(Duration::from_micros(5));
-        metrics.observe_handoff(Duration::from_micros(10));
-        metrics.observe_handoff(Duration::from_micros(30));
-        metrics.observe_handoff(Duration::from_secs(5));
+        for latency_us in [5, 10, 30, 5_000_000] {
+            metrics.batch_served(0, Duration::from_micros(latency_us));
+        }
         let text = render(&metrics, &Snapshot::default());
         assert!(text.contains("gpufeed_handoff_latency_seconds_bucket{le=\"0.00001\"} 2\n"));
         assert!(text.contains("gpufeed_handoff_latency_seconds_bucket{le=\"0.00005\"} 3\n"));
@@ -474,14 +569,62 @@ mod tests {
     }
 
     #[test]
+    fn the_serving_ledger_returns_to_zero_when_sessions_and_streams_end() {
+        let metrics = Metrics::new();
+        assert!(metrics.open_session(2));
+        assert!(metrics.open_session(2));
+        assert!(!metrics.open_session(2), "a third session is refused");
+        assert!(metrics.reserve_slot_bytes(600, 1000));
+        assert!(
+            !metrics.reserve_slot_bytes(600, 1000),
+            "over the slot memory bound"
+        );
+        assert!(metrics.reserve_slot_bytes(400, 1000));
+        metrics.unreserve_slot_bytes(400);
+        metrics.stream_opened(3);
+        metrics.move_slot(SlotLease::Free, SlotLease::Filling);
+        metrics.move_slot(SlotLease::Filling, SlotLease::Consumer);
+        metrics.batch_served(2, Duration::from_micros(40));
+        assert_eq!(
+            metrics.serving(),
+            ServingCounts {
+                sessions: 2,
+                streams: 1,
+                slots_allocated: 3,
+                slot_bytes_allocated: 600,
+                batches_served: 1,
+                samples_replaced: 2,
+            }
+        );
+        metrics.stream_closed([2, 0, 1], 600);
+        metrics.close_session();
+        metrics.close_session();
+        assert_eq!(
+            metrics.serving(),
+            ServingCounts {
+                batches_served: 1,
+                samples_replaced: 2,
+                ..ServingCounts::default()
+            }
+        );
+        let text = render(&metrics, &Snapshot::default());
+        for lease in ["free", "filling", "consumer"] {
+            assert!(text.contains(&format!("gpufeed_slots{{lease=\"{lease}\"}} 0\n")));
+        }
+    }
+
+    #[test]
     fn every_family_has_help_and_type() {
         let metrics = Metrics::new();
         metrics.add_read_bytes(ReadPath::Pread, 4096);
-        metrics.add_slots(SlotLease::Consumer, 3);
-        metrics.add_slots(SlotLease::Consumer, -1);
+        metrics.stream_opened(3);
+        metrics.move_slot(SlotLease::Free, SlotLease::Filling);
+        metrics.move_slot(SlotLease::Filling, SlotLease::Consumer);
         let text = render(&metrics, &Snapshot::default());
         assert!(text.contains("gpufeed_read_bytes_total{engine=\"pread\"} 4096\n"));
-        assert!(text.contains("gpufeed_slots{lease=\"consumer\"} 2\n"));
+        assert!(text.contains("gpufeed_slots{lease=\"consumer\"} 1\n"));
+        assert!(text.contains("gpufeed_slots{lease=\"free\"} 2\n"));
+        assert!(text.contains("gpufeed_slots_allocated 3\n"));
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let name = line.split(['{', ' ']).next().unwrap();
             let family = name

@@ -3,12 +3,13 @@
 //! served), the interrupted job reported failed, the job's dataset not registered and its staging
 //! directory gone, and the same pack must then succeed.
 
-#[path = "api/daemon.rs"]
-mod daemon;
+mod common;
 
 use std::time::Duration;
 
-use daemon::{get, send_json, serve_command, staging_dirs, start, write_tokens_npy};
+use common::daemon::{serve_command, start};
+use common::http::{get, request, send_json};
+use common::{staging_dirs, write_tokens_npy};
 use gpufeed::catalog::{CatalogData, CATALOG_FILE_NAME};
 use serde_json::json;
 
@@ -21,7 +22,7 @@ fn kill_9_during_a_pack_job_leaves_an_intact_catalog_and_a_failed_job() {
     write_tokens_npy(&root.path().join("small.npy"), 1000);
     let slow = ["--pack-rate-max", "1M", "--pack-threads", "1"];
     let mut first = start(serve_command(root.path(), &slow), &logs);
-    let address = first.address;
+    let address = first.address();
 
     // A dataset registered before the crash, through a pack job that finished.
     let small =
@@ -62,7 +63,7 @@ fn kill_9_during_a_pack_job_leaves_an_intact_catalog_and_a_failed_job() {
 
     // The next daemon settles the job and serves what was registered.
     let second = start(serve_command(root.path(), &[]), &logs);
-    let address = second.address;
+    let address = second.address();
     let job = get(address, "/v1/jobs/2", None).json();
     assert_eq!(job["state"], "failed", "{job}");
     assert!(
@@ -90,7 +91,7 @@ fn kill_9_during_a_pack_job_leaves_an_intact_catalog_and_a_failed_job() {
         "the staging directory is removed"
     );
     assert!(!root.path().join("big").exists());
-    let verified = daemon::request(address, "POST", "/v1/datasets/small/verify", &[], None).json();
+    let verified = request(address, "POST", "/v1/datasets/small/verify", &[], None).json();
     assert_eq!(verified["ok"], true);
 
     // Nothing is half-registered: the same pack now runs to the end.

@@ -1007,8 +1007,8 @@ async fn status_and_metrics_report_what_exists() {
     let root = scratch();
     pack_dataset(&root.path().join("one"), "one");
     let app = open(options(root.path()));
-    app.control
-        .attach_counters(Arc::new(gpufeed::ipc::Counters::default()));
+    // As the socket server does when it binds: status then reports it as attached.
+    app.control.registry().sessions().attach();
     let status = get(&app, "/v1/status").await.json();
     assert_eq!(status["version"], env!("CARGO_PKG_VERSION"));
     assert!(status["uptime_seconds"].as_f64().unwrap() >= 0.0);

@@ -4,15 +4,16 @@
 //! beyond loopback without a token, configuration layering (file, environment, flags), and a clean
 //! exit on SIGTERM that stops a running pack job, removes the socket and leaves a valid catalog.
 
-#[path = "api/daemon.rs"]
-mod daemon;
+mod common;
 
 use std::io::Write;
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::Stdio;
 
-use daemon::{get, request, send_json, serve_command, staging_dirs, start, write_tokens_npy};
+use common::daemon::{serve_command, start};
+use common::http::{get, request, send_json};
+use common::{staging_dirs, write_tokens_npy};
 use gpufeed::catalog::{CatalogData, CATALOG_FILE_NAME};
 use serde_json::{json, Value};
 
@@ -35,7 +36,7 @@ fn every_endpoint_answers_over_tcp_and_errors_are_json() {
         serve_command(root.path(), &["--body-limit", "4K"]),
         &logs(root.path()),
     );
-    let address = daemon.address;
+    let address = daemon.address();
 
     assert_eq!(
         get(address, "/healthz", None).json(),
@@ -150,7 +151,7 @@ fn the_token_from_the_environment_guards_mutations() {
     let mut command = serve_command(root.path(), &[]);
     command.env("GPUFEED_API_TOKEN", TOKEN);
     let daemon = start(command, &logs(root.path()));
-    let address = daemon.address;
+    let address = daemon.address();
     assert_eq!(get(address, "/v1/datasets", None).status, 200);
     let body = json!({"name": "p", "source": {"fields": [{"name": "t", "npy": ["tokens.npy"]}]}});
     let refused = send_json(address, "POST", "/v1/datasets", &body, None);
@@ -214,13 +215,13 @@ fn settings_layer_file_then_environment_then_flags() {
     assert_eq!(daemon.socket, root.path().join("layered.sock"));
     let padded = json!({"name": "x", "path": "y/".repeat(4 << 10)});
     // 8 KiB passes the flag's limit (the file's 1K would refuse it): the path is then not found.
-    send_json(daemon.address, "POST", "/v1/datasets", &padded, None)
+    send_json(daemon.address(), "POST", "/v1/datasets", &padded, None)
         .assert_error(400, "path_not_found");
     // A name longer than the file system allows is the request's fault, not the daemon's.
     let too_long = json!({"name": "x", "path": "y".repeat(4 << 10)});
-    send_json(daemon.address, "POST", "/v1/datasets", &too_long, None)
+    send_json(daemon.address(), "POST", "/v1/datasets", &too_long, None)
         .assert_error(400, "bad_request");
-    let status = get(daemon.address, "/v1/status", None).json();
+    let status = get(daemon.address(), "/v1/status", None).json();
     assert_eq!(status["pools"]["jobs_running_max"], 1, "from the file");
 
     // A misspelt key in the file is an error naming it.
@@ -245,7 +246,7 @@ fn sigterm_stops_jobs_removes_the_socket_and_exits_zero() {
         ),
         &logs(root.path()),
     );
-    let address = daemon.address;
+    let address = daemon.address();
     let body = json!({"name": "slow", "source": {"fields": [{"name": "t", "npy": ["tokens.npy"]}], "block_bytes": 4096}});
     let accepted = send_json(address, "POST", "/v1/datasets", &body, None);
     assert_eq!(accepted.status, 202);
@@ -301,7 +302,7 @@ fn the_socket_readiness_line_is_unchanged() {
             root.path().join("api-test.sock").display()
         )
     );
-    let listed: Value = get(daemon.address, "/v1/datasets", None).json();
+    let listed: Value = get(daemon.address(), "/v1/datasets", None).json();
     assert_eq!(listed["datasets"][0]["origin"], "scanned");
 }
 
@@ -352,7 +353,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let metrics = loop {
-        let metrics = String::from_utf8(get(daemon.address, "/metrics", None).body).unwrap();
+        let metrics = String::from_utf8(get(daemon.address(), "/metrics", None).body).unwrap();
         if value(&metrics, "gpufeed_handoff_latency_seconds_count") >= 1.0 {
             break metrics;
         }
@@ -368,7 +369,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
     let consumer = value(&metrics, "gpufeed_slots{lease=\"consumer\"}");
     assert!(consumer <= 4.0, "{metrics}");
 
-    let listed = get(daemon.address, "/v1/sessions", None).json();
+    let listed = get(daemon.address(), "/v1/sessions", None).json();
     let sessions = listed["sessions"].as_array().expect("sessions are listed");
     let entry = sessions
         .iter()
@@ -377,7 +378,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
     assert_eq!(entry["dataset"], "packed", "{entry}");
 
     let deleted = request(
-        daemon.address,
+        daemon.address(),
         "DELETE",
         &format!("/v1/sessions/{session}"),
         &[("Authorization", &format!("Bearer {TOKEN}"))],
@@ -398,7 +399,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
     // The session leaves the directory once its thread has freed the stream.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        let listed = get(daemon.address, "/v1/sessions", None).json();
+        let listed = get(daemon.address(), "/v1/sessions", None).json();
         let still = listed["sessions"]
             .as_array()
             .is_some_and(|s| s.iter().any(|e| e["id"] == session));
@@ -421,7 +422,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
     drop(stream.next().unwrap().unwrap());
     let auth = format!("Bearer {TOKEN}");
     let refused = request(
-        daemon.address,
+        daemon.address(),
         "DELETE",
         "/v1/datasets/packed",
         &[("Authorization", &auth)],
@@ -429,7 +430,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
     );
     refused.assert_error(409, "in_use");
     let forced = request(
-        daemon.address,
+        daemon.address(),
         "DELETE",
         "/v1/datasets/packed?force=true",
         &[("Authorization", &auth)],
@@ -454,7 +455,7 @@ fn sessions_are_listed_and_closed_through_the_api() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 
-    let metrics = String::from_utf8(get(daemon.address, "/metrics", None).body).unwrap();
+    let metrics = String::from_utf8(get(daemon.address(), "/metrics", None).body).unwrap();
     for lease in ["free", "filling", "consumer"] {
         let line = format!("gpufeed_slots{{lease=\"{lease}\"}} 0");
         assert!(metrics.contains(&line), "{line} missing:\n{metrics}");

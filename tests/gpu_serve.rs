@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Daemon;
+use common::daemon::Daemon;
 use gpufeed::device::Device;
 use gpufeed::format::Dataset;
 use gpufeed_client::consumer::Client;
@@ -54,7 +54,7 @@ fn start_daemon(root: &Path, device: &str) -> Daemon {
 
 fn start_daemon_with(root: &Path, device: &str, extra: &[&str]) -> Daemon {
     let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
-    common::start_daemon(
+    common::daemon::start_daemon(
         &gpufeed_bin(),
         root,
         socket,

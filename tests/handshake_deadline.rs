@@ -17,7 +17,7 @@ fn silent_connections_are_closed_and_free_their_sessions() {
     let root = tempfile::tempdir().unwrap();
     let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
     let socket = root.path().join("gpufeed.sock");
-    let daemon = common::start_daemon(
+    let daemon = common::daemon::start_daemon(
         binary,
         root.path(),
         socket,

@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use gpufeed::format::Dataset;
-use gpufeed::pipeline::{StreamLimits, StreamPlan};
+use gpufeed::pipeline::{StreamLimits, StreamPlan, StreamRequest};
 use gpufeed_client::protocol::{FieldRequest, Shuffle, StreamSpec};
 use gpufeed_client::DType;
 
@@ -47,8 +47,12 @@ fn runs_agree_with_per_row_placements() {
             spec.seed = 7;
             spec.rank = rank;
             spec.world_size = world;
-            let plan = StreamPlan::new(Arc::clone(&dataset), &spec, &StreamLimits::node_defaults())
-                .unwrap();
+            let plan = StreamPlan::new(
+                Arc::clone(&dataset),
+                &StreamRequest::from(&spec),
+                &StreamLimits::node_defaults(),
+            )
+            .unwrap();
             let field_count = plan.fields.len();
             for run_bytes in [1usize, 1000, 1 << 20] {
                 for step in 0..plan.steps {

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Daemon;
+use common::daemon::Daemon;
 use gpufeed::format::Dataset;
 use gpufeed::input::FieldSource;
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
@@ -28,7 +28,7 @@ const EMB_DIM: u64 = 8;
 fn start_daemon(root: &Path, extra: &[&str]) -> Daemon {
     let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
     let socket = root.join("gpufeed.sock");
-    common::start_daemon(binary, root, socket, "cpu", extra, Stdio::null())
+    common::daemon::start_daemon(binary, root, socket, "cpu", extra, Stdio::null())
 }
 
 /// Token field: sample i holds [i, i*7, i*13, -i] so every sample identifies itself.

@@ -79,12 +79,12 @@ pub async fn list(State(control): State<Arc<Control>>) -> Json<SessionList> {
             dataset: session.dataset,
         })
         .collect();
-    let status = control.counters().map(|c| c.status());
+    let serving = control.metrics.serving();
     Json(SessionList {
         listed: directory.is_attached(),
         sessions,
-        open_sessions: status.as_ref().map_or(0, |s| u64::from(s.sessions)),
-        open_streams: status.as_ref().map_or(0, |s| u64::from(s.streams)),
+        open_sessions: serving.sessions,
+        open_streams: serving.streams,
     })
 }
 

@@ -28,12 +28,11 @@ use tokio::sync::Semaphore;
 
 use super::confine::{ConfineError, DataRoot};
 use super::error::ApiError;
-use super::jobs::JobTable;
-use super::status::Platform;
+use super::job_table::JobTable;
+use super::platform::Platform;
 use crate::catalog::{Catalog, CatalogData, CatalogError, DatasetRecord, JobState, Origin};
 use crate::config::{JobLimits, Settings};
 use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
-use crate::ipc::Counters;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::storage::EngineMode;
@@ -174,7 +173,6 @@ pub struct Control {
     pub(crate) verify_slots: Arc<Semaphore>,
     pub(crate) platform: tokio::sync::OnceCell<Platform>,
     pub(crate) started: Instant,
-    counters: OnceLock<Arc<Counters>>,
     backend: OnceLock<(String, String)>,
     problems: Mutex<BTreeMap<String, DatasetProblem>>,
     reserved: Mutex<BTreeSet<String>>,
@@ -235,19 +233,12 @@ impl Control {
             metrics,
             platform: tokio::sync::OnceCell::new(),
             started: Instant::now(),
-            counters: OnceLock::new(),
             backend: OnceLock::new(),
             problems: Mutex::new(problems),
             reserved: Mutex::new(BTreeSet::new()),
             shutting_down: AtomicBool::new(false),
         };
         Ok((Arc::new(control), notes))
-    }
-
-    /// Connects the socket server's counters (sessions, streams, slots, batches) to status and
-    /// metrics. Only the first call has an effect.
-    pub fn attach_counters(&self, counters: Arc<Counters>) {
-        let _ = self.counters.set(counters);
     }
 
     /// Records what the socket server serves with (`cpu` or `cuda:N`) and why, for status.
@@ -257,10 +248,6 @@ impl Control {
 
     pub(crate) fn backend(&self) -> Option<&(String, String)> {
         self.backend.get()
-    }
-
-    pub(crate) fn counters(&self) -> Option<&Arc<Counters>> {
-        self.counters.get()
     }
 
     /// The registry the API changes.

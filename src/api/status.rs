@@ -1,9 +1,9 @@
 //! `/v1/status`, `/metrics` and `/healthz`.
 //!
 //! The status reports what this machine offers (devices, and each read path with the reason it is
-//! or is not usable) separately from what this daemon serves with, because the daemon's GPU backend
-//! is not wired in yet: a machine with GPUs and GDS still serves from host memory, and the payload
-//! says so rather than implying otherwise.
+//! or is not usable; [`Platform`]) separately from what this daemon serves with, because the two may
+//! differ: a machine with GPUs and GDS may still serve from host memory (`--device cpu`, or `auto`
+//! where CUDA cannot be used), and the payload says so rather than implying otherwise.
 
 use std::sync::Arc;
 
@@ -18,62 +18,13 @@ use super::blocking;
 use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
 use super::error::ErrorBody;
+pub use super::platform::{Availability, DeviceView, EngineView, Platform};
 use super::state::Control;
 use crate::catalog::JobState;
 use crate::device::Device;
 use crate::metrics::{self, Snapshot};
 use crate::storage::cufile::{libcufile_present, nvidia_fs_loaded};
 use crate::storage::UringQueue;
-
-/// Whether something is usable, and why (not).
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct Availability {
-    /// Usable.
-    pub available: bool,
-    /// Why it is or is not.
-    pub reason: String,
-}
-
-/// A CUDA device.
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct DeviceView {
-    /// `cuda:N`.
-    pub device: String,
-    /// The marketing name.
-    pub name: String,
-    /// Device memory in bytes.
-    pub memory_bytes: u64,
-    /// Compute capability, `major.minor`.
-    pub compute_capability: String,
-    /// Streaming multiprocessors.
-    pub multiprocessors: u32,
-    /// Whether allocations can be exported as file descriptors (needed for shared batch slots).
-    pub exportable_memory: bool,
-}
-
-/// One read path on one device.
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct EngineView {
-    /// `host` or `cuda:N`.
-    pub device: String,
-    /// `io_uring`, `pread`, `cufile`, `uring_bounce` or `page_cache_copy`.
-    pub engine: String,
-    /// Usable on this machine.
-    pub available: bool,
-    /// Why it is or is not.
-    pub reason: String,
-}
-
-/// What the machine offers, probed once (on the first status request).
-#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
-pub struct Platform {
-    /// The CUDA driver: loadable, with a device.
-    pub cuda: Availability,
-    /// The CUDA devices seen.
-    pub devices: Vec<DeviceView>,
-    /// Every read path per device.
-    pub engines: Vec<EngineView>,
-}
 
 /// What the daemon serves with.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
@@ -102,7 +53,7 @@ pub struct Serving {
 /// Bounded pools and what is in use.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct Pools {
-    /// Whether the socket server's counters are connected (when false, the in-use values are 0).
+    /// Whether a socket server is attached and feeds the counts (when false, the in-use values are 0).
     pub socket_server: bool,
     /// Open consumer sessions.
     pub sessions: u64,
@@ -300,6 +251,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
         .await
         .clone();
     let snapshot = snapshot(&control);
+    let counts = control.metrics.serving();
     let limits = control.jobs.limits();
     let options = &control.options;
     Json(StatusView {
@@ -327,11 +279,11 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
         platform,
         pools: Pools {
             socket_server: snapshot.socket_server,
-            sessions: snapshot.sessions,
+            sessions: counts.sessions,
             sessions_max: snapshot.sessions_max,
-            streams: snapshot.streams,
-            slots_allocated: snapshot.slots_allocated,
-            slot_bytes_allocated: snapshot.slot_bytes_allocated,
+            streams: counts.streams,
+            slots_allocated: counts.slots_allocated,
+            slot_bytes_allocated: counts.slot_bytes_allocated,
             slot_bytes_max: snapshot.slot_bytes_max,
             jobs_running: u64::from(control.jobs.running_count()),
             jobs_running_max: u64::from(limits.running_max),
@@ -349,7 +301,6 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
 }
 
 fn snapshot(control: &Control) -> Snapshot {
-    let status = control.counters().map(|c| c.status());
     let records = control.catalog.snapshot();
     let mut ready = 0;
     let mut missing = 0;
@@ -378,15 +329,9 @@ fn snapshot(control: &Control) -> Snapshot {
     .collect();
     Snapshot {
         uptime_seconds: control.started.elapsed().as_secs_f64(),
-        socket_server: status.is_some(),
-        sessions: status.as_ref().map_or(0, |s| u64::from(s.sessions)),
+        socket_server: control.registry.sessions().is_attached(),
         sessions_max: u64::from(control.options.sessions_max),
-        streams: status.as_ref().map_or(0, |s| u64::from(s.streams)),
-        slots_allocated: status.as_ref().map_or(0, |s| s.slots_allocated),
-        slot_bytes_allocated: status.as_ref().map_or(0, |s| s.slot_bytes_allocated),
         slot_bytes_max: control.options.slot_memory_bytes_max,
-        batches_served: status.as_ref().map_or(0, |s| s.batches_served),
-        samples_replaced: status.as_ref().map_or(0, |s| s.samples_replaced),
         datasets: vec![("ready", ready), ("missing", missing), ("invalid", invalid)],
         jobs,
     }

@@ -1,101 +1,31 @@
-//! The socket server: accepts consumers, checks their uid, runs one session per connection.
+//! The socket server: accepts consumers, checks their uid, runs one session per connection, and
+//! hands each stream's filled slots to its consumer. The filling itself is the pipeline's
+//! ([`crate::pipeline::Filler`]); this module speaks the protocol around it.
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
 use gpufeed_client::protocol::{
-    Backend, BatchField, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message,
-    StreamLayout, StreamSpec,
+    Backend, BatchField, BatchInfo, ErrorCode, FieldLayout, Message, StreamLayout, StreamSpec,
 };
 use gpufeed_client::transport::{self, TransportError};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
+use super::convert::daemon_status;
 use super::slots::{Lease, SlotRing};
-use crate::device::Device as CudaDevice;
-use crate::kernels::Kernels;
-use crate::metrics::SlotLease;
+use crate::metrics::{Metrics, SlotLease};
 use crate::pipeline::{
-    Assembler, FillError, FillReport, GpuAssembler, GpuStreamLimits, StreamLimits, StreamPlan,
+    Ended, FillError, FillReport, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
+    StreamLimits, StreamPlan, StreamRequest,
 };
 use crate::registry::Registry;
-use crate::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice};
-use crate::storage::windows::PageCacheWindows;
-
-/// What the GPU backend needs to serve streams on its device.
-pub struct GpuServing {
-    /// The device; streams asking for `Device::Cuda(ordinal)` are served on it.
-    pub device: CudaDevice,
-    /// Its ordinal.
-    pub ordinal: u32,
-    /// The kernels, compiled once for the device.
-    pub kernels: Arc<Kernels>,
-    /// Bounds of each stream's reader.
-    pub reader_limits: GpuReaderLimits,
-    /// Which read path serves each read (from the engine mode).
-    pub choice: PathChoice,
-    /// Device memory of each stream besides its slots.
-    pub stream_limits: GpuStreamLimits,
-    /// Registered page-cache windows, shared by every stream on the device so that data read once
-    /// stays registered for the next epoch and the next consumer.
-    pub windows: Arc<PageCacheWindows>,
-    /// The registration budget the windows were made with (for status).
-    pub registered: crate::config::RegistrationBudget,
-}
-
-impl GpuServing {
-    /// Opens CUDA device `ordinal` and loads (compiling if needed) the kernels, with node defaults
-    /// for every bound. Fails with [`crate::device::DeviceError::Unavailable`] where CUDA cannot be
-    /// used, on which a caller asking for `auto` falls back to the CPU backend.
-    pub fn open(
-        ordinal: u32,
-        engine: crate::storage::EngineMode,
-        registered: crate::config::RegistrationBudget,
-        zero_copy: crate::pipeline::gpu::ZeroCopy,
-    ) -> Result<GpuServing, crate::device::DeviceError> {
-        let device = CudaDevice::open(ordinal as usize)?;
-        let kernels = Kernels::load(&device, crate::device::CacheDir::FromEnvironment)?;
-        for (kernel, origin) in &kernels.origins {
-            tracing::info!("kernel {kernel}: {origin:?}");
-        }
-        let reader_limits = GpuReaderLimits {
-            window_bytes: registered.window_bytes as usize,
-            registered_bytes_max: registered.bytes_max as usize,
-            ..GpuReaderLimits::node_defaults()
-        };
-        tracing::info!(
-            "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {zero_copy:?}",
-            registered.bytes_max,
-            registered.source.name(),
-            registered.window_bytes
-        );
-        let windows = Arc::new(PageCacheWindows::new(
-            &device,
-            reader_limits.window_bytes,
-            reader_limits.registered_bytes_max,
-        ));
-        Ok(GpuServing {
-            windows,
-            device,
-            ordinal,
-            kernels: Arc::new(kernels),
-            reader_limits,
-            choice: PathChoice::from_mode(engine),
-            stream_limits: GpuStreamLimits {
-                zero_copy,
-                ..GpuStreamLimits::node_defaults()
-            },
-            registered,
-        })
-    }
-}
 
 /// Settings of the socket server, all bounded.
 #[derive(Clone)]
@@ -110,10 +40,11 @@ pub struct ServerConfig {
     pub slot_memory_bytes_max: u64,
     /// Per-stream bounds.
     pub stream_limits: StreamLimits,
-    /// Where reads, decode and gather times, slot occupancy and hand-off latency are counted.
-    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The serving ledger (sessions, streams, slots, batches) and the other measurements: reads,
+    /// decode and gather times, hand-off latency.
+    pub metrics: Arc<Metrics>,
     /// The GPU backend, when the daemon runs on a device; host-memory streams are served either way.
-    pub gpu: Option<Arc<GpuServing>>,
+    pub gpu: Option<Arc<GpuBackend>>,
     /// How long a new connection may take to send its Hello before it is closed: a connection that
     /// never speaks would otherwise hold a session (of the bounded `sessions_max`) forever.
     pub handshake_timeout: std::time::Duration,
@@ -122,35 +53,9 @@ pub struct ServerConfig {
 /// The default [`ServerConfig::handshake_timeout`]: a client sends Hello as soon as it connects.
 pub const HANDSHAKE_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Counters shared by all sessions; also what `Status` reports.
-#[derive(Default, Debug)]
-pub struct Counters {
-    sessions: AtomicU32,
-    streams: AtomicU32,
-    slots: AtomicU64,
-    slot_bytes: AtomicU64,
-    batches: AtomicU64,
-    replaced: AtomicU64,
-}
-
-impl Counters {
-    /// A snapshot.
-    pub fn status(&self) -> DaemonStatus {
-        DaemonStatus {
-            sessions: self.sessions.load(Ordering::SeqCst),
-            streams: self.streams.load(Ordering::SeqCst),
-            slots_allocated: self.slots.load(Ordering::SeqCst),
-            slot_bytes_allocated: self.slot_bytes.load(Ordering::SeqCst),
-            batches_served: self.batches.load(Ordering::SeqCst),
-            samples_replaced: self.replaced.load(Ordering::SeqCst),
-        }
-    }
-}
-
 struct Shared {
     config: ServerConfig,
     registry: Arc<Registry>,
-    counters: Arc<Counters>,
     next_session: AtomicU64,
 }
 
@@ -179,33 +84,12 @@ impl ServerStopper {
 }
 
 impl Server {
-    /// Creates the socket at `config.socket_path`, replacing a stale one left by a daemon that died
-    /// (one nobody is listening on); refuses if another daemon is listening there.
+    /// Creates the socket at `config.socket_path`, replacing a stale socket left by a daemon that
+    /// died (one nobody is listening on). Refuses if another daemon is listening there, and leaves
+    /// anything at the path that is not a socket (a file, a directory, a symbolic link) untouched.
     pub fn bind(config: ServerConfig, registry: Arc<Registry>) -> io::Result<Server> {
         let path = &config.socket_path;
-        // Only a stale socket is replaced: anything else at the path (a user's file, a directory, a
-        // symbolic link) is left alone and refused, whatever it is.
-        if let Ok(metadata) = std::fs::symlink_metadata(path) {
-            if !metadata.file_type().is_socket() {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    format!(
-                        "{}: exists and is not a socket; refusing to replace it (choose another \
-                         --socket path or remove it yourself)",
-                        path.display()
-                    ),
-                ));
-            }
-            match UnixStream::connect(path) {
-                Ok(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::AddrInUse,
-                        format!("{}: another daemon is listening there", path.display()),
-                    ))
-                }
-                Err(_) => std::fs::remove_file(path)?,
-            }
-        }
+        remove_stale_socket(path)?;
         let listener = UnixListener::bind(path)?;
         // From here on the control API lists this server's sessions and can close them.
         registry.sessions().attach();
@@ -218,15 +102,9 @@ impl Server {
             shared: Arc::new(Shared {
                 config,
                 registry,
-                counters: Arc::new(Counters::default()),
                 next_session: AtomicU64::new(1),
             }),
         })
-    }
-
-    /// The counters, for status reporting.
-    pub fn counters(&self) -> Arc<Counters> {
-        Arc::clone(&self.shared.counters)
     }
 
     /// A handle that stops [`Server::run`].
@@ -263,18 +141,51 @@ impl Server {
     }
 }
 
+/// Removes what is at `path` if it is a socket nobody listens on; fails, naming the path, if a daemon
+/// listens there or if it is anything but a socket. Symbolic links are not followed: a link is not a
+/// socket, so it is refused rather than its target replaced.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    let metadata = match std::fs::symlink_metadata(path) {
+        Ok(metadata) => metadata,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => {
+            return Err(io::Error::new(
+                error.kind(),
+                format!("{}: {error}", path.display()),
+            ))
+        }
+    };
+    if !metadata.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "{}: exists and is not a socket; refusing to replace it (choose another --socket \
+                 path or remove it yourself)",
+                path.display()
+            ),
+        ));
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("{}: another daemon is listening there", path.display()),
+        ));
+    }
+    std::fs::remove_file(path)
+}
+
 fn send_error(socket: &Mutex<UnixStream>, code: ErrorCode, message: String) {
     tracing::info!("session error ({code:?}): {message}");
     let socket = socket.lock().expect("socket lock poisoned");
     let _ = transport::send(&socket, &Message::Error { code, message }, &[]);
 }
 
-/// Decrements the session count when a session ends, however it ends.
-struct SessionSlot<'a>(&'a Counters);
+/// Counts an admitted session as closed when it ends, however it ends.
+struct SessionSlot<'a>(&'a Metrics);
 
 impl Drop for SessionSlot<'_> {
     fn drop(&mut self) {
-        self.0.sessions.fetch_sub(1, Ordering::SeqCst);
+        self.0.close_session();
     }
 }
 
@@ -306,9 +217,8 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
         );
         return;
     }
-    let counters = &shared.counters;
-    if counters.sessions.fetch_add(1, Ordering::SeqCst) >= shared.config.sessions_max {
-        counters.sessions.fetch_sub(1, Ordering::SeqCst);
+    let metrics = &shared.config.metrics;
+    if !metrics.open_session(shared.config.sessions_max) {
         send_error(
             &writer,
             ErrorCode::ResourceExhausted,
@@ -319,7 +229,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
         );
         return;
     }
-    let _session_slot = SessionSlot(counters);
+    let _session_slot = SessionSlot(metrics);
     let session_id = shared.next_session.fetch_add(1, Ordering::SeqCst);
     if let Err(error) = reader.set_read_timeout(Some(shared.config.handshake_timeout)) {
         tracing::warn!("session {session_id}: cannot set the handshake deadline: {error}");
@@ -464,7 +374,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
                 }
             }
             Message::StatusRequest => {
-                let status = Message::Status(counters.status());
+                let status = Message::Status(daemon_status(metrics.serving()));
                 if transport::send(&writer.lock().expect("socket lock poisoned"), &status, &[])
                     .is_err()
                 {
@@ -496,8 +406,7 @@ struct RunningStream {
     release: SyncSender<u32>,
     stop: Arc<AtomicBool>,
     filler: thread::JoinHandle<()>,
-    counters: Arc<Counters>,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<Metrics>,
 }
 
 impl RunningStream {
@@ -505,8 +414,7 @@ impl RunningStream {
         self.ring
             .transition(slot, Lease::Consumer, Lease::Free)
             .map_err(|e| format!("Release: {e}"))?;
-        self.metrics.add_slots(SlotLease::Consumer, -1);
-        self.metrics.add_slots(SlotLease::Free, 1);
+        self.metrics.move_slot(SlotLease::Consumer, SlotLease::Free);
         // The channel holds as many entries as there are slots and each slot is in it at most once,
         // so this never blocks.
         let _ = self.release.try_send(slot);
@@ -522,17 +430,11 @@ impl RunningStream {
         let _ = socket.shutdown(std::net::Shutdown::Both);
         let _ = self.filler.join();
         let (free, filling, consumer) = self.ring.lease_counts();
-        self.metrics.add_slots(SlotLease::Free, -(free as i64));
-        self.metrics
-            .add_slots(SlotLease::Filling, -(filling as i64));
-        self.metrics
-            .add_slots(SlotLease::Consumer, -(consumer as i64));
-        let slots = self.ring.len() as u64;
-        let bytes = self.ring_bytes;
         drop(self.ring);
-        self.counters.slots.fetch_sub(slots, Ordering::SeqCst);
-        self.counters.slot_bytes.fetch_sub(bytes, Ordering::SeqCst);
-        self.counters.streams.fetch_sub(1, Ordering::SeqCst);
+        self.metrics.stream_closed(
+            [free as u64, filling as u64, consumer as u64],
+            self.ring_bytes,
+        );
     }
 }
 
@@ -541,29 +443,9 @@ fn open_stream(
     writer: &Arc<Mutex<UnixStream>>,
     spec: StreamSpec,
 ) -> Result<RunningStream, (ErrorCode, String)> {
-    let gpu = match spec.device {
-        Device::Cpu => None,
-        Device::Cuda(ordinal) => match &shared.config.gpu {
-            Some(gpu) if gpu.ordinal == ordinal => Some(Arc::clone(gpu)),
-            Some(gpu) => {
-                return Err((
-                    ErrorCode::BadRequest,
-                    format!(
-                        "device cuda:{ordinal} is not served: this daemon runs on cuda:{}",
-                        gpu.ordinal
-                    ),
-                ))
-            }
-            None => {
-                return Err((
-                    ErrorCode::BadRequest,
-                    format!(
-                        "device cuda:{ordinal} is not served: this daemon runs the CPU backend"
-                    ),
-                ))
-            }
-        },
-    };
+    let request = StreamRequest::from(&spec);
+    let backend = StreamBackend::select(request.device, shared.config.gpu.as_deref())
+        .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
     let dataset = shared.registry.get(&spec.dataset).ok_or_else(|| {
         (
             ErrorCode::UnknownDataset,
@@ -576,14 +458,12 @@ fn open_stream(
     })?;
     let limits = &shared.config.stream_limits;
     let plan = Arc::new(
-        StreamPlan::new(dataset, &spec, limits)
+        StreamPlan::new(dataset, &request, limits)
             .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
     );
     let ring_bytes = plan.slot_bytes as u64 * plan.slot_count as u64;
-    let counters = Arc::clone(&shared.counters);
-    let before = counters.slot_bytes.fetch_add(ring_bytes, Ordering::SeqCst);
-    if before + ring_bytes > shared.config.slot_memory_bytes_max {
-        counters.slot_bytes.fetch_sub(ring_bytes, Ordering::SeqCst);
+    let metrics = &shared.config.metrics;
+    if !metrics.reserve_slot_bytes(ring_bytes, shared.config.slot_memory_bytes_max) {
         return Err((
             ErrorCode::ResourceExhausted,
             format!(
@@ -593,65 +473,33 @@ fn open_stream(
         ));
     }
     let undo = |code, message: String| {
-        counters.slot_bytes.fetch_sub(ring_bytes, Ordering::SeqCst);
+        metrics.unreserve_slot_bytes(ring_bytes);
         (code, message)
     };
-    let metrics = Arc::clone(&shared.config.metrics);
-    let (ring, filler) = match &gpu {
-        None => {
-            let ring = SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
+    let ring = match backend {
+        StreamBackend::Cpu => SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
+            undo(
+                ErrorCode::ResourceExhausted,
+                format!("cannot allocate slots: {e}"),
+            )
+        })?,
+        StreamBackend::Gpu(gpu) => {
+            SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes).map_err(|e| {
                 undo(
                     ErrorCode::ResourceExhausted,
-                    format!("cannot allocate slots: {e}"),
+                    format!("cannot allocate device slots: {e}"),
                 )
-            })?;
-            let assembler = Assembler::new(Arc::clone(&plan), limits, Arc::clone(&metrics))
-                .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
-            if let Some(note) = &assembler.engine_note {
-                tracing::warn!("{note}");
-            }
-            (
-                ring,
-                Filler::Cpu {
-                    assembler: Box::new(assembler),
-                    done: VecDeque::new(),
-                },
-            )
-        }
-        Some(gpu) => {
-            let ring = SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes)
-                .map_err(|e| {
-                    undo(
-                        ErrorCode::ResourceExhausted,
-                        format!("cannot allocate device slots: {e}"),
-                    )
-                })?;
-            let reader =
-                GpuReader::with_windows(&gpu.device, gpu.reader_limits, Arc::clone(&gpu.windows))
-                    .map_err(|e| {
-                    undo(
-                        ErrorCode::ResourceExhausted,
-                        format!("cannot set up device reads: {e}"),
-                    )
-                })?;
-            let assembler = GpuAssembler::new(
-                Arc::clone(&plan),
-                Arc::clone(&gpu.kernels),
-                reader,
-                gpu.choice,
-                &gpu.stream_limits,
-                Arc::clone(&metrics),
-            )
-            .map_err(|e| undo(ErrorCode::ResourceExhausted, e.to_string()))?;
-            (
-                ring,
-                Filler::Gpu {
-                    assembler: Box::new(assembler),
-                    slots: VecDeque::new(),
-                },
-            )
+            })?
         }
     };
+    let filler =
+        Filler::new(Arc::clone(&plan), backend, limits, Arc::clone(metrics)).map_err(|error| {
+            let code = match error {
+                FillerError::Storage(_) => ErrorCode::Internal,
+                FillerError::DeviceReads(_) | FillerError::Gpu(_) => ErrorCode::ResourceExhausted,
+            };
+            undo(code, error.to_string())
+        })?;
     let ring = Arc::new(ring);
     let layout = StreamLayout {
         slot_count: plan.slot_count,
@@ -683,10 +531,7 @@ fn open_stream(
         transport::send(&socket, &Message::StreamOpened(layout), &borrowed)
             .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
     }
-    counters
-        .slots
-        .fetch_add(plan.slot_count as u64, Ordering::SeqCst);
-    counters.streams.fetch_add(1, Ordering::SeqCst);
+    metrics.stream_opened(plan.slot_count);
     let (release, free) = sync_channel(plan.slot_count as usize);
     for slot in 0..plan.slot_count {
         release
@@ -694,112 +539,75 @@ fn open_stream(
             .expect("channel sized for every slot");
     }
     let stop = Arc::new(AtomicBool::new(false));
-    metrics.add_slots(SlotLease::Free, plan.slot_count as i64);
-    let filler = {
-        let (ring, stop, writer, counters, metrics) = (
-            Arc::clone(&ring),
-            Arc::clone(&stop),
-            Arc::clone(writer),
-            Arc::clone(&counters),
-            Arc::clone(&metrics),
-        );
-        thread::Builder::new()
-            .name("gpufeed-filler".into())
-            .spawn(move || fill_stream(plan, filler, ring, free, stop, writer, counters, &metrics))
-            .map_err(|e| {
-                (
-                    ErrorCode::Internal,
-                    format!("cannot start the filler thread: {e}"),
-                )
-            })?
+    let handoff = ConsumerHandoff {
+        plan: Arc::clone(&plan),
+        ring: Arc::clone(&ring),
+        free,
+        stop: Arc::clone(&stop),
+        writer: Arc::clone(writer),
+        metrics: Arc::clone(metrics),
     };
+    let filler = filler.spawn(Arc::clone(&ring), handoff).map_err(|e| {
+        metrics.stream_closed([u64::from(plan.slot_count), 0, 0], ring_bytes);
+        (
+            ErrorCode::Internal,
+            format!("cannot start the filler thread: {e}"),
+        )
+    })?;
     Ok(RunningStream {
         ring,
         ring_bytes,
         release,
         stop,
         filler,
-        counters,
-        metrics,
+        metrics: Arc::clone(metrics),
     })
 }
 
-/// The filler: for each step, waits for a free slot, fills it and hands it to the consumer.
+/// A stream's consumer as its filler sees it: free slots come back through `free` as the consumer
+/// releases them, filled slots go out as `Batch` frames on the session's socket.
 ///
 /// The hand-off latency it records is the time from a slot being filled to its `Batch` frame having
 /// been written to the consumer's socket (waiting for the socket lock included).
-#[allow(clippy::too_many_arguments)]
-fn fill_stream(
+struct ConsumerHandoff {
     plan: Arc<StreamPlan>,
-    filler: Filler,
     ring: Arc<SlotRing>,
     free: Receiver<u32>,
     stop: Arc<AtomicBool>,
     writer: Arc<Mutex<UnixStream>>,
-    counters: Arc<Counters>,
-    metrics: &crate::metrics::Metrics,
-) {
-    let end_session = |error: FillError| {
-        let (code, message) = match error {
-            FillError::Corrupt { .. } => (ErrorCode::CorruptData, error.to_string()),
-            error => (ErrorCode::Internal, error.to_string()),
-        };
-        send_error(&writer, code, message);
-        let socket = writer.lock().expect("socket lock poisoned");
-        let _ = socket.shutdown(std::net::Shutdown::Both);
-    };
-    // Batches are submitted up to the filler's depth ahead of the hand-off. The filler never blocks
-    // on a free slot while it holds a batch the consumer has not got: the consumer may be waiting for
-    // exactly that batch before it releases anything.
-    // A local, so that it is dropped (its queued device work drained) before the ring it writes.
-    let mut filler = filler;
-    let depth = filler.depth();
-    let mut next = 0u64;
-    loop {
-        let pending = filler.pending();
-        if next == plan.steps && pending == 0 {
-            break;
-        }
-        let slot = if next < plan.steps && pending < depth {
-            if pending == 0 {
-                match free.recv() {
-                    Ok(slot) => Some(slot),
-                    Err(_) => return,
-                }
-            } else {
-                match free.try_recv() {
-                    Ok(slot) => Some(slot),
-                    Err(TryRecvError::Empty) => None,
-                    Err(TryRecvError::Disconnected) => return,
-                }
-            }
+    metrics: Arc<Metrics>,
+}
+
+impl Handoff for ConsumerHandoff {
+    fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended> {
+        let slot = if wait {
+            self.free.recv().map_err(|_| Ended)?
         } else {
-            None
+            match self.free.try_recv() {
+                Ok(slot) => slot,
+                Err(TryRecvError::Empty) => return Ok(None),
+                Err(TryRecvError::Disconnected) => return Err(Ended),
+            }
         };
-        if let Some(slot) = slot {
-            if stop.load(Ordering::SeqCst) {
-                return;
-            }
-            ring.transition(slot, Lease::Free, Lease::Filling)
-                .expect("only free slots are in the channel");
-            metrics.add_slots(SlotLease::Free, -1);
-            metrics.add_slots(SlotLease::Filling, 1);
-            if let Err(error) = filler.submit(&ring, slot, next) {
-                return end_session(error);
-            }
-            next += 1;
-            continue;
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(Ended);
         }
-        let (slot, step, report) = match filler.complete(&ring) {
-            Ok(done) => done,
-            Err(error) => return end_session(error),
-        };
+        self.ring
+            .transition(slot, Lease::Free, Lease::Filling)
+            .expect("only free slots are in the channel");
+        self.metrics.move_slot(SlotLease::Free, SlotLease::Filling);
+        Ok(Some(slot))
+    }
+
+    fn deliver(&mut self, slot: u32, step: u64, report: FillReport) -> Result<(), Ended> {
         let ready_ns = gpufeed_client::protocol::monotonic_ns();
-        ring.transition(slot, Lease::Filling, Lease::Consumer)
+        self.ring
+            .transition(slot, Lease::Filling, Lease::Consumer)
             .expect("the filler holds the lease");
-        metrics.add_slots(SlotLease::Filling, -1);
-        metrics.add_slots(SlotLease::Consumer, 1);
+        self.metrics
+            .move_slot(SlotLease::Filling, SlotLease::Consumer);
         let filled = std::time::Instant::now();
+        let plan = &self.plan;
         let batch = BatchInfo {
             slot,
             epoch: plan.epoch,
@@ -822,108 +630,36 @@ fn fill_stream(
                 .collect(),
             ready_ns,
         };
-        let sent = transport::send(
-            &writer.lock().expect("socket lock poisoned"),
+        transport::send(
+            &self.writer.lock().expect("socket lock poisoned"),
             &Message::Batch(batch),
             &[],
+        )
+        .map_err(|_| Ended)?;
+        self.metrics.batch_served(report.replaced, filled.elapsed());
+        Ok(())
+    }
+
+    fn fail(&mut self, error: FillError) {
+        let code = match error {
+            FillError::Corrupt { .. } => ErrorCode::CorruptData,
+            _ => ErrorCode::Internal,
+        };
+        let message = error.to_string();
+        send_error(&self.writer, code, message);
+        let socket = self.writer.lock().expect("socket lock poisoned");
+        let _ = socket.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn finish(&mut self) {
+        let end = Message::EndOfEpoch {
+            epoch: self.plan.epoch,
+            steps: self.plan.steps,
+        };
+        let _ = transport::send(
+            &self.writer.lock().expect("socket lock poisoned"),
+            &end,
+            &[],
         );
-        if sent.is_err() {
-            return;
-        }
-        metrics.observe_handoff(filled.elapsed());
-        counters.batches.fetch_add(1, Ordering::SeqCst);
-        counters
-            .replaced
-            .fetch_add(report.replaced as u64, Ordering::SeqCst);
-    }
-    if let Filler::Gpu { assembler, .. } = &filler {
-        let t = assembler.timings;
-        tracing::info!(
-            "GPU stream done: {} steps in {} rounds; host plan {:.3} s, read {:.3} s, decode {:.3} s, \
-             gather {:.3} s, waiting for the device {:.3} s",
-            plan.steps,
-            t.rounds,
-            t.plan_s,
-            t.read_s,
-            t.decode_s,
-            t.gather_s,
-            t.wait_s
-        );
-    }
-    let end = Message::EndOfEpoch {
-        epoch: plan.epoch,
-        steps: plan.steps,
-    };
-    let _ = transport::send(&writer.lock().expect("socket lock poisoned"), &end, &[]);
-}
-
-/// What fills a stream's slots: the CPU assembler into memfds, or the GPU assembler into device slots.
-enum Filler {
-    /// Fills each slot before `submit` returns; `done` holds the filled slots and steps.
-    Cpu {
-        assembler: Box<Assembler>,
-        done: VecDeque<(u32, u64, FillReport)>,
-    },
-    /// Queues batches on the device; `slots` holds the submitted slots, oldest first.
-    Gpu {
-        assembler: Box<GpuAssembler>,
-        slots: VecDeque<u32>,
-    },
-}
-
-impl Filler {
-    /// Batches submitted ahead of the hand-off at most.
-    fn depth(&self) -> usize {
-        match self {
-            Filler::Cpu { .. } => 1,
-            Filler::Gpu { assembler, .. } => assembler.rounds_in_flight(),
-        }
-    }
-
-    /// Batches submitted and not completed.
-    fn pending(&self) -> usize {
-        match self {
-            Filler::Cpu { done, .. } => done.len(),
-            Filler::Gpu { slots, .. } => slots.len(),
-        }
-    }
-
-    /// Starts filling `slot` with stream step `step` (the filler thread holds its Filling lease).
-    fn submit(&mut self, ring: &SlotRing, slot: u32, step: u64) -> Result<(), FillError> {
-        match self {
-            Filler::Cpu { assembler, done } => {
-                // SAFETY: the filler thread holds the slot's Filling lease.
-                let memory = unsafe { ring.slot_mut(slot) };
-                let report = assembler.fill(step, memory)?;
-                done.push_back((slot, step, report));
-                Ok(())
-            }
-            Filler::Gpu { assembler, slots } => {
-                let device_slot = ring.device_slot(slot);
-                assembler.submit(
-                    step,
-                    &device_slot.buffer,
-                    &device_slot.released,
-                    Some(&device_slot.ready),
-                )?;
-                slots.push_back(slot);
-                Ok(())
-            }
-        }
-    }
-
-    /// The oldest submitted batch once it is complete and sound: its slot, step and report. On the
-    /// GPU its work is done (or, for samples zeroed at the last moment, queued before the slot's ready
-    /// event, which the consumer waits on).
-    fn complete(&mut self, ring: &SlotRing) -> Result<(u32, u64, FillReport), FillError> {
-        match self {
-            Filler::Cpu { done, .. } => Ok(done.pop_front().expect("a batch was submitted")),
-            Filler::Gpu { assembler, slots } => {
-                let slot = *slots.front().expect("a batch was submitted");
-                let (step, report) = assembler.complete(Some(&ring.device_slot(slot).ready))?;
-                slots.pop_front();
-                Ok((slot, step, report))
-            }
-        }
     }
 }

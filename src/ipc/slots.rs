@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use gpufeed_client::protocol::SlotEvents;
 
 use crate::device::{Device, DeviceError, Event, ExportableBuffer};
+use crate::pipeline::{DeviceSlot, SlotMemory};
 
 use memmap2::MmapMut;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
@@ -28,18 +29,6 @@ pub enum Lease {
 struct HostSlot {
     file: File,
     map: MmapMut,
-}
-
-/// One device slot: the exportable allocation and its two interprocess events.
-pub struct DeviceSlot {
-    /// The slot's memory, mapped read-write for the daemon.
-    pub buffer: ExportableBuffer,
-    /// Recorded by the daemon once the slot is filled; the consumer's stream waits on it.
-    pub ready: Event,
-    /// Recorded by the consumer on its stream when it releases the slot; the daemon's stream waits on
-    /// it before writing the slot again. Never recorded before the first release, which makes the first
-    /// wait a no-op.
-    pub released: Event,
 }
 
 enum Slots {
@@ -228,5 +217,16 @@ impl SlotRing {
         let map = &slots[slot as usize].map;
         // SAFETY: exclusive by the caller's lease; the mapping lives as long as `self`.
         unsafe { std::slice::from_raw_parts_mut(map.as_ptr() as *mut u8, map.len()) }
+    }
+}
+
+impl SlotMemory for SlotRing {
+    unsafe fn host_slot(&self, slot: u32) -> &mut [u8] {
+        // SAFETY: the caller holds the slot's filling lease, as `slot_mut` requires.
+        unsafe { self.slot_mut(slot) }
+    }
+
+    fn device_slot(&self, slot: u32) -> &DeviceSlot {
+        SlotRing::device_slot(self, slot)
     }
 }

@@ -1,13 +1,13 @@
 //! Batch assembly on the CPU backend: read the blocks a batch needs, decode them, gather and convert
 //! each sample into the slot.
 //!
-//! The same plan ([`StreamPlan`]) will drive the GPU backend, where reads land in device memory and the
-//! kernels decode and gather; only [`Assembler`] is CPU-specific.
+//! The same plan ([`StreamPlan`]) drives the GPU backend (`pipeline::gpu`), where reads land in device
+//! memory and the kernels decode and gather; only [`Assembler`] is CPU-specific.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use gpufeed_client::protocol::{CorruptPolicy, Shuffle, StreamSpec, SLOTS_MAX};
+use gpufeed_client::protocol::SLOTS_MAX;
 use gpufeed_client::DType;
 
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
@@ -59,6 +59,63 @@ impl StreamLimits {
                 .min(8),
         }
     }
+}
+
+/// What a stream asks for, in the pipeline's terms. The socket server converts the consumer's wire
+/// request into it (`ipc`), so that the pipeline knows nothing of the wire format.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamRequest {
+    /// The fields to deliver, in slot order; empty for every field of the dataset in its order.
+    pub fields: Vec<FieldSelection>,
+    /// Samples per batch.
+    pub batch_size: u32,
+    /// Ranks sharing the epoch.
+    pub world_size: u32,
+    /// This stream's rank.
+    pub rank: u32,
+    /// Seed of the epoch's order.
+    pub seed: u64,
+    /// The epoch.
+    pub epoch: u64,
+    /// Position in the global order to start at (resume).
+    pub start_cursor: u64,
+    /// The order of the epoch.
+    pub shuffle: ShuffleMode,
+    /// What happens to the samples that do not fill a last step.
+    pub tail: Tail,
+    /// Slots in the stream's ring: how many batches may be filled ahead of the consumer.
+    pub prefetch: u32,
+    /// What to do with a sample whose block is corrupt.
+    pub on_corrupt: CorruptPolicy,
+    /// Where the slots live.
+    pub device: StreamDevice,
+}
+
+/// One field a stream asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldSelection {
+    /// The field's name in the dataset.
+    pub name: String,
+    /// The dtype to deliver; `None` for the stored one.
+    pub dtype: Option<DType>,
+}
+
+/// What to do with a sample whose block turns out corrupt while a stream is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CorruptPolicy {
+    /// End the stream with an error naming the block.
+    Fail,
+    /// Deliver an all-zero sample instead, counted in the batch's report.
+    Replace,
+}
+
+/// Where a stream's slots live, which decides the backend that fills them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamDevice {
+    /// Host memory, filled by the CPU backend.
+    Host,
+    /// Memory of this CUDA device, filled by the GPU backend.
+    Cuda(u32),
 }
 
 /// A stream request that cannot be served.
@@ -119,7 +176,7 @@ impl StreamPlan {
     /// Validates `spec` against `dataset` and `limits`.
     pub fn new(
         dataset: Arc<Dataset>,
-        spec: &StreamSpec,
+        spec: &StreamRequest,
         limits: &StreamLimits,
     ) -> Result<StreamPlan, PlanError> {
         let invalid = |s: String| Err(PlanError::Invalid(s));
@@ -156,12 +213,10 @@ impl StreamPlan {
             ));
         }
         let mode = match spec.shuffle {
-            Shuffle::None => ShuffleMode::None,
-            Shuffle::Full => ShuffleMode::Full,
-            Shuffle::Window(0) => {
+            ShuffleMode::Window { shards: 0 } => {
                 return invalid("shuffle window must hold at least one shard".into())
             }
-            Shuffle::Window(shards) => ShuffleMode::Window { shards },
+            mode => mode,
         };
         let requested: Vec<(usize, Option<DType>)> = if spec.fields.is_empty() {
             (0..manifest.fields.len()).map(|i| (i, None)).collect()
@@ -222,10 +277,7 @@ impl StreamPlan {
             world_size: spec.world_size,
             rank: spec.rank,
             batch_size: spec.batch_size,
-            tail: match spec.tail {
-                gpufeed_client::protocol::Tail::Drop => Tail::Drop,
-                gpufeed_client::protocol::Tail::Pad => Tail::Pad,
-            },
+            tail: spec.tail,
         };
         if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
             // Nothing would be served: say so rather than end the epoch at once, silently.

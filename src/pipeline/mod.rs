@@ -1,13 +1,22 @@
-//! The batch pipeline: which samples each rank gets, in which order ([`order`]), and how batches are
-//! assembled into slots ([`assemble`]).
+//! The batch pipeline: which samples each rank gets, in which order ([`order`]), how batches are
+//! assembled into slots ([`assemble`] on the CPU, [`gpu`] on the device), and the filler thread that
+//! drives a stream's assembler and switches between the two backends ([`filler`]).
+//!
+//! *Invariant*: the pipeline knows nothing of the wire format; a stream arrives as a
+//! [`StreamRequest`], converted from the consumer's request by `ipc`.
 
 pub mod assemble;
+pub mod filler;
 pub mod gpu;
 pub mod order;
 
 pub use assemble::{
-    Assembler, FieldPlan, FillError, FillReport, Placement, PlacementRuns, PlanError, StreamLimits,
-    StreamPlan,
+    Assembler, CorruptPolicy, FieldPlan, FieldSelection, FillError, FillReport, Placement,
+    PlacementRuns, PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,
+};
+pub use filler::{
+    BackendError, DeviceSlot, Ended, Filler, FillerError, GpuBackend, Handoff, SlotMemory,
+    StreamBackend,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};

@@ -1,14 +1,17 @@
 //! Helpers shared by the integration tests: packing in-memory fields, running the `gpufeed` binary
-//! (once, or as a daemon), reading `.npy` files back through the crate's own input reader, and the
-//! setup of the GPU tests (device, fresh seeds, input scale).
+//! (once, or as a daemon: [`daemon`]), an HTTP client for its control API ([`http`]), reading and
+//! writing `.npy` files through the crate's own input module, and the setup of the GPU tests
+//! (device, fresh seeds, input scale).
 
 // Each test crate uses a different subset of these helpers.
 #![allow(dead_code)]
 
+pub mod daemon;
+pub mod http;
+
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 use gpufeed::device::Device;
 use gpufeed::input::{self, FieldSource};
@@ -52,52 +55,6 @@ where
         .args(args)
         .output()
         .expect("the gpufeed binary runs")
-}
-
-/// The daemon (`gpufeed serve`) as a child process; killed when dropped.
-pub struct Daemon {
-    /// The `gpufeed serve` process.
-    pub child: Child,
-    /// The socket it serves on.
-    pub socket: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `binary serve` on the datasets under `root`, listening on `socket`, with `--device device
-/// --http off` and `extra` arguments, its standard error going to `stderr`; returns once the daemon
-/// accepts connections.
-pub fn start_daemon(
-    binary: &Path,
-    root: &Path,
-    socket: PathBuf,
-    device: &str,
-    extra: &[&str],
-    stderr: Stdio,
-) -> Daemon {
-    let mut child = Command::new(binary)
-        .args(["serve", "--data-root"])
-        .arg(root)
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--device", device, "--http", "off"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .expect("start gpufeed serve");
-    // The daemon prints one line once it accepts connections: wait for it rather than for a time.
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.starts_with("gpufeed: serving"), "daemon said {line:?}");
-    Daemon { child, socket }
 }
 
 /// Standard error of a finished process as text.
@@ -222,4 +179,35 @@ pub fn small() -> bool {
 /// CUDA device 0, which the GPU tests need.
 pub fn device() -> Device {
     Device::open(0).expect("the GPU tests need CUDA device 0")
+}
+
+/// Writes an `.npy` of `samples` i32 samples of 16 values, sample i holding i..i+16.
+pub fn write_tokens_npy(path: &Path, samples: u64) {
+    let mut writer = input::write_npy(path, DType::I32, &[samples, 16]).unwrap();
+    let mut chunk = Vec::with_capacity(1 << 20);
+    for i in 0..samples {
+        for j in 0..16u64 {
+            chunk.extend_from_slice(&((i + j) as i32).to_le_bytes());
+        }
+        if chunk.len() >= 1 << 20 {
+            writer.write_all(&chunk).unwrap();
+            chunk.clear();
+        }
+    }
+    writer.write_all(&chunk).unwrap();
+    writer.finish().unwrap();
+}
+
+/// Staging directories a pack of `name` left in `root`.
+pub fn staging_dirs(root: &Path, name: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(root)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!(".{name}.partial-"))
+        })
+        .map(|e| e.path())
+        .collect()
 }

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
-use gpufeed_client::protocol::CorruptPolicy;
 
 use super::round::{DeviceRange, PendingRound};
 use super::GpuAssembler;

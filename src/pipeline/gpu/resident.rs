@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 
+use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
-use gpufeed_client::protocol::CorruptPolicy;
 use memmap2::Mmap;
 
 use super::round::{PendingBatch, PendingRound};

@@ -6,8 +6,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
-use gpufeed_client::protocol::CorruptPolicy;
 
 use super::plan::{staged_bytes, GatherRun};
 use super::{GpuAssembler, MERGED_PIECE_OUT_BYTES_MAX};

@@ -1,0 +1,337 @@
+//! A stream's filler: the thread that assembles each step's batch into a free slot and hands it on,
+//! and the switch between the CPU backend (host slots, [`Assembler`]) and the GPU backend (device
+//! slots, [`GpuAssembler`]).
+//!
+//! The filler knows neither sockets nor frames. Its consumer side is a [`Handoff`] (free slots in,
+//! filled slots out) and the slots it writes are a [`SlotMemory`]; the socket server implements both.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::Arc;
+use std::thread;
+
+use super::assemble::{Assembler, FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
+use super::gpu::{GpuAssembler, GpuStreamLimits};
+use crate::device::{Device, Event, ExportableBuffer};
+use crate::kernels::Kernels;
+use crate::metrics::Metrics;
+use crate::storage::gpu::{GpuReadError, GpuReader, GpuReaderLimits, PathChoice};
+use crate::storage::windows::PageCacheWindows;
+use crate::storage::StorageError;
+
+/// What the GPU backend needs to fill streams on its device; composed once by the daemon.
+pub struct GpuBackend {
+    /// The device; streams asking for `StreamDevice::Cuda(ordinal)` are served on it.
+    pub device: Device,
+    /// Its ordinal.
+    pub ordinal: u32,
+    /// The kernels, compiled once for the device.
+    pub kernels: Arc<Kernels>,
+    /// Bounds of each stream's reader.
+    pub reader_limits: GpuReaderLimits,
+    /// Which read path serves each read (from the engine mode).
+    pub choice: PathChoice,
+    /// Device memory of each stream besides its slots.
+    pub stream_limits: GpuStreamLimits,
+    /// Registered page-cache windows, shared by every stream on the device so that data read once
+    /// stays registered for the next epoch and the next consumer.
+    pub windows: Arc<PageCacheWindows>,
+}
+
+/// The backend that fills one stream.
+#[derive(Clone, Copy)]
+pub enum StreamBackend<'a> {
+    /// Host slots, filled by the CPU assembler.
+    Cpu,
+    /// Device slots, filled by the GPU assembler on this backend's device.
+    Gpu(&'a GpuBackend),
+}
+
+impl<'a> StreamBackend<'a> {
+    /// The backend for a stream whose slots live on `device`, where `gpu` is the daemon's GPU
+    /// backend if it runs one. Host streams are served either way.
+    pub fn select(
+        device: StreamDevice,
+        gpu: Option<&'a GpuBackend>,
+    ) -> Result<StreamBackend<'a>, BackendError> {
+        match (device, gpu) {
+            (StreamDevice::Host, _) => Ok(StreamBackend::Cpu),
+            (StreamDevice::Cuda(asked), Some(gpu)) if gpu.ordinal == asked => {
+                Ok(StreamBackend::Gpu(gpu))
+            }
+            (StreamDevice::Cuda(asked), Some(gpu)) => Err(BackendError::OtherDevice {
+                asked,
+                served: gpu.ordinal,
+            }),
+            (StreamDevice::Cuda(asked), None) => Err(BackendError::NoDevice { asked }),
+        }
+    }
+}
+
+/// A stream asks for a device this daemon does not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The daemon runs its GPU backend on another device.
+    #[error("device cuda:{asked} is not served: this daemon runs on cuda:{served}")]
+    OtherDevice {
+        /// The device asked for.
+        asked: u32,
+        /// The device served.
+        served: u32,
+    },
+    /// The daemon runs the CPU backend only.
+    #[error("device cuda:{asked} is not served: this daemon runs the CPU backend")]
+    NoDevice {
+        /// The device asked for.
+        asked: u32,
+    },
+}
+
+/// A stream's filler could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum FillerError {
+    /// The shards or the CPU read engine could not be opened.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The stream's device reader could not be set up (out of pinned or device memory).
+    #[error("cannot set up device reads: {0}")]
+    DeviceReads(GpuReadError),
+    /// The GPU assembler's device buffers could not be set up.
+    #[error(transparent)]
+    Gpu(FillError),
+}
+
+/// One device slot: the exportable allocation and its two interprocess events.
+pub struct DeviceSlot {
+    /// The slot's memory, mapped read-write for the daemon.
+    pub buffer: ExportableBuffer,
+    /// Recorded by the daemon once the slot is filled; the consumer's stream waits on it.
+    pub ready: Event,
+    /// Recorded by the consumer on its stream when it releases the slot; the daemon's stream waits on
+    /// it before writing the slot again. Never recorded before the first release, which makes the first
+    /// wait a no-op.
+    pub released: Event,
+}
+
+/// The slots a filler writes: host memory for the CPU backend, device slots for the GPU backend.
+pub trait SlotMemory: Send + Sync + 'static {
+    /// The memory of host slot `slot`, for writing. Panics on device slots.
+    ///
+    /// # Safety
+    /// The caller holds the slot's filling lease (it got the slot from [`Handoff::take_free`] and has
+    /// not delivered it yet), which makes this the only live reference to the slot's memory.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn host_slot(&self, slot: u32) -> &mut [u8];
+
+    /// Device slot `slot`. Panics on host slots.
+    fn device_slot(&self, slot: u32) -> &DeviceSlot;
+}
+
+/// The stream is ending (its consumer left, or its session stops it): the filler stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ended;
+
+/// The consumer's side of a stream as the filler sees it: where free slots come from and where filled
+/// ones go. The socket server implements it over the session's socket.
+pub trait Handoff: Send + 'static {
+    /// The next free slot, leased to the filler from now on. Waits for one when `wait`; otherwise
+    /// `Ok(None)` when none is free now.
+    fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended>;
+
+    /// Hands `slot`, filled with stream step `step`, to the consumer.
+    fn deliver(&mut self, slot: u32, step: u64, report: FillReport) -> Result<(), Ended>;
+
+    /// Ends the stream because a batch could not be filled.
+    fn fail(&mut self, error: FillError);
+
+    /// Every step was delivered.
+    fn finish(&mut self);
+}
+
+/// What fills a stream's slots, on the backend the stream asked for.
+pub struct Filler {
+    steps: u64,
+    backend: Backend,
+}
+
+/// The CPU assembler into host slots, or the GPU assembler into device slots.
+enum Backend {
+    /// Fills each slot before `submit` returns; `done` holds the filled slots and steps.
+    Cpu {
+        assembler: Box<Assembler>,
+        done: VecDeque<(u32, u64, FillReport)>,
+    },
+    /// Queues batches on the device; `slots` holds the submitted slots, oldest first.
+    Gpu {
+        assembler: Box<GpuAssembler>,
+        slots: VecDeque<u32>,
+    },
+}
+
+impl Filler {
+    /// Sets up the assembler of `plan` on `backend`.
+    pub fn new(
+        plan: Arc<StreamPlan>,
+        backend: StreamBackend<'_>,
+        limits: &StreamLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<Filler, FillerError> {
+        let steps = plan.steps;
+        let backend = match backend {
+            StreamBackend::Cpu => {
+                let assembler = Assembler::new(plan, limits, metrics)?;
+                if let Some(note) = &assembler.engine_note {
+                    tracing::warn!("{note}");
+                }
+                Backend::Cpu {
+                    assembler: Box::new(assembler),
+                    done: VecDeque::new(),
+                }
+            }
+            StreamBackend::Gpu(gpu) => {
+                let reader = GpuReader::with_windows(
+                    &gpu.device,
+                    gpu.reader_limits,
+                    Arc::clone(&gpu.windows),
+                )
+                .map_err(FillerError::DeviceReads)?;
+                let assembler = GpuAssembler::new(
+                    plan,
+                    Arc::clone(&gpu.kernels),
+                    reader,
+                    gpu.choice,
+                    &gpu.stream_limits,
+                    metrics,
+                )
+                .map_err(FillerError::Gpu)?;
+                Backend::Gpu {
+                    assembler: Box::new(assembler),
+                    slots: VecDeque::new(),
+                }
+            }
+        };
+        Ok(Filler { steps, backend })
+    }
+
+    /// Starts the filler thread: it fills every step of the stream into `slots`, as `handoff` frees
+    /// them, and hands each batch on in step order.
+    pub fn spawn<M: SlotMemory, H: Handoff>(
+        self,
+        slots: Arc<M>,
+        handoff: H,
+    ) -> io::Result<thread::JoinHandle<()>> {
+        thread::Builder::new()
+            .name("gpufeed-filler".into())
+            .spawn(move || self.run(&*slots, handoff))
+    }
+
+    /// The filler thread's loop.
+    ///
+    /// Batches are submitted up to the filler's depth ahead of the hand-off. The filler never blocks
+    /// on a free slot while it holds a batch the consumer has not got: the consumer may be waiting for
+    /// exactly that batch before it releases anything.
+    fn run<H: Handoff>(self, slots: &dyn SlotMemory, mut handoff: H) {
+        // `self` is consumed here, so the assembler (and its queued device work, drained on drop) goes
+        // before the caller's reference to the slots it writes.
+        let mut filler = self;
+        let depth = filler.depth();
+        let mut next = 0u64;
+        loop {
+            let pending = filler.pending();
+            if next == filler.steps && pending == 0 {
+                break;
+            }
+            if next < filler.steps && pending < depth {
+                match handoff.take_free(pending == 0) {
+                    Ok(Some(slot)) => {
+                        if let Err(error) = filler.submit(slots, slot, next) {
+                            return handoff.fail(error);
+                        }
+                        next += 1;
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(Ended) => return,
+                }
+            }
+            let (slot, step, report) = match filler.complete(slots) {
+                Ok(done) => done,
+                Err(error) => return handoff.fail(error),
+            };
+            if handoff.deliver(slot, step, report).is_err() {
+                return;
+            }
+        }
+        if let Backend::Gpu { assembler, .. } = &filler.backend {
+            let t = assembler.timings;
+            tracing::info!(
+                "GPU stream done: {} steps in {} rounds; host plan {:.3} s, read {:.3} s, decode {:.3} s, \
+                 gather {:.3} s, waiting for the device {:.3} s",
+                filler.steps,
+                t.rounds,
+                t.plan_s,
+                t.read_s,
+                t.decode_s,
+                t.gather_s,
+                t.wait_s
+            );
+        }
+        handoff.finish();
+    }
+
+    /// Batches submitted ahead of the hand-off at most.
+    fn depth(&self) -> usize {
+        match &self.backend {
+            Backend::Cpu { .. } => 1,
+            Backend::Gpu { assembler, .. } => assembler.rounds_in_flight(),
+        }
+    }
+
+    /// Batches submitted and not completed.
+    fn pending(&self) -> usize {
+        match &self.backend {
+            Backend::Cpu { done, .. } => done.len(),
+            Backend::Gpu { slots, .. } => slots.len(),
+        }
+    }
+
+    /// Starts filling `slot` with stream step `step` (the filler thread holds its filling lease).
+    fn submit(&mut self, memory: &dyn SlotMemory, slot: u32, step: u64) -> Result<(), FillError> {
+        match &mut self.backend {
+            Backend::Cpu { assembler, done } => {
+                // SAFETY: the filler thread holds the slot's filling lease: it took the slot from
+                // `Handoff::take_free` and delivers it only after this fill.
+                let memory = unsafe { memory.host_slot(slot) };
+                let report = assembler.fill(step, memory)?;
+                done.push_back((slot, step, report));
+                Ok(())
+            }
+            Backend::Gpu { assembler, slots } => {
+                let device_slot = memory.device_slot(slot);
+                assembler.submit(
+                    step,
+                    &device_slot.buffer,
+                    &device_slot.released,
+                    Some(&device_slot.ready),
+                )?;
+                slots.push_back(slot);
+                Ok(())
+            }
+        }
+    }
+
+    /// The oldest submitted batch once it is complete and sound: its slot, step and report. On the
+    /// GPU its work is done (or, for samples zeroed at the last moment, queued before the slot's ready
+    /// event, which the consumer waits on).
+    fn complete(&mut self, memory: &dyn SlotMemory) -> Result<(u32, u64, FillReport), FillError> {
+        match &mut self.backend {
+            Backend::Cpu { done, .. } => Ok(done.pop_front().expect("a batch was submitted")),
+            Backend::Gpu { assembler, slots } => {
+                let slot = *slots.front().expect("a batch was submitted");
+                let (step, report) = assembler.complete(Some(&memory.device_slot(slot).ready))?;
+                slots.pop_front();
+                Ok((slot, step, report))
+            }
+        }
+    }
+}
