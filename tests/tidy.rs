@@ -141,6 +141,15 @@ fn only_the_device_layers_name_cudarc() {
     );
 }
 
+/// Rule "Errors": library code returns typed errors; `anyhow` is for the binary's edge only.
+#[test]
+fn anyhow_only_in_main() {
+    assert_none(
+        "anyhow only in src/main.rs",
+        offenders(&["src", "client/src"], &["anyhow"], &["src/main.rs"]),
+    );
+}
+
 /// Rule "Unsafe": every `unsafe` block says why it is sound (`// SAFETY:`), which clippy checks for
 /// the whole workspace: the lint must stay denied there and every crate must inherit it.
 #[test]
