@@ -135,9 +135,10 @@ struct PackArgs {
     /// no compression.
     #[arg(long, value_enum, default_value_t = CodecArg::Auto)]
     codec: CodecArg,
-    /// Byte-shuffle elements before compressing. auto: per block, whichever is smaller.
-    #[arg(long, value_enum, default_value_t = ShuffleArg::Auto)]
-    shuffle_filter: ShuffleArg,
+    /// Byte-shuffle elements before compressing (a filter for compression, not the sample order a
+    /// consumer's --shuffle chooses). auto: per block, whichever is smaller. Also --shuffle-filter.
+    #[arg(long = "byte-shuffle", alias = "shuffle-filter", value_enum, default_value_t = ShuffleArg::Auto)]
+    byte_shuffle: ShuffleArg,
     /// Replace an existing dataset at --out (only once the new one is complete).
     #[arg(long)]
     force: bool,
@@ -399,7 +400,7 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
             CodecArg::Lz4 => CodecChoice::Lz4,
             CodecArg::Raw => CodecChoice::Raw,
         },
-        shuffle: match args.shuffle_filter {
+        shuffle: match args.byte_shuffle {
             ShuffleArg::Auto => ShuffleChoice::Auto,
             ShuffleArg::On => ShuffleChoice::On,
             ShuffleArg::Off => ShuffleChoice::Off,

@@ -566,7 +566,7 @@ fn help_texts_mention_every_subcommand_and_option() {
                 "--block-bytes",
                 "--samples-per-shard",
                 "--codec",
-                "--shuffle-filter",
+                "--byte-shuffle",
                 "--force",
                 "--threads",
                 "--quiet",
