@@ -348,15 +348,7 @@ impl GpuAssembler {
             .map_or(0, |&(first, count)| first + count);
         let runs = placements.runs.len();
         self.stream.wait(released)?;
-        self.batches.push_back(PendingBatch {
-            step,
-            slot_ptr: slot.device_ptr(),
-            slot_bytes: slot.len(),
-            samples: rows as u32,
-            replaced: 0,
-            rounds_left: 0,
-            fixed_up: false,
-        });
+        self.batches.push_back(PendingBatch::new(step, slot, rows));
         let mut run = 0usize;
         while run < runs {
             // The round's buffers must be free: complete the round that used them last.

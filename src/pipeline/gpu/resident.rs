@@ -480,15 +480,7 @@ impl GpuAssembler {
             .batch_positions(plan.order.len(), plan.start_cursor, step)
             .collect();
         let rows = positions.len();
-        self.batches.push_back(PendingBatch {
-            step,
-            slot_ptr: slot.device_ptr(),
-            slot_bytes: slot.len(),
-            samples: rows as u32,
-            replaced: 0,
-            rounds_left: 0,
-            fixed_up: false,
-        });
+        self.batches.push_back(PendingBatch::new(step, slot, rows));
         let rows_per_round =
             (self.pieces_max / (plan.fields.len() * ROW_PIECES_MAX_PER_FIELD)).max(1);
         let mut first = 0;

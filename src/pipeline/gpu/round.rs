@@ -189,6 +189,21 @@ pub(super) struct PendingBatch {
     pub(super) fixed_up: bool,
 }
 
+impl PendingBatch {
+    /// A batch of `samples` rows for stream step `step`, about to be queued into `slot`.
+    pub(super) fn new(step: u64, slot: &ExportableBuffer, samples: usize) -> PendingBatch {
+        PendingBatch {
+            step,
+            slot_ptr: slot.device_ptr(),
+            slot_bytes: slot.len(),
+            samples: samples as u32,
+            replaced: 0,
+            rounds_left: 0,
+            fixed_up: false,
+        }
+    }
+}
+
 /// What phase 1 of a round read: each block with its staging offset, and the blocks that could not
 /// be read.
 struct RoundReads {
