@@ -13,7 +13,7 @@ use gpufeed::format::Dataset;
 use gpufeed::input::{self, FieldSource};
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackObserver, PackOptions, ShuffleChoice};
 use gpufeed::tools::{self, ToolProgress};
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// gpufeed: packs datasets into GPU-friendly shards and serves device-resident batches to training

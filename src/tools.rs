@@ -8,7 +8,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 use serde_json::{json, Value};
 
 use crate::decode::{self, BlockError, BlockRef, ConvertError};

@@ -44,25 +44,17 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use memmap2::{Mmap, MmapOptions};
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 
+use gpufeed_proto::spec::{StreamState, FIELD_OFFSET_ALIGN_BYTES};
+
 use crate::dtype::DType;
 use crate::protocol::{
-    Backend, BatchInfo, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldLayout, Message,
-    Shuffle, StreamLayout, StreamSpec, Tail, BATCH_NDIM_MAX, FRAME_BYTES_MAX, FRAME_HEADER_BYTES,
-    SLOTS_MAX, STREAM_FIELDS_MAX, STRING_BYTES_MAX,
+    Backend, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message, StreamLayout,
+    StreamSpec, Tail, BATCH_NDIM_MAX, SLOTS_MAX,
 };
 use crate::transport::{self, TransportError};
 
-/// Field offsets within a slot are multiples of this.
-pub const FIELD_OFFSET_ALIGN_BYTES: u64 = 4096;
-
-/// Default number of slots a stream asks the daemon to fill ahead of the consumer.
-pub const PREFETCH_DEFAULT: u32 = 4;
-
 // The held-slot set is a 64-bit mask.
 const _: () = assert!(SLOTS_MAX <= 64);
-
-/// Bytes of an `OpenStream` payload after the dataset name and the field list.
-const OPEN_STREAM_FIXED_BYTES: usize = 51;
 
 /// An error of the consumer API.
 #[derive(Debug, thiserror::Error)]
@@ -128,111 +120,11 @@ fn unexpected(message: Message, waiting_for: &str) -> ClientError {
     }
 }
 
-impl StreamSpec {
-    /// A spec for `batch_size` samples a step from `dataset`, with the defaults: every field in its
-    /// stored dtype, seed 0, epoch 0, dataset order, rank 0 of a world of 1, the tail dropped, starting
-    /// at the beginning of the epoch, [`PREFETCH_DEFAULT`] slots, failing on corrupt blocks, host memory.
-    pub fn new(dataset: impl Into<String>, batch_size: u32) -> StreamSpec {
-        StreamSpec {
-            dataset: dataset.into(),
-            fields: Vec::new(),
-            batch_size,
-            seed: 0,
-            epoch: 0,
-            shuffle: Shuffle::None,
-            rank: 0,
-            world_size: 1,
-            tail: Tail::Drop,
-            start_cursor: 0,
-            prefetch: PREFETCH_DEFAULT,
-            on_corrupt: CorruptPolicy::Fail,
-            device: Device::Cpu,
-        }
-    }
-
-    /// Starts the stream at `step` of the epoch: `start_cursor = step × world_size × batch_size`.
-    ///
-    /// The cursor is computed from the current `world_size` and `batch_size`, so call this after setting
-    /// them. A product that overflows saturates; the daemon refuses a cursor past the end of the epoch
-    /// (`BadRequest`).
-    pub fn start_at_step(&mut self, step: u64) -> &mut StreamSpec {
-        self.start_cursor = step
-            .saturating_mul(u64::from(self.world_size))
-            .saturating_mul(u64::from(self.batch_size));
-        self
-    }
-
-    /// Continues from a checkpoint: takes the dataset, seed, epoch and shuffle that define the epoch's
-    /// order, and the cursor, from `state`. The rank, world size and batch size stay as set here: the
-    /// order does not depend on them, so a checkpoint resumes at any world size (elastic resume).
-    pub fn resume(&mut self, state: &StreamState) -> &mut StreamSpec {
-        self.dataset.clone_from(&state.dataset);
-        self.seed = state.seed;
-        self.epoch = state.epoch;
-        self.shuffle = state.shuffle;
-        self.start_cursor = state.cursor;
-        self
-    }
-}
-
-/// Checks what the encoder would otherwise panic on, and what this client cannot serve, before
-/// anything is sent.
+/// Checks what the encoder would otherwise panic on, and what the daemon would refuse on the spec
+/// alone, before anything is sent.
 fn check_spec(spec: &StreamSpec) -> Result<(), ClientError> {
-    let invalid = |reason: String| Err(ClientError::InvalidSpec(reason));
-    if spec.dataset.is_empty() || spec.dataset.len() > STRING_BYTES_MAX {
-        return invalid(format!(
-            "the dataset name must be 1 to {STRING_BYTES_MAX} bytes, not {}",
-            spec.dataset.len()
-        ));
-    }
-    if spec.fields.len() > STREAM_FIELDS_MAX {
-        return invalid(format!(
-            "{} fields requested, at most {STREAM_FIELDS_MAX}",
-            spec.fields.len()
-        ));
-    }
-    let mut frame_bytes = FRAME_HEADER_BYTES + 2 + spec.dataset.len() + 2 + OPEN_STREAM_FIXED_BYTES;
-    for field in &spec.fields {
-        if field.name.is_empty() || field.name.len() > STRING_BYTES_MAX {
-            return invalid(format!(
-                "field names must be 1 to {STRING_BYTES_MAX} bytes, not {}",
-                field.name.len()
-            ));
-        }
-        frame_bytes += 2 + field.name.len() + 1;
-    }
-    if frame_bytes > FRAME_BYTES_MAX {
-        return invalid(format!(
-            "the request takes {frame_bytes} bytes, more than a frame's {FRAME_BYTES_MAX}"
-        ));
-    }
-    if spec.batch_size == 0 {
-        return invalid("batch_size must be at least 1".to_string());
-    }
-    if spec.device == Device::Cuda(u32::MAX) {
-        return invalid("CUDA device ordinal u32::MAX is reserved".to_string());
-    }
-    if spec.world_size == 0 || spec.rank >= spec.world_size {
-        return invalid(format!(
-            "rank {} is not below world_size {}",
-            spec.rank, spec.world_size
-        ));
-    }
-    if spec.prefetch == 0 || spec.prefetch > SLOTS_MAX {
-        return invalid(format!(
-            "prefetch must be 1 to {SLOTS_MAX}, not {}",
-            spec.prefetch
-        ));
-    }
-    if spec.shuffle == Shuffle::Window(0) {
-        return invalid("a shuffle window holds at least one shard".to_string());
-    }
-    if spec.device == Device::Cuda(u32::MAX) {
-        return invalid(
-            "CUDA ordinal u32::MAX is reserved for host memory on the wire".to_string(),
-        );
-    }
-    Ok(())
+    spec.validate()
+        .map_err(|error| ClientError::InvalidSpec(error.to_string()))
 }
 
 /// A connected, greeted session that has not opened its stream yet.
@@ -623,26 +515,6 @@ impl Drop for Outbox {
         let inner = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner);
         let _ = transport::send(&inner.socket, &Message::Close, &[]);
     }
-}
-
-/// Where an epoch stands, enough to resume it: the inputs of the epoch's global order and the cursor.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct StreamState {
-    /// Dataset name.
-    pub dataset: String,
-    /// Shuffle seed.
-    pub seed: u64,
-    /// Epoch.
-    pub epoch: u64,
-    /// Sample order.
-    pub shuffle: Shuffle,
-    /// Ranks that consumed the epoch together.
-    pub world_size: u32,
-    /// Samples per batch on each rank.
-    pub batch_size: u32,
-    /// Positions of the epoch's global order consumed by all ranks together: the `cursor_after` of
-    /// the last batch yielded, or the spec's `start_cursor` before any.
-    pub cursor: u64,
 }
 
 #[derive(Debug)]
@@ -1114,7 +986,11 @@ mod tests {
     //! The client against a scripted fake daemon on the other end of a socket pair.
 
     use super::*;
-    use crate::protocol::{BatchField, FieldRequest};
+    use crate::protocol::{
+        BatchField, CorruptPolicy, FieldRequest, Shuffle, FRAME_BYTES_MAX, FRAME_HEADER_BYTES,
+        STREAM_FIELDS_MAX, STRING_BYTES_MAX,
+    };
+    use gpufeed_proto::spec::{OPEN_STREAM_FIXED_BYTES, PREFETCH_DEFAULT};
     use std::os::fd::AsFd;
     use std::os::unix::fs::FileExt;
     use std::thread::JoinHandle;

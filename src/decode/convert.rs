@@ -9,7 +9,7 @@
 //! - `f64` to `f32`: round to nearest, ties to even;
 //! - signed and unsigned integers of at most 32 bits to `i64`: exact widening.
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 

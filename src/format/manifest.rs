@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 use serde::{Deserialize, Serialize};
 
 use super::{

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 
 use super::{
     align_up, checksum, validate_field_name, FormatError, BLOCK_BYTES_MAX, BLOCK_BYTES_MIN,

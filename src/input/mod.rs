@@ -15,7 +15,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 use memmap2::Mmap;
 
 pub use self::npy::{write_npy, NpyHeader, NpyWriter};

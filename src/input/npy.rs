@@ -12,7 +12,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 
 use super::{map_file, Backing, InputError};
 
@@ -868,7 +868,7 @@ impl NpyWriter {
 mod tests {
     use super::*;
     use crate::input::{open_npy_field, FieldSource};
-    use gpufeed_client::dtype::ALL_DTYPES;
+    use gpufeed_proto::dtype::ALL_DTYPES;
 
     /// Builds `.npy` bytes by hand (independently of `encode_header`), padding to 64 like numpy.
     fn npy_bytes(major: u8, dict: &str, data: &[u8]) -> Vec<u8> {

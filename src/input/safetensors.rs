@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use ::safetensors::tensor::{Dtype, SafeTensorError, SafeTensors};
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 
 use super::{checked_sample_bytes, map_file, split_shape, FieldSource, InputError, SourcePart};
 

@@ -1,8 +1,8 @@
-//! Conversions between the wire types of `gpufeed_client::protocol` and the daemon's own: a
+//! Conversions between the wire types of `gpufeed_proto::protocol` and the daemon's own: a
 //! consumer's [`StreamSpec`] becomes the pipeline's [`StreamRequest`], the serving ledger becomes the
 //! `Status` frame. They are here so that only `ipc` knows the wire format.
 
-use gpufeed_client::protocol::{
+use gpufeed_proto::protocol::{
     CorruptPolicy as WireCorruptPolicy, DaemonStatus, Device, FieldRequest, Shuffle, StreamSpec,
     Tail as WireTail,
 };

@@ -1,5 +1,5 @@
 //! The consumer-facing side of the daemon: a Unix socket speaking the protocol of
-//! `gpufeed_client::protocol` (`docs/PROTOCOL.md`), one thread per session, and the slot leases.
+//! `gpufeed_proto::protocol` (`docs/PROTOCOL.md`), one thread per session, and the slot leases.
 //!
 //! *Invariant*: only this module and the client crate know the wire format. A malformed frame ends
 //! that session with an error frame; it never affects the daemon or other sessions. A consumer's

@@ -12,10 +12,10 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
-use gpufeed_client::protocol::{
+use gpufeed_proto::protocol::{
     Backend, BatchField, BatchInfo, ErrorCode, FieldLayout, Message, StreamLayout, StreamSpec,
 };
-use gpufeed_client::transport::{self, TransportError};
+use gpufeed_proto::transport::{self, TransportError};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use super::convert::daemon_status;
@@ -443,6 +443,10 @@ fn open_stream(
     writer: &Arc<Mutex<UnixStream>>,
     spec: StreamSpec,
 ) -> Result<RunningStream, (ErrorCode, String)> {
+    // The rules a spec must keep on its own, with the messages the client library gives for them; a
+    // consumer of another client library gets the same answer.
+    spec.validate()
+        .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
     let request = StreamRequest::from(&spec);
     let backend = StreamBackend::select(request.device, shared.config.gpu.as_deref())
         .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
@@ -600,7 +604,7 @@ impl Handoff for ConsumerHandoff {
     }
 
     fn deliver(&mut self, slot: u32, step: u64, report: FillReport) -> Result<(), Ended> {
-        let ready_ns = gpufeed_client::protocol::monotonic_ns();
+        let ready_ns = gpufeed_proto::protocol::monotonic_ns();
         self.ring
             .transition(slot, Lease::Filling, Lease::Consumer)
             .expect("the filler holds the lease");

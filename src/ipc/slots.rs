@@ -5,7 +5,7 @@ use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
-use gpufeed_client::protocol::SlotEvents;
+use gpufeed_proto::protocol::SlotEvents;
 
 use crate::device::{Device, DeviceError, Event, ExportableBuffer};
 use crate::pipeline::{DeviceSlot, SlotMemory};

@@ -2,7 +2,7 @@
 
 use std::ffi::c_void;
 
-use gpufeed_client::DType;
+use gpufeed_proto::DType;
 
 use crate::device::{
     fill_async, CacheDir, CompileOptions, Device, DeviceError, DeviceMemory, Kernel, KernelSource,
@@ -525,7 +525,7 @@ mod tests {
 
     #[test]
     fn merged_pushes_join_contiguous_runs_up_to_the_bound() {
-        let op = GatherOp::for_dtypes(gpufeed_client::DType::F16, gpufeed_client::DType::F32)
+        let op = GatherOp::for_dtypes(gpufeed_proto::DType::F16, gpufeed_proto::DType::F32)
             .expect("f16 -> f32 is a gather op");
         let mut plan = GatherPlan::new();
         // Four consecutive samples of 1 Ki elements (4 KiB out each) with a 12 KiB bound: three join,

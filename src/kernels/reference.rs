@@ -1155,9 +1155,9 @@ mod tests {
         for bits in patterns {
             let mut out = [0u8; 4];
             crate::decode::convert(
-                gpufeed_client::DType::F64,
+                gpufeed_proto::DType::F64,
                 &bits.to_le_bytes(),
-                gpufeed_client::DType::F32,
+                gpufeed_proto::DType::F32,
                 &mut out,
             )
             .unwrap();

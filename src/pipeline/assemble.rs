@@ -7,8 +7,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use gpufeed_client::protocol::SLOTS_MAX;
-use gpufeed_client::DType;
+use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
+use gpufeed_proto::DType;
 
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
@@ -22,10 +22,6 @@ use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
 };
-
-/// Alignment of each field's region within a slot (a page: mappings of slots stay aligned for any
-/// element type, and device copies stay aligned for 16-byte vector access).
-pub const SLOT_FIELD_ALIGN_BYTES: u64 = 4096;
 
 /// Bounds applied to every stream.
 #[derive(Clone, Copy, Debug)]
@@ -126,6 +122,12 @@ pub enum PlanError {
     Invalid(String),
 }
 
+impl PlanError {
+    fn spec(error: spec::SpecError) -> PlanError {
+        PlanError::Invalid(error.0)
+    }
+}
+
 /// Where one field goes in a slot.
 #[derive(Clone, Debug)]
 pub struct FieldPlan {
@@ -180,28 +182,24 @@ impl StreamPlan {
         limits: &StreamLimits,
     ) -> Result<StreamPlan, PlanError> {
         let invalid = |s: String| Err(PlanError::Invalid(s));
-        if spec.batch_size == 0 || spec.batch_size > limits.batch_size_max {
+        // The spec's own rules (shared with the client and the socket server), then the daemon's
+        // limits.
+        spec::check_batch_size(spec.batch_size).map_err(PlanError::spec)?;
+        spec::check_rank(spec.rank, spec.world_size).map_err(PlanError::spec)?;
+        spec::check_prefetch(spec.prefetch).map_err(PlanError::spec)?;
+        if let ShuffleMode::Window { shards } = spec.shuffle {
+            spec::check_window_shards(shards).map_err(PlanError::spec)?;
+        }
+        if spec.batch_size > limits.batch_size_max {
             return invalid(format!(
-                "batch_size {} outside 1..={}",
+                "batch_size {} is above the daemon's limit of {}",
                 spec.batch_size, limits.batch_size_max
             ));
         }
-        if spec.world_size == 0 || spec.world_size > limits.world_size_max {
+        if spec.world_size > limits.world_size_max {
             return invalid(format!(
-                "world_size {} outside 1..={}",
+                "world_size {} is above the daemon's limit of {}",
                 spec.world_size, limits.world_size_max
-            ));
-        }
-        if spec.rank >= spec.world_size {
-            return invalid(format!(
-                "rank {} is not below world_size {}",
-                spec.rank, spec.world_size
-            ));
-        }
-        if spec.prefetch == 0 || spec.prefetch > SLOTS_MAX {
-            return invalid(format!(
-                "prefetch {} outside 1..={SLOTS_MAX}",
-                spec.prefetch
             ));
         }
         let manifest = &dataset.manifest;
@@ -212,12 +210,7 @@ impl StreamPlan {
                 spec.start_cursor
             ));
         }
-        let mode = match spec.shuffle {
-            ShuffleMode::Window { shards: 0 } => {
-                return invalid("shuffle window must hold at least one shard".into())
-            }
-            mode => mode,
-        };
+        let mode = spec.shuffle;
         let requested: Vec<(usize, Option<DType>)> = if spec.fields.is_empty() {
             (0..manifest.fields.len()).map(|i| (i, None)).collect()
         } else {
@@ -264,8 +257,8 @@ impl StreamPlan {
                 sample_bytes_out: sample_bytes_out as usize,
                 offset: offset as usize,
             });
-            offset =
-                (offset + batch_bytes).div_ceil(SLOT_FIELD_ALIGN_BYTES) * SLOT_FIELD_ALIGN_BYTES;
+            offset = (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES)
+                * FIELD_OFFSET_ALIGN_BYTES;
             if offset > limits.slot_bytes_max {
                 return invalid(format!(
                     "a batch of {} samples needs more than the {}-byte slot limit",
@@ -296,7 +289,7 @@ impl StreamPlan {
             rank,
             start_cursor: spec.start_cursor,
             fields,
-            slot_bytes: offset.max(SLOT_FIELD_ALIGN_BYTES) as usize,
+            slot_bytes: offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
             slot_count: spec.prefetch,
             on_corrupt: spec.on_corrupt,
             dataset,

@@ -1,0 +1,16 @@
+//! `gpufeed-proto`: what the gpufeed daemon and its consumers must agree on, and nothing else.
+//!
+//! - [`dtype`]: element types (their codes are part of the shard format and of the protocol);
+//! - [`protocol`]: the messages of `docs/PROTOCOL.md`, their encoding and bounded decoding;
+//! - [`transport`]: frames over a Unix socket with descriptors passed as `SCM_RIGHTS`;
+//! - [`spec`]: what makes a stream spec valid on its own, the defaults, and the resume state.
+//!
+//! No CUDA and no memory mapping: the daemon's format layer and the client crate both build on it.
+
+pub mod dtype;
+pub mod protocol;
+pub mod spec;
+pub mod transport;
+
+pub use dtype::{DType, DTypeError, ALL_DTYPES};
+pub use spec::{SpecError, StreamState};

@@ -1,0 +1,240 @@
+//! What makes a [`StreamSpec`] valid on its own, before any dataset is looked at: one set of checks and
+//! messages for the client (which checks before it sends), the daemon's socket server (which checks
+//! every `OpenStream` it decodes) and the pipeline (which checks its own requests, built from a spec
+//! or by a benchmark). Checks that need the dataset or the daemon's limits (field names, conversions,
+//! the start cursor, `batch_size_max`) stay with the daemon.
+
+use crate::protocol::{CorruptPolicy, Tail};
+use crate::protocol::{
+    Device, Shuffle, StreamSpec, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, SLOTS_MAX, STREAM_FIELDS_MAX,
+    STRING_BYTES_MAX,
+};
+
+/// Default number of slots a stream asks the daemon to fill ahead of the consumer.
+pub const PREFETCH_DEFAULT: u32 = 4;
+
+/// Field offsets within a slot are multiples of this (a page): the daemon lays fields out on it, the
+/// client refuses a layout that is not; mappings of slots stay aligned for any element type, and
+/// device copies stay aligned for 16-byte vector access.
+pub const FIELD_OFFSET_ALIGN_BYTES: u64 = 4096;
+
+/// Bytes of an `OpenStream` payload after the dataset name and the field list (`docs/PROTOCOL.md`).
+pub const OPEN_STREAM_FIXED_BYTES: usize = 51;
+
+/// Why a stream spec is invalid; the message names the field at fault and its bounds.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SpecError(pub String);
+
+/// `batch_size` is at least 1.
+pub fn check_batch_size(batch_size: u32) -> Result<(), SpecError> {
+    if batch_size == 0 {
+        return Err(SpecError("batch_size must be at least 1".to_string()));
+    }
+    Ok(())
+}
+
+/// `world_size` is at least 1 and `rank` is below it.
+pub fn check_rank(rank: u32, world_size: u32) -> Result<(), SpecError> {
+    if world_size == 0 || rank >= world_size {
+        return Err(SpecError(format!(
+            "rank {rank} is not below world_size {world_size}"
+        )));
+    }
+    Ok(())
+}
+
+/// `prefetch` is 1 to [`SLOTS_MAX`].
+pub fn check_prefetch(prefetch: u32) -> Result<(), SpecError> {
+    if prefetch == 0 || prefetch > SLOTS_MAX {
+        return Err(SpecError(format!(
+            "prefetch must be 1 to {SLOTS_MAX}, not {prefetch}"
+        )));
+    }
+    Ok(())
+}
+
+/// A shuffle window holds at least one shard.
+pub fn check_window_shards(shards: u32) -> Result<(), SpecError> {
+    if shards == 0 {
+        return Err(SpecError(
+            "a shuffle window must hold at least one shard".to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// Bytes the `OpenStream` frame of `spec` takes, header included.
+pub fn open_stream_frame_bytes(spec: &StreamSpec) -> usize {
+    let fields: usize = spec
+        .fields
+        .iter()
+        .map(|field| 2 + field.name.len() + 1)
+        .sum();
+    FRAME_HEADER_BYTES + 2 + spec.dataset.len() + 2 + OPEN_STREAM_FIXED_BYTES + fields
+}
+
+impl StreamSpec {
+    /// A spec for `batch_size` samples a step from `dataset`, with the defaults: every field in its
+    /// stored dtype, seed 0, epoch 0, dataset order, rank 0 of a world of 1, the tail dropped, starting
+    /// at the beginning of the epoch, [`PREFETCH_DEFAULT`] slots, failing on corrupt blocks, host memory.
+    pub fn new(dataset: impl Into<String>, batch_size: u32) -> StreamSpec {
+        StreamSpec {
+            dataset: dataset.into(),
+            fields: Vec::new(),
+            batch_size,
+            seed: 0,
+            epoch: 0,
+            shuffle: Shuffle::None,
+            rank: 0,
+            world_size: 1,
+            tail: Tail::Drop,
+            start_cursor: 0,
+            prefetch: PREFETCH_DEFAULT,
+            on_corrupt: CorruptPolicy::Fail,
+            device: Device::Cpu,
+        }
+    }
+
+    /// Starts the stream at `step` of the epoch: `start_cursor = step × world_size × batch_size`.
+    ///
+    /// The cursor is computed from the current `world_size` and `batch_size`, so call this after setting
+    /// them. A product that overflows saturates; the daemon refuses a cursor past the end of the epoch
+    /// (`BadRequest`).
+    pub fn start_at_step(&mut self, step: u64) -> &mut StreamSpec {
+        self.start_cursor = step
+            .saturating_mul(u64::from(self.world_size))
+            .saturating_mul(u64::from(self.batch_size));
+        self
+    }
+
+    /// Continues from a checkpoint: takes the dataset, seed, epoch and shuffle that define the epoch's
+    /// order, and the cursor, from `state`. The rank, world size and batch size stay as set here: the
+    /// order does not depend on them, so a checkpoint resumes at any world size (elastic resume).
+    pub fn resume(&mut self, state: &StreamState) -> &mut StreamSpec {
+        self.dataset.clone_from(&state.dataset);
+        self.seed = state.seed;
+        self.epoch = state.epoch;
+        self.shuffle = state.shuffle;
+        self.start_cursor = state.cursor;
+        self
+    }
+
+    /// Every check that needs nothing but the spec: string and frame bounds (what the encoder would
+    /// otherwise panic on), batch size, rank and world size, prefetch, shuffle window, device ordinal.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.dataset.is_empty() || self.dataset.len() > STRING_BYTES_MAX {
+            return Err(SpecError(format!(
+                "the dataset name must be 1 to {STRING_BYTES_MAX} bytes, not {}",
+                self.dataset.len()
+            )));
+        }
+        if self.fields.len() > STREAM_FIELDS_MAX {
+            return Err(SpecError(format!(
+                "{} fields requested, at most {STREAM_FIELDS_MAX}",
+                self.fields.len()
+            )));
+        }
+        if let Some(field) = self
+            .fields
+            .iter()
+            .find(|field| field.name.is_empty() || field.name.len() > STRING_BYTES_MAX)
+        {
+            return Err(SpecError(format!(
+                "field names must be 1 to {STRING_BYTES_MAX} bytes, not {}",
+                field.name.len()
+            )));
+        }
+        let frame_bytes = open_stream_frame_bytes(self);
+        if frame_bytes > FRAME_BYTES_MAX {
+            return Err(SpecError(format!(
+                "the request takes {frame_bytes} bytes, more than a frame's {FRAME_BYTES_MAX}"
+            )));
+        }
+        check_batch_size(self.batch_size)?;
+        check_rank(self.rank, self.world_size)?;
+        check_prefetch(self.prefetch)?;
+        if let Shuffle::Window(shards) = self.shuffle {
+            check_window_shards(shards)?;
+        }
+        if self.device == Device::Cuda(u32::MAX) {
+            return Err(SpecError(
+                "CUDA ordinal u32::MAX is reserved for host memory on the wire".to_string(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where an epoch stands, enough to resume it: the inputs of the epoch's global order and the cursor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamState {
+    /// Dataset name.
+    pub dataset: String,
+    /// Shuffle seed.
+    pub seed: u64,
+    /// Epoch.
+    pub epoch: u64,
+    /// Sample order.
+    pub shuffle: Shuffle,
+    /// Ranks that consumed the epoch together.
+    pub world_size: u32,
+    /// Samples per batch on each rank.
+    pub batch_size: u32,
+    /// Positions of the epoch's global order consumed by all ranks together: the `cursor_after` of
+    /// the last batch yielded, or the spec's `start_cursor` before any.
+    pub cursor: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{FieldRequest, Message};
+
+    #[test]
+    fn the_frame_size_rule_matches_the_encoder() {
+        let mut spec = StreamSpec::new("tokens", 32);
+        spec.fields = vec![
+            FieldRequest {
+                name: "ids".to_string(),
+                dtype: None,
+            },
+            FieldRequest {
+                name: "mask".to_string(),
+                dtype: Some(crate::DType::F32),
+            },
+        ];
+        let encoded = Message::OpenStream(spec.clone()).encode();
+        assert_eq!(encoded.len(), open_stream_frame_bytes(&spec));
+    }
+
+    #[test]
+    fn each_rule_names_the_field_at_fault() {
+        let base = StreamSpec::new("tokens", 32);
+        type Edit = Box<dyn Fn(&mut StreamSpec)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (Box::new(|s| s.dataset.clear()), "dataset name"),
+            (Box::new(|s| s.batch_size = 0), "batch_size"),
+            (Box::new(|s| s.rank = 1), "rank 1 is not below world_size 1"),
+            (Box::new(|s| s.world_size = 0), "world_size 0"),
+            (Box::new(|s| s.prefetch = 0), "prefetch"),
+            (Box::new(|s| s.prefetch = SLOTS_MAX + 1), "prefetch"),
+            (
+                Box::new(|s| s.shuffle = Shuffle::Window(0)),
+                "at least one shard",
+            ),
+            (Box::new(|s| s.device = Device::Cuda(u32::MAX)), "reserved"),
+            (
+                Box::new(|s| s.dataset = "d".repeat(STRING_BYTES_MAX + 1)),
+                "dataset name",
+            ),
+        ];
+        assert!(base.validate().is_ok());
+        for (break_it, expected) in cases {
+            let mut spec = base.clone();
+            break_it(&mut spec);
+            let error = spec.validate().expect_err(expected);
+            assert!(error.0.contains(expected), "{error} lacks {expected:?}");
+        }
+    }
+}
