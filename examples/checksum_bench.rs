@@ -17,7 +17,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use gpufeed::device::{CacheDir, Device, DeviceBuffer, DeviceMemory, Event, EventTiming, Stream};
+use gpufeed::device::{time_on_stream, CacheDir, Device, DeviceBuffer, DeviceMemory, Stream};
 use gpufeed::format::checksum;
 use gpufeed::kernels::{ChecksumVerifier, Xxh3Config, Xxh3Job, Xxh3Outcome, Xxh3Status};
 use gpufeed::synth;
@@ -111,23 +111,9 @@ fn time_ms(
     device: &Device,
     stream: &Stream,
     reps: usize,
-    mut run: impl FnMut() -> Result<()>,
+    run: impl FnMut() -> Result<()>,
 ) -> Result<f64> {
-    let start = Event::new(device, EventTiming::Enabled)?;
-    let end = Event::new(device, EventTiming::Enabled)?;
-    for _ in 0..WARMUP {
-        run()?;
-    }
-    stream.synchronize()?;
-    let mut samples = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        start.record(stream)?;
-        run()?;
-        end.record(stream)?;
-        end.synchronize()?;
-        samples.push(end.elapsed_ms(&start)? as f64);
-    }
-    Ok(median(samples))
+    Ok(median(time_on_stream(device, stream, WARMUP, reps, run)?))
 }
 
 fn gbps(bytes: f64, ms: f64) -> f64 {

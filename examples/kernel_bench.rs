@@ -23,8 +23,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use gpufeed::decode::shuffle;
 use gpufeed::device::{
-    BufferPool, CacheDir, Device, DeviceBuffer, DeviceMemory, Event, EventTiming, PinnedBuffer,
-    Stream,
+    time_on_stream, BufferPool, CacheDir, Device, DeviceBuffer, DeviceMemory, PinnedBuffer, Stream,
 };
 use gpufeed::kernels::reference::relu_sparse_f16;
 use gpufeed::kernels::{
@@ -223,22 +222,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 fn time_ms(
     device: &Device,
     stream: &Stream,
-    mut run: impl FnMut() -> Result<()>,
+    run: impl FnMut() -> Result<()>,
 ) -> Result<(f64, f64, f64)> {
-    let start = Event::new(device, EventTiming::Enabled)?;
-    let end = Event::new(device, EventTiming::Enabled)?;
-    for _ in 0..WARMUP {
-        run()?;
-    }
-    stream.synchronize()?;
-    let mut samples = Vec::with_capacity(REPS);
-    for _ in 0..REPS {
-        start.record(stream)?;
-        run()?;
-        end.record(stream)?;
-        end.synchronize()?;
-        samples.push(end.elapsed_ms(&start)? as f64);
-    }
+    let samples = time_on_stream(device, stream, WARMUP, REPS, run)?;
     let min = samples.iter().copied().fold(f64::INFINITY, f64::min);
     let max = samples.iter().copied().fold(0.0, f64::max);
     Ok((median(samples), min, max))

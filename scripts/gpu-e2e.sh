@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.." || exit 1
 . scripts/lib/exits.sh
 OUT="${OUT:-/tmp/gpufeed-e2e-out}"
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. scripts/lib/gpu-env.sh
 export PYTHONUNBUFFERED=1
 py=${E2E_PYTHON:-python3}
 stage=.gpu/e2e
@@ -74,8 +74,7 @@ in_budget() {
 
 # cuFile needs this udev entry on this VM (shared/GPU_MACHINE.md); gpufeed's auto engine does not use
 # cuFile without the nvidia-fs driver, but a registration attempt should not fail for want of it.
-mkdir -p /run/udev/data
-printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+cufile_udev_entry
 
 say "data: make_data.py (emb ${E2E_EMB_GIB:-4} GiB, tokens ${E2E_TOKENS_GIB:-2} GiB)"
 timeout 240 "$py" scripts/e2e/make_data.py --out-dir "$npy" --emb-gib "${E2E_EMB_GIB:-4}" \

@@ -25,8 +25,7 @@ step_name_width=14
 export PYTHONUNBUFFERED=1 TMPDIR=/var/tmp
 bin="$PWD/.gpu/read/bin"
 export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
-mkdir -p /run/udev/data
-printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+cufile_udev_entry
 if [ "${1:-}" != --bench-only ] && [ -z "${READ_BENCH_ONLY:-}" ]; then
   {
     date -u

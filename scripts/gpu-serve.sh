@@ -10,15 +10,14 @@ cd "$(dirname "$0")/.."
 . scripts/lib/exits.sh
 OUT="${OUT:-/tmp/gpufeed-serve}"
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. scripts/lib/gpu-env.sh
 export GPUFEED_CACHE_DIR=/var/tmp/gpufeed-kernels
 bin="$PWD/.gpu/serve/bin"
 export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
 export TMPDIR=/var/tmp
 log="$OUT/serve.log"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv; } >"$log" 2>&1
-mkdir -p /run/udev/data
-printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+cufile_udev_entry
 
 echo "=== gpu_serve tests" >>"$log"
 timeout "${SERVE_TEST_TIMEOUT:-300}" "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1 >>"$log" 2>&1

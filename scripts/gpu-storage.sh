@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 . scripts/lib/exits.sh
 OUT="${OUT:-/tmp/gpufeed-storage}"
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. scripts/lib/gpu-env.sh
 export PYTHONUNBUFFERED=1
 export GPUFEED_TEST_DIR=/var/tmp
 bin=.gpu/storage/bin
@@ -20,8 +20,7 @@ echo "=== fallback test without the udev entry" >>"$log"
 timeout 120 "$bin/gpu_storage" --include-ignored --nocapture cufile_falls_back >>"$log" 2>&1
 note_exit $? "$log"
 
-mkdir -p /run/udev/data
-printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\nE:DEVTYPE=disk\n' >/run/udev/data/b254:0
+cufile_udev_entry
 echo "=== all storage tests with the udev entry" >>"$log"
 timeout 300 "$bin/gpu_storage" --include-ignored --nocapture --test-threads=1 >>"$log" 2>&1
 note_exit $? "$log"

@@ -5,8 +5,7 @@
 # verdicts.
 
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH="/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PATH="/usr/local/cuda/bin:$PATH"
+. scripts/lib/gpu-env.sh
 export GPUFEED_CACHE_DIR=/tmp/gpufeed-kernel-cache
 started=$(date +%s)
 summary=()

@@ -33,7 +33,7 @@ pub use module::{
     cache_dir_from_env, cache_file_name, compile, CacheDir, CompileOptions, CompiledImage, Kernel,
     KernelSource, Module, ModuleOrigin, Target,
 };
-pub use stream::{Event, EventTiming, Graph, Stream};
+pub use stream::{time_on_stream, Event, EventTiming, Graph, Stream};
 
 /// A device operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -187,6 +187,32 @@ impl Event {
     }
 }
 
+/// Times `run`, which queues work on `stream`, with a pair of timing events: `warmup` untimed runs,
+/// then `reps` timed ones. Returns each timed run's milliseconds, in order. For the benchmarks.
+pub fn time_on_stream<E: From<DeviceError>>(
+    device: &Device,
+    stream: &Stream,
+    warmup: usize,
+    reps: usize,
+    mut run: impl FnMut() -> Result<(), E>,
+) -> Result<Vec<f64>, E> {
+    let start = Event::new(device, EventTiming::Enabled)?;
+    let end = Event::new(device, EventTiming::Enabled)?;
+    for _ in 0..warmup {
+        run()?;
+    }
+    stream.synchronize()?;
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        start.record(stream)?;
+        run()?;
+        end.record(stream)?;
+        end.synchronize()?;
+        samples.push(f64::from(end.elapsed_ms(&start)?));
+    }
+    Ok(samples)
+}
+
 impl Drop for Event {
     fn drop(&mut self) {
         let _ = self.device.bind();

@@ -214,9 +214,10 @@ pub struct Lz4Config {
 }
 
 impl Lz4Config {
-    /// The configuration gpufeed uses: the fastest that passed the GPU test suite in
-    /// `docs/benchmarks/gpu-kernels-2026-11-22.md` (registers capped at 40 so that 48 warps fit on a
-    /// multiprocessor: 5 % faster than 48 registers and 40 warps).
+    /// The one-pass decoder's best configuration (`docs/benchmarks/gpu-kernels-2026-11-22.md`:
+    /// registers capped at 40 so that 48 warps fit on a multiprocessor, 5 % faster than 48 registers
+    /// and 40 warps). The daemon loads [`Lz4Config::SERVING`]; this one is the oracle the GPU tests
+    /// check the two-phase decoder against (`docs/KERNELS.md`, "Why two decoders").
     pub const STANDARD: Lz4Config = Lz4Config {
         warps_per_block: 4,
         sequences: SequencePath::FastThenGeneral,

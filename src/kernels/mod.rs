@@ -17,6 +17,7 @@
 
 mod gather;
 mod lz4;
+#[doc(hidden)]
 pub mod reference;
 mod xxh3;
 

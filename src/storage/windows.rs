@@ -171,6 +171,16 @@ pub enum WindowCopy {
 }
 
 impl PageCacheWindows {
+    /// Bytes registered for the window starting at `window_start` of a file of `file_len` bytes: the
+    /// window, cut at the end of the file and rounded up to a page (the mapping covers whole pages,
+    /// and `cuMemHostRegister` wants page-granular ranges).
+    fn registered_len(&self, window_start: usize, file_len: usize) -> usize {
+        self.window_bytes
+            .min(file_len - window_start)
+            .div_ceil(IO_ALIGN_BYTES as usize)
+            * IO_ALIGN_BYTES as usize
+    }
+
     /// An empty registry for `device`: windows of `window_bytes` (a multiple of the page size), at most
     /// `registered_bytes_max` registered at once.
     pub fn new(device: &Device, window_bytes: usize, registered_bytes_max: usize) -> Self {
@@ -306,12 +316,7 @@ impl PageCacheWindows {
             let at = offset as usize + done;
             let index = (at / window_bytes) as u64;
             let window_start = index as usize * window_bytes;
-            // The mapping covers whole pages, so a window at the end of the file may be rounded up to
-            // a page: cuMemHostRegister wants page-granular ranges.
-            let window_len = window_bytes
-                .min(file_len - window_start)
-                .div_ceil(IO_ALIGN_BYTES as usize)
-                * IO_ALIGN_BYTES as usize;
+            let window_len = self.registered_len(window_start, file_len);
             let piece = (len - done).min(window_start + window_len - at);
             debug_assert!(piece > 0);
             let (guard, slot) =
@@ -382,10 +387,7 @@ impl PageCacheWindows {
         if offset as usize + len > file_len {
             return Ok(None);
         }
-        let window_len = window_bytes
-            .min(file_len - window_start)
-            .div_ceil(IO_ALIGN_BYTES as usize)
-            * IO_ALIGN_BYTES as usize;
+        let window_len = self.registered_len(window_start, file_len);
         if !known
             && !mapped
                 .residency
@@ -600,11 +602,7 @@ impl PageCacheWindows {
             {
                 continue;
             }
-            let bytes = self
-                .window_bytes
-                .min(file_len - start)
-                .div_ceil(IO_ALIGN_BYTES as usize)
-                * IO_ALIGN_BYTES as usize;
+            let bytes = self.registered_len(start, file_len);
             let job = Ahead {
                 key,
                 mapped: Arc::clone(mapped),
