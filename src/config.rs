@@ -172,10 +172,14 @@ pub struct ConfigLayer {
     /// `auto`, `always` or `off`: when GPUs read rows of raw blocks straight from registered page
     /// cache instead of staging whole blocks.
     pub zero_copy: Option<String>,
+    /// Device memory each GPU stream in dataset order or a window shuffle may fill with whole
+    /// shards copied ahead of need; `0` turns the copies off. Default:
+    /// [`crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT`].
+    pub device_shard_memory: Option<ByteCount>,
 }
 
 /// The environment variable for each key, in [`ConfigLayer`] order.
-pub const ENV_VARS: [&str; 18] = [
+pub const ENV_VARS: [&str; 19] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -194,6 +198,7 @@ pub const ENV_VARS: [&str; 18] = [
     "GPUFEED_REGISTERED_MEMORY_MAX",
     "GPUFEED_REGISTERED_WINDOW",
     "GPUFEED_ZERO_COPY",
+    "GPUFEED_DEVICE_SHARD_MEMORY",
 ];
 
 /// The environment variable naming the configuration file.
@@ -272,6 +277,7 @@ impl ConfigLayer {
             registered_memory_max: bytes("GPUFEED_REGISTERED_MEMORY_MAX")?,
             registered_window: bytes("GPUFEED_REGISTERED_WINDOW")?,
             zero_copy: get("GPUFEED_ZERO_COPY"),
+            device_shard_memory: bytes("GPUFEED_DEVICE_SHARD_MEMORY")?,
         })
     }
 
@@ -296,6 +302,7 @@ impl ConfigLayer {
             registered_memory_max: self.registered_memory_max.or(lower.registered_memory_max),
             registered_window: self.registered_window.or(lower.registered_window),
             zero_copy: self.zero_copy.or(lower.zero_copy),
+            device_shard_memory: self.device_shard_memory.or(lower.device_shard_memory),
         }
     }
 
@@ -466,6 +473,10 @@ impl ConfigLayer {
             pack_bytes_per_s_max,
             registered,
             zero_copy,
+            device_shard_bytes: self.device_shard_memory.map_or(
+                crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
+                |ByteCount(n)| n,
+            ),
         })
     }
 }
@@ -622,6 +633,8 @@ pub struct Settings {
     pub registered: RegistrationBudget,
     /// When GPUs read rows of raw blocks in place from registered page cache.
     pub zero_copy: ZeroCopy,
+    /// Device memory per GPU stream for shards copied ahead of need (0: none).
+    pub device_shard_bytes: u64,
 }
 
 #[cfg(test)]
@@ -693,6 +706,7 @@ mod tests {
             "1G",
             "1M",
             "always",
+            "2G",
         ];
         let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
         let layer = env(&pairs);

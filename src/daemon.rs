@@ -198,6 +198,7 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, Daem
         settings.engine,
         settings.registered,
         settings.zero_copy,
+        settings.device_shard_bytes,
     ) {
         Ok(gpu) => {
             tracing::info!(
@@ -224,6 +225,7 @@ pub fn open_gpu_backend(
     engine: EngineMode,
     registered: RegistrationBudget,
     zero_copy: ZeroCopy,
+    device_shard_bytes: u64,
 ) -> Result<GpuBackend, DeviceError> {
     let device = Device::open(ordinal as usize)?;
     let kernels = Kernels::load(&device, CacheDir::FromEnvironment)?;
@@ -255,6 +257,7 @@ pub fn open_gpu_backend(
         choice: PathChoice::from_mode(engine),
         stream_limits: GpuStreamLimits {
             zero_copy,
+            device_shard_bytes,
             ..GpuStreamLimits::node_defaults()
         },
     })

@@ -88,7 +88,7 @@ enum Command {
     /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
     ///
     /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the whole job on a generated dataset and print what it did and how fast.
     ///
     /// Generates an embedding-like fp16 field and a token-like int32 field, packs them, verifies the
@@ -225,6 +225,11 @@ struct ServeArgs {
     /// do), `always` or `off`. Default: auto.
     #[arg(long, value_name = "auto|always|off")]
     zero_copy: Option<String>,
+    /// Device memory each GPU stream in dataset order or a window shuffle may fill with whole shards
+    /// copied ahead of need, when the whole dataset is registered page cache (suffixes K, M, G; 0
+    /// turns the copies off). Default: 4G.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    device_shard_memory: Option<ByteCount>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
@@ -363,7 +368,7 @@ fn run(command: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::ListInputs { files } => run_list_inputs(&files),
-        Command::Serve(args) => run_serve(args),
+        Command::Serve(args) => run_serve(*args),
         Command::Demo {
             dir,
             samples,
@@ -510,6 +515,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         registered_memory_max: args.registered_memory_max,
         registered_window: args.registered_window,
         zero_copy: args.zero_copy,
+        device_shard_memory: args.device_shard_memory,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {

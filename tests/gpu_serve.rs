@@ -400,14 +400,32 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
         ("resident-window", emb_orders("window")),
         ("resident-full", emb_orders("full")),
     ];
-    for zero_copy in ["always", "auto"] {
-        let flags = ["--registered-window", "256K", "--zero-copy", zero_copy];
+    // Shards copied ahead into device memory (in order and window shuffle): room for every shard
+    // (the default), for two of the six (slots refilled as the stream moves on, a window of two
+    // shards evicting the last), and none.
+    for (zero_copy, device_shards) in [
+        ("always", "4G"),
+        ("auto", "4G"),
+        ("auto", "2M"),
+        ("always", "0"),
+    ] {
+        let flags = [
+            "--registered-window",
+            "256K",
+            "--zero-copy",
+            zero_copy,
+            "--device-shard-memory",
+            device_shards,
+        ];
         let dumps = compare_backends_with(root.path(), &resident, &flags);
         for ((name, _), (gpu, cpu)) in resident.iter().zip(&dumps) {
-            assert!(!gpu.is_empty(), "{zero_copy} {name}: nothing dumped");
+            assert!(
+                !gpu.is_empty(),
+                "{zero_copy} {device_shards} {name}: nothing dumped"
+            );
             assert!(
                 gpu == cpu,
-                "{zero_copy} {name}: GPU and CPU backends differ"
+                "{zero_copy} {device_shards} {name}: GPU and CPU backends differ"
             );
         }
     }

@@ -133,6 +133,7 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventCreate",
     "cuEventRecord",
     "cuEventSynchronize",
+    "cuEventQuery",
     "cuEventElapsedTime_v2",
     "cuEventDestroy_v2",
     "cuIpcGetEventHandle",
@@ -614,6 +615,21 @@ pub unsafe fn event_record(event: cu::CUevent, stream: cu::CUstream) -> DriverRe
 /// `event` is live.
 pub unsafe fn event_synchronize(event: cu::CUevent) -> DriverResult<()> {
     check("cuEventSynchronize", cu::cuEventSynchronize(event))
+}
+
+/// `cuEventQuery`: whether the work before the event's last record is done, without waiting.
+///
+/// # Safety
+/// `event` is live.
+pub unsafe fn event_query(event: cu::CUevent) -> DriverResult<bool> {
+    match cu::cuEventQuery(event) {
+        cu::CUresult::CUDA_SUCCESS => Ok(true),
+        cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        code => Err(DriverCallError {
+            call: "cuEventQuery",
+            code,
+        }),
+    }
 }
 
 /// `cuEventElapsedTime`, in milliseconds.

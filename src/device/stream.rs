@@ -178,6 +178,14 @@ impl Event {
         Ok(())
     }
 
+    /// Whether the work before the last record is done (true for an event never recorded), without
+    /// waiting.
+    pub fn is_complete(&self) -> Result<bool, DeviceError> {
+        self.device.bind()?;
+        // SAFETY: the event is live.
+        Ok(unsafe { ffi::event_query(self.event) }?)
+    }
+
     /// Milliseconds between `start` and `self`; both must be timing events, recorded and complete.
     pub fn elapsed_ms(&self, start: &Event) -> Result<f32, DeviceError> {
         self.device.bind()?;

@@ -34,6 +34,7 @@
 //! power of four), so an order costs O(shards) memory whatever the sample count, and any position can be
 //! looked up directly, which is what makes resuming at an arbitrary cursor cheap.
 
+use std::ops::Range;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// How an epoch's samples are ordered.
@@ -227,6 +228,29 @@ impl EpochOrder {
         self.sample_count == 0
     }
 
+    /// The samples the positions from `position` on draw from, soonest first, as at most
+    /// `ranges_max` ranges of sample indices; `None` for a full shuffle, whose next positions may draw
+    /// from anywhere. In dataset order that is the rest of the dataset; in a window shuffle, the shards
+    /// of the window holding `position`, then those of the windows after it. For reading ahead.
+    pub fn samples_ahead(&self, position: u64, ranges_max: usize) -> Option<Vec<Range<u64>>> {
+        let position = position.min(self.sample_count);
+        match &self.kind {
+            OrderKind::Identity => Some(std::iter::once(position..self.sample_count).collect()),
+            OrderKind::Full(_) => None,
+            OrderKind::Windows(windows) => {
+                let first = windows.partition_point(|w| w.start + w.len <= position);
+                Some(
+                    windows[first..]
+                        .iter()
+                        .flat_map(|w| w.shards.iter())
+                        .map(|&(first_sample, count, _)| first_sample..first_sample + count)
+                        .take(ranges_max)
+                        .collect(),
+                )
+            }
+        }
+    }
+
     /// The sample at `position` of the global order (`position < len()`).
     pub fn sample_at(&self, position: u64) -> u64 {
         assert!(
@@ -305,5 +329,37 @@ mod tests {
             assert_eq!(image.len() as u64, n, "n = {n}");
             assert!(image.iter().all(|&v| v < n));
         }
+    }
+
+    /// Reading ahead relies on it: every position from `p` on draws from the ranges
+    /// `samples_ahead(p)` lists, in the order they come up (dataset order and windows), and a full
+    /// shuffle names none.
+    #[test]
+    fn samples_ahead_cover_the_positions_that_follow() {
+        let shards = [40u64, 25, 60, 33, 50, 12];
+        for mode in [ShuffleMode::None, ShuffleMode::Window { shards: 2 }] {
+            let order = EpochOrder::new(&shards, 7, 1, mode);
+            for start in [0u64, 39, 40, 100, 219] {
+                let ranges = order.samples_ahead(start, usize::MAX).unwrap();
+                let mut range = 0usize;
+                for position in start..order.len() {
+                    let sample = order.sample_at(position);
+                    // Positions move through the ranges in order and never back.
+                    while !ranges[range].contains(&sample) {
+                        assert!(
+                            ranges[range + 1..].iter().any(|r| r.contains(&sample)),
+                            "{mode:?}: position {position} (sample {sample}) is in no range ahead"
+                        );
+                        if mode == ShuffleMode::None {
+                            range += 1;
+                        } else {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let full = EpochOrder::new(&shards, 7, 1, ShuffleMode::Full);
+        assert!(full.samples_ahead(0, 8).is_none());
     }
 }

@@ -69,6 +69,9 @@ pub struct MappedRange {
     pub window: WindowId,
     /// Device address of the window's first byte.
     pub window_device_ptr: u64,
+    /// Host address of the window's first byte (registered memory: a source for the copy engines
+    /// while the window stays pinned).
+    pub window_host_addr: usize,
     /// Length of the window in bytes.
     pub window_bytes: u64,
     /// Offset of the range's first byte in the window.
@@ -408,6 +411,7 @@ impl PageCacheWindows {
         Ok(Some(MappedRange {
             window: WindowId { file: key, index },
             window_device_ptr: window.device_ptr,
+            window_host_addr: window.ptr as usize,
             window_bytes: window.bytes as u64,
             offset_in_window: offset - window_start as u64,
         }))

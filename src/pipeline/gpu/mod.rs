@@ -27,6 +27,7 @@
 
 mod cache;
 mod complete;
+mod device_shards;
 mod plan;
 mod resident;
 mod round;
@@ -76,6 +77,10 @@ pub struct GpuStreamLimits {
     /// When raw blocks are read by the gather kernel straight from registered page-cache memory
     /// instead of being staged whole.
     pub zero_copy: ZeroCopy,
+    /// Device memory a resident stream in dataset order or a window shuffle may fill with copies of
+    /// the shards it reads next (see `device_shards`); streams use as many whole-shard slots as fit,
+    /// and none when fewer than two do.
+    pub device_shard_bytes: u64,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -116,6 +121,10 @@ impl std::str::FromStr for ZeroCopy {
     }
 }
 
+/// Default [`GpuStreamLimits::device_shard_bytes`]: room for two windows of four 512 MiB shards, the
+/// window being served and the next, a few percent of a data-centre GPU's memory.
+pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 4 << 30;
+
 /// Share of a raw block's bytes below which [`ZeroCopy::Auto`] reads the rows in place.
 const ZERO_COPY_COVERAGE_MAX: f64 = 0.5;
 
@@ -130,6 +139,7 @@ impl GpuStreamLimits {
             pieces_max: 64 << 10,
             rounds_in_flight: 3,
             zero_copy: ZeroCopy::Auto,
+            device_shard_bytes: DEVICE_SHARD_BYTES_DEFAULT,
         }
     }
 }
@@ -216,7 +226,7 @@ impl GpuAssembler {
             &plan,
             &files,
             reader.windows(),
-            limits.zero_copy,
+            limits,
             reader.resident_fraction_min(),
             &device,
             &metrics,
@@ -278,7 +288,9 @@ impl GpuAssembler {
 
     /// Device memory this stream holds besides its slots, in bytes.
     pub fn device_bytes(&self) -> u64 {
-        (self.cache.len() + self.buffers.iter().map(|b| b.device_bytes()).sum::<usize>()) as u64
+        (self.cache.len()
+            + self.buffers.iter().map(|b| b.device_bytes()).sum::<usize>()
+            + self.resident.as_ref().map_or(0, |r| r.device_bytes())) as u64
     }
 
     /// Rounds queued on the device at once: submitting more batches than this ahead of completing

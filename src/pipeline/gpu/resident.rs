@@ -16,12 +16,13 @@ use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
 use memmap2::Mmap;
 
-use super::round::{PendingBatch, PendingRound};
-use super::{GpuAssembler, ZeroCopy};
+use super::device_shards::{DeviceShards, ShardWindows};
+use super::round::{PendingBatch, PendingRound, REGIONS_MAX};
+use super::{GpuAssembler, GpuStreamLimits, ZeroCopy};
 use crate::decode::{self, BlockRef};
 use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer};
 use crate::format::Codec;
-use crate::kernels::{GatherOp, GatherPlan, GatherRegion};
+use crate::kernels::{GatherOp, GatherPlan, GatherRegion, GATHER_SOURCES_MAX};
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
 use crate::storage::windows::{PageCacheWindows, WindowId};
 use crate::storage::{FileId, FileTable};
@@ -44,6 +45,10 @@ pub(super) struct Resident {
     /// The region table on the device (one region per window, shards in order).
     regions: DeviceBuffer,
     region_count: u32,
+    /// The same table on the host, for rounds that read some shards from their device copies.
+    host_regions: Vec<GatherRegion>,
+    /// Shards copied ahead into device memory, in dataset order and window shuffles.
+    device_shards: Option<DeviceShards>,
     /// Windows pinned for the stream's life.
     windows: Vec<WindowId>,
     /// Where rows are read from, shared by the planning threads.
@@ -54,6 +59,8 @@ pub(super) struct Resident {
 struct RowGeometry {
     /// Region index of each shard's first window.
     first_region: Vec<u32>,
+    /// Regions in the stream's table.
+    region_count: usize,
     window_bytes: u64,
     /// Raw blocks found corrupt when the stream opened.
     corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
@@ -87,15 +94,17 @@ impl Resident {
         plan: &StreamPlan,
         files: &FileTable,
         windows: &Arc<PageCacheWindows>,
-        zero_copy: ZeroCopy,
+        limits: &GpuStreamLimits,
         fraction_min: f64,
         device: &crate::device::Device,
         metrics: &crate::metrics::Metrics,
     ) -> Result<Option<Resident>, FillError> {
-        let wanted = match zero_copy {
+        let wanted = match limits.zero_copy {
             ZeroCopy::Off => false,
             ZeroCopy::Always => true,
-            ZeroCopy::Auto => !plan.order.is_identity(),
+            // In dataset order whole blocks are staged at the copy engines' rate, unless the
+            // shards can be copied ahead into device memory (checked once the windows are mapped).
+            ZeroCopy::Auto => !plan.order.is_identity() || limits.device_shard_bytes > 0,
         };
         let all_raw = plan.dataset.shards.iter().all(|shard| {
             plan.fields.iter().all(|field| {
@@ -125,8 +134,13 @@ impl Resident {
         let mut mapped: Vec<WindowId> = Vec::new();
         let mut table: Vec<GatherRegion> = Vec::new();
         let mut first_region = Vec::with_capacity(plan.dataset.shards.len());
+        let mut shard_windows = Vec::with_capacity(plan.dataset.shards.len());
         for (index, &bytes) in file_bytes.iter().enumerate() {
             first_region.push(table.len() as u32);
+            shard_windows.push(ShardWindows {
+                windows: Vec::new(),
+                first_region: table.len(),
+            });
             let file = files.get(FileId(index as u32)).file();
             let mut start = 0u64;
             while start < bytes {
@@ -134,6 +148,9 @@ impl Resident {
                 match windows.map(file, start, len as usize, fraction_min)? {
                     Some(range) => {
                         mapped.push(range.window);
+                        shard_windows[index]
+                            .windows
+                            .push((range.window_host_addr, range.window_bytes));
                         table.push(GatherRegion {
                             ptr: range.window_device_ptr,
                             bytes: range.window_bytes,
@@ -147,11 +164,43 @@ impl Resident {
                 start += window_bytes;
             }
         }
+        let mut first_sample = 0u64;
+        let mut shard_first_samples: Vec<u64> = plan
+            .dataset
+            .manifest
+            .shards
+            .iter()
+            .map(|shard| {
+                let first = first_sample;
+                first_sample += shard.sample_count;
+                first
+            })
+            .collect();
+        shard_first_samples.push(first_sample);
+        // Rounds that read device copies upload their own region table (at most REGIONS_MAX).
+        let device_shards = if table.len() <= REGIONS_MAX {
+            DeviceShards::new(
+                device,
+                &plan.order,
+                shard_windows,
+                shard_first_samples,
+                window_bytes,
+                limits.device_shard_bytes,
+            )?
+        } else {
+            None
+        };
+        if limits.zero_copy == ZeroCopy::Auto && plan.order.is_identity() && device_shards.is_none()
+        {
+            windows.unpin(&mapped);
+            return Ok(None);
+        }
         let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
         // Verifying reads each block whole once per dataset: counted as read, like any other read.
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
         // Written synchronously, before any kernel of the stream can read it.
         let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        let table_len = table.len();
         tracing::info!(
             "stream reads {} shards in place from {} registered windows ({} corrupt blocks)",
             plan.dataset.shards.len(),
@@ -161,9 +210,12 @@ impl Resident {
         Ok(Some(Resident {
             regions,
             region_count: table.len() as u32,
+            host_regions: table,
+            device_shards,
             windows: mapped,
             geometry: RowGeometry {
                 first_region,
+                region_count: table_len,
                 window_bytes,
                 corrupt,
                 linear: plan
@@ -181,9 +233,18 @@ impl Resident {
         }))
     }
 
-    /// Unpins the windows once the stream's work is done (the caller synchronised it).
+    /// Unpins the windows once the stream's work is done (the caller synchronised its compute
+    /// stream; the copies ahead are waited for here).
     pub(super) fn release(&self, windows: &PageCacheWindows) {
+        if let Some(device_shards) = &self.device_shards {
+            let _ = device_shards.synchronize();
+        }
         windows.unpin(&self.windows);
+    }
+
+    /// Device memory held for shard copies.
+    pub(super) fn device_bytes(&self) -> usize {
+        self.device_shards.as_ref().map_or(0, |d| d.device_bytes())
     }
 }
 
@@ -327,7 +388,8 @@ fn push_in_place(
 struct PlannedRows {
     table: Vec<u8>,
     pieces: usize,
-    bytes_in: u64,
+    /// Bytes the pieces read, per region of the stream's table.
+    region_bytes: Vec<u64>,
     replaced: Vec<usize>,
 }
 
@@ -362,7 +424,10 @@ fn plan_rows(
         let part = part?;
         all.table.extend_from_slice(&part.table);
         all.pieces += part.pieces;
-        all.bytes_in += part.bytes_in;
+        all.region_bytes.resize(part.region_bytes.len(), 0);
+        for (sum, bytes) in all.region_bytes.iter_mut().zip(&part.region_bytes) {
+            *sum += bytes;
+        }
         all.replaced.extend(part.replaced);
     }
     Ok(all)
@@ -386,14 +451,15 @@ fn plan_chunk(
             replaced.push(row);
         }
     }
+    let mut region_bytes = vec![0u64; geometry.region_count];
+    for piece in gather.pieces() {
+        let region = piece.source as usize - GATHER_SOURCES_MAX;
+        region_bytes[region] += piece.elements as u64 * piece.op.in_bytes();
+    }
     Ok(PlannedRows {
         table: gather.encode(),
         pieces: gather.pieces().len(),
-        bytes_in: gather
-            .pieces()
-            .iter()
-            .map(|p| p.elements as u64 * p.op.in_bytes())
-            .sum(),
+        region_bytes,
         replaced,
     })
 }
@@ -481,6 +547,14 @@ impl GpuAssembler {
             .collect();
         let rows = positions.len();
         self.batches.push_back(PendingBatch::new(step, slot, rows));
+        if let (Some(device_shards), Some(&first)) = (
+            self.resident
+                .as_mut()
+                .and_then(|r| r.device_shards.as_mut()),
+            positions.first(),
+        ) {
+            device_shards.read_ahead(&plan.order, first)?;
+        }
         let rows_per_round =
             (self.pieces_max / (plan.fields.len() * ROW_PIECES_MAX_PER_FIELD)).max(1);
         let mut first = 0;
@@ -515,7 +589,7 @@ impl GpuAssembler {
         let queued = std::time::Instant::now();
         let count = planned.pieces;
         if count > 0 {
-            let resident = self.resident.as_ref().expect("a resident stream");
+            let resident = self.resident.as_mut().expect("a resident stream");
             let buffers = &mut self.buffers[index];
             super::round::upload_table(
                 &self.stream,
@@ -524,26 +598,57 @@ impl GpuAssembler {
                 &buffers.pieces,
                 &planned.table,
             )?;
+            // The regions of shards whose device copy is complete point at the copy for this
+            // round: its own table, uploaded like the pieces.
+            let mut table = resident.host_regions.clone();
+            let on_device = resident
+                .device_shards
+                .as_ref()
+                .is_some_and(|d| d.redirect(&mut table));
+            if on_device {
+                super::round::upload_table(
+                    &self.stream,
+                    &mut buffers.host,
+                    self.layout.regions,
+                    &buffers.regions,
+                    &GatherRegion::encode_all(&table),
+                )?;
+            }
             let buffers = &self.buffers[index];
-            // SAFETY: the piece table and outcome belong to this round; the region table and the
-            // windows it names stay as they are (mapped, pinned) for the stream's life; the slot is
-            // this filler's (its release event was waited on) and overlaps no source.
+            let regions: &dyn DeviceMemory = if on_device {
+                &buffers.regions
+            } else {
+                &resident.regions
+            };
+            // SAFETY: the piece table, region table and outcome belong to this round; the windows
+            // the regions name stay mapped and pinned for the stream's life, and the device copies
+            // they name are complete and are not overwritten before this round is done (the copy
+            // stream waits for the event recorded below); the slot is this filler's (its release
+            // event was waited on) and overlaps no source.
             unsafe {
                 self.kernels.gather.gather_regions_async(
                     &self.stream,
                     &buffers.pieces,
                     count as u32,
                     &[&self.cache, &buffers.staging],
-                    Some((
-                        &resident.regions as &dyn DeviceMemory,
-                        resident.region_count,
-                    )),
+                    Some((regions, resident.region_count)),
                     slot,
                     &buffers.gather_outcome,
                 )
             }?;
+            let mut host_bytes = 0u64;
+            for (region, bytes) in planned.region_bytes.iter().enumerate() {
+                if table[region].ptr == resident.host_regions[region].ptr {
+                    host_bytes += bytes;
+                }
+            }
+            if let Some(device_shards) = resident.device_shards.as_mut() {
+                device_shards.record_reads(&self.stream)?;
+                // Bytes copied ahead are read bytes when they are queued.
+                host_bytes += std::mem::take(&mut device_shards.copied_bytes);
+            }
             self.metrics
-                .add_read_bytes(crate::metrics::ReadPath::PageCache, planned.bytes_in);
+                .add_read_bytes(crate::metrics::ReadPath::PageCache, host_bytes);
         }
         for &row in &planned.replaced {
             self.zero_row(slot, row)?;
