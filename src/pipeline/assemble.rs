@@ -635,6 +635,12 @@ pub enum FillError {
         /// Index of the last piece refused.
         last: u32,
     },
+    /// The thread planning a resident stream's rows stopped before this step (it panicked).
+    #[error("the planning thread stopped before step {step}: a bug in the batch plan")]
+    PlannerStopped {
+        /// The step that was not planned.
+        step: u64,
+    },
 }
 
 /// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and

@@ -52,13 +52,105 @@ pub(super) struct Resident {
     /// Windows pinned for the stream's life.
     windows: Vec<WindowId>,
     /// Where rows are read from, shared by the planning threads.
-    geometry: RowGeometry,
+    geometry: Arc<RowGeometry>,
+    /// Plans the rows of the next steps on a thread of its own, ahead of the filler.
+    planner: Option<Planner>,
+}
+
+/// Steps planned ahead of the filler: enough to cover the rounds in flight.
+const STEPS_PLANNED_AHEAD: usize = 4;
+
+/// One step's rows, planned in rounds.
+struct PlannedStep {
+    step: u64,
+    /// Global order position of the step's first row (where the shards to read ahead start).
+    first_position: Option<u64>,
+    rows: usize,
+    rounds: Result<Vec<PlannedRows>, FillError>,
+}
+
+/// A thread planning the rows of consecutive steps ahead of the filler, so that host planning
+/// overlaps the device's work on earlier steps instead of adding to it.
+struct Planner {
+    receiver: std::sync::mpsc::Receiver<PlannedStep>,
+    next_step: u64,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Planner {
+    /// Starts planning from `first_step`, `rows_per_round` rows a round.
+    fn start(
+        plan: Arc<StreamPlan>,
+        geometry: Arc<RowGeometry>,
+        first_step: u64,
+        rows_per_round: usize,
+    ) -> Planner {
+        let (sender, receiver) = std::sync::mpsc::sync_channel(STEPS_PLANNED_AHEAD);
+        let thread = std::thread::Builder::new()
+            .name("gpufeed-plan".into())
+            .spawn(move || {
+                for step in first_step..plan.steps {
+                    let positions: Vec<u64> = plan
+                        .rank
+                        .batch_positions(plan.order.len(), plan.start_cursor, step)
+                        .collect();
+                    let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
+                    let failed = rounds.is_err();
+                    let planned = PlannedStep {
+                        step,
+                        first_position: positions.first().copied(),
+                        rows: positions.len(),
+                        rounds,
+                    };
+                    // The filler stopped listening (the stream ended): stop planning.
+                    if sender.send(planned).is_err() || failed {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the planning thread");
+        Planner {
+            receiver,
+            next_step: first_step,
+            thread: Some(thread),
+        }
+    }
+}
+
+/// Plans the rows `positions` of one step in rounds of `rows_per_round` rows.
+fn plan_step(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows_per_round: usize,
+) -> Result<Vec<PlannedRows>, FillError> {
+    let mut rounds = Vec::new();
+    let mut first = 0;
+    while first < positions.len() {
+        let end = (first + rows_per_round).min(positions.len());
+        rounds.push(plan_rows(plan, geometry, positions, first..end)?);
+        first = end;
+    }
+    Ok(rounds)
+}
+
+impl Drop for Planner {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread after the step it is planning.
+        let (_, closed) = std::sync::mpsc::sync_channel(0);
+        drop(std::mem::replace(&mut self.receiver, closed));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// What planning a row needs besides the stream plan.
 struct RowGeometry {
     /// Region index of each shard's first window.
     first_region: Vec<u32>,
+    /// First sample of each shard, and the sample count after the last.
+    shard_first_samples: Vec<u64>,
     /// Regions in the stream's table.
     region_count: usize,
     window_bytes: u64,
@@ -183,7 +275,7 @@ impl Resident {
                 device,
                 &plan.order,
                 shard_windows,
-                shard_first_samples,
+                shard_first_samples.clone(),
                 window_bytes,
                 limits.device_shard_bytes,
             )?
@@ -213,8 +305,10 @@ impl Resident {
             host_regions: table,
             device_shards,
             windows: mapped,
-            geometry: RowGeometry {
+            planner: None,
+            geometry: Arc::new(RowGeometry {
                 first_region,
+                shard_first_samples,
                 region_count: table_len,
                 window_bytes,
                 corrupt,
@@ -229,7 +323,7 @@ impl Resident {
                             .collect()
                     })
                     .collect(),
-            },
+            }),
         }))
     }
 
@@ -442,14 +536,21 @@ fn plan_chunk(
 ) -> Result<PlannedRows, FillError> {
     let mut gather = GatherPlan::new();
     let mut replaced = Vec::new();
-    for row in rows {
+    let mut row = rows.start;
+    while row < rows.end {
         let sample = plan.order.sample_at(positions[row]);
+        let run = consecutive_rows(plan, geometry, positions, row, rows.end, sample);
+        if run > 1 && run_pieces(plan, geometry, sample, run, row, &mut gather) {
+            row += run;
+            continue;
+        }
         if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather) {
             if plan.on_corrupt == CorruptPolicy::Fail {
                 return Err(bad.to_error());
             }
             replaced.push(row);
         }
+        row += 1;
     }
     let mut region_bytes = vec![0u64; geometry.region_count];
     for piece in gather.pieces() {
@@ -462,6 +563,82 @@ fn plan_chunk(
         region_bytes,
         replaced,
     })
+}
+
+/// How many rows from `row` (sample `sample`) on read consecutive samples of one shard: in dataset
+/// order, most of a batch; otherwise 1 (shuffled orders are planned row by row).
+fn consecutive_rows(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    row: usize,
+    end: usize,
+    sample: u64,
+) -> usize {
+    if !plan.order.is_identity() {
+        return 1;
+    }
+    let starts = &geometry.shard_first_samples;
+    let shard = starts.partition_point(|&s| s <= sample) - 1;
+    let shard_end = starts[shard + 1];
+    let mut run = 1;
+    while row + run < end
+        && positions[row + run] == positions[row] + run as u64
+        && sample + (run as u64) < shard_end
+    {
+        run += 1;
+    }
+    run
+}
+
+/// Adds the pieces of `rows` rows from `row` on, reading samples `sample..sample + rows` of one
+/// shard, when every field lies back to back in the shard (see [`RowGeometry::linear`]) and no
+/// block they read is corrupt; returns false, having added nothing, otherwise (the rows are then
+/// planned one by one).
+fn run_pieces(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    sample: u64,
+    rows: usize,
+    row: usize,
+    gather: &mut GatherPlan,
+) -> bool {
+    let mut spans = Vec::with_capacity(plan.fields.len());
+    for (index, field) in plan.fields.iter().enumerate() {
+        let (shard, start, end) = plan.locate(sample, field.field_index);
+        let Some((base, size)) = geometry.linear[shard][index] else {
+            return false;
+        };
+        let stop = start + (end - start) * rows as u64;
+        if !geometry.corrupt.is_empty() {
+            for block in (start / size)..=((stop - 1) / size) {
+                let key = BlockKey {
+                    shard: shard as u32,
+                    field: field.field_index as u32,
+                    block: block as u32,
+                };
+                if geometry.corrupt.contains_key(&key) {
+                    return false;
+                }
+            }
+        }
+        spans.push((shard, base + start, base + stop));
+    }
+    for (field, (shard, at, stop)) in plan.fields.iter().zip(spans) {
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        // Pieces of at most MERGED_PIECE_OUT_BYTES_MAX, as merging rows one by one would make them,
+        // so that a batch spreads over many thread blocks.
+        let chunk = (super::MERGED_PIECE_OUT_BYTES_MAX / op.out_bytes()).max(1) * op.in_bytes();
+        let (mut at, mut out_at) = (at, out_at);
+        while at < stop {
+            let piece_stop = stop.min(at + chunk);
+            out_at = push_in_place(gather, geometry, shard, at, piece_stop, out_at, op);
+            at = piece_stop;
+        }
+    }
+    true
 }
 
 /// Adds the pieces of one row (sample `sample` at row `row` of the slot) to `gather`; returns the
@@ -541,36 +718,54 @@ impl GpuAssembler {
     ) -> Result<(), FillError> {
         let plan = Arc::clone(&self.plan);
         self.stream.wait(released)?;
-        let positions: Vec<u64> = plan
-            .rank
-            .batch_positions(plan.order.len(), plan.start_cursor, step)
-            .collect();
-        let rows = positions.len();
-        self.batches.push_back(PendingBatch::new(step, slot, rows));
-        if let (Some(device_shards), Some(&first)) = (
+        let waited = std::time::Instant::now();
+        let planned = self.planned_step(step)?;
+        self.timings.plan_s += waited.elapsed().as_secs_f64();
+        self.batches
+            .push_back(PendingBatch::new(step, slot, planned.rows));
+        if let (Some(device_shards), Some(first)) = (
             self.resident
                 .as_mut()
                 .and_then(|r| r.device_shards.as_mut()),
-            positions.first(),
+            planned.first_position,
         ) {
             device_shards.read_ahead(&plan.order, first)?;
         }
-        let rows_per_round =
-            (self.pieces_max / (plan.fields.len() * ROW_PIECES_MAX_PER_FIELD)).max(1);
-        let mut first = 0;
-        while first < rows {
-            let end = (first + rows_per_round).min(rows);
-            let planned = std::time::Instant::now();
-            let geometry = &self.resident.as_ref().expect("a resident stream").geometry;
-            let planned_rows = plan_rows(&plan, geometry, &positions, first..end)?;
-            self.timings.plan_s += planned.elapsed().as_secs_f64();
-            self.queue_resident_round(step, planned_rows, slot)?;
-            first = end;
+        for rows in planned.rounds? {
+            self.queue_resident_round(step, rows, slot)?;
         }
         if let Some(ready) = ready {
             ready.record(&self.stream)?;
         }
         Ok(())
+    }
+
+    /// The planned rows of `step`, from the planning thread (started, or started again, at `step`
+    /// when it is not the step planned next).
+    fn planned_step(&mut self, step: u64) -> Result<PlannedStep, FillError> {
+        let rows_per_round =
+            (self.pieces_max / (self.plan.fields.len() * ROW_PIECES_MAX_PER_FIELD)).max(1);
+        let resident = self.resident.as_mut().expect("a resident stream");
+        if resident
+            .planner
+            .as_ref()
+            .is_none_or(|p| p.next_step != step)
+        {
+            resident.planner = Some(Planner::start(
+                Arc::clone(&self.plan),
+                Arc::clone(&resident.geometry),
+                step,
+                rows_per_round,
+            ));
+        }
+        let planner = resident.planner.as_mut().expect("started above");
+        let planned = planner
+            .receiver
+            .recv()
+            .map_err(|_| FillError::PlannerStopped { step })?;
+        debug_assert_eq!(planned.step, step);
+        planner.next_step = step + 1;
+        Ok(planned)
     }
 
     /// Queues one round of a resident stream: its pieces, the zeroing of its corrupt rows, and the
