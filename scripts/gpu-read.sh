@@ -84,13 +84,14 @@ run_gpufeed() {
   cpu0=$(cpu_seconds "$daemon")
   t0=$(date +%s.%N)
   line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
-    --batch-size "$batch" --dtype f32 --shuffle "$order" --window-shards 4 --seed "$run" | tail -1)
+    --batch-size "$batch" --dtype f32 --shuffle "$order" --window-shards 4 --seed "$run" \
+    --prefetch "${READ_PREFETCH:-4}" | tail -1)
   t1=$(date +%s.%N)
   cpu1=$(cpu_seconds "$daemon")
   read1=$(metric gpufeed_read_bytes_total)
   python3 - "$case" "$order" "$run" "$t0" "$t1" "$cpu0" "$cpu1" "$read0" "$read1" "$batch" "$line" \
     >>"$jsonl" <<'PY'
-import json, sys
+import json, os, sys
 case, order, run, t0, t1, cpu0, cpu1, read0, read1, batch, line = sys.argv[1:]
 try:
     summary = json.loads(line)
@@ -100,6 +101,7 @@ wall = float(t1) - float(t0)
 bytes_in = summary.get("bytes", 0) // 2
 record = {
     "loader": "gpufeed", "case": case, "order": order, "run": int(run), "batch_size": int(batch),
+    "prefetch": int(os.environ.get("READ_PREFETCH", "4")),
     "stream_seconds": summary.get("seconds"), "wall_seconds": wall,
     "bytes_in": bytes_in, "bytes_out": summary.get("bytes", 0),
     "gb_per_s_in_stream": bytes_in / summary["seconds"] / 1e9 if summary.get("seconds") else None,

@@ -697,6 +697,19 @@ pub unsafe fn mem_alloc_host(bytes: usize) -> DriverResult<*mut c_void> {
     Ok(ptr)
 }
 
+/// `cuMemHostGetDevicePointer` of memory from [`mem_alloc_host`]: the address kernels read it at.
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc_host`] and is live; a context is current on the calling thread.
+pub unsafe fn mem_host_device_pointer(ptr: *mut c_void) -> DriverResult<cu::CUdeviceptr> {
+    let mut device_ptr: cu::CUdeviceptr = 0;
+    check(
+        "cuMemHostGetDevicePointer_v2",
+        cu::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr, 0),
+    )?;
+    Ok(device_ptr)
+}
+
 /// `cuMemFreeHost`.
 ///
 /// # Safety

@@ -151,10 +151,29 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// A range of a [`PinnedBuffer`] as kernels see it (see [`PinnedBuffer::mapped`]).
+pub struct MappedHost<'a> {
+    device_ptr: u64,
+    bytes: usize,
+    _buffer: std::marker::PhantomData<&'a PinnedBuffer>,
+}
+
+impl DeviceMemory for MappedHost<'_> {
+    fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+
+    fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
 /// Page-locked host memory (`cuMemAllocHost`): the source of asynchronous uploads.
 pub struct PinnedBuffer {
     device: Device,
     ptr: *mut u8,
+    /// The address kernels read the buffer at (page-locked memory is mapped for the device).
+    device_ptr: u64,
     bytes: usize,
 }
 
@@ -171,11 +190,37 @@ impl PinnedBuffer {
         let ptr = unsafe { ffi::mem_alloc_host(bytes.max(1)) }? as *mut u8;
         // SAFETY: the allocation holds at least `bytes` bytes.
         unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        // SAFETY: `ptr` is a live allocation of `mem_alloc_host`; the context is current.
+        let device_ptr = match unsafe { ffi::mem_host_device_pointer(ptr.cast()) } {
+            Ok(device_ptr) => device_ptr,
+            Err(error) => {
+                // SAFETY: allocated above, not used elsewhere.
+                let _ = unsafe { ffi::mem_free_host(ptr.cast()) };
+                return Err(error.into());
+            }
+        };
         Ok(PinnedBuffer {
             device: device.clone(),
             ptr,
+            device_ptr,
             bytes,
         })
+    }
+
+    /// Bytes `offset .. offset + bytes` of the buffer as kernels read them: over PCIe, without a
+    /// copy. For small tables a kernel reads once, which then need no upload (an upload may wait
+    /// behind large copies on the copy engines).
+    pub fn mapped(&self, offset: usize, bytes: usize) -> MappedHost<'_> {
+        assert!(
+            offset <= self.bytes && bytes <= self.bytes - offset,
+            "range {offset}+{bytes} outside a pinned buffer of {} bytes",
+            self.bytes
+        );
+        MappedHost {
+            device_ptr: self.device_ptr + offset as u64,
+            bytes,
+            _buffer: std::marker::PhantomData,
+        }
     }
 
     /// The bytes.

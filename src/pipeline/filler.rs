@@ -266,14 +266,15 @@ impl Filler {
             let t = assembler.timings;
             tracing::info!(
                 "GPU stream done: {} steps in {} rounds; host plan {:.3} s, read {:.3} s, decode {:.3} s, \
-                 gather {:.3} s, waiting for the device {:.3} s",
+                 gather {:.3} s, waiting for the device {:.3} s; {} rounds read device copies of shards",
                 filler.steps,
                 t.rounds,
                 t.plan_s,
                 t.read_s,
                 t.decode_s,
                 t.gather_s,
-                t.wait_s
+                t.wait_s,
+                t.rounds_from_device_copies
             );
         }
         handoff.finish();

@@ -161,6 +161,8 @@ pub struct GpuFillTimings {
     pub wait_s: f64,
     /// Rounds run.
     pub rounds: u64,
+    /// Rounds of resident streams that read some shards from their device copies.
+    pub rounds_from_device_copies: u64,
 }
 
 /// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.

@@ -38,7 +38,7 @@ const VERIFY_THREADS_MAX: usize = 8;
 const PLAN_ROWS_PER_THREAD_MIN: usize = 1024;
 
 /// Threads planning the rows of one round of a resident stream.
-const PLAN_THREADS_MAX: usize = 4;
+const PLAN_THREADS_MAX: usize = 8;
 
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
@@ -785,45 +785,43 @@ impl GpuAssembler {
         let count = planned.pieces;
         if count > 0 {
             let resident = self.resident.as_mut().expect("a resident stream");
-            let buffers = &mut self.buffers[index];
-            super::round::upload_table(
-                &self.stream,
-                &mut buffers.host,
-                self.layout.pieces,
-                &buffers.pieces,
-                &planned.table,
-            )?;
-            // The regions of shards whose device copy is complete point at the copy for this
-            // round: its own table, uploaded like the pieces.
+            // The piece table (and the region table, when some shards are read from their device
+            // copies) are written to the round's pinned buffer and read by the kernel from there:
+            // an upload could wait behind the shard copies on the copy engines.
             let mut table = resident.host_regions.clone();
             let on_device = resident
                 .device_shards
                 .as_ref()
                 .is_some_and(|d| d.redirect(&mut table));
+            let layout = self.layout;
+            let buffers = &mut self.buffers[index];
+            let host = buffers.host.as_mut_slice();
+            host[layout.pieces..layout.pieces + planned.table.len()]
+                .copy_from_slice(&planned.table);
+            let encoded_regions = GatherRegion::encode_all(&table);
             if on_device {
-                super::round::upload_table(
-                    &self.stream,
-                    &mut buffers.host,
-                    self.layout.regions,
-                    &buffers.regions,
-                    &GatherRegion::encode_all(&table),
-                )?;
+                host[layout.regions..layout.regions + encoded_regions.len()]
+                    .copy_from_slice(&encoded_regions);
             }
+            self.timings.rounds_from_device_copies += u64::from(on_device);
             let buffers = &self.buffers[index];
+            let pieces = buffers.host.mapped(layout.pieces, planned.table.len());
+            let mapped_regions = buffers.host.mapped(layout.regions, encoded_regions.len());
             let regions: &dyn DeviceMemory = if on_device {
-                &buffers.regions
+                &mapped_regions
             } else {
                 &resident.regions
             };
-            // SAFETY: the piece table, region table and outcome belong to this round; the windows
-            // the regions name stay mapped and pinned for the stream's life, and the device copies
-            // they name are complete and are not overwritten before this round is done (the copy
-            // stream waits for the event recorded below); the slot is this filler's (its release
-            // event was waited on) and overlaps no source.
+            // SAFETY: the piece table, region table and outcome belong to this round (its pinned
+            // buffer is written again only after the host waited for the round); the windows the
+            // regions name stay mapped and pinned for the stream's life, and the device copies they
+            // name are complete and are not overwritten before this round is done (the copy stream
+            // waits for the event recorded below); the slot is this filler's (its release event was
+            // waited on) and overlaps no source.
             unsafe {
                 self.kernels.gather.gather_regions_async(
                     &self.stream,
-                    &buffers.pieces,
+                    &pieces,
                     count as u32,
                     &[&self.cache, &buffers.staging],
                     Some((regions, resident.region_count)),
