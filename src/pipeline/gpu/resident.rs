@@ -34,11 +34,8 @@ const ROW_PIECES_MAX_PER_FIELD: usize = 4;
 /// Threads verifying a dataset's blocks when a resident stream opens.
 const VERIFY_THREADS_MAX: usize = 8;
 
-/// Rows a planning thread takes at least: starting a thread costs some tens of microseconds.
-const PLAN_ROWS_PER_THREAD_MIN: usize = 1024;
-
-/// Threads planning the rows of one round of a resident stream.
-const PLAN_THREADS_MAX: usize = 8;
+/// Threads planning a resident stream's steps ahead of the filler.
+const PLAN_WORKERS: usize = 4;
 
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
@@ -57,8 +54,8 @@ pub(super) struct Resident {
     planner: Option<Planner>,
 }
 
-/// Steps planned ahead of the filler: enough to cover the rounds in flight.
-const STEPS_PLANNED_AHEAD: usize = 4;
+/// Steps each planning thread plans ahead of the filler.
+const STEPS_PLANNED_AHEAD: usize = 2;
 
 /// One step's rows, planned in rounds.
 struct PlannedStep {
@@ -69,12 +66,16 @@ struct PlannedStep {
     rounds: Result<Vec<PlannedRows>, FillError>,
 }
 
-/// A thread planning the rows of consecutive steps ahead of the filler, so that host planning
-/// overlaps the device's work on earlier steps instead of adding to it.
+/// Threads planning the rows of a resident stream's steps ahead of the filler, so that host
+/// planning overlaps the device's work on earlier steps instead of adding to it. Worker `k` of `n`
+/// plans steps `first + k`, `first + k + n`, ..., each on its own (threads are started once per
+/// stream, not per batch: starting them per batch cost more than the planning).
 struct Planner {
-    receiver: std::sync::mpsc::Receiver<PlannedStep>,
+    /// One channel per worker; step `first + i` comes from `receivers[i % n]`.
+    receivers: Vec<std::sync::mpsc::Receiver<PlannedStep>>,
+    first_step: u64,
     next_step: u64,
-    thread: Option<std::thread::JoinHandle<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Planner {
@@ -85,35 +86,57 @@ impl Planner {
         first_step: u64,
         rows_per_round: usize,
     ) -> Planner {
-        let (sender, receiver) = std::sync::mpsc::sync_channel(STEPS_PLANNED_AHEAD);
-        let thread = std::thread::Builder::new()
-            .name("gpufeed-plan".into())
-            .spawn(move || {
-                for step in first_step..plan.steps {
-                    let positions: Vec<u64> = plan
-                        .rank
-                        .batch_positions(plan.order.len(), plan.start_cursor, step)
-                        .collect();
-                    let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
-                    let failed = rounds.is_err();
-                    let planned = PlannedStep {
-                        step,
-                        first_position: positions.first().copied(),
-                        rows: positions.len(),
-                        rounds,
-                    };
-                    // The filler stopped listening (the stream ended): stop planning.
-                    if sender.send(planned).is_err() || failed {
-                        break;
+        let workers = PLAN_WORKERS.min(plan.steps.saturating_sub(first_step).max(1) as usize);
+        let mut receivers = Vec::with_capacity(workers);
+        let mut threads = Vec::with_capacity(workers);
+        for worker in 0..workers {
+            let (sender, receiver) = std::sync::mpsc::sync_channel(STEPS_PLANNED_AHEAD);
+            let (plan, geometry) = (Arc::clone(&plan), Arc::clone(&geometry));
+            let thread = std::thread::Builder::new()
+                .name(format!("gpufeed-plan-{worker}"))
+                .spawn(move || {
+                    let steps = (first_step + worker as u64..plan.steps).step_by(workers);
+                    for step in steps {
+                        let positions: Vec<u64> = plan
+                            .rank
+                            .batch_positions(plan.order.len(), plan.start_cursor, step)
+                            .collect();
+                        let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
+                        let failed = rounds.is_err();
+                        let planned = PlannedStep {
+                            step,
+                            first_position: positions.first().copied(),
+                            rows: positions.len(),
+                            rounds,
+                        };
+                        // The filler stopped listening (the stream ended): stop planning.
+                        if sender.send(planned).is_err() || failed {
+                            break;
+                        }
                     }
-                }
-            })
-            .expect("spawning the planning thread");
-        Planner {
-            receiver,
-            next_step: first_step,
-            thread: Some(thread),
+                })
+                .expect("spawning a planning thread");
+            receivers.push(receiver);
+            threads.push(thread);
         }
+        Planner {
+            receivers,
+            first_step,
+            next_step: first_step,
+            threads,
+        }
+    }
+
+    /// The planned rows of the next step.
+    fn next(&mut self) -> Result<PlannedStep, FillError> {
+        let step = self.next_step;
+        let worker = ((step - self.first_step) % self.receivers.len() as u64) as usize;
+        let planned = self.receivers[worker]
+            .recv()
+            .map_err(|_| FillError::PlannerStopped { step })?;
+        debug_assert_eq!(planned.step, step);
+        self.next_step += 1;
+        Ok(planned)
     }
 }
 
@@ -128,7 +151,7 @@ fn plan_step(
     let mut first = 0;
     while first < positions.len() {
         let end = (first + rows_per_round).min(positions.len());
-        rounds.push(plan_rows(plan, geometry, positions, first..end)?);
+        rounds.push(plan_chunk(plan, geometry, positions, first..end)?);
         first = end;
     }
     Ok(rounds)
@@ -136,10 +159,9 @@ fn plan_step(
 
 impl Drop for Planner {
     fn drop(&mut self) {
-        // Closing the channel ends the thread after the step it is planning.
-        let (_, closed) = std::sync::mpsc::sync_channel(0);
-        drop(std::mem::replace(&mut self.receiver, closed));
-        if let Some(thread) = self.thread.take() {
+        // Closing the channels ends each thread after the step it is planning.
+        self.receivers.clear();
+        for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
     }
@@ -487,46 +509,6 @@ struct PlannedRows {
     replaced: Vec<usize>,
 }
 
-/// Plans rows `rows` of a batch (global order positions `positions`), on several threads when there
-/// are enough rows, each encoding its own part of the piece table.
-fn plan_rows(
-    plan: &StreamPlan,
-    geometry: &RowGeometry,
-    positions: &[u64],
-    rows: std::ops::Range<usize>,
-) -> Result<PlannedRows, FillError> {
-    let threads = (rows.len() / PLAN_ROWS_PER_THREAD_MIN).clamp(1, PLAN_THREADS_MAX);
-    if threads == 1 {
-        return plan_chunk(plan, geometry, positions, rows);
-    }
-    let chunk = rows.len().div_ceil(threads);
-    let parts: Vec<Result<PlannedRows, FillError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let start = rows.start + t * chunk;
-                let end = (start + chunk).min(rows.end);
-                scope.spawn(move || plan_chunk(plan, geometry, positions, start..end))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a planning thread panicked"))
-            .collect()
-    });
-    let mut all = PlannedRows::default();
-    for part in parts {
-        let part = part?;
-        all.table.extend_from_slice(&part.table);
-        all.pieces += part.pieces;
-        all.region_bytes.resize(part.region_bytes.len(), 0);
-        for (sum, bytes) in all.region_bytes.iter_mut().zip(&part.region_bytes) {
-            *sum += bytes;
-        }
-        all.replaced.extend(part.replaced);
-    }
-    Ok(all)
-}
-
 /// Plans rows `rows` on the calling thread.
 fn plan_chunk(
     plan: &StreamPlan,
@@ -708,7 +690,7 @@ fn row_pieces(
 
 impl GpuAssembler {
     /// [`Self::submit`] for a resident stream: every row gathered in place, planned by arithmetic on
-    /// up to [`PLAN_THREADS_MAX`] threads, in rounds of at most `pieces_max` pieces.
+    /// [`PLAN_WORKERS`] planning threads ahead of the filler, in rounds of at most `pieces_max` pieces.
     pub(super) fn submit_resident(
         &mut self,
         step: u64,
@@ -758,14 +740,7 @@ impl GpuAssembler {
                 rows_per_round,
             ));
         }
-        let planner = resident.planner.as_mut().expect("started above");
-        let planned = planner
-            .receiver
-            .recv()
-            .map_err(|_| FillError::PlannerStopped { step })?;
-        debug_assert_eq!(planned.step, step);
-        planner.next_step = step + 1;
-        Ok(planned)
+        resident.planner.as_mut().expect("started above").next()
     }
 
     /// Queues one round of a resident stream: its pieces, the zeroing of its corrupt rows, and the
@@ -785,27 +760,44 @@ impl GpuAssembler {
         let count = planned.pieces;
         if count > 0 {
             let resident = self.resident.as_mut().expect("a resident stream");
-            // The piece table (and the region table, when some shards are read from their device
-            // copies) are written to the round's pinned buffer and read by the kernel from there:
-            // an upload could wait behind the shard copies on the copy engines.
+            // When shards are copied ahead, the piece table (and the region table, when some
+            // shards are read from their device copies) are written to the round's pinned buffer
+            // and read by the kernel from there: an upload could wait behind the shard copies on
+            // the copy engines. Otherwise the piece table is uploaded (the kernel then reads it
+            // from device memory).
             let mut table = resident.host_regions.clone();
+            let copying = resident.device_shards.is_some();
             let on_device = resident
                 .device_shards
                 .as_ref()
                 .is_some_and(|d| d.redirect(&mut table));
             let layout = self.layout;
             let buffers = &mut self.buffers[index];
-            let host = buffers.host.as_mut_slice();
-            host[layout.pieces..layout.pieces + planned.table.len()]
-                .copy_from_slice(&planned.table);
+            if copying {
+                buffers.host.as_mut_slice()[layout.pieces..layout.pieces + planned.table.len()]
+                    .copy_from_slice(&planned.table);
+            } else {
+                super::round::upload_table(
+                    &self.stream,
+                    &mut buffers.host,
+                    layout.pieces,
+                    &buffers.pieces,
+                    &planned.table,
+                )?;
+            }
             let encoded_regions = GatherRegion::encode_all(&table);
             if on_device {
-                host[layout.regions..layout.regions + encoded_regions.len()]
+                buffers.host.as_mut_slice()[layout.regions..layout.regions + encoded_regions.len()]
                     .copy_from_slice(&encoded_regions);
             }
             self.timings.rounds_from_device_copies += u64::from(on_device);
             let buffers = &self.buffers[index];
-            let pieces = buffers.host.mapped(layout.pieces, planned.table.len());
+            let mapped_pieces = buffers.host.mapped(layout.pieces, planned.table.len());
+            let pieces: &dyn DeviceMemory = if copying {
+                &mapped_pieces
+            } else {
+                &buffers.pieces
+            };
             let mapped_regions = buffers.host.mapped(layout.regions, encoded_regions.len());
             let regions: &dyn DeviceMemory = if on_device {
                 &mapped_regions
@@ -821,7 +813,7 @@ impl GpuAssembler {
             unsafe {
                 self.kernels.gather.gather_regions_async(
                     &self.stream,
-                    &pieces,
+                    pieces,
                     count as u32,
                     &[&self.cache, &buffers.staging],
                     Some((regions, resident.region_count)),
