@@ -227,7 +227,7 @@ struct ServeArgs {
     zero_copy: Option<String>,
     /// Device memory each GPU stream in dataset order or a window shuffle may fill with whole shards
     /// copied ahead of need, when the whole dataset is registered page cache (suffixes K, M, G; 0
-    /// turns the copies off). Default: 4G.
+    /// turns the copies off). Default: 5G.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
 }

@@ -121,9 +121,10 @@ impl std::str::FromStr for ZeroCopy {
     }
 }
 
-/// Default [`GpuStreamLimits::device_shard_bytes`]: room for two windows of four 512 MiB shards, the
-/// window being served and the next, a few percent of a data-centre GPU's memory.
-pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 4 << 30;
+/// Default [`GpuStreamLimits::device_shard_bytes`]: room for two windows of four shards of 512 MiB
+/// (the window being served and the next) with their headers, 6 % of an 80 GiB GPU. With 4 GiB
+/// (seven such slots) the next window's last shard could not be copied before its window began.
+pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
 
 /// Share of a raw block's bytes below which [`ZeroCopy::Auto`] reads the rows in place.
 const ZERO_COPY_COVERAGE_MAX: f64 = 0.5;
