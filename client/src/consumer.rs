@@ -768,6 +768,7 @@ impl Stream {
             info,
             memory: Arc::clone(&self.memory),
             outbox: Arc::clone(&self.outbox),
+            release_stream: None,
         };
         if let Slots::Device(slots) = &self.memory.slots {
             slots.wait_ready(batch.info.slot, self.memory.cuda_stream())?;
@@ -811,6 +812,9 @@ pub struct Batch {
     info: BatchInfo,
     memory: Arc<SlotMemory>,
     outbox: Arc<Outbox>,
+    /// The CUDA stream whose queued work the release waits for, when not the stream's own (set
+    /// by [`Batch::release_after`]).
+    release_stream: Option<u64>,
 }
 
 /// One field of a batch.
@@ -887,6 +891,32 @@ impl FieldView<'_> {
 }
 
 impl Batch {
+    /// Makes `stream` (a `CUstream` of the stream device's primary context; null is the legacy
+    /// default stream) wait, on the device, for the daemon's fill of this batch: work queued on it
+    /// afterwards reads the batch's final bytes, without the host waiting. The stream set with
+    /// [`Stream::set_cuda_stream`] already waits; this is for other streams (DLPack consumers name
+    /// theirs). No effect on host memory.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the primary context of the stream's device.
+    pub unsafe fn wait_ready_on(&self, stream: *mut std::ffi::c_void) -> Result<(), ClientError> {
+        if let Slots::Device(slots) = &self.memory.slots {
+            slots.wait_ready(self.info.slot, stream as crate::cuda::RawStream)?;
+        }
+        Ok(())
+    }
+
+    /// Releases the slot, when the batch is dropped, once the work queued on `stream` before the drop
+    /// is done, instead of the work on the stream set with [`Stream::set_cuda_stream`]. No effect on
+    /// host memory.
+    ///
+    /// # Safety
+    /// `stream` stays live until the batch is dropped, and belongs to the primary context of the
+    /// stream's device.
+    pub unsafe fn release_after(&mut self, stream: *mut std::ffi::c_void) {
+        self.release_stream = Some(stream as usize as u64);
+    }
+
     /// The daemon's description of the batch.
     pub fn info(&self) -> &BatchInfo {
         &self.info
@@ -966,10 +996,11 @@ impl Batch {
 impl Drop for Batch {
     fn drop(&mut self) {
         if let Slots::Device(slots) = &self.memory.slots {
-            if slots
-                .release(self.info.slot, self.memory.cuda_stream())
-                .is_err()
-            {
+            let stream = self.release_stream.map_or_else(
+                || self.memory.cuda_stream(),
+                |s| s as usize as crate::cuda::RawStream,
+            );
+            if slots.release(self.info.slot, stream).is_err() {
                 // Neither recording the release event nor waiting for the stream worked: the
                 // consumer's work may still read the slot, so it is not handed back; ending the
                 // session makes the daemon reclaim the whole ring instead.

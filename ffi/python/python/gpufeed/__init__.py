@@ -1,0 +1,36 @@
+"""gpufeed: device-resident training batches from the gpufeed daemon, zero-copy into PyTorch, JAX,
+CuPy and NumPy through DLPack.
+
+    import gpufeed
+    client = gpufeed.Client("/run/gpufeed/gpufeed.sock")
+    for batch in client.open_stream("tokens", batch_size=4096, device="cuda:0", shuffle="window"):
+        ids = torch.from_dlpack(batch["ids"])
+
+See docs/PYTHON.md for the API, the lifetime of batches and CUDA stream ordering.
+"""
+
+from gpufeed._gpufeed import Batch, Client, Field, Stream, __version__
+from gpufeed.errors import (
+    ConnectError,
+    CudaError,
+    DaemonError,
+    Error,
+    InvalidSpecError,
+    ProtocolError,
+    SessionError,
+)
+
+__all__ = [
+    "Batch",
+    "Client",
+    "ConnectError",
+    "CudaError",
+    "DaemonError",
+    "Error",
+    "Field",
+    "InvalidSpecError",
+    "ProtocolError",
+    "SessionError",
+    "Stream",
+    "__version__",
+]

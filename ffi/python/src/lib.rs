@@ -1,0 +1,852 @@
+//! `gpufeed._gpufeed`: the native half of the `gpufeed` Python package, over the Rust client crate.
+//!
+//! A [`Batch`] shares one lease on its slot (an `Arc` of the client's batch) with every array
+//! exported from it through DLPack; the slot is released when the last of them goes, or at once by
+//! `Batch.release()`. Device batches are made ready for the stream a DLPack consumer names (a
+//! device-side wait on the batch's ready event, no host synchronisation), and released after the
+//! work queued on that stream.
+
+use std::ffi::{c_void, CStr};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use gpufeed_client::protocol::{CorruptPolicy, Device, FieldRequest, Shuffle, StreamSpec, Tail};
+use gpufeed_client::{ClientError, DType, FieldData, StreamState};
+use pyo3::exceptions::{PyBufferError, PyStopIteration, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict, PyTuple};
+
+/// DLPack device types.
+const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
+
+/// `DLPACK_FLAG_BITMASK_READ_ONLY`: host slots are mapped read-only.
+const DLPACK_FLAG_READ_ONLY: u64 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+/// DLPack 0.x's `DLManagedTensor`.
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+#[repr(C)]
+struct DlPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+/// DLPack 1.x's `DLManagedTensorVersioned`.
+#[repr(C)]
+struct DlManagedTensorVersioned {
+    version: DlPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DlTensor,
+}
+
+/// What an exported tensor keeps alive: the batch's lease and the shape the tensor points at.
+struct Exported {
+    _lease: Arc<Lease>,
+    _shape: Box<[i64]>,
+}
+
+/// A batch's lease on its slot, shared by the Python batch and every array exported from it.
+struct Lease {
+    batch: Mutex<Option<gpufeed_client::Batch>>,
+}
+
+impl Lease {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<gpufeed_client::Batch>> {
+        self.batch.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The DLPack code and bits of a gpufeed element type.
+fn dl_dtype(dtype: DType) -> DlDataType {
+    let (code, bits) = match dtype {
+        DType::U8 => (1, 8),
+        DType::U16 => (1, 16),
+        DType::U32 => (1, 32),
+        DType::U64 => (1, 64),
+        DType::I8 => (0, 8),
+        DType::I16 => (0, 16),
+        DType::I32 => (0, 32),
+        DType::I64 => (0, 64),
+        DType::F16 => (2, 16),
+        DType::F32 => (2, 32),
+        DType::F64 => (2, 64),
+        DType::BF16 => (4, 16),
+    };
+    DlDataType {
+        code,
+        bits,
+        lanes: 1,
+    }
+}
+
+/// The NumPy type string of a gpufeed element type (`None` for bf16, which NumPy lacks).
+fn typestr(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::U8 => "|u1",
+        DType::U16 => "<u2",
+        DType::U32 => "<u4",
+        DType::U64 => "<u8",
+        DType::I8 => "|i1",
+        DType::I16 => "<i2",
+        DType::I32 => "<i4",
+        DType::I64 => "<i8",
+        DType::F16 => "<f2",
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        DType::BF16 => return None,
+    })
+}
+
+/// Raises `gpufeed.errors.<class>(message, code)`.
+fn raise(py: Python<'_>, class: &str, message: String, code: Option<String>) -> PyErr {
+    let made = py
+        .import("gpufeed.errors")
+        .and_then(|errors| errors.getattr(class))
+        .and_then(|class| class.call1((message.clone(), code)));
+    match made {
+        Ok(error) => PyErr::from_value(error),
+        Err(error) => error,
+    }
+}
+
+/// The Python exception for a client error.
+fn to_py(py: Python<'_>, error: ClientError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        ClientError::Connect { .. } => raise(py, "ConnectError", message, None),
+        ClientError::Daemon { code, .. } => {
+            raise(py, "DaemonError", message, Some(format!("{code:?}")))
+        }
+        ClientError::InvalidSpec(_) => raise(py, "InvalidSpecError", message, None),
+        ClientError::Protocol(_) => raise(py, "ProtocolError", message, None),
+        ClientError::Cuda(_) => raise(py, "CudaError", message, None),
+        ClientError::Transport(_) | ClientError::Ended(_) | ClientError::Io(_) => {
+            raise(py, "SessionError", message, None)
+        }
+    }
+}
+
+/// A connection to the daemon. Each stream it opens is a session of its own.
+#[pyclass(module = "gpufeed._gpufeed")]
+struct Client {
+    socket: String,
+    /// The connection made by the constructor, used by the first stream.
+    first: Mutex<Option<gpufeed_client::Client>>,
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    fn new(py: Python<'_>, socket: String) -> PyResult<Client> {
+        let client = py
+            .allow_threads(|| gpufeed_client::Client::connect(&socket))
+            .map_err(|e| to_py(py, e))?;
+        Ok(Client {
+            socket,
+            first: Mutex::new(Some(client)),
+        })
+    }
+
+    /// The socket path.
+    #[getter]
+    fn socket(&self) -> &str {
+        &self.socket
+    }
+
+    #[pyo3(signature = (
+        dataset, batch_size, *, fields=None, device="cpu", shuffle="none", window_shards=4,
+        seed=0, epoch=0, rank=0, world=1, tail="drop", start_step=None, state=None,
+        on_corrupt="fail", prefetch=4
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_stream(
+        &self,
+        py: Python<'_>,
+        dataset: String,
+        batch_size: u32,
+        fields: Option<Bound<'_, PyAny>>,
+        device: &str,
+        shuffle: &str,
+        window_shards: u32,
+        seed: u64,
+        epoch: u64,
+        rank: u32,
+        world: u32,
+        tail: &str,
+        start_step: Option<u64>,
+        state: Option<Bound<'_, PyDict>>,
+        on_corrupt: &str,
+        prefetch: u32,
+    ) -> PyResult<Stream> {
+        let mut spec = StreamSpec::new(dataset, batch_size);
+        spec.fields = field_requests(fields)?;
+        spec.device = parse_device(device)?;
+        spec.shuffle = parse_shuffle(shuffle, window_shards)?;
+        spec.seed = seed;
+        spec.epoch = epoch;
+        spec.rank = rank;
+        spec.world_size = world;
+        spec.tail = match tail {
+            "drop" => Tail::Drop,
+            "pad" => Tail::Pad,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "tail {other:?} is not drop or pad"
+                )))
+            }
+        };
+        spec.on_corrupt = match on_corrupt {
+            "fail" => CorruptPolicy::Fail,
+            "replace" => CorruptPolicy::Replace,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "on_corrupt {other:?} is not fail or replace"
+                )))
+            }
+        };
+        spec.prefetch = prefetch;
+        if let Some(state) = state {
+            if start_step.is_some() {
+                return Err(PyValueError::new_err("give start_step or state, not both"));
+            }
+            spec.resume(&parse_state(&state)?);
+        } else if let Some(step) = start_step {
+            spec.start_at_step(step);
+        }
+        let first = self
+            .first
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let socket = self.socket.clone();
+        let stream = py
+            .allow_threads(move || {
+                let client = match first {
+                    Some(client) => client,
+                    None => gpufeed_client::Client::connect(&socket)?,
+                };
+                client.open_stream(spec)
+            })
+            .map_err(|e| to_py(py, e))?;
+        Ok(Stream {
+            inner: Mutex::new(Some(stream)),
+        })
+    }
+}
+
+/// The requested fields: `None` (every field, stored dtype), a list of names, or a dict of name to
+/// dtype name (or `None`).
+fn field_requests(fields: Option<Bound<'_, PyAny>>) -> PyResult<Vec<FieldRequest>> {
+    let Some(fields) = fields else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    if let Ok(dict) = fields.downcast::<PyDict>() {
+        for (name, dtype) in dict.iter() {
+            let dtype: Option<String> = dtype.extract()?;
+            out.push(FieldRequest {
+                name: name.extract()?,
+                dtype: dtype.map(|d| parse_dtype(&d)).transpose()?,
+            });
+        }
+    } else {
+        for name in fields.try_iter()? {
+            out.push(FieldRequest {
+                name: name?.extract()?,
+                dtype: None,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn parse_dtype(name: &str) -> PyResult<DType> {
+    name.parse()
+        .map_err(|e: gpufeed_client::DTypeError| PyValueError::new_err(e.to_string()))
+}
+
+fn parse_device(device: &str) -> PyResult<Device> {
+    if device == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = match device {
+        "cuda" => Some(0),
+        other => other.strip_prefix("cuda:").and_then(|n| n.parse().ok()),
+    };
+    ordinal.map(Device::Cuda).ok_or_else(|| {
+        PyValueError::new_err(format!("device {device:?} is not cpu, cuda or cuda:N"))
+    })
+}
+
+fn parse_shuffle(shuffle: &str, window_shards: u32) -> PyResult<Shuffle> {
+    match shuffle {
+        "none" => Ok(Shuffle::None),
+        "window" => Ok(Shuffle::Window(window_shards)),
+        "full" => Ok(Shuffle::Full),
+        other => Err(PyValueError::new_err(format!(
+            "shuffle {other:?} is not none, window or full"
+        ))),
+    }
+}
+
+fn shuffle_names(shuffle: Shuffle) -> (&'static str, u32) {
+    match shuffle {
+        Shuffle::None => ("none", 0),
+        Shuffle::Window(shards) => ("window", shards),
+        Shuffle::Full => ("full", 0),
+    }
+}
+
+/// Version of the `state_dict` layout.
+const STATE_VERSION: u32 = 1;
+
+fn parse_state(state: &Bound<'_, PyDict>) -> PyResult<StreamState> {
+    let get = |key: &str| -> PyResult<Bound<'_, PyAny>> {
+        state
+            .get_item(key)?
+            .ok_or_else(|| PyValueError::new_err(format!("state_dict has no {key:?}")))
+    };
+    let version: u32 = get("version")?.extract()?;
+    if version != STATE_VERSION {
+        return Err(PyValueError::new_err(format!(
+            "state_dict version {version} is not {STATE_VERSION}"
+        )));
+    }
+    let shuffle: String = get("shuffle")?.extract()?;
+    Ok(StreamState {
+        dataset: get("dataset")?.extract()?,
+        seed: get("seed")?.extract()?,
+        epoch: get("epoch")?.extract()?,
+        shuffle: parse_shuffle(&shuffle, get("window_shards")?.extract()?)?,
+        world_size: get("world_size")?.extract()?,
+        batch_size: get("batch_size")?.extract()?,
+        cursor: get("cursor")?.extract()?,
+    })
+}
+
+/// An open stream: iterates over the epoch's batches for this rank.
+#[pyclass(module = "gpufeed._gpufeed")]
+struct Stream {
+    inner: Mutex<Option<gpufeed_client::Stream>>,
+}
+
+impl Stream {
+    fn with<T>(&self, f: impl FnOnce(&mut gpufeed_client::Stream) -> PyResult<T>) -> PyResult<T> {
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        match inner.as_mut() {
+            Some(stream) => f(stream),
+            None => Err(PyValueError::new_err("the stream is closed")),
+        }
+    }
+}
+
+#[pymethods]
+impl Stream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(stream) = inner.as_mut() else {
+            return Err(PyStopIteration::new_err(()));
+        };
+        let next = py.allow_threads(|| stream.next());
+        match next {
+            None => Err(PyStopIteration::new_err(())),
+            Some(Err(error)) => Err(to_py(py, error)),
+            Some(Ok(batch)) => {
+                let device = match stream.layout().device {
+                    Device::Cpu => None,
+                    Device::Cuda(ordinal) => Some(ordinal),
+                };
+                Ok(Batch::new(batch, device))
+            }
+        }
+    }
+
+    /// Where the epoch stands, for a checkpoint: a dict that `open_stream(..., state=...)` resumes
+    /// from, at this or another world size.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let state = self.with(|s| Ok(s.state()))?;
+        let (shuffle, window_shards) = shuffle_names(state.shuffle);
+        let dict = PyDict::new(py);
+        dict.set_item("version", STATE_VERSION)?;
+        dict.set_item("dataset", state.dataset)?;
+        dict.set_item("seed", state.seed)?;
+        dict.set_item("epoch", state.epoch)?;
+        dict.set_item("shuffle", shuffle)?;
+        dict.set_item("window_shards", window_shards)?;
+        dict.set_item("world_size", state.world_size)?;
+        dict.set_item("batch_size", state.batch_size)?;
+        dict.set_item("cursor", state.cursor)?;
+        Ok(dict)
+    }
+
+    /// Batches this rank receives from where the stream started to the end of the epoch.
+    #[getter]
+    fn steps(&self) -> PyResult<u64> {
+        self.with(|s| Ok(s.layout().steps))
+    }
+
+    /// Slots the daemon fills ahead of the consumer.
+    #[getter]
+    fn slot_count(&self) -> PyResult<u32> {
+        self.with(|s| Ok(s.layout().slot_count))
+    }
+
+    /// `"cpu"` or `"cuda:N"`: where batches are.
+    #[getter]
+    fn device(&self) -> PyResult<String> {
+        self.with(|s| {
+            Ok(match s.layout().device {
+                Device::Cpu => "cpu".to_string(),
+                Device::Cuda(n) => format!("cuda:{n}"),
+            })
+        })
+    }
+
+    /// Makes `stream` (a `CUstream` address as an int, e.g. `torch.cuda.current_stream().cuda_stream`;
+    /// 0 is the legacy default stream) the stream batches are delivered on: each batch is ready for
+    /// work queued on it, and released after that work. The stream must outlive the batches.
+    fn set_cuda_stream(&self, stream: usize) -> PyResult<()> {
+        self.with(|s| {
+            // SAFETY: the caller vouches for the stream (documented in docs/PYTHON.md and above).
+            unsafe { s.set_cuda_stream(stream as *mut c_void) };
+            Ok(())
+        })
+    }
+
+    /// Ends the stream; batches still held stay valid until released.
+    fn close(&self) {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+}
+
+/// One batch: a lease on a slot. `batch[name]` is a field.
+#[pyclass(module = "gpufeed._gpufeed")]
+struct Batch {
+    lease: Arc<Lease>,
+    /// CUDA ordinal of device batches.
+    device: Option<u32>,
+    epoch: u64,
+    step: u64,
+    samples: u32,
+    replaced: u32,
+    cursor_after: u64,
+    names: Vec<String>,
+}
+
+impl Batch {
+    fn new(batch: gpufeed_client::Batch, device: Option<u32>) -> Batch {
+        Batch {
+            device,
+            epoch: batch.epoch(),
+            step: batch.step(),
+            samples: batch.samples(),
+            replaced: batch.replaced(),
+            cursor_after: batch.cursor_after(),
+            names: batch.fields().map(|f| f.name.to_string()).collect(),
+            lease: Arc::new(Lease {
+                batch: Mutex::new(Some(batch)),
+            }),
+        }
+    }
+}
+
+#[pymethods]
+impl Batch {
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+    #[getter]
+    fn step(&self) -> u64 {
+        self.step
+    }
+    #[getter]
+    fn samples(&self) -> u32 {
+        self.samples
+    }
+    /// Samples zero-filled because their block was corrupt (`on_corrupt="replace"`).
+    #[getter]
+    fn replaced(&self) -> u32 {
+        self.replaced
+    }
+    /// The epoch cursor once every rank consumed this step.
+    #[getter]
+    fn cursor_after(&self) -> u64 {
+        self.cursor_after
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.names.clone()
+    }
+
+    fn __contains__(&self, name: &str) -> bool {
+        self.names.iter().any(|n| n == name)
+    }
+
+    fn __len__(&self) -> usize {
+        self.names.len()
+    }
+
+    fn __getitem__(&self, name: &str) -> PyResult<Field> {
+        let guard = self.lease.lock();
+        let Some(batch) = guard.as_ref() else {
+            return Err(PyValueError::new_err("the batch was released"));
+        };
+        let Some(view) = batch.field(name) else {
+            return Err(pyo3::exceptions::PyKeyError::new_err(name.to_string()));
+        };
+        let (ptr, bytes) = match view.data {
+            FieldData::Host(data) => (data.as_ptr() as u64, data.len()),
+            FieldData::Device { ptr, bytes } => (ptr, bytes),
+        };
+        Ok(Field {
+            lease: Arc::clone(&self.lease),
+            device: self.device,
+            name: name.to_string(),
+            dtype: view.dtype,
+            shape: view.shape.to_vec(),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// Releases the slot now. Arrays exported from the batch must not be used afterwards.
+    fn release(&self) {
+        self.lease.lock().take();
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
+        self.release();
+    }
+}
+
+/// One field of a batch, exported zero-copy through DLPack, `__cuda_array_interface__` (device) or
+/// `__array_interface__` (host).
+#[pyclass(module = "gpufeed._gpufeed")]
+struct Field {
+    lease: Arc<Lease>,
+    device: Option<u32>,
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl Field {
+    fn released(&self) -> bool {
+        self.lease.lock().is_none()
+    }
+
+    fn check_live(&self) -> PyResult<()> {
+        if self.released() {
+            return Err(PyBufferError::new_err(format!(
+                "field {:?}: its batch was released",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    fn dl_tensor(&self, shape: &mut [i64]) -> DlTensor {
+        DlTensor {
+            data: self.ptr as *mut c_void,
+            device: DlDevice {
+                device_type: if self.device.is_some() {
+                    DL_CUDA
+                } else {
+                    DL_CPU
+                },
+                device_id: self.device.unwrap_or(0) as i32,
+            },
+            ndim: shape.len() as i32,
+            dtype: dl_dtype(self.dtype),
+            shape: shape.as_mut_ptr(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        }
+    }
+
+    /// Makes a consumer's CUDA stream (DLPack's encoding: 1 legacy default, 2 per-thread default,
+    /// else a `CUstream`; -1 none) wait for the batch, and releases the batch after that stream's
+    /// work.
+    fn sync_stream(&self, stream: Option<i64>) -> PyResult<()> {
+        let (Some(_), Some(stream)) = (self.device, stream) else {
+            return Ok(());
+        };
+        let raw = match stream {
+            -1 => return Ok(()),
+            0 => {
+                return Err(PyValueError::new_err(
+                    "stream 0 is ambiguous for CUDA (DLPack)",
+                ))
+            }
+            1 => 0usize,
+            other => other as usize,
+        } as *mut c_void;
+        let mut guard = self.lease.lock();
+        let Some(batch) = guard.as_mut() else {
+            return Err(PyBufferError::new_err("the batch was released"));
+        };
+        // SAFETY: the stream comes from the DLPack consumer, which queues its reads on it and keeps
+        // it alive while it uses the tensor; it belongs to the device's primary context (PyTorch,
+        // CuPy and JAX use the primary context).
+        unsafe {
+            batch
+                .wait_ready_on(raw)
+                .map_err(|e| PyBufferError::new_err(e.to_string()))?;
+            batch.release_after(raw);
+        }
+        Ok(())
+    }
+}
+
+unsafe extern "C" fn delete_managed(tensor: *mut DlManagedTensor) {
+    if tensor.is_null() {
+        return;
+    }
+    // SAFETY: made by `Box::into_raw` in `__dlpack__`, deleted once (by the consumer, or by the
+    // capsule destructor when no consumer took it); its context is the `Exported` boxed with it.
+    unsafe {
+        let tensor = Box::from_raw(tensor);
+        drop(Box::from_raw(tensor.manager_ctx as *mut Exported));
+    }
+}
+
+unsafe extern "C" fn delete_versioned(tensor: *mut DlManagedTensorVersioned) {
+    if tensor.is_null() {
+        return;
+    }
+    // SAFETY: as in `delete_managed`.
+    unsafe {
+        let tensor = Box::from_raw(tensor);
+        drop(Box::from_raw(tensor.manager_ctx as *mut Exported));
+    }
+}
+
+const DLTENSOR: &CStr = c"dltensor";
+const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+
+/// A capsule that no consumer renamed (`used_dltensor`) still owns its tensor: delete it.
+unsafe extern "C" fn capsule_destructor(capsule: *mut pyo3::ffi::PyObject) {
+    // SAFETY: called by CPython with the capsule being destroyed; the names are checked before the
+    // pointer is taken, so a consumed capsule (renamed) is left alone.
+    unsafe {
+        if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let ptr = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr());
+            delete_managed(ptr as *mut DlManagedTensor);
+        } else if pyo3::ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+            let ptr = pyo3::ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr());
+            delete_versioned(ptr as *mut DlManagedTensorVersioned);
+        }
+    }
+}
+
+#[pymethods]
+impl Field {
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// gpufeed's name of the element type (`"f32"`, `"bf16"`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The address of the first element (host or device).
+    #[getter]
+    fn data_ptr(&self) -> PyResult<u64> {
+        self.check_live()?;
+        Ok(self.ptr)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        match self.device {
+            Some(ordinal) => (DL_CUDA, ordinal as i32),
+            None => (DL_CPU, 0),
+        }
+    }
+
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        self.check_live()?;
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "gpufeed exports batches without copying (copy=True is not supported)",
+            ));
+        }
+        if let Some(device) = dl_device {
+            if device != self.__dlpack_device__() {
+                return Err(PyBufferError::new_err(format!(
+                    "the batch is on DLPack device {:?}, not {device:?}",
+                    self.__dlpack_device__()
+                )));
+            }
+        }
+        self.sync_stream(stream)?;
+        let mut shape: Box<[i64]> = self.shape.iter().map(|&d| d as i64).collect();
+        let dl_tensor = self.dl_tensor(&mut shape);
+        let context = Box::into_raw(Box::new(Exported {
+            _lease: Arc::clone(&self.lease),
+            _shape: shape,
+        })) as *mut c_void;
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        let (pointer, name) = if versioned {
+            let tensor = Box::new(DlManagedTensorVersioned {
+                version: DlPackVersion { major: 1, minor: 0 },
+                manager_ctx: context,
+                deleter: Some(delete_versioned),
+                flags: if self.device.is_none() {
+                    DLPACK_FLAG_READ_ONLY
+                } else {
+                    0
+                },
+                dl_tensor,
+            });
+            (Box::into_raw(tensor) as *mut c_void, DLTENSOR_VERSIONED)
+        } else {
+            let tensor = Box::new(DlManagedTensor {
+                dl_tensor,
+                manager_ctx: context,
+                deleter: Some(delete_managed),
+            });
+            (Box::into_raw(tensor) as *mut c_void, DLTENSOR)
+        };
+        // SAFETY: the pointer is a live managed tensor owned by the new capsule, whose destructor
+        // deletes it unless a consumer took it (and renamed the capsule); the name is 'static.
+        unsafe {
+            let capsule =
+                pyo3::ffi::PyCapsule_New(pointer, name.as_ptr(), Some(capsule_destructor));
+            if capsule.is_null() {
+                if versioned {
+                    delete_versioned(pointer as *mut DlManagedTensorVersioned);
+                } else {
+                    delete_managed(pointer as *mut DlManagedTensor);
+                }
+                return Err(PyErr::fetch(py));
+            }
+            Ok(Bound::from_owned_ptr(py, capsule).downcast_into_unchecked())
+        }
+    }
+
+    /// NumPy's array interface (host batches): read-only, C order.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.device.is_some() {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(
+                "a device batch has __cuda_array_interface__, not __array_interface__",
+            ));
+        }
+        self.interface(py, None)
+    }
+
+    /// The CUDA array interface, version 3 (device batches).
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        if self.device.is_none() {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(
+                "a host batch has __array_interface__, not __cuda_array_interface__",
+            ));
+        }
+        // The batch is ready on the stream set with Stream.set_cuda_stream, the legacy default
+        // stream unless set (CAI's 1), which synchronises with the consumer's blocking streams.
+        self.interface(py, Some(1))
+    }
+}
+
+impl Field {
+    fn interface<'py>(&self, py: Python<'py>, stream: Option<i64>) -> PyResult<Bound<'py, PyDict>> {
+        self.check_live()?;
+        let Some(typestr) = typestr(self.dtype) else {
+            return Err(PyBufferError::new_err(format!(
+                "field {:?} is bf16, which the array interfaces cannot describe: use DLPack",
+                self.name
+            )));
+        };
+        let dict = PyDict::new(py);
+        dict.set_item("shape", PyTuple::new(py, &self.shape)?)?;
+        dict.set_item("typestr", typestr)?;
+        dict.set_item("data", (self.ptr, self.device.is_none()))?;
+        dict.set_item("strides", py.None())?;
+        dict.set_item("version", 3)?;
+        if self.device.is_some() {
+            dict.set_item("stream", stream)?;
+        }
+        Ok(dict)
+    }
+}
+
+/// The native module.
+#[pymodule]
+fn _gpufeed(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<Client>()?;
+    module.add_class::<Stream>()?;
+    module.add_class::<Batch>()?;
+    module.add_class::<Field>()?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
