@@ -86,6 +86,18 @@ pub enum ClientError {
     /// sent.
     #[error("invalid stream spec: {0}")]
     InvalidSpec(String),
+    /// Every slot of the stream is held by batches (or arrays exported from them) that this consumer
+    /// has not released, so the daemon has nowhere to put the next batch: waiting would never end.
+    /// Release a batch (drop it, or copy the data out of exported arrays) and ask again; the
+    /// session goes on.
+    #[error(
+        "all {slots} slots of the stream are held by this consumer: release a batch (or copy the \
+         data out of arrays taken from it) before asking for the next one"
+    )]
+    AllSlotsHeld {
+        /// The stream's slot count.
+        slots: u32,
+    },
     /// An earlier error ended the session; no further requests are possible.
     #[error("the session already ended: {0}")]
     Ended(String),
@@ -793,6 +805,11 @@ impl Iterator for Stream {
                 *reported = true;
                 return Some(Err(ClientError::Ended(reason.clone())));
             }
+        }
+        let slots = self.memory.layout.slot_count;
+        let held = self.outbox.lock().held_slots.count_ones();
+        if held >= slots && self.batches_received < self.memory.layout.steps {
+            return Some(Err(ClientError::AllSlotsHeld { slots }));
         }
         match self.receive() {
             Ok(Event::Batch(info)) => Some(self.hand_out(info)),

@@ -151,6 +151,7 @@ fn to_py(py: Python<'_>, error: ClientError) -> PyErr {
             raise(py, "DaemonError", message, Some(format!("{code:?}")))
         }
         ClientError::InvalidSpec(_) => raise(py, "InvalidSpecError", message, None),
+        ClientError::AllSlotsHeld { .. } => raise(py, "AllSlotsHeldError", message, None),
         ClientError::Protocol(_) => raise(py, "ProtocolError", message, None),
         ClientError::Cuda(_) => raise(py, "CudaError", message, None),
         ClientError::Transport(_) | ClientError::Ended(_) | ClientError::Io(_) => {

@@ -129,6 +129,17 @@ def test_a_slot_is_released_when_the_last_exported_array_goes(daemon, source):
         batch["ids"]
 
 
+def test_holding_every_slot_raises_instead_of_waiting_forever(daemon, source):
+    client = gpufeed.Client(daemon.socket)
+    stream = client.open_stream("toy", batch_size=100, prefetch=2, fields=["ids"])
+    views = [np.from_dlpack(next(stream)["ids"]) for _ in range(2)]
+    with pytest.raises(gpufeed.AllSlotsHeldError):
+        next(stream)
+    views.pop(0)
+    batch = next(stream)
+    np.testing.assert_array_equal(rows(batch, "ids"), source["ids"][200:300])
+
+
 def wait_for(condition, what):
     """Polls the daemon's status until `condition` holds (a session's end is noticed by the daemon's
     session thread, asynchronously to the consumer's death); bounded."""

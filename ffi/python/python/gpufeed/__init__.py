@@ -11,6 +11,7 @@ See docs/PYTHON.md for the API, the lifetime of batches and CUDA stream ordering
 
 from gpufeed._gpufeed import Batch, Client, Field, Stream, __version__
 from gpufeed.errors import (
+    AllSlotsHeldError,
     ConnectError,
     CudaError,
     DaemonError,
@@ -21,6 +22,7 @@ from gpufeed.errors import (
 )
 
 __all__ = [
+    "AllSlotsHeldError",
     "Batch",
     "Client",
     "ConnectError",

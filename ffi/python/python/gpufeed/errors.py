@@ -24,6 +24,11 @@ class InvalidSpecError(Error, ValueError):
     """The stream options break a rule of the protocol; nothing was sent."""
 
 
+class AllSlotsHeldError(Error, RuntimeError):
+    """Every slot of the stream is held by batches (or arrays taken from them) not yet released:
+    the next batch would never come. Release one, or copy data out of held arrays, and ask again."""
+
+
 class ProtocolError(Error):
     """The daemon sent something out of place; the session is over."""
 

@@ -1,0 +1,47 @@
+"""The Python consumer's rate: one epoch of a stream, each field taken into PyTorch with
+torch.from_dlpack (zero-copy), no other work. The timer starts before the client connects. Prints
+one JSON line: seconds (first batch requested to epoch end), wall seconds (from before connecting),
+bytes, batches, microseconds per batch."""
+
+import argparse
+import json
+import time
+
+t_process = time.perf_counter()
+
+import torch  # noqa: E402
+
+import gpufeed  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--socket", required=True)
+parser.add_argument("--dataset", required=True)
+parser.add_argument("--batch-size", type=int, required=True)
+parser.add_argument("--device", default="cuda:0")
+parser.add_argument("--dtype", default="f32")
+parser.add_argument("--field", default="emb")
+parser.add_argument("--prefetch", type=int, default=4)
+args = parser.parse_args()
+
+t_connect = time.perf_counter()
+client = gpufeed.Client(args.socket)
+stream = client.open_stream(args.dataset, args.batch_size, device=args.device,
+                            fields={args.field: args.dtype}, prefetch=args.prefetch)
+device = torch.device(args.device)
+stream.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
+t_first = time.perf_counter()
+batches = 0
+nbytes = 0
+for batch in stream:
+    tensor = torch.from_dlpack(batch[args.field])
+    nbytes += tensor.numel() * tensor.element_size()
+    batches += 1
+    del tensor, batch
+torch.cuda.current_stream(device).synchronize()
+t_end = time.perf_counter()
+print(json.dumps({
+    "loader": "gpufeed-python", "batch_size": args.batch_size, "batches": batches, "bytes": nbytes,
+    "seconds": t_end - t_first, "wall_seconds": t_end - t_connect,
+    "process_seconds": t_end - t_process,
+    "us_per_batch": (t_end - t_first) / max(batches, 1) * 1e6,
+}))

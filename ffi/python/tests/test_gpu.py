@@ -1,0 +1,76 @@
+"""Device batches (run on a CUDA machine with GPUFEED_TEST_DEVICE=cuda:0; skipped elsewhere):
+torch and CuPy read them through DLPack bit-exact against the source, and a consumer stream that
+sleeps before reading keeps its slot from being rewritten under it."""
+
+import os
+
+import numpy as np
+import pytest
+
+import gpufeed
+
+DEVICE = os.environ.get("GPUFEED_TEST_DEVICE", "cpu")
+pytestmark = pytest.mark.skipif(not DEVICE.startswith("cuda"),
+                                reason="device batches need GPUFEED_TEST_DEVICE=cuda:N")
+
+
+def test_torch_and_cupy_read_device_batches_bit_exact(daemon, source):
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    client = gpufeed.Client(daemon.socket)
+    stream = client.open_stream("toy", batch_size=100, device=DEVICE,
+                                fields={"ids": None, "emb": "f32"})
+    assert stream.device == DEVICE
+    for step, batch in enumerate(stream):
+        rows = slice(step * 100, step * 100 + 100)
+        emb = torch.from_dlpack(batch["emb"])
+        assert emb.device.type == "cuda" and emb.dtype == torch.float32
+        expected = source["emb"][rows].astype(np.float32)
+        assert emb.cpu().numpy().tobytes() == expected.tobytes()
+        ids = cupy.from_dlpack(batch["ids"])
+        assert cupy.asnumpy(ids).tobytes() == source["ids"][rows].tobytes()
+        via_cai = cupy.asarray(batch["ids"])
+        assert cupy.asnumpy(via_cai).tobytes() == source["ids"][rows].tobytes()
+
+
+def test_a_sleeping_consumer_stream_keeps_its_slot(daemon, source):
+    """One slot: the daemon refills it for the next batch only after the release event, which
+    follows the consumer stream's sleep and copy. Were the slot released at once, the copy would see
+    the next batch's rows."""
+    torch = pytest.importorskip("torch")
+    client = gpufeed.Client(daemon.socket)
+    stream = client.open_stream("toy", batch_size=100, device=DEVICE, prefetch=1,
+                                fields={"emb": "f32"})
+    consumer = torch.cuda.Stream(device=DEVICE)
+    copies = []
+    with torch.cuda.stream(consumer):
+        for step in range(3):
+            batch = next(stream)
+            emb = torch.from_dlpack(batch["emb"])  # waits for the batch on `consumer`
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before reading
+            copies.append(emb.clone())
+            del emb, batch  # released after the sleep and the clone, on the device
+    consumer.synchronize()
+    for step, copy in enumerate(copies):
+        expected = source["emb"][step * 100:(step + 1) * 100].astype(np.float32)
+        assert copy.cpu().numpy().tobytes() == expected.tobytes(), f"step {step} was overwritten"
+
+
+def test_the_torch_dataset_yields_tensors_on_the_ranks_gpu(daemon, source):
+    torch = pytest.importorskip("torch")
+    from gpufeed.torch import GpufeedDataset
+
+    dataset = GpufeedDataset(daemon.socket, "toy", 100, fields={"emb": "f32", "ids": None},
+                             rank=0, world_size=1, device=DEVICE)
+    seen = []
+    for step, batch in enumerate(dataset):
+        assert batch["emb"].device == torch.device(DEVICE)
+        seen.append(batch["ids"][:, 0].cpu())
+        if step == 3:
+            state = dataset.state_dict()
+            break
+    resumed = GpufeedDataset(daemon.socket, "toy", 100, rank=0, world_size=1, device=DEVICE)
+    resumed.load_state_dict(state)
+    rest = [b["ids"][:, 0].cpu() for b in resumed]
+    served = torch.cat(seen + rest).numpy()
+    np.testing.assert_array_equal(served, np.arange(1000))
