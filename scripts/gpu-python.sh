@@ -35,11 +35,12 @@ python_bench() {
     >"$OUT/py-daemon.out" 2>"$OUT/py-daemon.log" &
   local daemon=$!
   for _ in $(seq 100); do [ -S "$socket" ] && break; sleep 0.1; done
-  for batch in 4096 64; do
+  for batch in ${PY_BATCHES:-4096 64}; do
     for run in 1 2 3; do
       "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 --batch-size "$batch" \
-        --dtype f32 | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(loader='gpufeed-rust', batch_size=$batch, run=$run, us_per_batch=d['seconds']/max(d['batches'],1)*1e6); print(json.dumps(d))" >>"$jsonl"
+        --dtype f32 --prefetch "${PY_PREFETCH:-4}" | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(loader='gpufeed-rust', batch_size=$batch, run=$run, us_per_batch=d['seconds']/max(d['batches'],1)*1e6); print(json.dumps(d))" >>"$jsonl"
       python3 ffi/python/bench/consume_bench.py --socket "$socket" --dataset emb --field data --batch-size "$batch" \
+        --prefetch "${PY_PREFETCH:-4}" \
         | python3 -c "import json,sys; d=json.load(sys.stdin); d['run']=$run; print(json.dumps(d))" >>"$jsonl"
     done
   done
@@ -66,8 +67,8 @@ fi
 python3 -m pip install -q --no-deps --force-reinstall --target /tmp/gpufeed-site .gpu/read/py/*.whl \
   .gpu/read/py/deps/*.whl >"$OUT/python.log" 2>&1
 export PYTHONPATH=/tmp/gpufeed-site
-step py_cpu python 120 20 env GPUFEED_REQUIRE_TORCH=1 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests
-step py_gpu python 180 20 env GPUFEED_TEST_DEVICE=cuda:0 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
+[ -n "${PY_BENCH_ONLY:-}" ] || step py_cpu python 120 20 env GPUFEED_REQUIRE_TORCH=1 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests
+[ -n "${PY_BENCH_ONLY:-}" ] || step py_gpu python 180 20 env GPUFEED_TEST_DEVICE=cuda:0 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
 
 step py_bench bench 300 60 bash "$0" --bench-only
 grep -A8 '^| consumer' "$OUT/bench.log"
