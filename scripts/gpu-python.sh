@@ -60,6 +60,27 @@ for batch in (4096, 64):
         print(f"| {loader} | {batch} | {len(sel)} | {rate:.2f} | {per:.1f} |")
 PY
 }
+# train_example: examples/python/train_torch.py on one GPU, then two ranks under torchrun sharing
+# GPU 0 (the daemon serves one device).
+train_example() {
+  set -e
+  local tw=/var/tmp/gpufeed-train tsock=/tmp/gpufeed-train.sock
+  rm -rf "$tw"; mkdir -p "$tw/data"
+  python3 examples/python/train_torch.py make-data "$tw/data/toy" --gpufeed "$bin/gpufeed"
+  "$bin/gpufeed" serve --data-root "$tw/data" --socket "$tsock" --device cuda:0 --http off \
+    >"$OUT/train-daemon.out" 2>"$OUT/train-daemon.log" &
+  local daemon=$!
+  for _ in $(seq 100); do [ -S "$tsock" ] && break; sleep 0.1; done
+  python3 examples/python/train_torch.py train --socket "$tsock" --dataset toy --epochs 2
+  python3 -m torch.distributed.run --nproc-per-node 2 examples/python/train_torch.py train \
+    --socket "$tsock" --dataset toy --epochs 2 --same-gpu --checkpoint /tmp/gpufeed-train-2.pt
+  kill "$daemon"; wait "$daemon" || true
+}
+
+if [ "${1:-}" = --train-only ]; then
+  train_example
+  exit $?
+fi
 if [ "${1:-}" = --bench-only ]; then
   python_bench
   exit $?
@@ -70,6 +91,7 @@ export PYTHONPATH=/tmp/gpufeed-site
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_cpu python 120 20 env GPUFEED_REQUIRE_TORCH=1 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_gpu python 180 20 env GPUFEED_TEST_DEVICE=cuda:0 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
 
+[ -n "${PY_BENCH_ONLY:-}" ] || step py_train python 200 30 bash "$0" --train-only
 step py_bench bench 300 60 bash "$0" --bench-only
 grep -A8 '^| consumer' "$OUT/bench.log"
 step_summary
