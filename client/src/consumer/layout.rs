@@ -1,0 +1,188 @@
+//! Checks of what the daemon says a stream's memory is, before anything is mapped or read.
+
+use super::*;
+
+/// Product of `dims` times `element_bytes`, `None` on overflow.
+pub(super) fn extent_bytes(dims: &[u64], element_bytes: usize) -> Option<u64> {
+    dims.iter()
+        .try_fold(element_bytes as u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Validates a `StreamOpened` layout against the request before any memory is mapped.
+pub(super) fn check_layout(
+    spec: &StreamSpec,
+    layout: &StreamLayout,
+    descriptors: usize,
+) -> Result<(), ClientError> {
+    let violation = |reason: String| Err(ClientError::Protocol(reason));
+    if layout.slot_count == 0 || layout.slot_count > SLOTS_MAX {
+        return violation(format!(
+            "slot_count {} outside 1..={SLOTS_MAX}",
+            layout.slot_count
+        ));
+    }
+    if descriptors != layout.slot_count as usize {
+        return violation(format!(
+            "StreamOpened announced {} slots but carried {descriptors} descriptors",
+            layout.slot_count
+        ));
+    }
+    if layout.slot_bytes == 0 || usize::try_from(layout.slot_bytes).is_err() {
+        return violation(format!("slot_bytes {} cannot be mapped", layout.slot_bytes));
+    }
+    let step_samples = u64::from(spec.world_size) * u64::from(spec.batch_size);
+    let samples_left = layout.epoch_samples.saturating_sub(spec.start_cursor);
+    let expected_steps = match spec.tail {
+        Tail::Drop => samples_left / step_samples,
+        Tail::Pad => samples_left.div_ceil(step_samples),
+    };
+    if layout.steps != expected_steps {
+        return violation(format!(
+            "{} steps announced, but {} samples from cursor {} in steps of {step_samples} with tail {:?} make {expected_steps}",
+            layout.steps, layout.epoch_samples, spec.start_cursor, spec.tail
+        ));
+    }
+    if layout.fields.is_empty() {
+        return violation("the layout has no fields".to_string());
+    }
+    if layout.device != spec.device {
+        return violation(format!(
+            "slots on {:?}, the request asked for {:?}",
+            layout.device, spec.device
+        ));
+    }
+    let events_expected = match layout.device {
+        Device::Cpu => 0,
+        Device::Cuda(_) => layout.slot_count as usize,
+    };
+    if layout.slot_events.len() != events_expected {
+        return violation(format!(
+            "{} slot event pairs for {} slots on {:?}",
+            layout.slot_events.len(),
+            layout.slot_count,
+            layout.device
+        ));
+    }
+    if !spec.fields.is_empty() && spec.fields.len() != layout.fields.len() {
+        return violation(format!(
+            "{} fields requested, {} in the layout",
+            spec.fields.len(),
+            layout.fields.len()
+        ));
+    }
+    let mut extents = Vec::with_capacity(layout.fields.len());
+    for (index, field) in layout.fields.iter().enumerate() {
+        if let Some(request) = spec.fields.get(index) {
+            if request.name != field.name {
+                return violation(format!(
+                    "layout field {index} is {:?}, the request's is {:?}",
+                    field.name, request.name
+                ));
+            }
+            if request.dtype.is_some_and(|dtype| dtype != field.dtype) {
+                return violation(format!(
+                    "field {:?} is served as {}, {} was requested",
+                    field.name,
+                    field.dtype,
+                    request.dtype.map_or("", DType::name)
+                ));
+            }
+        }
+        if layout.fields[..index].iter().any(|f| f.name == field.name) {
+            return violation(format!("field {:?} appears twice", field.name));
+        }
+        check_field_layout(spec, layout, field)?;
+        extents.push((field.offset, field.offset + field.batch_bytes));
+    }
+    extents.sort_unstable();
+    if extents.windows(2).any(|pair| pair[0].1 > pair[1].0) {
+        return violation("fields overlap within the slot".to_string());
+    }
+    Ok(())
+}
+
+pub(super) fn check_field_layout(
+    spec: &StreamSpec,
+    layout: &StreamLayout,
+    field: &FieldLayout,
+) -> Result<(), ClientError> {
+    let violation = |reason: String| Err(ClientError::Protocol(reason));
+    if field.sample_shape.len() >= BATCH_NDIM_MAX {
+        return violation(format!(
+            "field {:?} has {} sample dimensions; a batch has at most {BATCH_NDIM_MAX} with the batch dimension",
+            field.name,
+            field.sample_shape.len()
+        ));
+    }
+    if field.offset % FIELD_OFFSET_ALIGN_BYTES != 0 {
+        return violation(format!(
+            "field {:?} at offset {} is not {FIELD_OFFSET_ALIGN_BYTES}-aligned",
+            field.name, field.offset
+        ));
+    }
+    let needed = extent_bytes(&field.sample_shape, field.dtype.size_bytes())
+        .and_then(|sample| sample.checked_mul(u64::from(spec.batch_size)));
+    if needed.is_none_or(|needed| needed > field.batch_bytes) {
+        return violation(format!(
+            "field {:?} reserves {} bytes, less than {} samples of {:?} {}",
+            field.name, field.batch_bytes, spec.batch_size, field.sample_shape, field.dtype
+        ));
+    }
+    if field
+        .offset
+        .checked_add(field.batch_bytes)
+        .is_none_or(|end| end > layout.slot_bytes)
+    {
+        return violation(format!(
+            "field {:?} at offset {} with {} bytes ends beyond the {}-byte slot",
+            field.name, field.offset, field.batch_bytes, layout.slot_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// Maps every slot read-only after checking that its descriptor is a file of at least `slot_bytes`.
+pub(super) fn map_slots(
+    layout: &StreamLayout,
+    fds: Vec<OwnedFd>,
+) -> Result<Vec<Mmap>, ClientError> {
+    let slot_bytes = layout.slot_bytes as usize;
+    let mut slots = Vec::with_capacity(fds.len());
+    for (slot, fd) in fds.into_iter().enumerate() {
+        let file = File::from(fd);
+        let metadata = file.metadata()?;
+        if !metadata.file_type().is_file() {
+            return Err(ClientError::Protocol(format!(
+                "the descriptor of slot {slot} is not a memory file"
+            )));
+        }
+        if metadata.len() < layout.slot_bytes {
+            return Err(ClientError::Protocol(format!(
+                "slot {slot} is {} bytes, the layout says {}",
+                metadata.len(),
+                layout.slot_bytes
+            )));
+        }
+        // A file that shrinks under a mapping turns reads past its new end into SIGBUS; the seal
+        // makes the size check above hold for the mapping's lifetime.
+        let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(std::io::Error::from)?;
+        if !SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
+            return Err(ClientError::Protocol(format!(
+                "slot {slot} is not sealed against shrinking (F_SEAL_SHRINK)"
+            )));
+        }
+        // SAFETY: the mapping is shared with the daemon, which writes the slot while the daemon owns
+        // it. The lease rule (docs/PROTOCOL.md, "Slots and leases") guarantees that the daemon never
+        // writes a slot while a `Batch` for it exists, and slices of the mapping are only handed out
+        // through a `Batch`. The file is at least `slot_bytes` long and sealed against shrinking, so
+        // every page of the mapping stays backed.
+        let map = unsafe { MmapOptions::new().len(slot_bytes).map(&file) }.map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("mapping slot {slot} ({slot_bytes} bytes): {e}"),
+            )
+        })?;
+        slots.push(map);
+    }
+    Ok(slots)
+}

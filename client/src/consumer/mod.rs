@@ -1,0 +1,285 @@
+//! The consumer API: connect to the daemon, open a stream, iterate over its batches.
+//!
+//! One connection is one session and carries at most one stream (`docs/PROTOCOL.md`). [`Client`] does
+//! the handshake; [`Client::open_stream`] turns it into a [`Stream`], an iterator of [`Batch`]es. A batch
+//! is a lease on one slot of shared memory: its fields are read in place, and dropping it hands the slot
+//! back to the daemon for refilling. Several batches (up to the stream's slot count) may be held at once.
+//!
+//! Everything the daemon sends is validated before it is used to address memory: the descriptor count,
+//! each descriptor's size, every field's offset and length against the slot size, every slot index, and
+//! that the daemon never hands out a slot the client still holds. A violation ends the session with
+//! [`ClientError::Protocol`].
+//!
+//! ```no_run
+//! use gpufeed_client::consumer::{Client, ClientError};
+//! use gpufeed_client::protocol::StreamSpec;
+//!
+//! # fn main() -> Result<(), ClientError> {
+//! let client = Client::connect("/run/gpufeed/gpufeed.sock")?;
+//! let mut spec = StreamSpec::new("tokens", 32);
+//! spec.world_size = 8;
+//! spec.rank = 3;
+//! spec.start_at_step(100); // after world_size and batch_size are final
+//! let mut stream = client.open_stream(spec)?;
+//! for batch in &mut stream {
+//!     let batch = batch?;
+//!     let ids = batch.field("ids").expect("the dataset has an ids field");
+//!     println!("step {}: {} bytes of {} {:?}", batch.step(), ids.byte_len(), ids.dtype, ids.shape);
+//! }
+//! let checkpoint = stream.state(); // resume later, at any world size, with StreamSpec::resume
+//! # let _ = checkpoint;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::net::Shutdown;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use memmap2::{Mmap, MmapOptions};
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+
+use gpufeed_proto::spec::{StreamState, FIELD_OFFSET_ALIGN_BYTES};
+
+use crate::dtype::DType;
+use crate::protocol::{
+    Backend, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message, StreamLayout,
+    StreamSpec, Tail, BATCH_NDIM_MAX, SLOTS_MAX,
+};
+use crate::transport::{self, TransportError};
+
+mod batch;
+mod layout;
+mod stream;
+#[cfg(test)]
+mod tests;
+
+pub use batch::{Batch, FieldData, FieldView};
+use layout::*;
+pub use stream::Stream;
+use stream::*;
+
+// The held-slot set is a 64-bit mask.
+const _: () = assert!(SLOTS_MAX <= 64);
+
+/// An error of the consumer API.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The daemon's socket could not be connected.
+    #[error("cannot connect to the gpufeed daemon at {}: {source}", path.display())]
+    Connect {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A frame could not be sent or received, or the daemon closed the connection.
+    #[error("{0}")]
+    Transport(#[from] TransportError),
+    /// The daemon sent an `Error` frame; the session is over.
+    #[error("the daemon ended the session with {code:?}: {message}")]
+    Daemon {
+        /// The stable error code.
+        code: ErrorCode,
+        /// The daemon's description.
+        message: String,
+    },
+    /// The daemon sent a message that is out of place or describes memory it did not provide (wrong
+    /// descriptor count, slot out of range, a field beyond its slot...). The client ends the session.
+    #[error("the daemon broke the protocol: {0}")]
+    Protocol(String),
+    /// The stream spec breaks a protocol bound or asks for something this client cannot do; nothing was
+    /// sent.
+    #[error("invalid stream spec: {0}")]
+    InvalidSpec(String),
+    /// Every slot of the stream is held by batches (or arrays exported from them) that this consumer
+    /// has not released, so the daemon has nowhere to put the next batch: waiting would never end.
+    /// Release a batch (drop it, or copy the data out of exported arrays) and ask again; the
+    /// session goes on.
+    #[error(
+        "all {slots} slots of the stream are held by this consumer: release a batch (or copy the \
+         data out of arrays taken from it) before asking for the next one"
+    )]
+    AllSlotsHeld {
+        /// The stream's slot count.
+        slots: u32,
+    },
+    /// An earlier error ended the session; no further requests are possible.
+    #[error("the session already ended: {0}")]
+    Ended(String),
+    /// A local system call failed (inspecting or mapping a slot, duplicating the socket).
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// A CUDA driver call failed (mapping a device slot, waiting on or recording its events).
+    #[error("CUDA: {0}")]
+    Cuda(#[from] crate::cuda::CudaError),
+}
+
+/// Receives a frame that must not carry descriptors.
+fn recv_plain(socket: &UnixStream) -> Result<Message, ClientError> {
+    let (message, fds) = transport::recv(socket)?;
+    if !fds.is_empty() {
+        return Err(ClientError::Protocol(format!(
+            "{} descriptors attached to a {} frame (only StreamOpened carries descriptors)",
+            fds.len(),
+            message.name()
+        )));
+    }
+    Ok(message)
+}
+
+/// An unexpected reply: the daemon's own error if it sent one, else a protocol violation.
+fn unexpected(message: Message, waiting_for: &str) -> ClientError {
+    match message {
+        Message::Error { code, message } => ClientError::Daemon { code, message },
+        other => {
+            ClientError::Protocol(format!("expected {waiting_for}, received {}", other.name()))
+        }
+    }
+}
+
+/// Checks what the encoder would otherwise panic on, and what the daemon would refuse on the spec
+/// alone, before anything is sent.
+fn check_spec(spec: &StreamSpec) -> Result<(), ClientError> {
+    spec.validate()
+        .map_err(|error| ClientError::InvalidSpec(error.to_string()))
+}
+
+/// A connected, greeted session that has not opened its stream yet.
+#[derive(Debug)]
+pub struct Client {
+    socket: UnixStream,
+    session: u64,
+    backend: Backend,
+    daemon_version: String,
+}
+
+impl Client {
+    /// Connects to the daemon's socket and greets it.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Client, ClientError> {
+        let path = path.as_ref();
+        let socket = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Client::from_socket(socket)
+    }
+
+    /// Greets the daemon over an already connected socket: sends `Hello`, expects `Welcome`.
+    pub fn from_socket(socket: UnixStream) -> Result<Client, ClientError> {
+        let hello = Message::Hello {
+            client: format!(
+                "gpufeed-client/{} pid {}",
+                env!("CARGO_PKG_VERSION"),
+                std::process::id()
+            ),
+        };
+        if let Err(error) = transport::send(&socket, &hello, &[]) {
+            // The daemon checks the peer's uid and its session bound as soon as it accepts, and may
+            // have sent its refusal and closed before the Hello went out: report the refusal.
+            return match recv_plain(&socket) {
+                Ok(Message::Error { code, message }) => Err(ClientError::Daemon { code, message }),
+                _ => Err(error.into()),
+            };
+        }
+        match recv_plain(&socket)? {
+            Message::Welcome {
+                session,
+                backend,
+                daemon_version,
+            } => Ok(Client {
+                socket,
+                session,
+                backend,
+                daemon_version,
+            }),
+            other => Err(unexpected(other, "Welcome")),
+        }
+    }
+
+    /// The session id the daemon assigned (it appears in the daemon's logs and status).
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// Where the daemon keeps batches.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The daemon's version string.
+    pub fn daemon_version(&self) -> &str {
+        &self.daemon_version
+    }
+
+    /// Asks the daemon for its counters.
+    pub fn status(&mut self) -> Result<DaemonStatus, ClientError> {
+        transport::send(&self.socket, &Message::StatusRequest, &[])?;
+        match recv_plain(&self.socket)? {
+            Message::Status(status) => Ok(status),
+            other => Err(unexpected(other, "Status")),
+        }
+    }
+
+    /// Opens the session's one stream and maps its slots. The daemon starts filling slots at once.
+    ///
+    /// The spec is checked locally first ([`ClientError::InvalidSpec`]); the daemon checks the rest
+    /// (dataset and field names, dtype conversions, resource bounds) and answers with an error code.
+    pub fn open_stream(self, spec: StreamSpec) -> Result<Stream, ClientError> {
+        check_spec(&spec)?;
+        transport::send(&self.socket, &Message::OpenStream(spec.clone()), &[])?;
+        let (message, fds) = transport::recv(&self.socket)?;
+        let layout = match message {
+            Message::StreamOpened(layout) => layout,
+            other => {
+                if !fds.is_empty() {
+                    return Err(ClientError::Protocol(format!(
+                        "{} descriptors attached to a {} frame",
+                        fds.len(),
+                        other.name()
+                    )));
+                }
+                return Err(unexpected(other, "StreamOpened"));
+            }
+        };
+        check_layout(&spec, &layout, fds.len())?;
+        let slots = match layout.device {
+            Device::Cpu => Slots::Host(map_slots(&layout, fds)?),
+            Device::Cuda(ordinal) => Slots::Device(crate::cuda::DeviceSlots::import(
+                ordinal,
+                layout.slot_bytes as usize,
+                fds,
+                &layout.slot_events,
+            )?),
+        };
+        let outbox = Outbox {
+            inner: Mutex::new(OutboxInner {
+                socket: self.socket.try_clone()?,
+                held_slots: 0,
+            }),
+        };
+        Ok(Stream {
+            socket: self.socket,
+            session: self.session,
+            backend: self.backend,
+            pending: VecDeque::with_capacity(layout.slot_count as usize),
+            last_step: None,
+            last_cursor_received: spec.start_cursor,
+            batches_received: 0,
+            cursor: spec.start_cursor,
+            phase: Phase::Streaming,
+            spec,
+            memory: Arc::new(SlotMemory {
+                layout,
+                slots,
+                cuda_stream: AtomicU64::new(0),
+            }),
+            outbox: Arc::new(outbox),
+        })
+    }
+}

@@ -1,0 +1,371 @@
+//! An open stream: the slot memory, the write half of the session, and the iterator of batches.
+
+use super::*;
+
+/// The mapped slots of a stream; shared by the stream and its batches so that a batch stays readable
+/// after the stream is dropped.
+#[derive(Debug)]
+pub(super) struct SlotMemory {
+    pub(super) layout: StreamLayout,
+    pub(super) slots: Slots,
+    /// The consumer's CUDA stream (a `CUstream`; 0 is the legacy default stream): batches are made
+    /// ready on it and released from it.
+    pub(super) cuda_stream: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(super) enum Slots {
+    Host(Vec<Mmap>),
+    Device(crate::cuda::DeviceSlots),
+}
+
+impl SlotMemory {
+    pub(super) fn cuda_stream(&self) -> crate::cuda::RawStream {
+        self.cuda_stream.load(Ordering::SeqCst) as usize as crate::cuda::RawStream
+    }
+}
+
+/// The write half of the session, shared by the stream and its batches.
+#[derive(Debug)]
+pub(super) struct Outbox {
+    pub(super) inner: Mutex<OutboxInner>,
+}
+
+#[derive(Debug)]
+pub(super) struct OutboxInner {
+    pub(super) socket: UnixStream,
+    /// Bit `s` is set while slot `s` belongs to the client: from the `Batch` frame's arrival until the
+    /// `Batch` is dropped.
+    pub(super) held_slots: u64,
+}
+
+impl Outbox {
+    pub(super) fn lock(&self) -> MutexGuard<'_, OutboxInner> {
+        // A panic while holding the lock cannot leave the mask or the socket half-updated in a way
+        // that matters more than the panic itself; keep going.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(super) fn send(&self, message: &Message) -> Result<(), TransportError> {
+        transport::send(&self.lock().socket, message, &[])
+    }
+
+    /// Marks `slot` as the client's; false if it already was.
+    pub(super) fn take_slot(&self, slot: u32) -> bool {
+        let mut inner = self.lock();
+        let bit = 1u64 << slot;
+        let free = inner.held_slots & bit == 0;
+        inner.held_slots |= bit;
+        free
+    }
+
+    /// Hands `slot` back. A send error is ignored: the daemon reclaims every slot when the
+    /// connection ends.
+    pub(super) fn release(&self, slot: u32) {
+        let mut inner = self.lock();
+        inner.held_slots &= !(1u64 << slot);
+        let _ = transport::send(&inner.socket, &Message::Release { slot }, &[]);
+    }
+}
+
+impl Drop for Outbox {
+    /// The stream and all its batches are gone: end the session.
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let _ = transport::send(&inner.socket, &Message::Close, &[]);
+    }
+}
+
+#[derive(Debug)]
+pub(super) enum Phase {
+    /// Batches may still arrive.
+    Streaming,
+    /// `EndOfEpoch` arrived; queued batches may remain.
+    Finished,
+    /// An error ended the session. `reported` is false until the iterator has yielded it once.
+    Failed { reason: String, reported: bool },
+}
+
+/// What the stream read from the socket.
+pub(super) enum Event {
+    Batch(BatchInfo),
+    EndOfEpoch,
+    Status(DaemonStatus),
+}
+
+/// An open stream: an iterator over the epoch's batches for this rank, in step order.
+///
+/// `next()` blocks until the daemon sends a batch. The daemon fills at most `slot_count` slots ahead;
+/// holding that many batches and calling `next()` waits forever unless the epoch ends, so drop (or
+/// finish with) batches as you go. The session ends (`Close`) once the stream and every batch from it
+/// are dropped.
+#[derive(Debug)]
+pub struct Stream {
+    /// Read half; only the stream reads.
+    pub(super) socket: UnixStream,
+    pub(super) session: u64,
+    pub(super) backend: Backend,
+    pub(super) spec: StreamSpec,
+    pub(super) memory: Arc<SlotMemory>,
+    pub(super) outbox: Arc<Outbox>,
+    /// Batches received but not yet yielded (a status request may read past them). Each holds a
+    /// distinct slot, so there are at most `slot_count`.
+    pub(super) pending: VecDeque<BatchInfo>,
+    pub(super) last_step: Option<u64>,
+    pub(super) last_cursor_received: u64,
+    pub(super) batches_received: u64,
+    /// `cursor_after` of the last batch yielded.
+    pub(super) cursor: u64,
+    pub(super) phase: Phase,
+}
+
+impl Stream {
+    /// The slot layout the daemon chose.
+    pub fn layout(&self) -> &StreamLayout {
+        &self.memory.layout
+    }
+
+    /// The spec the stream was opened with.
+    pub fn spec(&self) -> &StreamSpec {
+        &self.spec
+    }
+
+    /// The session id.
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// Where the daemon keeps batches.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Makes `stream` (a `CUstream` of the context of the stream's device; null, the default, is the
+    /// legacy default stream) the stream batches are delivered on: each batch handed out from now on
+    /// is ready for work queued on `stream` after `next()` returns, without the host waiting, and
+    /// dropping a batch releases its slot once the work queued on `stream` before the drop is done.
+    /// Has no effect on host-memory streams.
+    ///
+    /// # Safety
+    /// `stream` stays valid while batches of this stream exist, and belongs to the primary context
+    /// of the stream's device.
+    pub unsafe fn set_cuda_stream(&mut self, stream: *mut std::ffi::c_void) {
+        self.memory
+            .cuda_stream
+            .store(stream as usize as u64, Ordering::SeqCst);
+    }
+
+    /// Where the epoch stands for a checkpoint: `cursor` is the `cursor_after` of the last batch
+    /// yielded. Store it once every rank has consumed that step.
+    pub fn state(&self) -> StreamState {
+        StreamState {
+            dataset: self.spec.dataset.clone(),
+            seed: self.spec.seed,
+            epoch: self.spec.epoch,
+            shuffle: self.spec.shuffle,
+            world_size: self.spec.world_size,
+            batch_size: self.spec.batch_size,
+            cursor: self.cursor,
+        }
+    }
+
+    /// Asks the daemon for its counters. Batches that arrive before the reply are queued for the
+    /// iterator.
+    pub fn status(&mut self) -> Result<DaemonStatus, ClientError> {
+        if let Phase::Failed { reason, .. } = &self.phase {
+            return Err(ClientError::Ended(reason.clone()));
+        }
+        if let Err(error) = self.outbox.send(&Message::StatusRequest) {
+            return Err(self.fail(error.into(), false));
+        }
+        loop {
+            match self.receive() {
+                Ok(Event::Batch(info)) => self.pending.push_back(info),
+                Ok(Event::EndOfEpoch) => {}
+                Ok(Event::Status(status)) => return Ok(status),
+                Err(error) => return Err(self.fail(error, false)),
+            }
+        }
+    }
+
+    /// Reads and validates one frame.
+    pub(super) fn receive(&mut self) -> Result<Event, ClientError> {
+        let message = recv_plain(&self.socket)?;
+        match message {
+            Message::Batch(info) => {
+                self.accept_batch(&info)?;
+                Ok(Event::Batch(info))
+            }
+            Message::EndOfEpoch { epoch, steps } => {
+                if !matches!(self.phase, Phase::Streaming) {
+                    return Err(ClientError::Protocol("a second EndOfEpoch".to_string()));
+                }
+                if epoch != self.spec.epoch
+                    || steps != self.batches_received
+                    || steps != self.memory.layout.steps
+                {
+                    return Err(ClientError::Protocol(format!(
+                        "EndOfEpoch for epoch {epoch} after {steps} steps, but the stream serves epoch {} and received {} of {} batches",
+                        self.spec.epoch, self.batches_received, self.memory.layout.steps
+                    )));
+                }
+                self.phase = Phase::Finished;
+                Ok(Event::EndOfEpoch)
+            }
+            Message::Status(status) => Ok(Event::Status(status)),
+            other => Err(unexpected(other, "Batch, EndOfEpoch or Status")),
+        }
+    }
+
+    /// Validates a `Batch` frame against the layout and the stream's progress, then records its slot
+    /// as held.
+    pub(super) fn accept_batch(&mut self, info: &BatchInfo) -> Result<(), ClientError> {
+        let layout = &self.memory.layout;
+        let violation = |reason: String| Err(ClientError::Protocol(reason));
+        if !matches!(self.phase, Phase::Streaming) {
+            return violation(format!("batch for step {} after EndOfEpoch", info.step));
+        }
+        if info.slot >= layout.slot_count {
+            return violation(format!(
+                "batch in slot {} of {}",
+                info.slot, layout.slot_count
+            ));
+        }
+        if self.batches_received >= layout.steps {
+            return violation(format!("more than the {} announced batches", layout.steps));
+        }
+        if info.epoch != self.spec.epoch {
+            return violation(format!(
+                "batch of epoch {} in a stream of epoch {}",
+                info.epoch, self.spec.epoch
+            ));
+        }
+        if let Some(last) = self.last_step {
+            if Some(info.step) != last.checked_add(1) {
+                return violation(format!("step {} follows step {last}", info.step));
+            }
+        }
+        if info.cursor_after <= self.last_cursor_received {
+            return violation(format!(
+                "cursor_after {} does not advance past {}",
+                info.cursor_after, self.last_cursor_received
+            ));
+        }
+        if info.samples == 0 || info.samples > self.spec.batch_size {
+            return violation(format!(
+                "{} samples in a batch of at most {}",
+                info.samples, self.spec.batch_size
+            ));
+        }
+        if info.replaced > info.samples {
+            return violation(format!(
+                "{} of {} samples replaced",
+                info.replaced, info.samples
+            ));
+        }
+        if info.fields.len() != layout.fields.len() {
+            return violation(format!(
+                "batch with {} fields, the layout has {}",
+                info.fields.len(),
+                layout.fields.len()
+            ));
+        }
+        for (field, expected) in info.fields.iter().zip(&layout.fields) {
+            if field.dtype != expected.dtype
+                || field.shape.first() != Some(&u64::from(info.samples))
+                || field.shape[1..] != expected.sample_shape[..]
+            {
+                return violation(format!(
+                    "field {:?} arrived as {:?} {}, expected [{}] + {:?} {}",
+                    expected.name,
+                    field.shape,
+                    field.dtype,
+                    info.samples,
+                    expected.sample_shape,
+                    expected.dtype
+                ));
+            }
+            let bytes = extent_bytes(&field.shape, field.dtype.size_bytes());
+            if bytes.is_none_or(|bytes| bytes > expected.batch_bytes)
+                || bytes
+                    .and_then(|bytes| field.offset.checked_add(bytes))
+                    .is_none_or(|end| end > layout.slot_bytes)
+            {
+                return violation(format!(
+                    "field {:?} at offset {} with shape {:?} does not fit its {} reserved bytes in the {}-byte slot",
+                    expected.name, field.offset, field.shape, expected.batch_bytes, layout.slot_bytes
+                ));
+            }
+        }
+        if !self.outbox.take_slot(info.slot) {
+            return violation(format!(
+                "slot {} handed out again while the client holds it",
+                info.slot
+            ));
+        }
+        self.last_step = Some(info.step);
+        self.last_cursor_received = info.cursor_after;
+        self.batches_received += 1;
+        Ok(())
+    }
+
+    /// Ends the session after `error`: drops queued batches, shuts the socket down so the daemon
+    /// reclaims the slots, and refuses further work.
+    pub(super) fn fail(&mut self, error: ClientError, reported: bool) -> ClientError {
+        self.pending.clear();
+        let _ = self.socket.shutdown(Shutdown::Both);
+        self.phase = Phase::Failed {
+            reason: error.to_string(),
+            reported,
+        };
+        error
+    }
+
+    pub(super) fn hand_out(&mut self, info: BatchInfo) -> Result<Batch, ClientError> {
+        self.cursor = info.cursor_after;
+        let batch = Batch {
+            info,
+            memory: Arc::clone(&self.memory),
+            outbox: Arc::clone(&self.outbox),
+            release_stream: None,
+        };
+        if let Slots::Device(slots) = &self.memory.slots {
+            slots.wait_ready(batch.info.slot, self.memory.cuda_stream())?;
+        }
+        Ok(batch)
+    }
+}
+
+impl Iterator for Stream {
+    type Item = Result<Batch, ClientError>;
+
+    /// The next batch in step order; `None` after `EndOfEpoch`, and after an error has been yielded.
+    fn next(&mut self) -> Option<Result<Batch, ClientError>> {
+        if let Some(info) = self.pending.pop_front() {
+            return Some(self.hand_out(info));
+        }
+        match &mut self.phase {
+            Phase::Streaming => {}
+            Phase::Finished => return None,
+            Phase::Failed { reported: true, .. } => return None,
+            Phase::Failed { reason, reported } => {
+                *reported = true;
+                return Some(Err(ClientError::Ended(reason.clone())));
+            }
+        }
+        let slots = self.memory.layout.slot_count;
+        let held = self.outbox.lock().held_slots.count_ones();
+        if held >= slots && self.batches_received < self.memory.layout.steps {
+            return Some(Err(ClientError::AllSlotsHeld { slots }));
+        }
+        match self.receive() {
+            Ok(Event::Batch(info)) => Some(self.hand_out(info)),
+            Ok(Event::EndOfEpoch) => None,
+            Ok(Event::Status(_)) => Some(Err(self.fail(
+                ClientError::Protocol("Status without a StatusRequest".to_string()),
+                true,
+            ))),
+            Err(error) => Some(Err(self.fail(error, true))),
+        }
+    }
+}
