@@ -218,11 +218,6 @@ const LONG_FUNCTIONS: &[(&str, &str, &str)] = &[
         "parse_shard_metadata",
         "to split: one check per metadata section",
     ),
-    (
-        "src/ipc/server.rs",
-        "run_session",
-        "to split: one function per message kind",
-    ),
     ("src/daemon.rs", "serve", "to split: start-up phases"),
     (
         "src/config.rs",

@@ -198,25 +198,9 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             return;
         }
     };
-    let uid = match getsockopt(&reader, PeerCredentials) {
-        Ok(credentials) => credentials.uid(),
-        Err(error) => {
-            send_error(
-                &writer,
-                ErrorCode::PermissionDenied,
-                format!("cannot read peer credentials: {error}"),
-            );
-            return;
-        }
-    };
-    if !shared.config.allowed_uids.contains(&uid) {
-        send_error(
-            &writer,
-            ErrorCode::PermissionDenied,
-            format!("uid {uid} is not allowed to connect"),
-        );
+    let Some(uid) = admitted_uid(&shared, &reader, &writer) else {
         return;
-    }
+    };
     let metrics = &shared.config.metrics;
     if !metrics.open_session(shared.config.sessions_max) {
         send_error(
@@ -231,14 +215,69 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
     }
     let _session_slot = SessionSlot(metrics);
     let session_id = shared.next_session.fetch_add(1, Ordering::SeqCst);
+    let Some(client) = handshake(&shared, &reader, &writer, session_id, uid) else {
+        return;
+    };
+    let listed = shared.registry.sessions().register(
+        crate::registry::SessionInfo {
+            id: session_id,
+            uid,
+            client,
+            started: std::time::SystemTime::now(),
+        },
+        session_closer(&reader, &writer),
+    );
+    if let Some(running) = serve_requests(&shared, &reader, &writer, &listed) {
+        running.stop(&reader);
+    }
+    tracing::info!("session {session_id} ended");
+}
+
+/// The peer's uid, if it may connect; otherwise the refusal is sent and `None` returned.
+fn admitted_uid(
+    shared: &Shared,
+    reader: &UnixStream,
+    writer: &Arc<Mutex<UnixStream>>,
+) -> Option<u32> {
+    let uid = match getsockopt(reader, PeerCredentials) {
+        Ok(credentials) => credentials.uid(),
+        Err(error) => {
+            send_error(
+                writer,
+                ErrorCode::PermissionDenied,
+                format!("cannot read peer credentials: {error}"),
+            );
+            return None;
+        }
+    };
+    if !shared.config.allowed_uids.contains(&uid) {
+        send_error(
+            writer,
+            ErrorCode::PermissionDenied,
+            format!("uid {uid} is not allowed to connect"),
+        );
+        return None;
+    }
+    Some(uid)
+}
+
+/// Waits (within the handshake deadline) for the consumer's `Hello` and answers `Welcome`; returns
+/// the client's description, or `None` once the session is refused or gone.
+fn handshake(
+    shared: &Shared,
+    reader: &UnixStream,
+    writer: &Arc<Mutex<UnixStream>>,
+    session_id: u64,
+    uid: u32,
+) -> Option<String> {
     if let Err(error) = reader.set_read_timeout(Some(shared.config.handshake_timeout)) {
         tracing::warn!("session {session_id}: cannot set the handshake deadline: {error}");
-        return;
+        return None;
     }
-    let hello = transport::recv(&reader);
+    let hello = transport::recv(reader);
     if let Err(error) = reader.set_read_timeout(None) {
         tracing::warn!("session {session_id}: cannot clear the handshake deadline: {error}");
-        return;
+        return None;
     }
     let client = match hello {
         Ok((Message::Hello { client }, _)) => {
@@ -252,28 +291,28 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             ) =>
         {
             send_error(
-                &writer,
+                writer,
                 ErrorCode::BadFrame,
                 format!(
                     "no Hello within {} s of connecting: closing the session",
                     shared.config.handshake_timeout.as_secs_f64()
                 ),
             );
-            return;
+            return None;
         }
         Ok((other, _)) => {
             send_error(
-                &writer,
+                writer,
                 ErrorCode::BadFrame,
                 format!("expected Hello, got {}", other.name()),
             );
-            return;
+            return None;
         }
         Err(error) => {
             if !matches!(error, TransportError::Closed) {
-                send_error(&writer, ErrorCode::BadFrame, error.to_string());
+                send_error(writer, ErrorCode::BadFrame, error.to_string());
             }
-            return;
+            return None;
         }
     };
     let welcome = Message::Welcome {
@@ -286,44 +325,50 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
         daemon_version: env!("CARGO_PKG_VERSION").to_string(),
     };
     if transport::send(&writer.lock().expect("socket lock poisoned"), &welcome, &[]).is_err() {
-        return;
+        return None;
     }
-    // The control API may close this session (an operator's DELETE, a forced dataset removal, the
-    // daemon shutting down). The closer never blocks: it sends the error frame only if the writer is
-    // free (the filler may be mid-send) and then shuts the socket down, which ends this session's
-    // receive loop and, with it, the stream and its slots.
-    let closer: crate::registry::SessionCloser = {
-        let writer = Arc::clone(&writer);
-        let shutdown = reader.try_clone().ok();
-        Arc::new(move |reason| {
-            if let Ok(socket) = writer.try_lock() {
-                let message = Message::Error {
-                    code: ErrorCode::Closed,
-                    message: format!("session closed by the daemon: {reason:?}"),
-                };
-                let _ = transport::send(&socket, &message, &[]);
-            }
-            if let Some(socket) = &shutdown {
-                let _ = socket.shutdown(std::net::Shutdown::Both);
-            }
-        })
-    };
-    let listed = shared.registry.sessions().register(
-        crate::registry::SessionInfo {
-            id: session_id,
-            uid,
-            client,
-            started: std::time::SystemTime::now(),
-        },
-        closer,
-    );
+    Some(client)
+}
+
+/// Lets the control API close the session (an operator's DELETE, a forced dataset removal, the
+/// daemon shutting down). The closer never blocks: it sends the error frame only if the writer is
+/// free (the filler may be mid-send) and then shuts the socket down, which ends the session's
+/// receive loop and, with it, the stream and its slots.
+fn session_closer(
+    reader: &UnixStream,
+    writer: &Arc<Mutex<UnixStream>>,
+) -> crate::registry::SessionCloser {
+    let writer = Arc::clone(writer);
+    let shutdown = reader.try_clone().ok();
+    Arc::new(move |reason| {
+        if let Ok(socket) = writer.try_lock() {
+            let message = Message::Error {
+                code: ErrorCode::Closed,
+                message: format!("session closed by the daemon: {reason:?}"),
+            };
+            let _ = transport::send(&socket, &message, &[]);
+        }
+        if let Some(socket) = &shutdown {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
+    })
+}
+
+/// Serves the session's requests until it ends; returns its stream, if it opened one, to be stopped.
+fn serve_requests(
+    shared: &Arc<Shared>,
+    reader: &UnixStream,
+    writer: &Arc<Mutex<UnixStream>>,
+    listed: &crate::registry::SessionEntry<'_>,
+) -> Option<RunningStream> {
+    let metrics = &shared.config.metrics;
     let mut stream: Option<RunningStream> = None;
     loop {
-        let message = match transport::recv(&reader) {
+        let message = match transport::recv(reader) {
             Ok((message, fds)) => {
                 if !fds.is_empty() {
                     send_error(
-                        &writer,
+                        writer,
                         ErrorCode::BadFrame,
                         "consumers may not pass descriptors".into(),
                     );
@@ -333,7 +378,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             }
             Err(TransportError::Closed) => break,
             Err(error) => {
-                send_error(&writer, ErrorCode::BadFrame, error.to_string());
+                send_error(writer, ErrorCode::BadFrame, error.to_string());
                 break;
             }
         };
@@ -341,20 +386,20 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             Message::OpenStream(spec) => {
                 if stream.is_some() {
                     send_error(
-                        &writer,
+                        writer,
                         ErrorCode::BadRequest,
                         "this session already has a stream".into(),
                     );
                     break;
                 }
                 let dataset = spec.dataset.clone();
-                match open_stream(&shared, &writer, spec) {
+                match open_stream(shared, writer, spec) {
                     Ok(running) => {
                         listed.set_stream(&dataset);
                         stream = Some(running);
                     }
                     Err((code, message)) => {
-                        send_error(&writer, code, message);
+                        send_error(writer, code, message);
                         break;
                     }
                 }
@@ -362,14 +407,14 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             Message::Release { slot } => {
                 let Some(running) = &stream else {
                     send_error(
-                        &writer,
+                        writer,
                         ErrorCode::BadRequest,
                         "Release before OpenStream".into(),
                     );
                     break;
                 };
                 if let Err(error) = running.release(slot) {
-                    send_error(&writer, ErrorCode::BadRequest, error);
+                    send_error(writer, ErrorCode::BadRequest, error);
                     break;
                 }
             }
@@ -384,7 +429,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             Message::Close => break,
             other => {
                 send_error(
-                    &writer,
+                    writer,
                     ErrorCode::BadFrame,
                     format!("{} is not a message a consumer sends", other.name()),
                 );
@@ -392,10 +437,7 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
             }
         }
     }
-    if let Some(running) = stream {
-        running.stop(&reader);
-    }
-    tracing::info!("session {session_id} ended");
+    stream
 }
 
 /// A stream being served: its slots, the filler thread and the channel that returns released slots.
