@@ -269,64 +269,8 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
     let mut signals = Signals::install()?;
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
-    let options = ApiOptions::from_settings(&settings);
-    let (control, notes) = {
-        let registry = Arc::clone(&registry);
-        let metrics = Arc::clone(&metrics);
-        tokio::task::spawn_blocking(move || Control::open(options, registry, metrics))
-            .await
-            .map_err(DaemonError::CatalogTask)?
-            .map_err(|source| DaemonError::DataRoot {
-                path: settings.data_root.clone(),
-                source,
-            })?
-    };
-    for note in &notes {
-        tracing::warn!("{note}");
-    }
-    let names = registry.names();
-    tracing::info!(
-        "datasets: {}; catalog {}",
-        names.join(", "),
-        control.catalog_path().display()
-    );
-
-    let gpu_for_status = gpu
-        .as_ref()
-        .map(|g| (g.ordinal, g.device.properties().name.clone()));
-    let server_config = ServerConfig {
-        socket_path: settings.socket_path.clone(),
-        allowed_uids: settings.allowed_uids.clone(),
-        sessions_max: settings.sessions_max,
-        slot_memory_bytes_max: settings.slot_memory_bytes_max,
-        stream_limits: StreamLimits::node_defaults(),
-        metrics: Arc::clone(&metrics),
-        gpu,
-        handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
-    };
-    let server = Server::bind(server_config, Arc::clone(&registry)).map_err(|source| {
-        DaemonError::Socket {
-            path: settings.socket_path.clone(),
-            source,
-        }
-    })?;
-    control.attach_backend(
-        match &gpu_for_status {
-            Some((ordinal, _)) => format!("cuda:{ordinal}"),
-            None => "cpu".to_string(),
-        },
-        match gpu_for_status {
-            Some((ordinal, name)) => format!(
-                "streams on cuda:{ordinal} ({name}) get exportable device slots filled by the GPU \
-                 pipeline; host-memory streams are served from memfd slots"
-            ),
-            None => format!(
-                "--device {}: batches are served from host memory (memfd)",
-                settings.device
-            ),
-        },
-    );
-
+    let (control, names) = open_control(&settings, &registry, &metrics).await?;
+    let server = start_socket_server(&settings, &registry, &metrics, gpu, &control)?;
     let listener = match bind_http(settings.http).await {
         Ok(listener) => listener,
         Err(error) => {
@@ -357,23 +301,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
 
     let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
     let http_task = match listener {
-        Some(listener) => {
-            let address = listener.local_addr().map_err(DaemonError::Announce)?;
-            // Whoever started the daemon may have stopped reading stdout after the first line: a
-            // closed pipe must not take the daemon down.
-            let mut stdout = io::stdout();
-            let _ = writeln!(stdout, "gpufeed: http on {address}").and_then(|()| stdout.flush());
-            tracing::info!("control API on http://{address}");
-            let app = api::router(Arc::clone(&control));
-            let mut stopped = http_stopped.clone();
-            Some(tokio::spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.wait_for(|stop| *stop).await;
-                    })
-                    .await
-            }))
-        }
+        Some(listener) => Some(start_http(listener, &control, http_stopped)?),
         None => None,
     };
 
@@ -391,15 +319,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
 
     let _ = stop_http.send(true);
     if let Some(task) = http_task {
-        match tokio::time::timeout(HTTP_DRAIN, task).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(error))) => tracing::warn!("the control API ended with an error: {error}"),
-            Ok(Err(error)) => tracing::warn!("the control API's task failed: {error}"),
-            Err(_) => tracing::warn!(
-                "requests still in flight after {} s; closing them",
-                HTTP_DRAIN.as_secs()
-            ),
-        }
+        drain_http(task).await;
     }
     // No new consumer sessions from here on; the ones running are closed by the API's shutdown.
     socket_stopper.stop();
@@ -434,6 +354,120 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
         }
     }
     outcome.map(|_| ())
+}
+
+/// Opens the data root's catalog (registering its datasets) off the async threads; returns the
+/// control API's state and the registered names.
+async fn open_control(
+    settings: &Settings,
+    registry: &Arc<Registry>,
+    metrics: &Arc<Metrics>,
+) -> Result<(Arc<Control>, Vec<String>), DaemonError> {
+    let options = ApiOptions::from_settings(settings);
+    let (control, notes) = {
+        let registry = Arc::clone(registry);
+        let metrics = Arc::clone(metrics);
+        tokio::task::spawn_blocking(move || Control::open(options, registry, metrics))
+            .await
+            .map_err(DaemonError::CatalogTask)?
+            .map_err(|source| DaemonError::DataRoot {
+                path: settings.data_root.clone(),
+                source,
+            })?
+    };
+    for note in &notes {
+        tracing::warn!("{note}");
+    }
+    let names = registry.names();
+    tracing::info!(
+        "datasets: {}; catalog {}",
+        names.join(", "),
+        control.catalog_path().display()
+    );
+    Ok((control, names))
+}
+
+/// Binds the consumer socket with the serving backend, and tells the control API which backend
+/// serves.
+fn start_socket_server(
+    settings: &Settings,
+    registry: &Arc<Registry>,
+    metrics: &Arc<Metrics>,
+    gpu: Option<Arc<GpuBackend>>,
+    control: &Control,
+) -> Result<Server, DaemonError> {
+    let gpu_for_status = gpu
+        .as_ref()
+        .map(|g| (g.ordinal, g.device.properties().name.clone()));
+    let server_config = ServerConfig {
+        socket_path: settings.socket_path.clone(),
+        allowed_uids: settings.allowed_uids.clone(),
+        sessions_max: settings.sessions_max,
+        slot_memory_bytes_max: settings.slot_memory_bytes_max,
+        stream_limits: StreamLimits::node_defaults(),
+        metrics: Arc::clone(metrics),
+        gpu,
+        handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
+    };
+    let server = Server::bind(server_config, Arc::clone(registry)).map_err(|source| {
+        DaemonError::Socket {
+            path: settings.socket_path.clone(),
+            source,
+        }
+    })?;
+    control.attach_backend(
+        match &gpu_for_status {
+            Some((ordinal, _)) => format!("cuda:{ordinal}"),
+            None => "cpu".to_string(),
+        },
+        match gpu_for_status {
+            Some((ordinal, name)) => format!(
+                "streams on cuda:{ordinal} ({name}) get exportable device slots filled by the GPU \
+                 pipeline; host-memory streams are served from memfd slots"
+            ),
+            None => format!(
+                "--device {}: batches are served from host memory (memfd)",
+                settings.device
+            ),
+        },
+    );
+    Ok(server)
+}
+
+/// Announces the control API's address and serves it until `stopped` turns true.
+fn start_http(
+    listener: tokio::net::TcpListener,
+    control: &Arc<Control>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<io::Result<()>>, DaemonError> {
+    let address = listener.local_addr().map_err(DaemonError::Announce)?;
+    // Whoever started the daemon may have stopped reading stdout after the first line: a closed
+    // pipe must not take the daemon down.
+    let mut stdout = io::stdout();
+    let _ = writeln!(stdout, "gpufeed: http on {address}").and_then(|()| stdout.flush());
+    tracing::info!("control API on http://{address}");
+    let app = api::router(Arc::clone(control));
+    let mut stopped = stopped;
+    Ok(tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await
+    }))
+}
+
+/// Waits (bounded) for the control API's requests in flight once it was told to stop.
+async fn drain_http(task: tokio::task::JoinHandle<io::Result<()>>) {
+    match tokio::time::timeout(HTTP_DRAIN, task).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(error))) => tracing::warn!("the control API ended with an error: {error}"),
+        Ok(Err(error)) => tracing::warn!("the control API's task failed: {error}"),
+        Err(_) => tracing::warn!(
+            "requests still in flight after {} s; closing them",
+            HTTP_DRAIN.as_secs()
+        ),
+    }
 }
 
 /// Binds the control API's listener, or none when it is off. The built-in default address is

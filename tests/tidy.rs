@@ -218,7 +218,6 @@ const LONG_FUNCTIONS: &[(&str, &str, &str)] = &[
         "parse_shard_metadata",
         "to split: one check per metadata section",
     ),
-    ("src/daemon.rs", "serve", "to split: start-up phases"),
     (
         "src/config.rs",
         "resolve",
