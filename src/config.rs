@@ -307,30 +307,8 @@ impl ConfigLayer {
     }
 
     /// Fills in the defaults and checks every value. `own_uid` is the default socket allowlist.
-    pub fn resolve(self, own_uid: u32) -> Result<Settings, ConfigError> {
-        let data_root = self.data_root.ok_or_else(|| {
-            invalid(
-                "--data-root",
-                "required (or GPUFEED_DATA_ROOT, or data_root in the configuration file)",
-            )
-        })?;
-        let socket_path = self
-            .socket
-            .unwrap_or_else(|| data_root.join("gpufeed.sock"));
-        let engine: EngineMode = self
-            .engine
-            .as_deref()
-            .unwrap_or("auto")
-            .parse()
-            .map_err(|error: UnknownEngine| invalid("--engine", error.to_string()))?;
-        let allowed_uids = match self.allow_uids {
-            Some(uids) if !uids.is_empty() => uids,
-            _ => vec![own_uid],
-        };
-        let sessions_max = self.sessions_max.unwrap_or(SESSIONS_MAX_DEFAULT);
-        if sessions_max == 0 {
-            return Err(invalid("--sessions-max", "must be at least 1"));
-        }
+    /// The control API's address and request body limit.
+    fn resolve_http(&self) -> Result<(HttpListen, u64), ConfigError> {
         let http = match self.http.as_deref() {
             None => HttpListen::Default(HTTP_ADDR_DEFAULT.parse().expect("a valid address")),
             Some("off") => HttpListen::Off,
@@ -366,6 +344,11 @@ impl ConfigLayer {
                 ),
             ));
         }
+        Ok((http, body_bytes_max))
+    }
+
+    /// The pack jobs' bounds.
+    fn resolve_jobs(&self) -> Result<JobLimits, ConfigError> {
         let jobs = JobLimits {
             running_max: self.jobs_max.unwrap_or(JOBS_RUNNING_MAX_DEFAULT),
             queued_max: self.jobs_queued_max.unwrap_or(JOBS_QUEUED_MAX_DEFAULT),
@@ -395,21 +378,11 @@ impl ConfigLayer {
                 ),
             ));
         }
-        let pack_threads = match self.pack_threads {
-            Some(0) => return Err(invalid("--pack-threads", "must be at least 1")),
-            Some(n) => n as usize,
-            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        };
-        let pack_bytes_per_s_max = match self.pack_rate_max {
-            Some(ByteCount(0)) => {
-                return Err(invalid(
-                    "--pack-rate-max",
-                    "must be at least 1 byte per second",
-                ))
-            }
-            Some(ByteCount(n)) => Some(n),
-            None => None,
-        };
+        Ok(jobs)
+    }
+
+    /// The page-cache registration budget and when GPUs read rows in place.
+    fn resolve_registration(&self) -> Result<(RegistrationBudget, ZeroCopy), ConfigError> {
         let window_bytes = self
             .registered_window
             .map_or(REGISTERED_WINDOW_BYTES_DEFAULT, |ByteCount(n)| n);
@@ -454,6 +427,51 @@ impl ConfigLayer {
                 window_bytes,
                 ..registered_bytes_max_default()
             },
+        };
+        Ok((registered, zero_copy))
+    }
+
+    pub fn resolve(self, own_uid: u32) -> Result<Settings, ConfigError> {
+        let (http, body_bytes_max) = self.resolve_http()?;
+        let jobs = self.resolve_jobs()?;
+        let (registered, zero_copy) = self.resolve_registration()?;
+        let data_root = self.data_root.ok_or_else(|| {
+            invalid(
+                "--data-root",
+                "required (or GPUFEED_DATA_ROOT, or data_root in the configuration file)",
+            )
+        })?;
+        let socket_path = self
+            .socket
+            .unwrap_or_else(|| data_root.join("gpufeed.sock"));
+        let engine: EngineMode = self
+            .engine
+            .as_deref()
+            .unwrap_or("auto")
+            .parse()
+            .map_err(|error: UnknownEngine| invalid("--engine", error.to_string()))?;
+        let allowed_uids = match self.allow_uids {
+            Some(uids) if !uids.is_empty() => uids,
+            _ => vec![own_uid],
+        };
+        let sessions_max = self.sessions_max.unwrap_or(SESSIONS_MAX_DEFAULT);
+        if sessions_max == 0 {
+            return Err(invalid("--sessions-max", "must be at least 1"));
+        }
+        let pack_threads = match self.pack_threads {
+            Some(0) => return Err(invalid("--pack-threads", "must be at least 1")),
+            Some(n) => n as usize,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        let pack_bytes_per_s_max = match self.pack_rate_max {
+            Some(ByteCount(0)) => {
+                return Err(invalid(
+                    "--pack-rate-max",
+                    "must be at least 1 byte per second",
+                ))
+            }
+            Some(ByteCount(n)) => Some(n),
+            None => None,
         };
         Ok(Settings {
             data_root,

@@ -218,11 +218,6 @@ const LONG_FUNCTIONS: &[(&str, &str, &str)] = &[
         "parse_shard_metadata",
         "to split: one check per metadata section",
     ),
-    (
-        "src/config.rs",
-        "resolve",
-        "to split: one resolver per setting group",
-    ),
 ];
 
 /// (file, function, lines) of every function in the non-test code of `dirs`. A function runs from
