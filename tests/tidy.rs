@@ -213,11 +213,6 @@ const LONG_FUNCTIONS: &[(&str, &str, &str)] = &[
         "render",
         "one flat block per metric family",
     ),
-    (
-        "src/format/shard.rs",
-        "parse_shard_metadata",
-        "to split: one check per metadata section",
-    ),
 ];
 
 /// (file, function, lines) of every function in the non-test code of `dirs`. A function runs from

@@ -445,6 +445,34 @@ pub fn parse_shard_metadata(
         ));
     }
 
+    let fields = parse_fields(path, bytes, &header)?;
+    let blocks = parse_blocks(path, bytes, &header, &fields, file_bytes)?;
+    let metadata = ShardMetadata {
+        header,
+        fields,
+        blocks,
+        table_checksum: stored,
+    };
+    if metadata.file_bytes() != file_bytes {
+        return Err(FormatError::Length {
+            path: path.to_path_buf(),
+            expected_bytes: metadata.file_bytes(),
+            actual_bytes: file_bytes,
+        });
+    }
+    Ok(metadata)
+}
+
+/// The field table of a shard whose header is `header` (its checksum already checked).
+fn parse_fields(
+    path: &Path,
+    bytes: &[u8],
+    header: &ShardHeader,
+) -> Result<Vec<Field>, FormatError> {
+    let invalid = |what: String| FormatError::Invalid {
+        path: path.to_path_buf(),
+        what,
+    };
     let mut fields = Vec::with_capacity(header.field_count as usize);
     let mut next_block = 0u32;
     for index in 0..header.field_count as usize {
@@ -532,6 +560,23 @@ pub fn parse_shard_metadata(
         )));
     }
 
+    Ok(fields)
+}
+
+/// The block table of a shard, field by field, with every block's extents checked against the
+/// field, the payload order and the file's length.
+fn parse_blocks(
+    path: &Path,
+    bytes: &[u8],
+    header: &ShardHeader,
+    fields: &[Field],
+    file_bytes: u64,
+) -> Result<Vec<BlockEntry>, FormatError> {
+    let invalid = |what: String| FormatError::Invalid {
+        path: path.to_path_buf(),
+        what,
+    };
+    let fields_end = HEADER_BYTES + header.field_count as usize * FIELD_ENTRY_BYTES;
     let mut blocks = Vec::with_capacity(header.block_count as usize);
     let mut previous_payload_end = header.payload_offset;
     for (field_index, field) in fields.iter().enumerate() {
@@ -648,20 +693,7 @@ pub fn parse_shard_metadata(
             )));
         }
     }
-    let metadata = ShardMetadata {
-        header,
-        fields,
-        blocks,
-        table_checksum: stored,
-    };
-    if metadata.file_bytes() != file_bytes {
-        return Err(FormatError::Length {
-            path: path.to_path_buf(),
-            expected_bytes: metadata.file_bytes(),
-            actual_bytes: file_bytes,
-        });
-    }
-    Ok(metadata)
+    Ok(blocks)
 }
 
 #[cfg(test)]
