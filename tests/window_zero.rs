@@ -1,0 +1,47 @@
+//! Regression test: an `OpenStream` asking for a shuffle window of zero shards was answered
+//! `BadFrame` (the decoder refused it), while `docs/PROTOCOL.md` documents `BadRequest` for it: a
+//! well-formed request that is invalid. It is now decoded and refused by the stream spec's rules,
+//! with their message.
+
+mod common;
+
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Stdio;
+
+use gpufeed_client::protocol::{ErrorCode, Message, Shuffle, StreamSpec};
+use gpufeed_client::transport;
+
+#[test]
+fn a_window_of_zero_shards_is_a_bad_request() {
+    let root = tempfile::tempdir().unwrap();
+    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
+    let daemon = common::daemon::start_daemon(
+        binary,
+        root.path(),
+        root.path().join("gpufeed.sock"),
+        "cpu",
+        &[],
+        Stdio::null(),
+    );
+    let socket = UnixStream::connect(&daemon.socket).unwrap();
+    let hello = Message::Hello {
+        client: "window-zero test".to_string(),
+    };
+    transport::send(&socket, &hello, &[]).unwrap();
+    assert!(matches!(
+        transport::recv(&socket).unwrap().0,
+        Message::Welcome { .. }
+    ));
+    // The client library refuses this spec before sending it; another client might not.
+    let mut spec = StreamSpec::new("any", 4);
+    spec.shuffle = Shuffle::Window(0);
+    transport::send(&socket, &Message::OpenStream(spec), &[]).unwrap();
+    match transport::recv(&socket).unwrap().0 {
+        Message::Error { code, message } => {
+            assert_eq!(code, ErrorCode::BadRequest, "{message}");
+            assert!(message.contains("at least one shard"), "{message}");
+        }
+        other => panic!("expected an error frame, got {other:?}"),
+    }
+}
