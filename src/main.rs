@@ -495,6 +495,12 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a terminal, and never with NO_COLOR set (https://no-color.org): a log file
+        // or a journal gets plain text.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        )
         .init();
     let flags = ConfigLayer {
         data_root: args.data_root,

@@ -49,12 +49,22 @@ unsafe impl Sync for SlotRing {}
 
 /// A lease transition that the protocol does not allow (a consumer releasing a slot it does not hold).
 #[derive(Debug, thiserror::Error)]
-#[error("slot {slot} is {state:?}, not held by the consumer")]
+#[error("slot {slot} {}, so the consumer cannot release it", describe(*.state))]
 pub struct LeaseError {
     /// The slot.
     pub slot: u32,
     /// Its actual state.
     pub state: Option<Lease>,
+}
+
+/// A slot's state in words, for consumers reading the error.
+fn describe(state: Option<Lease>) -> &'static str {
+    match state {
+        None => "does not exist in this stream",
+        Some(Lease::Free) => "is free (not handed to the consumer, or released already)",
+        Some(Lease::Filling) => "is being filled by the daemon (not handed to the consumer yet)",
+        Some(Lease::Consumer) => "is held by the consumer",
+    }
 }
 
 impl SlotRing {

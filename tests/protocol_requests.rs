@@ -1,0 +1,103 @@
+//! Regression tests for requests a consumer of another client library may send, and what the daemon
+//! answers:
+//! - an `OpenStream` asking for a shuffle window of zero shards was answered `BadFrame` (the decoder
+//!   refused it), while `docs/PROTOCOL.md` documents `BadRequest` for it: a well-formed request that is
+//!   invalid. It is now decoded and refused by the stream spec's rules, with their message;
+//! - releasing a slot the consumer does not hold was answered with Rust internals ("slot 6 is
+//!   Some(Free)"); the answer now says in words what the slot is.
+
+mod common;
+
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Stdio;
+
+use gpufeed_client::protocol::{ErrorCode, Message, Shuffle, StreamSpec};
+use gpufeed_client::{transport, DType};
+
+/// A greeted raw connection to `socket`.
+fn greeted(socket: &Path) -> UnixStream {
+    let socket = UnixStream::connect(socket).unwrap();
+    let hello = Message::Hello {
+        client: "protocol-requests test".to_string(),
+    };
+    transport::send(&socket, &hello, &[]).unwrap();
+    assert!(matches!(
+        transport::recv(&socket).unwrap().0,
+        Message::Welcome { .. }
+    ));
+    socket
+}
+
+#[test]
+fn releasing_a_slot_not_held_is_answered_in_words() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let bytes: Vec<u8> = (0..64u32).flat_map(u32::to_le_bytes).collect();
+    common::pack_fields(
+        &data.join("tiny"),
+        &[common::field("v", DType::U32, &[4], bytes)],
+        &common::options("tiny", 64 << 10, None),
+    );
+    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
+    let daemon = common::daemon::start_daemon(
+        binary,
+        &data,
+        root.path().join("gpufeed.sock"),
+        "cpu",
+        &[],
+        Stdio::null(),
+    );
+    let socket = greeted(&daemon.socket);
+    transport::send(
+        &socket,
+        &Message::OpenStream(StreamSpec::new("tiny", 4)),
+        &[],
+    )
+    .unwrap();
+    let (opened, _descriptors) = transport::recv(&socket).unwrap();
+    assert!(matches!(opened, Message::StreamOpened(_)), "{opened:?}");
+    transport::send(&socket, &Message::Release { slot: 63 }, &[]).unwrap();
+    loop {
+        match transport::recv(&socket).unwrap().0 {
+            Message::Batch(_) => continue,
+            Message::Error { code, message } => {
+                assert_eq!(code, ErrorCode::BadRequest, "{message}");
+                assert!(message.contains("slot 63 does not exist"), "{message}");
+                assert!(
+                    !message.contains("Some(") && !message.contains("None"),
+                    "{message}"
+                );
+                break;
+            }
+            other => panic!("expected an error frame, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_window_of_zero_shards_is_a_bad_request() {
+    let root = tempfile::tempdir().unwrap();
+    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
+    let daemon = common::daemon::start_daemon(
+        binary,
+        root.path(),
+        root.path().join("gpufeed.sock"),
+        "cpu",
+        &[],
+        Stdio::null(),
+    );
+    let socket = greeted(&daemon.socket);
+    // The client library refuses this spec before sending it; another client might not.
+    let mut spec = StreamSpec::new("any", 4);
+    spec.shuffle = Shuffle::Window(0);
+    transport::send(&socket, &Message::OpenStream(spec), &[]).unwrap();
+    match transport::recv(&socket).unwrap().0 {
+        Message::Error { code, message } => {
+            assert_eq!(code, ErrorCode::BadRequest, "{message}");
+            assert!(message.contains("at least one shard"), "{message}");
+        }
+        other => panic!("expected an error frame, got {other:?}"),
+    }
+}
