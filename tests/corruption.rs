@@ -334,7 +334,17 @@ fn bad_manifest_is_named() {
     let text = fs::read_to_string(clean.join(MANIFEST_FILE_NAME)).unwrap();
     let sample_count = format!("\"sample_count\": {SAMPLES},");
     assert!(text.contains(&sample_count), "{text}");
+    // The checksum as FORMAT.md spells it (lowercase), then in capitals: one checksum, one spelling.
+    let key = "\"table_checksum\": \"";
+    let at = text.find(key).expect("a table checksum") + key.len();
+    let lowercase = &text[at..at + 16];
+    assert!(lowercase.bytes().any(|b| b.is_ascii_lowercase()), "{lowercase}");
     let edits = [
+        (
+            "uppercase-checksum",
+            text.replacen(lowercase, &lowercase.to_ascii_uppercase(), 1),
+            "is not 16 lowercase hex digits",
+        ),
         (
             "count",
             text.replacen(

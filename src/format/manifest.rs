@@ -244,12 +244,18 @@ impl Manifest {
             next_sample = next_sample
                 .checked_add(shard.sample_count)
                 .ok_or_else(|| bad(format!("shards[{index}]: sample count overflows")))?;
+            // FORMAT.md: exactly 16 lowercase hex digits, so that one checksum has one spelling.
+            let lowercase_hex = shard.table_checksum.len() == 16
+                && shard
+                    .table_checksum
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
             let table_checksum = u64::from_str_radix(&shard.table_checksum, 16)
                 .ok()
-                .filter(|_| shard.table_checksum.len() == 16)
+                .filter(|_| lowercase_hex)
                 .ok_or_else(|| {
                     bad(format!(
-                        "shards[{index}].table_checksum {:?} is not 16 hex digits",
+                        "shards[{index}].table_checksum {:?} is not 16 lowercase hex digits",
                         shard.table_checksum
                     ))
                 })?;
