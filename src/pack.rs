@@ -258,7 +258,9 @@ pub fn chunk_bytes(sample_bytes: u64, block_bytes: u32) -> u64 {
     }
 }
 
-fn validate(fields: &[FieldSource], options: &PackOptions) -> Result<u64, PackError> {
+/// Checks `fields` and `options` as packing does before it reads any sample (names, dimensions,
+/// sample counts agreeing across fields, block size, shard size); returns the sample count.
+pub fn check_inputs(fields: &[FieldSource], options: &PackOptions) -> Result<u64, PackError> {
     let invalid = |s: String| Err(PackError::Invalid(s));
     format::validate_dataset_name(&options.name).map_err(PackError::Invalid)?;
     if fields.is_empty() {
@@ -327,7 +329,7 @@ pub fn pack(
     options: &PackOptions,
     observer: &dyn PackObserver,
 ) -> Result<PackSummary, PackError> {
-    let sample_count = validate(fields, options)?;
+    let sample_count = check_inputs(fields, options)?;
     let sample_bytes_all: u64 = fields.iter().map(|f| f.sample_bytes() as u64).sum();
     let samples_per_shard = match options.samples_per_shard {
         Some(0) => {

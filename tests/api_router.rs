@@ -844,20 +844,23 @@ async fn pack_requests_with_bad_inputs_are_refused_before_a_job_starts() {
         .as_array()
         .unwrap()
         .is_empty());
-    // Fields of different lengths fail in the pack: the job fails and leaves nothing.
+    // Fields of different lengths are refused before a job starts (they were accepted with 202 and
+    // failed in the pack), naming both fields and their sample counts.
     let mismatched = pack(
         "mismatch",
         json!({"fields": [{"name": "x", "npy": ["a.npy"]}, {"name": "y", "npy": ["short.npy"]}]}),
     );
-    let accepted = post(&app, "/v1/datasets", mismatched).await;
-    assert_eq!(accepted.status, 202);
-    let id = accepted.json()["id"].as_u64().unwrap();
-    let failed = get(&app, &format!("/v1/jobs/{id}?wait_s=60")).await.json();
-    assert_eq!(failed["state"], "failed");
+    let message = post(&app, "/v1/datasets", mismatched)
+        .await
+        .error(400, "invalid_input");
     assert!(
-        failed["error"].as_str().unwrap().contains("samples"),
-        "{failed}"
+        message.contains("'y'") && message.contains("5 samples") && message.contains("'x' has 10"),
+        "{message}"
     );
+    assert!(get(&app, "/v1/jobs").await.json()["jobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
     assert!(!root.path().join("mismatch").exists());
     assert!(staging_dirs(root.path()).is_empty());
     get(&app, "/v1/datasets/mismatch")

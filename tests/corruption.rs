@@ -338,7 +338,10 @@ fn bad_manifest_is_named() {
     let key = "\"table_checksum\": \"";
     let at = text.find(key).expect("a table checksum") + key.len();
     let lowercase = &text[at..at + 16];
-    assert!(lowercase.bytes().any(|b| b.is_ascii_lowercase()), "{lowercase}");
+    assert!(
+        lowercase.bytes().any(|b| b.is_ascii_lowercase()),
+        "{lowercase}"
+    );
     let edits = [
         (
             "uppercase-checksum",

@@ -345,6 +345,29 @@ pub(crate) async fn submit(
         let (control, source) = (Arc::clone(control), source.clone());
         blocking(move || open_inputs(&control, &source)).await??
     };
+    let options = PackOptions {
+        name: name.clone(),
+        block_bytes: source.block_bytes,
+        samples_per_shard: source.samples_per_shard,
+        codec: match source.codec {
+            CodecName::Auto => CodecChoice::Auto,
+            CodecName::Lz4 => CodecChoice::Lz4,
+            CodecName::Raw => CodecChoice::Raw,
+        },
+        shuffle: match source.shuffle_filter {
+            ShuffleName::Auto => ShuffleChoice::Auto,
+            ShuffleName::On => ShuffleChoice::On,
+            ShuffleName::Off => ShuffleChoice::Off,
+        },
+        on_existing: OnExisting::Refuse,
+        threads: control.options.pack_threads,
+    };
+    // Everything the packer checks before reading (names, shapes, sample counts agreeing across
+    // fields, sizes) is checked before the job is accepted, so that a request that cannot succeed
+    // is refused here with the reason instead of accepted and failed later.
+    crate::pack::check_inputs(&fields, &options).map_err(|error| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_input", error.to_string())
+    })?;
     let record = JobRecord {
         dataset: name.clone(),
         state: JobState::Queued,
@@ -385,23 +408,7 @@ pub(crate) async fn submit(
     });
     control.jobs.live().insert(id, Arc::clone(&live));
     admission.keep();
-    let options = PackOptions {
-        name: name.clone(),
-        block_bytes: source.block_bytes,
-        samples_per_shard: source.samples_per_shard,
-        codec: match source.codec {
-            CodecName::Auto => CodecChoice::Auto,
-            CodecName::Lz4 => CodecChoice::Lz4,
-            CodecName::Raw => CodecChoice::Raw,
-        },
-        shuffle: match source.shuffle_filter {
-            ShuffleName::Auto => ShuffleChoice::Auto,
-            ShuffleName::On => ShuffleChoice::On,
-            ShuffleName::Off => ShuffleChoice::Off,
-        },
-        on_existing: OnExisting::Refuse,
-        threads: control.options.pack_threads,
-    };
+
     tokio::spawn(run_job(
         Arc::clone(control),
         live,
