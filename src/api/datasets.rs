@@ -402,6 +402,9 @@ pub async fn get_one(
 
 /// Unregisters a dataset; its files stay on disk. Refused with 409 `in_use` while streams read it,
 /// unless `force=true`, which closes them.
+/// How long a forced removal waits for the streams it closed to let go of the dataset.
+const CLOSED_STREAMS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[utoipa::path(
     delete, path = "/v1/datasets/{name}", tag = "datasets", operation_id = "remove_dataset",
     params(("name" = String, Path, description = "The dataset name"), RemoveQuery),
@@ -445,9 +448,24 @@ pub async fn remove(
             }
         }
     };
-    let references_left = removed
-        .as_ref()
-        .map_or(0, |dataset| Arc::strong_count(dataset) - 1);
+    // Closed streams let go of the dataset when their session threads have stopped them, just after
+    // the close: wait for that (bounded), so that the count says what is still reading it rather
+    // than what was about to stop.
+    let references_left = match &removed {
+        Some(dataset) if streams_closed > 0 => {
+            let dataset = Arc::clone(dataset);
+            blocking(move || {
+                let deadline = std::time::Instant::now() + CLOSED_STREAMS_WAIT;
+                while Arc::strong_count(&dataset) > 2 && std::time::Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Ok::<_, ApiError>(Arc::strong_count(&dataset) - 2)
+            })
+            .await??
+        }
+        Some(dataset) => Arc::strong_count(dataset) - 1,
+        None => 0,
+    };
     let written = {
         let (control, name, path) = (Arc::clone(&control), name.clone(), record.path.clone());
         blocking(move || {
