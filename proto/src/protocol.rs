@@ -673,6 +673,26 @@ impl Message {
         Ok(length as usize)
     }
 
+    /// The decoder's properties on any input, for the fuzz target (`fuzz/fuzz_targets/
+    /// message_decode.rs`) and the stable fuzz smoke test (`proto/tests/decode_fuzz.rs`): `body`
+    /// decodes without panicking, and a message it decodes to encodes to a frame that decodes to the
+    /// same message.
+    #[doc(hidden)]
+    pub fn check_decode(body: &[u8]) {
+        let Ok(message) = Message::decode(body) else {
+            return;
+        };
+        let frame = message.encode();
+        let length = Message::frame_length(frame[..4].try_into().expect("a length field"))
+            .expect("an encoded frame has a valid length");
+        assert_eq!(length, frame.len() - 4);
+        let again = Message::decode(&frame[4..]).expect("an encoded frame decodes");
+        assert_eq!(
+            again, message,
+            "the message changed through encode and decode"
+        );
+    }
+
     /// Decodes a frame body: everything after the length field (version, kind, payload).
     pub fn decode(body: &[u8]) -> Result<Message, DecodeError> {
         if body.len() < 4 || body.len() > FRAME_BYTES_MAX - 4 {

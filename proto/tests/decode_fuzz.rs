@@ -1,0 +1,132 @@
+//! The fuzz smoke test that runs on stable Rust (CI has no nightly for cargo-fuzz): the properties of
+//! `fuzz/fuzz_targets/message_decode.rs` (`Message::check_decode`) over random frame bodies and over
+//! mutations (bit flips, truncations, extensions, splices) of valid frames of every message kind.
+//! `PROPTEST_CASES` raises the case count (CI's fuzz step runs 20 000 per property).
+
+use gpufeed_proto::protocol::{
+    Backend, BatchField, BatchInfo, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldLayout,
+    FieldRequest, Message, Shuffle, StreamLayout, Tail,
+};
+use gpufeed_proto::spec::StreamState;
+use gpufeed_proto::DType;
+use proptest::prelude::*;
+
+/// One valid frame body (without the length field) of each message kind.
+fn valid_bodies() -> Vec<Vec<u8>> {
+    let mut spec = gpufeed_proto::protocol::StreamSpec::new("tokens", 32);
+    spec.fields = vec![FieldRequest {
+        name: "ids".into(),
+        dtype: Some(DType::F32),
+    }];
+    spec.shuffle = Shuffle::Window(4);
+    spec.tail = Tail::Pad;
+    spec.on_corrupt = CorruptPolicy::Replace;
+    spec.device = Device::Cuda(1);
+    spec.resume(&StreamState {
+        dataset: "tokens".into(),
+        seed: 7,
+        epoch: 2,
+        shuffle: Shuffle::Full,
+        world_size: 4,
+        batch_size: 32,
+        cursor: 640,
+    });
+    let layout = StreamLayout {
+        slot_count: 2,
+        slot_bytes: 8192,
+        epoch_samples: 100,
+        steps: 3,
+        fields: vec![FieldLayout {
+            name: "ids".into(),
+            dtype: DType::I32,
+            sample_shape: vec![4],
+            offset: 0,
+            batch_bytes: 512,
+        }],
+        device: Device::Cpu,
+        slot_events: Vec::new(),
+    };
+    let messages = vec![
+        Message::Hello {
+            client: "fuzz".into(),
+        },
+        Message::Welcome {
+            session: 9,
+            backend: Backend::Cuda,
+            daemon_version: "0.1.0".into(),
+        },
+        Message::OpenStream(spec),
+        Message::StreamOpened(layout),
+        Message::Batch(BatchInfo {
+            slot: 1,
+            epoch: 2,
+            step: 3,
+            cursor_after: 4,
+            samples: 32,
+            replaced: 1,
+            fields: vec![BatchField {
+                offset: 4096,
+                dtype: DType::BF16,
+                shape: vec![32, 4],
+            }],
+            ready_ns: 123,
+        }),
+        Message::Release { slot: 1 },
+        Message::EndOfEpoch { epoch: 2, steps: 3 },
+        Message::Error {
+            code: ErrorCode::CorruptData,
+            message: "block 3".into(),
+        },
+        Message::Close,
+        Message::StatusRequest,
+        Message::Status(DaemonStatus::default()),
+    ];
+    messages.iter().map(|m| m.encode()[4..].to_vec()).collect()
+}
+
+proptest! {
+    #[test]
+    fn random_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        Message::check_decode(&body);
+    }
+
+    #[test]
+    fn random_payloads_of_every_kind_never_panic(
+        kind in 0u16..16,
+        payload in proptest::collection::vec(any::<u8>(), 0..512),
+    ) {
+        let mut body = vec![2, 0];
+        body.extend_from_slice(&kind.to_le_bytes());
+        body.extend_from_slice(&payload);
+        Message::check_decode(&body);
+    }
+
+    #[test]
+    fn mutated_valid_frames_never_panic(
+        which in any::<proptest::sample::Index>(),
+        flips in proptest::collection::vec((any::<proptest::sample::Index>(), 0u8..8), 0..6),
+        cut in any::<proptest::sample::Index>(),
+        tail in proptest::collection::vec(any::<u8>(), 0..16),
+        mode in 0u8..4,
+    ) {
+        let bodies = valid_bodies();
+        let mut body = bodies[which.index(bodies.len())].clone();
+        Message::check_decode(&body);
+        for (at, bit) in &flips {
+            let i = at.index(body.len());
+            body[i] ^= 1 << bit;
+        }
+        match mode {
+            0 => {}
+            1 => body.truncate(cut.index(body.len() + 1)),
+            2 => body.extend_from_slice(&tail),
+            _ => {
+                let other = &bodies[cut.index(bodies.len())];
+                let keep = cut.index(body.len() + 1);
+                body.truncate(keep);
+                body.extend_from_slice(&other[other.len().min(4)..]);
+            }
+        }
+        Message::check_decode(&body);
+    }
+}
