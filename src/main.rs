@@ -1,5 +1,7 @@
 //! The `gpufeed` command line: pack, inspect, verify, unpack, list-inputs, serve and demo.
 
+/// `gpufeed consume`, shared with the `consume` example.
+mod consume;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -68,7 +70,7 @@ enum Command {
         force: bool,
         /// Convert elements to this dtype (f16 and bf16 convert to f32 exactly as the GPU path does;
         /// integers of at most 32 bits widen to i64). Default: the stored dtype.
-        #[arg(long)]
+        #[arg(long, value_parser = consume::dtype_parser())]
         dtype: Option<DType>,
         /// Do not draw a progress bar.
         #[arg(long)]
@@ -89,6 +91,10 @@ enum Command {
     ///
     /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections.
     Serve(Box<ServeArgs>),
+    /// Consume one epoch of batches from a running daemon (as a training process would, through
+    /// the client crate) and print a JSON summary: batches, samples, bytes, seconds, the cursor to
+    /// resume from, and the hand-off latency. For checking a deployment and measuring it.
+    Consume(Box<consume::Args>),
     /// Run the whole job on a generated dataset and print what it did and how fast.
     ///
     /// Generates an embedding-like fp16 field and a token-like int32 field, packs them, verifies the
@@ -369,6 +375,7 @@ fn run(command: Command) -> Result<ExitCode> {
         }
         Command::ListInputs { files } => run_list_inputs(&files),
         Command::Serve(args) => run_serve(*args),
+        Command::Consume(args) => Ok(consume::main_with(*args)),
         Command::Demo {
             dir,
             samples,

@@ -1,0 +1,427 @@
+//! `gpufeed consume` (and the `consume` example, which is this file): consumes batches from a
+//! running gpufeed daemon over its Unix socket and reports what arrived.
+//!
+//! ```text
+//! gpufeed consume --socket /run/gpufeed/gpufeed.sock \
+//!     --dataset demo --batch-size 256 --shuffle window --rank 0 --world 1 --dump out.npy
+//! ```
+//!
+//! It prints one JSON line on stdout when done:
+//! `{"batches":..,"samples":..,"bytes":..,"seconds":..,"cursor":..,"replaced":..}` where `bytes` counts
+//! every field of every batch received, `seconds` runs from the stream's opening to the last batch, and
+//! `cursor` is the epoch cursor to resume from (`--resume-cursor`).
+//!
+//! `--dump FILE.npy` writes the samples of the first field (the first `--field`, or the dataset's
+//! first field) in the order received, as an array of shape `[samples, ...sample_shape]`. The samples
+//! are buffered in memory, at most [`DUMP_BYTES_MAX`], because the count is not known until the end.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use gpufeed::input::write_npy;
+use gpufeed_client::consumer::{Batch, Client};
+use gpufeed_client::protocol::{
+    monotonic_ns, Backend, CorruptPolicy, Device, FieldRequest, Shuffle, StreamLayout, StreamSpec,
+    Tail,
+};
+use gpufeed_client::{DType, ALL_DTYPES};
+
+/// Most bytes `--dump` buffers before writing the `.npy` file.
+const DUMP_BYTES_MAX: u64 = 4 << 30;
+
+/// Consume batches from a gpufeed daemon and print a JSON summary.
+#[derive(Parser, Debug)]
+#[command(about, long_about = None)]
+pub struct Args {
+    /// The daemon's Unix socket.
+    #[arg(long)]
+    socket: PathBuf,
+    /// Dataset name as registered with the daemon.
+    #[arg(long)]
+    dataset: String,
+    /// Samples per batch on this rank.
+    #[arg(long)]
+    batch_size: u32,
+    /// A field to serve, in slot order (repeatable); every field when none is named.
+    #[arg(long = "field", value_name = "NAME")]
+    fields: Vec<String>,
+    /// Convert the named fields (or every field when none is named) to this dtype.
+    #[arg(long, value_parser = dtype_parser())]
+    dtype: Option<DType>,
+    /// Stop after this many batches (default: the end of the epoch).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Epoch to serve.
+    #[arg(long, default_value_t = 0)]
+    epoch: u64,
+    /// Shuffle seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Sample order.
+    #[arg(long, value_enum, default_value_t = ShuffleArg::None)]
+    shuffle: ShuffleArg,
+    /// Shards per window of `--shuffle window`.
+    #[arg(long, default_value_t = 4)]
+    window_shards: u32,
+    /// This rank.
+    #[arg(long, default_value_t = 0)]
+    rank: u32,
+    /// Ranks consuming the epoch together.
+    #[arg(long, default_value_t = 1)]
+    world: u32,
+    /// Start at this step of the epoch (cursor = step × world × batch size).
+    #[arg(long, conflicts_with = "resume_cursor")]
+    start_step: Option<u64>,
+    /// Start at this cursor of the epoch's global order (a checkpoint's `cursor`, at any world size).
+    #[arg(long)]
+    resume_cursor: Option<u64>,
+    /// What to do with the samples that do not fill a last step.
+    #[arg(long, value_enum, default_value_t = TailArg::Drop)]
+    tail: TailArg,
+    /// Slots the daemon fills ahead.
+    #[arg(long, default_value_t = 4)]
+    prefetch: u32,
+    /// What to do about a corrupt block.
+    #[arg(long, value_enum, default_value_t = CorruptArg::Fail)]
+    on_corrupt: CorruptArg,
+    /// Write the first field's samples, in the order received, to this .npy file.
+    #[arg(long, value_name = "FILE.npy")]
+    dump: Option<PathBuf>,
+    /// After this many batches, keep the latest ones (as many as the stream has slots) and the
+    /// stream, print a line starting with `holding` and wait until stdin closes, then go on. Lets a
+    /// test kill a consumer that holds slots.
+    #[arg(long, value_name = "N")]
+    hold_after: Option<u64>,
+    /// Where the batches should live: `cpu` (host memory), `cuda:N`, or `auto` (cuda:0 when the
+    /// daemon runs on a GPU, else host memory).
+    #[arg(long, default_value = "auto")]
+    device: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ShuffleArg {
+    /// Dataset order.
+    None,
+    /// Shuffle shards, then samples within windows of `--window-shards` shards.
+    Window,
+    /// Shuffle all samples.
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum TailArg {
+    /// Leave the last partial step out.
+    Drop,
+    /// Serve one more full step, wrapping to the start of the epoch.
+    Pad,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CorruptArg {
+    /// End the stream with an error.
+    Fail,
+    /// Serve zero-filled substitutes.
+    Replace,
+}
+
+/// The stream spec the arguments describe, serving `field_names` (empty: every field, stored dtype).
+fn build_spec(args: &Args, field_names: &[String]) -> StreamSpec {
+    let mut spec = StreamSpec::new(args.dataset.clone(), args.batch_size);
+    spec.fields = field_names
+        .iter()
+        .map(|name| FieldRequest {
+            name: name.clone(),
+            dtype: args.dtype,
+        })
+        .collect();
+    spec.seed = args.seed;
+    spec.epoch = args.epoch;
+    spec.shuffle = match args.shuffle {
+        ShuffleArg::None => Shuffle::None,
+        ShuffleArg::Window => Shuffle::Window(args.window_shards),
+        ShuffleArg::Full => Shuffle::Full,
+    };
+    spec.rank = args.rank;
+    spec.world_size = args.world;
+    spec.tail = match args.tail {
+        TailArg::Drop => Tail::Drop,
+        TailArg::Pad => Tail::Pad,
+    };
+    spec.prefetch = args.prefetch;
+    spec.on_corrupt = match args.on_corrupt {
+        CorruptArg::Fail => CorruptPolicy::Fail,
+        CorruptArg::Replace => CorruptPolicy::Replace,
+    };
+    if let Some(step) = args.start_step {
+        spec.start_at_step(step);
+    }
+    if let Some(cursor) = args.resume_cursor {
+        spec.start_cursor = cursor;
+    }
+    spec
+}
+
+/// The names of the fields to request. `--dtype` without `--field` converts every field, but the
+/// protocol names each converted field, so the dataset's field names are learned first from the layout
+/// of a short-lived stream (one slot, closed at once).
+fn field_names(args: &Args) -> Result<Vec<String>> {
+    if !args.fields.is_empty() || args.dtype.is_none() {
+        return Ok(args.fields.clone());
+    }
+    let mut probe = build_spec(args, &[]);
+    probe.prefetch = 1;
+    let stream = Client::connect(&args.socket)?
+        .open_stream(probe)
+        .context("opening a stream to learn the dataset's field names")?;
+    Ok(stream
+        .layout()
+        .fields
+        .iter()
+        .map(|field| field.name.clone())
+        .collect())
+}
+
+/// The first field's dtype and per-sample shape, refused early when `.npy` cannot hold it.
+fn dump_geometry(layout: &StreamLayout) -> Result<(DType, Vec<u64>)> {
+    let field = &layout.fields[0];
+    if field.dtype == DType::BF16 {
+        bail!(
+            "--dump: field {:?} is bf16, which NumPy has no type for; add --dtype f32",
+            field.name
+        );
+    }
+    Ok((field.dtype, field.sample_shape.clone()))
+}
+
+/// What arrived.
+#[derive(Debug, Default)]
+struct Totals {
+    batches: u64,
+    samples: u64,
+    bytes: u64,
+    replaced: u64,
+}
+
+fn run(args: &Args) -> Result<()> {
+    let mut spec = build_spec(args, &field_names(args)?);
+    let client = Client::connect(&args.socket)?;
+    spec.device = match args.device.as_str() {
+        "auto" if client.backend() == Backend::Cuda => Device::Cuda(0),
+        "auto" | "cpu" => Device::Cpu,
+        other => match other.strip_prefix("cuda:").map(str::parse::<u32>) {
+            Some(Ok(ordinal)) => Device::Cuda(ordinal),
+            _ => bail!("--device {other}: expected auto, cpu or cuda:N"),
+        },
+    };
+    let mut stream = client
+        .open_stream(spec)
+        .with_context(|| format!("opening a stream of dataset {:?}", args.dataset))?;
+    let dump_geometry = match &args.dump {
+        Some(_) => Some(dump_geometry(stream.layout())?),
+        None => None,
+    };
+    let dump_field = stream.layout().fields[0].name.clone();
+    let mut dump_bytes = Vec::new();
+    let mut totals = Totals::default();
+    // Batches kept for --hold-after: fewer than the slot count while still receiving, so that the
+    // daemon always has a slot to fill.
+    let slot_count = stream.layout().slot_count as usize;
+    let mut held: VecDeque<Batch> = VecDeque::with_capacity(slot_count);
+    let mut handoff_ns: Vec<u64> = Vec::new();
+    let started = Instant::now();
+    let limit = args.steps.unwrap_or(u64::MAX);
+    while totals.batches < limit {
+        let waiting_since = monotonic_ns();
+        let Some(batch) = stream.next() else { break };
+        let batch = batch
+            .with_context(|| format!("receiving the batch after {} batches", totals.batches))?;
+        totals.batches += 1;
+        totals.samples += u64::from(batch.samples());
+        totals.replaced += u64::from(batch.replaced());
+        // The hand-off latency: from the batch being ready, or from the moment this consumer
+        // started waiting for it if it was ready before (prefetched), to its arrival here.
+        let ready_or_asked = batch.info().ready_ns.max(waiting_since);
+        handoff_ns.push(monotonic_ns().saturating_sub(ready_or_asked));
+        totals.bytes += batch
+            .fields()
+            .map(|field| field.byte_len() as u64)
+            .sum::<u64>();
+        if dump_geometry.is_some() {
+            let field = batch
+                .field(&dump_field)
+                .expect("every batch has the layout's fields");
+            if dump_bytes.len() as u64 + field.byte_len() as u64 > DUMP_BYTES_MAX {
+                bail!(
+                    "--dump: more than {DUMP_BYTES_MAX} bytes of field {dump_field:?}; pass --steps to dump fewer batches"
+                );
+            }
+            field.copy_to_host(&mut dump_bytes)?;
+        }
+        if let Some(hold_after) = args.hold_after {
+            if totals.batches <= hold_after {
+                held.push_back(batch);
+                if totals.batches == hold_after {
+                    hold_until_stdin_closes(&held)?;
+                    held.clear();
+                } else if held.len() >= slot_count {
+                    held.pop_front();
+                }
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let cursor = stream.state().cursor;
+    let spec_device = stream.spec().device;
+    drop(stream);
+
+    if let (Some(path), Some((dtype, sample_shape))) = (&args.dump, dump_geometry) {
+        let mut shape = vec![totals.samples];
+        shape.extend_from_slice(&sample_shape);
+        let mut writer = write_npy(path, dtype, &shape)?;
+        writer.write_all(&dump_bytes)?;
+        writer.finish()?;
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "batches": totals.batches,
+            "samples": totals.samples,
+            "bytes": totals.bytes,
+            "seconds": seconds,
+            "cursor": cursor,
+            "replaced": totals.replaced,
+            "device": format!("{:?}", spec_device),
+            "handoff_us_p50": quantile_us(&mut handoff_ns, 0.50),
+            "handoff_us_p99": quantile_us(&mut handoff_ns, 0.99),
+        })
+    );
+    Ok(())
+}
+
+/// The `q` quantile of `values` (nanoseconds) in microseconds; null when there are none.
+fn quantile_us(values: &mut [u64], q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_unstable();
+    let index = ((values.len() - 1) as f64 * q).round() as usize;
+    Some(values[index] as f64 / 1e3)
+}
+
+/// Announces the held batches on stdout and blocks until stdin reaches its end.
+fn hold_until_stdin_closes(held: &VecDeque<Batch>) -> Result<()> {
+    let slots: Vec<u32> = held.iter().map(Batch::slot).collect();
+    let mut stdout = std::io::stdout().lock();
+    writeln!(
+        stdout,
+        "holding {} batches in slots {slots:?} until stdin closes",
+        held.len()
+    )?;
+    stdout.flush()?;
+    let mut stdin = std::io::stdin().lock();
+    let mut discard = [0u8; 4096];
+    while stdin.read(&mut discard).context("reading stdin")? > 0 {}
+    Ok(())
+}
+
+/// The element types by name, for `--dtype` options: `--help` lists them.
+pub fn dtype_parser() -> impl clap::builder::TypedValueParser<Value = DType> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(ALL_DTYPES.iter().map(|d| d.name()))
+        .map(|name| name.parse::<DType>().expect("one of the listed names"))
+}
+
+/// Runs `gpufeed consume` with `args`; errors are printed, the exit code says whether it worked.
+pub fn main_with(args: Args) -> ExitCode {
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("consume: error: {}", gpufeed::error_chain(error.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let base = [
+            "consume",
+            "--socket",
+            "/tmp/s.sock",
+            "--dataset",
+            "demo",
+            "--batch-size",
+            "32",
+        ];
+        Args::try_parse_from(base.iter().chain(extra))
+    }
+
+    #[test]
+    fn defaults_make_the_default_spec() {
+        let args = parse(&[]).unwrap();
+        assert_eq!(build_spec(&args, &[]), StreamSpec::new("demo", 32));
+    }
+
+    #[test]
+    fn every_option_reaches_the_spec() {
+        let args = parse(&[
+            "--field",
+            "ids",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--epoch",
+            "3",
+            "--seed",
+            "9",
+            "--shuffle",
+            "window",
+            "--window-shards",
+            "8",
+            "--rank",
+            "2",
+            "--world",
+            "4",
+            "--start-step",
+            "10",
+            "--tail",
+            "pad",
+            "--prefetch",
+            "6",
+            "--on-corrupt",
+            "replace",
+        ])
+        .unwrap();
+        let spec = build_spec(&args, &field_names(&args).unwrap());
+        assert_eq!(spec.fields.len(), 2);
+        assert_eq!(spec.fields[1].name, "emb");
+        assert_eq!(spec.fields[1].dtype, Some(DType::F32));
+        assert_eq!((spec.epoch, spec.seed), (3, 9));
+        assert_eq!(spec.shuffle, Shuffle::Window(8));
+        assert_eq!((spec.rank, spec.world_size), (2, 4));
+        assert_eq!(spec.start_cursor, 10 * 4 * 32);
+        assert_eq!(
+            (spec.tail, spec.prefetch, spec.on_corrupt),
+            (Tail::Pad, 6, CorruptPolicy::Replace)
+        );
+    }
+
+    #[test]
+    fn resume_cursor_sets_the_cursor_and_excludes_start_step() {
+        let args = parse(&["--resume-cursor", "1000"]).unwrap();
+        assert_eq!(build_spec(&args, &[]).start_cursor, 1000);
+        assert!(parse(&["--resume-cursor", "1000", "--start-step", "3"]).is_err());
+        assert!(parse(&["--shuffle", "sideways"]).is_err());
+        assert!(parse(&["--dtype", "float"]).is_err());
+        assert_eq!(parse(&["--hold-after", "3"]).unwrap().hold_after, Some(3));
+    }
+}
