@@ -20,6 +20,14 @@ pub const HTTP_ADDR_DEFAULT: &str = "127.0.0.1:7070";
 /// Default largest request body of the control API (1 MiB): a pack request listing thousands of input
 /// files fits; nothing the API accepts needs more.
 pub const BODY_BYTES_MAX_DEFAULT: u64 = 1 << 20;
+/// Default bound on the control API's open connections (well below the descriptors the daemon
+/// keeps for consumers: see `--http-connections-max`).
+pub const HTTP_CONNECTIONS_MAX_DEFAULT: u32 = 256;
+/// Most connections `--http-connections-max` may allow.
+pub const HTTP_CONNECTIONS_MAX_MAX: u32 = 16384;
+/// Default time a control API connection may take to send a request's headers, and may stay idle
+/// between requests, in seconds.
+pub const HTTP_IDLE_TIMEOUT_S_DEFAULT: u64 = 30;
 /// Smallest body limit accepted: below this even an ordinary request would be refused.
 pub const BODY_BYTES_MAX_MIN: u64 = 1 << 10;
 /// Largest body limit accepted: the API never needs more, and every body is held in memory.
@@ -167,6 +175,10 @@ pub struct ConfigLayer {
     /// Most bytes of page cache registered (locked) for device access at once, per node; `0` turns
     /// the page-cache path off. Default: see [`registered_bytes_max_default`].
     pub registered_memory_max: Option<ByteCount>,
+    /// Most open control API connections.
+    pub http_connections_max: Option<u32>,
+    /// Seconds a control API connection may take to send a request's headers or stay idle.
+    pub http_idle_timeout_s: Option<u32>,
     /// Size of one registered page-cache window (a multiple of 4096).
     pub registered_window: Option<ByteCount>,
     /// `auto`, `always` or `off`: when GPUs read rows of raw blocks straight from registered page
@@ -179,7 +191,7 @@ pub struct ConfigLayer {
 }
 
 /// The environment variable for each key, in [`ConfigLayer`] order.
-pub const ENV_VARS: [&str; 19] = [
+pub const ENV_VARS: [&str; 21] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -199,6 +211,8 @@ pub const ENV_VARS: [&str; 19] = [
     "GPUFEED_REGISTERED_WINDOW",
     "GPUFEED_ZERO_COPY",
     "GPUFEED_DEVICE_SHARD_MEMORY",
+    "GPUFEED_HTTP_CONNECTIONS_MAX",
+    "GPUFEED_HTTP_IDLE_TIMEOUT_S",
 ];
 
 /// The environment variable naming the configuration file.
@@ -278,6 +292,8 @@ impl ConfigLayer {
             registered_window: bytes("GPUFEED_REGISTERED_WINDOW")?,
             zero_copy: get("GPUFEED_ZERO_COPY"),
             device_shard_memory: bytes("GPUFEED_DEVICE_SHARD_MEMORY")?,
+            http_connections_max: number("GPUFEED_HTTP_CONNECTIONS_MAX")?,
+            http_idle_timeout_s: number("GPUFEED_HTTP_IDLE_TIMEOUT_S")?,
         })
     }
 
@@ -303,10 +319,35 @@ impl ConfigLayer {
             registered_window: self.registered_window.or(lower.registered_window),
             zero_copy: self.zero_copy.or(lower.zero_copy),
             device_shard_memory: self.device_shard_memory.or(lower.device_shard_memory),
+            http_connections_max: self.http_connections_max.or(lower.http_connections_max),
+            http_idle_timeout_s: self.http_idle_timeout_s.or(lower.http_idle_timeout_s),
         }
     }
 
     /// Fills in the defaults and checks every value. `own_uid` is the default socket allowlist.
+    /// The control API's connection limit and header/idle timeout.
+    fn resolve_http_connections(&self) -> Result<HttpConnections, ConfigError> {
+        let connections_max = self
+            .http_connections_max
+            .unwrap_or(HTTP_CONNECTIONS_MAX_DEFAULT);
+        if !(1..=HTTP_CONNECTIONS_MAX_MAX).contains(&connections_max) {
+            return Err(invalid(
+                "--http-connections-max",
+                format!("must be in 1..={HTTP_CONNECTIONS_MAX_MAX}"),
+            ));
+        }
+        let idle_timeout_s = self
+            .http_idle_timeout_s
+            .map_or(HTTP_IDLE_TIMEOUT_S_DEFAULT, u64::from);
+        if idle_timeout_s == 0 {
+            return Err(invalid("--http-idle-timeout", "must be at least 1 second"));
+        }
+        Ok(HttpConnections {
+            connections_max: connections_max as usize,
+            idle_timeout: std::time::Duration::from_secs(idle_timeout_s),
+        })
+    }
+
     /// The control API's address and request body limit.
     fn resolve_http(&self) -> Result<(HttpListen, u64), ConfigError> {
         let http = match self.http.as_deref() {
@@ -433,6 +474,7 @@ impl ConfigLayer {
 
     pub fn resolve(self, own_uid: u32) -> Result<Settings, ConfigError> {
         let (http, body_bytes_max) = self.resolve_http()?;
+        let http_connections = self.resolve_http_connections()?;
         let jobs = self.resolve_jobs()?;
         let (registered, zero_copy) = self.resolve_registration()?;
         let data_root = self.data_root.ok_or_else(|| {
@@ -491,6 +533,7 @@ impl ConfigLayer {
             pack_bytes_per_s_max,
             registered,
             zero_copy,
+            http_connections,
             device_shard_bytes: self.device_shard_memory.map_or(
                 crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
                 |ByteCount(n)| n,
@@ -653,6 +696,18 @@ pub struct Settings {
     pub zero_copy: ZeroCopy,
     /// Device memory per GPU stream for shards copied ahead of need (0: none).
     pub device_shard_bytes: u64,
+    /// Bounds on the control API's connections.
+    pub http_connections: HttpConnections,
+}
+
+/// Bounds on the control API's connections, so that idle or slow clients cannot take the daemon's
+/// descriptors (which consumers need) or its API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpConnections {
+    /// Connections served at once; further ones wait in the listen backlog.
+    pub connections_max: usize,
+    /// Time a connection may take to send a request's headers, and may stay idle between requests.
+    pub idle_timeout: std::time::Duration,
 }
 
 #[cfg(test)]
@@ -725,6 +780,8 @@ mod tests {
             "1M",
             "always",
             "2G",
+            "100",
+            "5",
         ];
         let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
         let layer = env(&pairs);

@@ -267,6 +267,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
     // Installed before anything is announced, so that a signal sent as soon as the readiness line
     // is read already finds the handlers.
     let mut signals = Signals::install()?;
+    raise_open_files_limit();
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
     let (control, names) = open_control(&settings, &registry, &metrics).await?;
@@ -301,7 +302,12 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
 
     let (stop_http, http_stopped) = tokio::sync::watch::channel(false);
     let http_task = match listener {
-        Some(listener) => Some(start_http(listener, &control, http_stopped)?),
+        Some(listener) => Some(start_http(
+            listener,
+            &control,
+            settings.http_connections,
+            http_stopped,
+        )?),
         None => None,
     };
 
@@ -354,6 +360,23 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
         }
     }
     outcome.map(|_| ())
+}
+
+/// Raises the soft limit on open descriptors to the hard one: every consumer session holds its socket
+/// and its slots' descriptors, and the control API's connections (bounded by
+/// `--http-connections-max`) must leave them room.
+fn raise_open_files_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::info!("open descriptor limit raised from {soft} to {hard}"),
+            Err(error) => {
+                tracing::warn!("cannot raise the open descriptor limit ({soft}): {error}")
+            }
+        },
+        Ok((soft, _)) => tracing::info!("open descriptor limit {soft}"),
+        Err(error) => tracing::warn!("cannot read the open descriptor limit: {error}"),
+    }
 }
 
 /// Opens the data root's catalog (registering its datasets) off the async threads; returns the
@@ -438,8 +461,9 @@ fn start_socket_server(
 fn start_http(
     listener: tokio::net::TcpListener,
     control: &Arc<Control>,
+    limits: crate::config::HttpConnections,
     stopped: tokio::sync::watch::Receiver<bool>,
-) -> Result<tokio::task::JoinHandle<io::Result<()>>, DaemonError> {
+) -> Result<tokio::task::JoinHandle<()>, DaemonError> {
     let address = listener.local_addr().map_err(DaemonError::Announce)?;
     // Whoever started the daemon may have stopped reading stdout after the first line: a closed
     // pipe must not take the daemon down.
@@ -447,21 +471,15 @@ fn start_http(
     let _ = writeln!(stdout, "gpufeed: http on {address}").and_then(|()| stdout.flush());
     tracing::info!("control API on http://{address}");
     let app = api::router(Arc::clone(control));
-    let mut stopped = stopped;
-    Ok(tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await
-    }))
+    Ok(tokio::spawn(api::serve::serve(
+        listener, app, limits, stopped,
+    )))
 }
 
 /// Waits (bounded) for the control API's requests in flight once it was told to stop.
-async fn drain_http(task: tokio::task::JoinHandle<io::Result<()>>) {
+async fn drain_http(task: tokio::task::JoinHandle<()>) {
     match tokio::time::timeout(HTTP_DRAIN, task).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(error))) => tracing::warn!("the control API ended with an error: {error}"),
+        Ok(Ok(())) => {}
         Ok(Err(error)) => tracing::warn!("the control API's task failed: {error}"),
         Err(_) => tracing::warn!(
             "requests still in flight after {} s; closing them",

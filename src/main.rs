@@ -236,6 +236,14 @@ struct ServeArgs {
     /// turns the copies off). Default: 5G.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
+    /// Most control API connections served at once (further ones wait to be accepted), so that idle
+    /// clients cannot take the descriptors consumers need. Default: 256.
+    #[arg(long, value_name = "N")]
+    http_connections_max: Option<u32>,
+    /// Seconds a control API connection may take to send a request's headers, and may stay idle
+    /// between requests, before the daemon closes it. Default: 30.
+    #[arg(long = "http-idle-timeout", value_name = "SECONDS")]
+    http_idle_timeout_s: Option<u32>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
@@ -529,6 +537,8 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         registered_window: args.registered_window,
         zero_copy: args.zero_copy,
         device_shard_memory: args.device_shard_memory,
+        http_connections_max: args.http_connections_max,
+        http_idle_timeout_s: args.http_idle_timeout_s,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {

@@ -25,6 +25,7 @@ pub mod error;
 pub mod job_table;
 pub mod jobs;
 pub mod platform;
+pub mod serve;
 pub mod sessions;
 pub mod state;
 pub mod status;
