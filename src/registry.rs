@@ -86,6 +86,31 @@ impl Registry {
         Ok(())
     }
 
+    /// Opens the directory of the dataset registered as `name` again and registers what it holds now
+    /// in its place, for a dataset packed again in place: streams already open keep the dataset they
+    /// opened. The manifest must still name the dataset `name`.
+    pub fn reload(&self, name: &str) -> Result<Arc<Dataset>, String> {
+        let dir = self
+            .get(name)
+            .ok_or_else(|| format!("no dataset named '{name}' is registered"))?
+            .dir
+            .clone();
+        let fresh = Dataset::open(&dir).map_err(|error| error.to_string())?;
+        if fresh.manifest.name != name {
+            return Err(format!(
+                "{} now holds dataset '{}', not '{name}'",
+                dir.display(),
+                fresh.manifest.name
+            ));
+        }
+        let fresh = Arc::new(fresh);
+        self.datasets
+            .write()
+            .expect("registry lock poisoned")
+            .insert(name.to_string(), Arc::clone(&fresh));
+        Ok(fresh)
+    }
+
     /// Opens `dir` and registers it.
     pub fn open_and_insert(&self, dir: &Path) -> Result<(), FormatError> {
         let dataset = Dataset::open(dir)?;

@@ -48,6 +48,8 @@ pub enum DatasetStateName {
     Missing,
     /// It no longer opens (corrupt, renamed inside, or outside the data root).
     Invalid,
+    /// A file of it cannot be read (permissions, an I/O error): not corruption.
+    Unreadable,
 }
 
 impl From<DatasetState> for DatasetStateName {
@@ -56,6 +58,7 @@ impl From<DatasetState> for DatasetStateName {
             DatasetState::Ready => DatasetStateName::Ready,
             DatasetState::Missing => DatasetStateName::Missing,
             DatasetState::Invalid => DatasetStateName::Invalid,
+            DatasetState::Unreadable => DatasetStateName::Unreadable,
         }
     }
 }

@@ -32,7 +32,7 @@ use super::job_table::JobTable;
 use super::platform::Platform;
 use crate::catalog::{Catalog, CatalogData, CatalogError, DatasetRecord, JobState, Origin};
 use crate::config::{JobLimits, Settings};
-use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
+use crate::format::{Dataset, DiskChange, FormatError, MANIFEST_FILE_NAME};
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::storage::EngineMode;
@@ -150,6 +150,8 @@ pub(crate) enum DatasetState {
     Missing,
     /// It is on disk but does not open (corrupt, or outside the data root).
     Invalid,
+    /// A file of it cannot be read (permissions, an I/O error).
+    Unreadable,
 }
 
 impl DatasetState {
@@ -158,6 +160,7 @@ impl DatasetState {
             DatasetState::Ready => "ready",
             DatasetState::Missing => "missing",
             DatasetState::Invalid => "invalid",
+            DatasetState::Unreadable => "unreadable",
         }
     }
 }
@@ -318,17 +321,19 @@ impl Control {
     /// is reported missing.
     pub(crate) fn dataset_state(&self, name: &str) -> (DatasetState, Option<String>) {
         if let Some(dataset) = self.registry.get(name) {
-            let manifest = dataset.dir.join(MANIFEST_FILE_NAME);
-            return if manifest.is_file() {
-                (DatasetState::Ready, None)
-            } else {
-                (
-                    DatasetState::Missing,
+            return match dataset.disk_change() {
+                None => (DatasetState::Ready, None),
+                Some(change @ (DiskChange::ManifestMissing(_) | DiskChange::ShardMissing(_))) => {
+                    (DatasetState::Missing, Some(change.to_string()))
+                }
+                // Served again, reloaded, when the next stream opens (or after a rescan).
+                Some(change @ DiskChange::ManifestChanged(_)) => (
+                    DatasetState::Ready,
                     Some(format!(
-                        "{} vanished while the dataset was registered",
-                        manifest.display()
+                        "{change}: the next stream opened reads it again from disk"
                     )),
-                )
+                ),
+                Some(change) => (DatasetState::Unreadable, Some(change.to_string())),
             };
         }
         match self.problem(name) {

@@ -309,7 +309,7 @@ fn snapshot(control: &Control) -> Snapshot {
         match dataset_view(control, name, record).state {
             DatasetStateName::Ready => ready += 1,
             DatasetStateName::Missing => missing += 1,
-            DatasetStateName::Invalid => invalid += 1,
+            DatasetStateName::Invalid | DatasetStateName::Unreadable => invalid += 1,
         }
     }
     let jobs = [

@@ -24,6 +24,98 @@ pub struct Dataset {
     pub shards: Vec<Shard>,
     /// Which blocks' payloads have been found to match their checksums since the dataset was opened.
     pub verified: std::sync::Arc<VerifiedBlocks>,
+    /// The manifest file as it was when the dataset was opened: a re-pack in place replaces it.
+    pub manifest_identity: FileIdentity,
+}
+
+/// Which file a path named, and its size and modification time: a file replaced or rewritten has
+/// another identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    device: u64,
+    inode: u64,
+    bytes: u64,
+    modified_ns: i128,
+}
+
+impl FileIdentity {
+    /// The identity of the file at `path` now.
+    pub fn of(path: &Path) -> std::io::Result<FileIdentity> {
+        use std::os::unix::fs::MetadataExt;
+        let metadata = std::fs::metadata(path)?;
+        Ok(FileIdentity {
+            device: metadata.dev(),
+            inode: metadata.ino(),
+            bytes: metadata.len(),
+            modified_ns: i128::from(metadata.mtime()) * 1_000_000_000
+                + i128::from(metadata.mtime_nsec()),
+        })
+    }
+}
+
+/// How an opened dataset's files differ from what it opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskChange {
+    /// The manifest is gone.
+    ManifestMissing(PathBuf),
+    /// The manifest was replaced or rewritten (the dataset was packed again in place).
+    ManifestChanged(PathBuf),
+    /// A shard file is gone.
+    ShardMissing(PathBuf),
+    /// A shard file has another length than the manifest says.
+    ShardLength {
+        /// The shard file.
+        path: PathBuf,
+        /// Its length now.
+        actual_bytes: u64,
+        /// Its length in the manifest.
+        expected_bytes: u64,
+    },
+    /// A shard file cannot be read (its permissions, or an I/O error): not corruption.
+    ShardUnreadable {
+        /// The shard file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl std::fmt::Display for DiskChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DiskChange::ManifestMissing(path) => {
+                write!(
+                    f,
+                    "{} vanished while the dataset was registered",
+                    path.display()
+                )
+            }
+            DiskChange::ManifestChanged(path) => write!(
+                f,
+                "{} changed since the dataset was registered (packed again in place?)",
+                path.display()
+            ),
+            DiskChange::ShardMissing(path) => {
+                write!(
+                    f,
+                    "shard {} vanished while the dataset was registered",
+                    path.display()
+                )
+            }
+            DiskChange::ShardLength {
+                path,
+                actual_bytes,
+                expected_bytes,
+            } => write!(
+                f,
+                "shard {} is {actual_bytes} bytes, the manifest says {expected_bytes}",
+                path.display()
+            ),
+            DiskChange::ShardUnreadable { path, reason } => {
+                write!(f, "shard {} cannot be read: {reason}", path.display())
+            }
+        }
+    }
 }
 
 /// A record, per block, of whether its stored bytes have been read and found to hash to the
@@ -94,6 +186,14 @@ impl Dataset {
     ///
     /// Only metadata is read; block payloads are not checked here (see `gpufeed verify`).
     pub fn open(dir: &Path) -> Result<Dataset, FormatError> {
+        // Taken before the manifest is read: should it change in between, the identity is the older
+        // file's, and the change is noticed later rather than missed.
+        let manifest_path = dir.join(super::MANIFEST_FILE_NAME);
+        let manifest_identity =
+            FileIdentity::of(&manifest_path).map_err(|source| FormatError::Io {
+                path: manifest_path.clone(),
+                source,
+            })?;
         let manifest = Manifest::load(dir)?;
         let shards = (0..manifest.shards.len())
             .map(|index| Shard::open(dir, &manifest, index))
@@ -104,7 +204,53 @@ impl Dataset {
             manifest,
             shards,
             verified,
+            manifest_identity,
         })
+    }
+
+    /// How the files on disk differ from what was opened, if they do: the manifest gone or
+    /// replaced, a shard gone, of another length, or unreadable. A few `stat`s and opens; no data is
+    /// read.
+    pub fn disk_change(&self) -> Option<DiskChange> {
+        let manifest_path = self.dir.join(super::MANIFEST_FILE_NAME);
+        match FileIdentity::of(&manifest_path) {
+            Err(_) => return Some(DiskChange::ManifestMissing(manifest_path)),
+            Ok(identity) if identity != self.manifest_identity => {
+                return Some(DiskChange::ManifestChanged(manifest_path))
+            }
+            Ok(_) => {}
+        }
+        for (index, entry) in self.manifest.shards.iter().enumerate() {
+            let path = self.manifest.shard_path(&self.dir, index);
+            match super::open_regular(&path) {
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                    return Some(DiskChange::ShardMissing(path))
+                }
+                Err(error) => {
+                    return Some(DiskChange::ShardUnreadable {
+                        path,
+                        reason: error.to_string(),
+                    })
+                }
+                Ok(file) => match file.metadata() {
+                    Ok(metadata) if metadata.len() != entry.file_bytes => {
+                        return Some(DiskChange::ShardLength {
+                            path,
+                            actual_bytes: metadata.len(),
+                            expected_bytes: entry.file_bytes,
+                        })
+                    }
+                    Ok(_) => {}
+                    Err(error) => {
+                        return Some(DiskChange::ShardUnreadable {
+                            path,
+                            reason: error.to_string(),
+                        })
+                    }
+                },
+            }
+        }
+        None
     }
 
     /// Index of the field named `name`.

@@ -14,7 +14,7 @@ mod manifest;
 mod regular;
 mod shard;
 
-pub use dataset::{Dataset, Shard, VerifiedBlocks};
+pub use dataset::{Dataset, DiskChange, FileIdentity, Shard, VerifiedBlocks};
 pub use error::FormatError;
 pub use manifest::{
     validate_dataset_name, Manifest, ManifestField, ManifestShard, MANIFEST_FILE_NAME,

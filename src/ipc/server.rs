@@ -233,6 +233,35 @@ fn run_session(shared: Arc<Shared>, socket: UnixStream) {
     tracing::info!("session {session_id} ended");
 }
 
+/// `dataset` as its files are now: read again from disk if it was packed again in place since it was
+/// registered; refused, naming the file, if a file of it vanished or cannot be read (a stream would
+/// otherwise fail later with a misleading corruption error).
+fn current_dataset(
+    shared: &Shared,
+    name: &str,
+    dataset: Arc<crate::format::Dataset>,
+) -> Result<Arc<crate::format::Dataset>, (ErrorCode, String)> {
+    match dataset.disk_change() {
+        None => Ok(dataset),
+        Some(crate::format::DiskChange::ManifestChanged(_)) => {
+            let fresh = shared.registry.reload(name).map_err(|reason| {
+                (
+                    ErrorCode::Internal,
+                    format!(
+                        "dataset '{name}' was packed again in place and does not open: {reason}"
+                    ),
+                )
+            })?;
+            tracing::info!("dataset '{name}' was packed again in place: read again from disk");
+            Ok(fresh)
+        }
+        Some(change) => Err((
+            ErrorCode::Internal,
+            format!("dataset '{name}' cannot be served: {change}"),
+        )),
+    }
+}
+
 /// The peer's uid, if it may connect; otherwise the refusal is sent and `None` returned.
 fn admitted_uid(
     shared: &Shared,
@@ -502,6 +531,7 @@ fn open_stream(
             ),
         )
     })?;
+    let dataset = current_dataset(shared, &spec.dataset, dataset)?;
     let limits = &shared.config.stream_limits;
     let plan = Arc::new(
         StreamPlan::new(dataset, &request, limits)
