@@ -15,7 +15,12 @@ use gpufeed_client::{Client, ClientError, DType};
 
 /// Packs `samples` rows of 4 i32 (row i holds i + offset) into `data/toy`, replacing what is there.
 fn pack(root: &Path, samples: u64, offset: i32) {
-    let input = root.join(format!("input-{samples}-{offset}.npy"));
+    pack_as(root, "toy", samples, offset);
+}
+
+/// As [`pack`], into `data/NAME`.
+fn pack_as(root: &Path, name: &str, samples: u64, offset: i32) {
+    let input = root.join(format!("input-{name}-{samples}-{offset}.npy"));
     let mut writer = npy::write_npy(&input, DType::I32, &[samples, 4]).unwrap();
     let bytes: Vec<u8> = (0..samples as i32)
         .flat_map(|i| [i + offset; 4])
@@ -25,7 +30,7 @@ fn pack(root: &Path, samples: u64, offset: i32) {
     writer.finish().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_gpufeed"))
         .args(["pack", "--force", "--samples-per-shard", "32", "--out"])
-        .arg(root.join("data/toy"))
+        .arg(root.join("data").join(name))
         .arg(&input)
         .output()
         .unwrap();
@@ -97,4 +102,37 @@ fn a_dataset_packed_again_in_place_is_read_again_and_a_vanished_shard_is_named()
         }
         other => panic!("expected a refusal naming the shard, got {other:?}"),
     }
+}
+
+/// The README promises that datasets packed later under the data root are picked up: a rescan
+/// registers them, and reads again the ones packed again in place.
+#[test]
+fn a_rescan_registers_datasets_packed_later_and_reloads_repacked_ones() {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("data")).unwrap();
+    pack(root.path(), 64, 0);
+    let daemon = common::daemon::start(
+        common::daemon::serve_command(&root.path().join("data"), &[]),
+        root.path(),
+    );
+    pack_as(root.path(), "later", 16, 7);
+    pack(root.path(), 40, 500);
+    let report = common::http::request(daemon.address(), "POST", "/v1/rescan", &[], None);
+    assert_eq!(report.status, 200);
+    let report = report.json();
+    assert_eq!(
+        report["registered"],
+        serde_json::json!(["later"]),
+        "{report}"
+    );
+    assert_eq!(report["reloaded"], serde_json::json!(["toy"]), "{report}");
+    let stream = Client::connect(&daemon.socket)
+        .unwrap()
+        .open_stream(StreamSpec::new("later", 4))
+        .unwrap();
+    assert_eq!(stream.count(), 4);
+    assert_eq!(
+        first_values(&daemon.socket).unwrap(),
+        (500..540).collect::<Vec<_>>()
+    );
 }

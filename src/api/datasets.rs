@@ -561,3 +561,63 @@ pub async fn verify(
         problems_total,
     }))
 }
+
+/// What a rescan did.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct RescanReport {
+    /// Datasets found under the data root and registered (packed there since the daemon started).
+    pub registered: Vec<String>,
+    /// Registered datasets packed again in place, read again from disk.
+    pub reloaded: Vec<String>,
+    /// Directories not registered, and why; datasets that could not be read again, and why.
+    pub notes: Vec<String>,
+}
+
+/// Looks under the data root again: registers the dataset directories that appeared there since
+/// the daemon started (or the last rescan), and reads again the registered datasets packed again in
+/// place. Directories removed from the catalog stay removed until registered by path.
+#[utoipa::path(
+    post, path = "/v1/rescan", tag = "datasets", operation_id = "rescan_datasets",
+    responses(
+        (status = 200, description = "What the rescan registered and reloaded", body = RescanReport),
+        (status = 401, description = "Missing or wrong token", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn rescan(State(control): State<Arc<Control>>) -> Result<Json<RescanReport>, ApiError> {
+    let report = blocking(move || {
+        let mut notes = Vec::new();
+        let mut registered = Vec::new();
+        control.catalog.update(|data| {
+            let before: std::collections::BTreeSet<String> =
+                data.datasets.keys().cloned().collect();
+            super::state::scan(&control.root, &control.registry, data, &mut notes);
+            registered = data
+                .datasets
+                .keys()
+                .filter(|name| !before.contains(*name))
+                .cloned()
+                .collect();
+            Ok::<_, CatalogError>(())
+        })?;
+        let mut reloaded = Vec::new();
+        for name in control.registry.names() {
+            let Some(dataset) = control.registry.get(&name) else {
+                continue;
+            };
+            if let Some(crate::format::DiskChange::ManifestChanged(_)) = dataset.disk_change() {
+                match control.registry.reload(&name) {
+                    Ok(_) => reloaded.push(name),
+                    Err(reason) => notes.push(format!("dataset '{name}': {reason}")),
+                }
+            }
+        }
+        Ok::<_, ApiError>(RescanReport {
+            registered,
+            reloaded,
+            notes,
+        })
+    })
+    .await??;
+    Ok(Json(report))
+}

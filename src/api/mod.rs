@@ -49,12 +49,13 @@ use crate::registry::CloseReason;
 
 /// Every route the router serves, as (method, path) in OpenAPI's spelling; the OpenAPI document
 /// lists exactly these (a test checks both ways).
-pub const ROUTES: [(&str, &str); 14] = [
+pub const ROUTES: [(&str, &str); 15] = [
     ("post", "/v1/datasets"),
     ("get", "/v1/datasets"),
     ("get", "/v1/datasets/{name}"),
     ("delete", "/v1/datasets/{name}"),
     ("post", "/v1/datasets/{name}/verify"),
+    ("post", "/v1/rescan"),
     ("get", "/v1/jobs"),
     ("get", "/v1/jobs/{id}"),
     ("delete", "/v1/jobs/{id}"),
@@ -81,6 +82,7 @@ pub const ROUTES: [(&str, &str); 14] = [
         datasets::get_one,
         datasets::remove,
         datasets::verify,
+        datasets::rescan,
         jobs::list,
         jobs::get_one,
         jobs::cancel,
@@ -187,6 +189,7 @@ pub fn router(control: Arc<Control>) -> Router {
             get(datasets::get_one).delete(datasets::remove),
         )
         .route("/v1/datasets/{name}/verify", post(datasets::verify))
+        .route("/v1/rescan", post(datasets::rescan))
         .route("/v1/jobs", get(jobs::list))
         .route("/v1/jobs/{id}", get(jobs::get_one).delete(jobs::cancel))
         .route("/v1/sessions", get(sessions::list))

@@ -507,7 +507,12 @@ fn register_catalog(
     problems
 }
 
-fn scan(root: &DataRoot, registry: &Registry, data: &mut CatalogData, notes: &mut Vec<String>) {
+pub(crate) fn scan(
+    root: &DataRoot,
+    registry: &Registry,
+    data: &mut CatalogData,
+    notes: &mut Vec<String>,
+) {
     let known: BTreeSet<String> = data
         .datasets
         .values()
