@@ -350,7 +350,8 @@ fn run(command: Command) -> Result<ExitCode> {
             let report = tools::verify(&dir, &bar)?;
             bar.finish();
             for problem in &report.problems {
-                eprintln!("corrupt: {problem}");
+                // Each starts with its kind: missing, unreadable or corrupt.
+                eprintln!("{problem}");
             }
             print_stdout(&format!(
                 "{}: {}/{} shards readable, {} blocks intact, {} problems",

@@ -95,8 +95,19 @@ pub struct VerifyReport {
     pub shards_total: usize,
     /// Blocks whose checksum matched and which decoded to their raw size.
     pub blocks_ok: u64,
-    /// Every problem found, each naming the shard (and field and block where it applies).
+    /// Every problem found, each naming the shard (and field and block where it applies) and
+    /// starting with its kind: `missing: ` (a file is gone), `unreadable: ` (a file cannot be read:
+    /// permissions, an I/O error — not damage) or `corrupt: ` (the bytes are wrong).
     pub problems: Vec<String>,
+}
+
+/// The kind of a verification problem, as its message starts.
+fn problem_kind(error: &FormatError) -> &'static str {
+    match error {
+        FormatError::MissingShard { .. } => "missing",
+        FormatError::Io { .. } => "unreadable",
+        _ => "corrupt",
+    }
 }
 
 /// Checks every shard's metadata and every block's checksum and decoding.
@@ -118,7 +129,9 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
         let shard = match Shard::open(dir, &manifest, index) {
             Ok(shard) => shard,
             Err(error) => {
-                report.problems.push(error.to_string());
+                report
+                    .problems
+                    .push(format!("{}: {error}", problem_kind(&error)));
                 continue;
             }
         };
@@ -128,7 +141,7 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
             Err(error) => {
                 report
                     .problems
-                    .push(format!("{}: {error}", shard.path.display()));
+                    .push(format!("unreadable: {}: {error}", shard.path.display()));
                 continue;
             }
         };
@@ -147,7 +160,13 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
                 );
                 match result {
                     Ok(()) => report.blocks_ok += 1,
-                    Err(error) => report.problems.push(error.to_string()),
+                    Err(error) => {
+                        let kind = match &error {
+                            crate::decode::BlockError::Io { .. } => "unreadable",
+                            _ => "corrupt",
+                        };
+                        report.problems.push(format!("{kind}: {error}"));
+                    }
                 }
             }
         }

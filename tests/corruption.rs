@@ -96,12 +96,17 @@ fn verify_cli(dataset: &Path) -> std::process::Output {
     gpufeed(["verify".as_ref(), dataset.as_os_str(), "--quiet".as_ref()])
 }
 
-/// Runs `gpufeed verify`, asserts it fails cleanly, and returns the `corrupt:` lines it printed.
+/// Runs `gpufeed verify`, asserts it fails cleanly, and returns the problem lines it printed
+/// (`missing: `, `unreadable: ` or `corrupt: `).
 fn verify_problems(dataset: &Path) -> Vec<String> {
     let output = verify_cli(dataset);
     let err = assert_fails(&output);
     err.lines()
-        .filter(|l| l.starts_with("corrupt: "))
+        .filter(|l| {
+            ["missing: ", "unreadable: ", "corrupt: "]
+                .iter()
+                .any(|k| l.starts_with(k))
+        })
         .map(str::to_string)
         .collect()
 }
@@ -295,9 +300,16 @@ fn missing_shard_is_reported_as_missing() {
     let problems = verify_problems(&damaged);
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert_line_with(&problems[0], &[&shard_file(2), "shard file is missing"]);
+    // A missing file is not damage: the line says which it is.
+    assert!(problems[0].starts_with("missing: "), "{problems:?}");
     assert_open_fails(&damaged, &shard, |e| {
         matches!(e, FormatError::MissingShard { .. })
     });
+    // Nor is a file that cannot be read (here a directory where the shard should be).
+    fs::create_dir(&shard).unwrap();
+    let problems = verify_problems(&damaged);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].starts_with("unreadable: "), "{problems:?}");
 }
 
 #[test]
