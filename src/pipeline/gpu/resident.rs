@@ -35,7 +35,7 @@ const ROW_PIECES_MAX_PER_FIELD: usize = 4;
 const VERIFY_THREADS_MAX: usize = 8;
 
 /// Threads planning a resident stream's steps ahead of the filler.
-const PLAN_WORKERS: usize = 4;
+const PLAN_WORKERS: usize = 6;
 
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
@@ -55,7 +55,7 @@ pub(super) struct Resident {
 }
 
 /// Steps each planning thread plans ahead of the filler.
-const STEPS_PLANNED_AHEAD: usize = 2;
+const STEPS_PLANNED_AHEAD: usize = 3;
 
 /// One step's rows, planned in rounds.
 struct PlannedStep {
