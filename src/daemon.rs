@@ -122,8 +122,8 @@ pub enum DaemonError {
 /// supervisors and tests can wait for readiness without polling, then `gpufeed: http on ADDR` (the
 /// bound address, so port 0 can be used) once the control API listens.
 pub fn run(settings: Settings) -> Result<(), DaemonError> {
-    let gpu = open_backend(&settings)?;
-    if gpu.is_none() && settings.engine == EngineMode::CuFile {
+    let gpus = open_backends(&settings)?;
+    if gpus.is_empty() && settings.engine == EngineMode::CuFile {
         return Err(DaemonError::CuFileWithoutGpu);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -135,7 +135,7 @@ pub fn run(settings: Settings) -> Result<(), DaemonError> {
             what: "starting the control API's runtime",
             source,
         })?;
-    let result = runtime.block_on(serve(settings, gpu));
+    let result = runtime.block_on(serve(settings, gpus));
     // Blocking tasks still running (a verification) must not hold the exit up.
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
@@ -175,6 +175,75 @@ impl fmt::Display for DeviceRequest {
             DeviceRequest::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
         }
     }
+}
+
+/// The GPU backends `--device` asks for: one per device of a list (`cuda:0,cuda:1`) or of `all` (every
+/// CUDA device), each with an equal share of the registration budget; otherwise what
+/// [`open_backend`] opens (one device, or none).
+pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, DaemonError> {
+    let text = settings.device.trim();
+    let ordinals: Vec<u32> = if text == "all" {
+        let count = crate::device::Device::count().map_err(|source| DaemonError::Gpu {
+            request: DeviceRequest::Cuda(0),
+            source,
+        })?;
+        (0..count as u32).collect()
+    } else if text.contains(',') {
+        let mut ordinals = Vec::new();
+        for part in text.split(',') {
+            match part.trim().parse::<DeviceRequest>() {
+                Ok(DeviceRequest::Cuda(ordinal)) if !ordinals.contains(&ordinal) => {
+                    ordinals.push(ordinal)
+                }
+                _ => {
+                    return Err(DaemonError::DeviceFlag {
+                        given: settings.device.clone(),
+                        expected: "auto, cpu, all, cuda:N, or a list of distinct cuda:N separated \
+                                   by commas"
+                            .to_string(),
+                    })
+                }
+            }
+        }
+        ordinals
+    } else {
+        return Ok(open_backend(settings)?.into_iter().collect());
+    };
+    if ordinals.is_empty() {
+        return Err(DaemonError::Gpu {
+            request: DeviceRequest::Cuda(0),
+            source: crate::device::DeviceError::Unavailable {
+                reason: "--device all: no CUDA device".to_string(),
+            },
+        });
+    }
+    // Each device registers its own windows (registrations are per device): the budget is shared.
+    let share = settings.registered.bytes_max / ordinals.len() as u64;
+    let registered = crate::config::RegistrationBudget {
+        bytes_max: share / settings.registered.window_bytes * settings.registered.window_bytes,
+        ..settings.registered
+    };
+    let mut backends = Vec::with_capacity(ordinals.len());
+    for ordinal in ordinals {
+        let gpu = open_gpu_backend(
+            ordinal,
+            settings.engine,
+            registered,
+            settings.zero_copy,
+            settings.device_shard_bytes,
+        )
+        .map_err(|source| DaemonError::Gpu {
+            request: DeviceRequest::Cuda(ordinal),
+            source,
+        })?;
+        tracing::info!(
+            "GPU backend on cuda:{ordinal} ({}); read path choice {:?}",
+            gpu.device.properties().name,
+            gpu.choice
+        );
+        backends.push(Arc::new(gpu));
+    }
+    Ok(backends)
 }
 
 /// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying
@@ -263,7 +332,7 @@ pub fn open_gpu_backend(
     })
 }
 
-async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), DaemonError> {
+async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), DaemonError> {
     // Installed before anything is announced, so that a signal sent as soon as the readiness line
     // is read already finds the handlers.
     let mut signals = Signals::install()?;
@@ -271,7 +340,7 @@ async fn serve(settings: Settings, gpu: Option<Arc<GpuBackend>>) -> Result<(), D
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
     let (control, names) = open_control(&settings, &registry, &metrics).await?;
-    let server = start_socket_server(&settings, &registry, &metrics, gpu, &control)?;
+    let server = start_socket_server(&settings, &registry, &metrics, gpus, &control)?;
     let listener = match bind_http(settings.http).await {
         Ok(listener) => listener,
         Err(error) => {
@@ -416,12 +485,14 @@ fn start_socket_server(
     settings: &Settings,
     registry: &Arc<Registry>,
     metrics: &Arc<Metrics>,
-    gpu: Option<Arc<GpuBackend>>,
+    gpus: Vec<Arc<GpuBackend>>,
     control: &Control,
 ) -> Result<Server, DaemonError> {
-    let gpu_for_status = gpu
-        .as_ref()
-        .map(|g| (g.ordinal, g.device.properties().name.clone()));
+    let served: Vec<String> = gpus.iter().map(|g| format!("cuda:{}", g.ordinal)).collect();
+    let names: Vec<String> = gpus
+        .iter()
+        .map(|g| format!("cuda:{} ({})", g.ordinal, g.device.properties().name))
+        .collect();
     let server_config = ServerConfig {
         socket_path: settings.socket_path.clone(),
         allowed_uids: settings.allowed_uids.clone(),
@@ -429,7 +500,7 @@ fn start_socket_server(
         slot_memory_bytes_max: settings.slot_memory_bytes_max,
         stream_limits: StreamLimits::node_defaults(),
         metrics: Arc::clone(metrics),
-        gpu,
+        gpus,
         handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
     };
     let server = Server::bind(server_config, Arc::clone(registry)).map_err(|source| {
@@ -439,16 +510,18 @@ fn start_socket_server(
         }
     })?;
     control.attach_backend(
-        match &gpu_for_status {
-            Some((ordinal, _)) => format!("cuda:{ordinal}"),
-            None => "cpu".to_string(),
+        if served.is_empty() {
+            "cpu".to_string()
+        } else {
+            served.join(",")
         },
-        match gpu_for_status {
-            Some((ordinal, name)) => format!(
-                "streams on cuda:{ordinal} ({name}) get exportable device slots filled by the GPU \
-                 pipeline; host-memory streams are served from memfd slots"
+        match names.is_empty() {
+            false => format!(
+                "streams on {} get exportable device slots filled by that device's GPU pipeline; \
+                 host-memory streams are served from memfd slots",
+                names.join(", ")
             ),
-            None => format!(
+            true => format!(
                 "--device {}: batches are served from host memory (memfd)",
                 settings.device
             ),

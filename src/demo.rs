@@ -389,7 +389,7 @@ fn serve_cpu(dir: &Path, dataset: Dataset) -> Result<Served> {
             slot_memory_bytes_max: 1 << 30,
             stream_limits: StreamLimits::node_defaults(),
             metrics: Arc::new(crate::metrics::Metrics::new()),
-            gpu: None,
+            gpus: Vec::new(),
             handshake_timeout: crate::ipc::HANDSHAKE_TIMEOUT_DEFAULT,
         },
         registry,

@@ -173,8 +173,10 @@ struct ServeArgs {
     /// daemon that died is replaced). Default: DATA_ROOT/gpufeed.sock.
     #[arg(long)]
     socket: Option<PathBuf>,
-    /// Where batches live: auto (a GPU when the GPU backend is available, else the CPU backend), cpu,
-    /// or cuda:N. Default: auto.
+    /// Where batches live: auto (GPU 0 when the GPU backend is available, else the CPU backend), cpu,
+    /// cuda:N, a list of devices (cuda:0,cuda:1), or all (every CUDA device; the registration
+    /// budget is shared between the devices). Host-memory streams are served in every case; each
+    /// consumer opens its streams on its own GPU. Default: auto.
     #[arg(long)]
     device: Option<String>,
     /// Storage engine: auto, cufile or uring (io_uring, with pread where io_uring is unavailable).

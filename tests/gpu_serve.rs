@@ -624,3 +624,94 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
         "device memory did not return to its baseline"
     );
 }
+
+/// One daemon serving two devices (`--device cuda:0,cuda:1`): a consumer on each device at once,
+/// each bit-exact against the CPU backend in a shuffled order; a stream asking for a device the
+/// daemon does not serve is refused naming the ones it serves, and the others go on; killed
+/// consumers on both devices leave no session behind. Run on a machine with two GPUs:
+/// `gpu_serve --include-ignored two_devices`.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn two_devices_are_served_by_one_daemon() {
+    let root = tempfile::tempdir().unwrap();
+    pack_dataset(root.path());
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&root.path().join("mixed"), &cpu_root.join("mixed"));
+    let gpu = start_daemon(root.path(), "cuda:0,cuda:1");
+    let cpu = start_daemon(&cpu_root, "cpu");
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    let args = [
+        "--batch-size",
+        "96",
+        "--field",
+        "emb",
+        "--dtype",
+        "f32",
+        "--shuffle",
+        "window",
+        "--window-shards",
+        "2",
+        "--seed",
+        "4",
+    ];
+    // Both devices at once, then the CPU reference.
+    let children: Vec<(Child, &str)> = ["cuda:0", "cuda:1"]
+        .into_iter()
+        .map(|device| {
+            let dump = dumps.join(format!("{}.npy", device.replace(':', "")));
+            (consume_dump(&gpu.socket, device, &args, &dump), device)
+        })
+        .collect();
+    for (child, device) in children {
+        let line = finish(child);
+        assert!(
+            line["device"].as_str().unwrap().contains("Cuda"),
+            "{device}: {line}"
+        );
+    }
+    finish(consume_dump(
+        &cpu.socket,
+        "cpu",
+        &args,
+        &dumps.join("cpu.npy"),
+    ));
+    let reference = npy_payload(&dumps.join("cpu.npy"));
+    assert!(!reference.is_empty());
+    for device in ["cuda0", "cuda1"] {
+        assert!(
+            npy_payload(&dumps.join(format!("{device}.npy"))) == reference,
+            "{device}: GPU and CPU backends differ"
+        );
+    }
+    // A device the daemon does not serve: refused, naming the served ones; the daemon serves on.
+    let refused = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args([
+            "--dataset",
+            "mixed",
+            "--device",
+            "cuda:7",
+            "--batch-size",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let message = String::from_utf8_lossy(&refused.stderr);
+    assert!(message.contains("cuda:0, cuda:1"), "{message}");
+    // Consumers killed while holding batches on each device: their sessions end and the daemon
+    // serves both devices again.
+    for device in ["cuda:0", "cuda:1"] {
+        let mut child = consume_dump(&gpu.socket, device, &args, &dumps.join("killed.npy"));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    for device in ["cuda:0", "cuda:1"] {
+        let dump = dumps.join(format!("again-{}.npy", device.replace(':', "")));
+        finish(consume_dump(&gpu.socket, device, &args, &dump));
+        assert!(npy_payload(&dump) == reference, "{device}: after the kills");
+    }
+}

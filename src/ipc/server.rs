@@ -43,8 +43,9 @@ pub struct ServerConfig {
     /// The serving ledger (sessions, streams, slots, batches) and the other measurements: reads,
     /// decode and gather times, hand-off latency.
     pub metrics: Arc<Metrics>,
-    /// The GPU backend, when the daemon runs on a device; host-memory streams are served either way.
-    pub gpu: Option<Arc<GpuBackend>>,
+    /// The GPU backends, one per device the daemon serves (none: the CPU backend only); host-memory
+    /// streams are served either way.
+    pub gpus: Vec<Arc<GpuBackend>>,
     /// How long a new connection may take to send its Hello before it is closed: a connection that
     /// never speaks would otherwise hold a session (of the bounded `sessions_max`) forever.
     pub handshake_timeout: std::time::Duration,
@@ -346,7 +347,7 @@ fn handshake(
     };
     let welcome = Message::Welcome {
         session: session_id,
-        backend: if shared.config.gpu.is_some() {
+        backend: if !shared.config.gpus.is_empty() {
             Backend::Cuda
         } else {
             Backend::Cpu
@@ -519,7 +520,7 @@ fn open_stream(
     spec.validate()
         .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
     let request = StreamRequest::from(&spec);
-    let backend = StreamBackend::select(request.device, shared.config.gpu.as_deref())
+    let backend = StreamBackend::select(request.device, &shared.config.gpus)
         .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
     let dataset = shared.registry.get(&spec.dataset).ok_or_else(|| {
         (

@@ -52,18 +52,22 @@ impl<'a> StreamBackend<'a> {
     /// backend if it runs one. Host streams are served either way.
     pub fn select(
         device: StreamDevice,
-        gpu: Option<&'a GpuBackend>,
+        gpus: &'a [Arc<GpuBackend>],
     ) -> Result<StreamBackend<'a>, BackendError> {
-        match (device, gpu) {
-            (StreamDevice::Host, _) => Ok(StreamBackend::Cpu),
-            (StreamDevice::Cuda(asked), Some(gpu)) if gpu.ordinal == asked => {
-                Ok(StreamBackend::Gpu(gpu))
-            }
-            (StreamDevice::Cuda(asked), Some(gpu)) => Err(BackendError::OtherDevice {
-                asked,
-                served: gpu.ordinal,
-            }),
-            (StreamDevice::Cuda(asked), None) => Err(BackendError::NoDevice { asked }),
+        match device {
+            StreamDevice::Host => Ok(StreamBackend::Cpu),
+            StreamDevice::Cuda(asked) if gpus.is_empty() => Err(BackendError::NoDevice { asked }),
+            StreamDevice::Cuda(asked) => match gpus.iter().find(|g| g.ordinal == asked) {
+                Some(gpu) => Ok(StreamBackend::Gpu(gpu)),
+                None => Err(BackendError::OtherDevice {
+                    asked,
+                    served: gpus
+                        .iter()
+                        .map(|g| format!("cuda:{}", g.ordinal))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                }),
+            },
         }
     }
 }
@@ -72,12 +76,12 @@ impl<'a> StreamBackend<'a> {
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     /// The daemon runs its GPU backend on another device.
-    #[error("device cuda:{asked} is not served: this daemon runs on cuda:{served}")]
+    #[error("device cuda:{asked} is not served: this daemon serves {served}")]
     OtherDevice {
         /// The device asked for.
         asked: u32,
-        /// The device served.
-        served: u32,
+        /// The devices served (`cuda:0, cuda:1`).
+        served: String,
     },
     /// The daemon runs the CPU backend only.
     #[error("device cuda:{asked} is not served: this daemon runs the CPU backend")]

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine with two GPUs after scripts/gpu-stage-read.sh staged .gpu/read/ here:
+#   1. the two-device serving test (gpu_serve two_devices_are_served_by_one_daemon);
+#   2. the aggregate benchmark: one daemon serving cuda:0 and cuda:1 (`--device cuda:0,cuda:1`), an
+#      fp16 .npy of MULTI_GIB GiB ([N, 1024], rows of 2 KiB) packed raw in shards of 512 MiB, page
+#      cache warm; per order (dataset order, window of 4 shards) one consumer on cuda:0 alone, then a
+#      consumer on each device at once (each a whole epoch, fp32 device batches of 4096 rows), three
+#      runs each after a warm-up, interleaved. The aggregate rate is the bytes of both epochs over the
+#      time from the first start to the last end (process walls included). JSON lines in
+#      $OUT/multi.jsonl, a table last. Any failed step fails the script.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT="${OUT:-/tmp/gpufeed-multi}"
+export OUT
+budget_s="${GPUFEED_CHECK_BUDGET_S:-560}"
+step_name_width=14
+. scripts/lib/check.sh
+export PYTHONUNBUFFERED=1 TMPDIR=/var/tmp
+bin="$PWD/.gpu/read/bin"
+export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
+cufile_udev_entry
+work=/var/tmp/gpufeed-multi
+socket=/tmp/gpufeed-multi.sock
+jsonl="$OUT/multi.jsonl"
+
+multi_bench() {
+  set -e
+  : >"$jsonl"
+  mkdir -p "$work/npy" "$work/data"
+  python3 scripts/e2e/make_data.py --out-dir "$work/npy" --emb-gib "${MULTI_GIB:-4}" --tokens-gib 0
+  rm -rf "$work/data/emb"
+  "$bin/gpufeed" pack --out "$work/data/emb" --samples-per-shard 262144 --codec raw "$work/npy/emb_fp16.npy"
+  cat "$work/npy/emb_fp16.npy" >/dev/null
+  "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0,cuda:1 --http off \
+    >"$OUT/multi-daemon.out" 2>"$OUT/multi-daemon.log" &
+  local daemon=$!
+  for _ in $(seq 100); do [ -S "$socket" ] && break; sleep 0.1; done
+  consume() {
+    "$bin/consume" --socket "$socket" --dataset emb --device "$1" --batch-size 4096 --dtype f32 \
+      --shuffle "$2" --window-shards 4 --seed "$3" | tail -1
+  }
+  for order in none window; do
+    consume cuda:0 "$order" 0 >/dev/null; consume cuda:1 "$order" 0 >/dev/null  # warm-up
+    for run in 1 2 3; do
+      t0=$(date +%s.%N); one=$(consume cuda:0 "$order" "$run"); t1=$(date +%s.%N)
+      python3 -c "import json,sys; d=json.loads(sys.argv[1]); print(json.dumps({'case':'one','order':sys.argv[2],'run':int(sys.argv[3]),'bytes_in':d['bytes']//2,'seconds':d['seconds'],'wall':float(sys.argv[5])-float(sys.argv[4])}))" "$one" "$order" "$run" "$t0" "$t1" >>"$jsonl"
+      t0=$(date +%s.%N)
+      consume cuda:0 "$order" "$run" >"$work/a.json" & a=$!
+      consume cuda:1 "$order" "$run" >"$work/b.json" & b=$!
+      wait "$a"; wait "$b"
+      t1=$(date +%s.%N)
+      python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(json.dumps({'case':'two','order':sys.argv[3],'run':int(sys.argv[4]),'bytes_in':(a['bytes']+b['bytes'])//2,'seconds':max(a['seconds'],b['seconds']),'wall':float(sys.argv[6])-float(sys.argv[5])}))" "$work/a.json" "$work/b.json" "$order" "$run" "$t0" "$t1" >>"$jsonl"
+    done
+  done
+  kill "$daemon"; wait "$daemon" || true
+  python3 - "$jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("| order | consumers | runs | GB/s in (slowest stream) | GB/s in (wall, first start to last end) |")
+print("|---|---|---|---|---|")
+for order in ("none", "window"):
+    for case in ("one", "two"):
+        sel = [r for r in rows if r["order"] == order and r["case"] == case]
+        s = statistics.median(r["bytes_in"] / r["seconds"] / 1e9 for r in sel)
+        w = statistics.median(r["bytes_in"] / r["wall"] / 1e9 for r in sel)
+        print(f"| {order} | {case} | {len(sel)} | {s:.2f} | {w:.2f} |")
+PY
+}
+
+if [ "${1:-}" = --bench-only ]; then
+  multi_bench
+  exit $?
+fi
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >"$OUT/multi.log" 2>&1
+step two_devices multi 200 30 "$bin/gpu_serve" --include-ignored --test-threads=1 two_devices
+step multi_bench bench 300 60 bash "$0" --bench-only
+grep -A6 '^| order' "$OUT/bench.log"
+step_summary
