@@ -15,10 +15,7 @@ export OUT
 budget_s="${GPUFEED_CHECK_BUDGET_S:-560}"
 step_name_width=14
 . scripts/lib/check.sh
-export PYTHONUNBUFFERED=1 TMPDIR=/var/tmp
-bin="$PWD/.gpu/read/bin"
-export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
-cufile_udev_entry
+. scripts/lib/staged.sh
 work=/var/tmp/gpufeed-multi
 socket=/tmp/gpufeed-multi.sock
 jsonl="$OUT/multi.jsonl"

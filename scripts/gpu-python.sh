@@ -15,10 +15,7 @@ export OUT
 budget_s="${GPUFEED_CHECK_BUDGET_S:-560}"
 step_name_width=14
 . scripts/lib/check.sh
-export PYTHONUNBUFFERED=1 TMPDIR=/var/tmp
-bin="$PWD/.gpu/read/bin"
-export GPUFEED_BIN="$bin/gpufeed"
-cufile_udev_entry
+. scripts/lib/staged.sh
 gib=${PY_GIB:-2}
 work=/var/tmp/gpufeed-python
 jsonl="$OUT/python.jsonl"

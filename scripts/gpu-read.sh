@@ -22,10 +22,7 @@ OUT="${OUT:-/tmp/gpufeed-read}"
 budget_s="${GPUFEED_CHECK_BUDGET_S:-560}"
 step_name_width=14
 . scripts/lib/check.sh
-export PYTHONUNBUFFERED=1 TMPDIR=/var/tmp
-bin="$PWD/.gpu/read/bin"
-export GPUFEED_BIN="$bin/gpufeed" GPUFEED_CONSUME_BIN="$bin/consume"
-cufile_udev_entry
+. scripts/lib/staged.sh
 if [ "${1:-}" != --bench-only ] && [ -z "${READ_BENCH_ONLY:-}" ]; then
   {
     date -u

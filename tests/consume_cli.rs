@@ -5,30 +5,13 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-
-use gpufeed_client::DType;
+use std::process::Command;
 
 #[test]
 fn gpufeed_consume_pulls_an_epoch_and_reports_it() {
     let root = tempfile::tempdir().unwrap();
-    let data = root.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let bytes: Vec<u8> = (0..64u32).flat_map(u32::to_le_bytes).collect();
-    common::pack_fields(
-        &data.join("tiny"),
-        &[common::field("v", DType::U32, &[4], bytes)],
-        &common::options("tiny", 64 << 10, None),
-    );
+    let daemon = common::daemon::tiny_cpu_daemon(root.path());
     let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
-    let daemon = common::daemon::start_daemon(
-        binary,
-        &data,
-        root.path().join("gpufeed.sock"),
-        "cpu",
-        &[],
-        Stdio::null(),
-    );
     let output = Command::new(binary)
         .arg("consume")
         .arg("--socket")

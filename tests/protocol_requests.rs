@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::Stdio;
 
 use gpufeed_client::protocol::{ErrorCode, Message, Shuffle, StreamSpec};
-use gpufeed_client::{transport, DType};
+use gpufeed_client::transport;
 
 /// A greeted raw connection to `socket`.
 fn greeted(socket: &Path) -> UnixStream {
@@ -32,23 +32,7 @@ fn greeted(socket: &Path) -> UnixStream {
 #[test]
 fn releasing_a_slot_not_held_is_answered_in_words() {
     let root = tempfile::tempdir().unwrap();
-    let data = root.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let bytes: Vec<u8> = (0..64u32).flat_map(u32::to_le_bytes).collect();
-    common::pack_fields(
-        &data.join("tiny"),
-        &[common::field("v", DType::U32, &[4], bytes)],
-        &common::options("tiny", 64 << 10, None),
-    );
-    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
-    let daemon = common::daemon::start_daemon(
-        binary,
-        &data,
-        root.path().join("gpufeed.sock"),
-        "cpu",
-        &[],
-        Stdio::null(),
-    );
+    let daemon = common::daemon::tiny_cpu_daemon(root.path());
     let socket = greeted(&daemon.socket);
     transport::send(
         &socket,

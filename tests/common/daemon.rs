@@ -158,3 +158,24 @@ fn spawn_ready(
     }
     daemon
 }
+
+/// A CPU daemon serving `tiny` (64 samples of four u32, one field `v`, one shard) from
+/// `root/data`, its socket `root/gpufeed.sock`.
+pub fn tiny_cpu_daemon(root: &Path) -> Daemon {
+    let data = root.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let bytes: Vec<u8> = (0..64u32).flat_map(u32::to_le_bytes).collect();
+    super::pack_fields(
+        &data.join("tiny"),
+        &[super::field("v", gpufeed_client::DType::U32, &[4], bytes)],
+        &super::options("tiny", 64 << 10, None),
+    );
+    start_daemon(
+        Path::new(env!("CARGO_BIN_EXE_gpufeed")),
+        &data,
+        root.join("gpufeed.sock"),
+        "cpu",
+        &[],
+        Stdio::null(),
+    )
+}
