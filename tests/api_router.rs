@@ -49,6 +49,7 @@ fn options(root: &Path) -> ApiOptions {
         engine: EngineMode::Auto,
         registered: gpufeed::config::registered_bytes_max_default(),
         zero_copy: gpufeed::pipeline::gpu::ZeroCopy::Auto,
+        device_shard_bytes: gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
     }
 }
 
@@ -637,6 +638,10 @@ async fn a_dataset_whose_files_vanished_is_reported_missing() {
     assert_eq!(status["serving"]["registered_memory_max"], budget.bytes_max);
     assert_eq!(status["serving"]["registered_memory_source"], "derived");
     assert_eq!(status["serving"]["zero_copy"], "auto");
+    assert_eq!(
+        status["serving"]["device_shard_memory"],
+        gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT
+    );
 
     // A restart lists it as missing, with the reason, and serves the rest.
     drop(app);

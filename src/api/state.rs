@@ -84,6 +84,8 @@ pub struct ApiOptions {
     pub registered: crate::config::RegistrationBudget,
     /// The zero-copy policy, for status.
     pub zero_copy: crate::pipeline::gpu::ZeroCopy,
+    /// Device memory per GPU stream for shards copied ahead, for status.
+    pub device_shard_bytes: u64,
 }
 
 impl ApiOptions {
@@ -114,6 +116,7 @@ impl ApiOptions {
             engine: settings.engine,
             registered: settings.registered,
             zero_copy: settings.zero_copy,
+            device_shard_bytes: settings.device_shard_bytes,
         }
     }
 }

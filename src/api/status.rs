@@ -48,6 +48,9 @@ pub struct Serving {
     /// When GPUs read rows of raw blocks in place from registered page cache: `auto`, `always`,
     /// `off`.
     pub zero_copy: String,
+    /// Device memory each GPU stream in dataset order or a window shuffle may fill with shards
+    /// copied ahead of need (`--device-shard-memory`); 0: none.
+    pub device_shard_memory: u64,
 }
 
 /// Bounded pools and what is in use.
@@ -274,6 +277,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 registered_memory_source: options.registered.source.name().to_string(),
                 registered_window_bytes: options.registered.window_bytes,
                 zero_copy: options.zero_copy.name().to_string(),
+                device_shard_memory: options.device_shard_bytes,
             }
         },
         platform,
