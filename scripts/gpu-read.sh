@@ -31,7 +31,9 @@ if [ "${1:-}" != --bench-only ] && [ -z "${READ_BENCH_ONLY:-}" ]; then
     free -g | head -2
     ulimit -l
   } >"$OUT/tests.log" 2>&1
-  step gpu_serve tests 200 60 "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1
+  # The two-device test runs on the 2-GPU kind (scripts/gpu-multi.sh).
+  step gpu_serve tests 200 60 "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1 \
+    --skip two_devices
   step gpu_kernels tests 60 20 "$bin/gpu_kernels" --include-ignored --test-threads=4
 fi
 

@@ -629,10 +629,16 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
 /// each bit-exact against the CPU backend in a shuffled order; a stream asking for a device the
 /// daemon does not serve is refused naming the ones it serves, and the others go on; killed
 /// consumers on both devices leave no session behind. Run on a machine with two GPUs:
-/// `gpu_serve --include-ignored two_devices`.
+/// `gpu_serve --include-ignored two_devices` (scripts/gpu-multi.sh); the single-GPU scripts skip it.
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn two_devices_are_served_by_one_daemon() {
+    let devices = gpufeed::device::Device::count().unwrap_or(0);
+    assert!(
+        devices >= 2,
+        "this test needs two CUDA GPUs and sees {devices}: run it on a machine with two (the \
+         single-GPU scripts skip it with --skip two_devices)"
+    );
     let root = tempfile::tempdir().unwrap();
     pack_dataset(root.path());
     let cpu_root = root.path().join("cpu-root");
