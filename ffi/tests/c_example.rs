@@ -17,9 +17,7 @@ fn the_c_example_receives_the_source_bytes() {
     let root = tempfile::tempdir().unwrap();
     let daemon = common::Daemon::start(root.path());
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    // The static library of this crate, which cargo built with this test (crate-type staticlib).
-    let library = common::profile_dir().join("libgpufeed_ffi.a");
-    assert!(library.exists(), "{} is missing", library.display());
+    let library = common::static_library();
     let program = root.path().join("consume");
     let compiled = Command::new("cc")
         .arg("-std=c11")

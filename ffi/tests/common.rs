@@ -40,6 +40,26 @@ pub fn gpufeed_bin() -> PathBuf {
     bin
 }
 
+/// This crate's static library, built here for the profile the tests run under: `cargo test` builds
+/// the library only as the rlib its tests link, so on a fresh clone no `.a` exists yet, and one left
+/// by an earlier `cargo build` may be stale. Cargo rebuilds only what changed.
+pub fn static_library() -> PathBuf {
+    let profile = profile_dir();
+    let mut build = Command::new(env!("CARGO"));
+    build.args(["build", "-p", "gpufeed-ffi", "--lib"]);
+    if profile.file_name().is_some_and(|name| name == "release") {
+        build.arg("--release");
+    }
+    let status = build.status().expect("run cargo build");
+    assert!(
+        status.success(),
+        "building the gpufeed-ffi static library failed"
+    );
+    let library = profile.join("libgpufeed_ffi.a");
+    assert!(library.exists(), "cargo built no {}", library.display());
+    library
+}
+
 /// Writes a C-order little-endian `<i4` .npy of shape `[rows, 2]`.
 fn write_npy(path: &Path, rows: u32, data: &[u8]) {
     let mut header = format!("{{'descr': '<i4', 'fortran_order': False, 'shape': ({rows}, 2), }}");
