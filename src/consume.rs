@@ -7,9 +7,12 @@
 //! ```
 //!
 //! It prints one JSON line on stdout when done:
-//! `{"batches":..,"samples":..,"bytes":..,"seconds":..,"cursor":..,"replaced":..}` where `bytes` counts
-//! every field of every batch received, `seconds` runs from the stream's opening to the last batch, and
-//! `cursor` is the epoch cursor to resume from (`--resume-cursor`).
+//! `{"batches":..,"samples":..,"bytes":..,"seconds":..,"cursor":..,"replaced":..,"handoff_us_p50":..}`
+//! where `bytes` counts every field of every batch received, `seconds` runs from before connecting to
+//! the daemon to the last batch, `first_batch_seconds` to the first, `cursor` is the last epoch's
+//! cursor to resume from (`--resume-cursor`), and `handoff_us_*` are quantiles of the hand-off
+//! latency: from a batch being ready (or from the consumer asking, if it asked later) to its arrival.
+//! `--epochs N` consumes N epochs one after another, a stream each.
 //!
 //! `--dump FILE.npy` writes the samples of the first field (the first `--field`, or the dataset's
 //! first field) in the order received, as an array of shape `[samples, ...sample_shape]`. The samples
@@ -56,9 +59,12 @@ pub struct Args {
     /// Stop after this many batches (default: the end of the epoch).
     #[arg(long)]
     steps: Option<u64>,
-    /// Epoch to serve.
+    /// Epoch to serve (the first, with --epochs).
     #[arg(long, default_value_t = 0)]
     epoch: u64,
+    /// Epochs to serve one after another, a stream each on the same connection.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    epochs: u64,
     /// Shuffle seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -187,7 +193,7 @@ fn field_names(args: &Args) -> Result<Vec<String>> {
 }
 
 /// The first field's dtype and per-sample shape, refused early when `.npy` cannot hold it.
-fn dump_geometry(layout: &StreamLayout) -> Result<(DType, Vec<u64>)> {
+fn dump_geometry(layout: &StreamLayout) -> Result<DumpGeometry> {
     let field = &layout.fields[0];
     if field.dtype == DType::BF16 {
         bail!(
@@ -208,6 +214,9 @@ struct Totals {
 }
 
 fn run(args: &Args) -> Result<()> {
+    // The clock starts before the consumer connects: connecting, opening streams and mapping their
+    // slots are part of what a training loop waits for.
+    let started = Instant::now();
     let mut spec = build_spec(args, &field_names(args)?);
     let client = Client::connect(&args.socket)?;
     spec.device = match args.device.as_str() {
@@ -218,23 +227,106 @@ fn run(args: &Args) -> Result<()> {
             _ => bail!("--device {other}: expected auto, cpu or cuda:N"),
         },
     };
-    let mut stream = client
-        .open_stream(spec)
-        .with_context(|| format!("opening a stream of dataset {:?}", args.dataset))?;
-    let dump_geometry = match &args.dump {
-        Some(_) => Some(dump_geometry(stream.layout())?),
-        None => None,
+    let mut received = Received {
+        dump: args.dump.as_ref().map(|_| (None, Vec::new())),
+        ..Received::default()
     };
+    let mut last = None;
+    // A session serves one stream: later epochs connect again.
+    let mut first_client = Some(client);
+    for epoch in args.epoch..args.epoch + args.epochs {
+        let client = match first_client.take() {
+            Some(client) => client,
+            None => Client::connect(&args.socket)?,
+        };
+        spec.epoch = epoch;
+        if epoch != args.epoch {
+            // Later epochs start at their beginning.
+            spec.start_cursor = 0;
+        }
+        last = Some(consume_epoch(
+            args,
+            client,
+            spec.clone(),
+            &mut received,
+            started,
+        )?);
+        if received.totals.batches >= args.steps.unwrap_or(u64::MAX) {
+            break;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let (cursor, spec_device) = last.expect("at least one epoch");
+    let totals = &received.totals;
+    if let (Some(path), Some((Some((dtype, sample_shape)), dump_bytes))) =
+        (&args.dump, &received.dump)
+    {
+        let mut shape = vec![totals.samples];
+        shape.extend_from_slice(sample_shape);
+        let mut writer = write_npy(path, *dtype, &shape)?;
+        writer.write_all(dump_bytes)?;
+        writer.finish()?;
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "batches": totals.batches,
+            "samples": totals.samples,
+            "bytes": totals.bytes,
+            "seconds": seconds,
+            "first_batch_seconds": received.first_batch_s,
+            "epochs": args.epochs,
+            "cursor": cursor,
+            "replaced": totals.replaced,
+            "device": format!("{:?}", spec_device),
+            "handoff_us_p50": quantile_us(&mut received.handoff_ns, 0.50),
+            "handoff_us_p99": quantile_us(&mut received.handoff_ns, 0.99),
+            "handoff_us_max": quantile_us(&mut received.handoff_ns, 1.0),
+        })
+    );
+    Ok(())
+}
+
+/// The dumped field's dtype and per-sample shape.
+type DumpGeometry = (DType, Vec<u64>);
+
+/// What arrived over every epoch.
+#[derive(Debug, Default)]
+struct Received {
+    totals: Totals,
+    /// Hand-off latency of each batch.
+    handoff_ns: Vec<u64>,
+    /// Seconds from the start to the first batch.
+    first_batch_s: Option<f64>,
+    /// `--dump`: the first field's geometry (learned from the first stream) and its bytes.
+    dump: Option<(Option<DumpGeometry>, Vec<u8>)>,
+}
+
+/// Consumes one epoch's stream; returns its cursor at the end and its device.
+fn consume_epoch(
+    args: &Args,
+    client: Client,
+    spec: StreamSpec,
+    received: &mut Received,
+    started: Instant,
+) -> Result<(u64, Device)> {
+    let epoch = spec.epoch;
+    let mut stream = client.open_stream(spec).with_context(|| {
+        format!(
+            "opening a stream of dataset {:?}, epoch {epoch}",
+            args.dataset
+        )
+    })?;
+    if let Some((geometry @ None, _)) = &mut received.dump {
+        *geometry = Some(dump_geometry(stream.layout())?);
+    }
     let dump_field = stream.layout().fields[0].name.clone();
-    let mut dump_bytes = Vec::new();
-    let mut totals = Totals::default();
     // Batches kept for --hold-after: fewer than the slot count while still receiving, so that the
     // daemon always has a slot to fill.
     let slot_count = stream.layout().slot_count as usize;
     let mut held: VecDeque<Batch> = VecDeque::with_capacity(slot_count);
-    let mut handoff_ns: Vec<u64> = Vec::new();
-    let started = Instant::now();
     let limit = args.steps.unwrap_or(u64::MAX);
+    let totals = &mut received.totals;
     while totals.batches < limit {
         let waiting_since = monotonic_ns();
         let Some(batch) = stream.next() else { break };
@@ -246,12 +338,17 @@ fn run(args: &Args) -> Result<()> {
         // The hand-off latency: from the batch being ready, or from the moment this consumer
         // started waiting for it if it was ready before (prefetched), to its arrival here.
         let ready_or_asked = batch.info().ready_ns.max(waiting_since);
-        handoff_ns.push(monotonic_ns().saturating_sub(ready_or_asked));
+        received
+            .handoff_ns
+            .push(monotonic_ns().saturating_sub(ready_or_asked));
+        received
+            .first_batch_s
+            .get_or_insert_with(|| started.elapsed().as_secs_f64());
         totals.bytes += batch
             .fields()
             .map(|field| field.byte_len() as u64)
             .sum::<u64>();
-        if dump_geometry.is_some() {
+        if let Some((_, dump_bytes)) = &mut received.dump {
             let field = batch
                 .field(&dump_field)
                 .expect("every batch has the layout's fields");
@@ -260,7 +357,7 @@ fn run(args: &Args) -> Result<()> {
                     "--dump: more than {DUMP_BYTES_MAX} bytes of field {dump_field:?}; pass --steps to dump fewer batches"
                 );
             }
-            field.copy_to_host(&mut dump_bytes)?;
+            field.copy_to_host(dump_bytes)?;
         }
         if let Some(hold_after) = args.hold_after {
             if totals.batches <= hold_after {
@@ -274,33 +371,7 @@ fn run(args: &Args) -> Result<()> {
             }
         }
     }
-    let seconds = started.elapsed().as_secs_f64();
-    let cursor = stream.state().cursor;
-    let spec_device = stream.spec().device;
-    drop(stream);
-
-    if let (Some(path), Some((dtype, sample_shape))) = (&args.dump, dump_geometry) {
-        let mut shape = vec![totals.samples];
-        shape.extend_from_slice(&sample_shape);
-        let mut writer = write_npy(path, dtype, &shape)?;
-        writer.write_all(&dump_bytes)?;
-        writer.finish()?;
-    }
-    println!(
-        "{}",
-        serde_json::json!({
-            "batches": totals.batches,
-            "samples": totals.samples,
-            "bytes": totals.bytes,
-            "seconds": seconds,
-            "cursor": cursor,
-            "replaced": totals.replaced,
-            "device": format!("{:?}", spec_device),
-            "handoff_us_p50": quantile_us(&mut handoff_ns, 0.50),
-            "handoff_us_p99": quantile_us(&mut handoff_ns, 0.99),
-        })
-    );
-    Ok(())
+    Ok((stream.state().cursor, stream.spec().device))
 }
 
 /// The `q` quantile of `values` (nanoseconds) in microseconds; null when there are none.

@@ -366,8 +366,11 @@ fn sessions_are_listed_and_closed_through_the_api() {
     let read = value(&metrics, "gpufeed_read_bytes_total{engine=\"io_uring\"}")
         + value(&metrics, "gpufeed_read_bytes_total{engine=\"pread\"}");
     assert!(read > 0.0, "{metrics}");
+    // Slot rings are sized in bytes: small batches get more slots than the prefetch depth, and every
+    // one of them may be published to the consumer.
     let consumer = value(&metrics, "gpufeed_slots{lease=\"consumer\"}");
-    assert!(consumer <= 4.0, "{metrics}");
+    let allocated = value(&metrics, "gpufeed_slots_allocated");
+    assert!(consumer <= allocated && allocated <= 64.0, "{metrics}");
 
     let listed = get(daemon.address(), "/v1/sessions", None).json();
     let sessions = listed["sessions"].as_array().expect("sessions are listed");

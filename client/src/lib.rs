@@ -7,7 +7,7 @@
 pub mod consumer;
 pub mod cuda;
 
-pub use gpufeed_proto::{dtype, protocol, spec, transport};
+pub use gpufeed_proto::{dtype, protocol, ring, spec, transport};
 
 pub use consumer::{Batch, Client, ClientError, FieldData, FieldView, Stream};
 pub use dtype::{DType, DTypeError, ALL_DTYPES};

@@ -300,6 +300,9 @@ fn client_error(error: ClientError) -> GfStatus {
     match error {
         ClientError::Connect { .. } => fail(GfStatus::Connect, message, GfDaemonCode::None),
         ClientError::Daemon { code, .. } => fail(GfStatus::Daemon, message, daemon_code(code)),
+        ClientError::VersionMismatch { .. } => {
+            fail(GfStatus::Daemon, message, GfDaemonCode::UnsupportedVersion)
+        }
         ClientError::InvalidSpec(_) => invalid(message),
         ClientError::Protocol(_) => fail(GfStatus::Protocol, message, GfDaemonCode::None),
         ClientError::Cuda(_) => fail(GfStatus::Cuda, message, GfDaemonCode::None),

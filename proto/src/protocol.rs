@@ -9,7 +9,7 @@
 use crate::dtype::DType;
 
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of the frame header.
 pub const FRAME_HEADER_BYTES: usize = 8;
 /// Largest frame (header included).
@@ -20,8 +20,13 @@ pub const STRING_BYTES_MAX: usize = 1024;
 pub const STREAM_FIELDS_MAX: usize = 256;
 /// Most dimensions of a batch shape (the batch dimension plus six per-sample dimensions).
 pub const BATCH_NDIM_MAX: usize = 7;
-/// Most slots a stream may have (also the most descriptors one frame carries).
+/// Most slots a stream may have.
 pub const SLOTS_MAX: u32 = 64;
+/// Descriptors `StreamOpened` carries besides one per slot: the hand-off ring's memfd, the consumer's
+/// doorbell and the daemon's doorbell (see [`crate::ring`]).
+pub const STREAM_EXTRA_DESCRIPTORS: u32 = 3;
+/// Most descriptors one frame carries.
+pub const DESCRIPTORS_MAX: u32 = SLOTS_MAX + STREAM_EXTRA_DESCRIPTORS;
 
 /// Which memory batches live in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,7 +177,8 @@ pub struct BatchField {
     pub shape: Vec<u64>,
 }
 
-/// A filled slot handed to the consumer.
+/// A filled slot handed to the consumer (through the hand-off ring, [`crate::ring::RingBatch`], with
+/// the fields' places filled in from the layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchInfo {
     /// The slot; it belongs to the consumer until released.
@@ -289,15 +295,9 @@ pub enum Message {
     },
     /// Consumer → daemon: open the session's stream.
     OpenStream(StreamSpec),
-    /// Daemon → consumer: the stream's layout; carries one descriptor per slot.
+    /// Daemon → consumer: the stream's layout; carries one descriptor per slot, then the hand-off
+    /// ring and its two doorbells. Filled slots and releases then travel through the ring.
     StreamOpened(StreamLayout),
-    /// Daemon → consumer: a slot is filled.
-    Batch(BatchInfo),
-    /// Consumer → daemon: the consumer is done with a slot.
-    Release {
-        /// The slot.
-        slot: u32,
-    },
     /// Daemon → consumer: no more batches in this epoch.
     EndOfEpoch {
         /// The epoch.
@@ -373,8 +373,8 @@ const KIND_HELLO: u16 = 1;
 const KIND_WELCOME: u16 = 2;
 const KIND_OPEN_STREAM: u16 = 3;
 const KIND_STREAM_OPENED: u16 = 4;
-const KIND_BATCH: u16 = 5;
-const KIND_RELEASE: u16 = 6;
+// Kinds 5 (Batch) and 6 (Release) were frames of version 2; since version 3 the hand-off ring
+// carries them, and the codes stay unassigned.
 const KIND_END_OF_EPOCH: u16 = 7;
 const KIND_ERROR: u16 = 8;
 const KIND_CLOSE: u16 = 9;
@@ -500,8 +500,6 @@ fn kind_name(kind: u16) -> Option<&'static str> {
         KIND_WELCOME => "Welcome",
         KIND_OPEN_STREAM => "OpenStream",
         KIND_STREAM_OPENED => "StreamOpened",
-        KIND_BATCH => "Batch",
-        KIND_RELEASE => "Release",
         KIND_END_OF_EPOCH => "EndOfEpoch",
         KIND_ERROR => "Error",
         KIND_CLOSE => "Close",
@@ -512,7 +510,7 @@ fn kind_name(kind: u16) -> Option<&'static str> {
 }
 
 impl Message {
-    /// The message kind's name (`"Batch"`, `"Release"`, ...), for logs and error messages.
+    /// The message kind's name (`"Hello"`, `"StreamOpened"`, ...), for logs and error messages.
     pub fn name(&self) -> &'static str {
         kind_name(self.kind()).expect("every message has an assigned kind")
     }
@@ -523,8 +521,6 @@ impl Message {
             Message::Welcome { .. } => KIND_WELCOME,
             Message::OpenStream(_) => KIND_OPEN_STREAM,
             Message::StreamOpened(_) => KIND_STREAM_OPENED,
-            Message::Batch(_) => KIND_BATCH,
-            Message::Release { .. } => KIND_RELEASE,
             Message::EndOfEpoch { .. } => KIND_END_OF_EPOCH,
             Message::Error { .. } => KIND_ERROR,
             Message::Close => KIND_CLOSE,
@@ -538,9 +534,24 @@ impl Message {
     /// Panics if the message breaks a bound (a programmer error: the daemon and the client build
     /// messages from validated values).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(PROTOCOL_VERSION)
+    }
+
+    /// An `Error` frame with code `UnsupportedVersion` in the header of `peer_version`: the `Error`
+    /// frame is laid out alike in every version, so a peer speaking another version reads the refusal
+    /// (and its reason) instead of failing on the header.
+    pub fn version_refusal(peer_version: u16, message: String) -> Vec<u8> {
+        Message::Error {
+            code: ErrorCode::UnsupportedVersion,
+            message,
+        }
+        .encode_as(peer_version)
+    }
+
+    fn encode_as(&self, version: u16) -> Vec<u8> {
         let mut w = Writer(Vec::with_capacity(64));
         w.u32(0);
-        w.u16(PROTOCOL_VERSION);
+        w.u16(version);
         w.u16(self.kind());
         match self {
             Message::Hello { client } => w.str(client),
@@ -614,23 +625,6 @@ impl Message {
                     }
                 }
             }
-            Message::Batch(batch) => {
-                w.u32(batch.slot);
-                w.u64(batch.epoch);
-                w.u64(batch.step);
-                w.u64(batch.cursor_after);
-                w.u32(batch.samples);
-                w.u32(batch.replaced);
-                assert!(batch.fields.len() <= STREAM_FIELDS_MAX);
-                w.u16(batch.fields.len() as u16);
-                for field in &batch.fields {
-                    w.u64(field.offset);
-                    w.u8(field.dtype.code());
-                    w.shape(&field.shape);
-                }
-                w.u64(batch.ready_ns);
-            }
-            Message::Release { slot } => w.u32(*slot),
             Message::EndOfEpoch { epoch, steps } => {
                 w.u64(*epoch);
                 w.u64(*steps);
@@ -836,34 +830,6 @@ impl Message {
                     slot_events,
                 })
             }
-            KIND_BATCH => {
-                let slot = r.u32()?;
-                let epoch = r.u64()?;
-                let step = r.u64()?;
-                let cursor_after = r.u64()?;
-                let samples = r.u32()?;
-                let replaced = r.u32()?;
-                let count = r.count("fields", STREAM_FIELDS_MAX)?;
-                let mut fields = Vec::with_capacity(count);
-                for _ in 0..count {
-                    fields.push(BatchField {
-                        offset: r.u64()?,
-                        dtype: r.dtype()?,
-                        shape: r.shape()?,
-                    });
-                }
-                Message::Batch(BatchInfo {
-                    slot,
-                    epoch,
-                    step,
-                    cursor_after,
-                    samples,
-                    replaced,
-                    fields,
-                    ready_ns: r.u64()?,
-                })
-            }
-            KIND_RELEASE => Message::Release { slot: r.u32()? },
             KIND_END_OF_EPOCH => Message::EndOfEpoch {
                 epoch: r.u64()?,
                 steps: r.u64()?,
@@ -961,21 +927,6 @@ mod tests {
                     })
                     .collect(),
             }),
-            Message::Batch(BatchInfo {
-                slot: 3,
-                epoch: 2,
-                step: 5,
-                cursor_after: 1536,
-                samples: 32,
-                replaced: 0,
-                fields: vec![BatchField {
-                    offset: 4096,
-                    dtype: DType::I32,
-                    shape: vec![32, 128],
-                }],
-                ready_ns: 123_456_789,
-            }),
-            Message::Release { slot: 3 },
             Message::EndOfEpoch {
                 epoch: 2,
                 steps: 30,
@@ -1025,9 +976,25 @@ mod tests {
         assert!(Message::frame_length(0u32.to_le_bytes()).is_err());
         assert!(Message::frame_length(u32::MAX.to_le_bytes()).is_err());
         assert_eq!(
-            Message::decode(&[3, 0, 1, 0]),
-            Err(DecodeError::Version { found: 3 })
+            Message::decode(&[2, 0, 1, 0]),
+            Err(DecodeError::Version { found: 2 })
         );
-        assert_eq!(Message::decode(&[2, 0, 99, 0]), Err(DecodeError::Kind(99)));
+        assert_eq!(Message::decode(&[3, 0, 99, 0]), Err(DecodeError::Kind(99)));
+        assert_eq!(Message::decode(&[3, 0, 5, 0]), Err(DecodeError::Kind(5)));
+    }
+
+    #[test]
+    fn a_version_refusal_is_readable_in_the_peer_version() {
+        let frame = Message::version_refusal(2, "speak 3".into());
+        assert_eq!(&frame[4..6], &2u16.to_le_bytes());
+        let mut as_ours = frame.clone();
+        as_ours[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        assert_eq!(
+            Message::decode(&as_ours[4..]),
+            Ok(Message::Error {
+                code: ErrorCode::UnsupportedVersion,
+                message: "speak 3".into()
+            })
+        );
     }
 }

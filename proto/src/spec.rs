@@ -12,6 +12,9 @@ use crate::protocol::{
 
 /// Default number of slots a stream asks the daemon to fill ahead of the consumer.
 pub const PREFETCH_DEFAULT: u32 = 4;
+/// The most slots a stream has (the protocol's `SLOTS_MAX`): the bound of `prefetch`, and of the
+/// slots a daemon gives a stream of small batches.
+pub const PREFETCH_MAX: u32 = SLOTS_MAX;
 
 /// Field offsets within a slot are multiples of this (a page): the daemon lays fields out on it, the
 /// client refuses a layout that is not; mappings of slots stay aligned for any element type, and

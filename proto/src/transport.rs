@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
-use crate::protocol::{DecodeError, Message, SLOTS_MAX};
+use crate::protocol::{DecodeError, Message, DESCRIPTORS_MAX};
 
 /// A frame could not be sent or received.
 #[derive(Debug, thiserror::Error)]
@@ -23,14 +23,16 @@ pub enum TransportError {
     #[error("bad frame: {0}")]
     Decode(#[from] DecodeError),
     /// The peer passed more descriptors than any frame may carry.
-    #[error("a frame carried more than {SLOTS_MAX} file descriptors or truncated ancillary data")]
+    #[error(
+        "a frame carried more than {DESCRIPTORS_MAX} file descriptors or truncated ancillary data"
+    )]
     TooManyDescriptors,
 }
 
 /// Most descriptors Linux passes with one message (`SCM_MAX_FD`, net/core/scm.c). The receive buffer
 /// has room for that many, each in a control message of its own at worst, so the kernel never
 /// truncates it: every descriptor it installs is taken here, and closed if the frame is refused. (A
-/// buffer sized for [`SLOTS_MAX`] let a frame carrying more be truncated, and the descriptors the
+/// buffer sized for [`DESCRIPTORS_MAX`] let a frame carrying more be truncated, and the descriptors the
 /// kernel had installed were never closed.)
 const SCM_MAX_FD: usize = 253;
 
@@ -46,11 +48,19 @@ pub fn send(
     message: &Message,
     fds: &[BorrowedFd<'_>],
 ) -> Result<(), TransportError> {
+    send_frame(socket, &message.encode(), fds)
+}
+
+/// Sends an encoded frame (see [`send`]).
+pub fn send_frame(
+    socket: &UnixStream,
+    frame: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), TransportError> {
     assert!(
-        fds.len() <= SLOTS_MAX as usize,
-        "at most {SLOTS_MAX} descriptors a frame"
+        fds.len() <= DESCRIPTORS_MAX as usize,
+        "at most {DESCRIPTORS_MAX} descriptors a frame"
     );
-    let frame = message.encode();
     let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     let mut sent = 0usize;
     while sent < frame.len() {
@@ -113,7 +123,7 @@ fn recv_exact(
                 }
             }
         }
-        if truncated || fds.len() > SLOTS_MAX as usize {
+        if truncated || fds.len() > DESCRIPTORS_MAX as usize {
             return Err(TransportError::TooManyDescriptors);
         }
         if message.bytes == 0 {
@@ -154,10 +164,10 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let mut file = tempfile_in_memory();
         file.write_all(b"slot bytes").unwrap();
-        send(&a, &Message::Release { slot: 2 }, &[file.as_fd()]).unwrap();
+        send(&a, &Message::StatusRequest, &[file.as_fd()]).unwrap();
         send(&a, &Message::Close, &[]).unwrap();
         let (message, fds) = recv(&b).unwrap();
-        assert_eq!(message, Message::Release { slot: 2 });
+        assert_eq!(message, Message::StatusRequest);
         assert_eq!(fds.len(), 1);
         let mut received = std::fs::File::from(fds.into_iter().next().unwrap());
         received.rewind().unwrap();
@@ -169,8 +179,8 @@ mod tests {
         assert!(matches!(recv(&b), Err(TransportError::Closed)));
     }
 
-    /// Regression test: a frame carrying more descriptors than a frame may (here 100, over the 64 of
-    /// SLOTS_MAX) used to leak the descriptors the kernel installed, because the truncated control
+    /// Regression test: a frame carrying more descriptors than a frame may (here 100, over the 67 of
+    /// DESCRIPTORS_MAX) used to leak the descriptors the kernel installed, because the truncated control
     /// message was refused before they were taken. They are closed now: every copy of a pipe's write
     /// end sent in the frame is closed after the refusal, so its read end sees end-of-file.
     #[test]

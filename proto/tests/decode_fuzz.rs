@@ -4,8 +4,8 @@
 //! `PROPTEST_CASES` raises the case count (CI's fuzz step runs 20 000 per property).
 
 use gpufeed_proto::protocol::{
-    Backend, BatchField, BatchInfo, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldLayout,
-    FieldRequest, Message, Shuffle, StreamLayout, Tail,
+    Backend, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldLayout, FieldRequest, Message,
+    Shuffle, StreamLayout, Tail,
 };
 use gpufeed_proto::spec::StreamState;
 use gpufeed_proto::DType;
@@ -57,21 +57,6 @@ fn valid_bodies() -> Vec<Vec<u8>> {
         },
         Message::OpenStream(spec),
         Message::StreamOpened(layout),
-        Message::Batch(BatchInfo {
-            slot: 1,
-            epoch: 2,
-            step: 3,
-            cursor_after: 4,
-            samples: 32,
-            replaced: 1,
-            fields: vec![BatchField {
-                offset: 4096,
-                dtype: DType::BF16,
-                shape: vec![32, 4],
-            }],
-            ready_ns: 123,
-        }),
-        Message::Release { slot: 1 },
         Message::EndOfEpoch { epoch: 2, steps: 3 },
         Message::Error {
             code: ErrorCode::CorruptData,

@@ -2,23 +2,26 @@
 //! hands each stream's filled slots to its consumer. The filling itself is the pipeline's
 //! ([`crate::pipeline::Filler`]); this module speaks the protocol around it.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread;
 
 use gpufeed_proto::protocol::{
-    Backend, BatchField, BatchInfo, ErrorCode, FieldLayout, Message, StreamLayout, StreamSpec,
+    Backend, DecodeError, ErrorCode, FieldLayout, Message, StreamLayout, StreamSpec,
+    PROTOCOL_VERSION,
 };
+use gpufeed_proto::ring::{check_published, decode_release, RingBatch, RingError};
 use gpufeed_proto::transport::{self, TransportError};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use super::convert::daemon_status;
+use super::ring::HandoffRing;
 use super::slots::{Lease, SlotRing};
 use crate::metrics::{Metrics, SlotLease};
 use crate::pipeline::{
@@ -338,6 +341,18 @@ fn handshake(
             );
             return None;
         }
+        Err(TransportError::Decode(DecodeError::Version { found })) => {
+            let reason = format!(
+                "this daemon (gpufeed {}) speaks consumer protocol version {PROTOCOL_VERSION} and the \
+                 client speaks version {found}: use a client library of the daemon's release",
+                env!("CARGO_PKG_VERSION")
+            );
+            tracing::info!("session {session_id}: refused: {reason}");
+            let frame = Message::version_refusal(found, reason);
+            let _ =
+                transport::send_frame(&writer.lock().expect("socket lock poisoned"), &frame, &[]);
+            return None;
+        }
         Err(error) => {
             if !matches!(error, TransportError::Closed) {
                 send_error(writer, ErrorCode::BadFrame, error.to_string());
@@ -434,20 +449,6 @@ fn serve_requests(
                     }
                 }
             }
-            Message::Release { slot } => {
-                let Some(running) = &stream else {
-                    send_error(
-                        writer,
-                        ErrorCode::BadRequest,
-                        "Release before OpenStream".into(),
-                    );
-                    break;
-                };
-                if let Err(error) = running.release(slot) {
-                    send_error(writer, ErrorCode::BadRequest, error);
-                    break;
-                }
-            }
             Message::StatusRequest => {
                 let status = Message::Status(daemon_status(metrics.serving()));
                 if transport::send(&writer.lock().expect("socket lock poisoned"), &status, &[])
@@ -470,35 +471,24 @@ fn serve_requests(
     stream
 }
 
-/// A stream being served: its slots, the filler thread and the channel that returns released slots.
+/// A stream being served: its slots, its hand-off ring and the filler thread.
 struct RunningStream {
     ring: Arc<SlotRing>,
+    handoff: Arc<HandoffRing>,
     /// Bytes counted against the slot memory limit for this stream.
     ring_bytes: u64,
-    release: SyncSender<u32>,
     stop: Arc<AtomicBool>,
     filler: thread::JoinHandle<()>,
     metrics: Arc<Metrics>,
 }
 
 impl RunningStream {
-    fn release(&self, slot: u32) -> Result<(), String> {
-        self.ring
-            .transition(slot, Lease::Consumer, Lease::Free)
-            .map_err(|e| format!("Release: {e}"))?;
-        self.metrics.move_slot(SlotLease::Consumer, SlotLease::Free);
-        // The channel holds as many entries as there are slots and each slot is in it at most once,
-        // so this never blocks.
-        let _ = self.release.try_send(slot);
-        Ok(())
-    }
-
     /// Ends the stream: stops the filler, waits for it, and frees the slots.
     fn stop(self, socket: &UnixStream) {
         self.stop.store(true, Ordering::SeqCst);
-        // The filler may be blocked waiting for a free slot (the channel closes when `release` drops)
-        // or writing to a consumer that is gone (shutting the socket down ends that write).
-        drop(self.release);
+        // The filler may be asleep waiting for a release (its doorbell wakes it) or writing to a
+        // consumer that is gone (shutting the socket down ends that write).
+        self.handoff.daemon_bell.ring();
         let _ = socket.shutdown(std::net::Shutdown::Both);
         let _ = self.filler.join();
         let (free, filling, consumer) = self.ring.lease_counts();
@@ -569,6 +559,12 @@ fn open_stream(
             })?
         }
     };
+    let handoff_ring = Arc::new(HandoffRing::new(plan.slot_count).map_err(|e| {
+        undo(
+            ErrorCode::ResourceExhausted,
+            format!("cannot create the hand-off ring: {e}"),
+        )
+    })?);
     let filler =
         Filler::new(Arc::clone(&plan), backend, limits, Arc::clone(metrics)).map_err(|error| {
             let code = match error {
@@ -600,26 +596,28 @@ fn open_stream(
             .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?,
     };
     {
-        let descriptors = ring
+        let mut descriptors = ring
             .descriptors()
             .map_err(|e| undo(ErrorCode::Internal, e))?;
+        descriptors.extend(
+            handoff_ring
+                .descriptors()
+                .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?,
+        );
         let borrowed: Vec<_> = descriptors.iter().map(|fd| fd.as_fd()).collect();
         let socket = writer.lock().expect("socket lock poisoned");
         transport::send(&socket, &Message::StreamOpened(layout), &borrowed)
             .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
     }
     metrics.stream_opened(plan.slot_count);
-    let (release, free) = sync_channel(plan.slot_count as usize);
-    for slot in 0..plan.slot_count {
-        release
-            .try_send(slot)
-            .expect("channel sized for every slot");
-    }
     let stop = Arc::new(AtomicBool::new(false));
-    let handoff = ConsumerHandoff {
+    let handoff = RingHandoff {
         plan: Arc::clone(&plan),
         ring: Arc::clone(&ring),
-        free,
+        handoff: Arc::clone(&handoff_ring),
+        free: (0..plan.slot_count).collect(),
+        releases_taken: 0,
+        batches_published: 0,
         stop: Arc::clone(&stop),
         writer: Arc::clone(writer),
         metrics: Arc::clone(metrics),
@@ -633,47 +631,113 @@ fn open_stream(
     })?;
     Ok(RunningStream {
         ring,
+        handoff: handoff_ring,
         ring_bytes,
-        release,
         stop,
         filler,
         metrics: Arc::clone(metrics),
     })
 }
 
-/// A stream's consumer as its filler sees it: free slots come back through `free` as the consumer
-/// releases them, filled slots go out as `Batch` frames on the session's socket.
+/// How long the filler sleeps on its doorbell before it looks at the stop flag and the ring again:
+/// a consumer that reads the daemon's doorbell itself (it has the descriptor) only slows its own
+/// stream down to this.
+const RELEASE_WAIT_MS: i32 = 100;
+
+/// A stream's consumer as its filler sees it: free slots come back as releases in the hand-off ring,
+/// filled slots go out as batch entries in it. The socket carries only the end of the epoch and errors.
 ///
-/// The hand-off latency it records is the time from a slot being filled to its `Batch` frame having
-/// been written to the consumer's socket (waiting for the socket lock included).
-struct ConsumerHandoff {
+/// The hand-off latency it records is the time from a slot being filled to its entry being published
+/// (the consumer's doorbell rung, if it sleeps).
+struct RingHandoff {
     plan: Arc<StreamPlan>,
     ring: Arc<SlotRing>,
-    free: Receiver<u32>,
+    handoff: Arc<HandoffRing>,
+    /// Slots released and not yet taken by the filler.
+    free: VecDeque<u32>,
+    releases_taken: u64,
+    batches_published: u64,
     stop: Arc<AtomicBool>,
     writer: Arc<Mutex<UnixStream>>,
     metrics: Arc<Metrics>,
 }
 
-impl Handoff for ConsumerHandoff {
-    fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended> {
-        let slot = if wait {
-            self.free.recv().map_err(|_| Ended)?
-        } else {
-            match self.free.try_recv() {
-                Ok(slot) => slot,
-                Err(TryRecvError::Empty) => return Ok(None),
-                Err(TryRecvError::Disconnected) => return Err(Ended),
-            }
-        };
-        if self.stop.load(Ordering::SeqCst) {
-            return Err(Ended);
+impl RingHandoff {
+    /// Takes the releases the consumer published since the last call, each checked: its sequence,
+    /// its slot, and that the consumer held that slot. Returns how many it took.
+    fn take_releases(&mut self) -> Result<u64, String> {
+        let view = &self.handoff.view;
+        let slot_count = view.slot_count();
+        let ready = check_published(
+            "release",
+            view.releases_published(),
+            self.releases_taken,
+            slot_count,
+        )
+        .map_err(|e| e.to_string())?;
+        for index in self.releases_taken..self.releases_taken + ready {
+            let slot = decode_release(index, view.release_entry(index), slot_count)
+                .map_err(|e| e.to_string())?;
+            self.ring
+                .transition(slot, Lease::Consumer, Lease::Free)
+                .map_err(|e| {
+                    RingError::Release {
+                        index,
+                        reason: e.to_string(),
+                    }
+                    .to_string()
+                })?;
+            self.metrics.move_slot(SlotLease::Consumer, SlotLease::Free);
+            self.free.push_back(slot);
         }
-        self.ring
-            .transition(slot, Lease::Free, Lease::Filling)
-            .expect("only free slots are in the channel");
-        self.metrics.move_slot(SlotLease::Free, SlotLease::Filling);
-        Ok(Some(slot))
+        self.releases_taken += ready;
+        Ok(ready)
+    }
+
+    /// Ends the stream because the consumer wrote something it may not into the ring.
+    fn refuse(&self, reason: String) -> Ended {
+        send_error(&self.writer, ErrorCode::BadRequest, reason);
+        let socket = self.writer.lock().expect("socket lock poisoned");
+        let _ = socket.shutdown(std::net::Shutdown::Both);
+        Ended
+    }
+}
+
+impl Handoff for RingHandoff {
+    fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended> {
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return Err(Ended);
+            }
+            if let Some(slot) = self.free.pop_front() {
+                self.ring
+                    .transition(slot, Lease::Free, Lease::Filling)
+                    .expect("only free slots are in the queue");
+                self.metrics.move_slot(SlotLease::Free, SlotLease::Filling);
+                return Ok(Some(slot));
+            }
+            match self.take_releases() {
+                Ok(0) => {}
+                Ok(_) => continue,
+                Err(reason) => return Err(self.refuse(reason)),
+            }
+            if !wait {
+                return Ok(None);
+            }
+            // Say that we sleep, then look once more: a release published before the consumer saw
+            // the waiting word is found here; one published after it rings the doorbell.
+            let view = &self.handoff.view;
+            view.set_daemon_waiting(true);
+            let found = self.take_releases();
+            if matches!(found, Ok(0)) {
+                self.handoff.daemon_bell.wait(None, RELEASE_WAIT_MS);
+                self.handoff.daemon_bell.clear();
+            }
+            self.handoff.view.set_daemon_waiting(false);
+            if let Err(reason) = found {
+                return Err(self.refuse(reason));
+            }
+        }
     }
 
     fn deliver(&mut self, slot: u32, step: u64, report: FillReport) -> Result<(), Ended> {
@@ -685,34 +749,23 @@ impl Handoff for ConsumerHandoff {
             .move_slot(SlotLease::Filling, SlotLease::Consumer);
         let filled = std::time::Instant::now();
         let plan = &self.plan;
-        let batch = BatchInfo {
+        let batch = RingBatch {
             slot,
+            samples: report.samples,
+            replaced: report.replaced,
             epoch: plan.epoch,
             step: plan.epoch_step(step),
             cursor_after: plan.cursor_after(step),
-            samples: report.samples,
-            replaced: report.replaced,
-            fields: plan
-                .fields
-                .iter()
-                .map(|f| {
-                    let mut shape = vec![report.samples as u64];
-                    shape.extend_from_slice(&f.sample_shape);
-                    BatchField {
-                        offset: f.offset as u64,
-                        dtype: f.out,
-                        shape,
-                    }
-                })
-                .collect(),
             ready_ns,
         };
-        transport::send(
-            &self.writer.lock().expect("socket lock poisoned"),
-            &Message::Batch(batch),
-            &[],
-        )
-        .map_err(|_| Ended)?;
+        if self
+            .handoff
+            .view
+            .publish_batch(self.batches_published, &batch)
+        {
+            self.handoff.consumer_bell.ring();
+        }
+        self.batches_published += 1;
         self.metrics.batch_served(report.replaced, filled.elapsed());
         Ok(())
     }

@@ -39,6 +39,23 @@ pub struct StreamLimits {
     pub queue_depth: usize,
     /// Threads decoding the blocks of one batch on the CPU backend.
     pub decode_threads: usize,
+    /// Slot bytes a stream of small batches gets in flight: a stream has `prefetch` slots, or more,
+    /// up to `PREFETCH_MAX` (64), while they fit in this many bytes, so that a consumer of small batches is
+    /// not held up by a round trip per few kilobytes.
+    pub ring_bytes: u64,
+}
+
+/// The default [`StreamLimits::ring_bytes`]: 32 MiB, 64 slots of batches up to 512 KiB, 16 of 2 MiB.
+pub const RING_BYTES_DEFAULT: u64 = 32 << 20;
+
+/// Slots of a stream: the requested `prefetch`, raised while `slot_bytes` more still fit in
+/// `ring_bytes`, at most [`spec::PREFETCH_MAX`] and no more than the stream's `steps` (a slot that
+/// could never be filled is memory for nothing).
+pub fn slot_count(prefetch: u32, slot_bytes: usize, ring_bytes: u64, steps: u64) -> u32 {
+    let by_bytes = (ring_bytes / slot_bytes.max(1) as u64)
+        .min(u64::from(spec::PREFETCH_MAX))
+        .min(steps) as u32;
+    prefetch.max(by_bytes)
 }
 
 impl StreamLimits {
@@ -53,6 +70,7 @@ impl StreamLimits {
             decode_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
                 .min(8),
+            ring_bytes: RING_BYTES_DEFAULT,
         }
     }
 }
@@ -282,15 +300,21 @@ impl StreamPlan {
         }
         let shard_samples: Vec<u64> = manifest.shards.iter().map(|s| s.sample_count).collect();
         let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, mode);
+        let steps = rank.steps_from(sample_count, spec.start_cursor);
         Ok(StreamPlan {
             epoch: spec.epoch,
-            steps: rank.steps_from(sample_count, spec.start_cursor),
+            steps,
             order,
             rank,
             start_cursor: spec.start_cursor,
             fields,
             slot_bytes: offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
-            slot_count: spec.prefetch,
+            slot_count: slot_count(
+                spec.prefetch,
+                offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
+                limits.ring_bytes,
+                steps,
+            ),
             on_corrupt: spec.on_corrupt,
             dataset,
         })

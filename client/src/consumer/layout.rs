@@ -21,9 +21,10 @@ pub(super) fn check_layout(
             layout.slot_count
         ));
     }
-    if descriptors != layout.slot_count as usize {
+    if descriptors != (layout.slot_count + STREAM_EXTRA_DESCRIPTORS) as usize {
         return violation(format!(
-            "StreamOpened announced {} slots but carried {descriptors} descriptors",
+            "StreamOpened announced {} slots but carried {descriptors} descriptors (one per slot, \
+             then the hand-off ring and its two doorbells)",
             layout.slot_count
         ));
     }

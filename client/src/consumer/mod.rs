@@ -32,7 +32,6 @@
 //! # }
 //! ```
 
-use std::collections::VecDeque;
 use std::fs::File;
 use std::net::Shutdown;
 use std::os::fd::OwnedFd;
@@ -43,18 +42,20 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use memmap2::{Mmap, MmapOptions};
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use ring::ConsumerRing;
 
 use gpufeed_proto::spec::{StreamState, FIELD_OFFSET_ALIGN_BYTES};
 
 use crate::dtype::DType;
 use crate::protocol::{
     Backend, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message, StreamLayout,
-    StreamSpec, Tail, BATCH_NDIM_MAX, SLOTS_MAX,
+    StreamSpec, Tail, BATCH_NDIM_MAX, PROTOCOL_VERSION, SLOTS_MAX, STREAM_EXTRA_DESCRIPTORS,
 };
 use crate::transport::{self, TransportError};
 
 mod batch;
 mod layout;
+mod ring;
 mod stream;
 #[cfg(test)]
 mod tests;
@@ -89,6 +90,17 @@ pub enum ClientError {
         /// The daemon's description.
         message: String,
     },
+    /// The daemon speaks another version of the consumer protocol; nothing was exchanged.
+    #[error(
+        "the daemon speaks gpufeed consumer protocol version {daemon} and this client \
+         (gpufeed-client {}) speaks version {PROTOCOL_VERSION}: use a client library of the \
+         daemon's release",
+        env!("CARGO_PKG_VERSION")
+    )]
+    VersionMismatch {
+        /// The daemon's protocol version.
+        daemon: u16,
+    },
     /// The daemon sent a message that is out of place or describes memory it did not provide (wrong
     /// descriptor count, slot out of range, a field beyond its slot...). The client ends the session.
     #[error("the daemon broke the protocol: {0}")]
@@ -122,7 +134,13 @@ pub enum ClientError {
 
 /// Receives a frame that must not carry descriptors.
 fn recv_plain(socket: &UnixStream) -> Result<Message, ClientError> {
-    let (message, fds) = transport::recv(socket)?;
+    let (message, fds) = match transport::recv(socket) {
+        Ok(received) => received,
+        Err(TransportError::Decode(crate::protocol::DecodeError::Version { found })) => {
+            return Err(ClientError::VersionMismatch { daemon: found })
+        }
+        Err(error) => return Err(error.into()),
+    };
     if !fds.is_empty() {
         return Err(ClientError::Protocol(format!(
             "{} descriptors attached to a {} frame (only StreamOpened carries descriptors)",
@@ -248,6 +266,12 @@ impl Client {
             }
         };
         check_layout(&spec, &layout, fds.len())?;
+        let mut fds = fds;
+        let ring_fds: [OwnedFd; 3] = fds
+            .split_off(layout.slot_count as usize)
+            .try_into()
+            .expect("check_layout counted the descriptors");
+        let ring = ConsumerRing::map(ring_fds, layout.slot_count)?;
         let slots = match layout.device {
             Device::Cpu => Slots::Host(map_slots(&layout, fds)?),
             Device::Cuda(ordinal) => Slots::Device(crate::cuda::DeviceSlots::import(
@@ -261,13 +285,14 @@ impl Client {
             inner: Mutex::new(OutboxInner {
                 socket: self.socket.try_clone()?,
                 held_slots: 0,
+                releases_published: 0,
             }),
+            ring,
         };
         Ok(Stream {
             socket: self.socket,
             session: self.session,
             backend: self.backend,
-            pending: VecDeque::with_capacity(layout.slot_count as usize),
             last_step: None,
             last_cursor_received: spec.start_cursor,
             batches_received: 0,

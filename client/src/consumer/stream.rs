@@ -1,6 +1,11 @@
 //! An open stream: the slot memory, the write half of the session, and the iterator of batches.
 
 use super::*;
+use std::os::fd::AsFd;
+
+use gpufeed_proto::ring::{check_published, decode_batch};
+
+use crate::protocol::BatchField;
 
 /// The mapped slots of a stream; shared by the stream and its batches so that a batch stays readable
 /// after the stream is dropped.
@@ -25,10 +30,11 @@ impl SlotMemory {
     }
 }
 
-/// The write half of the session, shared by the stream and its batches.
+/// The write half of the session and the hand-off ring, shared by the stream and its batches.
 #[derive(Debug)]
 pub(super) struct Outbox {
     pub(super) inner: Mutex<OutboxInner>,
+    pub(super) ring: ConsumerRing,
 }
 
 #[derive(Debug)]
@@ -37,6 +43,8 @@ pub(super) struct OutboxInner {
     /// Bit `s` is set while slot `s` belongs to the client: from the `Batch` frame's arrival until the
     /// `Batch` is dropped.
     pub(super) held_slots: u64,
+    /// Releases published in the ring so far.
+    pub(super) releases_published: u64,
 }
 
 impl Outbox {
@@ -59,12 +67,16 @@ impl Outbox {
         free
     }
 
-    /// Hands `slot` back. A send error is ignored: the daemon reclaims every slot when the
-    /// connection ends.
+    /// Hands `slot` back through the ring, ringing the daemon's doorbell only if it sleeps. After the
+    /// session ended this does no harm: the daemon reclaims every slot when the connection ends.
     pub(super) fn release(&self, slot: u32) {
         let mut inner = self.lock();
         inner.held_slots &= !(1u64 << slot);
-        let _ = transport::send(&inner.socket, &Message::Release { slot }, &[]);
+        let index = inner.releases_published;
+        inner.releases_published += 1;
+        if self.ring.view.publish_release(index, slot) {
+            self.ring.daemon_bell.ring();
+        }
     }
 }
 
@@ -88,10 +100,14 @@ pub(super) enum Phase {
 
 /// What the stream read from the socket.
 pub(super) enum Event {
-    Batch(BatchInfo),
     EndOfEpoch,
     Status(DaemonStatus),
 }
+
+/// How long a consumer waiting for a batch watches the ring before it sleeps on its doorbell: long
+/// enough to cover the gap between batches of a busy stream without a system call on either side,
+/// short enough to cost nothing noticeable when the daemon is the slower side.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// An open stream: an iterator over the epoch's batches for this rank, in step order.
 ///
@@ -108,9 +124,6 @@ pub struct Stream {
     pub(super) spec: StreamSpec,
     pub(super) memory: Arc<SlotMemory>,
     pub(super) outbox: Arc<Outbox>,
-    /// Batches received but not yet yielded (a status request may read past them). Each holds a
-    /// distinct slot, so there are at most `slot_count`.
-    pub(super) pending: VecDeque<BatchInfo>,
     pub(super) last_step: Option<u64>,
     pub(super) last_cursor_received: u64,
     pub(super) batches_received: u64,
@@ -169,8 +182,7 @@ impl Stream {
         }
     }
 
-    /// Asks the daemon for its counters. Batches that arrive before the reply are queued for the
-    /// iterator.
+    /// Asks the daemon for its counters.
     pub fn status(&mut self) -> Result<DaemonStatus, ClientError> {
         if let Phase::Failed { reason, .. } = &self.phase {
             return Err(ClientError::Ended(reason.clone()));
@@ -180,7 +192,6 @@ impl Stream {
         }
         loop {
             match self.receive() {
-                Ok(Event::Batch(info)) => self.pending.push_back(info),
                 Ok(Event::EndOfEpoch) => {}
                 Ok(Event::Status(status)) => return Ok(status),
                 Err(error) => return Err(self.fail(error, false)),
@@ -188,42 +199,128 @@ impl Stream {
         }
     }
 
-    /// Reads and validates one frame.
+    /// Reads and validates one frame (batches come through the ring; the socket carries the end of
+    /// the epoch, status replies and errors).
     pub(super) fn receive(&mut self) -> Result<Event, ClientError> {
         let message = recv_plain(&self.socket)?;
         match message {
-            Message::Batch(info) => {
-                self.accept_batch(&info)?;
-                Ok(Event::Batch(info))
-            }
             Message::EndOfEpoch { epoch, steps } => {
                 if !matches!(self.phase, Phase::Streaming) {
                     return Err(ClientError::Protocol("a second EndOfEpoch".to_string()));
                 }
-                if epoch != self.spec.epoch
-                    || steps != self.batches_received
-                    || steps != self.memory.layout.steps
-                {
+                if epoch != self.spec.epoch || steps != self.memory.layout.steps {
                     return Err(ClientError::Protocol(format!(
-                        "EndOfEpoch for epoch {epoch} after {steps} steps, but the stream serves epoch {} and received {} of {} batches",
-                        self.spec.epoch, self.batches_received, self.memory.layout.steps
+                        "EndOfEpoch for epoch {epoch} after {steps} steps, but the stream serves epoch {} in {} steps",
+                        self.spec.epoch, self.memory.layout.steps
                     )));
                 }
+                // Every batch was published in the ring before this frame was sent; the iterator
+                // drains them before it ends.
                 self.phase = Phase::Finished;
                 Ok(Event::EndOfEpoch)
             }
             Message::Status(status) => Ok(Event::Status(status)),
-            other => Err(unexpected(other, "Batch, EndOfEpoch or Status")),
+            other => Err(unexpected(other, "EndOfEpoch or Status")),
         }
     }
 
-    /// Validates a `Batch` frame against the layout and the stream's progress, then records its slot
+    /// The next batch entry of the ring, checked, if the daemon has published one.
+    fn take_published(&mut self) -> Result<Option<BatchInfo>, ClientError> {
+        let view = &self.outbox.ring.view;
+        let slot_count = view.slot_count();
+        let index = self.batches_received;
+        let ready = check_published("batch", view.batches_published(), index, slot_count)
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        if ready == 0 {
+            return Ok(None);
+        }
+        let entry = decode_batch(index, view.batch_entry(index), slot_count)
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let info = BatchInfo {
+            slot: entry.slot,
+            epoch: entry.epoch,
+            step: entry.step,
+            cursor_after: entry.cursor_after,
+            samples: entry.samples,
+            replaced: entry.replaced,
+            fields: self
+                .memory
+                .layout
+                .fields
+                .iter()
+                .map(|field| {
+                    let mut shape = Vec::with_capacity(field.sample_shape.len() + 1);
+                    shape.push(u64::from(entry.samples));
+                    shape.extend_from_slice(&field.sample_shape);
+                    BatchField {
+                        offset: field.offset,
+                        dtype: field.dtype,
+                        shape,
+                    }
+                })
+                .collect(),
+            ready_ns: entry.ready_ns,
+        };
+        self.accept_batch(&info)?;
+        Ok(Some(info))
+    }
+
+    /// The next batch; `None` at the end of the epoch. Watches the ring for a moment, then sleeps on
+    /// the doorbell and the socket (which brings the end of the epoch and errors).
+    fn wait_for_batch(&mut self) -> Result<Option<BatchInfo>, ClientError> {
+        let spin_until = std::time::Instant::now() + SPIN;
+        let mut polls = 0u32;
+        loop {
+            if let Some(info) = self.take_published()? {
+                return Ok(Some(info));
+            }
+            if matches!(self.phase, Phase::Finished) {
+                if self.batches_received == self.memory.layout.steps {
+                    return Ok(None);
+                }
+                return Err(ClientError::Protocol(format!(
+                    "EndOfEpoch after {} of the {} announced batches",
+                    self.batches_received, self.memory.layout.steps
+                )));
+            }
+            polls += 1;
+            if polls % 64 != 0 || std::time::Instant::now() < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Say that we sleep, then look once more: a batch published before the daemon saw the
+            // waiting word is found here; one published after it rings the doorbell.
+            let ring = &self.outbox.ring;
+            ring.view.set_consumer_waiting(true);
+            if ring.view.batches_published() == self.batches_received {
+                let (_, socket_ready) = ring.consumer_bell.wait(Some(self.socket.as_fd()), -1);
+                ring.consumer_bell.clear();
+                ring.view.set_consumer_waiting(false);
+                // The ring first: batches published before an error or the end of the epoch are
+                // served before it.
+                if socket_ready && ring.view.batches_published() == self.batches_received {
+                    if let Event::Status(_) = self.receive()? {
+                        return Err(ClientError::Protocol(
+                            "Status without a StatusRequest".to_string(),
+                        ));
+                    }
+                }
+            } else {
+                ring.view.set_consumer_waiting(false);
+            }
+        }
+    }
+
+    /// Validates a batch entry against the layout and the stream's progress, then records its slot
     /// as held.
     pub(super) fn accept_batch(&mut self, info: &BatchInfo) -> Result<(), ClientError> {
         let layout = &self.memory.layout;
         let violation = |reason: String| Err(ClientError::Protocol(reason));
-        if !matches!(self.phase, Phase::Streaming) {
-            return violation(format!("batch for step {} after EndOfEpoch", info.step));
+        if matches!(self.phase, Phase::Failed { .. }) {
+            return violation(format!(
+                "batch for step {} after the session ended",
+                info.step
+            ));
         }
         if info.slot >= layout.slot_count {
             return violation(format!(
@@ -312,7 +409,6 @@ impl Stream {
     /// Ends the session after `error`: drops queued batches, shuts the socket down so the daemon
     /// reclaims the slots, and refuses further work.
     pub(super) fn fail(&mut self, error: ClientError, reported: bool) -> ClientError {
-        self.pending.clear();
         let _ = self.socket.shutdown(Shutdown::Both);
         self.phase = Phase::Failed {
             reason: error.to_string(),
@@ -341,30 +437,26 @@ impl Iterator for Stream {
 
     /// The next batch in step order; `None` after `EndOfEpoch`, and after an error has been yielded.
     fn next(&mut self) -> Option<Result<Batch, ClientError>> {
-        if let Some(info) = self.pending.pop_front() {
-            return Some(self.hand_out(info));
-        }
         match &mut self.phase {
-            Phase::Streaming => {}
-            Phase::Finished => return None,
+            Phase::Streaming | Phase::Finished => {}
             Phase::Failed { reported: true, .. } => return None,
             Phase::Failed { reason, reported } => {
                 *reported = true;
                 return Some(Err(ClientError::Ended(reason.clone())));
             }
         }
-        let slots = self.memory.layout.slot_count;
+        let layout = &self.memory.layout;
+        if self.batches_received == layout.steps && matches!(self.phase, Phase::Finished) {
+            return None;
+        }
+        let slots = layout.slot_count;
         let held = self.outbox.lock().held_slots.count_ones();
-        if held >= slots && self.batches_received < self.memory.layout.steps {
+        if held >= slots && self.batches_received < layout.steps {
             return Some(Err(ClientError::AllSlotsHeld { slots }));
         }
-        match self.receive() {
-            Ok(Event::Batch(info)) => Some(self.hand_out(info)),
-            Ok(Event::EndOfEpoch) => None,
-            Ok(Event::Status(_)) => Some(Err(self.fail(
-                ClientError::Protocol("Status without a StatusRequest".to_string()),
-                true,
-            ))),
+        match self.wait_for_batch() {
+            Ok(Some(info)) => Some(self.hand_out(info)),
+            Ok(None) => None,
             Err(error) => Some(Err(self.fail(error, true))),
         }
     }

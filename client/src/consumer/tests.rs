@@ -18,9 +18,102 @@ const BATCH_SIZE: u32 = 2;
 
 struct Fake {
     socket: UnixStream,
+    ring: Option<FakeRing>,
+}
+
+/// The daemon's end of the hand-off ring.
+struct FakeRing {
+    file: File,
+    _map: memmap2::MmapMut,
+    view: gpufeed_proto::ring::RingView,
+    consumer_bell: gpufeed_proto::ring::Doorbell,
+    daemon_bell: gpufeed_proto::ring::Doorbell,
+    published: u64,
+    releases_taken: u64,
+}
+
+impl FakeRing {
+    fn new(slot_count: u32) -> FakeRing {
+        let slot_count = slot_count.clamp(1, SLOTS_MAX);
+        let file = memfd(4096 * 2);
+        // SAFETY: a sealed memfd mapped shared; only accessed through the view.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&file).unwrap() };
+        let base = std::ptr::NonNull::new(map.as_mut_ptr()).unwrap();
+        // SAFETY: page-aligned, two pages (enough for 64 slots), alive as long as the view.
+        let view = unsafe { gpufeed_proto::ring::RingView::init(base, slot_count) };
+        FakeRing {
+            file,
+            _map: map,
+            view,
+            consumer_bell: gpufeed_proto::ring::Doorbell::new().unwrap(),
+            daemon_bell: gpufeed_proto::ring::Doorbell::new().unwrap(),
+            published: 0,
+            releases_taken: 0,
+        }
+    }
 }
 
 impl Fake {
+    fn ring(&mut self) -> &mut FakeRing {
+        self.ring.as_mut().expect("the fake opened a stream")
+    }
+
+    /// Publishes `info` as the next batch entry (its fields are the layout's).
+    fn batch(&mut self, info: BatchInfo) {
+        let ring = self.ring();
+        let entry = gpufeed_proto::ring::RingBatch {
+            slot: info.slot,
+            samples: info.samples,
+            replaced: info.replaced,
+            epoch: info.epoch,
+            step: info.step,
+            cursor_after: info.cursor_after,
+            ready_ns: info.ready_ns,
+        };
+        let index = ring.published;
+        ring.published += 1;
+        if ring.view.publish_batch(index, &entry) {
+            ring.consumer_bell.ring();
+        }
+    }
+
+    /// The releases the client published since the last call.
+    fn releases(&mut self) -> Vec<u32> {
+        let ring = self.ring();
+        let published = ring.view.releases_published();
+        let slot_count = ring.view.slot_count();
+        let slots = (ring.releases_taken..published)
+            .map(|index| {
+                gpufeed_proto::ring::decode_release(
+                    index,
+                    ring.view.release_entry(index),
+                    slot_count,
+                )
+                .unwrap()
+            })
+            .collect();
+        ring.releases_taken = published;
+        slots
+    }
+
+    /// Waits for the client's next release.
+    fn release(&mut self) -> u32 {
+        let deadline = std::time::Instant::now() + TEST_TIMEOUT;
+        loop {
+            let ring = self.ring();
+            if ring.view.releases_published() > ring.releases_taken {
+                let index = ring.releases_taken;
+                ring.releases_taken += 1;
+                let word = ring.view.release_entry(index);
+                return gpufeed_proto::ring::decode_release(index, word, ring.view.slot_count())
+                    .unwrap();
+            }
+            assert!(std::time::Instant::now() < deadline, "no release");
+            let _ = ring.daemon_bell.wait(None, 10);
+            ring.daemon_bell.clear();
+        }
+    }
+
     fn send(&self, message: Message) {
         transport::send(&self.socket, &message, &[]).unwrap();
     }
@@ -48,21 +141,29 @@ impl Fake {
         });
     }
 
-    /// Greets, reads the OpenStream, and answers with `layout` and `slot_count` memfds of
-    /// `file_bytes` each (which the fake keeps to fill).
-    fn open(&self, layout: StreamLayout, descriptors: usize, file_bytes: u64) -> Vec<File> {
+    /// Greets, reads the OpenStream, and answers with `layout`, `descriptors` memfds of
+    /// `file_bytes` each (which the fake keeps to fill), and the hand-off ring.
+    fn open(&mut self, layout: StreamLayout, descriptors: usize, file_bytes: u64) -> Vec<File> {
         let files = (0..descriptors).map(|_| memfd(file_bytes)).collect();
         self.open_with(layout, files)
     }
 
-    /// Greets, reads the OpenStream, and answers with `layout` and `files`.
-    fn open_with(&self, layout: StreamLayout, files: Vec<File>) -> Vec<File> {
+    /// Greets, reads the OpenStream, and answers with `layout`, `files` and the hand-off ring.
+    fn open_with(&mut self, layout: StreamLayout, files: Vec<File>) -> Vec<File> {
         self.welcome();
         match self.recv() {
             Message::OpenStream(spec) => assert_eq!(spec.batch_size, BATCH_SIZE),
             other => panic!("expected OpenStream, got {other:?}"),
         }
-        self.send_with(Message::StreamOpened(layout), &files);
+        let ring = FakeRing::new(layout.slot_count);
+        let mut fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
+        fds.extend([
+            ring.file.as_fd(),
+            ring.consumer_bell.as_fd(),
+            ring.daemon_bell.as_fd(),
+        ]);
+        transport::send(&self.socket, &Message::StreamOpened(layout), &fds).unwrap();
+        self.ring = Some(ring);
         files
     }
 
@@ -103,7 +204,12 @@ fn spawn_daemon(script: impl FnOnce(Fake) + Send + 'static) -> (UnixStream, Join
     let (client, daemon) = UnixStream::pair().unwrap();
     client.set_read_timeout(Some(TEST_TIMEOUT)).unwrap();
     daemon.set_read_timeout(Some(TEST_TIMEOUT)).unwrap();
-    let handle = std::thread::spawn(move || script(Fake { socket: daemon }));
+    let handle = std::thread::spawn(move || {
+        script(Fake {
+            socket: daemon,
+            ring: None,
+        })
+    });
     (client, handle)
 }
 
@@ -263,24 +369,18 @@ fn an_error_instead_of_stream_opened_is_a_daemon_error() {
 /// closes only once the stream and every batch are gone.
 #[test]
 fn batches_are_leased_released_and_reused() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
         fill(&slots[0], 0);
         fill(&slots[1], 1);
-        fake.send(Message::Batch(batch(0, 0)));
-        fake.send(Message::Batch(batch(1, 1)));
-        assert_eq!(fake.recv(), Message::Release { slot: 0 });
+        fake.batch(batch(0, 0));
+        fake.batch(batch(1, 1));
+        assert_eq!(fake.release(), 0);
         fill(&slots[0], 2);
-        fake.send(Message::Batch(batch(0, 2)));
+        fake.batch(batch(0, 2));
         fake.send(Message::EndOfEpoch { epoch: 0, steps: 3 });
-        assert_eq!(
-            fake.drain(),
-            [
-                Message::Release { slot: 1 },
-                Message::Release { slot: 0 },
-                Message::Close
-            ]
-        );
+        assert_eq!(fake.drain(), [Message::Close]);
+        assert_eq!(fake.releases(), [1, 0]);
     });
     let mut stream = open(socket).unwrap();
     assert_eq!(stream.layout().slot_count, 2);
@@ -306,27 +406,21 @@ fn batches_are_leased_released_and_reused() {
 }
 
 #[test]
-fn batches_that_arrive_before_a_status_reply_are_queued() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+fn batches_published_before_a_status_reply_and_end_of_epoch_are_still_served() {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         let slots = fake.open(layout(2, 2), 2, SLOT_BYTES);
         fill(&slots[0], 0);
         fill(&slots[1], 1);
-        fake.send(Message::Batch(batch(0, 0)));
-        fake.send(Message::Batch(batch(1, 1)));
+        fake.batch(batch(0, 0));
+        fake.batch(batch(1, 1));
         assert_eq!(fake.recv(), Message::StatusRequest);
         fake.send(Message::EndOfEpoch { epoch: 0, steps: 2 });
         fake.send(Message::Status(DaemonStatus {
             streams: 1,
             ..DaemonStatus::default()
         }));
-        assert_eq!(
-            fake.drain(),
-            [
-                Message::Release { slot: 0 },
-                Message::Release { slot: 1 },
-                Message::Close
-            ]
-        );
+        assert_eq!(fake.drain(), [Message::Close]);
+        assert_eq!(fake.releases(), [0, 1]);
     });
     let mut stream = open(socket).unwrap();
     assert_eq!(stream.status().unwrap().streams, 1);
@@ -338,10 +432,10 @@ fn batches_that_arrive_before_a_status_reply_are_queued() {
 
 #[test]
 fn an_error_frame_ends_the_stream_with_a_daemon_error() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
         fill(&slots[0], 0);
-        fake.send(Message::Batch(batch(0, 0)));
+        fake.batch(batch(0, 0));
         fake.send(Message::Error {
             code: ErrorCode::CorruptData,
             message: "shard shard-000003.gfs field emb block 7: checksum mismatch".into(),
@@ -365,7 +459,7 @@ fn an_error_frame_ends_the_stream_with_a_daemon_error() {
 
 #[test]
 fn an_error_read_by_status_is_reported_once_by_the_iterator() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         fake.open(layout(2, 3), 2, SLOT_BYTES);
         assert_eq!(fake.recv(), Message::StatusRequest);
         fake.send(Message::Error {
@@ -390,10 +484,10 @@ fn an_error_read_by_status_is_reported_once_by_the_iterator() {
 
 #[test]
 fn a_dropped_connection_is_a_transport_error() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
         fill(&slots[0], 0);
-        fake.send(Message::Batch(batch(0, 0)));
+        fake.batch(batch(0, 0));
     });
     let mut stream = open(socket).unwrap();
     let first = stream.next().unwrap().unwrap();
@@ -410,7 +504,7 @@ fn a_dropped_connection_is_a_transport_error() {
 /// Runs a fake that answers OpenStream with `layout`, `descriptors` memfds of `file_bytes`, and
 /// expects the client to refuse it.
 fn assert_layout_refused(layout: StreamLayout, descriptors: usize, file_bytes: u64) {
-    let (socket, daemon) = spawn_daemon(move |fake| {
+    let (socket, daemon) = spawn_daemon(move |mut fake| {
         fake.open(layout, descriptors, file_bytes);
         fake.drain();
     });
@@ -458,7 +552,7 @@ fn bad_layouts_are_refused() {
 
 #[test]
 fn slots_that_can_shrink_are_refused() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         let files = vec![memfd(SLOT_BYTES), unsealed_memfd(SLOT_BYTES)];
         fake.open_with(layout(2, 3), files);
         fake.drain();
@@ -494,7 +588,7 @@ fn a_refusal_sent_before_hello_is_reported() {
 
 #[test]
 fn a_layout_must_match_the_requested_fields() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         fake.open(layout(2, 3), 2, SLOT_BYTES);
         fake.drain();
     });
@@ -514,15 +608,48 @@ fn a_layout_must_match_the_requested_fields() {
     daemon.join().unwrap();
 }
 
-/// Opens a good stream, sends `frames` (the first batch's slot is filled), and expects the
-/// client to yield `good` batches and then a protocol error.
-fn assert_batches_refused(good: usize, frames: Vec<(Message, usize)>) {
-    let (socket, daemon) = spawn_daemon(move |fake| {
+/// What the fake daemon does after opening a good stream.
+enum Step {
+    /// Publishes this batch entry.
+    Batch(BatchInfo),
+    /// Publishes a batch entry this many entries ahead of the next (a count that runs ahead).
+    Skip(u64),
+    /// Sends this frame with this many descriptors.
+    Frame(Message, usize),
+}
+
+/// Opens a good stream, plays `steps` (the first batch's slot is filled), and expects the client to
+/// yield `good` batches and then a protocol error.
+fn assert_batches_refused(good: usize, steps: Vec<Step>) {
+    let (socket, daemon) = spawn_daemon(move |mut fake| {
         let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
         fill(&slots[0], 0);
-        for (message, descriptors) in frames {
-            let files: Vec<File> = (0..descriptors).map(|_| memfd(4096)).collect();
-            fake.send_with(message, &files);
+        for step in steps {
+            match step {
+                Step::Batch(info) => fake.batch(info),
+                Step::Skip(ahead) => {
+                    let ring = fake.ring();
+                    let index = ring.published + ahead;
+                    if ring.view.publish_batch(
+                        index,
+                        &gpufeed_proto::ring::RingBatch {
+                            slot: 0,
+                            samples: BATCH_SIZE,
+                            replaced: 0,
+                            epoch: 0,
+                            step: 0,
+                            cursor_after: 2,
+                            ready_ns: 0,
+                        },
+                    ) {
+                        ring.consumer_bell.ring();
+                    }
+                }
+                Step::Frame(message, descriptors) => {
+                    let files: Vec<File> = (0..descriptors).map(|_| memfd(4096)).collect();
+                    fake.send_with(message, &files);
+                }
+            }
         }
         fake.drain();
     });
@@ -543,49 +670,58 @@ fn assert_batches_refused(good: usize, frames: Vec<(Message, usize)>) {
 
 #[test]
 fn bad_batches_are_refused() {
-    let ok = |slot, step| (Message::Batch(batch(slot, step)), 0);
+    let ok = |slot, step| Step::Batch(batch(slot, step));
     let bad = |edit: fn(&mut BatchInfo)| {
         let mut info = batch(0, 0);
         edit(&mut info);
-        (Message::Batch(info), 0)
+        Step::Batch(info)
     };
     assert_batches_refused(0, vec![bad(|b| b.slot = 2)]);
     assert_batches_refused(0, vec![bad(|b| b.epoch = 1)]);
     assert_batches_refused(0, vec![bad(|b| b.samples = 3)]);
+    assert_batches_refused(0, vec![bad(|b| b.samples = 0)]);
     assert_batches_refused(0, vec![bad(|b| b.replaced = 3)]);
     assert_batches_refused(0, vec![bad(|b| b.cursor_after = 0)]);
+    // A published count more than the ring's length ahead.
+    assert_batches_refused(0, vec![Step::Skip(2)]);
+    // Descriptors on a frame other than StreamOpened.
     assert_batches_refused(
         0,
-        vec![bad(|b| {
-            b.fields.pop();
-        })],
+        vec![Step::Frame(Message::EndOfEpoch { epoch: 0, steps: 3 }, 1)],
     );
-    assert_batches_refused(0, vec![bad(|b| b.fields[1].dtype = DType::F64)]);
-    assert_batches_refused(0, vec![bad(|b| b.fields[0].shape = vec![2, 5])]);
-    assert_batches_refused(0, vec![bad(|b| b.fields[0].shape = vec![1, 4])]);
-    assert_batches_refused(0, vec![bad(|b| b.fields[1].offset = SLOT_BYTES - 8)]);
-    assert_batches_refused(0, vec![bad(|b| b.fields[1].offset = u64::MAX - 4)]);
-    assert_batches_refused(0, vec![(Message::Batch(batch(0, 0)), 1)]);
     // The same slot again while the client holds it.
     assert_batches_refused(1, vec![ok(0, 0), ok(0, 1)]);
     // Steps must follow each other.
     assert_batches_refused(1, vec![ok(0, 0), ok(1, 2)]);
-    // An EndOfEpoch before the announced number of batches.
+    // An EndOfEpoch before the announced number of batches, or announcing another number.
     assert_batches_refused(
         1,
-        vec![ok(0, 0), (Message::EndOfEpoch { epoch: 0, steps: 1 }, 0)],
+        vec![
+            ok(0, 0),
+            Step::Frame(Message::EndOfEpoch { epoch: 0, steps: 3 }, 0),
+        ],
     );
-    // Messages that only the client sends.
-    assert_batches_refused(0, vec![(Message::Release { slot: 0 }, 0)]);
-    assert_batches_refused(0, vec![(Message::Status(DaemonStatus::default()), 0)]);
+    assert_batches_refused(
+        1,
+        vec![
+            ok(0, 0),
+            Step::Frame(Message::EndOfEpoch { epoch: 0, steps: 1 }, 0),
+        ],
+    );
+    // Messages that only the client sends, and a Status nobody asked for.
+    assert_batches_refused(0, vec![Step::Frame(Message::Close, 0)]);
+    assert_batches_refused(
+        0,
+        vec![Step::Frame(Message::Status(DaemonStatus::default()), 0)],
+    );
 }
 
 #[test]
 fn more_batches_than_announced_are_refused() {
-    let (socket, daemon) = spawn_daemon(|fake| {
+    let (socket, daemon) = spawn_daemon(|mut fake| {
         fake.open(layout(2, 1), 2, SLOT_BYTES);
-        fake.send(Message::Batch(batch(0, 0)));
-        fake.send(Message::Batch(batch(1, 1)));
+        fake.batch(batch(0, 0));
+        fake.batch(batch(1, 1));
         fake.drain();
     });
     let mut stream = open(socket).unwrap();

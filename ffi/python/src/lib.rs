@@ -150,6 +150,12 @@ fn to_py(py: Python<'_>, error: ClientError) -> PyErr {
         ClientError::Daemon { code, .. } => {
             raise(py, "DaemonError", message, Some(format!("{code:?}")))
         }
+        ClientError::VersionMismatch { .. } => raise(
+            py,
+            "DaemonError",
+            message,
+            Some("UnsupportedVersion".to_string()),
+        ),
         ClientError::InvalidSpec(_) => raise(py, "InvalidSpecError", message, None),
         ClientError::AllSlotsHeld { .. } => raise(py, "AllSlotsHeldError", message, None),
         ClientError::Protocol(_) => raise(py, "ProtocolError", message, None),

@@ -131,13 +131,18 @@ def test_a_slot_is_released_when_the_last_exported_array_goes(daemon, source):
 
 def test_holding_every_slot_raises_instead_of_waiting_forever(daemon, source):
     client = gpufeed.Client(daemon.socket)
-    stream = client.open_stream("toy", batch_size=100, prefetch=2, fields=["ids"])
-    views = [np.from_dlpack(next(stream)["ids"]) for _ in range(2)]
+    stream = client.open_stream("toy", batch_size=10, prefetch=2, fields=["ids"])
+    # Slot rings are sized in bytes: at least `prefetch` slots, more for small batches (at most
+    # 64, and no more than the stream's 100 steps).
+    slots = stream.slot_count
+    assert 2 <= slots <= 64
+    views = [np.from_dlpack(next(stream)["ids"]) for _ in range(slots)]
     with pytest.raises(gpufeed.AllSlotsHeldError):
         next(stream)
     views.pop(0)
     batch = next(stream)
-    np.testing.assert_array_equal(rows(batch, "ids"), source["ids"][200:300])
+    start = 10 * slots
+    np.testing.assert_array_equal(rows(batch, "ids"), source["ids"][start:start + 10])
 
 
 def wait_for(condition, what):
