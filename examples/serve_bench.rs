@@ -15,17 +15,19 @@
 //! Prints one JSON line. The dataset is generated (embedding-like fp16[256] delivered as f32, and
 //! zipf int32 tokens[128]) and packed into a temporary directory.
 
-use std::path::Path;
+#[path = "support/bench.rs"]
+#[allow(dead_code)] // each benchmark uses part of the support module
+mod bench;
+
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
-use gpufeed::format::Dataset;
 use gpufeed::input::FieldSource;
 use gpufeed::ipc::{Server, ServerConfig};
 use gpufeed::metrics::Metrics;
-use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
+use gpufeed::pack::{CodecChoice, OnExisting};
 use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan, StreamRequest};
 use gpufeed::registry::Registry;
 use gpufeed::synth;
@@ -54,27 +56,6 @@ struct Args {
     rounds_in_flight: Option<usize>,
 }
 
-/// Packs `fields` into `dir` as dataset `name` the same way for both modes (64 KiB blocks, the
-/// default shard size, codec and byte shuffle chosen per block, every core) and opens it.
-fn pack_dataset(
-    dir: &Path,
-    name: &str,
-    fields: &[FieldSource],
-    on_existing: OnExisting,
-) -> Result<Arc<Dataset>> {
-    let options = PackOptions {
-        name: name.into(),
-        block_bytes: 64 << 10,
-        samples_per_shard: None,
-        codec: CodecChoice::Auto,
-        shuffle: ShuffleChoice::Auto,
-        on_existing,
-        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-    };
-    pack::pack(dir, fields, &options, &Quiet)?;
-    Ok(Arc::new(Dataset::open(dir)?))
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(ordinal) = args.device.strip_prefix("cuda:") {
@@ -95,10 +76,11 @@ fn main() -> Result<()> {
             synth::zipf_tokens_i32((args.samples * 128) as usize, 2),
         )?,
     ];
-    let dataset = pack_dataset(
+    let dataset = bench::pack_dataset(
         &dir.path().join("bench"),
         "bench",
         &fields,
+        CodecChoice::Auto,
         OnExisting::Refuse,
     )?;
     let mut spec = StreamSpec::new("bench", args.batch_size);
@@ -198,24 +180,22 @@ mod gpu {
 
     use std::process::Command;
     use std::sync::Arc;
-    use std::time::Instant;
 
     use anyhow::{Context, Result};
     use gpufeed::daemon::open_gpu_backend;
-    use gpufeed::device::{Event, ExportableBuffer};
     use gpufeed::input::FieldSource;
     use gpufeed::ipc::{Server, ServerConfig};
     use gpufeed::metrics::Metrics;
-    use gpufeed::pack::OnExisting;
-    use gpufeed::pipeline::{GpuAssembler, StreamLimits, StreamPlan, StreamRequest};
+    use gpufeed::pack::{CodecChoice, OnExisting};
+    use gpufeed::pipeline::{StreamLimits, StreamPlan, StreamRequest};
     use gpufeed::registry::Registry;
-    use gpufeed::storage::gpu::GpuReader;
     use gpufeed::storage::EngineMode;
     use gpufeed::synth;
     use gpufeed_client::protocol::{Device, FieldRequest, StreamSpec};
     use gpufeed_client::DType;
 
-    use super::{pack_dataset, Args};
+    use super::bench::{gpu_pipeline_alone, pack_dataset};
+    use super::Args;
 
     pub fn run(args: &Args, ordinal: u32) -> Result<()> {
         let consume = args
@@ -268,6 +248,7 @@ mod gpu {
                 &root.join(&dataset_name),
                 &dataset_name,
                 &[field],
+                CodecChoice::Auto,
                 OnExisting::Replace,
             )?;
             registry
@@ -308,47 +289,10 @@ mod gpu {
                 plan.fields[0].sample_bytes_out as u64 * args.batch_size as u64 * plan.steps;
             let stored: u64 = dataset.manifest.shards.iter().map(|s| s.file_bytes).sum();
             for run in 0..2 {
-                // The pipeline alone, into a ring of four exportable slots.
-                // The daemon's registered page-cache windows, so that run 1 finds what run 0
+                // The pipeline alone, into a ring of four exportable slots, reading through the
+                // daemon's registered page-cache windows, so that run 1 finds what run 0
                 // registered, as a second epoch or a second consumer of the daemon does.
-                let reader = GpuReader::with_windows(
-                    &serving.device,
-                    serving.reader_limits,
-                    Arc::clone(&serving.windows),
-                )?;
-                let mut assembler = GpuAssembler::new(
-                    Arc::clone(&plan),
-                    Arc::clone(&serving.kernels),
-                    reader,
-                    serving.choice,
-                    &serving.stream_limits,
-                    Arc::new(Metrics::new()),
-                )?;
-                let slots: Vec<(ExportableBuffer, Event, Event)> = (0..4)
-                    .map(|_| {
-                        Ok((
-                            ExportableBuffer::new(&serving.device, plan.slot_bytes)?,
-                            Event::new_interprocess(&serving.device)?,
-                            Event::new_interprocess(&serving.device)?,
-                        ))
-                    })
-                    .collect::<Result<_, gpufeed::device::DeviceError>>()?;
-                let started = Instant::now();
-                // Batches submitted up to the daemon's depth ahead of completion, as its filler does.
-                for step in 0..plan.steps {
-                    let (slot, ready, released) = &slots[(step % 4) as usize];
-                    if assembler.pending_batches() == assembler.rounds_in_flight() {
-                        assembler.complete(None)?;
-                    }
-                    assembler.submit(step, slot, released, Some(ready))?;
-                }
-                while assembler.pending_batches() > 0 {
-                    assembler.complete(None)?;
-                }
-                assembler.stream().synchronize()?;
-                let pipeline_seconds = started.elapsed().as_secs_f64();
-                let timings = assembler.timings;
-                drop(assembler);
+                let (pipeline_seconds, timings) = gpu_pipeline_alone(&serving, &plan, 4)?;
                 // A consumer process through the socket.
                 let output = Command::new(&consume)
                     .arg("--socket")

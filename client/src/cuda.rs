@@ -24,6 +24,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
     "cuCtxSetCurrent",
     "cuMemGetAllocationGranularity",
     "cuMemImportFromShareableHandle",
@@ -214,7 +215,18 @@ impl DeviceSlots {
         Ok(slots)
     }
 
+    /// Makes the slots' context current on the calling thread, once per thread: a thread whose
+    /// current context is already this one (the usual case from the second batch on, and with
+    /// PyTorch or CuPy, which use the same primary context) makes no further driver call to set it.
     fn bind(&self) -> Result<(), CudaError> {
+        let mut current: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the calling thread's current context (or null) into a live local.
+        check("cuCtxGetCurrent", unsafe {
+            cu::cuCtxGetCurrent(&mut current)
+        })?;
+        if current == self.context {
+            return Ok(());
+        }
         // SAFETY: the context was retained in `import` and is released only in Drop.
         check("cuCtxSetCurrent", unsafe {
             cu::cuCtxSetCurrent(self.context)

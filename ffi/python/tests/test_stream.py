@@ -108,19 +108,24 @@ def test_errors_carry_the_daemons_codes(daemon, tmp_path):
 
 
 def test_a_slot_is_released_when_the_last_exported_array_goes(daemon, source):
-    """With one slot, the daemon can fill the next batch only after the previous one is released:
-    holding an array exported through DLPack keeps the slot (its data stays valid after the batch
-    object is gone); dropping it lets the stream go on."""
+    """Holding an array exported through DLPack keeps its slot (its data stays valid after the batch
+    object is gone): with every slot kept so, the stream cannot go on; dropping one array lets it."""
     client = gpufeed.Client(daemon.socket)
-    stream = client.open_stream("toy", batch_size=100, prefetch=1, fields=["ids"])
-    assert stream.slot_count == 1
+    stream = client.open_stream("toy", batch_size=10, prefetch=1, fields=["ids"])
+    slots = stream.slot_count
+    kept = []
+    for _ in range(slots):
+        batch = next(stream)
+        kept.append(np.from_dlpack(batch["ids"]))
+        del batch
+    with pytest.raises(gpufeed.AllSlotsHeldError):
+        next(stream)
+    np.testing.assert_array_equal(kept[0], source["ids"][:10])
+    del kept[0]
     batch = next(stream)
-    kept = np.from_dlpack(batch["ids"])
-    del batch
-    np.testing.assert_array_equal(kept, source["ids"][:100])
+    start = 10 * slots
+    np.testing.assert_array_equal(rows(batch, "ids"), source["ids"][start:start + 10])
     del kept
-    batch = next(stream)
-    np.testing.assert_array_equal(rows(batch, "ids"), source["ids"][100:200])
     field = batch["ids"]
     batch.release()
     with pytest.raises(BufferError):
