@@ -11,7 +11,8 @@
 //! 64 KiB blocks. For each batch size, a run is `E` epochs, as many as give at least
 //! `--min-batches` batches; each run measures
 //! - the **pipeline alone**: the assembler (CPU, or GPU with the daemon's page-cache windows) filling
-//!   every step of the `E` epochs into its slots, a stream plan per epoch, no socket, no consumer;
+//!   every step of the `E` epochs into as many slots as the daemon's ring has, in turn, a stream
+//!   plan per epoch, no socket, no consumer;
 //! - a **consumer process** (the `consume` example, `--epochs E`) pulling the same batches from a
 //!   daemon running in this process. Its clock starts before it connects; the hand-off latency of
 //!   each batch runs from the batch being ready (or from the consumer asking, if it asked later)
@@ -271,9 +272,11 @@ fn measure(
             None => {
                 let mut assembler =
                     Assembler::new(Arc::clone(&plan), limits, Arc::new(Metrics::new()))?;
-                let mut slot = vec![0u8; plan.slot_bytes];
+                // As many slots as the daemon's ring, filled in turn: the same memory traffic.
+                let mut slots = vec![vec![0u8; plan.slot_bytes]; plan.slot_count as usize];
                 for step in 0..plan.steps {
-                    assembler.fill(step, &mut slot)?;
+                    let slot = &mut slots[(step % u64::from(plan.slot_count)) as usize];
+                    assembler.fill(step, slot)?;
                 }
             }
             Some(backend) => {

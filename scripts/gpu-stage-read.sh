@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds here what scripts/gpu-read.sh runs on the GPU machine and stages it in .gpu/read/
-# (git-ignored): the GPU serving, storage and kernel test binaries, the daemon and the consume
-# example, stripped, and the KvikIO wheels for the peer. Then call the device tool with
+# (git-ignored): the GPU serving, storage and kernel test binaries, the daemon, the consume example and
+# the hand-off benchmark, stripped, and the KvikIO wheels for the peer. Then call the device tool with
 #   command: bash scripts/gpu-read.sh     carry: [".gpu/read"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ stage_clean "$stage"
 mkdir -p "$stage/whl"
 stage_test "$stage" gpu_serve
 stage_test "$stage" gpu_kernels
-stage_build "$stage" --bin gpufeed --example consume
+stage_build "$stage" --bin gpufeed --example consume --example handoff_bench
 strip "$stage"/bin/*
 git rev-parse HEAD >"$stage/bin/COMMIT"
 if ! ls "$stage"/whl/kvikio_cu13-*.whl >/dev/null 2>&1; then

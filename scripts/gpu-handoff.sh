@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine after scripts/gpu-stage-read.sh and scripts/gpu-stage-python.sh staged
+# .gpu/read/ here, in one command, the checks of the shared-memory hand-off:
+#   1. the GPU serving tests (two consumer processes bit-exact, corrupt blocks, 100 killed consumers
+#      and device memory back to its baseline), through the hand-off ring;
+#   2. the Python package's tests against a CPU daemon (torch required) and its device tests (torch
+#      and CuPy through DLPack bit-exact, a sleeping consumer stream keeps its slot);
+#   3. the hand-off benchmark (examples/handoff_bench.rs): HANDOFF_GIB GiB (default 8) of fp16 rows
+#      of 2 KiB, in order, page cache warm, fp32 device batches, batch sizes HANDOFF_BATCHES, 3 runs
+#      of >= 10 000 batches each: the pipeline alone beside a consumer process.
+# JSON lines in $OUT/handoff.jsonl. Any failed step makes the script exit non-zero; a summary is
+# printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT="${OUT:-/tmp/gpufeed-handoff}"
+export OUT
+budget_s="${GPUFEED_CHECK_BUDGET_S:-570}"
+step_name_width=14
+. scripts/lib/check.sh
+. scripts/lib/staged.sh
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv; } >"$OUT/tests.log" 2>&1
+
+rows=$(( ${HANDOFF_GIB:-8} * 1024 * 1024 * 1024 / 2048 ))
+[ -n "${HANDOFF_BENCH_ONLY:-}" ] || step gpu_serve tests 200 30 "$bin/gpu_serve" --include-ignored --test-threads=1 \
+  --skip two_devices
+if [ -z "${HANDOFF_BENCH_ONLY:-}" ] && ls .gpu/read/py/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --force-reinstall --target /tmp/gpufeed-site .gpu/read/py/*.whl \
+    .gpu/read/py/deps/*.whl >>"$OUT/tests.log" 2>&1
+  step py_cpu tests 120 20 env PYTHONPATH=/tmp/gpufeed-site GPUFEED_REQUIRE_TORCH=1 \
+    python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests
+  step py_gpu tests 150 20 env PYTHONPATH=/tmp/gpufeed-site GPUFEED_TEST_DEVICE=cuda:0 \
+    python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
+fi
+step handoff bench "${HANDOFF_BENCH_S:-330}" 60 "$bin/handoff_bench" --device cuda:0 \
+  --consume-bin "$bin/consume" --dir /var/tmp/gpufeed-handoff --row-bytes 2048 --samples "$rows" \
+  --dtype f32 --batch-sizes "${HANDOFF_BATCHES:-64,256,1024,4096,16384}" --runs 3 \
+  --min-batches 10000 --out "$OUT/handoff.jsonl"
+grep '"median"' "$OUT/handoff.jsonl" 2>/dev/null | python3 -c '
+import json, sys
+print("| batch | batches | pipeline GB/s in | consumer GB/s in | ratio | hand-off p50 / p99 / max us | daemon / consumer cores |")
+print("|---|---|---|---|---|---|---|")
+for line in sys.stdin:
+    r = json.loads(line)
+    print(f"| {r[\"batch_size\"]} | {r[\"batches\"]} | {r[\"pipeline_input_gb_per_s\"]:.1f} | {r[\"consumer_input_gb_per_s\"]:.1f} | {r[\"consumer_over_pipeline\"]:.2f} | {r[\"handoff_us_p50\"]:.1f} / {r[\"handoff_us_p99\"]:.1f} / {r[\"handoff_us_max\"]:.0f} | {r[\"daemon_cpu_cores\"]:.2f} / {r[\"consumer_cpu_cores\"]:.2f} |")
+'
+grep -E "^test result|FAILED|panicked|passed|failed" "$OUT/tests.log" | tail -12
+step_summary
