@@ -31,17 +31,24 @@ if [ -z "${HANDOFF_BENCH_ONLY:-}" ] && ls .gpu/read/py/*.whl >/dev/null 2>&1; th
   step py_gpu tests 150 20 env PYTHONPATH=/tmp/gpufeed-site GPUFEED_TEST_DEVICE=cuda:0 \
     python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
 fi
+mkdir -p /var/tmp/gpufeed-handoff
 step handoff bench "${HANDOFF_BENCH_S:-330}" 60 "$bin/handoff_bench" --device cuda:0 \
   --consume-bin "$bin/consume" --dir /var/tmp/gpufeed-handoff --row-bytes 2048 --samples "$rows" \
   --dtype f32 --batch-sizes "${HANDOFF_BATCHES:-64,256,1024,4096,16384}" --runs 3 \
   --min-batches 10000 --out "$OUT/handoff.jsonl"
-grep '"median"' "$OUT/handoff.jsonl" 2>/dev/null | python3 -c '
+python3 - "$OUT/handoff.jsonl" <<'PY'
 import json, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1]) if '"median"' in l]
+except OSError:
+    rows = []
 print("| batch | batches | pipeline GB/s in | consumer GB/s in | ratio | hand-off p50 / p99 / max us | daemon / consumer cores |")
 print("|---|---|---|---|---|---|---|")
-for line in sys.stdin:
-    r = json.loads(line)
-    print(f"| {r[\"batch_size\"]} | {r[\"batches\"]} | {r[\"pipeline_input_gb_per_s\"]:.1f} | {r[\"consumer_input_gb_per_s\"]:.1f} | {r[\"consumer_over_pipeline\"]:.2f} | {r[\"handoff_us_p50\"]:.1f} / {r[\"handoff_us_p99\"]:.1f} / {r[\"handoff_us_max\"]:.0f} | {r[\"daemon_cpu_cores\"]:.2f} / {r[\"consumer_cpu_cores\"]:.2f} |")
-'
+for r in rows:
+    print("| %d | %d | %.1f | %.1f | %.2f | %.1f / %.1f / %.0f | %.2f / %.2f |" % (
+        r["batch_size"], r["batches"], r["pipeline_input_gb_per_s"], r["consumer_input_gb_per_s"],
+        r["consumer_over_pipeline"], r["handoff_us_p50"], r["handoff_us_p99"], r["handoff_us_max"],
+        r["daemon_cpu_cores"], r["consumer_cpu_cores"]))
+PY
 grep -E "^test result|FAILED|panicked|passed|failed" "$OUT/tests.log" | tail -12
 step_summary

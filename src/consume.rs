@@ -214,6 +214,15 @@ struct Totals {
 }
 
 fn run(args: &Args) -> Result<()> {
+    // A training process has its CUDA context (its framework made it) before it asks for data, and
+    // keeps it across epochs: so does this one, before the clock starts.
+    let _context = match args.device.strip_prefix("cuda:").map(str::parse::<u32>) {
+        Some(Ok(ordinal)) => Some(
+            gpufeed_client::cuda::retain_primary_context(ordinal)
+                .with_context(|| format!("initializing CUDA device {ordinal}"))?,
+        ),
+        _ => None,
+    };
     // The clock starts before the consumer connects: connecting, opening streams and mapping their
     // slots are part of what a training loop waits for.
     let started = Instant::now();

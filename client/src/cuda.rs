@@ -38,6 +38,8 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuEventRecord",
     "cuEventSynchronize",
+    "cuEventQuery",
+    "cuStreamQuery",
     "cuStreamWaitEvent",
     "cuStreamSynchronize",
     "cuMemcpyDtoH_v2",
@@ -238,20 +240,35 @@ impl DeviceSlots {
         self.slots[slot as usize].ptr
     }
 
-    /// Makes `stream` wait (on the device) for the daemon's fill of `slot`.
+    /// Makes `stream` wait (on the device) for the daemon's fill of `slot`. A fill already complete
+    /// (the usual case: the daemon hands a batch out once its device work is done) needs no wait,
+    /// and none is queued: a wait on another process's event makes the device switch to this
+    /// process's context for it, which costs more than the host's query.
     pub(crate) fn wait_ready(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
         self.bind()?;
+        let ready = self.slots[slot as usize].ready;
+        // SAFETY: the event is live.
+        if event_complete(unsafe { cu::cuEventQuery(ready) })? {
+            return Ok(());
+        }
         // SAFETY: the event is live; the caller vouched for the stream (Stream::set_cuda_stream).
         check("cuStreamWaitEvent", unsafe {
-            cu::cuStreamWaitEvent(stream, self.slots[slot as usize].ready, 0)
+            cu::cuStreamWaitEvent(stream, ready, 0)
         })
     }
 
     /// Records on `stream` that the consumer is done with `slot`; the daemon's stream waits on it
     /// before writing the slot again. If recording fails, waits for `stream` on the host instead, so
     /// that the slot is never released while work still reads it.
+    ///
+    /// A stream with no work left (its query says so) cannot read the slot any more: then nothing is
+    /// recorded, and the daemon's wait on the `released` event is on a record already complete.
     pub(crate) fn release(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
         self.bind()?;
+        // SAFETY: the caller vouched for the stream.
+        if event_complete(unsafe { cu::cuStreamQuery(stream) })? {
+            return Ok(());
+        }
         // SAFETY: as in wait_ready.
         let recorded = check("cuEventRecord", unsafe {
             cu::cuEventRecord(self.slots[slot as usize].released, stream)
@@ -288,6 +305,51 @@ impl DeviceSlots {
             }
         }
         Ok(())
+    }
+}
+
+/// The answer of `cuEventQuery` / `cuStreamQuery`: true when the work is complete, false when it is
+/// still pending, an error otherwise.
+fn event_complete(code: cu::CUresult) -> Result<bool, CudaError> {
+    match code {
+        cu::CUresult::CUDA_SUCCESS => Ok(true),
+        cu::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => check("cuEventQuery/cuStreamQuery", other).map(|()| true),
+    }
+}
+
+/// Keeps device `ordinal`'s primary CUDA context alive while it lives, as a training process's
+/// framework does: streams opened and closed meanwhile then map their slots into a context that
+/// already exists, instead of creating it again. Made with [`retain_primary_context`].
+#[derive(Debug)]
+pub struct PrimaryContext {
+    device: cu::CUdevice,
+}
+
+// SAFETY: the device handle is a plain integer; the driver API is thread-safe.
+unsafe impl Send for PrimaryContext {}
+
+/// Initializes the driver and retains device `ordinal`'s primary context (see [`PrimaryContext`]).
+pub fn retain_primary_context(ordinal: u32) -> Result<PrimaryContext, CudaError> {
+    probe_driver()?;
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        check("cuInit", cu::cuInit(0))?;
+        let mut device: cu::CUdevice = 0;
+        check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal as i32))?;
+        let mut context: cu::CUcontext = std::ptr::null_mut();
+        check(
+            "cuDevicePrimaryCtxRetain",
+            cu::cuDevicePrimaryCtxRetain(&mut context, device),
+        )?;
+        Ok(PrimaryContext { device })
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `retain_primary_context`.
+        let _ = unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.device) };
     }
 }
 
