@@ -194,7 +194,8 @@ struct GfStreamOptions {
   const struct GfStreamState *resume;
   // Corrupt-block policy (a `GfCorruptPolicy`).
   uint32_t on_corrupt;
-  // Slots filled ahead of the consumer (1 to 64).
+  // Slots filled ahead of the consumer, at least (1 to 64): the daemon sizes slot rings in bytes
+  // and gives small batches more slots.
   uint32_t prefetch;
 };
 
@@ -246,7 +247,7 @@ enum GfDaemonCode gf_last_daemon_code(void);
 
 // Fills `options` with the defaults for `batch_size` samples a step from `dataset` (which must stay
 // valid until `gf_open_stream`): every field in its stored type, host memory, dataset order, seed
-// and epoch 0, rank 0 of 1, tail dropped, 4 slots ahead, failing on corrupt blocks.
+// and epoch 0, rank 0 of 1, tail dropped, at least 4 slots ahead, failing on corrupt blocks.
 //
 // # Safety
 // `options` is null or points to writable memory for a `GfStreamOptions`.
