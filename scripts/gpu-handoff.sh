@@ -7,7 +7,9 @@
 #      and CuPy through DLPack bit-exact, a sleeping consumer stream keeps its slot);
 #   3. the hand-off benchmark (examples/handoff_bench.rs): HANDOFF_GIB GiB (default 8) of fp16 rows
 #      of 2 KiB, in order, page cache warm, fp32 device batches, batch sizes HANDOFF_BATCHES, 3 runs
-#      of >= 10 000 batches each: the pipeline alone beside a consumer process.
+#      of >= 10 000 batches each: the pipeline alone beside a consumer process (GPUFEED_SPIN_US, if
+#      set, is the consumer's spin before it sleeps);
+#   4. with HANDOFF_PY_BENCH=1, the Python consumer against the Rust one (scripts/gpu-python.sh).
 # JSON lines in $OUT/handoff.jsonl. Any failed step makes the script exit non-zero; a summary is
 # printed last.
 set -uo pipefail
@@ -23,9 +25,11 @@ step_name_width=14
 rows=$(( ${HANDOFF_GIB:-8} * 1024 * 1024 * 1024 / 2048 ))
 [ -n "${HANDOFF_BENCH_ONLY:-}" ] || step gpu_serve tests 200 30 "$bin/gpu_serve" --include-ignored --test-threads=1 \
   --skip two_devices
-if [ -z "${HANDOFF_BENCH_ONLY:-}" ] && ls .gpu/read/py/*.whl >/dev/null 2>&1; then
+if ls .gpu/read/py/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --force-reinstall --target /tmp/gpufeed-site .gpu/read/py/*.whl \
     .gpu/read/py/deps/*.whl >>"$OUT/tests.log" 2>&1
+fi
+if [ -z "${HANDOFF_BENCH_ONLY:-}" ] && ls .gpu/read/py/*.whl >/dev/null 2>&1; then
   step py_cpu tests 120 20 env PYTHONPATH=/tmp/gpufeed-site GPUFEED_REQUIRE_TORCH=1 \
     python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests
   step py_gpu tests 150 20 env PYTHONPATH=/tmp/gpufeed-site GPUFEED_TEST_DEVICE=cuda:0 \
@@ -50,5 +54,10 @@ for r in rows:
         r["consumer_over_pipeline"], r["handoff_us_p50"], r["handoff_us_p99"], r["handoff_us_max"],
         r["daemon_cpu_cores"], r["consumer_cpu_cores"]))
 PY
+# The Python consumer against the Rust one (scripts/gpu-python.sh's benchmark), when asked for.
+if [ -n "${HANDOFF_PY_BENCH:-}" ]; then
+  step py_bench bench 240 60 env PYTHONPATH=/tmp/gpufeed-site bash scripts/gpu-python.sh --bench-only
+  grep -A8 '^| consumer' "$OUT/bench.log"
+fi
 grep -E "^test result|FAILED|panicked|passed|failed" "$OUT/tests.log" | tail -12
 step_summary

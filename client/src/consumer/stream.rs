@@ -104,10 +104,34 @@ pub(super) enum Event {
     Status(DaemonStatus),
 }
 
-/// How long a consumer waiting for a batch watches the ring before it sleeps on its doorbell: long
-/// enough to cover the gap between batches of a busy stream without a system call on either side,
-/// short enough to cost nothing noticeable when the daemon is the slower side.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+/// How long a consumer waiting for a batch watches the ring before it sleeps on its doorbell, by
+/// default: long enough to cover the gap between batches of a busy stream without a system call on
+/// either side, short enough to cost nothing noticeable when the daemon is the slower side.
+pub const SPIN_US_DEFAULT: u64 = 50;
+
+/// Most microseconds `GPUFEED_SPIN_US` may ask for.
+pub const SPIN_US_MAX: u64 = 10_000;
+
+/// The spin before sleeping: `GPUFEED_SPIN_US` (0 to [`SPIN_US_MAX`] microseconds; read once per
+/// process) or [`SPIN_US_DEFAULT`]. A longer spin takes a batch that arrives within it without the
+/// doorbell's wake-up latency (tens to hundreds of microseconds on a busy host), for a core kept busy
+/// meanwhile; a value that does not parse is ignored with a warning on stderr.
+fn spin() -> std::time::Duration {
+    static SPIN_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let us = *SPIN_US.get_or_init(|| match std::env::var("GPUFEED_SPIN_US") {
+        Err(_) => SPIN_US_DEFAULT,
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(us) if us <= SPIN_US_MAX => us,
+            _ => {
+                eprintln!(
+                    "gpufeed-client: GPUFEED_SPIN_US={text:?} is not 0 to {SPIN_US_MAX} microseconds; using {SPIN_US_DEFAULT}"
+                );
+                SPIN_US_DEFAULT
+            }
+        },
+    });
+    std::time::Duration::from_micros(us)
+}
 
 /// An open stream: an iterator over the epoch's batches for this rank, in step order.
 ///
@@ -268,7 +292,7 @@ impl Stream {
     /// The next batch; `None` at the end of the epoch. Watches the ring for a moment, then sleeps on
     /// the doorbell and the socket (which brings the end of the epoch and errors).
     fn wait_for_batch(&mut self) -> Result<Option<BatchInfo>, ClientError> {
-        let spin_until = std::time::Instant::now() + SPIN;
+        let spin_until = std::time::Instant::now() + spin();
         let mut polls = 0u32;
         loop {
             if let Some(info) = self.take_published()? {
