@@ -53,15 +53,17 @@ fn start_daemon(root: &Path, device: &str) -> Daemon {
 }
 
 fn start_daemon_with(root: &Path, device: &str, extra: &[&str]) -> Daemon {
+    start_daemon_logged(root, device, extra, None)
+}
+
+/// [`start_daemon_with`], its log going to `log` when given.
+fn start_daemon_logged(root: &Path, device: &str, extra: &[&str], log: Option<&Path>) -> Daemon {
     let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
-    common::daemon::start_daemon(
-        &gpufeed_bin(),
-        root,
-        socket,
-        device,
-        extra,
-        Stdio::inherit(),
-    )
+    let stderr = match log {
+        Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+        None => Stdio::inherit(),
+    };
+    common::daemon::start_daemon(&gpufeed_bin(), root, socket, device, extra, stderr)
 }
 
 /// Token field: zipf-like small integers (compressible: LZ4 blocks, byte-shuffled where it pays),
@@ -166,11 +168,21 @@ fn compare_backends_with(
     requests: &[(&str, Vec<&str>)],
     gpu_flags: &[&str],
 ) -> Vec<(Vec<u8>, Vec<u8>)> {
+    compare_backends_logged(root, requests, gpu_flags, None)
+}
+
+/// [`compare_backends_with`], the GPU daemon's log going to `log` when given.
+fn compare_backends_logged(
+    root: &Path,
+    requests: &[(&str, Vec<&str>)],
+    gpu_flags: &[&str],
+    log: Option<&Path>,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
     let cpu_root = root.join("cpu-root");
     if !cpu_root.join("mixed").exists() {
         copy_dataset(&root.join("mixed"), &cpu_root.join("mixed"));
     }
-    let gpu = start_daemon_with(root, "cuda:0", gpu_flags);
+    let gpu = start_daemon_logged(root, "cuda:0", gpu_flags, log);
     let cpu = start_daemon(&cpu_root, "cpu");
     let dumps = root
         .join("dumps")
@@ -428,6 +440,43 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
                 "{zero_copy} {device_shards} {name}: GPU and CPU backends differ"
             );
         }
+    }
+    // Beyond the registration budget (1M; the embedding shards are larger): resident streams in
+    // order and in a window shuffle copy each shard through windows registered only for their
+    // copies, and read every row from a device copy. Three streams at once share the budget (so
+    // some windows are copied from pageable memory). Room for every shard; for five (the window
+    // shuffle's two windows of two shards and one more: both orders streamed); for three (in order
+    // streamed with slots refilled; the window shuffle stages blocks instead).
+    for device_shards in ["4G", "5M", "3M"] {
+        let flags = [
+            "--registered-window",
+            "256K",
+            "--registered-memory-max",
+            "1M",
+            "--zero-copy",
+            "auto",
+            "--device-shard-memory",
+            device_shards,
+        ];
+        let log = root.path().join(format!("streamed-{device_shards}.log"));
+        let dumps = compare_backends_logged(root.path(), &resident, &flags, Some(&log));
+        for ((name, _), (gpu, cpu)) in resident.iter().zip(&dumps) {
+            assert!(
+                !gpu.is_empty(),
+                "streamed {device_shards} {name}: nothing dumped"
+            );
+            assert!(
+                gpu == cpu,
+                "streamed {device_shards} {name}: GPU and CPU backends differ"
+            );
+        }
+        let log = std::fs::read_to_string(&log).unwrap();
+        let streamed = log.matches("through the registration budget").count();
+        let expected = if device_shards == "3M" { 1 } else { 2 };
+        assert!(
+            streamed >= expected,
+            "streamed {device_shards}: {streamed} streamed streams, expected {expected}:\n{log}"
+        );
     }
     // A corrupt raw embedding block read in place: zeroed like the CPU backend does.
     let dataset = Dataset::open(&root.path().join("mixed")).unwrap();

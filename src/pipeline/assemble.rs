@@ -659,6 +659,25 @@ pub enum FillError {
         /// Index of the last piece refused.
         last: u32,
     },
+    /// Copying a shard into device memory ahead of the rows that read it failed (a stream whose
+    /// dataset is larger than the registration budget).
+    #[error("copying {} into device memory: {source}", shard.display())]
+    ShardCopy {
+        /// The shard.
+        shard: std::path::PathBuf,
+        /// Why.
+        source: std::sync::Arc<std::io::Error>,
+    },
+    /// A stream's rows need more shards on the device at once than its device shard memory holds.
+    #[error(
+        "a round of this stream reads {needed} shards but the stream's device shard memory holds          {slots}: raise --device-shard-memory"
+    )]
+    ShardSlotsTooFew {
+        /// Shards one round reads.
+        needed: usize,
+        /// Slots the stream has.
+        slots: usize,
+    },
     /// The thread planning a resident stream's rows stopped before this step (it panicked).
     #[error("the planning thread stopped before step {step}: a bug in the batch plan")]
     PlannerStopped {

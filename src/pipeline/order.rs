@@ -251,6 +251,45 @@ impl EpochOrder {
         }
     }
 
+    /// The most shards that `span` consecutive positions of the order draw from, positions past the
+    /// end wrapping to the start as padding does (an upper bound in a window shuffle: every shard of
+    /// each window the positions reach); `None` for a full shuffle. `shard_first_samples` holds the
+    /// first sample of each shard and the sample count after the last.
+    pub fn shards_per_span_max(&self, span: u64, shard_first_samples: &[u64]) -> Option<usize> {
+        // Runs of positions, each drawing from a known number of shards.
+        let units: Vec<(u64, u64, usize)> = match &self.kind {
+            OrderKind::Full(_) => return None,
+            OrderKind::Identity => shard_first_samples
+                .windows(2)
+                .filter(|w| w[1] > w[0])
+                .map(|w| (w[0], w[1] - w[0], 1))
+                .collect(),
+            OrderKind::Windows(windows) => windows
+                .iter()
+                .map(|w| (w.start, w.len, w.shards.len()))
+                .collect(),
+        };
+        let shard_count = shard_first_samples.len().saturating_sub(1);
+        let count = units.len();
+        let mut most = 0;
+        for first in 0..count {
+            let (start, len, _) = units[first];
+            // Positions from anywhere in unit `first` reach up to (not including) `reach`.
+            let reach = start + len - 1 + span.max(1);
+            let mut shards = 0;
+            for k in first..first + count {
+                let (unit_start, _, unit_shards) = units[k % count];
+                let unwrapped = unit_start + (k / count) as u64 * self.sample_count;
+                if unwrapped >= reach {
+                    break;
+                }
+                shards += unit_shards;
+            }
+            most = most.max(shards.min(shard_count));
+        }
+        Some(most)
+    }
+
     /// The sample at `position` of the global order (`position < len()`).
     pub fn sample_at(&self, position: u64) -> u64 {
         assert!(
@@ -320,6 +359,36 @@ impl RankPlan {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    /// The bound on the shards a run of positions draws from holds for every run, in order and in a
+    /// window shuffle.
+    #[test]
+    fn shards_per_span_bound_every_run_of_positions() {
+        let shards = [40u64, 25, 60, 33, 50, 12];
+        let mut firsts = vec![0u64];
+        for count in shards {
+            firsts.push(firsts.last().unwrap() + count);
+        }
+        let shard_of = |sample: u64| firsts.partition_point(|&s| s <= sample) - 1;
+        for mode in [ShuffleMode::None, ShuffleMode::Window { shards: 2 }] {
+            let order = EpochOrder::new(&shards, 7, 1, mode);
+            for span in [1u64, 12, 13, 30, 64, 100, 220, 500] {
+                let bound = order.shards_per_span_max(span, &firsts).unwrap();
+                for start in 0..order.len() {
+                    let touched: HashSet<usize> = (start..start + span)
+                        .map(|p| shard_of(order.sample_at(p % order.len())))
+                        .collect();
+                    assert!(
+                        touched.len() <= bound,
+                        "{mode:?} span {span} from {start}: {} shards, bound {bound}",
+                        touched.len()
+                    );
+                }
+            }
+        }
+        let full = EpochOrder::new(&shards, 7, 1, ShuffleMode::Full);
+        assert!(full.shards_per_span_max(8, &firsts).is_none());
+    }
 
     #[test]
     fn permutations_are_bijections_for_awkward_sizes() {

@@ -9,16 +9,23 @@
 //! on a stream of its own into a slot of device memory, and the rows of later rounds read it there:
 //! every stored byte crosses the link once per epoch, in large copies, ahead of need.
 //!
-//! A round only reads a shard's device copy once the copy is known to be complete (its event has
-//! completed when the round is planned), so the compute stream never waits for a copy: a shard not
-//! yet on the device is read in place as before. A slot is overwritten only after the copy stream
-//! has waited for the last round that could read it. A full shuffle draws from every shard in every
-//! batch and does not use the slots.
+//! Within the registration budget every window stays registered for the stream's life: a round
+//! only reads a shard's device copy once the copy is known to be complete (its event has completed
+//! when the round is planned), so the compute stream never waits for a copy: a shard not yet on the
+//! device is read in place as before. Beyond the budget (a "streamed" stream) nothing stays
+//! registered: a loader thread copies each shard through windows registered for the time of their
+//! copies (see `shard_loader`), and rows are read only from device copies: before a round, every
+//! shard it reads is in a slot, and the compute stream waits for its copy. A slot is overwritten
+//! only after the copy stream has waited for the last round that could read it. A full shuffle
+//! draws from every shard in every batch and does not use the slots.
 
 use std::ops::Range;
+use std::sync::Arc;
 
+use super::shard_loader::{LoadJob, ShardLoader};
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::kernels::GatherRegion;
+use crate::pipeline::assemble::FillError;
 use crate::pipeline::order::EpochOrder;
 
 /// One slot of device memory holding (or receiving) a copy of one shard.
@@ -27,13 +34,34 @@ struct ShardSlot {
     /// The shard it holds or receives.
     shard: Option<usize>,
     /// Recorded on the copy stream after the shard's last window was copied.
-    copied: Event,
+    copied: Arc<Event>,
     /// Known complete: rounds may read the copy.
     ready: bool,
+    /// Streamed: the compute stream waits for the copy (rounds queued from now on may read it).
+    waited: bool,
+    /// Which fill of the slot this is (streamed: the loader reports fills by this count).
+    generation: u64,
     /// Recorded on the compute stream after each round whose region table names this slot.
-    last_read: Event,
+    last_read: Arc<Event>,
     /// Whether `last_read` was recorded since the slot was last filled.
     read: bool,
+}
+
+impl ShardSlot {
+    /// Whether rounds may read the slot's copy.
+    fn usable(&self) -> bool {
+        self.shard.is_some() && (self.ready || self.waited)
+    }
+}
+
+/// Where shard copies come from.
+pub(super) enum ShardSource {
+    /// Windows registered for the stream's life: copies are queued on the filler's thread, and rows
+    /// of shards not yet on the device are read in place.
+    Registered,
+    /// The dataset is larger than the registration budget: a loader thread copies each shard, and
+    /// rows are read from device copies only.
+    Streamed(ShardLoader),
 }
 
 /// Where a shard's bytes are in host memory: one registered window after another.
@@ -48,7 +76,10 @@ pub(super) struct ShardWindows {
 
 /// The device copies of a resident stream's shards.
 pub(super) struct DeviceShards {
+    source: ShardSource,
     copy_stream: Stream,
+    /// Fills queued so far (the generation of the latest).
+    fills: u64,
     slots: Vec<ShardSlot>,
     /// Per shard, the slot holding or receiving it.
     holder: Vec<Option<usize>>,
@@ -61,9 +92,10 @@ pub(super) struct DeviceShards {
 }
 
 impl DeviceShards {
-    /// Slots for `slot_count` shards of at most `shard_bytes_max` bytes each, if `order` draws from a
-    /// few shards at a time and the device has the memory; `None` otherwise (the stream reads in
-    /// place only).
+    /// Slots for as many shards of at most `shard_bytes_max` bytes each as `device_bytes_max` holds
+    /// (at least `slots_min`), if `order` draws from a few shards at a time and the device has the
+    /// memory; `None` otherwise (the stream reads in place only). A streamed source is given its
+    /// slot count by [`Self::start_loader`].
     pub(super) fn new(
         device: &Device,
         order: &EpochOrder,
@@ -71,6 +103,7 @@ impl DeviceShards {
         shard_first_samples: Vec<u64>,
         window_bytes: u64,
         device_bytes_max: u64,
+        slots_min: usize,
     ) -> Result<Option<DeviceShards>, DeviceError> {
         if order.samples_ahead(0, 1).is_none() || shards.len() < 2 {
             return Ok(None);
@@ -84,7 +117,7 @@ impl DeviceShards {
             return Ok(None);
         }
         let slot_count = ((device_bytes_max / shard_bytes_max) as usize).min(shards.len());
-        if slot_count < 2 {
+        if slot_count < slots_min.max(2) {
             return Ok(None);
         }
         let mut slots = Vec::with_capacity(slot_count);
@@ -98,13 +131,15 @@ impl DeviceShards {
             slots.push(ShardSlot {
                 buffer,
                 shard: None,
-                copied: Event::new(device, EventTiming::Disabled)?,
+                copied: Arc::new(Event::new(device, EventTiming::Disabled)?),
                 ready: false,
-                last_read: Event::new(device, EventTiming::Disabled)?,
+                waited: false,
+                generation: 0,
+                last_read: Arc::new(Event::new(device, EventTiming::Disabled)?),
                 read: false,
             });
         }
-        if slots.len() < 2 {
+        if slots.len() < slots_min.max(2) {
             return Ok(None);
         }
         tracing::info!(
@@ -113,7 +148,9 @@ impl DeviceShards {
             shard_bytes_max >> 20
         );
         Ok(Some(DeviceShards {
+            source: ShardSource::Registered,
             copy_stream: Stream::new(device)?,
+            fills: 0,
             holder: vec![None; shards.len()],
             slots,
             shards,
@@ -160,13 +197,16 @@ impl DeviceShards {
         &mut self,
         order: &EpochOrder,
         position: u64,
-    ) -> Result<(), DeviceError> {
-        for slot in self
-            .slots
-            .iter_mut()
-            .filter(|s| s.shard.is_some() && !s.ready)
-        {
-            slot.ready = slot.copied.is_complete()?;
+    ) -> Result<(), FillError> {
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            if slot.shard.is_none() || slot.ready {
+                continue;
+            }
+            let recorded = match &self.source {
+                ShardSource::Registered => true,
+                ShardSource::Streamed(loader) => loader.is_recorded(index, slot.generation),
+            };
+            slot.ready = recorded && slot.copied.is_complete()?;
         }
         let wanted = self.wanted(order, position);
         for &shard in &wanted {
@@ -185,10 +225,34 @@ impl DeviceShards {
     }
 
     /// Queues the copy of `shard` into slot `index`, after the last round that could read the slot.
-    fn fill(&mut self, index: usize, shard: usize) -> Result<(), DeviceError> {
+    fn fill(&mut self, index: usize, shard: usize) -> Result<(), FillError> {
+        self.fills += 1;
         let slot = &mut self.slots[index];
         if let Some(previous) = slot.shard.take() {
             self.holder[previous] = None;
+        }
+        slot.generation = self.fills;
+        slot.waited = false;
+        if let ShardSource::Streamed(loader) = &self.source {
+            let after = slot.read.then(|| Arc::clone(&slot.last_read));
+            slot.read = false;
+            slot.ready = false;
+            slot.shard = Some(shard);
+            self.holder[shard] = Some(index);
+            loader.send(LoadJob {
+                slot: index,
+                generation: slot.generation,
+                shard,
+                dst: slot.buffer.device_ptr(),
+                copied: Arc::clone(&slot.copied),
+                after,
+            })?;
+            self.copied_bytes += self.shards[shard]
+                .windows
+                .iter()
+                .map(|&(_, bytes)| bytes)
+                .sum::<u64>();
+            return Ok(());
         }
         if slot.read {
             self.copy_stream.wait(&slot.last_read)?;
@@ -208,7 +272,8 @@ impl DeviceShards {
                     bytes as usize,
                     self.copy_stream.raw(),
                 )
-            }?;
+            }
+            .map_err(DeviceError::from)?;
             at += bytes;
         }
         slot.copied.record(&self.copy_stream)?;
@@ -223,8 +288,8 @@ impl DeviceShards {
     /// stream's table of registered windows); returns whether any region changed.
     pub(super) fn redirect(&self, table: &mut [GatherRegion]) -> bool {
         let mut changed = false;
-        for slot in self.slots.iter().filter(|s| s.ready) {
-            let shard = &self.shards[slot.shard.expect("a ready slot holds a shard")];
+        for slot in self.slots.iter().filter(|s| s.usable()) {
+            let shard = &self.shards[slot.shard.expect("a usable slot holds a shard")];
             let mut at = 0u64;
             for (window, &(_, bytes)) in shard.windows.iter().enumerate() {
                 table[shard.first_region + window] = GatherRegion {
@@ -241,7 +306,7 @@ impl DeviceShards {
 
     /// Records, on the compute stream, that a round reading the ready slots was queued there.
     pub(super) fn record_reads(&mut self, compute: &Stream) -> Result<(), DeviceError> {
-        for slot in self.slots.iter_mut().filter(|s| s.ready) {
+        for slot in self.slots.iter_mut().filter(|s| s.usable()) {
             slot.last_read.record(compute)?;
             slot.read = true;
         }
@@ -249,9 +314,85 @@ impl DeviceShards {
     }
 
     /// Waits for every queued copy: before the windows they read are unpinned, and before the slots
-    /// are freed.
-    pub(super) fn synchronize(&self) -> Result<(), DeviceError> {
+    /// are freed (a streamed source's loader is stopped, once its copies are done).
+    pub(super) fn synchronize(&mut self) -> Result<(), DeviceError> {
+        if matches!(self.source, ShardSource::Streamed(_)) {
+            self.source = ShardSource::Registered;
+        }
         self.copy_stream.synchronize()
+    }
+
+    /// Turns this into a streamed source: a loader thread copies the shard files `paths` (see
+    /// `shard_loader`).
+    pub(super) fn start_loader(
+        &mut self,
+        device: &Device,
+        windows: &Arc<crate::storage::windows::PageCacheWindows>,
+        paths: Vec<std::path::PathBuf>,
+        fraction_min: f64,
+    ) -> Result<(), FillError> {
+        let loader = ShardLoader::start(device, windows, paths, fraction_min, self.slots.len())?;
+        self.source = ShardSource::Streamed(loader);
+        Ok(())
+    }
+
+    /// Whether rows are read from device copies only (see [`ShardSource::Streamed`]).
+    pub(super) fn is_streamed(&self) -> bool {
+        matches!(self.source, ShardSource::Streamed(_))
+    }
+
+    /// Streamed: makes sure every shard of `needed` is in a slot and that the compute stream waits
+    /// for its copy, before a round reading them is queued there. Waits on the host only for the
+    /// loader to have queued a copy (not for the copy itself). Returns the seconds waited.
+    pub(super) fn prepare_round(
+        &mut self,
+        needed: &[usize],
+        compute: &Stream,
+    ) -> Result<f64, FillError> {
+        if !self.is_streamed() {
+            return Ok(0.0);
+        }
+        if needed.len() > self.slots.len() {
+            return Err(FillError::ShardSlotsTooFew {
+                needed: needed.len(),
+                slots: self.slots.len(),
+            });
+        }
+        for &shard in needed {
+            if self.holder[shard].is_none() {
+                // Not read ahead (the slots were too few for the orders's look-ahead): a slot no
+                // shard of this round needs, preferring one never filled.
+                let victim = (0..self.slots.len())
+                    .filter(|&i| self.slots[i].shard.is_none_or(|s| !needed.contains(&s)))
+                    .min_by_key(|&i| self.slots[i].shard.is_some())
+                    .expect("more slots than shards needed");
+                self.fill(victim, shard)?;
+            }
+        }
+        let mut waited_s = 0.0;
+        for &shard in needed {
+            let index = self.holder[shard].expect("filled above");
+            let slot = &self.slots[index];
+            if slot.ready || slot.waited {
+                continue;
+            }
+            let ShardSource::Streamed(loader) = &self.source else {
+                unreachable!("checked above");
+            };
+            let started = std::time::Instant::now();
+            loader.wait_recorded(index, slot.generation, shard)?;
+            waited_s += started.elapsed().as_secs_f64();
+            compute.wait(&slot.copied)?;
+            self.slots[index].waited = true;
+        }
+        Ok(waited_s)
+    }
+
+    /// The shard holding region `region` of the stream's table.
+    pub(super) fn shard_of_region(&self, region: usize) -> usize {
+        self.shards
+            .partition_point(|s| s.first_region <= region)
+            .saturating_sub(1)
     }
 
     /// Device memory held by the slots.
@@ -262,6 +403,6 @@ impl DeviceShards {
 
 impl Drop for DeviceShards {
     fn drop(&mut self) {
-        let _ = self.copy_stream.synchronize();
+        let _ = self.synchronize();
     }
 }

@@ -31,6 +31,7 @@ mod device_shards;
 mod plan;
 mod resident;
 mod round;
+mod shard_loader;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -164,6 +165,9 @@ pub struct GpuFillTimings {
     pub rounds: u64,
     /// Rounds of resident streams that read some shards from their device copies.
     pub rounds_from_device_copies: u64,
+    /// Waiting for the loader of a stream beyond the registration budget to queue the copy of a
+    /// shard a round reads.
+    pub copy_wait_s: f64,
 }
 
 /// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.
@@ -413,7 +417,7 @@ impl Drop for GpuAssembler {
     fn drop(&mut self) {
         // Queued rounds read the staging buffers and write slots: let them finish first.
         let _ = self.stream.synchronize();
-        if let Some(resident) = &self.resident {
+        if let Some(resident) = &mut self.resident {
             resident.release(self.reader.windows());
         }
     }

@@ -241,8 +241,20 @@ impl Resident {
             file_bytes.push(bytes.len());
         }
         let total: u64 = file_bytes.iter().sum();
-        if !wanted || !all_raw || total > windows.registered_bytes_max() as u64 {
+        if !wanted || !all_raw {
             return Ok(None);
+        }
+        if total > windows.registered_bytes_max() as u64 {
+            return Self::open_streamed(
+                plan,
+                files,
+                windows,
+                limits,
+                fraction_min,
+                device,
+                metrics,
+                &file_bytes,
+            );
         }
         let window_bytes = windows.window_bytes();
         let mut mapped: Vec<WindowId> = Vec::new();
@@ -278,19 +290,7 @@ impl Resident {
                 start += window_bytes;
             }
         }
-        let mut first_sample = 0u64;
-        let mut shard_first_samples: Vec<u64> = plan
-            .dataset
-            .manifest
-            .shards
-            .iter()
-            .map(|shard| {
-                let first = first_sample;
-                first_sample += shard.sample_count;
-                first
-            })
-            .collect();
-        shard_first_samples.push(first_sample);
+        let shard_first_samples = shard_first_samples(plan);
         // Rounds that read device copies upload their own region table (at most REGIONS_MAX).
         let device_shards = if table.len() <= REGIONS_MAX {
             DeviceShards::new(
@@ -300,6 +300,7 @@ impl Resident {
                 shard_first_samples.clone(),
                 window_bytes,
                 limits.device_shard_bytes,
+                2,
             )?
         } else {
             None
@@ -328,31 +329,112 @@ impl Resident {
             device_shards,
             windows: mapped,
             planner: None,
-            geometry: Arc::new(RowGeometry {
+            geometry: Arc::new(RowGeometry::new(
+                plan,
                 first_region,
                 shard_first_samples,
-                region_count: table_len,
+                table_len,
                 window_bytes,
                 corrupt,
-                linear: plan
-                    .dataset
-                    .shards
-                    .iter()
-                    .map(|shard| {
-                        plan.fields
-                            .iter()
-                            .map(|f| linear_layout(shard.metadata.field_blocks(f.field_index)))
-                            .collect()
-                    })
-                    .collect(),
-            }),
+            )),
+        }))
+    }
+
+    /// [`Self::open`] for a dataset larger than the registration budget: no window stays registered;
+    /// in dataset order or a window shuffle, a loader thread copies the shards the stream reads next
+    /// into device slots through windows registered only for their copies, and every row is read
+    /// from a device copy. `None` (the stream stages blocks instead) in a full shuffle, with more
+    /// windows than a round's region table holds, or when the device shard memory cannot hold the
+    /// shards one batch draws from and one more.
+    #[allow(clippy::too_many_arguments)]
+    fn open_streamed(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        limits: &GpuStreamLimits,
+        fraction_min: f64,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::Metrics,
+        file_bytes: &[u64],
+    ) -> Result<Option<Resident>, FillError> {
+        let window_bytes = windows.window_bytes();
+        let mut table: Vec<GatherRegion> = Vec::new();
+        let mut first_region = Vec::with_capacity(file_bytes.len());
+        let mut shard_windows = Vec::with_capacity(file_bytes.len());
+        for &bytes in file_bytes {
+            first_region.push(table.len() as u32);
+            let mut shard = ShardWindows {
+                windows: Vec::new(),
+                first_region: table.len(),
+            };
+            let mut start = 0u64;
+            while start < bytes {
+                let len = window_bytes.min(bytes - start);
+                shard.windows.push((0, len));
+                // Pointed at the shard's device slot by each round that reads it.
+                table.push(GatherRegion { ptr: 0, bytes: len });
+                start += window_bytes;
+            }
+            shard_windows.push(shard);
+        }
+        let shard_first_samples = shard_first_samples(plan);
+        let Some(needed) = plan
+            .order
+            .shards_per_span_max(plan.rank.batch_size as u64, &shard_first_samples)
+        else {
+            return Ok(None);
+        };
+        if table.len() > REGIONS_MAX {
+            return Ok(None);
+        }
+        let slots_min = (needed + 1).min(file_bytes.len());
+        let Some(mut device_shards) = DeviceShards::new(
+            device,
+            &plan.order,
+            shard_windows,
+            shard_first_samples.clone(),
+            window_bytes,
+            limits.device_shard_bytes,
+            slots_min,
+        )?
+        else {
+            return Ok(None);
+        };
+        let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
+        device_shards.start_loader(device, windows, paths, fraction_min)?;
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        tracing::info!(
+            "stream copies {} shards ({} windows) through the registration budget into device \
+             memory ({} corrupt blocks)",
+            plan.dataset.shards.len(),
+            table.len(),
+            corrupt.len()
+        );
+        let table_len = table.len();
+        Ok(Some(Resident {
+            regions,
+            region_count: table_len as u32,
+            host_regions: table,
+            device_shards: Some(device_shards),
+            windows: Vec::new(),
+            planner: None,
+            geometry: Arc::new(RowGeometry::new(
+                plan,
+                first_region,
+                shard_first_samples,
+                table_len,
+                window_bytes,
+                corrupt,
+            )),
         }))
     }
 
     /// Unpins the windows once the stream's work is done (the caller synchronised its compute
     /// stream; the copies ahead are waited for here).
-    pub(super) fn release(&self, windows: &PageCacheWindows) {
-        if let Some(device_shards) = &self.device_shards {
+    pub(super) fn release(&mut self, windows: &PageCacheWindows) {
+        if let Some(device_shards) = &mut self.device_shards {
             let _ = device_shards.synchronize();
         }
         windows.unpin(&self.windows);
@@ -361,6 +443,54 @@ impl Resident {
     /// Device memory held for shard copies.
     pub(super) fn device_bytes(&self) -> usize {
         self.device_shards.as_ref().map_or(0, |d| d.device_bytes())
+    }
+}
+
+/// The first sample of each shard of the plan's dataset, and the sample count after the last.
+fn shard_first_samples(plan: &StreamPlan) -> Vec<u64> {
+    let mut first_sample = 0u64;
+    let mut firsts: Vec<u64> = plan
+        .dataset
+        .manifest
+        .shards
+        .iter()
+        .map(|shard| {
+            let first = first_sample;
+            first_sample += shard.sample_count;
+            first
+        })
+        .collect();
+    firsts.push(first_sample);
+    firsts
+}
+
+impl RowGeometry {
+    fn new(
+        plan: &StreamPlan,
+        first_region: Vec<u32>,
+        shard_first_samples: Vec<u64>,
+        region_count: usize,
+        window_bytes: u64,
+        corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
+    ) -> RowGeometry {
+        RowGeometry {
+            first_region,
+            shard_first_samples,
+            region_count,
+            window_bytes,
+            corrupt,
+            linear: plan
+                .dataset
+                .shards
+                .iter()
+                .map(|shard| {
+                    plan.fields
+                        .iter()
+                        .map(|f| linear_layout(shard.metadata.field_blocks(f.field_index)))
+                        .collect()
+                })
+                .collect(),
+        }
     }
 }
 
@@ -760,6 +890,19 @@ impl GpuAssembler {
         let count = planned.pieces;
         if count > 0 {
             let resident = self.resident.as_mut().expect("a resident stream");
+            if let Some(device_shards) = resident.device_shards.as_mut() {
+                if device_shards.is_streamed() {
+                    let mut needed: Vec<usize> = Vec::new();
+                    for (region, &bytes) in planned.region_bytes.iter().enumerate() {
+                        let shard = device_shards.shard_of_region(region);
+                        if bytes > 0 && !needed.contains(&shard) {
+                            needed.push(shard);
+                        }
+                    }
+                    self.timings.copy_wait_s +=
+                        device_shards.prepare_round(&needed, &self.stream)?;
+                }
+            }
             // When shards are copied ahead, the piece table (and the region table, when some
             // shards are read from their device copies) are written to the round's pinned buffer
             // and read by the kernel from there: an upload could wait behind the shard copies on

@@ -1,0 +1,249 @@
+//! How fast page-cache data beyond the registration budget can reach the device: windows of a warm
+//! file are page-locked (`cuMemHostRegister`, read-only), copied to device memory by the copy
+//! engines, and unlocked again, by 1..N threads at once (each on its own stream), so that one
+//! thread's registration overlaps another's copy. Prints one JSON line per thread count: GB/s, CPU
+//! cores over the run, and the seconds spent registering, copying and unregistering per window.
+//!
+//! ```sh
+//! cargo run --release --example register_probe -- --file /var/tmp/probe.bin --gib 8 --threads 1,2,3,4,6
+//! ```
+
+use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use gpufeed::device::{ffi, Device};
+
+#[path = "support/bench.rs"]
+#[allow(dead_code)]
+mod bench;
+
+#[derive(Parser)]
+struct Args {
+    /// The file to read (made, with pseudo-random bytes, when missing or of another size).
+    #[arg(long)]
+    file: std::path::PathBuf,
+    /// Size of the file in GiB.
+    #[arg(long, default_value_t = 8)]
+    gib: u64,
+    /// Window size in MiB.
+    #[arg(long, default_value_t = 256)]
+    window_mib: usize,
+    /// Thread counts to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    threads: Vec<usize>,
+    /// Passes per thread count.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Also measure one thread that registers the next window while earlier copies run, and
+    /// unregisters each window once its copy is complete, with this many windows in flight.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    pipelined: Vec<usize>,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+}
+
+fn make_file(path: &std::path::Path, bytes: u64) -> Result<()> {
+    if std::fs::metadata(path).map(|m| m.len()).ok() == Some(bytes) {
+        return Ok(());
+    }
+    let mut file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut block = vec![0u8; 8 << 20];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut written = 0u64;
+    while written < bytes {
+        for chunk in block.chunks_exact_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            chunk.copy_from_slice(&state.to_le_bytes());
+        }
+        let n = block.len().min((bytes - written) as usize);
+        file.write_all(&block[..n])?;
+        written += n as u64;
+    }
+    file.sync_all()?;
+    Ok(())
+}
+
+#[derive(Default)]
+struct Times {
+    register: f64,
+    copy: f64,
+    unregister: f64,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let bytes = args.gib << 30;
+    make_file(&args.file, bytes)?;
+    // Warm the page cache.
+    std::io::copy(&mut std::fs::File::open(&args.file)?, &mut std::io::sink())?;
+    let device = Arc::new(Device::open(args.device)?);
+    let file = std::fs::File::open(&args.file)?;
+    // SAFETY: the file is not modified while mapped.
+    let map = Arc::new(unsafe { memmap2::Mmap::map(&file)? });
+    let window = args.window_mib << 20;
+    let windows = bytes as usize / window;
+    for &depth in &args.pipelined {
+        for run in 1..=args.runs {
+            let (cpu0, _) = bench::cpu_seconds();
+            let start = Instant::now();
+            let times = pipelined(&device, &map, window, windows, depth)?;
+            let seconds = start.elapsed().as_secs_f64();
+            let (cpu1, _) = bench::cpu_seconds();
+            let per = |s: f64| s / windows as f64 * 1e3;
+            println!(
+                "{{\"pipelined_depth\":{depth},\"run\":{run},\"window_mib\":{},\"gb_per_s\":{:.2},\"cores\":{:.2},\"register_ms_per_window\":{:.2},\"wait_ms_per_window\":{:.2},\"unregister_ms_per_window\":{:.2}}}",
+                args.window_mib,
+                bytes as f64 / seconds / 1e9,
+                (cpu1 - cpu0) / seconds,
+                per(times.register),
+                per(times.copy),
+                per(times.unregister),
+            );
+        }
+    }
+    for &threads in &args.threads {
+        for run in 1..=args.runs {
+            let next = Arc::new(AtomicUsize::new(0));
+            let (cpu0, _) = bench::cpu_seconds();
+            let start = Instant::now();
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    let (device, map, next) =
+                        (Arc::clone(&device), Arc::clone(&map), Arc::clone(&next));
+                    std::thread::spawn(move || -> Result<Times> {
+                        device.bind()?;
+                        let mut times = Times::default();
+                        // SAFETY: a context is current; freed below.
+                        let stream = unsafe { ffi::stream_create()? };
+                        // SAFETY: as above.
+                        let dst = unsafe { ffi::mem_alloc(window)? };
+                        loop {
+                            let index = next.fetch_add(1, Ordering::Relaxed);
+                            if index >= windows {
+                                break;
+                            }
+                            let src = map[index * window..].as_ptr();
+                            let t0 = Instant::now();
+                            // SAFETY: the window is a live page-aligned part of the mapping, unregistered below.
+                            unsafe { ffi::mem_host_register_read_only(src, window)? };
+                            let t1 = Instant::now();
+                            // SAFETY: dst holds `window` bytes; src stays registered until the stream is synchronized.
+                            unsafe {
+                                ffi::memcpy_htod_async(dst, src, window, stream)?;
+                                ffi::stream_synchronize(stream)?;
+                            }
+                            let t2 = Instant::now();
+                            // SAFETY: registered above; the copy has completed.
+                            unsafe { ffi::mem_host_unregister(src)? };
+                            let t3 = Instant::now();
+                            times.register += (t1 - t0).as_secs_f64();
+                            times.copy += (t2 - t1).as_secs_f64();
+                            times.unregister += (t3 - t2).as_secs_f64();
+                        }
+                        // SAFETY: made above; no work is pending.
+                        unsafe {
+                            ffi::mem_free(dst)?;
+                            ffi::stream_destroy(stream)?;
+                        }
+                        Ok(times)
+                    })
+                })
+                .collect();
+            let mut total = Times::default();
+            for handle in handles {
+                let times = handle.join().expect("probe thread panicked")?;
+                total.register += times.register;
+                total.copy += times.copy;
+                total.unregister += times.unregister;
+            }
+            let seconds = start.elapsed().as_secs_f64();
+            let (cpu1, _) = bench::cpu_seconds();
+            let per = |s: f64| s / windows as f64 * 1e3;
+            println!(
+                "{{\"threads\":{threads},\"run\":{run},\"window_mib\":{},\"gb_per_s\":{:.2},\"cores\":{:.2},\"register_ms_per_window\":{:.2},\"copy_ms_per_window\":{:.2},\"unregister_ms_per_window\":{:.2}}}",
+                args.window_mib,
+                bytes as f64 / seconds / 1e9,
+                (cpu1 - cpu0) / seconds,
+                per(total.register),
+                per(total.copy),
+                per(total.unregister),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One thread: register window `w`, queue its copy, and unregister windows whose copies are done,
+/// keeping at most `depth` windows registered.
+fn pipelined(
+    device: &Device,
+    map: &memmap2::Mmap,
+    window: usize,
+    windows: usize,
+    depth: usize,
+) -> Result<Times> {
+    device.bind()?;
+    let mut times = Times::default();
+    // SAFETY: a context is current; everything made here is freed below.
+    let stream = unsafe { ffi::stream_create()? };
+    let buffers: Vec<_> = (0..depth)
+        // SAFETY: a context is current; freed below.
+        .map(|_| unsafe { ffi::mem_alloc(window) })
+        .collect::<Result<_, _>>()?;
+    let events: Vec<_> = (0..depth)
+        // SAFETY: as above.
+        .map(|_| unsafe { ffi::event_create(false) })
+        .collect::<Result<_, _>>()?;
+    let mut in_flight: std::collections::VecDeque<(usize, usize)> = Default::default();
+    let retire = |times: &mut Times, (index, slot): (usize, usize)| -> Result<()> {
+        let t0 = Instant::now();
+        // SAFETY: the event was recorded after the window's copy.
+        unsafe { ffi::event_synchronize(events[slot])? };
+        let t1 = Instant::now();
+        // SAFETY: registered in the loop below; its copy is complete.
+        unsafe { ffi::mem_host_unregister(map[index * window..].as_ptr())? };
+        times.copy += (t1 - t0).as_secs_f64();
+        times.unregister += t1.elapsed().as_secs_f64();
+        Ok(())
+    };
+    for index in 0..windows {
+        if in_flight.len() == depth {
+            let oldest = in_flight.pop_front().expect("depth > 0");
+            retire(&mut times, oldest)?;
+        }
+        let slot = index % depth;
+        let src = map[index * window..].as_ptr();
+        let t0 = Instant::now();
+        // SAFETY: a live page-aligned part of the mapping, unregistered in `retire`; the buffer's
+        // previous copy was retired above.
+        unsafe {
+            ffi::mem_host_register_read_only(src, window)?;
+            times.register += t0.elapsed().as_secs_f64();
+            ffi::memcpy_htod_async(buffers[slot], src, window, stream)?;
+            ffi::event_record(events[slot], stream)?;
+        }
+        in_flight.push_back((index, slot));
+    }
+    while let Some(oldest) = in_flight.pop_front() {
+        retire(&mut times, oldest)?;
+    }
+    // SAFETY: no work is pending.
+    unsafe {
+        for buffer in buffers {
+            ffi::mem_free(buffer)?;
+        }
+        for event in events {
+            ffi::event_destroy(event)?;
+        }
+        ffi::stream_destroy(stream)?;
+    }
+    Ok(times)
+}
