@@ -42,6 +42,11 @@ struct Args {
     /// unregisters each window once its copy is complete, with this many windows in flight.
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     pipelined: Vec<usize>,
+    /// Also measure one thread that registers a group of this many windows while the previous
+    /// group's copies run, then unregisters the previous group once its copies are done and only
+    /// then queues the new group's copies (unregistering waits for the device).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    grouped: Vec<usize>,
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -100,6 +105,25 @@ fn main() -> Result<()> {
             let per = |s: f64| s / windows as f64 * 1e3;
             println!(
                 "{{\"pipelined_depth\":{depth},\"run\":{run},\"window_mib\":{},\"gb_per_s\":{:.2},\"cores\":{:.2},\"register_ms_per_window\":{:.2},\"wait_ms_per_window\":{:.2},\"unregister_ms_per_window\":{:.2}}}",
+                args.window_mib,
+                bytes as f64 / seconds / 1e9,
+                (cpu1 - cpu0) / seconds,
+                per(times.register),
+                per(times.copy),
+                per(times.unregister),
+            );
+        }
+    }
+    for &group in &args.grouped {
+        for run in 1..=args.runs {
+            let (cpu0, _) = bench::cpu_seconds();
+            let start = Instant::now();
+            let times = grouped(&device, &map, window, windows, group)?;
+            let seconds = start.elapsed().as_secs_f64();
+            let (cpu1, _) = bench::cpu_seconds();
+            let per = |s: f64| s / windows as f64 * 1e3;
+            println!(
+                "{{\"grouped\":{group},\"run\":{run},\"window_mib\":{},\"gb_per_s\":{:.2},\"cores\":{:.2},\"register_ms_per_window\":{:.2},\"wait_ms_per_window\":{:.2},\"unregister_ms_per_window\":{:.2}}}",
                 args.window_mib,
                 bytes as f64 / seconds / 1e9,
                 (cpu1 - cpu0) / seconds,
@@ -243,6 +267,74 @@ fn pipelined(
         for event in events {
             ffi::event_destroy(event)?;
         }
+        ffi::stream_destroy(stream)?;
+    }
+    Ok(times)
+}
+
+/// One thread, windows in groups of `group`: register group k+1 while group k's copies run, wait for
+/// them, unregister group k, then queue group k+1's copies.
+fn grouped(
+    device: &Device,
+    map: &memmap2::Mmap,
+    window: usize,
+    windows: usize,
+    group: usize,
+) -> Result<Times> {
+    device.bind()?;
+    let mut times = Times::default();
+    // SAFETY: a context is current; freed below.
+    let stream = unsafe { ffi::stream_create()? };
+    // SAFETY: as above.
+    let dst = unsafe { ffi::mem_alloc(window * group)? };
+    let groups: Vec<Vec<usize>> = (0..windows)
+        .collect::<Vec<_>>()
+        .chunks(group)
+        .map(|c| c.to_vec())
+        .collect();
+    let mut previous: Option<&Vec<usize>> = None;
+    for members in &groups {
+        let t0 = Instant::now();
+        for &index in members {
+            // SAFETY: a live page-aligned part of the mapping, unregistered below.
+            unsafe { ffi::mem_host_register_read_only(map[index * window..].as_ptr(), window)? };
+        }
+        times.register += t0.elapsed().as_secs_f64();
+        if let Some(done) = previous {
+            let t1 = Instant::now();
+            // SAFETY: a live stream.
+            unsafe { ffi::stream_synchronize(stream)? };
+            let t2 = Instant::now();
+            for &index in done {
+                // SAFETY: registered above; its copy has completed.
+                unsafe { ffi::mem_host_unregister(map[index * window..].as_ptr())? };
+            }
+            times.copy += (t2 - t1).as_secs_f64();
+            times.unregister += t2.elapsed().as_secs_f64();
+        }
+        for (k, &index) in members.iter().enumerate() {
+            // SAFETY: dst holds `group` windows; the source stays registered until unregistered
+            // after the stream is synchronized.
+            unsafe {
+                ffi::memcpy_htod_async(
+                    dst + (k * window) as u64,
+                    map[index * window..].as_ptr(),
+                    window,
+                    stream,
+                )?;
+            }
+        }
+        previous = Some(members);
+    }
+    // SAFETY: a live stream.
+    unsafe { ffi::stream_synchronize(stream)? };
+    for &index in previous.into_iter().flatten() {
+        // SAFETY: registered above; its copy has completed.
+        unsafe { ffi::mem_host_unregister(map[index * window..].as_ptr())? };
+    }
+    // SAFETY: no work is pending.
+    unsafe {
+        ffi::mem_free(dst)?;
         ffi::stream_destroy(stream)?;
     }
     Ok(times)

@@ -1,9 +1,10 @@
 //! Registered page-cache windows of one device, shared by every reader of that device.
 //!
 //! The page-cache path copies shard bytes straight from a memory map of the shard that is registered
-//! with the driver (`cuMemHostRegister`, read-only). Registering costs about 9 ms per 256 MiB window
-//! (measured on the H100 box: 0.15 s for 4 GiB), which is as long as copying 500 MiB at the PCIe
-//! limit, so registrations are kept across reads, across streams and across consumers: the windows of
+//! with the driver (`cuMemHostRegister`, read-only). Registering costs 5 to 7.5 ms per 256 MiB window
+//! and unregistering 2 to 2.5 ms, during which the driver also waits for the device's queued work
+//! (measured on the H100 box with `examples/register_probe.rs`): together as long as copying 500 MiB
+//! at the PCIe limit, so registrations are kept across reads, across streams and across consumers: the windows of
 //! a dataset read in one epoch are still registered when the next epoch (or the next consumer) reads
 //! them. The registered bytes are bounded (they are locked in memory): least recently used windows are
 //! unregistered first, and only once every copy that reads them has completed.
@@ -99,6 +100,9 @@ struct Window {
     verified: std::collections::HashSet<u64>,
     /// Per reader, an event recorded on its stream after its last copy from this window.
     copies_done: Vec<(u64, Event)>,
+    /// Registered for a loader's copy beyond the budget: unregistered when the last pin goes (see
+    /// [`PageCacheWindows::map_for_copy`]).
+    transient: bool,
     /// Keeps the registered pages mapped.
     _mapped: Arc<Mapped>,
 }
@@ -162,6 +166,24 @@ pub struct PageCacheWindows {
     shared: Arc<Shared>,
     ahead: Mutex<Option<std::sync::mpsc::SyncSender<Ahead>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// Where a loader copies a window from (see [`PageCacheWindows::map_for_copy`]): a pinned window.
+pub struct CopySource {
+    range: MappedRange,
+    transient: bool,
+}
+
+impl CopySource {
+    /// The host address of the requested range's first byte (registered memory).
+    pub fn host_addr(&self) -> usize {
+        self.range.window_host_addr + self.range.offset_in_window as usize
+    }
+
+    /// Whether the window was registered for this copy only (unregistered when released).
+    pub fn is_transient(&self) -> bool {
+        self.transient
+    }
 }
 
 /// What [`PageCacheWindows::copy`] did.
@@ -485,6 +507,119 @@ impl PageCacheWindows {
         self.window_bytes as u64
     }
 
+    /// Where a loader copies `len` bytes at `offset` of `file` (within one window) from, for a copy
+    /// by the copy engines (see `pipeline::gpu::shard_loader`): the window, pinned, registering it if
+    /// needed. A window registered here stays in the registry when that leaves `keep_free` bytes of
+    /// the budget free; otherwise it is transient (least recently used windows are evicted to make
+    /// room for it) and is unregistered as soon as the last holder releases it. The caller hands it
+    /// back to [`Self::release_copy_source`] once its copy is complete. Unlike [`Self::map`], nothing
+    /// is registered ahead. `None` when the window is not resident (per `fraction_min`), the file
+    /// cannot be registered, or pinned windows fill the budget.
+    pub fn map_for_copy(
+        &self,
+        file: &File,
+        offset: u64,
+        len: usize,
+        fraction_min: f64,
+        keep_free: usize,
+    ) -> Result<Option<CopySource>, DeviceError> {
+        let Ok(key) = FileKey::of(file) else {
+            return Ok(None);
+        };
+        let window_bytes = self.window_bytes;
+        let index = offset / window_bytes as u64;
+        let start = index as usize * window_bytes;
+        if offset as usize + len > start + window_bytes || len == 0 {
+            return Ok(None);
+        }
+        let mut registry = self.lock();
+        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+            return Ok(None);
+        };
+        let file_len = mapped.map.len();
+        if offset as usize + len > file_len {
+            return Ok(None);
+        }
+        // Being registered by the register-ahead worker: wait for it.
+        while registry.registering.contains(&(key, index)) {
+            registry = self
+                .shared
+                .registered
+                .wait(registry)
+                .expect("page-cache registry poisoned");
+        }
+        if registry.refused.contains_key(&key) {
+            return Ok(None);
+        }
+        registry.clock += 1;
+        let clock = registry.clock;
+        let bytes = self.registered_len(start, file_len);
+        let known = registry
+            .windows
+            .iter()
+            .position(|w| w.file == key && w.index == index);
+        let slot = match known {
+            Some(slot) => slot,
+            None => {
+                let resident = mapped
+                    .residency
+                    .resident_fraction(start, bytes.min(file_len - start))
+                    .is_ok_and(|f| f >= fraction_min);
+                if !resident {
+                    return Ok(None);
+                }
+                let transient =
+                    registry.registered_bytes + bytes + keep_free > self.registered_bytes_max;
+                let registered =
+                    self.register(&mut registry, key, &mapped, index, start, bytes, clock)?;
+                let Some(slot) = registered else {
+                    return Ok(None);
+                };
+                registry.windows[slot].transient = transient;
+                slot
+            }
+        };
+        let window = &mut registry.windows[slot];
+        window.pins += 1;
+        window.last_use = clock;
+        Ok(Some(CopySource {
+            range: MappedRange {
+                window: WindowId { file: key, index },
+                window_device_ptr: window.device_ptr,
+                window_host_addr: window.ptr as usize,
+                window_bytes: window.bytes as u64,
+                offset_in_window: offset - start as u64,
+            },
+            transient: window.transient,
+        }))
+    }
+
+    /// Hands back what [`Self::map_for_copy`] gave, once the copy from it has completed: the window
+    /// is unpinned, and a transient window nothing else pins is unregistered (the driver waits for
+    /// the device's queued work first, so the caller releases it before queueing more copies).
+    pub fn release_copy_source(&self, source: CopySource) {
+        let id = source.range.window;
+        let mut registry = self.lock();
+        let Some(slot) = registry
+            .windows
+            .iter()
+            .position(|w| w.file == id.file && w.index == id.index)
+        else {
+            return;
+        };
+        let window = &mut registry.windows[slot];
+        window.pins -= 1;
+        if !(window.transient && window.pins == 0) {
+            return;
+        }
+        let window = registry.windows.swap_remove(slot);
+        registry.registered_bytes -= window.bytes;
+        drop(registry);
+        if let Err(error) = unregister(window) {
+            tracing::warn!("unregistering a page-cache window failed: {error}");
+        }
+    }
+
     /// Unpins windows that [`Self::map`] pinned for work that was never queued.
     pub fn unpin(&self, windows: &[WindowId]) {
         let mut registry = self.lock();
@@ -680,6 +815,7 @@ impl Window {
             pins: 0,
             verified: std::collections::HashSet::new(),
             copies_done: Vec::new(),
+            transient: false,
             _mapped: Arc::clone(mapped),
         }
     }
