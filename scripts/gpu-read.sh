@@ -13,7 +13,9 @@
 #      with gpufeed's runs, and after the full-shuffle runs a PyTorch DataLoader with a RandomSampler
 #      (best of 4/8/16 workers, 64 batches each). Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
 #      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
-#      the run and the bytes the daemon read (from /metrics) per byte of the epoch.
+#      the run and the bytes the daemon read (from /metrics) per byte of the epoch. READ_DAEMON_FLAGS:
+#      extra flags for every daemon (e.g. "--registered-window 1G"). READ_BENCH_ONLY=1: step 3 only;
+#      READ_TESTS_ONLY=1: steps 1 and 2 only.
 # Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -61,7 +63,7 @@ cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
 start_daemon() {
   rm -f "$socket"
   "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
-    "$@" >"$work/daemon.out" 2>>"$OUT/daemon.log" &
+    "$@" ${READ_DAEMON_FLAGS:-} >"$work/daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
     grep -q "serving" "$work/daemon.out" 2>/dev/null && return 0
@@ -176,7 +178,7 @@ if [ "${1:-}" = --bench-only ]; then
   read_bench
   exit $?
 fi
-step read_bench bench 240 60 bash "$0" --bench-only
+[ -z "${READ_TESTS_ONLY:-}" ] && step read_bench bench 240 60 bash "$0" --bench-only
 # API errors are not reported: libcufile's own cuFileDriverOpen frees an invalid pointer once per
 # process (an error inside NVIDIA's library, seen in the first run); kernel memory errors still are.
 [ -z "${READ_BENCH_ONLY:-}" ] && step memcheck sanitizer 200 60 compute-sanitizer --error-exitcode 99 --print-limit 20 \
@@ -185,7 +187,7 @@ step read_bench bench 240 60 bash "$0" --bench-only
 
 grep -E '^test result|FAILED|panicked' "$OUT/tests.log" | head -20
 grep -E '^=== |ERROR SUMMARY' "$OUT/sanitizer.log" | cut -c1-160
-python3 - "$jsonl" <<'PY'
+[ -s "$jsonl" ] && python3 - "$jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 groups = {}

@@ -89,14 +89,14 @@ pub struct GpuReaderLimits {
 }
 
 impl GpuReaderLimits {
-    /// Defaults for a GPU node: three 16 MiB bounce buffers, 256 MiB windows, 8 GiB registered, 8 cuFile
+    /// Defaults for a GPU node: three 16 MiB bounce buffers, 64 MiB windows, 8 GiB registered, 8 cuFile
     /// threads.
     pub fn node_defaults() -> GpuReaderLimits {
         GpuReaderLimits {
             bounce_buffer_bytes: 16 << 20,
             bounce_buffers: 3,
             queue_depth: 64,
-            window_bytes: 256 << 20,
+            window_bytes: 64 << 20,
             registered_bytes_max: 8 << 30,
             resident_fraction_min: 0.95,
             cufile_threads: super::cufile::CUFILE_THREADS_DEFAULT,

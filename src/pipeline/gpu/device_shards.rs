@@ -10,9 +10,9 @@
 //! every stored byte crosses the link once per epoch, in large copies, ahead of need.
 //!
 //! Within the registration budget every window stays registered for the stream's life: a round
-//! only reads a shard's device copy once the copy is known to be complete (its event has completed
-//! when the round is planned), so the compute stream never waits for a copy: a shard not yet on the
-//! device is read in place as before. Beyond the budget (a "streamed" stream) nothing stays
+//! reads a shard from its device copy once that copy is queued (the compute stream waits for the
+//! copy's event; reading in place while the copy runs would share the link with it), and reads a
+//! shard in no slot in place. Beyond the budget (a "streamed" stream) nothing stays
 //! registered: a loader thread copies each shard through windows registered for the time of their
 //! copies (see `shard_loader`), and rows are read only from device copies: before a round, every
 //! shard it reads is in a slot, and the compute stream waits for its copy. A slot is overwritten
@@ -341,47 +341,50 @@ impl DeviceShards {
         matches!(self.source, ShardSource::Streamed(_))
     }
 
-    /// Streamed: makes sure every shard of `needed` is in a slot and that the compute stream waits
-    /// for its copy, before a round reading them is queued there. Waits on the host only for the
-    /// loader to have queued a copy (not for the copy itself). Returns the seconds waited.
+    /// Before a round reading the shards `needed` is queued: makes the compute stream wait for the
+    /// copies of those of them whose copy is queued (reading a shard in place while its copy runs
+    /// would share the link with the copy, and the copy engines move it faster). Streamed, also
+    /// makes sure each of them is in a slot, waiting on the host only for the loader to have queued
+    /// a copy (never for the copy itself). Returns the seconds waited on the host.
     pub(super) fn prepare_round(
         &mut self,
         needed: &[usize],
         compute: &Stream,
     ) -> Result<f64, FillError> {
-        if !self.is_streamed() {
-            return Ok(0.0);
-        }
-        if needed.len() > self.slots.len() {
-            return Err(FillError::ShardSlotsTooFew {
-                needed: needed.len(),
-                slots: self.slots.len(),
-            });
-        }
-        for &shard in needed {
-            if self.holder[shard].is_none() {
-                // Not read ahead (the slots were too few for the orders's look-ahead): a slot no
-                // shard of this round needs, preferring one never filled.
-                let victim = (0..self.slots.len())
-                    .filter(|&i| self.slots[i].shard.is_none_or(|s| !needed.contains(&s)))
-                    .min_by_key(|&i| self.slots[i].shard.is_some())
-                    .expect("more slots than shards needed");
-                self.fill(victim, shard)?;
+        if self.is_streamed() {
+            if needed.len() > self.slots.len() {
+                return Err(FillError::ShardSlotsTooFew {
+                    needed: needed.len(),
+                    slots: self.slots.len(),
+                });
+            }
+            for &shard in needed {
+                if self.holder[shard].is_none() {
+                    // Not read ahead (the slots were too few for the order's look-ahead): a slot no
+                    // shard of this round needs, preferring one never filled.
+                    let victim = (0..self.slots.len())
+                        .filter(|&i| self.slots[i].shard.is_none_or(|s| !needed.contains(&s)))
+                        .min_by_key(|&i| self.slots[i].shard.is_some())
+                        .expect("more slots than shards needed");
+                    self.fill(victim, shard)?;
+                }
             }
         }
         let mut waited_s = 0.0;
         for &shard in needed {
-            let index = self.holder[shard].expect("filled above");
+            // Within the budget, a shard in no slot is read in place.
+            let Some(index) = self.holder[shard] else {
+                continue;
+            };
             let slot = &self.slots[index];
             if slot.ready || slot.waited {
                 continue;
             }
-            let ShardSource::Streamed(loader) = &self.source else {
-                unreachable!("checked above");
-            };
-            let started = std::time::Instant::now();
-            loader.wait_recorded(index, slot.generation, shard)?;
-            waited_s += started.elapsed().as_secs_f64();
+            if let ShardSource::Streamed(loader) = &self.source {
+                let started = std::time::Instant::now();
+                loader.wait_recorded(index, slot.generation, shard)?;
+                waited_s += started.elapsed().as_secs_f64();
+            }
             compute.wait(&slot.copied)?;
             self.slots[index].waited = true;
         }

@@ -891,17 +891,14 @@ impl GpuAssembler {
         if count > 0 {
             let resident = self.resident.as_mut().expect("a resident stream");
             if let Some(device_shards) = resident.device_shards.as_mut() {
-                if device_shards.is_streamed() {
-                    let mut needed: Vec<usize> = Vec::new();
-                    for (region, &bytes) in planned.region_bytes.iter().enumerate() {
-                        let shard = device_shards.shard_of_region(region);
-                        if bytes > 0 && !needed.contains(&shard) {
-                            needed.push(shard);
-                        }
+                let mut needed: Vec<usize> = Vec::new();
+                for (region, &bytes) in planned.region_bytes.iter().enumerate() {
+                    let shard = device_shards.shard_of_region(region);
+                    if bytes > 0 && !needed.contains(&shard) {
+                        needed.push(shard);
                     }
-                    self.timings.copy_wait_s +=
-                        device_shards.prepare_round(&needed, &self.stream)?;
                 }
+                self.timings.copy_wait_s += device_shards.prepare_round(&needed, &self.stream)?;
             }
             // When shards are copied ahead, the piece table (and the region table, when some
             // shards are read from their device copies) are written to the round's pinned buffer

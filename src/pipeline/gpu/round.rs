@@ -27,9 +27,9 @@ use crate::storage::gpu::ReadPath;
 use crate::storage::windows::WindowId;
 use crate::storage::{Extent, FileId};
 
-/// Most mapped page-cache windows one round reads in place (its region table; 256 GiB of 256 MiB
-/// windows).
-pub(super) const REGIONS_MAX: usize = 1024;
+/// Most mapped page-cache windows one round reads in place (its region table, 64 KiB; 256 GiB of
+/// 64 MiB windows).
+pub(super) const REGIONS_MAX: usize = 4096;
 
 /// The blocks a round reads, and where each goes.
 #[derive(Default)]
