@@ -49,8 +49,9 @@ pub struct ServerConfig {
     /// The GPU backends, one per device the daemon serves (none: the CPU backend only); host-memory
     /// streams are served either way.
     pub gpus: Vec<Arc<GpuBackend>>,
-    /// How long a new connection may take to send its Hello before it is closed: a connection that
-    /// never speaks would otherwise hold a session (of the bounded `sessions_max`) forever.
+    /// How long a new connection may take to send its whole Hello before it is closed: a connection
+    /// that never speaks, or sends its Hello a byte at a time, would otherwise hold a session (of the
+    /// bounded `sessions_max`) forever.
     pub handshake_timeout: std::time::Duration,
 }
 
@@ -303,15 +304,10 @@ fn handshake(
     session_id: u64,
     uid: u32,
 ) -> Option<String> {
-    if let Err(error) = reader.set_read_timeout(Some(shared.config.handshake_timeout)) {
-        tracing::warn!("session {session_id}: cannot set the handshake deadline: {error}");
-        return None;
-    }
-    let hello = transport::recv(reader);
-    if let Err(error) = reader.set_read_timeout(None) {
-        tracing::warn!("session {session_id}: cannot clear the handshake deadline: {error}");
-        return None;
-    }
+    // The deadline bounds the whole Hello, not each read: a client trickling a byte at a time would
+    // otherwise keep its session for ever.
+    let deadline = std::time::Instant::now() + shared.config.handshake_timeout;
+    let hello = transport::recv_before(reader, deadline);
     let client = match hello {
         Ok((Message::Hello { client }, _)) => {
             tracing::info!("session {session_id}: {client} (uid {uid})");
