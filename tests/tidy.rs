@@ -353,6 +353,43 @@ fn the_unsafe_rule_stays_switched_on() {
     }
 }
 
+/// The attribute lines (`#[...]`) directly above the line `item` of the file `path` (relative to the
+/// root), comment lines skipped.
+fn attributes_above(path: &str, item: &str) -> Vec<String> {
+    let lines = code_lines(&root().join(path));
+    let index = lines
+        .iter()
+        .position(|(_, code)| code.trim() == item)
+        .unwrap_or_else(|| panic!("{path}: no line `{item}`"));
+    lines[..index]
+        .iter()
+        .rev()
+        .map(|(_, code)| code.trim())
+        .filter(|code| !code.is_empty())
+        .take_while(|code| code.starts_with("#["))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Rule "Test support": the modules kept public only for tests, benchmarks and the demo are out of
+/// the documentation, each marked once.
+#[test]
+fn test_support_is_hidden_from_the_documentation() {
+    for (path, item) in [
+        ("src/lib.rs", "pub mod synth;"),
+        ("src/storage/mod.rs", "pub mod fault;"),
+        ("src/kernels/mod.rs", "pub mod reference;"),
+    ] {
+        let attributes = attributes_above(path, item);
+        let hidden = attributes.iter().filter(|a| *a == "#[doc(hidden)]").count();
+        assert_eq!(
+            hidden, 1,
+            "ARCHITECTURE.md rule broken: test support is #[doc(hidden)], once: {path}: `{item}` \
+             has {attributes:?}"
+        );
+    }
+}
+
 /// The checks find what they look for: a planted offender in a scratch file is reported, with its
 /// line, and the same text in a comment is not.
 #[test]
