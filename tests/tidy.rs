@@ -158,7 +158,8 @@ fn workspace_members(manifest: &str) -> Vec<String> {
 }
 
 /// Rule "Proto": the wire types live in `gpufeed-proto`, which names neither CUDA nor memory
-/// mapping; the daemon takes them from there, and only its demo (a consumer) uses the client crate.
+/// mapping; the daemon takes them from there, and only its consumers (`gpufeed demo`, `gpufeed
+/// consume`) use the client crate.
 #[test]
 fn the_daemon_builds_on_the_proto_crate() {
     assert_none(
@@ -388,6 +389,80 @@ fn test_support_is_hidden_from_the_documentation() {
              has {attributes:?}"
         );
     }
+}
+
+/// Every file and directory of the repository (directories with a trailing `/`), relative to the
+/// root, build outputs and hidden directories left out.
+fn repository_paths() -> Vec<String> {
+    let root = root();
+    let mut found = Vec::new();
+    let mut pending = vec![root.clone()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.expect("a directory entry").path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            if name.starts_with('.') || name == "target" {
+                continue;
+            }
+            let relative = path.strip_prefix(&root).expect("under the root");
+            let relative = relative.to_string_lossy().replace('\\', "/");
+            if path.is_dir() {
+                found.push(format!("{relative}/"));
+                pending.push(path);
+            } else {
+                found.push(relative);
+            }
+        }
+    }
+    found
+}
+
+/// ARCHITECTURE.md is the document the rules above cite: each rule (a `- **Name**:` bullet) is
+/// stated once in it, and every file or directory it names in backticks exists (relative to the
+/// root or, as the code map writes them, to the module described).
+#[test]
+fn architecture_md_states_each_rule_once_and_names_real_paths() {
+    let text =
+        std::fs::read_to_string(root().join("docs/ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let mut names: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("- **"))
+        .filter_map(|rest| rest.split_once("**").map(|(name, _)| name))
+        .collect();
+    names.sort_unstable();
+    let mut repeated: Vec<&str> = names
+        .windows(2)
+        .filter(|w| w[0] == w[1])
+        .map(|w| w[0])
+        .collect();
+    repeated.dedup();
+    assert!(
+        repeated.is_empty(),
+        "ARCHITECTURE.md states these rules more than once: {repeated:?}"
+    );
+    let paths = repository_paths();
+    let named = text
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|token| !token.contains(['*', ' ', ':']) && token.len() > 1)
+        .filter(|token| {
+            token.ends_with('/')
+                || [".rs", ".md", ".toml", ".cu", ".h", ".sh", ".py"]
+                    .iter()
+                    .any(|extension| token.ends_with(extension))
+        });
+    let missing: Vec<&str> = named
+        .filter(|token| {
+            !paths
+                .iter()
+                .any(|path| path == token || path.ends_with(&format!("/{token}")))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names paths that do not exist: {missing:?}"
+    );
 }
 
 /// The checks find what they look for: a planted offender in a scratch file is reported, with its
