@@ -391,6 +391,86 @@ fn test_support_is_hidden_from_the_documentation() {
     }
 }
 
+/// The sibling modules (files or directories beside it) that the non-test code of the file `path`
+/// (not a `mod.rs`) names, as `super::NAME` or by its full `crate::` path.
+fn sibling_imports(path: &Path, src: &Path) -> Vec<String> {
+    let dir = path.parent().expect("a file has a directory");
+    let own = path.file_stem().unwrap_or_default().to_string_lossy();
+    let module = dir
+        .strip_prefix(src)
+        .expect("under src")
+        .to_string_lossy()
+        .replace(['/', '\\'], "::");
+    let siblings: Vec<String> = std::fs::read_dir(dir)
+        .expect("a source directory")
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|p| p.is_dir() || p.extension().is_some_and(|e| e == "rs"))
+        .map(|p| {
+            p.file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|name| name != "mod" && *name != own)
+        .collect();
+    let code: Vec<String> = code_lines(path)
+        .into_iter()
+        .map(|(_, code)| code)
+        .take_while(|code| code.trim() != "#[cfg(test)]")
+        .collect();
+    let names = |prefix: &str, sibling: &str| {
+        let needle = format!("{prefix}{sibling}");
+        code.iter().any(|line| {
+            line.match_indices(&needle).any(|(at, _)| {
+                let after = line[at + needle.len()..].chars().next();
+                !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+        })
+    };
+    siblings
+        .into_iter()
+        .filter(|sibling| {
+            names("super::", sibling)
+                || (!module.is_empty() && names(&format!("crate::{module}::"), sibling))
+        })
+        .collect()
+}
+
+/// No two files of a module import each other: each pair of siblings has one direction, so that a
+/// file can be read (and changed) knowing only what it imports. Checked on `super::` and `crate::`
+/// paths between files of the daemon's `src`.
+#[test]
+fn no_two_sibling_files_import_each_other() {
+    let src = root().join("src");
+    let mut edges = std::collections::BTreeSet::new();
+    for file in rust_files(&src) {
+        if file
+            .file_name()
+            .is_some_and(|n| n == "mod.rs" || n == "lib.rs" || n == "main.rs")
+        {
+            continue;
+        }
+        let stem = file
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        let dir = file.parent().expect("a directory").to_path_buf();
+        for sibling in sibling_imports(&file, &src) {
+            edges.insert((dir.join(&stem), dir.join(sibling)));
+        }
+    }
+    let cycles: Vec<String> = edges
+        .iter()
+        .filter(|(a, b)| a < b && edges.contains(&(b.clone(), a.clone())))
+        .map(|(a, b)| {
+            let relative = |p: &PathBuf| p.strip_prefix(root()).unwrap().display().to_string();
+            format!("{} <-> {}", relative(a), relative(b))
+        })
+        .collect();
+    assert_none("no two sibling files import each other", cycles);
+}
+
 /// Every file and directory of the repository (directories with a trailing `/`), relative to the
 /// root, build outputs and hidden directories left out.
 fn repository_paths() -> Vec<String> {
