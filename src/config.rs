@@ -708,7 +708,8 @@ pub struct Settings {
 pub struct HttpConnections {
     /// Connections served at once; further ones wait in the listen backlog.
     pub connections_max: usize,
-    /// Time a connection may take to send a request's headers, and may stay idle between requests.
+    /// Time a connection may take to send a request's headers, or its body after them, and may
+    /// stay idle between requests.
     pub idle_timeout: std::time::Duration,
 }
 

@@ -336,7 +336,7 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
     // Installed before anything is announced, so that a signal sent as soon as the readiness line
     // is read already finds the handlers.
     let mut signals = Signals::install()?;
-    raise_open_files_limit();
+    let open_files_max = raise_open_files_limit();
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
     let (control, names) = open_control(&settings, &registry, &metrics).await?;
@@ -374,7 +374,7 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
         Some(listener) => Some(start_http(
             listener,
             &control,
-            settings.http_connections,
+            http_connections_within(settings.http_connections, open_files_max),
             http_stopped,
         )?),
         None => None,
@@ -433,18 +433,61 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
 
 /// Raises the soft limit on open descriptors to the hard one: every consumer session holds its socket
 /// and its slots' descriptors, and the control API's connections (bounded by
-/// `--http-connections-max`) must leave them room.
-fn raise_open_files_limit() {
+/// `--http-connections-max`) must leave them room. Returns the limit in force, if it could be read.
+fn raise_open_files_limit() -> Option<u64> {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-            Ok(()) => tracing::info!("open descriptor limit raised from {soft} to {hard}"),
+            Ok(()) => {
+                tracing::info!("open descriptor limit raised from {soft} to {hard}");
+                Some(hard)
+            }
             Err(error) => {
-                tracing::warn!("cannot raise the open descriptor limit ({soft}): {error}")
+                tracing::warn!("cannot raise the open descriptor limit ({soft}): {error}");
+                Some(soft)
             }
         },
-        Ok((soft, _)) => tracing::info!("open descriptor limit {soft}"),
-        Err(error) => tracing::warn!("cannot read the open descriptor limit: {error}"),
+        Ok((soft, _)) => {
+            tracing::info!("open descriptor limit {soft}");
+            Some(soft)
+        }
+        Err(error) => {
+            tracing::warn!("cannot read the open descriptor limit: {error}");
+            None
+        }
+    }
+}
+
+/// The control API's connections may hold at most this fraction (1/N) of the open descriptor
+/// limit, each connection one descriptor: the rest stays for consumer sessions (a socket, a ring,
+/// its doorbells and slot memory each), dataset files and the daemon's own.
+const HTTP_DESCRIPTOR_SHARE_DIVISOR: u64 = 4;
+
+/// `limits` with the connection limit lowered, if need be, to a quarter of the open descriptor
+/// limit `open_files_max`, so that idle HTTP connections can never take the descriptors consumer
+/// serving needs (at least one connection is always served).
+fn http_connections_within(
+    limits: crate::config::HttpConnections,
+    open_files_max: Option<u64>,
+) -> crate::config::HttpConnections {
+    let Some(open_files_max) = open_files_max else {
+        return limits;
+    };
+    let share = usize::try_from(open_files_max / HTTP_DESCRIPTOR_SHARE_DIVISOR)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if limits.connections_max <= share {
+        return limits;
+    }
+    tracing::warn!(
+        "serving at most {share} control API connections, not {} (--http-connections-max): a \
+         quarter of the open descriptor limit ({open_files_max}), so that the rest stays for \
+         consumer sessions",
+        limits.connections_max
+    );
+    crate::config::HttpConnections {
+        connections_max: share,
+        ..limits
     }
 }
 
@@ -620,5 +663,27 @@ impl Signals {
             _ = self.terminate.recv() => "SIGTERM",
             _ = self.interrupt.recv() => "SIGINT",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HttpConnections;
+
+    #[test]
+    fn http_connections_keep_three_quarters_of_the_descriptors_for_consumers() {
+        let limits = HttpConnections {
+            connections_max: 256,
+            idle_timeout: Duration::from_secs(30),
+        };
+        assert_eq!(
+            http_connections_within(limits, Some(128)).connections_max,
+            32
+        );
+        assert_eq!(http_connections_within(limits, Some(1 << 20)), limits);
+        assert_eq!(http_connections_within(limits, Some(u64::MAX)), limits);
+        assert_eq!(http_connections_within(limits, None), limits);
+        assert_eq!(http_connections_within(limits, Some(2)).connections_max, 1);
     }
 }

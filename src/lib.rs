@@ -18,6 +18,9 @@ pub mod pack;
 pub mod pipeline;
 pub mod registry;
 pub mod storage;
+// Test and benchmark support (and the demo's data), not API: public so that the integration tests,
+// the benchmarks and `gpufeed demo` reach it, but out of the documentation.
+#[doc(hidden)]
 pub mod synth;
 pub mod tools;
 

@@ -239,11 +239,12 @@ struct ServeArgs {
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
     /// Most control API connections served at once (further ones wait to be accepted), so that idle
-    /// clients cannot take the descriptors consumers need. Default: 256.
+    /// clients cannot take the descriptors consumers need; never more than a quarter of the open
+    /// descriptor limit. Default: 256.
     #[arg(long, value_name = "N")]
     http_connections_max: Option<u32>,
-    /// Seconds a control API connection may take to send a request's headers, and may stay idle
-    /// between requests, before the daemon closes it. Default: 30.
+    /// Seconds a control API connection may take to send a request's headers, or its body, and may
+    /// stay idle between requests, before the daemon closes it. Default: 30.
     #[arg(long = "http-idle-timeout", value_name = "SECONDS")]
     http_idle_timeout_s: Option<u32>,
 }

@@ -198,6 +198,17 @@ pub enum CloseReason {
     Shutdown,
 }
 
+impl std::fmt::Display for CloseReason {
+    /// In words, as consumers read it in the error that closes their session.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CloseReason::Operator => "an operator closed it through the control API",
+            CloseReason::DatasetRemoved => "the dataset its stream reads was removed",
+            CloseReason::Shutdown => "the daemon is shutting down",
+        })
+    }
+}
+
 /// What the socket server tells the directory about a session when it starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionInfo {

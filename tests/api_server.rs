@@ -393,7 +393,16 @@ fn sessions_are_listed_and_closed_through_the_api() {
         .find_map(Result::err)
         .expect("the stream ends");
     match ended {
-        ClientError::Daemon { code, .. } => assert_eq!(code, ErrorCode::Closed),
+        ClientError::Daemon { code, message } => {
+            assert_eq!(code, ErrorCode::Closed);
+            // Said in words, not Rust internals (it read "session closed by the daemon: Operator").
+            assert!(
+                !message.contains("Operator")
+                    && !message.contains("Some(")
+                    && !message.contains("::"),
+                "{message}"
+            );
+        }
         // The socket may be shut down before the error frame is read.
         ClientError::Transport(_) | ClientError::Ended(_) => {}
         other => panic!("unexpected error {other}"),

@@ -2,11 +2,16 @@
 //! `unpack`, the daemon's start-up scan and `POST /v1/datasets` (opening a FIFO waits for a writer;
 //! reading `/dev/zero` never ends). Dataset files that are not regular files are now refused before
 //! anything is read, with an error naming the path.
+//!
+//! The tests below cover each way in: the offline tools, `POST /v1/datasets` (a FIFO as the dataset
+//! path, as its manifest, as a shard or as a pack input, and a manifest linked to `/dev/zero`, which
+//! used to be read until memory ran out), and the daemon's start-up scan, which must start, serve the
+//! other datasets and still stop on SIGTERM.
 
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -35,7 +40,12 @@ fn run_bounded(args: &[&std::ffi::OsStr]) -> Output {
 }
 
 fn dataset(root: &Path) -> std::path::PathBuf {
-    let dir = root.join("set");
+    named_dataset(root, "set")
+}
+
+/// A dataset called `name` in `root/name`: two shards of 50 samples.
+fn named_dataset(root: &Path, name: &str) -> std::path::PathBuf {
+    let dir = root.join(name);
     common::pack_fields(
         &dir,
         &[common::field(
@@ -44,7 +54,7 @@ fn dataset(root: &Path) -> std::path::PathBuf {
             &[1],
             common::i32_bytes(100, |i| i as i32),
         )],
-        &common::options("set", 4096, Some(50)),
+        &common::options(name, 4096, Some(50)),
     );
     dir
 }
@@ -101,4 +111,167 @@ fn a_fifo_manifest_is_refused() {
         stderr.contains("manifest.json") && stderr.contains("not a regular file"),
         "{stderr}"
     );
+}
+
+/// `f()`, failing the test if it has not returned within 30 s (a request used to hang on a FIFO).
+fn within_30_s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(f());
+    });
+    finished
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("{what} hung"))
+}
+
+#[test]
+fn post_datasets_answers_fifos_and_devices_with_an_error() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    // A FIFO as the dataset directory itself.
+    replace_with_fifo_new(&data.join("pipe"));
+    // A dataset whose manifest is a FIFO.
+    let fifo_manifest = dataset(&data).parent().unwrap().join("fifo-manifest");
+    std::fs::rename(data.join("set"), &fifo_manifest).unwrap();
+    replace_with_fifo(&fifo_manifest.join("manifest.json"));
+    // A dataset whose manifest is a symbolic link to /dev/zero.
+    let zero_manifest = data.join("zero-manifest");
+    std::fs::rename(dataset(&data), &zero_manifest).unwrap();
+    std::fs::remove_file(zero_manifest.join("manifest.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", zero_manifest.join("manifest.json")).unwrap();
+    // A dataset with a FIFO shard.
+    let fifo_shard = data.join("fifo-shard");
+    std::fs::rename(dataset(&data), &fifo_shard).unwrap();
+    let shard = gpufeed::format::Dataset::open(&fifo_shard).unwrap().shards[0]
+        .path
+        .clone();
+    replace_with_fifo(&shard);
+    // A FIFO as a pack input.
+    replace_with_fifo_new(&data.join("tokens.npy"));
+
+    let daemon = common::daemon::start(common::daemon::serve_command(&data, &[]), root.path());
+    let address = daemon.address();
+    for (name, path, what) in [
+        ("pipe", "pipe", "pipe is not a directory"),
+        ("fifomanifest", "fifo-manifest", "manifest.json"),
+        ("zeromanifest", "zero-manifest", "manifest.json"),
+        ("fifoshard", "fifo-shard", "shard-"),
+    ] {
+        let body = serde_json::json!({"name": name, "path": path});
+        let reply = within_30_s(&format!("POST /v1/datasets {body}"), move || {
+            common::http::send_json(address, "POST", "/v1/datasets", &body, None)
+        });
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        assert!(
+            (400..500).contains(&reply.status),
+            "{path}: {} {text}",
+            reply.status
+        );
+        assert!(
+            text.contains(what),
+            "{path}: the error names no file: {text}"
+        );
+    }
+    let source = serde_json::json!({"fields": [{"name": "tokens", "npy": ["tokens.npy"]}]});
+    let body = serde_json::json!({"name": "packed", "source": source});
+    let reply = within_30_s("POST /v1/datasets with a FIFO input", move || {
+        common::http::send_json(address, "POST", "/v1/datasets", &body, None)
+    });
+    let text = String::from_utf8_lossy(&reply.body).into_owned();
+    assert_eq!(reply.status, 400, "{text}");
+    assert!(text.contains("not a regular file"), "{text}");
+    // The API still answers: no thread is stuck on a FIFO.
+    let status = within_30_s("GET /v1/status", move || {
+        common::http::get(address, "/v1/status", None)
+    });
+    assert_eq!(status.status, 200);
+}
+
+#[test]
+fn a_manifest_linked_to_dev_zero_is_refused_by_the_tools() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = dataset(root.path());
+    std::fs::remove_file(dir.join("manifest.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join("manifest.json")).unwrap();
+    for command in ["inspect", "verify"] {
+        let output = run_bounded(&[command.as_ref(), dir.as_os_str()]);
+        assert!(!output.status.success(), "{command} succeeded");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("manifest.json") && stderr.contains("not a regular file"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
+/// The start-up scan meets a dataset with a FIFO shard among the datasets of the data root: the
+/// daemon starts, serves the good one, and stops on SIGTERM (it used to hang in the scan and ignore
+/// the signal).
+#[test]
+fn the_start_up_scan_skips_a_fifo_shard_and_the_daemon_still_stops() {
+    use std::io::BufRead;
+
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    named_dataset(&data, "good");
+    let bad = named_dataset(&data, "bad");
+    let shard = gpufeed::format::Dataset::open(&bad).unwrap().shards[1]
+        .path
+        .clone();
+    replace_with_fifo(&shard);
+    let log_path = root.path().join("daemon.log");
+    let mut child = common::daemon::serve_command(&data, &["--http", "off"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let first_line = within_30_s("the daemon's start-up scan", move || {
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .unwrap();
+        line
+    });
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        first_line.starts_with("gpufeed: serving"),
+        "{first_line:?}; log:\n{}",
+        log()
+    );
+    let socket = std::path::PathBuf::from(first_line.trim_end().rsplit(" on ").next().unwrap());
+    let listed = gpufeed_client::Client::connect(&socket)
+        .unwrap()
+        .status()
+        .unwrap();
+    assert_eq!(listed.streams, 0);
+    let mut stream = gpufeed_client::Client::connect(&socket)
+        .unwrap()
+        .open_stream(gpufeed_client::StreamSpec::new("good", 10))
+        .unwrap();
+    assert!(stream.next().unwrap().is_ok(), "log:\n{}", log());
+    drop(stream);
+    assert!(
+        log().contains("not a regular file"),
+        "the bad dataset is not reported: {}",
+        log()
+    );
+    let pid = child.id();
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    let sent = unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(sent, 0, "kill: {}", std::io::Error::last_os_error());
+    let status = within_30_s("the daemon's exit on SIGTERM", move || {
+        child.wait().unwrap()
+    });
+    assert!(status.success(), "pid {pid}: {status:?}; log:\n{}", log());
+}
+
+fn replace_with_fifo_new(path: &Path) {
+    nix::unistd::mkfifo(
+        path,
+        nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+    )
+    .unwrap();
 }

@@ -6,8 +6,11 @@
 //! gpufeed's own reader, so a bug that is symmetric between gpufeed's writer and reader shows up.
 //!
 //! The tests need `python3` with the packages of `tests/requirements.txt`. When they are missing the
-//! tests print `SKIPPED` and pass, except under CI (the `CI` environment variable is set), where they
-//! fail and say how to install them.
+//! tests fail and say how to install them: a skipped test that passes reads as a pass in every
+//! summary, so it used to hide that the independent check had not run at all. Where that is meant
+//! (a machine without the packages, on purpose), `GPUFEED_ALLOW_SKIP=1` turns the failure into a
+//! loud `SKIPPED` line and a pass, except under CI (the `CI` environment variable is set), where the
+//! interop tests always run or fail.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -17,16 +20,40 @@ const GPUFEED: &str = env!("CARGO_BIN_EXE_gpufeed");
 const SCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/interop");
 const INSTALL_HINT: &str = "python3 -m pip install -r tests/requirements.txt";
 
-/// Whether `python3` and the required modules are importable. Panics when they are not and `CI` is
-/// set; otherwise prints a loud SKIPPED line for the test `test` and returns false.
+/// What an interop test does when python3 or its modules are missing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WhenMissing {
+    /// The test fails, saying what to install.
+    Fail,
+    /// The test prints SKIPPED and passes.
+    Skip,
+}
+
+/// [`WhenMissing`] from the environment `variable` reads: skip only with `GPUFEED_ALLOW_SKIP=1`, and
+/// never under CI.
+fn when_missing(variable: impl Fn(&str) -> Option<std::ffi::OsString>) -> WhenMissing {
+    let allowed = variable("GPUFEED_ALLOW_SKIP").is_some_and(|value| value == "1");
+    if allowed && variable("CI").is_none() {
+        WhenMissing::Skip
+    } else {
+        WhenMissing::Fail
+    }
+}
+
+/// Whether `python3` and the required modules are importable. Panics when they are not, unless
+/// skips are allowed ([`when_missing`]): then prints a loud SKIPPED line for the test `test` and
+/// returns false.
 fn python_ready(test: &str) -> bool {
     let problem = match missing_modules(None) {
         Ok(missing) if missing.is_empty() => return true,
         Ok(missing) => format!("python3 cannot import {}", missing.join(", ")),
         Err(problem) => problem,
     };
-    if std::env::var_os("CI").is_some() {
-        panic!("{problem}\nThe interop tests need them in CI; run `{INSTALL_HINT}`.");
+    if when_missing(|name| std::env::var_os(name)) == WhenMissing::Fail {
+        panic!(
+            "{problem}\nThe interop tests need them: run `{INSTALL_HINT}` (or, outside CI, set \
+             GPUFEED_ALLOW_SKIP=1 to skip them knowingly)."
+        );
     }
     // Written to the stderr handle rather than with eprintln!, which the test harness captures and
     // hides for passing tests: a skip must be visible.
@@ -69,6 +96,38 @@ fn missing_modules(python_path: Option<&std::path::Path>) -> Result<Vec<String>,
         .split_whitespace()
         .map(str::to_string)
         .collect())
+}
+
+/// Regression test: outside CI a missing module made the interop tests print SKIPPED and pass, so a
+/// machine without the packages reported every test green although the independent check never
+/// ran. They fail now unless skipping is asked for, and under CI even then.
+#[test]
+fn missing_modules_fail_unless_skipping_is_asked_for() {
+    let environment = |pairs: &'static [(&'static str, &'static str)]| {
+        move |name: &str| {
+            pairs
+                .iter()
+                .find(|(key, _)| *key == name)
+                .map(|(_, value)| std::ffi::OsString::from(value))
+        }
+    };
+    assert_eq!(when_missing(environment(&[])), WhenMissing::Fail);
+    assert_eq!(
+        when_missing(environment(&[("GPUFEED_ALLOW_SKIP", "1")])),
+        WhenMissing::Skip
+    );
+    assert_eq!(
+        when_missing(environment(&[("GPUFEED_ALLOW_SKIP", "0")])),
+        WhenMissing::Fail
+    );
+    assert_eq!(
+        when_missing(environment(&[("GPUFEED_ALLOW_SKIP", "1"), ("CI", "true")])),
+        WhenMissing::Fail
+    );
+    assert_eq!(
+        when_missing(environment(&[("CI", "true")])),
+        WhenMissing::Fail
+    );
 }
 
 /// Regression test for the probe: with an `lz4` that cannot be imported (a stand-in package first

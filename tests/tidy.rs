@@ -158,7 +158,8 @@ fn workspace_members(manifest: &str) -> Vec<String> {
 }
 
 /// Rule "Proto": the wire types live in `gpufeed-proto`, which names neither CUDA nor memory
-/// mapping; the daemon takes them from there, and only its demo (a consumer) uses the client crate.
+/// mapping; the daemon takes them from there, and only its consumers (`gpufeed demo`, `gpufeed
+/// consume`) use the client crate.
 #[test]
 fn the_daemon_builds_on_the_proto_crate() {
     assert_none(
@@ -351,6 +352,197 @@ fn the_unsafe_rule_stays_switched_on() {
             path.display()
         );
     }
+}
+
+/// The attribute lines (`#[...]`) directly above the line `item` of the file `path` (relative to the
+/// root), comment lines skipped.
+fn attributes_above(path: &str, item: &str) -> Vec<String> {
+    let lines = code_lines(&root().join(path));
+    let index = lines
+        .iter()
+        .position(|(_, code)| code.trim() == item)
+        .unwrap_or_else(|| panic!("{path}: no line `{item}`"));
+    lines[..index]
+        .iter()
+        .rev()
+        .map(|(_, code)| code.trim())
+        .filter(|code| !code.is_empty())
+        .take_while(|code| code.starts_with("#["))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Rule "Test support": the modules kept public only for tests, benchmarks and the demo are out of
+/// the documentation, each marked once.
+#[test]
+fn test_support_is_hidden_from_the_documentation() {
+    for (path, item) in [
+        ("src/lib.rs", "pub mod synth;"),
+        ("src/storage/mod.rs", "pub mod fault;"),
+        ("src/kernels/mod.rs", "pub mod reference;"),
+    ] {
+        let attributes = attributes_above(path, item);
+        let hidden = attributes.iter().filter(|a| *a == "#[doc(hidden)]").count();
+        assert_eq!(
+            hidden, 1,
+            "ARCHITECTURE.md rule broken: test support is #[doc(hidden)], once: {path}: `{item}` \
+             has {attributes:?}"
+        );
+    }
+}
+
+/// The sibling modules (files or directories beside it) that the non-test code of the file `path`
+/// (not a `mod.rs`) names, as `super::NAME` or by its full `crate::` path.
+fn sibling_imports(path: &Path, src: &Path) -> Vec<String> {
+    let dir = path.parent().expect("a file has a directory");
+    let own = path.file_stem().unwrap_or_default().to_string_lossy();
+    let module = dir
+        .strip_prefix(src)
+        .expect("under src")
+        .to_string_lossy()
+        .replace(['/', '\\'], "::");
+    let siblings: Vec<String> = std::fs::read_dir(dir)
+        .expect("a source directory")
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|p| p.is_dir() || p.extension().is_some_and(|e| e == "rs"))
+        .map(|p| {
+            p.file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|name| name != "mod" && *name != own)
+        .collect();
+    let code: Vec<String> = code_lines(path)
+        .into_iter()
+        .map(|(_, code)| code)
+        .take_while(|code| code.trim() != "#[cfg(test)]")
+        .collect();
+    let names = |prefix: &str, sibling: &str| {
+        let needle = format!("{prefix}{sibling}");
+        code.iter().any(|line| {
+            line.match_indices(&needle).any(|(at, _)| {
+                let after = line[at + needle.len()..].chars().next();
+                !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+        })
+    };
+    siblings
+        .into_iter()
+        .filter(|sibling| {
+            names("super::", sibling)
+                || (!module.is_empty() && names(&format!("crate::{module}::"), sibling))
+        })
+        .collect()
+}
+
+/// No two files of a module import each other: each pair of siblings has one direction, so that a
+/// file can be read (and changed) knowing only what it imports. Checked on `super::` and `crate::`
+/// paths between files of the daemon's `src`.
+#[test]
+fn no_two_sibling_files_import_each_other() {
+    let src = root().join("src");
+    let mut edges = std::collections::BTreeSet::new();
+    for file in rust_files(&src) {
+        if file
+            .file_name()
+            .is_some_and(|n| n == "mod.rs" || n == "lib.rs" || n == "main.rs")
+        {
+            continue;
+        }
+        let stem = file
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        let dir = file.parent().expect("a directory").to_path_buf();
+        for sibling in sibling_imports(&file, &src) {
+            edges.insert((dir.join(&stem), dir.join(sibling)));
+        }
+    }
+    let cycles: Vec<String> = edges
+        .iter()
+        .filter(|(a, b)| a < b && edges.contains(&(b.clone(), a.clone())))
+        .map(|(a, b)| {
+            let relative = |p: &PathBuf| p.strip_prefix(root()).unwrap().display().to_string();
+            format!("{} <-> {}", relative(a), relative(b))
+        })
+        .collect();
+    assert_none("no two sibling files import each other", cycles);
+}
+
+/// Every file and directory of the repository (directories with a trailing `/`), relative to the
+/// root, build outputs and hidden directories left out.
+fn repository_paths() -> Vec<String> {
+    let root = root();
+    let mut found = Vec::new();
+    let mut pending = vec![root.clone()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.expect("a directory entry").path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            if name.starts_with('.') || name == "target" {
+                continue;
+            }
+            let relative = path.strip_prefix(&root).expect("under the root");
+            let relative = relative.to_string_lossy().replace('\\', "/");
+            if path.is_dir() {
+                found.push(format!("{relative}/"));
+                pending.push(path);
+            } else {
+                found.push(relative);
+            }
+        }
+    }
+    found
+}
+
+/// ARCHITECTURE.md is the document the rules above cite: each rule (a `- **Name**:` bullet) is
+/// stated once in it, and every file or directory it names in backticks exists (relative to the
+/// root or, as the code map writes them, to the module described).
+#[test]
+fn architecture_md_states_each_rule_once_and_names_real_paths() {
+    let text =
+        std::fs::read_to_string(root().join("docs/ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let mut names: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("- **"))
+        .filter_map(|rest| rest.split_once("**").map(|(name, _)| name))
+        .collect();
+    names.sort_unstable();
+    let mut repeated: Vec<&str> = names
+        .windows(2)
+        .filter(|w| w[0] == w[1])
+        .map(|w| w[0])
+        .collect();
+    repeated.dedup();
+    assert!(
+        repeated.is_empty(),
+        "ARCHITECTURE.md states these rules more than once: {repeated:?}"
+    );
+    let paths = repository_paths();
+    let named = text
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|token| !token.contains(['*', ' ', ':']) && token.len() > 1)
+        .filter(|token| {
+            token.ends_with('/')
+                || [".rs", ".md", ".toml", ".cu", ".h", ".sh", ".py"]
+                    .iter()
+                    .any(|extension| token.ends_with(extension))
+        });
+    let missing: Vec<&str> = named
+        .filter(|token| {
+            !paths
+                .iter()
+                .any(|path| path == token || path.ends_with(&format!("/{token}")))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names paths that do not exist: {missing:?}"
+    );
 }
 
 /// The checks find what they look for: a planted offender in a scratch file is reported, with its

@@ -5,6 +5,7 @@
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
@@ -92,14 +93,27 @@ pub fn send_frame(
 
 /// Reads exactly `buf.len()` bytes, collecting any descriptors that arrive on the way.
 /// Returns `Ok(false)` if the peer closed the connection before the first byte.
+///
+/// With a `deadline`, every read waits only for the time left until it (the socket's read timeout is
+/// set before each read), so that the deadline bounds the whole read, not each piece: a peer
+/// trickling a byte at a time cannot stretch it. Past the deadline the error is
+/// [`std::io::ErrorKind::TimedOut`] or [`std::io::ErrorKind::WouldBlock`].
 fn recv_exact(
     socket: &UnixStream,
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
+    deadline: Option<Instant>,
 ) -> Result<bool, TransportError> {
     let mut got = 0usize;
     let mut cmsg_space: Vec<u8> = vec![0u8; SCM_MAX_FD * nix::cmsg_space!(RawFd).len()];
     while got < buf.len() {
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(TransportError::Io(std::io::ErrorKind::TimedOut.into()));
+            }
+            socket.set_read_timeout(Some(left))?;
+        }
         let mut iov = [IoSliceMut::new(&mut buf[got..])];
         let received = recvmsg::<()>(
             socket.as_raw_fd(),
@@ -142,14 +156,36 @@ fn recv_exact(
 /// The length is checked against the protocol's bound before the body is read, so a hostile length
 /// cannot make this allocate. Returns [`TransportError::Closed`] at a clean end of stream.
 pub fn recv(socket: &UnixStream) -> Result<(Message, Vec<OwnedFd>), TransportError> {
+    recv_within(socket, None)
+}
+
+/// Receives one message (see [`recv`]) all of which must arrive before `deadline`: the deadline
+/// bounds the whole frame, however its bytes are spread out in time. Past it the error is
+/// [`TransportError::Io`] of kind [`std::io::ErrorKind::TimedOut`] or
+/// [`std::io::ErrorKind::WouldBlock`]. The socket's read timeout is set while receiving and put back
+/// as it was afterwards.
+pub fn recv_before(
+    socket: &UnixStream,
+    deadline: Instant,
+) -> Result<(Message, Vec<OwnedFd>), TransportError> {
+    let previous = socket.read_timeout()?;
+    let received = recv_within(socket, Some(deadline));
+    socket.set_read_timeout(previous)?;
+    received
+}
+
+fn recv_within(
+    socket: &UnixStream,
+    deadline: Option<Instant>,
+) -> Result<(Message, Vec<OwnedFd>), TransportError> {
     let mut fds = Vec::new();
     let mut header = [0u8; 4];
-    if !recv_exact(socket, &mut header, &mut fds)? {
+    if !recv_exact(socket, &mut header, &mut fds, deadline)? {
         return Err(TransportError::Closed);
     }
     let length = Message::frame_length(header)?;
     let mut body = vec![0u8; length];
-    recv_exact(socket, &mut body, &mut fds)?;
+    recv_exact(socket, &mut body, &mut fds, deadline)?;
     Ok((Message::decode(&body)?, fds))
 }
 
@@ -214,6 +250,28 @@ mod tests {
             0,
             "a sent descriptor leaked"
         );
+    }
+
+    /// The deadline of [`recv_before`] bounds the whole frame: a peer that sent only part of one is
+    /// answered with a timeout once the deadline passes, and the socket's own read timeout is as
+    /// it was.
+    #[test]
+    fn a_deadline_bounds_the_whole_frame() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let frame = Message::Close.encode();
+        a.write_all(&frame[..frame.len() - 1]).unwrap();
+        let deadline = Instant::now() + std::time::Duration::from_millis(50);
+        match recv_before(&b, deadline) {
+            Err(TransportError::Io(error)) => assert!(
+                matches!(
+                    error.kind(),
+                    std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+                ),
+                "{error}"
+            ),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert_eq!(b.read_timeout().unwrap(), None);
     }
 
     #[test]

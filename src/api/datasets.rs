@@ -309,6 +309,13 @@ async fn register(
             "{relative} is already registered as '{other}'"
         )));
     }
+    // A FIFO, a device or a file where the directory should be: said plainly (opening its manifest
+    // would report only "Not a directory", or nothing useful for a FIFO).
+    if !confined.absolute.is_dir() {
+        return Err(ApiError::bad_request(format!(
+            "{relative} is not a directory: a dataset is a directory holding its manifest and shards"
+        )));
+    }
     let dir = confined.absolute.clone();
     let dataset = blocking(move || Dataset::open(&dir))
         .await?

@@ -112,6 +112,13 @@ impl IntoResponse for ApiError {
 
 impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> ApiError {
+        if let Some(timed_out) = body_timed_out(&rejection) {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                timed_out.to_string(),
+            );
+        }
         let status = rejection.status();
         let text = rejection.body_text();
         match status {
@@ -133,6 +140,18 @@ impl From<JsonRejection> for ApiError {
             _ => ApiError::internal(text),
         }
     }
+}
+
+/// The body deadline that made reading the body fail, if that is why (see `api::serve`).
+fn body_timed_out(rejection: &JsonRejection) -> Option<&super::serve::BodyTimedOut> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = source {
+        if let Some(timed_out) = error.downcast_ref::<super::serve::BodyTimedOut>() {
+            return Some(timed_out);
+        }
+        source = error.source();
+    }
+    None
 }
 
 impl From<ConfineError> for ApiError {

@@ -49,8 +49,9 @@ pub struct ServerConfig {
     /// The GPU backends, one per device the daemon serves (none: the CPU backend only); host-memory
     /// streams are served either way.
     pub gpus: Vec<Arc<GpuBackend>>,
-    /// How long a new connection may take to send its Hello before it is closed: a connection that
-    /// never speaks would otherwise hold a session (of the bounded `sessions_max`) forever.
+    /// How long a new connection may take to send its whole Hello before it is closed: a connection
+    /// that never speaks, or sends its Hello a byte at a time, would otherwise hold a session (of the
+    /// bounded `sessions_max`) forever.
     pub handshake_timeout: std::time::Duration,
 }
 
@@ -303,15 +304,10 @@ fn handshake(
     session_id: u64,
     uid: u32,
 ) -> Option<String> {
-    if let Err(error) = reader.set_read_timeout(Some(shared.config.handshake_timeout)) {
-        tracing::warn!("session {session_id}: cannot set the handshake deadline: {error}");
-        return None;
-    }
-    let hello = transport::recv(reader);
-    if let Err(error) = reader.set_read_timeout(None) {
-        tracing::warn!("session {session_id}: cannot clear the handshake deadline: {error}");
-        return None;
-    }
+    // The deadline bounds the whole Hello, not each read: a client trickling a byte at a time would
+    // otherwise keep its session for ever.
+    let deadline = std::time::Instant::now() + shared.config.handshake_timeout;
+    let hello = transport::recv_before(reader, deadline);
     let client = match hello {
         Ok((Message::Hello { client }, _)) => {
             tracing::info!("session {session_id}: {client} (uid {uid})");
@@ -389,7 +385,7 @@ fn session_closer(
         if let Ok(socket) = writer.try_lock() {
             let message = Message::Error {
                 code: ErrorCode::Closed,
-                message: format!("session closed by the daemon: {reason:?}"),
+                message: format!("session closed by the daemon: {reason}"),
             };
             let _ = transport::send(&socket, &message, &[]);
         }
@@ -791,5 +787,49 @@ impl Handoff for RingHandoff {
             &end,
             &[],
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::CloseReason;
+
+    /// Regression test: the error that closes a session from outside named its reason with Rust's
+    /// `Debug` (`session closed by the daemon: DatasetRemoved`). Consumers read it in words now.
+    #[test]
+    fn a_closed_session_is_told_why_in_words() {
+        for reason in [
+            CloseReason::Operator,
+            CloseReason::DatasetRemoved,
+            CloseReason::Shutdown,
+        ] {
+            let (daemon_side, consumer_side) = UnixStream::pair().unwrap();
+            let writer = Arc::new(Mutex::new(daemon_side.try_clone().unwrap()));
+            session_closer(&daemon_side, &writer)(reason);
+            let (message, _) = transport::recv(&consumer_side).unwrap();
+            let Message::Error { code, message } = message else {
+                panic!("expected an error frame, got {message:?}");
+            };
+            assert_eq!(code, ErrorCode::Closed);
+            assert!(
+                !message.contains(&format!("{reason:?}")),
+                "Debug text sent to a consumer: {message}"
+            );
+            assert!(
+                message.starts_with("session closed by the daemon: ")
+                    && message.split(' ').all(|word| !has_inner_capital(word)),
+                "{message}"
+            );
+        }
+    }
+
+    /// Whether `word` looks like a Rust identifier in CamelCase (`DatasetRemoved`), not a word (a
+    /// lower-case letter followed by a capital; `API` passes).
+    fn has_inner_capital(word: &str) -> bool {
+        let letters: Vec<char> = word.chars().collect();
+        letters
+            .windows(2)
+            .any(|pair| pair[0].is_lowercase() && pair[1].is_uppercase())
     }
 }

@@ -19,7 +19,6 @@ pub mod engine;
 // Test support, not API: the integration tests inject faults through it, so it stays public but out
 // of the documentation.
 #[doc(hidden)]
-#[doc(hidden)]
 pub mod fault;
 pub mod files;
 pub mod gpu;

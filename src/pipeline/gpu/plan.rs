@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::cache::CacheEntry;
-use super::round::{Round, REGIONS_MAX};
+use super::round::{staged_bytes, GatherRun, Round, REGIONS_MAX};
 use super::{GpuAssembler, ZeroCopy, ZERO_COPY_COVERAGE_MAX};
 use crate::device::DeviceMemory;
 use crate::format::{BlockEntry, Codec, Filter};
@@ -16,9 +16,6 @@ use crate::pipeline::assemble::{
 };
 use crate::storage::windows::MappedRange;
 use crate::storage::IO_ALIGN_BYTES;
-
-/// One piece of a gather before merging: source, source offset, slot offset, elements, conversion.
-pub(super) type GatherRun = (u16, u64, u64, u64, GatherOp);
 
 /// What one run would add to a round, worked out before anything is committed.
 #[derive(Default)]
@@ -56,11 +53,6 @@ pub(super) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
         }
     }
     (staged, raw.div_ceil(16) * 16)
-}
-
-/// Bytes a block takes in staging: its stored bytes rounded up to whole pages.
-pub(super) fn staged_bytes(entry: &BlockEntry) -> u64 {
-    (entry.stored_bytes as u64).div_ceil(IO_ALIGN_BYTES) * IO_ALIGN_BYTES
 }
 
 /// The key of block `block` of `field` in the shard of `placement`.

@@ -9,15 +9,14 @@ use std::time::Instant;
 use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
 
-use super::plan::{staged_bytes, GatherRun};
 use super::{GpuAssembler, MERGED_PIECE_OUT_BYTES_MAX};
 use crate::device::{
     fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer,
     PinnedBuffer, Stream,
 };
-use crate::format::Codec;
+use crate::format::{BlockEntry, Codec};
 use crate::kernels::{
-    GatherPlan, GatherRegion, Lz4Job, Xxh3Job, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES,
+    GatherOp, GatherPlan, GatherRegion, Lz4Job, Xxh3Job, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES,
     GATHER_REGION_BYTES, GATHER_SOURCES_MAX, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES, XXH3_JOB_BYTES,
     XXH3_OUTCOME_BYTES,
 };
@@ -25,11 +24,20 @@ use crate::metrics::ReadPath as MetricsPath;
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError, PlacementRuns};
 use crate::storage::gpu::ReadPath;
 use crate::storage::windows::WindowId;
-use crate::storage::{Extent, FileId};
+use crate::storage::{Extent, FileId, IO_ALIGN_BYTES};
 
 /// Most mapped page-cache windows one round reads in place (its region table, 64 KiB; 256 GiB of
 /// 64 MiB windows).
 pub(super) const REGIONS_MAX: usize = 4096;
+
+/// One piece of a gather before merging: source, source offset, slot offset, elements, conversion.
+/// The planner (`super::plan`) makes them; the round merges them into its gather plan.
+pub(super) type GatherRun = (u16, u64, u64, u64, GatherOp);
+
+/// Bytes a block takes in a round's staging buffer: its stored bytes rounded up to whole pages.
+pub(super) fn staged_bytes(entry: &BlockEntry) -> u64 {
+    (entry.stored_bytes as u64).div_ceil(IO_ALIGN_BYTES) * IO_ALIGN_BYTES
+}
 
 /// The blocks a round reads, and where each goes.
 #[derive(Default)]
