@@ -123,6 +123,20 @@ pub enum Lz4Status {
     Unknown(u32),
 }
 
+impl std::fmt::Display for Lz4Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lz4Status::Ok => f.write_str("decoded"),
+            Lz4Status::InputOverrun => f.write_str("the input ends inside a sequence"),
+            Lz4Status::OutputOverrun => f.write_str("a sequence writes past the block's raw size"),
+            Lz4Status::BadOffset => f.write_str("a match offset reaches before the block's start"),
+            Lz4Status::SizeMismatch => f.write_str("fewer bytes than the block's raw size"),
+            Lz4Status::BadJob => f.write_str("the decode job was refused"),
+            Lz4Status::Unknown(code) => write!(f, "unknown decoder status {code}"),
+        }
+    }
+}
+
 impl Lz4Status {
     /// The status for a kernel code.
     pub fn from_code(code: u32) -> Lz4Status {

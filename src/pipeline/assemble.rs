@@ -550,7 +550,7 @@ pub enum CorruptReason {
         computed: u64,
     },
     /// The LZ4 kernel refused the payload (GPU backend).
-    #[error("LZ4 block does not decode ({status:?} after {produced} bytes)")]
+    #[error("LZ4 block does not decode ({status} after {produced} bytes)")]
     Lz4Kernel {
         /// The kernel's status.
         status: Lz4Status,
@@ -1102,6 +1102,32 @@ impl Assembler {
             if let Some((_, CachedBlock::Decoded(bytes))) = self.cache.remove(&key) {
                 self.cache_bytes -= bytes.len();
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Consumers read these texts: they say what is wrong in words, not as Rust debug output.
+    #[test]
+    fn lz4_kernel_faults_are_told_in_words() {
+        for status in [
+            Lz4Status::InputOverrun,
+            Lz4Status::OutputOverrun,
+            Lz4Status::BadOffset,
+            Lz4Status::SizeMismatch,
+            Lz4Status::BadJob,
+            Lz4Status::Unknown(9),
+        ] {
+            let text = CorruptReason::Lz4Kernel {
+                status,
+                produced: 7,
+            }
+            .to_string();
+            assert!(!text.contains(&format!("{status:?}")), "{text}");
+            assert!(text.contains("after 7 bytes"), "{text}");
         }
     }
 }
