@@ -4,7 +4,8 @@
 #   1. the Python package's tests against a CPU daemon, torch required (gpufeed.torch included);
 #   2. its device tests against a GPU daemon: torch and CuPy through DLPack and the CUDA array
 #      interface, bit-exact; a sleeping consumer stream keeps its slot; the torch dataset;
-#   3. the Python consumer against the Rust consumer (examples/consume.rs), interleaved, 3 runs each,
+#   3. the Python consumer against the Rust consumer (examples/consume.rs), interleaved, 3 runs each
+#      (the Python one twice: taking each batch only, and summing each batch on its CUDA stream),
 #      on PY_GIB GiB of fp16 rows of 2 KiB (raw shards of 512 MiB, page cache warm), fp32 device
 #      batches: batch 4096 (rate) and batch 64 (per-batch overhead). JSON lines in $OUT/python.jsonl.
 # Any failed step makes the script exit non-zero; a summary is printed last.
@@ -36,9 +37,11 @@ python_bench() {
     for run in 1 2 3; do
       "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 --batch-size "$batch" \
         --dtype f32 --prefetch "${PY_PREFETCH:-4}" | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(loader='gpufeed-rust', batch_size=$batch, run=$run, us_per_batch=d['seconds']/max(d['batches'],1)*1e6); print(json.dumps(d))" >>"$jsonl"
-      python3 ffi/python/bench/consume_bench.py --socket "$socket" --dataset emb --field data --batch-size "$batch" \
-        --prefetch "${PY_PREFETCH:-4}" \
-        | python3 -c "import json,sys; d=json.load(sys.stdin); d['run']=$run; print(json.dumps(d))" >>"$jsonl"
+      for touch in "" --touch; do
+        python3 ffi/python/bench/consume_bench.py --socket "$socket" --dataset emb --field data --batch-size "$batch" \
+          --prefetch "${PY_PREFETCH:-4}" $touch \
+          | python3 -c "import json,sys; d=json.load(sys.stdin); d['run']=$run; print(json.dumps(d))" >>"$jsonl"
+      done
     done
   done
   kill "$daemon"; wait "$daemon" || true
@@ -48,7 +51,7 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print("| consumer | batch | runs | GB/s of fp32 out (median) | us per batch (median) |")
 print("|---|---|---|---|---|")
 for batch in (4096, 64):
-    for loader in ("gpufeed-rust", "gpufeed-python"):
+    for loader in ("gpufeed-rust", "gpufeed-python", "gpufeed-python-touch"):
         sel = [r for r in rows if r["loader"] == loader and r["batch_size"] == batch]
         if not sel:
             continue

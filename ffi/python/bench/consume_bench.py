@@ -21,6 +21,9 @@ parser.add_argument("--device", default="cuda:0")
 parser.add_argument("--dtype", default="f32")
 parser.add_argument("--field", default="emb")
 parser.add_argument("--prefetch", type=int, default=4)
+parser.add_argument("--touch", action="store_true",
+                    help="sum every batch on the GPU (queued on the consumer's stream), so that the "
+                         "timer also covers reading the data")
 args = parser.parse_args()
 
 t_connect = time.perf_counter()
@@ -32,15 +35,20 @@ stream.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
 t_first = time.perf_counter()
 batches = 0
 nbytes = 0
+total = torch.zeros((), dtype=torch.float64, device=device)
 for batch in stream:
     tensor = torch.from_dlpack(batch[args.field])
     nbytes += tensor.numel() * tensor.element_size()
     batches += 1
+    if args.touch:
+        total += tensor.sum(dtype=torch.float64)
     del tensor, batch
 torch.cuda.current_stream(device).synchronize()
 t_end = time.perf_counter()
 print(json.dumps({
-    "loader": "gpufeed-python", "batch_size": args.batch_size, "batches": batches, "bytes": nbytes,
+    "loader": "gpufeed-python-touch" if args.touch else "gpufeed-python",
+    "batch_size": args.batch_size, "batches": batches, "bytes": nbytes,
+    "open_seconds": t_first - t_connect, "checksum": float(total.item()),
     "seconds": t_end - t_first, "wall_seconds": t_end - t_connect,
     "process_seconds": t_end - t_process,
     "us_per_batch": (t_end - t_first) / max(batches, 1) * 1e6,
