@@ -7,7 +7,9 @@
 #      consumer on each device at once (each a whole epoch, fp32 device batches of 4096 rows), three
 #      runs each after a warm-up, interleaved. The aggregate rate is the bytes of both epochs over the
 #      time from the first start to the last end (process walls included). JSON lines in
-#      $OUT/multi.jsonl, a table last. Any failed step fails the script.
+#      $OUT/multi.jsonl (with the daemon's CPU over each run), a table last;
+#   3. the Python training example as two ranks under torchrun, one per GPU (needs the wheel staged by
+#      scripts/gpu-stage-python.sh). Any failed step fails the script.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/gpufeed-multi}"
@@ -19,6 +21,8 @@ step_name_width=14
 work=/var/tmp/gpufeed-multi
 socket=/tmp/gpufeed-multi.sock
 jsonl="$OUT/multi.jsonl"
+
+cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
 
 multi_bench() {
   set -e
@@ -39,28 +43,29 @@ multi_bench() {
   for order in none window; do
     consume cuda:0 "$order" 0 >/dev/null; consume cuda:1 "$order" 0 >/dev/null  # warm-up
     for run in 1 2 3; do
-      t0=$(date +%s.%N); one=$(consume cuda:0 "$order" "$run"); t1=$(date +%s.%N)
-      python3 -c "import json,sys; d=json.loads(sys.argv[1]); print(json.dumps({'case':'one','order':sys.argv[2],'run':int(sys.argv[3]),'bytes_in':d['bytes']//2,'seconds':d['seconds'],'wall':float(sys.argv[5])-float(sys.argv[4])}))" "$one" "$order" "$run" "$t0" "$t1" >>"$jsonl"
-      t0=$(date +%s.%N)
+      c0=$(cpu_seconds "$daemon"); t0=$(date +%s.%N); one=$(consume cuda:0 "$order" "$run"); t1=$(date +%s.%N); c1=$(cpu_seconds "$daemon")
+      python3 -c "import json,sys; d=json.loads(sys.argv[1]); w=float(sys.argv[5])-float(sys.argv[4]); print(json.dumps({'case':'one','order':sys.argv[2],'run':int(sys.argv[3]),'bytes_in':d['bytes']//2,'seconds':d['seconds'],'wall':w,'daemon_cores':(float(sys.argv[7])-float(sys.argv[6]))/w}))" "$one" "$order" "$run" "$t0" "$t1" "$c0" "$c1" >>"$jsonl"
+      c0=$(cpu_seconds "$daemon"); t0=$(date +%s.%N)
       consume cuda:0 "$order" "$run" >"$work/a.json" & a=$!
       consume cuda:1 "$order" "$run" >"$work/b.json" & b=$!
       wait "$a"; wait "$b"
-      t1=$(date +%s.%N)
-      python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(json.dumps({'case':'two','order':sys.argv[3],'run':int(sys.argv[4]),'bytes_in':(a['bytes']+b['bytes'])//2,'seconds':max(a['seconds'],b['seconds']),'wall':float(sys.argv[6])-float(sys.argv[5])}))" "$work/a.json" "$work/b.json" "$order" "$run" "$t0" "$t1" >>"$jsonl"
+      t1=$(date +%s.%N); c1=$(cpu_seconds "$daemon")
+      python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); w=float(sys.argv[6])-float(sys.argv[5]); print(json.dumps({'case':'two','order':sys.argv[3],'run':int(sys.argv[4]),'bytes_in':(a['bytes']+b['bytes'])//2,'seconds':max(a['seconds'],b['seconds']),'wall':w,'daemon_cores':(float(sys.argv[8])-float(sys.argv[7]))/w}))" "$work/a.json" "$work/b.json" "$order" "$run" "$t0" "$t1" "$c0" "$c1" >>"$jsonl"
     done
   done
   kill "$daemon"; wait "$daemon" || true
   python3 - "$jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print("| order | consumers | runs | GB/s in (slowest stream) | GB/s in (wall, first start to last end) |")
-print("|---|---|---|---|---|")
+print("| order | consumers | runs | GB/s in (slowest stream) | GB/s in (wall, first start to last end) | daemon cores (over the wall) |")
+print("|---|---|---|---|---|---|")
 for order in ("none", "window"):
     for case in ("one", "two"):
         sel = [r for r in rows if r["order"] == order and r["case"] == case]
         s = statistics.median(r["bytes_in"] / r["seconds"] / 1e9 for r in sel)
         w = statistics.median(r["bytes_in"] / r["wall"] / 1e9 for r in sel)
-        print(f"| {order} | {case} | {len(sel)} | {s:.2f} | {w:.2f} |")
+        c = statistics.median(r["daemon_cores"] for r in sel)
+        print(f"| {order} | {case} | {len(sel)} | {s:.2f} | {w:.2f} | {c:.2f} |")
 PY
 }
 
@@ -69,7 +74,13 @@ if [ "${1:-}" = --bench-only ]; then
   exit $?
 fi
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv >"$OUT/multi.log" 2>&1
+if ls .gpu/read/py/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --force-reinstall --target /tmp/gpufeed-site .gpu/read/py/*.whl \
+    .gpu/read/py/deps/*.whl >>"$OUT/multi.log" 2>&1
+fi
 step two_devices multi 200 30 "$bin/gpu_serve" --include-ignored --test-threads=1 two_devices
 step multi_bench bench 300 60 bash "$0" --bench-only
+# The training example as two ranks, one per GPU, through one daemon serving both.
+step two_rank_train python 200 30 env PYTHONPATH=/tmp/gpufeed-site TRAIN_GPUS=2 bash scripts/gpu-python.sh --train-only
 grep -A6 '^| order' "$OUT/bench.log"
 step_summary

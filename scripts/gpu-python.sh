@@ -61,19 +61,22 @@ for batch in (4096, 64):
 PY
 }
 # train_example: examples/python/train_torch.py on one GPU, then two ranks under torchrun sharing
-# GPU 0 (the daemon serves one device).
+# GPU 0 (the daemon serves one device), or with TRAIN_GPUS=2 one rank per GPU (the daemon serves both).
 train_example() {
   set -e
   local tw=/var/tmp/gpufeed-train tsock=/tmp/gpufeed-train.sock
   rm -rf "$tw"; mkdir -p "$tw/data"
   python3 examples/python/train_torch.py make-data "$tw/data/toy" --gpufeed "$bin/gpufeed"
-  "$bin/gpufeed" serve --data-root "$tw/data" --socket "$tsock" --device cuda:0 --http off \
+  # TRAIN_GPUS=2: one daemon serving cuda:0 and cuda:1, one rank per GPU; else both ranks on GPU 0.
+  local devices=cuda:0 same_gpu=--same-gpu
+  if [ "${TRAIN_GPUS:-1}" = 2 ]; then devices=cuda:0,cuda:1; same_gpu=; fi
+  "$bin/gpufeed" serve --data-root "$tw/data" --socket "$tsock" --device "$devices" --http off \
     >"$OUT/train-daemon.out" 2>"$OUT/train-daemon.log" &
   local daemon=$!
   for _ in $(seq 100); do [ -S "$tsock" ] && break; sleep 0.1; done
   python3 examples/python/train_torch.py train --socket "$tsock" --dataset toy --epochs 2
   python3 -m torch.distributed.run --nproc-per-node 2 examples/python/train_torch.py train \
-    --socket "$tsock" --dataset toy --epochs 2 --same-gpu --checkpoint /tmp/gpufeed-train-2.pt
+    --socket "$tsock" --dataset toy --epochs 2 $same_gpu --checkpoint /tmp/gpufeed-train-2.pt
   kill "$daemon"; wait "$daemon" || true
 }
 

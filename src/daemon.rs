@@ -217,18 +217,12 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
             },
         });
     }
-    // Each device registers its own windows (registrations are per device): the budget is shared.
-    let share = settings.registered.bytes_max / ordinals.len() as u64;
-    let registered = crate::config::RegistrationBudget {
-        bytes_max: share / settings.registered.window_bytes * settings.registered.window_bytes,
-        ..settings.registered
-    };
     let mut backends = Vec::with_capacity(ordinals.len());
     for ordinal in ordinals {
         let gpu = open_gpu_backend(
             ordinal,
             settings.engine,
-            registered,
+            settings.registered,
             settings.zero_copy,
             settings.device_shard_bytes,
         )
@@ -241,9 +235,57 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
             gpu.device.properties().name,
             gpu.choice
         );
-        backends.push(Arc::new(gpu));
+        backends.push(gpu);
     }
-    Ok(backends)
+    share_registrations(&mut backends, settings.registered);
+    Ok(backends.into_iter().map(Arc::new).collect())
+}
+
+/// Makes the devices of `backends` share their page-cache registrations. Registrations are portable
+/// (every context maps them): where every device reads registered memory at its host address, one
+/// registry serves them all within the whole `registered` budget, so a page registered for one
+/// device's stream is read by the others without being locked again. Otherwise each device keeps its
+/// own registry, with an equal share of the budget.
+fn share_registrations(backends: &mut [GpuBackend], registered: crate::config::RegistrationBudget) {
+    let names: Vec<String> = backends
+        .iter()
+        .map(|b| format!("cuda:{}", b.ordinal))
+        .collect();
+    let Some((first, rest)) = backends.split_first_mut() else {
+        return;
+    };
+    if rest.is_empty() {
+        return;
+    }
+    let shareable = std::iter::once(&*first)
+        .chain(rest.iter())
+        .all(|b| b.device.properties().host_pointer_for_registered_memory);
+    if shareable {
+        for backend in rest.iter_mut() {
+            backend.windows = Arc::clone(&first.windows);
+        }
+        tracing::info!(
+            "page-cache registrations shared by {} (portable, one budget of {} bytes)",
+            names.join(", "),
+            registered.bytes_max
+        );
+        return;
+    }
+    let count = backends.len() as u64;
+    let share = registered.bytes_max / count / registered.window_bytes * registered.window_bytes;
+    for backend in backends.iter_mut() {
+        backend.reader_limits.registered_bytes_max = share as usize;
+        backend.windows = Arc::new(PageCacheWindows::new(
+            &backend.device,
+            registered.window_bytes as usize,
+            share as usize,
+        ));
+    }
+    tracing::info!(
+        "page-cache registrations per device ({}): a device reads registered memory at another \
+         address; each registers within {share} bytes",
+        names.join(", ")
+    );
 }
 
 /// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying

@@ -674,10 +674,12 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
     );
 }
 
-/// One daemon serving two devices (`--device cuda:0,cuda:1`): a consumer on each device at once,
-/// each bit-exact against the CPU backend in a shuffled order; a stream asking for a device the
-/// daemon does not serve is refused naming the ones it serves, and the others go on; killed
-/// consumers on both devices leave no session behind. Run on a machine with two GPUs:
+/// One daemon serving two devices (`--device cuda:0,cuda:1`), sharing one registry of page-cache
+/// windows: a consumer on each device at once, each bit-exact against the CPU backend in a shuffled
+/// order; a stream asking for a device the daemon does not serve is refused naming the ones it
+/// serves, and the others go on; consumers killed while holding batches on both devices leave each
+/// device's free memory at its baseline; one device's stream failing on a corrupt block leaves the
+/// other device's stream and the daemon serving. Run on a machine with two GPUs:
 /// `gpu_serve --include-ignored two_devices` (scripts/gpu-multi.sh); the single-GPU scripts skip it.
 #[test]
 #[ignore = "needs two CUDA GPUs"]
@@ -692,10 +694,17 @@ fn two_devices_are_served_by_one_daemon() {
     pack_dataset(root.path());
     let cpu_root = root.path().join("cpu-root");
     copy_dataset(&root.path().join("mixed"), &cpu_root.join("mixed"));
-    let gpu = start_daemon(root.path(), "cuda:0,cuda:1");
+    let log = root.path().join("two-devices.log");
+    let gpu = start_daemon_logged(root.path(), "cuda:0,cuda:1", &[], Some(&log));
     let cpu = start_daemon(&cpu_root, "cpu");
     let dumps = root.path().join("dumps");
     std::fs::create_dir_all(&dumps).unwrap();
+    // One registry of page-cache windows serves both devices (portable registrations).
+    let log_text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log_text.contains("page-cache registrations shared by cuda:0, cuda:1"),
+        "{log_text}"
+    );
     let args = [
         "--batch-size",
         "96",
@@ -756,17 +765,121 @@ fn two_devices_are_served_by_one_daemon() {
     assert!(!refused.status.success());
     let message = String::from_utf8_lossy(&refused.stderr);
     assert!(message.contains("cuda:0, cuda:1"), "{message}");
-    // Consumers killed while holding batches on each device: their sessions end and the daemon
-    // serves both devices again.
-    for device in ["cuda:0", "cuda:1"] {
-        let mut child = consume_dump(&gpu.socket, device, &args, &dumps.join("killed.npy"));
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        child.kill().unwrap();
-        child.wait().unwrap();
+    // Consumers killed while holding batches on each device: their sessions end, each device's
+    // free memory returns to what it was before them, and the daemon serves both devices again.
+    wait_for_no_slots(&gpu.socket);
+    let opened: Vec<Device> = (0..2).map(|i| Device::open(i).unwrap()).collect();
+    let baselines: Vec<usize> = opened.iter().map(|d| d.memory_info().unwrap().0).collect();
+    for round in 0..5 {
+        for device in ["cuda:0", "cuda:1"] {
+            let mut child = Command::new(consume_bin())
+                .arg("--socket")
+                .arg(&gpu.socket)
+                .args([
+                    "--dataset",
+                    "mixed",
+                    "--device",
+                    device,
+                    "--batch-size",
+                    "200",
+                ])
+                .args(["--dtype", "f32", "--hold-after", "3"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            BufReader::new(child.stdout.take().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            assert!(
+                line.starts_with("holding"),
+                "{device} kill {round}: {line:?}"
+            );
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        wait_for_no_slots(&gpu.socket);
+    }
+    for (index, device) in opened.iter().enumerate() {
+        let after = device.memory_info().unwrap().0;
+        assert_eq!(
+            after, baselines[index],
+            "cuda:{index}: device memory did not return to its baseline after the kills"
+        );
     }
     for device in ["cuda:0", "cuda:1"] {
         let dump = dumps.join(format!("again-{}.npy", device.replace(':', "")));
         finish(consume_dump(&gpu.socket, device, &args, &dump));
         assert!(npy_payload(&dump) == reference, "{device}: after the kills");
     }
+    // One device's stream failing (a corrupt block, policy `fail`) while the other device's stream
+    // (policy `replace`) runs: the failure ends only its own stream, the other epoch completes, and
+    // both devices serve on.
+    let dataset = Dataset::open(&root.path().join("mixed")).unwrap();
+    let shard = &dataset.shards[1];
+    let block = shard
+        .metadata
+        .field_blocks(dataset.field_index("emb").unwrap())[0];
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(block.stored_offset + 64) as usize] ^= 0x10;
+    std::fs::write(&shard.path, bytes).unwrap();
+    // A fresh daemon: the running one verified every block already (its record of verified blocks
+    // assumes shards do not change in place).
+    drop(gpu);
+    let gpu = start_daemon(root.path(), "cuda:0,cuda:1");
+    let corrupt_args = |policy: &'static str| {
+        vec![
+            "--dataset",
+            "mixed",
+            "--batch-size",
+            "64",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--on-corrupt",
+            policy,
+        ]
+    };
+    let spawn = |device: &str, policy: &'static str| {
+        Command::new(consume_bin())
+            .arg("--socket")
+            .arg(&gpu.socket)
+            .args(["--device", device])
+            .args(corrupt_args(policy))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let failing = spawn("cuda:1", "fail");
+    let serving = spawn("cuda:0", "replace");
+    let failed = failing.wait_with_output().unwrap();
+    assert!(
+        !failed.status.success(),
+        "cuda:1 with policy fail succeeded"
+    );
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
+    let served = serving.wait_with_output().unwrap();
+    assert!(
+        served.status.success(),
+        "cuda:0 ended with cuda:1's failure"
+    );
+    let line: serde_json::Value = serde_json::from_str(
+        String::from_utf8_lossy(&served.stdout)
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(line["replaced"].as_u64().unwrap() > 0, "{line}");
+    let after_failure = spawn("cuda:1", "replace").wait_with_output().unwrap();
+    assert!(
+        after_failure.status.success(),
+        "cuda:1 after its stream failed"
+    );
 }

@@ -718,10 +718,11 @@ pub unsafe fn mem_free_host(ptr: *mut c_void) -> DriverResult<()> {
     check("cuMemFreeHost", cu::cuMemFreeHost(ptr))
 }
 
-/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_DEVICEMAP`, then
-/// `cuMemHostGetDevicePointer`: page-locks an existing host mapping and maps it for the device,
-/// which may only read it (the mapping may be read-only, as a shard's is), and returns the address
-/// at which kernels read it (copies use the host address). On failure nothing stays registered.
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_READ_ONLY | CU_MEMHOSTREGISTER_DEVICEMAP |
+/// CU_MEMHOSTREGISTER_PORTABLE`, then `cuMemHostGetDevicePointer`: page-locks an existing host
+/// mapping and maps it for the devices (every context, as it is portable), which may only read it
+/// (the mapping may be read-only, as a shard's is), and returns the address at which the current
+/// context's kernels read it (copies use the host address). On failure nothing stays registered.
 ///
 /// # Safety
 /// `ptr .. ptr + bytes` is a live, page-aligned mapping that stays mapped until
@@ -730,7 +731,9 @@ pub unsafe fn mem_host_register_read_only(
     ptr: *const u8,
     bytes: usize,
 ) -> DriverResult<cu::CUdeviceptr> {
-    let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
+    let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY
+        | cu::CU_MEMHOSTREGISTER_DEVICEMAP
+        | cu::CU_MEMHOSTREGISTER_PORTABLE;
     check(
         "cuMemHostRegister_v2",
         cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags),

@@ -158,6 +158,10 @@ pub struct DeviceProperties {
     pub driver_version: i32,
     /// Whether allocations can be exported as POSIX file descriptors (needed for shared batch slots).
     pub exportable_memory: bool,
+    /// Whether registered host memory is read by the device at its host address
+    /// (`CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`): then one portable registration serves every such
+    /// device at the same address.
+    pub host_pointer_for_registered_memory: bool,
 }
 
 pub(crate) struct DeviceInner {
@@ -240,6 +244,7 @@ impl Device {
                 memory_bytes: 0,
                 driver_version: 0,
                 exportable_memory: false,
+                host_pointer_for_registered_memory: false,
             },
             modules: Mutex::new(HashMap::new()),
         };
@@ -262,6 +267,9 @@ impl Device {
                 A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
             )? != 0
                 && attribute(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0,
+            host_pointer_for_registered_memory: attribute(
+                A::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+            )? != 0,
         };
         Ok(Device {
             inner: Arc::new(inner),

@@ -365,7 +365,7 @@ impl PageCacheWindows {
             let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
                 Some(i) => &window.copies_done[i].1,
                 None => {
-                    let event = Event::new(&self.device, EventTiming::Disabled)?;
+                    let event = Event::new(stream.device(), EventTiming::Disabled)?;
                     window.copies_done.push((reader, event));
                     &window.copies_done.last().expect("just pushed").1
                 }
@@ -462,7 +462,7 @@ impl PageCacheWindows {
             let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
                 Some(i) => &window.copies_done[i].1,
                 None => {
-                    let event = Event::new(&self.device, EventTiming::Disabled)?;
+                    let event = Event::new(stream.device(), EventTiming::Disabled)?;
                     window.copies_done.push((reader, event));
                     &window.copies_done.last().expect("just pushed").1
                 }
