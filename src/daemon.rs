@@ -257,10 +257,11 @@ fn share_registrations(backends: &mut [GpuBackend], registered: crate::config::R
     if rest.is_empty() {
         return;
     }
-    let shareable = std::iter::once(&*first)
-        .chain(rest.iter())
-        .all(|b| b.device.properties().host_pointer_for_registered_memory);
-    if shareable {
+    let devices: Vec<&Device> = std::iter::once(&first.device)
+        .chain(rest.iter().map(|b| &b.device))
+        .collect();
+    let shareable = portable_registration_works(&devices);
+    if let Ok(()) = shareable {
         for backend in rest.iter_mut() {
             backend.windows = Arc::clone(&first.windows);
         }
@@ -282,10 +283,78 @@ fn share_registrations(backends: &mut [GpuBackend], registered: crate::config::R
         ));
     }
     tracing::info!(
-        "page-cache registrations per device ({}): a device reads registered memory at another \
-         address; each registers within {share} bytes",
-        names.join(", ")
+        "page-cache registrations per device ({}): {}; each registers within {share} bytes",
+        names.join(", "),
+        shareable.err().unwrap_or_default()
     );
+}
+
+/// Whether one registration serves every device of `devices`, tried on this machine with a small
+/// buffer: every device reads registered memory at its host address, a registration made with the
+/// first device's context maps at that address in every other device's context, and the last
+/// device's context can unregister it. `Err` says which step failed.
+fn portable_registration_works(devices: &[&Device]) -> Result<(), String> {
+    if let Some(device) = devices
+        .iter()
+        .find(|d| !d.properties().host_pointer_for_registered_memory)
+    {
+        return Err(format!(
+            "cuda:{} reads registered memory at another address than the host's",
+            device.properties().ordinal
+        ));
+    }
+    const PROBE_BYTES: usize = 2 << 20;
+    let probe =
+        memmap2::MmapMut::map_anon(PROBE_BYTES).map_err(|e| format!("probe buffer: {e}"))?;
+    let host = probe.as_ptr();
+    let bind = |device: &Device| device.bind().map_err(|e| e.to_string());
+    bind(devices[0])?;
+    // SAFETY: a live, page-aligned anonymous mapping, unregistered below before it is unmapped; the
+    // first device's context is current.
+    let first = unsafe { crate::device::ffi::mem_host_register_read_only(host, PROBE_BYTES) }
+        .map_err(|e| format!("registering a probe buffer: {e}"))?;
+    let mut outcome = if first == host as u64 {
+        Ok(())
+    } else {
+        Err("the first device maps registered memory at another address".to_string())
+    };
+    for device in &devices[1..] {
+        if outcome.is_err() {
+            break;
+        }
+        outcome = bind(device).and_then(|()| {
+            // SAFETY: registered portable above; this device's context is current.
+            let mapped = unsafe {
+                crate::device::ffi::mem_host_device_pointer(host as *mut std::ffi::c_void)
+            };
+            match mapped {
+                Ok(ptr) if ptr == host as u64 => Ok(()),
+                Ok(_) => Err(format!(
+                    "cuda:{} maps a portable registration at another address",
+                    device.properties().ordinal
+                )),
+                Err(e) => Err(format!(
+                    "cuda:{} does not see a portable registration: {e}",
+                    device.properties().ordinal
+                )),
+            }
+        });
+    }
+    let last = devices[devices.len() - 1];
+    let unregistered = bind(last).and_then(|()| {
+        // SAFETY: registered above; nothing reads it; a context is current.
+        unsafe { crate::device::ffi::mem_host_unregister(host) }.map_err(|e| e.to_string())
+    });
+    if let Err(reason) = unregistered {
+        // Undo it from the context that made it, and do not share.
+        let _ = bind(devices[0]);
+        // SAFETY: as above.
+        let _ = unsafe { crate::device::ffi::mem_host_unregister(host) };
+        outcome = outcome.and(Err(format!(
+            "another device's context cannot unregister a portable registration: {reason}"
+        )));
+    }
+    outcome
 }
 
 /// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying

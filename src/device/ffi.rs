@@ -697,10 +697,11 @@ pub unsafe fn mem_alloc_host(bytes: usize) -> DriverResult<*mut c_void> {
     Ok(ptr)
 }
 
-/// `cuMemHostGetDevicePointer` of memory from [`mem_alloc_host`]: the address kernels read it at.
+/// `cuMemHostGetDevicePointer` of memory from [`mem_alloc_host`] (or registered portable with
+/// [`mem_host_register_read_only`]): the address the current context's kernels read it at.
 ///
 /// # Safety
-/// `ptr` came from [`mem_alloc_host`] and is live; a context is current on the calling thread.
+/// `ptr` is such memory and is live; a context is current on the calling thread.
 pub unsafe fn mem_host_device_pointer(ptr: *mut c_void) -> DriverResult<cu::CUdeviceptr> {
     let mut device_ptr: cu::CUdeviceptr = 0;
     check(
