@@ -15,7 +15,8 @@
 #      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
 #      the run and the bytes the daemon read (from /metrics) per byte of the epoch. READ_DAEMON_FLAGS:
 #      extra flags for every daemon (e.g. "--registered-window 1G"). READ_BENCH_ONLY=1: step 3 only;
-#      READ_TESTS_ONLY=1: steps 1 and 2 only.
+#      READ_TESTS_ONLY=1: steps 1 and 2 only. READ_COLD_ROUNDS=N: after step 3, N interleaved cold
+#      rounds (see read_cold); READ_BENCH_ONLY=1 READ_CASES=none READ_COLD_ROUNDS=N: cold rounds only.
 # Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -86,7 +87,7 @@ run_gpufeed() {
   t0=$(date +%s.%N)
   line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
     --batch-size "$batch" --dtype f32 --shuffle "$order" --window-shards 4 --seed "$run" \
-    --prefetch "${READ_PREFETCH:-4}" | tail -1)
+    --prefetch "${READ_PREFETCH:-4}" ${READ_CONSUME_FLAGS:-} | tail -1)
   t1=$(date +%s.%N)
   cpu1=$(cpu_seconds "$daemon")
   read1=$(metric gpufeed_read_bytes_total)
@@ -151,6 +152,7 @@ read_bench() {
       always) start_daemon --zero-copy always ;;
       third) start_daemon --registered-memory-max "$third" ;;
       zero-copy-off) start_daemon --zero-copy off ;;
+      *) continue ;;  # "none": only the data (for the cold rounds)
     esac
     python3 -c 'import json,urllib.request; print(json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/status"))["serving"])' || true
     for order in ${READ_ORDERS:-none window full}; do
@@ -174,11 +176,49 @@ read_bench() {
     stop_daemon
   done
 }
+# read_cold: READ_COLD_ROUNDS interleaved cold rounds (page cache dropped before each measurement;
+# gpufeed with a fresh daemon each time, as pinned windows survive drop_caches): dd iflag=direct of
+# the .npy (the disk's sequential pace), gpufeed in dataset order and in a window shuffle (a whole
+# epoch), KvikIO cold, a random 4 KiB O_DIRECT read probe at queue depth 64 (the disk's random pace),
+# and gpufeed in a full shuffle over its first READ_COLD_FULL_STEPS batches. Lines in $OUT/read.jsonl
+# (case "cold"). Expects read_bench's data (run after it, or with READ_COLD_ONLY=1 after a bench).
+read_cold() {
+  set -e
+  local npy="$work/npy/emb_fp16.npy" round order
+  drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+  for round in $(seq 1 "${READ_COLD_ROUNDS:-3}"); do
+    drop
+    dd if="$npy" of=/dev/null bs=16M iflag=direct 2>&1 | python3 -c 'import sys,json,re; l=sys.stdin.read(); m=re.search(r"(\d+) bytes.*?([\d.]+) s",l); b,s=int(m[1]),float(m[2]); print(json.dumps({"loader":"dd-direct","case":"cold","run":int(sys.argv[1]),"bytes":b,"seconds":s,"gb_per_s_in":b/s/1e9}))' "$round" >>"$jsonl"
+    tail -1 "$jsonl"
+    for order in none window; do
+      start_daemon
+      drop
+      run_gpufeed cold "$order" "$round"
+      stop_daemon
+    done
+    env PYTHONPATH=/tmp/kvikio-site python3 scripts/e2e/peers.py kvikio --file "$npy" \
+      --batch-sizes "$batch" --temperatures cold --repeat 1 --threads 8 --depth 8 --jsonl "$jsonl" \
+      --no-gpu-busy | tail -1
+    drop
+    python3 scripts/random_read_probe.py --file "$npy" --depth 64 --seconds 5 \
+      | python3 -c 'import json,sys; d=json.load(sys.stdin); d.update(case="cold", run=int(sys.argv[1])); print(json.dumps(d))' "$round" >>"$jsonl"
+    tail -1 "$jsonl"
+    start_daemon
+    drop
+    READ_CONSUME_FLAGS="--steps ${READ_COLD_FULL_STEPS:-16}" run_gpufeed cold full "$round"
+    stop_daemon
+  done
+}
+if [ "${1:-}" = --cold-only ]; then
+  read_cold
+  exit $?
+fi
 if [ "${1:-}" = --bench-only ]; then
   read_bench
   exit $?
 fi
 [ -z "${READ_TESTS_ONLY:-}" ] && step read_bench bench 240 60 bash "$0" --bench-only
+[ -n "${READ_COLD_ROUNDS:-}" ] && step read_cold bench 400 60 bash "$0" --cold-only
 # API errors are not reported: libcufile's own cuFileDriverOpen frees an invalid pointer once per
 # process (an error inside NVIDIA's library, seen in the first run); kernel memory errors still are.
 [ -z "${READ_BENCH_ONLY:-}" ] && step memcheck sanitizer 200 60 compute-sanitizer --error-exitcode 99 --print-limit 20 \
@@ -195,14 +235,16 @@ for r in rows:
     if r.get("loader") == "gpufeed" and "warmup" not in r["case"] and "error" not in r:
         groups.setdefault((r["case"], r["order"]), []).append(r)
     elif r.get("loader", "").startswith("kvikio"):
-        groups.setdefault(("kvikio", "none"), []).append(r)
+        groups.setdefault(("kvikio-" + r.get("temperature", "warm"), "none"), []).append(r)
     elif r.get("loader") == "torch-random":
         groups.setdefault(("torch-random", "full"), []).append(r)
+    elif r.get("loader") in ("dd-direct", "random-read-probe"):
+        groups.setdefault((r["loader"], "cold"), []).append(r)
 print("| case | order | runs | GB/s in (stream) | GB/s in (wall) | daemon cores | read / byte in |")
 print("|---|---|---|---|---|---|---|")
 for (case, order), rs in groups.items():
     med = lambda k: statistics.median([r[k] for r in rs if r.get(k) is not None] or [float("nan")])
-    if case in ("kvikio", "torch-random"):
+    if case in ("kvikio-warm", "kvikio-cold", "torch-random", "dd-direct", "random-read-probe"):
         best = max(r["gb_per_s_in"] for r in rs)
         print(f"| {case} | {order} | {len(rs)} | {med('gb_per_s_in'):.2f} (best {best:.2f}) | | | |")
     else:
