@@ -284,7 +284,23 @@ impl Resident {
                     }
                     None => {
                         windows.unpin(&mapped);
-                        return Ok(None);
+                        // A window not in the page cache (or not registrable now): a window shuffle
+                        // still reads each shard whole, in sequence, into device memory (the
+                        // loader reads what is not cached from the file); dataset order stages
+                        // blocks at the disk's pace instead.
+                        if plan.order.is_identity() {
+                            return Ok(None);
+                        }
+                        return Self::open_streamed(
+                            plan,
+                            files,
+                            windows,
+                            limits,
+                            fraction_min,
+                            device,
+                            metrics,
+                            &file_bytes,
+                        );
                     }
                 }
                 start += window_bytes;
@@ -340,7 +356,8 @@ impl Resident {
         }))
     }
 
-    /// [`Self::open`] for a dataset larger than the registration budget: no window stays registered;
+    /// [`Self::open`] for a dataset larger than the registration budget (or, in a window shuffle, not
+    /// in the page cache): no window stays registered;
     /// in dataset order or a window shuffle, a loader thread copies the shards the stream reads next
     /// into device slots through windows registered only for their copies, and every row is read
     /// from a device copy. `None` (the stream stages blocks instead) in a full shuffle, with more

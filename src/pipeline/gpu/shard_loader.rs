@@ -1,4 +1,5 @@
-//! The loader of a stream whose dataset is larger than the registration budget.
+//! The loader of a stream whose dataset is larger than the registration budget (or, in a window
+//! shuffle, not in the page cache).
 //!
 //! A resident stream within the budget keeps every window of its dataset registered for its life and
 //! copies shards ahead from them (see `device_shards`). Beyond the budget that cannot be: instead,
@@ -7,9 +8,9 @@
 //! registered is copied at once; otherwise it is registered into the registry while that leaves room
 //! for two more windows (so part of a dataset larger than the budget stays registered from one
 //! epoch to the next), or else for its copy only (transient: unregistered once no one holds it).
-//! Nothing here waits for another stream: a window that cannot be registered (pinned windows fill
-//! the budget, or the driver refuses the file) is copied from pageable memory instead, which is
-//! slower but needs no budget.
+//! Nothing here waits for another stream: a window that cannot be registered (not in the page cache,
+//! pinned windows fill the budget, or the driver refuses the file) is copied from pageable memory
+//! instead, the kernel asked to read it ahead in large reads, which is slower but needs no budget.
 //!
 //! Registering takes 5 to 7.5 ms per 256 MiB window on the H100 test machine, unregistering 2 to
 //! 2.5 ms, and unregistering waits for the device's queued work. So a window registered for one copy
@@ -362,6 +363,10 @@ impl Worker {
             self.maps[job.shard] = Some(map);
         }
         let map = self.maps[job.shard].as_ref().expect("mapped above");
+        // Not in the page cache, most likely: ask the kernel to read this window and the next one
+        // ahead in large reads rather than fault them in page by page during the copy.
+        let ahead = (map.len() - at as usize).min(2 * bytes);
+        let _ = map.advise_range(memmap2::Advice::WillNeed, at as usize, ahead);
         let source = map
             .get(at as usize..at as usize + bytes)
             .ok_or_else(|| DeviceError::Os {
