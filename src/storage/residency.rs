@@ -101,3 +101,29 @@ mod tests {
         assert_eq!(map.resident_fraction(2 << 20, 10).unwrap(), 0.0);
     }
 }
+
+/// The memory the host has available for new pages now (`MemAvailable` of `/proc/meminfo`), in
+/// bytes; `None` where that is unknown.
+pub fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&text)
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod available_tests {
+    use super::*;
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        let meminfo = "MemTotal:       131072000 kB\nMemFree:  1000 kB\nMemAvailable:   65536 kB\n";
+        assert_eq!(parse_mem_available(meminfo), Some(65536 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 5 kB\n"), None);
+        assert!(available_memory_bytes().is_some_and(|b| b > 0));
+    }
+}

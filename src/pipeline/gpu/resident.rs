@@ -256,6 +256,9 @@ impl Resident {
                 &file_bytes,
             );
         }
+        if plan.order.samples_ahead(0, 1).is_none() {
+            warm_for_full_shuffle(plan, files, windows, fraction_min, &file_bytes, metrics);
+        }
         let window_bytes = windows.window_bytes();
         let mut mapped: Vec<WindowId> = Vec::new();
         let mut table: Vec<GatherRegion> = Vec::new();
@@ -461,6 +464,80 @@ impl Resident {
     pub(super) fn device_bytes(&self) -> usize {
         self.device_shards.as_ref().map_or(0, |d| d.device_bytes())
     }
+}
+
+/// Threads reading shards into the page cache before a full shuffle (see [`warm_for_full_shuffle`]).
+const WARM_THREADS_MAX: usize = 8;
+
+/// Before a full shuffle of a dataset within the registration budget that is not in the page cache:
+/// reads its shards whole, in sequence, on a few threads, so that the stream then reads every row
+/// in place from the cache. A full shuffle draws every batch from anywhere in the dataset: read row
+/// by row from the disk it would go at the disk's random-read pace (on the H100 test machine 0.18
+/// GB/s of 4 KiB reads at queue depth 64, against 1.7 GB/s read in sequence), and staging a block
+/// per row reads 40 bytes per byte. Skipped when the dataset would not fit in half the memory the
+/// host has available (it would not stay cached). The bytes read count as read.
+fn warm_for_full_shuffle(
+    plan: &StreamPlan,
+    files: &FileTable,
+    windows: &PageCacheWindows,
+    fraction_min: f64,
+    file_bytes: &[u64],
+    metrics: &crate::metrics::Metrics,
+) {
+    let cold: Vec<usize> = (0..file_bytes.len())
+        .filter(|&i| {
+            let file = files.get(FileId(i as u32)).file();
+            !windows.resident(file, 0, file_bytes[i] as usize, fraction_min)
+        })
+        .collect();
+    if cold.is_empty() {
+        return;
+    }
+    let cold_bytes: u64 = cold.iter().map(|&i| file_bytes[i]).sum();
+    if cold_bytes > crate::storage::residency::available_memory_bytes().unwrap_or(0) / 2 {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = cold.len().min(WARM_THREADS_MAX);
+    let read: u64 = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut read = 0u64;
+                    let mut buffer = vec![0u8; 8 << 20];
+                    loop {
+                        let at = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&shard) = cold.get(at) else {
+                            return read;
+                        };
+                        // A plain open: the table's handles may bypass the page cache (O_DIRECT).
+                        let Ok(mut file) = std::fs::File::open(&plan.dataset.shards[shard].path)
+                        else {
+                            continue;
+                        };
+                        while let Ok(n) = std::io::Read::read(&mut file, &mut buffer) {
+                            if n == 0 {
+                                break;
+                            }
+                            read += n as u64;
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a page-cache warming thread panicked"))
+            .sum()
+    });
+    metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, read);
+    tracing::info!(
+        "full shuffle: read {} shards ({} bytes) into the page cache first, in {:.2} s",
+        cold.len(),
+        read,
+        started.elapsed().as_secs_f64()
+    );
 }
 
 /// The first sample of each shard of the plan's dataset, and the sample count after the last.
