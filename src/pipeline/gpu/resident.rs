@@ -220,30 +220,11 @@ impl Resident {
             // shards can be copied ahead into device memory (checked once the windows are mapped).
             ZeroCopy::Auto => !plan.order.is_identity() || limits.device_shard_bytes > 0,
         };
-        let all_raw = plan.dataset.shards.iter().all(|shard| {
-            plan.fields.iter().all(|field| {
-                shard
-                    .metadata
-                    .field_blocks(field.field_index)
-                    .iter()
-                    .all(|b| b.codec == Codec::Raw)
-            })
-        });
-        let mut file_bytes = Vec::with_capacity(plan.dataset.shards.len());
-        for (index, shard) in plan.dataset.shards.iter().enumerate() {
-            let file = files.get(FileId(index as u32)).file();
-            let bytes = file.metadata().map_err(|source| {
-                FillError::Storage(crate::storage::StorageError::Open {
-                    path: shard.path.clone(),
-                    source,
-                })
-            })?;
-            file_bytes.push(bytes.len());
-        }
-        let total: u64 = file_bytes.iter().sum();
-        if !wanted || !all_raw {
+        if !wanted || !fields_all_raw(plan) {
             return Ok(None);
         }
+        let file_bytes = shard_file_bytes(plan, files)?;
+        let total: u64 = file_bytes.iter().sum();
         if total > windows.registered_bytes_max() as u64 {
             return Self::open_streamed(
                 plan,
@@ -464,6 +445,35 @@ impl Resident {
     pub(super) fn device_bytes(&self) -> usize {
         self.device_shards.as_ref().map_or(0, |d| d.device_bytes())
     }
+}
+
+/// Whether every block of the plan's fields is stored raw.
+fn fields_all_raw(plan: &StreamPlan) -> bool {
+    plan.dataset.shards.iter().all(|shard| {
+        plan.fields.iter().all(|field| {
+            shard
+                .metadata
+                .field_blocks(field.field_index)
+                .iter()
+                .all(|b| b.codec == Codec::Raw)
+        })
+    })
+}
+
+/// The size of each shard file of the plan's dataset.
+fn shard_file_bytes(plan: &StreamPlan, files: &FileTable) -> Result<Vec<u64>, FillError> {
+    let mut file_bytes = Vec::with_capacity(plan.dataset.shards.len());
+    for (index, shard) in plan.dataset.shards.iter().enumerate() {
+        let file = files.get(FileId(index as u32)).file();
+        let bytes = file.metadata().map_err(|source| {
+            FillError::Storage(crate::storage::StorageError::Open {
+                path: shard.path.clone(),
+                source,
+            })
+        })?;
+        file_bytes.push(bytes.len());
+    }
+    Ok(file_bytes)
 }
 
 /// Threads reading shards into the page cache before a full shuffle (see [`warm_for_full_shuffle`]).
