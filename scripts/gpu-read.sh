@@ -42,9 +42,19 @@ fi
 
 # ----- the read-path benchmark -----
 gib=${READ_GIB:-8}
+# READ_KIND=tokens: LZ4-compressed int32 tokens (make_data.py's zipf rows of 2048, 8 KiB, packed with
+# codec auto: LZ4 and a byte shuffle) instead of the fp16 embeddings; int32 batches (no conversion).
+kind=${READ_KIND:-emb}
+if [ "$kind" = tokens ]; then
+  source_npy_name=tokens_i32.npy row_bytes=8192 dtype_flags=
+  export READ_OUT_PER_IN=1
+else
+  source_npy_name=emb_fp16.npy row_bytes=2048 dtype_flags="--dtype f32"
+fi
 batch=${READ_BATCH:-4096}
 repeat=${READ_REPEAT:-3}
 work=/var/tmp/gpufeed-read
+source_npy="$work/npy/$source_npy_name"
 jsonl="$OUT/read.jsonl"
 socket=/tmp/gpufeed-read.sock
 http=127.0.0.1:7171
@@ -86,7 +96,7 @@ run_gpufeed() {
   cpu0=$(cpu_seconds "$daemon")
   t0=$(date +%s.%N)
   line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
-    --batch-size "$batch" --dtype f32 --shuffle "$order" --window-shards 4 --seed "$run" \
+    --batch-size "$batch" $dtype_flags --shuffle "$order" --window-shards 4 --seed "$run" \
     --prefetch "${READ_PREFETCH:-4}" ${READ_CONSUME_FLAGS:-} | tail -1)
   t1=$(date +%s.%N)
   cpu1=$(cpu_seconds "$daemon")
@@ -100,7 +110,7 @@ try:
 except ValueError:
     summary = {"error": line[-300:]}
 wall = float(t1) - float(t0)
-bytes_in = summary.get("bytes", 0) // 2
+bytes_in = summary.get("bytes", 0) // int(os.environ.get("READ_OUT_PER_IN", "2"))
 record = {
     "loader": "gpufeed", "case": case, "order": order, "run": int(run), "batch_size": int(batch),
     "prefetch": int(os.environ.get("READ_PREFETCH", "4")),
@@ -123,13 +133,13 @@ PY
 # run_torch_random: the PyTorch DataLoader peer of a full shuffle (RandomSampler over single rows of
 # the memory-mapped .npy, pin_memory, fp32 on the GPU), best of 4, 8 and 16 workers, 64 batches each.
 run_torch_random() {
-  python3 scripts/e2e/peers.py torch --random --file "$work/npy/emb_fp16.npy" \
+  python3 scripts/e2e/peers.py torch --random --file "$source_npy" \
     --batch-sizes "$batch" --temperatures warm --workers 4,8,16 --batches-max 64 --jsonl "$jsonl" \
     --no-gpu-busy | tail -3
 }
 
 run_kvikio() {
-  env PYTHONPATH=/tmp/kvikio-site python3 scripts/e2e/peers.py kvikio --file "$work/npy/emb_fp16.npy" \
+  env PYTHONPATH=/tmp/kvikio-site python3 scripts/e2e/peers.py kvikio --file "$source_npy" \
     --batch-sizes "$batch" --temperatures warm --repeat 1 --threads 8 --depth 8 --jsonl "$jsonl" \
     --no-gpu-busy | tail -1
 }
@@ -138,12 +148,17 @@ read_bench() {
   set -e
   : >"$jsonl"
   mkdir -p "$work/npy" "$work/data"
-  python3 scripts/e2e/make_data.py --out-dir "$work/npy" --emb-gib "$gib" --tokens-gib 0
+  if [ "$kind" = tokens ]; then
+    python3 scripts/e2e/make_data.py --out-dir "$work/npy" --emb-gib 0 --tokens-gib "$gib"
+  else
+    python3 scripts/e2e/make_data.py --out-dir "$work/npy" --emb-gib "$gib" --tokens-gib 0
+  fi
   rm -rf "$work/data/emb"
-  "$bin/gpufeed" pack --out "$work/data/emb" --samples-per-shard 262144 "$work/npy/emb_fp16.npy"
+  # The dataset is called "emb" whatever its kind; shards of 512 MiB raw.
+  "$bin/gpufeed" pack --out "$work/data/emb" --samples-per-shard $(( (512 << 20) / row_bytes )) "$source_npy"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/kvikio-site .gpu/read/whl/*.whl || echo "kvikio: not installed"
-  cat "$work/npy/emb_fp16.npy" >/dev/null
+  cat "$source_npy" >/dev/null
   local third=$(( (gib << 30) / 3 ))
   set +e
   for case in ${READ_CASES:-default always third zero-copy-off}; do
@@ -184,7 +199,7 @@ read_bench() {
 # (case "cold"). Expects read_bench's data (run after it, or with READ_COLD_ONLY=1 after a bench).
 read_cold() {
   set -e
-  local npy="$work/npy/emb_fp16.npy" round order
+  local npy="$source_npy" round order
   drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
   for round in $(seq 1 "${READ_COLD_ROUNDS:-3}"); do
     drop
