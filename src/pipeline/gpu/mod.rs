@@ -223,7 +223,9 @@ impl GpuAssembler {
         }
         let (staged_max, raw_max) = plan::block_sizes_max(&plan);
         let staging_bytes = (limits.staging_bytes as u64).max(staged_max);
-        let cache_entries = (limits.cache_bytes as u64 / raw_max).clamp(1, u32::MAX as u64) as u32;
+        let cache_bytes =
+            plan::cache_bytes(&plan, limits.cache_bytes as u64, limits.device_shard_bytes);
+        let cache_entries = (cache_bytes / raw_max).clamp(1, u32::MAX as u64) as u32;
         let scratch_bytes = (limits.scratch_bytes as u64).max(raw_max);
         // The shuffle scratch follows the cache entries in the same buffer (the decoder writes both).
         // One scratch serves every round: rounds run one after the other on the compute stream.

@@ -55,6 +55,50 @@ pub(super) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
     (staged, raw.div_ceil(16) * 16)
 }
 
+/// Bytes of the decoded-block cache for `plan`: `cache_bytes`, or, in a window shuffle over fields with
+/// LZ4 blocks, room for every block of the largest window's shards decoded (within
+/// `device_shard_bytes`, the device memory a stream may spend on a window's shards). A window shuffle
+/// draws each batch's rows from blocks all over its window, each block several times over the
+/// window's batches: a cache that holds the window decodes each block once, where a smaller one reads
+/// and decodes blocks again and again.
+pub(super) fn cache_bytes(plan: &StreamPlan, cache_bytes: u64, device_shard_bytes: u64) -> u64 {
+    let windowed = !plan.order.is_identity() && plan.order.samples_ahead(0, 1).is_some();
+    let lz4 = plan.dataset.shards.iter().any(|shard| {
+        plan.fields.iter().any(|field| {
+            shard
+                .metadata
+                .field_blocks(field.field_index)
+                .iter()
+                .any(|b| b.codec != Codec::Raw)
+        })
+    });
+    if !windowed || !lz4 {
+        return cache_bytes;
+    }
+    let mut firsts: Vec<u64> = Vec::with_capacity(plan.dataset.shards.len() + 1);
+    let mut first = 0u64;
+    for shard in &plan.dataset.manifest.shards {
+        firsts.push(first);
+        first += shard.sample_count;
+    }
+    firsts.push(first);
+    let shards_per_window = plan.order.shards_per_span_max(1, &firsts).unwrap_or(1) as u64;
+    let decoded_max = plan
+        .dataset
+        .shards
+        .iter()
+        .map(|shard| {
+            plan.fields
+                .iter()
+                .flat_map(|field| shard.metadata.field_blocks(field.field_index))
+                .map(|b| b.raw_bytes as u64)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    cache_bytes.max((shards_per_window * decoded_max).min(device_shard_bytes))
+}
+
 /// The key of block `block` of `field` in the shard of `placement`.
 fn block_key(placement: &Placement, field: &FieldPlan, block: u32) -> BlockKey {
     BlockKey {
