@@ -475,3 +475,59 @@ fn sessions_are_listed_and_closed_through_the_api() {
         assert!(metrics.contains(&line), "{line} missing:\n{metrics}");
     }
 }
+
+/// Issue 16, item 11, over HTTP: a cancel that arrived while a rate-limited pack job held back its
+/// last step (every byte written, the commit next) answered 409 "already succeeded" and installed
+/// the dataset. The job here is one step (4 KiB at 100 bytes a second): once its progress shows
+/// every byte done, it is in that last wait for about 40 s, so the cancel lands there whatever the
+/// machine's speed, and must cancel it.
+#[test]
+fn cancelling_a_rate_limited_pack_in_its_last_step_cancels_it() {
+    let root = tempfile::tempdir().unwrap();
+    // 64 samples of 16 i32: 4096 bytes, one block, one step of the packer.
+    write_tokens_npy(&root.path().join("tokens.npy"), 64);
+    let daemon = start(
+        serve_command(
+            root.path(),
+            &["--pack-rate-max", "100", "--pack-threads", "1"],
+        ),
+        &logs(root.path()),
+    );
+    let address = daemon.address();
+    let body = json!({"name": "late", "source": {"fields": [{"name": "t", "npy": ["tokens.npy"]}], "block_bytes": 4096}});
+    let accepted = send_json(address, "POST", "/v1/datasets", &body, None);
+    assert_eq!(accepted.status, 202, "{}", accepted.json());
+    let id = accepted.json()["id"].as_u64().unwrap();
+    let mut last_step = false;
+    for _ in 0..2000 {
+        let job = get(address, &format!("/v1/jobs/{id}"), None).json();
+        assert_eq!(job["state"], "running", "{job}");
+        let total = job["raw_bytes_total"].as_u64().unwrap();
+        if total > 0 && job["raw_bytes_done"].as_u64().unwrap() == total {
+            last_step = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(last_step, "the job never wrote its last block");
+
+    let cancelled = request(address, "DELETE", &format!("/v1/jobs/{id}"), &[], None);
+    assert_eq!(cancelled.status, 200, "{}", cancelled.json());
+    assert_eq!(
+        cancelled.json()["state"],
+        "cancelled",
+        "{}",
+        cancelled.json()
+    );
+    get(address, "/v1/datasets/late", None).assert_error(404, "not_found");
+    assert!(
+        !root.path().join("late").exists(),
+        "the dataset was installed"
+    );
+    assert!(
+        staging_dirs(root.path(), "late").is_empty(),
+        "the cancelled job cleaned up"
+    );
+    let job = get(address, &format!("/v1/jobs/{id}"), None).json();
+    assert_eq!(job["state"], "cancelled", "{job}");
+}

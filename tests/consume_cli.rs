@@ -1,10 +1,13 @@
 //! Regression test for a newcomer's trial: a user who installed only the `gpufeed` binary had no way
 //! to pull batches from a daemon (the consumer was a Cargo example). `gpufeed consume` does it and
-//! prints its JSON summary; its `--help` lists the dtypes `--dtype` takes.
+//! prints its JSON summary; its `--help` opens with its own description and lists the dtypes
+//! `--dtype` takes. The client crate keeps a small example of its own
+//! (`client/examples/client_minimal.rs`, the program a newcomer copies first), run here against a
+//! CPU daemon too, so that it cannot rot while `gpufeed consume` is the only consumer that runs.
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 #[test]
@@ -36,6 +39,70 @@ fn gpufeed_consume_pulls_an_epoch_and_reports_it() {
         .output()
         .unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
+    // The help opens with consume's own description, not the daemon's.
+    assert!(
+        help.starts_with("Consume one epoch of batches from a running daemon"),
+        "{help}"
+    );
     assert!(help.contains("possible values: u8, i8"), "{help}");
     assert!(help.contains("bf16, f32, f64"), "{help}");
+}
+
+/// Path of an example binary built next to the test binaries (`cargo test` builds examples).
+fn example_binary(name: &str) -> PathBuf {
+    let deps = std::env::current_exe().unwrap();
+    let path = deps
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} missing: build it with `cargo build --examples`",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn the_minimal_client_example_reads_an_epoch() {
+    let root = tempfile::tempdir().unwrap();
+    let daemon = common::daemon::tiny_cpu_daemon(root.path());
+    let output = Command::new(example_binary("client_minimal"))
+        .arg(&daemon.socket)
+        .args(["tiny", "4"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // The tiny dataset: 16 samples of field `v`, u32[4], sample i holding 4i..4i+4.
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "steps 4", "{stdout}");
+    for step in 0..4u32 {
+        assert!(
+            lines.contains(&format!("step {step} samples 4").as_str()),
+            "{stdout}"
+        );
+        let first = 16 * step;
+        let bytes = [first, first + 1]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>();
+        let field = format!("  field v U32 shape [4, 4]: 64 bytes, first {bytes:?}");
+        assert!(
+            lines.contains(&field.as_str()),
+            "{field:?} not in\n{stdout}"
+        );
+    }
+    assert_eq!(
+        lines.last(),
+        Some(&"batches 4, resume from cursor 16"),
+        "{stdout}"
+    );
 }

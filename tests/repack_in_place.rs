@@ -136,3 +136,90 @@ fn a_rescan_registers_datasets_packed_later_and_reloads_repacked_ones() {
         (500..540).collect::<Vec<_>>()
     );
 }
+
+/// What the control API and `gpufeed verify` say of the registered dataset `toy` while its shard 1
+/// is something that cannot be read: the state `unreadable` (not `ready`, not `missing`) naming the
+/// shard, the daemon's status counting it unavailable, `POST .../verify` refusing with that state
+/// rather than reporting corruption, `gpufeed verify` calling it unreadable, and a new stream
+/// refused naming the shard.
+fn assert_shard_reported_unreadable(daemon: &common::daemon::Daemon, dataset: &Path, what: &str) {
+    let detail =
+        common::http::request(daemon.address(), "GET", "/v1/datasets/toy", &[], None).json();
+    assert_eq!(detail["dataset"]["state"], "unreadable", "{what}: {detail}");
+    let error = detail["dataset"]["error"].as_str().unwrap();
+    assert!(error.contains("shard-000001.gfs"), "{what}: {detail}");
+    assert!(error.contains("not a regular file"), "{what}: {detail}");
+    let listed = common::http::request(daemon.address(), "GET", "/v1/datasets", &[], None).json();
+    assert_eq!(
+        listed["datasets"][0]["state"], "unreadable",
+        "{what}: {listed}"
+    );
+    let status = common::http::request(daemon.address(), "GET", "/v1/status", &[], None).json();
+    assert_eq!(status["datasets_unavailable"], 1, "{what}: {status}");
+
+    let verify = common::http::request(
+        daemon.address(),
+        "POST",
+        "/v1/datasets/toy/verify",
+        &[],
+        None,
+    );
+    assert_eq!(verify.status, 409, "{what}");
+    let verify = verify.json();
+    assert_eq!(verify["code"], "dataset_unavailable", "{what}: {verify}");
+    let message = verify["message"].as_str().unwrap();
+    assert!(message.contains("is unreadable"), "{what}: {verify}");
+    assert!(!message.contains("corrupt"), "{what}: {verify}");
+
+    let output = common::gpufeed([Path::new("verify"), Path::new("--quiet"), dataset]);
+    let problems = common::assert_fails(&output);
+    common::assert_line_with(&problems, &["unreadable: ", "shard-000001.gfs"]);
+    assert!(!problems.contains("corrupt"), "{what}: {problems}");
+
+    match first_values(&daemon.socket) {
+        Err(ClientError::Daemon { code, message }) => {
+            assert_ne!(code, ErrorCode::CorruptData, "{what}: {message}");
+            assert!(message.contains("shard-000001.gfs"), "{what}: {message}");
+        }
+        other => panic!("{what}: expected a refusal naming the shard, got {other:?}"),
+    }
+}
+
+/// Issue 16, item 9: a shard made unreadable under a registered dataset (here a directory, then a
+/// FIFO, in its place: the tests run as root, for whom permissions do not make a file unreadable)
+/// left the dataset `ready`, and a permission error read as corruption. Both now say what it is;
+/// and once the shard is back, the dataset is ready and serves again.
+#[test]
+fn a_shard_made_unreadable_is_reported_unreadable_not_corrupt() {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::create_dir(root.path().join("data")).unwrap();
+    pack(root.path(), 64, 0);
+    let daemon = common::daemon::start(
+        common::daemon::serve_command(&root.path().join("data"), &[]),
+        root.path(),
+    );
+    let dataset = root.path().join("data/toy");
+    let shard = dataset.join("shard-000001.gfs");
+    let kept = root.path().join("shard-000001.gfs.kept");
+    std::fs::rename(&shard, &kept).unwrap();
+
+    std::fs::create_dir(&shard).unwrap();
+    assert_shard_reported_unreadable(&daemon, &dataset, "a directory");
+    std::fs::remove_dir(&shard).unwrap();
+
+    let fifo = std::ffi::CString::new(shard.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: mkfifo(3) with a NUL-terminated path that outlives the call.
+    let made = unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) };
+    assert_eq!(made, 0, "mkfifo: {}", std::io::Error::last_os_error());
+    assert_shard_reported_unreadable(&daemon, &dataset, "a FIFO");
+    std::fs::remove_file(&shard).unwrap();
+
+    std::fs::rename(&kept, &shard).unwrap();
+    let detail =
+        common::http::request(daemon.address(), "GET", "/v1/datasets/toy", &[], None).json();
+    assert_eq!(detail["dataset"]["state"], "ready", "{detail}");
+    assert_eq!(
+        first_values(&daemon.socket).unwrap(),
+        (0..64).collect::<Vec<_>>()
+    );
+}

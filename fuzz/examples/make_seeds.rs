@@ -13,6 +13,9 @@ use gpufeed::input::{npy, FieldSource};
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
 use gpufeed::synth;
 use gpufeed_client::DType;
+// Linked for its sanitizer-coverage callbacks: `smoke.sh` builds this example with the fuzz
+// targets' instrumentation, which every instrumented crate calls into.
+use libfuzzer_sys as _;
 
 fn main() {
     let out = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "corpus".into()));
