@@ -48,19 +48,25 @@ fn gpufeed_consume_pulls_an_epoch_and_reports_it() {
     assert!(help.contains("bf16, f32, f64"), "{help}");
 }
 
-/// Path of an example binary built next to the test binaries (`cargo test` builds examples).
+/// Path of a client-crate example built next to the test binaries: a whole `cargo test` builds the
+/// examples; a run of this test alone builds the one it needs.
 fn example_binary(name: &str) -> PathBuf {
     let deps = std::env::current_exe().unwrap();
-    let path = deps
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
+    let profile_dir = deps.parent().unwrap().parent().unwrap();
+    let path = profile_dir.join("examples").join(name);
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = Command::new(cargo);
+        build.args(["build", "-p", "gpufeed-client", "--example", name]);
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            build.arg("--release");
+        }
+        let status = build.status().unwrap();
+        assert!(status.success(), "building the example {name} failed");
+    }
     assert!(
         path.exists(),
-        "{} missing: build it with `cargo build --examples`",
+        "{} missing after building it",
         path.display()
     );
     path

@@ -26,6 +26,12 @@ pub struct DriverCallError {
 }
 
 impl DriverCallError {
+    /// Whether the call failed because the host range is registered already
+    /// (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`): a transient condition, not a refusal.
+    pub fn is_already_registered(&self) -> bool {
+        self.code == cu::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    }
+
     /// The code's symbolic name, such as `CUDA_ERROR_OUT_OF_MEMORY`.
     pub fn name(&self) -> String {
         let mut text: *const c_char = std::ptr::null();

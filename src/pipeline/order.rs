@@ -266,6 +266,7 @@ impl EpochOrder {
                 .collect(),
             OrderKind::Windows(windows) => windows
                 .iter()
+                .filter(|w| w.len > 0)
                 .map(|w| (w.start, w.len, w.shards.len()))
                 .collect(),
         };
@@ -361,17 +362,30 @@ mod tests {
     use std::collections::HashSet;
 
     /// The bound on the shards a run of positions draws from holds for every run, in order and in a
-    /// window shuffle.
+    /// window shuffle, also with shards (and so windows) that hold no sample.
     #[test]
     fn shards_per_span_bound_every_run_of_positions() {
+        for shards in [&[40u64, 25, 60, 33, 50, 12][..], &[40, 0, 25, 0, 0, 60, 33]] {
+            shards_per_span_bound_holds(shards);
+        }
         let shards = [40u64, 25, 60, 33, 50, 12];
+        let full = EpochOrder::new(&shards, 7, 1, ShuffleMode::Full);
+        assert!(full.shards_per_span_max(8, &[0, 40, 65]).is_none());
+    }
+
+    fn shards_per_span_bound_holds(shards: &[u64]) {
         let mut firsts = vec![0u64];
         for count in shards {
             firsts.push(firsts.last().unwrap() + count);
         }
         let shard_of = |sample: u64| firsts.partition_point(|&s| s <= sample) - 1;
-        for mode in [ShuffleMode::None, ShuffleMode::Window { shards: 2 }] {
-            let order = EpochOrder::new(&shards, 7, 1, mode);
+        let modes = [
+            ShuffleMode::None,
+            ShuffleMode::Window { shards: 1 },
+            ShuffleMode::Window { shards: 2 },
+        ];
+        for mode in modes {
+            let order = EpochOrder::new(shards, 7, 1, mode);
             for span in [1u64, 12, 13, 30, 64, 100, 220, 500] {
                 let bound = order.shards_per_span_max(span, &firsts).unwrap();
                 for start in 0..order.len() {
@@ -386,8 +400,6 @@ mod tests {
                 }
             }
         }
-        let full = EpochOrder::new(&shards, 7, 1, ShuffleMode::Full);
-        assert!(full.shards_per_span_max(8, &firsts).is_none());
     }
 
     #[test]

@@ -614,10 +614,15 @@ impl PageCacheWindows {
         }
         let window = registry.windows.swap_remove(slot);
         registry.registered_bytes -= window.bytes;
+        // Marked busy until the driver has unregistered it: a thread registering the same range in
+        // between would be refused (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED); it waits instead.
+        registry.registering.insert((id.file, id.index));
         drop(registry);
         if let Err(error) = unregister(window) {
             tracing::warn!("unregistering a page-cache window failed: {error}");
         }
+        self.lock().registering.remove(&(id.file, id.index));
+        self.shared.registered.notify_all();
     }
 
     /// Unpins windows that [`Self::map`] pinned for work that was never queued.
@@ -699,6 +704,12 @@ impl PageCacheWindows {
         // SAFETY: as above.
         let device_ptr = match unsafe { mem_host_register_read_only(ptr, bytes) } {
             Ok(device_ptr) => device_ptr,
+            Err(reason) if reason.is_already_registered() => {
+                // Another registration of these pages (outside this registry) still holds them:
+                // this window takes the other path this time, the file is not refused.
+                tracing::debug!("page-cache window {index} already registered: {reason}");
+                return Ok(None);
+            }
             Err(reason) => {
                 tracing::warn!(
                     "page-cache path unavailable for a shard: {reason}; using the cold path"
@@ -896,19 +907,37 @@ fn register_one(shared: &Shared, job: &Ahead) -> bool {
         return false;
     };
     registry.registered_bytes += job.bytes;
+    // The evicted windows are marked busy until unregistered (see `release_copy_source`).
+    let busy: Vec<(FileKey, u64)> = evicted.iter().map(|w| (w.file, w.index)).collect();
+    registry.registering.extend(busy.iter().copied());
     drop(registry);
+    let mut unregistered = true;
     for window in evicted {
-        if unregister(window).is_err() {
-            return false;
-        }
+        unregistered &= unregister(window).is_ok();
+    }
+    let mut registry = shared.lock();
+    for id in &busy {
+        registry.registering.remove(id);
+    }
+    drop(registry);
+    shared.registered.notify_all();
+    if !unregistered {
+        return false;
     }
     // SAFETY: `job.start .. job.start + job.bytes` lies within the live mapping `job.mapped` (page
     // aligned), kept alive by the window for as long as it is registered; this thread's context is
     // the device's (bound above); no other thread registers this window (it is in `registering`).
     let ptr = unsafe { job.mapped.map.as_ptr().add(job.start) };
     // SAFETY: as above.
-    let Ok(device_ptr) = (unsafe { mem_host_register_read_only(ptr, job.bytes) }) else {
-        return false;
+    let device_ptr = match unsafe { mem_host_register_read_only(ptr, job.bytes) } {
+        Ok(device_ptr) => device_ptr,
+        Err(reason) => {
+            tracing::debug!(
+                "registering page-cache window {} ahead failed: {reason}",
+                job.index
+            );
+            return false;
+        }
     };
     let mut registry = shared.lock();
     registry.clock += 1;

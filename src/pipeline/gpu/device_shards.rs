@@ -169,7 +169,9 @@ impl DeviceShards {
         let mut wanted: Vec<usize> = Vec::with_capacity(max);
         for range in ranges {
             for shard in self.shards_of(range) {
-                if !wanted.contains(&shard) {
+                // A shard without samples is never read.
+                let empty = self.shard_first_samples[shard + 1] == self.shard_first_samples[shard];
+                if !empty && !wanted.contains(&shard) {
                     wanted.push(shard);
                 }
                 if wanted.len() == max {
@@ -239,19 +241,21 @@ impl DeviceShards {
             slot.ready = false;
             slot.shard = Some(shard);
             self.holder[shard] = Some(index);
-            loader.send(LoadJob {
-                slot: index,
-                generation: slot.generation,
-                shard,
-                dst: slot.buffer.device_ptr(),
-                copied: Arc::clone(&slot.copied),
-                after,
-            })?;
-            self.copied_bytes += self.shards[shard]
+            let bytes = self.shards[shard]
                 .windows
                 .iter()
                 .map(|&(_, bytes)| bytes)
                 .sum::<u64>();
+            loader.send(LoadJob {
+                slot: index,
+                generation: slot.generation,
+                shard,
+                bytes,
+                dst: slot.buffer.device_ptr(),
+                copied: Arc::clone(&slot.copied),
+                after,
+            })?;
+            self.copied_bytes += bytes;
             return Ok(());
         }
         if slot.read {

@@ -22,6 +22,11 @@
 //! The filler learns that a shard's copies are queued when its generation is recorded; rounds that
 //! read the shard then make the compute stream wait for the copy's event (no host wait on the
 //! device).
+//!
+//! What is copied is the shard file as it is when copied: its blocks were verified when the stream
+//! opened (or earlier, per the dataset's verified-block record), and a shard is never modified while
+//! its dataset is registered (a re-packed dataset is detected by its manifest identity), so the
+//! copies are not hashed again. A shard found shorter than at open fails the stream.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -46,12 +51,17 @@ const WINDOWS_KEPT_FREE: usize = 2;
 /// How long a filler waits for a shard between checks that the loader is still alive.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 
+/// How often an idle loader with copies still in flight looks whether their windows can go back.
+const IDLE_POLL: Duration = Duration::from_millis(2);
+
 /// One shard to copy into a device slot.
 pub(super) struct LoadJob {
     /// The slot, and which of its fills this is (the filler's count).
     pub slot: usize,
     pub generation: u64,
     pub shard: usize,
+    /// The shard's size when the stream opened (the slot holds the largest): what is copied.
+    pub bytes: u64,
     /// The slot's device address (it holds the largest shard).
     pub dst: u64,
     /// Recorded on the loader's stream after the shard's last copy.
@@ -66,8 +76,23 @@ struct State {
     recorded: Vec<u64>,
     /// Why the loader stopped, if it failed.
     failed: Option<(usize, Arc<std::io::Error>)>,
-    /// The thread has ended.
+    /// The thread has ended (or panicked).
     stopped: bool,
+    /// The stream is closing: jobs still queued are dropped, not copied.
+    closing: bool,
+}
+
+/// Marks the loader stopped when its thread ends, also by a panic, so that a filler waiting for a
+/// shard fails instead of waiting forever.
+struct StopOnExit(Shared);
+
+impl Drop for StopOnExit {
+    fn drop(&mut self) {
+        let (lock, ready) = &*self.0;
+        let mut state = lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.stopped = true;
+        ready.notify_all();
+    }
 }
 
 type Shared = Arc<(Mutex<State>, Condvar)>;
@@ -120,7 +145,10 @@ impl ShardLoader {
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("gpufeed-shard-load".into())
-            .spawn(move || worker.run(&receiver, &thread_shared))
+            .spawn(move || {
+                let _stop = StopOnExit(Arc::clone(&thread_shared));
+                worker.run(&receiver, &thread_shared)
+            })
             .map_err(|source| {
                 FillError::Device(DeviceError::Os {
                     what: "starting a shard loader thread",
@@ -199,7 +227,13 @@ impl ShardLoader {
 
 impl Drop for ShardLoader {
     fn drop(&mut self) {
-        // Closing the channel ends the thread once its queued copies are done and unpinned.
+        // Jobs still queued are dropped; closing the channel ends the thread once the copies it
+        // queued are done and their windows handed back.
+        self.shared
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .closing = true;
         self.jobs = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -230,16 +264,19 @@ impl Worker {
                     let job = match jobs.try_recv() {
                         Ok(job) => job,
                         Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
-                        Err(std::sync::mpsc::TryRecvError::Empty) => {
-                            // Idle: hand back the windows whose copies are done (the others at
-                            // the next job), so that an idle stream holds little of the budget.
-                            self.unpin_done(false);
-                            match jobs.recv() {
-                                Ok(job) => job,
-                                Err(_) => break,
-                            }
-                        }
+                        Err(std::sync::mpsc::TryRecvError::Empty) => match self.idle(jobs) {
+                            Some(job) => job,
+                            None => break,
+                        },
                     };
+                    if shared
+                        .0
+                        .lock()
+                        .expect("shard loader state poisoned")
+                        .closing
+                    {
+                        break;
+                    }
                     let (slot, generation, shard) = (job.slot, job.generation, job.shard);
                     if let Err(error) = self.load(&stream, &job) {
                         result = Err((shard, error));
@@ -255,14 +292,28 @@ impl Worker {
                 self.unpin_done(true);
                 result.and(drained.map_err(|e| (0, e)))
             });
-        let (lock, ready) = &**shared;
-        let mut state = lock.lock().expect("shard loader state poisoned");
         if let Err((shard, error)) = outcome {
             tracing::error!("copying shards into device memory failed: {error}");
+            let mut state = shared.0.lock().expect("shard loader state poisoned");
             state.failed = Some((shard, Arc::new(std::io::Error::other(error))));
         }
-        state.stopped = true;
-        ready.notify_all();
+        // `StopOnExit` marks the thread stopped and wakes the filler.
+    }
+
+    /// Waits for the next job while idle, handing back each window as its copy completes, so that
+    /// an idle stream holds none of the budget; `None` once the channel is closed.
+    fn idle(&mut self, jobs: &Receiver<LoadJob>) -> Option<LoadJob> {
+        loop {
+            self.unpin_done(false);
+            if self.pinned.is_empty() {
+                return jobs.recv().ok();
+            }
+            match jobs.recv_timeout(IDLE_POLL) {
+                Ok(job) => return Some(job),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+        }
     }
 
     /// Queues the copies of one shard into its slot, then records the slot's event.
@@ -270,13 +321,28 @@ impl Worker {
         if let Some(after) = &job.after {
             stream.wait(after)?;
         }
-        let file_bytes = self.files[job.shard]
+        let file_len = self.files[job.shard]
             .metadata()
             .map_err(|source| DeviceError::Os {
                 what: "reading the size of a shard",
                 source,
             })?
             .len();
+        if file_len < job.bytes {
+            return Err(DeviceError::Os {
+                what: "copying a shard",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "the shard is {file_len} bytes, shorter than the {} it had when the \
+                         stream opened",
+                        job.bytes
+                    ),
+                ),
+            });
+        }
+        // Never more than the slot was sized for, whatever the file has become.
+        let file_bytes = job.bytes;
         let window_bytes = self.windows.window_bytes();
         let keep_free = WINDOWS_KEPT_FREE * window_bytes as usize;
         let mut at = 0u64;
@@ -291,17 +357,10 @@ impl Worker {
                 at += bytes as u64;
                 continue;
             };
-            if source.is_transient() {
-                // Registered while the earlier copies ran: wait for them and hand their windows
-                // back before this copy is queued, as unregistering waits for queued work.
-                while !self.pinned.is_empty() {
-                    self.retire_oldest()?;
-                }
-            } else {
-                self.unpin_done(false);
-                while self.pinned.len() >= PINNED_WINDOWS_MAX {
-                    self.retire_oldest()?;
-                }
+            if let Err(error) = self.make_room_for(&source) {
+                // Nothing is queued from `source` yet.
+                self.windows.release_copy_source(source);
+                return Err(error);
             }
             // SAFETY: the source is registered memory held (pinned, or registered for this copy)
             // until the event recorded just after the copy has completed (`unpin_done`,
@@ -400,6 +459,23 @@ impl Worker {
             self.windows.release_copy_source(source);
             self.spare_events.push(event);
         }
+    }
+
+    /// Before a copy from `source` is queued: hands back the windows of earlier copies as needed.
+    fn make_room_for(&mut self, source: &CopySource) -> Result<(), DeviceError> {
+        if source.is_transient() {
+            // Registered while the earlier copies ran: wait for them and hand their windows back
+            // before this copy is queued, as unregistering waits for queued work.
+            while !self.pinned.is_empty() {
+                self.retire_oldest()?;
+            }
+        } else {
+            self.unpin_done(false);
+            while self.pinned.len() >= PINNED_WINDOWS_MAX {
+                self.retire_oldest()?;
+            }
+        }
+        Ok(())
     }
 
     /// Waits for the oldest held window's copy, then hands it back (with any others done).
