@@ -186,6 +186,8 @@ pub struct GpuAssembler {
     jobs_max: usize,
     pieces_max: usize,
     zero_copy: ZeroCopy,
+    /// LZ4 blocks read ahead after a cache miss (see [`plan::cache_bytes`]); 0: none.
+    lz4_read_ahead: u32,
     /// Set when the whole dataset is read in place (see [`resident`]).
     resident: Option<resident::Resident>,
     layout: HostLayout,
@@ -223,7 +225,7 @@ impl GpuAssembler {
         }
         let (staged_max, raw_max) = plan::block_sizes_max(&plan);
         let staging_bytes = (limits.staging_bytes as u64).max(staged_max);
-        let cache_bytes =
+        let (cache_bytes, lz4_read_ahead) =
             plan::cache_bytes(&plan, limits.cache_bytes as u64, limits.device_shard_bytes);
         let cache_entries = (cache_bytes / raw_max).clamp(1, u32::MAX as u64) as u32;
         let scratch_bytes = (limits.scratch_bytes as u64).max(raw_max);
@@ -270,6 +272,7 @@ impl GpuAssembler {
             jobs_max,
             pieces_max,
             zero_copy: limits.zero_copy,
+            lz4_read_ahead,
             resident,
             layout,
             buffers,

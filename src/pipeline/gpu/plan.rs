@@ -61,7 +61,15 @@ pub(super) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
 /// draws each batch's rows from blocks all over its window, each block several times over the
 /// window's batches: a cache that holds the window decodes each block once, where a smaller one reads
 /// and decodes blocks again and again.
-pub(super) fn cache_bytes(plan: &StreamPlan, cache_bytes: u64, device_shard_bytes: u64) -> u64 {
+/// The second value is the blocks to read ahead after an LZ4 block the cache misses: when the cache
+/// holds the window, every block of the window's shards is decoded once during the window, so the
+/// blocks after a miss are read with it (one read instead of one per block) and decoded in the same
+/// launch.
+pub(super) fn cache_bytes(
+    plan: &StreamPlan,
+    cache_bytes: u64,
+    device_shard_bytes: u64,
+) -> (u64, u32) {
     let windowed = !plan.order.is_identity() && plan.order.samples_ahead(0, 1).is_some();
     let lz4 = plan.dataset.shards.iter().any(|shard| {
         plan.fields.iter().any(|field| {
@@ -73,7 +81,7 @@ pub(super) fn cache_bytes(plan: &StreamPlan, cache_bytes: u64, device_shard_byte
         })
     });
     if !windowed || !lz4 {
-        return cache_bytes;
+        return (cache_bytes, 0);
     }
     let mut firsts: Vec<u64> = Vec::with_capacity(plan.dataset.shards.len() + 1);
     let mut first = 0u64;
@@ -96,8 +104,17 @@ pub(super) fn cache_bytes(plan: &StreamPlan, cache_bytes: u64, device_shard_byte
         })
         .max()
         .unwrap_or(0);
-    cache_bytes.max((shards_per_window * decoded_max).min(device_shard_bytes))
+    let window_bytes = shards_per_window * decoded_max;
+    let held = window_bytes <= device_shard_bytes;
+    (
+        cache_bytes.max(window_bytes.min(device_shard_bytes)),
+        if held { LZ4_READ_AHEAD_BLOCKS } else { 0 },
+    )
 }
+
+/// LZ4 blocks read ahead after a block the cache misses, when the cache holds the window (see
+/// [`cache_bytes`]): 16 blocks of 64 KiB decoded, 1 MiB, a few hundred KiB read.
+const LZ4_READ_AHEAD_BLOCKS: u32 = 16;
 
 /// The key of block `block` of `field` in the shard of `placement`.
 fn block_key(placement: &Placement, field: &FieldPlan, block: u32) -> BlockKey {
@@ -190,6 +207,70 @@ impl GpuAssembler {
                 }
             }
         }
+        if self.lz4_read_ahead > 0 && !demand.decoded.is_empty() && self.fits(round, demand) {
+            self.read_ahead(round, demand);
+        }
+    }
+
+    /// Adds to `demand` the LZ4 blocks that follow each block it decodes, up to
+    /// `lz4_read_ahead` of them, stopping at a block already cached or read, and as soon as one more
+    /// would not fit the round: the run's own blocks come first, then what the round has room for.
+    fn read_ahead(&self, round: &Round, demand: &mut RunDemand) {
+        let misses: Vec<BlockKey> = demand.decoded.iter().map(|&(key, ..)| key).collect();
+        for miss in misses {
+            let Some(field) = self
+                .plan
+                .fields
+                .iter()
+                .find(|f| f.field_index as u32 == miss.field)
+            else {
+                continue;
+            };
+            let blocks = self.plan.dataset.shards[miss.shard as usize]
+                .metadata
+                .field_blocks(field.field_index)
+                .len() as u32;
+            let last = miss
+                .block
+                .saturating_add(self.lz4_read_ahead)
+                .min(blocks - 1);
+            for block in miss.block + 1..=last {
+                let key = BlockKey { block, ..miss };
+                let entry = *self.entry(&key);
+                if entry.codec != Codec::Lz4
+                    || self.block_cache.get(&key).is_some()
+                    || demand.decoded.iter().any(|(k, ..)| *k == key)
+                {
+                    break;
+                }
+                let (staging, scratch) = (demand.staging, demand.scratch);
+                self.decode_demand(field, key, &entry, demand);
+                if !self.fits(round, demand) {
+                    demand.decoded.pop();
+                    demand.staging = staging;
+                    demand.scratch = scratch;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Adds LZ4 block `key` (`entry`) of `field` to the blocks `demand` decodes.
+    fn decode_demand(
+        &self,
+        field: &FieldPlan,
+        key: BlockKey,
+        entry: &BlockEntry,
+        demand: &mut RunDemand,
+    ) {
+        let shuffled = entry.filter == Filter::ByteShuffle && field.stored.size_bytes() > 1;
+        let scratch_at = shuffled.then(|| {
+            let at = self.scratch_offset + demand.scratch;
+            demand.scratch += (entry.raw_bytes as u64).div_ceil(16) * 16;
+            at
+        });
+        demand.decoded.push((key, demand.staging, scratch_at));
+        demand.staging += staged_bytes(entry);
     }
 
     /// Adds what block `key` of `field` needs, if `round` and the run so far do not provide it.
@@ -229,15 +310,7 @@ impl GpuAssembler {
             (Codec::Lz4, Some(CacheEntry::Corrupt(_))) => {}
             (Codec::Lz4, None) => {
                 if !demand.decoded.iter().any(|(k, ..)| *k == key) {
-                    let shuffled =
-                        entry.filter == Filter::ByteShuffle && field.stored.size_bytes() > 1;
-                    let scratch_at = shuffled.then(|| {
-                        let at = self.scratch_offset + demand.scratch;
-                        demand.scratch += (entry.raw_bytes as u64).div_ceil(16) * 16;
-                        at
-                    });
-                    demand.decoded.push((key, demand.staging, scratch_at));
-                    demand.staging += staged_bytes(&entry);
+                    self.decode_demand(field, key, &entry, demand);
                 }
             }
         }
@@ -344,8 +417,8 @@ impl GpuAssembler {
     /// Adds the run of `demand` to `round`: its cached blocks become the round's (not evictable by
     /// it) and its new LZ4 blocks get cache entries.
     fn commit_run(&mut self, round: &mut Round, demand: &RunDemand, stamp: u64) {
-        for &(key, used) in &demand.pins {
-            self.block_cache.pin(key, used, stamp);
+        for &(key, _) in &demand.pins {
+            self.block_cache.pin(key, stamp);
             round.pinned += 1;
         }
         for &(key, at) in &demand.staged {
