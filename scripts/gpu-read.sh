@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after scripts/gpu-stage-read.sh staged .gpu/read/ here, in one command:
 #   1. GPU tests: serving (zero-copy reads in every order with a budget smaller than the dataset,
-#      bit-exact against the source and the CPU backend; corrupt blocks; 100 killed consumers) and the
-#      kernels (the gather kernel's region table among them);
+#      bit-exact against the source and the CPU backend; corrupt blocks; 100 killed consumers), the
+#      kernels (the gather kernel's region table among them) and the read paths (gpu_storage);
 #   2. compute-sanitizer memcheck over the zero-copy serving test, the daemon child included;
 #   3. the read-path benchmark (READ_* settings below): an fp16 .npy of READ_GIB GiB, [N, 1024] rows of
 #      2 KiB, packed raw into shards of 512 MiB; a daemon with the default registration budget, then
@@ -38,6 +38,11 @@ if [ "${1:-}" != --bench-only ] && [ -z "${READ_BENCH_ONLY:-}" ]; then
   step gpu_serve tests 200 60 "$bin/gpu_serve" --include-ignored --nocapture --test-threads=1 \
     --skip two_devices
   step gpu_kernels tests 60 20 "$bin/gpu_kernels" --include-ignored --test-threads=4
+  # The read paths (page cache, bounce, cuFile in compatibility mode) on multi-GiB files, cold and
+  # warm. The udev entry cuFile needs is written already (scripts/lib/staged.sh), so the test of the
+  # fallback without it runs in scripts/gpu-storage.sh only.
+  step gpu_storage tests 200 60 env GPUFEED_TEST_DIR=/var/tmp "$bin/gpu_storage" --include-ignored \
+    --test-threads=1 --skip cufile_falls_back
 fi
 
 # ----- the read-path benchmark -----
@@ -115,6 +120,7 @@ record = {
     "loader": "gpufeed", "case": case, "order": order, "run": int(run), "batch_size": int(batch),
     "prefetch": int(os.environ.get("READ_PREFETCH", "4")),
     "stream_seconds": summary.get("seconds"), "wall_seconds": wall,
+    "first_batch_seconds": summary.get("first_batch_seconds"),
     "bytes_in": bytes_in, "bytes_out": summary.get("bytes", 0),
     "gb_per_s_in_stream": bytes_in / summary["seconds"] / 1e9 if summary.get("seconds") else None,
     "gb_per_s_in_wall": bytes_in / wall / 1e9,

@@ -539,6 +539,7 @@ fn open_stream(
         metrics.unreserve_slot_bytes(ring_bytes);
         (code, message)
     };
+    let started = std::time::Instant::now();
     let ring = match backend {
         StreamBackend::Cpu => SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
             undo(
@@ -561,6 +562,7 @@ fn open_stream(
             format!("cannot create the hand-off ring: {e}"),
         )
     })?);
+    let slots_made = started.elapsed();
     let filler =
         Filler::new(Arc::clone(&plan), backend, limits, Arc::clone(metrics)).map_err(|error| {
             let code = match error {
@@ -569,6 +571,15 @@ fn open_stream(
             };
             undo(code, error.to_string())
         })?;
+    tracing::info!(
+        "stream of '{}' set up in {:.1} ms: {} slots of {} bytes {:.1} ms, pipeline {:.1} ms",
+        spec.dataset,
+        started.elapsed().as_secs_f64() * 1e3,
+        plan.slot_count,
+        plan.slot_bytes,
+        slots_made.as_secs_f64() * 1e3,
+        (started.elapsed() - slots_made).as_secs_f64() * 1e3
+    );
     let ring = Arc::new(ring);
     let layout = StreamLayout {
         slot_count: plan.slot_count,

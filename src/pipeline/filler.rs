@@ -238,6 +238,7 @@ impl Filler {
         // `self` is consumed here, so the assembler (and its queued device work, drained on drop) goes
         // before the caller's reference to the slots it writes.
         let mut filler = self;
+        let started = std::time::Instant::now();
         let depth = filler.depth();
         let mut next = 0u64;
         loop {
@@ -269,10 +270,12 @@ impl Filler {
         if let Backend::Gpu { assembler, .. } = &filler.backend {
             let t = assembler.timings;
             tracing::info!(
-                "GPU stream done: {} steps in {} rounds; host plan {:.3} s, read {:.3} s, decode {:.3} s, \
-                 gather {:.3} s, waiting for the device {:.3} s; {} rounds read device copies of shards",
+                "GPU stream done: {} steps in {} rounds, {:.3} s; host plan {:.3} s, read {:.3} s, \
+                 decode {:.3} s, gather {:.3} s, waiting for the device {:.3} s; {} rounds read device \
+                 copies of shards",
                 filler.steps,
                 t.rounds,
+                started.elapsed().as_secs_f64(),
                 t.plan_s,
                 t.read_s,
                 t.decode_s,

@@ -146,11 +146,10 @@ pub struct GpuReader {
     /// costs no host CPU (the default spin-wait costs a whole core for as long as the copies run).
     done: Event,
     limits: GpuReaderLimits,
-    engine: ReadEngine<AnyQueue>,
-    /// Whether the bounce buffers are io_uring fixed buffers (index = position in `bounce`).
-    fixed_buffers: bool,
-    bounce: Vec<(PinnedBuffer, Event)>,
-    next_bounce: usize,
+    /// The bounce path, made when it is first needed: a stream that reads everything from registered
+    /// page-cache windows (or from device copies of them) never pins bounce buffers, and opens
+    /// tens of milliseconds sooner.
+    bounce: Option<Bounce>,
     windows: Arc<PageCacheWindows>,
     /// This reader's identity in `windows`.
     reader_id: u64,
@@ -166,10 +165,66 @@ pub struct GpuReader {
 // SAFETY: the pinned buffers and the engine are only used through &mut self.
 unsafe impl Send for GpuReader {}
 
+/// The bounce path's pinned buffers, their events, and the io_uring engine that reads into them.
+struct Bounce {
+    /// Declared first: dropped before the buffers it may have registered.
+    engine: ReadEngine<AnyQueue>,
+    /// Whether the buffers are io_uring fixed buffers (index = position in `buffers`).
+    fixed_buffers: bool,
+    buffers: Vec<(PinnedBuffer, Event)>,
+    next: usize,
+}
+
+impl Bounce {
+    /// Allocates `limits.bounce_buffers` pinned buffers, each with an event recorded on `stream` (so
+    /// that the first wait on it returns at once), and an engine with the buffers registered.
+    fn new(
+        device: &Device,
+        stream: &Stream,
+        limits: &GpuReaderLimits,
+    ) -> Result<Bounce, GpuReadError> {
+        let mut buffers = Vec::with_capacity(limits.bounce_buffers);
+        for _ in 0..limits.bounce_buffers {
+            let buffer = PinnedBuffer::new(device, limits.bounce_buffer_bytes)?;
+            let event = Event::new(device, EventTiming::Disabled)?;
+            event.record(stream)?;
+            buffers.push((buffer, event));
+        }
+        let (queue, note) = AnyQueue::best(limits.queue_depth);
+        if let Some(note) = note {
+            tracing::warn!("{note}");
+        }
+        let mut engine = ReadEngine::new(queue, EngineLimits::node_defaults());
+        let iovecs: Vec<libc::iovec> = buffers
+            .iter_mut()
+            .map(|(buffer, _): &mut (PinnedBuffer, Event)| libc::iovec {
+                iov_base: buffer.as_mut_slice().as_mut_ptr().cast(),
+                iov_len: buffer.len(),
+            })
+            .collect();
+        // SAFETY: the pinned buffers live as long as the engine, which is dropped first (declared
+        // first in `Bounce`).
+        let fixed_buffers = match unsafe { engine.queue_mut().register_buffers(&iovecs) } {
+            Ok(registered) => registered,
+            Err(error) => {
+                tracing::warn!("bounce buffers not registered with io_uring: {error}");
+                false
+            }
+        };
+        Ok(Bounce {
+            engine,
+            fixed_buffers,
+            buffers,
+            next: 0,
+        })
+    }
+}
+
 impl GpuReader {
-    /// Sets up the paths for `device`: allocates the bounce buffers and their events, creates the copy
-    /// stream and the io_uring engine, and probes cuFile (used for cold reads only where the nvidia-fs
-    /// driver is present, unless `cufile` is forced by the caller's [`PathChoice`]).
+    /// Sets up the paths for `device`: creates the copy stream and probes cuFile (used for cold reads
+    /// only where the nvidia-fs driver is present, unless `cufile` is forced by the caller's
+    /// [`PathChoice`]); the bounce buffers, their events and the io_uring engine are made by the first
+    /// read that needs them.
     pub fn new(device: &Device, limits: GpuReaderLimits) -> Result<GpuReader, GpuReadError> {
         let windows = Arc::new(PageCacheWindows::new(
             device,
@@ -191,35 +246,6 @@ impl GpuReader {
         assert!(limits.window_bytes % IO_ALIGN_BYTES as usize == 0 && limits.window_bytes > 0);
         let stream = Stream::new(device)?;
         let done = Event::new_blocking(device)?;
-        let mut bounce = Vec::with_capacity(limits.bounce_buffers);
-        for _ in 0..limits.bounce_buffers {
-            let buffer = PinnedBuffer::new(device, limits.bounce_buffer_bytes)?;
-            let event = Event::new(device, EventTiming::Disabled)?;
-            // Recorded once so that the first wait on it returns at once.
-            event.record(&stream)?;
-            bounce.push((buffer, event));
-        }
-        let (queue, note) = AnyQueue::best(limits.queue_depth);
-        if let Some(note) = note {
-            tracing::warn!("{note}");
-        }
-        let mut engine = ReadEngine::new(queue, EngineLimits::node_defaults());
-        let iovecs: Vec<libc::iovec> = bounce
-            .iter_mut()
-            .map(|(buffer, _): &mut (PinnedBuffer, Event)| libc::iovec {
-                iov_base: buffer.as_mut_slice().as_mut_ptr().cast(),
-                iov_len: buffer.len(),
-            })
-            .collect();
-        // SAFETY: the pinned buffers live as long as the reader, which owns both them and the engine
-        // (and drops the engine, declared first, before them).
-        let fixed_buffers = match unsafe { engine.queue_mut().register_buffers(&iovecs) } {
-            Ok(registered) => registered,
-            Err(error) => {
-                tracing::warn!("bounce buffers not registered with io_uring: {error}");
-                false
-            }
-        };
         let opened = super::cufile::CuFileReader::open(device).map(|mut reader| {
             reader.threads = limits.cufile_threads.max(1);
             reader
@@ -240,10 +266,7 @@ impl GpuReader {
             stream,
             done,
             limits,
-            engine,
-            fixed_buffers,
-            bounce,
-            next_bounce: 0,
+            bounce: None,
             reader_id: windows.reader_id(),
             windows,
             copies_done: Event::new(device, EventTiming::Disabled)?,
@@ -464,6 +487,10 @@ impl GpuReader {
                 done += len;
             }
         }
+        if self.bounce.is_none() {
+            self.bounce = Some(Bounce::new(&self.device, &self.stream, &self.limits)?);
+        }
+        let bounce = self.bounce.as_mut().expect("made above");
         let mut start = 0;
         while start < pieces.len() {
             let mut used = 0usize;
@@ -472,9 +499,9 @@ impl GpuReader {
                 used = (used + pieces[end].len).div_ceil(align) * align;
                 end += 1;
             }
-            let slot = self.next_bounce;
-            self.next_bounce = (self.next_bounce + 1) % self.bounce.len();
-            let (buffer, event) = &mut self.bounce[slot];
+            let slot = bounce.next;
+            bounce.next = (bounce.next + 1) % bounce.buffers.len();
+            let (buffer, event) = &mut bounce.buffers[slot];
             // The buffer's previous copy must be done before the kernel writes into it again.
             event.synchronize()?;
             let mut engine_extents = Vec::with_capacity(end - start);
@@ -488,9 +515,10 @@ impl GpuReader {
                 });
                 at = (at + piece.len).div_ceil(align) * align;
             }
-            let fixed = self.fixed_buffers.then_some(slot as u16);
+            let fixed = bounce.fixed_buffers.then_some(slot as u16);
             let read =
-                self.engine
+                bounce
+                    .engine
                     .read_with(files, &engine_extents, buffer.as_mut_slice(), fixed)?;
             for ((piece, engine_extent), result) in
                 pieces[start..end].iter().zip(&engine_extents).zip(read)

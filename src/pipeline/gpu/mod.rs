@@ -218,6 +218,7 @@ impl GpuAssembler {
         limits: &GpuStreamLimits,
         metrics: Arc<Metrics>,
     ) -> Result<GpuAssembler, FillError> {
+        let started = std::time::Instant::now();
         let device = reader.stream().device().clone();
         let mut files = FileTable::new(plan.dataset.shards.len());
         for shard in &plan.dataset.shards {
@@ -233,6 +234,7 @@ impl GpuAssembler {
         // One scratch serves every round: rounds run one after the other on the compute stream.
         let scratch_offset = cache_entries as u64 * raw_max;
         let stream = Stream::new(&device)?;
+        let opened_s = started.elapsed().as_secs_f64();
         let resident = resident::Resident::open(
             &plan,
             &files,
@@ -242,7 +244,9 @@ impl GpuAssembler {
             &device,
             &metrics,
         )?;
+        let resident_s = started.elapsed().as_secs_f64() - opened_s;
         let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;
+        let cache_s = started.elapsed().as_secs_f64() - opened_s - resident_s;
         // At most one job per staged page: a bound on the jobs of one round.
         let jobs_max = (staging_bytes / IO_ALIGN_BYTES) as usize;
         let pieces_max = limits.pieces_max.max(1);
@@ -259,6 +263,16 @@ impl GpuAssembler {
             )?;
             buffers.push(round);
         }
+        tracing::info!(
+            "stream pipeline set up in {:.1} ms: files and stream {:.1} ms, resident {:.1} ms, \
+             block cache {:.1} ms, {} round buffers {:.1} ms",
+            started.elapsed().as_secs_f64() * 1e3,
+            opened_s * 1e3,
+            resident_s * 1e3,
+            cache_s * 1e3,
+            buffers.len(),
+            (started.elapsed().as_secs_f64() - opened_s - resident_s - cache_s) * 1e3
+        );
         Ok(GpuAssembler {
             kernels,
             reader,

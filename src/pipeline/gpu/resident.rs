@@ -240,6 +240,7 @@ impl Resident {
         if plan.order.samples_ahead(0, 1).is_none() {
             warm_for_full_shuffle(plan, files, windows, fraction_min, &file_bytes, metrics);
         }
+        let started = std::time::Instant::now();
         let window_bytes = windows.window_bytes();
         let mut mapped: Vec<WindowId> = Vec::new();
         let mut table: Vec<GatherRegion> = Vec::new();
@@ -290,6 +291,7 @@ impl Resident {
                 start += window_bytes;
             }
         }
+        let map_s = started.elapsed().as_secs_f64();
         let shard_first_samples = shard_first_samples(plan);
         // Rounds that read device copies upload their own region table (at most REGIONS_MAX).
         let device_shards = if table.len() <= REGIONS_MAX {
@@ -310,6 +312,7 @@ impl Resident {
             windows.unpin(&mapped);
             return Ok(None);
         }
+        let slots_s = started.elapsed().as_secs_f64() - map_s;
         let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
         // Verifying reads each block whole once per dataset: counted as read, like any other read.
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
@@ -317,10 +320,14 @@ impl Resident {
         let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
         let table_len = table.len();
         tracing::info!(
-            "stream reads {} shards in place from {} registered windows ({} corrupt blocks)",
+            "stream reads {} shards in place from {} registered windows ({} corrupt blocks); \
+             windows mapped in {:.1} ms, device shard slots {:.1} ms, then verified in {:.1} ms",
             plan.dataset.shards.len(),
             table.len(),
-            corrupt.len()
+            corrupt.len(),
+            map_s * 1e3,
+            slots_s * 1e3,
+            (started.elapsed().as_secs_f64() - map_s - slots_s) * 1e3
         );
         Ok(Some(Resident {
             regions,
