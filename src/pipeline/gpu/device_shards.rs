@@ -308,11 +308,24 @@ impl DeviceShards {
         changed
     }
 
-    /// Records, on the compute stream, that a round reading the ready slots was queued there.
-    pub(super) fn record_reads(&mut self, compute: &Stream) -> Result<(), DeviceError> {
-        for slot in self.slots.iter_mut().filter(|s| s.usable()) {
-            slot.last_read.record(compute)?;
-            slot.read = true;
+    /// Records, on the compute stream, that a round reading the shards `read` was queued there: the
+    /// slots of those read from a device copy may not be overwritten before it completes. (Slots the
+    /// round does not read keep their last record: a round per batch records one or two events, not
+    /// one per slot.)
+    pub(super) fn record_reads(
+        &mut self,
+        compute: &Stream,
+        read: &[usize],
+    ) -> Result<(), DeviceError> {
+        for &shard in read {
+            let Some(index) = self.holder[shard] else {
+                continue;
+            };
+            let slot = &mut self.slots[index];
+            if slot.usable() {
+                slot.last_read.record(compute)?;
+                slot.read = true;
+            }
         }
         Ok(())
     }

@@ -1001,8 +1001,9 @@ impl GpuAssembler {
         let count = planned.pieces;
         if count > 0 {
             let resident = self.resident.as_mut().expect("a resident stream");
+            // The shards the round reads.
+            let mut needed: Vec<usize> = Vec::new();
             if let Some(device_shards) = resident.device_shards.as_mut() {
-                let mut needed: Vec<usize> = Vec::new();
                 for (region, &bytes) in planned.region_bytes.iter().enumerate() {
                     let shard = device_shards.shard_of_region(region);
                     if bytes > 0 && !needed.contains(&shard) {
@@ -1079,7 +1080,7 @@ impl GpuAssembler {
                 }
             }
             if let Some(device_shards) = resident.device_shards.as_mut() {
-                device_shards.record_reads(&self.stream)?;
+                device_shards.record_reads(&self.stream, &needed)?;
                 // Bytes copied ahead are read bytes when they are queued.
                 host_bytes += std::mem::take(&mut device_shards.copied_bytes);
             }
