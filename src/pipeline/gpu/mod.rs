@@ -229,13 +229,7 @@ impl GpuAssembler {
         let (cache_bytes, lz4_read_ahead) =
             plan::cache_bytes(&plan, limits.cache_bytes as u64, limits.device_shard_bytes);
         let cache_entries = (cache_bytes / raw_max).clamp(1, u32::MAX as u64) as u32;
-        let mut scratch_bytes = (limits.scratch_bytes as u64).max(raw_max);
-        if lz4_read_ahead > 0 {
-            // Rounds that read ahead decode as many blocks as staging holds: scratch for all of them
-            // (at most 4x the configured scratch), or rounds would end when the scratch is full.
-            let wanted = (staging_bytes as f64 * plan::lz4_expansion(&plan)) as u64;
-            scratch_bytes = scratch_bytes.max(wanted.min(4 * limits.scratch_bytes as u64));
-        }
+        let scratch_bytes = (limits.scratch_bytes as u64).max(raw_max);
         // The shuffle scratch follows the cache entries in the same buffer (the decoder writes both).
         // One scratch serves every round: rounds run one after the other on the compute stream.
         let scratch_offset = cache_entries as u64 * raw_max;

@@ -112,26 +112,6 @@ pub(super) fn cache_bytes(
     )
 }
 
-/// Decoded bytes per staged byte of the stream's LZ4 blocks (1 when it has none).
-pub(super) fn lz4_expansion(plan: &StreamPlan) -> f64 {
-    let (mut raw, mut staged) = (0u64, 0u64);
-    for shard in &plan.dataset.shards {
-        for field in &plan.fields {
-            for block in shard.metadata.field_blocks(field.field_index) {
-                if block.codec == Codec::Lz4 {
-                    raw += block.raw_bytes as u64;
-                    staged += staged_bytes(block);
-                }
-            }
-        }
-    }
-    if staged == 0 {
-        1.0
-    } else {
-        raw as f64 / staged as f64
-    }
-}
-
 /// LZ4 blocks read ahead after a block the cache misses, when the cache holds the window (see
 /// [`cache_bytes`]): 16 blocks of 64 KiB decoded, 1 MiB, a few hundred KiB read.
 const LZ4_READ_AHEAD_BLOCKS: u32 = 16;
