@@ -240,3 +240,30 @@ impl SlotMemory for SlotRing {
         SlotRing::device_slot(self, slot)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Lease, LeaseError};
+
+    #[test]
+    fn lease_errors_speak_of_the_slot_in_words() {
+        let cases = [
+            (None, "slot 6 does not exist in this stream"),
+            (
+                Some(Lease::Free),
+                "slot 6 is free (not handed to the consumer",
+            ),
+            (Some(Lease::Filling), "slot 6 is being filled by the daemon"),
+            (Some(Lease::Consumer), "slot 6 is held by the consumer"),
+        ];
+        for (state, expected) in cases {
+            let text = LeaseError { slot: 6, state }.to_string();
+            assert!(text.starts_with(expected), "{text}");
+            assert!(
+                text.ends_with("so the consumer cannot release it"),
+                "{text}"
+            );
+            assert!(!text.contains("Some(") && !text.contains("None"), "{text}");
+        }
+    }
+}
