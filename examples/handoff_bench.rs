@@ -115,6 +115,7 @@ fn main() -> Result<()> {
             gpufeed::config::registered_bytes_max_default(),
             gpufeed::pipeline::gpu::ZeroCopy::Auto,
             gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
+            gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
         )?)),
         Device::Cpu => None,
     };

@@ -6,7 +6,8 @@
 #   2. compute-sanitizer memcheck over the zero-copy serving test, the daemon child included;
 #   3. the read-path benchmark (READ_* settings below): an fp16 .npy of READ_GIB GiB, [N, 1024] rows of
 #      2 KiB, packed raw into shards of 512 MiB; a daemon with the default registration budget, then
-#      one with a budget of a third of the dataset (in order and window), and one with zero-copy off
+#      one with a budget of a third of the dataset (in order and window; cases third-copyN: with N
+#      loader copy threads instead of the default), and one with zero-copy off
 #      (full shuffle staging whole blocks, for comparison); per order (none, window of 4 shards, full) a
 #      consumer process (`consume`, fp32 device batches of READ_BATCH rows), one warm-up epoch then
 #      READ_REPEAT measured epochs; KvikIO (8 threads, 8 batches in flight, read + astype) interleaved
@@ -172,12 +173,13 @@ read_bench() {
       default) start_daemon ;;
       always) start_daemon --zero-copy always ;;
       third) start_daemon --registered-memory-max "$third" ;;
+      third-copy*) start_daemon --registered-memory-max "$third" --loader-copy-threads "${case#third-copy}" ;;
       zero-copy-off) start_daemon --zero-copy off ;;
       *) continue ;;  # "none": only the data (for the cold rounds)
     esac
     python3 -c 'import json,urllib.request; print(json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/status"))["serving"])' || true
     for order in ${READ_ORDERS:-none window full}; do
-      [ "$case" = third ] && [ "$order" = full ] && continue
+      [ "${case%%-copy*}" = third ] && [ "$order" = full ] && continue
       [ "$case" = zero-copy-off ] && [ "$order" != full ] && continue
       [ "$case" = always ] && [ "$order" != none ] && continue
       local runs=$repeat

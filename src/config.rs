@@ -190,10 +190,13 @@ pub struct ConfigLayer {
     /// shards copied ahead of need; `0` turns the copies off. Default:
     /// [`crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT`].
     pub device_shard_memory: Option<ByteCount>,
+    /// Threads copying shards beside each GPU stream's loader beyond the registration budget.
+    /// Default: [`crate::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT`].
+    pub loader_copy_threads: Option<u32>,
 }
 
 /// The environment variable for each key, in [`ConfigLayer`] order.
-pub const ENV_VARS: [&str; 21] = [
+pub const ENV_VARS: [&str; 22] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -215,6 +218,7 @@ pub const ENV_VARS: [&str; 21] = [
     "GPUFEED_DEVICE_SHARD_MEMORY",
     "GPUFEED_HTTP_CONNECTIONS_MAX",
     "GPUFEED_HTTP_IDLE_TIMEOUT_S",
+    "GPUFEED_LOADER_COPY_THREADS",
 ];
 
 /// The environment variable naming the configuration file.
@@ -296,6 +300,7 @@ impl ConfigLayer {
             device_shard_memory: bytes("GPUFEED_DEVICE_SHARD_MEMORY")?,
             http_connections_max: number("GPUFEED_HTTP_CONNECTIONS_MAX")?,
             http_idle_timeout_s: number("GPUFEED_HTTP_IDLE_TIMEOUT_S")?,
+            loader_copy_threads: number("GPUFEED_LOADER_COPY_THREADS")?,
         })
     }
 
@@ -323,6 +328,7 @@ impl ConfigLayer {
             device_shard_memory: self.device_shard_memory.or(lower.device_shard_memory),
             http_connections_max: self.http_connections_max.or(lower.http_connections_max),
             http_idle_timeout_s: self.http_idle_timeout_s.or(lower.http_idle_timeout_s),
+            loader_copy_threads: self.loader_copy_threads.or(lower.loader_copy_threads),
         }
     }
 
@@ -507,6 +513,19 @@ impl ConfigLayer {
             Some(n) => n as usize,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
+        let loader_copy_threads = match self.loader_copy_threads {
+            Some(n) if n as usize > crate::pipeline::gpu::LOADER_COPY_THREADS_MAX => {
+                return Err(invalid(
+                    "--loader-copy-threads",
+                    format!(
+                        "must be at most {}",
+                        crate::pipeline::gpu::LOADER_COPY_THREADS_MAX
+                    ),
+                ))
+            }
+            Some(n) => n as usize,
+            None => crate::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
+        };
         let pack_bytes_per_s_max = match self.pack_rate_max {
             Some(ByteCount(0)) => {
                 return Err(invalid(
@@ -540,6 +559,7 @@ impl ConfigLayer {
                 crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
                 |ByteCount(n)| n,
             ),
+            loader_copy_threads,
         })
     }
 }
@@ -698,6 +718,8 @@ pub struct Settings {
     pub zero_copy: ZeroCopy,
     /// Device memory per GPU stream for shards copied ahead of need (0: none).
     pub device_shard_bytes: u64,
+    /// Threads copying shards beside each GPU stream's loader beyond the registration budget.
+    pub loader_copy_threads: usize,
     /// Bounds on the control API's connections.
     pub http_connections: HttpConnections,
 }
@@ -785,6 +807,7 @@ mod tests {
             "2G",
             "100",
             "5",
+            "3",
         ];
         let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
         let layer = env(&pairs);

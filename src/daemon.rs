@@ -225,6 +225,7 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
             settings.registered,
             settings.zero_copy,
             settings.device_shard_bytes,
+            settings.loader_copy_threads,
         )
         .map_err(|source| DaemonError::Gpu {
             request: DeviceRequest::Cuda(ordinal),
@@ -379,6 +380,7 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, Daem
         settings.registered,
         settings.zero_copy,
         settings.device_shard_bytes,
+        settings.loader_copy_threads,
     ) {
         Ok(gpu) => {
             tracing::info!(
@@ -406,6 +408,7 @@ pub fn open_gpu_backend(
     registered: RegistrationBudget,
     zero_copy: ZeroCopy,
     device_shard_bytes: u64,
+    loader_copy_threads: usize,
 ) -> Result<GpuBackend, DeviceError> {
     let device = Device::open(ordinal as usize)?;
     let kernels = Kernels::load(&device, CacheDir::FromEnvironment)?;
@@ -438,6 +441,7 @@ pub fn open_gpu_backend(
         stream_limits: GpuStreamLimits {
             zero_copy,
             device_shard_bytes,
+            loader_copy_threads,
             ..GpuStreamLimits::node_defaults()
         },
     })

@@ -238,6 +238,12 @@ struct ServeArgs {
     /// turns the copies off). Default: 5G.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
+    /// Threads that copy shards beside each GPU stream's loader when a dataset is larger than the
+    /// registration budget: each reads page cache into pinned buffers (about a host core while it
+    /// copies), beside the loader's registered copies, which the driver's registration calls bound
+    /// (0 to 16; 0: the loader alone). Default: 2.
+    #[arg(long, value_name = "N")]
+    loader_copy_threads: Option<u32>,
     /// Most control API connections served at once (further ones wait to be accepted), so that idle
     /// clients cannot take the descriptors consumers need; never more than a quarter of the open
     /// descriptor limit. Default: 256.
@@ -541,6 +547,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         registered_window: args.registered_window,
         zero_copy: args.zero_copy,
         device_shard_memory: args.device_shard_memory,
+        loader_copy_threads: args.loader_copy_threads,
         http_connections_max: args.http_connections_max,
         http_idle_timeout_s: args.http_idle_timeout_s,
     };

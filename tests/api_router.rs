@@ -50,6 +50,7 @@ fn options(root: &Path) -> ApiOptions {
         registered: gpufeed::config::registered_bytes_max_default(),
         zero_copy: gpufeed::pipeline::gpu::ZeroCopy::Auto,
         device_shard_bytes: gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
+        loader_copy_threads: gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
     }
 }
 
@@ -641,6 +642,10 @@ async fn a_dataset_whose_files_vanished_is_reported_missing() {
     assert_eq!(
         status["serving"]["device_shard_memory"],
         gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT
+    );
+    assert_eq!(
+        status["serving"]["loader_copy_threads"],
+        gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT
     );
 
     // A restart lists it as missing, with the reason, and serves the rest.

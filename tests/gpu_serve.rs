@@ -446,9 +446,13 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
     // copies, and read every row from a device copy. Three streams at once share the budget (so
     // some windows are copied from pageable memory). Room for every shard; for five (the window
     // shuffle's two windows of two shards and one more: both orders streamed); for three (in order
-    // streamed with slots refilled; the window shuffle stages blocks instead).
-    for device_shards in ["4G", "5M", "3M"] {
+    // streamed with slots refilled; the window shuffle stages blocks instead). Each shard spans
+    // several windows, which the loader shares with its copy threads (the default two; none: the
+    // loader alone; more threads than a shard has windows).
+    for (device_shards, copy_threads) in [("4G", "2"), ("5M", "0"), ("3M", "16")] {
         let flags = [
+            "--loader-copy-threads",
+            copy_threads,
             "--registered-window",
             "256K",
             "--registered-memory-max",

@@ -86,6 +86,8 @@ pub struct ApiOptions {
     pub zero_copy: crate::pipeline::gpu::ZeroCopy,
     /// Device memory per GPU stream for shards copied ahead, for status.
     pub device_shard_bytes: u64,
+    /// Copy threads beside each GPU stream's loader, for status.
+    pub loader_copy_threads: usize,
 }
 
 impl ApiOptions {
@@ -117,6 +119,7 @@ impl ApiOptions {
             registered: settings.registered,
             zero_copy: settings.zero_copy,
             device_shard_bytes: settings.device_shard_bytes,
+            loader_copy_threads: settings.loader_copy_threads,
         }
     }
 }

@@ -51,6 +51,9 @@ pub struct Serving {
     /// Device memory each GPU stream in dataset order or a window shuffle may fill with shards
     /// copied ahead of need (`--device-shard-memory`); 0: none.
     pub device_shard_memory: u64,
+    /// Threads copying shards beside each GPU stream's loader beyond the registration budget
+    /// (`--loader-copy-threads`).
+    pub loader_copy_threads: u32,
 }
 
 /// Bounded pools and what is in use.
@@ -278,6 +281,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 registered_window_bytes: options.registered.window_bytes,
                 zero_copy: options.zero_copy.name().to_string(),
                 device_shard_memory: options.device_shard_bytes,
+                loader_copy_threads: options.loader_copy_threads as u32,
             }
         },
         platform,

@@ -347,8 +347,16 @@ impl DeviceShards {
         windows: &Arc<crate::storage::windows::PageCacheWindows>,
         paths: Vec<std::path::PathBuf>,
         fraction_min: f64,
+        copy_threads: usize,
     ) -> Result<(), FillError> {
-        let loader = ShardLoader::start(device, windows, paths, fraction_min, self.slots.len())?;
+        let loader = ShardLoader::start(
+            device,
+            windows,
+            paths,
+            fraction_min,
+            self.slots.len(),
+            copy_threads,
+        )?;
         self.source = ShardSource::Streamed(loader);
         Ok(())
     }

@@ -27,6 +27,7 @@
 
 mod cache;
 mod complete;
+mod copy_helpers;
 mod device_shards;
 mod plan;
 mod resident;
@@ -82,6 +83,10 @@ pub struct GpuStreamLimits {
     /// the shards it reads next (see `device_shards`); streams use as many whole-shard slots as fit,
     /// and none when fewer than two do.
     pub device_shard_bytes: u64,
+    /// Threads that copy shards beside a stream's loader beyond the registration budget (see
+    /// `copy_helpers`): each reads windows of the page cache into pinned buffers, about a host core
+    /// each while it copies; 0 leaves the loader alone.
+    pub loader_copy_threads: usize,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -127,6 +132,12 @@ impl std::str::FromStr for ZeroCopy {
 /// (seven such slots) the next window's last shard could not be copied before its window began.
 pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
 
+/// Default [`GpuStreamLimits::loader_copy_threads`].
+pub const LOADER_COPY_THREADS_DEFAULT: usize = 2;
+
+/// The most [`GpuStreamLimits::loader_copy_threads`].
+pub const LOADER_COPY_THREADS_MAX: usize = copy_helpers::COPY_THREADS_MAX;
+
 /// Share of a raw block's bytes below which [`ZeroCopy::Auto`] reads the rows in place.
 const ZERO_COPY_COVERAGE_MAX: f64 = 0.5;
 
@@ -142,6 +153,7 @@ impl GpuStreamLimits {
             rounds_in_flight: 3,
             zero_copy: ZeroCopy::Auto,
             device_shard_bytes: DEVICE_SHARD_BYTES_DEFAULT,
+            loader_copy_threads: LOADER_COPY_THREADS_DEFAULT,
         }
     }
 }

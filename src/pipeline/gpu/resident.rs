@@ -409,7 +409,13 @@ impl Resident {
             return Ok(None);
         };
         let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
-        device_shards.start_loader(device, windows, paths, fraction_min)?;
+        device_shards.start_loader(
+            device,
+            windows,
+            paths,
+            fraction_min,
+            limits.loader_copy_threads,
+        )?;
         let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
         let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;

@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use memmap2::Mmap;
 
+use super::copy_helpers::{Claims, CopyHelper, ShardCopy};
 use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
 use crate::pipeline::assemble::FillError;
 use crate::storage::windows::{CopySource, PageCacheWindows};
@@ -113,6 +114,7 @@ impl ShardLoader {
         paths: Vec<PathBuf>,
         fraction_min: f64,
         slots: usize,
+        copy_threads: usize,
     ) -> Result<ShardLoader, FillError> {
         let mut files = Vec::with_capacity(paths.len());
         for path in &paths {
@@ -122,7 +124,7 @@ impl ShardLoader {
                     source,
                 })
             })?;
-            files.push(file);
+            files.push(Arc::new(file));
         }
         let shared: Shared = Arc::new((
             Mutex::new(State {
@@ -141,6 +143,8 @@ impl ShardLoader {
             fraction_min,
             pinned: VecDeque::new(),
             spare_events: Vec::new(),
+            copy_threads,
+            helpers: Vec::new(),
         };
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -245,13 +249,17 @@ impl Drop for ShardLoader {
 struct Worker {
     device: Device,
     windows: Arc<PageCacheWindows>,
-    files: Vec<File>,
+    files: Vec<Arc<File>>,
     /// Per shard, a read-only map for copies from pageable memory (made when first needed).
     maps: Vec<Option<Mmap>>,
     fraction_min: f64,
     /// Windows held for copies in flight, oldest first, with the event recorded after each copy.
     pinned: VecDeque<(Event, CopySource)>,
     spare_events: Vec<Event>,
+    /// Copy threads beside the loader (see `copy_helpers`); their helpers are made when first
+    /// needed.
+    copy_threads: usize,
+    helpers: Vec<CopyHelper>,
 }
 
 impl Worker {
@@ -288,7 +296,11 @@ impl Worker {
                     ready.notify_all();
                 }
                 // Every copy done before its windows are unpinned and the thread ends.
-                let drained = stream.synchronize();
+                let drained = stream.synchronize().and(
+                    self.helpers
+                        .iter()
+                        .try_for_each(|helper| helper.synchronize()),
+                );
                 self.unpin_done(true);
                 result.and(drained.map_err(|e| (0, e)))
             });
@@ -344,59 +356,129 @@ impl Worker {
         // Never more than the slot was sized for, whatever the file has become.
         let file_bytes = job.bytes;
         let window_bytes = self.windows.window_bytes();
+        let windows = file_bytes.div_ceil(window_bytes);
+        let claims = Claims::new(windows);
+        if self.copy_threads == 0 || windows < 2 {
+            while let Some(window) = claims.take_front() {
+                self.copy_window(stream, job, window)?;
+            }
+            return job.copied.record(stream);
+        }
+        self.start_helpers()?;
+        let mut helpers = std::mem::take(&mut self.helpers);
+        let file = Arc::clone(&self.files[job.shard]);
+        let copy = ShardCopy {
+            file: &file,
+            bytes: file_bytes,
+            dst: job.dst,
+            window_bytes,
+            after: job.after.as_deref(),
+            claims: &claims,
+        };
+        let (mine, theirs) = std::thread::scope(|scope| {
+            let threads: Vec<_> = helpers
+                .iter_mut()
+                .map(|helper| scope.spawn(|| helper.copy_shard(&copy)))
+                .collect();
+            let mut mine = Ok(());
+            while let Some(window) = claims.take_front() {
+                mine = self.copy_window(stream, job, window);
+                if mine.is_err() {
+                    claims.take_all();
+                    break;
+                }
+            }
+            let theirs: Vec<_> = threads
+                .into_iter()
+                .map(|thread| match thread.join() {
+                    Ok(outcome) => outcome,
+                    Err(_) => Err(DeviceError::Os {
+                        what: "copying a shard",
+                        source: std::io::Error::other("a copy thread panicked"),
+                    }),
+                })
+                .collect();
+            (mine, theirs)
+        });
+        let mut outcome = mine;
+        for (helper, copied) in helpers.iter().zip(theirs) {
+            match copied {
+                // The slot's event waits for the helper's uploads too.
+                Ok(true) => outcome = outcome.and_then(|()| stream.wait(helper.done())),
+                Ok(false) => {}
+                Err(error) => outcome = outcome.and(Err(error)),
+            }
+        }
+        self.helpers = helpers;
+        outcome?;
+        job.copied.record(stream)
+    }
+
+    /// Makes the copy threads' helpers when first needed.
+    fn start_helpers(&mut self) -> Result<(), DeviceError> {
+        while self.helpers.len() < self.copy_threads {
+            self.helpers.push(CopyHelper::new(&self.device)?);
+        }
+        Ok(())
+    }
+
+    /// Queues the copy of window `window` of the job's shard on the loader's stream: from the
+    /// window registered (pinned, or for this copy), else from pageable memory.
+    fn copy_window(
+        &mut self,
+        stream: &Stream,
+        job: &LoadJob,
+        window: u64,
+    ) -> Result<(), DeviceError> {
+        let window_bytes = self.windows.window_bytes();
         let keep_free = WINDOWS_KEPT_FREE * window_bytes as usize;
-        let mut at = 0u64;
-        while at < file_bytes {
-            let bytes = window_bytes.min(file_bytes - at) as usize;
-            let file = &self.files[job.shard];
-            let source =
-                self.windows
-                    .map_for_copy(file, at, bytes, self.fraction_min, keep_free)?;
-            let Some(source) = source else {
-                self.copy_pageable(stream, job, at, bytes)?;
-                at += bytes as u64;
-                continue;
-            };
-            if let Err(error) = self.make_room_for(&source) {
-                // Nothing is queued from `source` yet.
+        let at = window * window_bytes;
+        let bytes = window_bytes.min(job.bytes - at) as usize;
+        let file = &self.files[job.shard];
+        let source = self
+            .windows
+            .map_for_copy(file, at, bytes, self.fraction_min, keep_free)?;
+        let Some(source) = source else {
+            return self.copy_pageable(stream, job, at, bytes);
+        };
+        if let Err(error) = self.make_room_for(&source) {
+            // Nothing is queued from `source` yet.
+            self.windows.release_copy_source(source);
+            return Err(error);
+        }
+        // SAFETY: the source is registered memory held (pinned, or registered for this copy)
+        // until the event recorded just after the copy has completed (`unpin_done`,
+        // `retire_oldest`); the destination lies within the slot, which holds the largest
+        // shard, which no round reads until the filler saw this job recorded and made the
+        // compute stream wait for `copied`, and which the rounds reading its previous shard are
+        // done with (the stream waited for `after`).
+        let copied = unsafe {
+            crate::device::ffi::memcpy_htod_async(
+                job.dst + at,
+                source.host_addr() as *const u8,
+                bytes,
+                stream.raw(),
+            )
+        };
+        let event = match copied {
+            Ok(()) => match self.spare_events.pop() {
+                Some(event) => Ok(event),
+                None => Event::new(&self.device, EventTiming::Disabled),
+            },
+            Err(error) => Err(error.into()),
+        };
+        let event = match event.and_then(|event| event.record(stream).map(|()| event)) {
+            Ok(event) => event,
+            Err(error) => {
+                // Nothing of this window is in flight that the failed calls did not queue:
+                // wait for the stream before handing it back.
+                let _ = stream.synchronize();
                 self.windows.release_copy_source(source);
                 return Err(error);
             }
-            // SAFETY: the source is registered memory held (pinned, or registered for this copy)
-            // until the event recorded just after the copy has completed (`unpin_done`,
-            // `retire_oldest`); the destination lies within the slot, which holds the largest
-            // shard, which no round reads until the filler saw this job recorded and made the
-            // compute stream wait for `copied`, and which the rounds reading its previous shard are
-            // done with (the stream waited for `after`).
-            let copied = unsafe {
-                crate::device::ffi::memcpy_htod_async(
-                    job.dst + at,
-                    source.host_addr() as *const u8,
-                    bytes,
-                    stream.raw(),
-                )
-            };
-            let event = match copied {
-                Ok(()) => match self.spare_events.pop() {
-                    Some(event) => Ok(event),
-                    None => Event::new(&self.device, EventTiming::Disabled),
-                },
-                Err(error) => Err(error.into()),
-            };
-            let event = match event.and_then(|event| event.record(stream).map(|()| event)) {
-                Ok(event) => event,
-                Err(error) => {
-                    // Nothing of this window is in flight that the failed calls did not queue:
-                    // wait for the stream before handing it back.
-                    let _ = stream.synchronize();
-                    self.windows.release_copy_source(source);
-                    return Err(error);
-                }
-            };
-            self.pinned.push_back((event, source));
-            at += bytes as u64;
-        }
-        job.copied.record(stream)
+        };
+        self.pinned.push_back((event, source));
+        Ok(())
     }
 
     /// Copies `bytes` at `at` of the job's shard from a pageable map of the file (the window could
@@ -414,11 +496,12 @@ impl Worker {
         if self.maps[job.shard].is_none() {
             // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset
             // exists.
-            let map =
-                unsafe { Mmap::map(&self.files[job.shard]) }.map_err(|source| DeviceError::Os {
+            let map = unsafe { Mmap::map(&*self.files[job.shard]) }.map_err(|source| {
+                DeviceError::Os {
                     what: "mapping a shard",
                     source,
-                })?;
+                }
+            })?;
             self.maps[job.shard] = Some(map);
         }
         let map = self.maps[job.shard].as_ref().expect("mapped above");

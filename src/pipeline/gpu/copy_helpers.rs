@@ -1,0 +1,215 @@
+//! Copy threads beside a shard loader: reads of the page cache into pinned buffers, each uploaded
+//! by the copy engines while the next is read.
+//!
+//! A loader beyond the registration budget registers each window for its copy, and the driver's
+//! register and unregister calls bound it near 26 GB/s on the H100 test machine (they are
+//! serialised across threads, so more registering threads do not help). A copy thread needs no
+//! registration: it reads a window with `pread` into one of its pinned buffers (a memory copy by the
+//! kernel from the page cache, or a disk read when the window is not cached) and queues the upload
+//! on its own stream. The loader and its copy threads share a shard's windows: the loader takes
+//! them from the front, the copy threads from the back, until they meet, so neither waits for the
+//! other and each moves what its pace allows.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Mutex;
+
+use crate::device::{Device, DeviceError, Event, EventTiming, PinnedBuffer, Stream};
+
+/// Bytes of one pinned buffer (one read, one upload).
+pub(super) const CHUNK_BYTES: usize = 8 << 20;
+
+/// Pinned buffers per copy thread: one being read into while the others upload.
+const BUFFERS: usize = 3;
+
+/// The most copy threads a loader may have.
+pub(crate) const COPY_THREADS_MAX: usize = 16;
+
+/// Which windows of a shard are not yet taken: `front..back`.
+pub(super) struct Claims(Mutex<(u64, u64)>);
+
+impl Claims {
+    /// Windows `0..windows` to share.
+    pub(super) fn new(windows: u64) -> Claims {
+        Claims(Mutex::new((0, windows)))
+    }
+
+    /// The first window not taken, for the loader.
+    pub(super) fn take_front(&self) -> Option<u64> {
+        let mut claims = self.0.lock().expect("window claims poisoned");
+        (claims.0 < claims.1).then(|| {
+            claims.0 += 1;
+            claims.0 - 1
+        })
+    }
+
+    /// The last window not taken, for a copy thread.
+    fn take_back(&self) -> Option<u64> {
+        let mut claims = self.0.lock().expect("window claims poisoned");
+        (claims.0 < claims.1).then(|| {
+            claims.1 -= 1;
+            claims.1
+        })
+    }
+
+    /// Takes every window left (after a failure: nobody copies more of the shard).
+    pub(super) fn take_all(&self) {
+        let mut claims = self.0.lock().expect("window claims poisoned");
+        claims.0 = claims.1;
+    }
+}
+
+/// One shard's copy as a copy thread sees it.
+pub(super) struct ShardCopy<'a> {
+    pub file: &'a File,
+    /// The shard's bytes to copy, from offset 0.
+    pub bytes: u64,
+    /// The device address of the shard's first byte.
+    pub dst: u64,
+    pub window_bytes: u64,
+    /// What the copies wait for first (the rounds that read the slot's previous shard).
+    pub after: Option<&'a Event>,
+    pub claims: &'a Claims,
+}
+
+/// A copy thread's stream, buffers and events; kept by the loader from one shard to the next.
+pub(super) struct CopyHelper {
+    device: Device,
+    stream: Stream,
+    /// Each buffer with the event recorded after the upload from it last queued.
+    buffers: Vec<(PinnedBuffer, Event)>,
+    next: usize,
+    /// Recorded after the last upload of a shard: the loader's stream waits for it.
+    done: Event,
+}
+
+impl CopyHelper {
+    /// A helper on `device` with its own stream and pinned buffers.
+    pub(super) fn new(device: &Device) -> Result<CopyHelper, DeviceError> {
+        let stream = Stream::new(device)?;
+        let mut buffers = Vec::with_capacity(BUFFERS);
+        for _ in 0..BUFFERS {
+            let buffer = PinnedBuffer::new(device, CHUNK_BYTES)?;
+            let event = Event::new(device, EventTiming::Disabled)?;
+            event.record(&stream)?;
+            buffers.push((buffer, event));
+        }
+        let done = Event::new(device, EventTiming::Disabled)?;
+        Ok(CopyHelper {
+            device: device.clone(),
+            stream,
+            buffers,
+            next: 0,
+            done,
+        })
+    }
+
+    /// The event recorded after this helper's last upload of the shard it last copied.
+    pub(super) fn done(&self) -> &Event {
+        &self.done
+    }
+
+    /// Copies windows of `copy` taken from the back until none is left, then records
+    /// [`Self::done`]. Returns whether it copied any. On an error the claims are emptied so the
+    /// other threads stop too.
+    pub(super) fn copy_shard(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
+        let outcome = self.copy_windows(copy);
+        if outcome.is_err() {
+            copy.claims.take_all();
+        }
+        outcome
+    }
+
+    fn copy_windows(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
+        self.device.bind()?;
+        let mut copied_any = false;
+        while let Some(window) = copy.claims.take_back() {
+            if !copied_any {
+                if let Some(after) = copy.after {
+                    self.stream.wait(after)?;
+                }
+                copied_any = true;
+            }
+            let start = window * copy.window_bytes;
+            let end = (start + copy.window_bytes).min(copy.bytes);
+            let mut at = start;
+            while at < end {
+                let bytes = (end - at).min(CHUNK_BYTES as u64) as usize;
+                self.copy_chunk(copy, at, bytes)?;
+                at += bytes as u64;
+            }
+        }
+        if copied_any {
+            self.done.record(&self.stream)?;
+        }
+        Ok(copied_any)
+    }
+
+    /// Reads `bytes` at `at` of the shard into the next buffer once its last upload is done, and
+    /// queues the upload.
+    fn copy_chunk(
+        &mut self,
+        copy: &ShardCopy<'_>,
+        at: u64,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let (buffer, uploaded) = &mut self.buffers[self.next];
+        self.next = (self.next + 1) % BUFFERS;
+        uploaded.synchronize()?;
+        let into = &mut buffer.as_mut_slice()[..bytes];
+        copy.file
+            .read_exact_at(into, at)
+            .map_err(|source| DeviceError::Os {
+                what: "reading a shard into a pinned buffer",
+                source,
+            })?;
+        // SAFETY: the source is this helper's pinned buffer, which is not written again until the
+        // event recorded just below has completed (`uploaded.synchronize()` above, next time round)
+        // and which outlives the upload (the loader synchronises the helpers' streams before it
+        // drops them); the destination lies within the shard's slot, which the loader sized for
+        // the largest shard and which no round reads before the loader's stream, waiting for
+        // `done`, records the slot's event.
+        unsafe {
+            crate::device::ffi::memcpy_htod_async(
+                copy.dst + at,
+                into.as_ptr(),
+                bytes,
+                self.stream.raw(),
+            )
+        }?;
+        uploaded.record(&self.stream)
+    }
+
+    /// Waits for every upload queued (before the buffers may be dropped).
+    pub(super) fn synchronize(&self) -> Result<(), DeviceError> {
+        self.stream.synchronize()
+    }
+}
+
+impl Drop for CopyHelper {
+    fn drop(&mut self) {
+        // The pinned buffers are freed after this: nothing may still read them.
+        let _ = self.stream.synchronize();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Claims;
+
+    #[test]
+    fn front_and_back_take_each_window_once() {
+        let claims = Claims::new(5);
+        assert_eq!(claims.take_front(), Some(0));
+        assert_eq!(claims.take_back(), Some(4));
+        assert_eq!(claims.take_back(), Some(3));
+        assert_eq!(claims.take_front(), Some(1));
+        assert_eq!(claims.take_front(), Some(2));
+        assert_eq!(claims.take_back(), None);
+        assert_eq!(claims.take_front(), None);
+        let claims = Claims::new(3);
+        claims.take_all();
+        assert_eq!(claims.take_front(), None);
+        assert_eq!(claims.take_back(), None);
+    }
+}
