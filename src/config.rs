@@ -190,8 +190,8 @@ pub struct ConfigLayer {
     /// shards copied ahead of need; `0` turns the copies off. Default:
     /// [`crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT`].
     pub device_shard_memory: Option<ByteCount>,
-    /// Threads copying shards beside each GPU stream's loader beyond the registration budget.
-    /// Default: [`crate::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT`].
+    /// Threads per GPU stream copying shards through pinned buffers beyond the registration
+    /// budget (0: windows registered for their copy). Default: [`crate::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT`].
     pub loader_copy_threads: Option<u32>,
 }
 
@@ -718,7 +718,7 @@ pub struct Settings {
     pub zero_copy: ZeroCopy,
     /// Device memory per GPU stream for shards copied ahead of need (0: none).
     pub device_shard_bytes: u64,
-    /// Threads copying shards beside each GPU stream's loader beyond the registration budget.
+    /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget.
     pub loader_copy_threads: usize,
     /// Bounds on the control API's connections.
     pub http_connections: HttpConnections,

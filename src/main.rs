@@ -238,10 +238,10 @@ struct ServeArgs {
     /// turns the copies off). Default: 5G.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
-    /// Threads that copy shards beside each GPU stream's loader when a dataset is larger than the
-    /// registration budget: each reads page cache into pinned buffers (about a host core while it
-    /// copies), beside the loader's registered copies, which the driver's registration calls bound
-    /// (0 to 16; 0: the loader alone). Default: 2.
+    /// Threads per GPU stream that copy shards into device memory through pinned buffers when a
+    /// dataset is larger than the registration budget (each reads page cache into its buffers:
+    /// about a host core while it copies). 0 registers each window for its copy instead, which the
+    /// driver's registration calls bound (0 to 16). Default: 4.
     #[arg(long, value_name = "N")]
     loader_copy_threads: Option<u32>,
     /// Most control API connections served at once (further ones wait to be accepted), so that idle

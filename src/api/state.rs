@@ -86,7 +86,7 @@ pub struct ApiOptions {
     pub zero_copy: crate::pipeline::gpu::ZeroCopy,
     /// Device memory per GPU stream for shards copied ahead, for status.
     pub device_shard_bytes: u64,
-    /// Copy threads beside each GPU stream's loader, for status.
+    /// Copy threads per GPU stream beyond the registration budget, for status.
     pub loader_copy_threads: usize,
 }
 

@@ -51,8 +51,8 @@ pub struct Serving {
     /// Device memory each GPU stream in dataset order or a window shuffle may fill with shards
     /// copied ahead of need (`--device-shard-memory`); 0: none.
     pub device_shard_memory: u64,
-    /// Threads copying shards beside each GPU stream's loader beyond the registration budget
-    /// (`--loader-copy-threads`).
+    /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget
+    /// (`--loader-copy-threads`; 0: windows registered for their copy).
     pub loader_copy_threads: u32,
 }
 

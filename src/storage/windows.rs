@@ -514,7 +514,8 @@ impl PageCacheWindows {
     /// room for it) and is unregistered as soon as the last holder releases it. The caller hands it
     /// back to [`Self::release_copy_source`] once its copy is complete. Unlike [`Self::map`], nothing
     /// is registered ahead. `None` when the window is not resident (per `fraction_min`), the file
-    /// cannot be registered, or pinned windows fill the budget.
+    /// cannot be registered, pinned windows fill the budget, or the window would be transient and
+    /// `transient_ok` is false (the caller copies it another way).
     pub fn map_for_copy(
         &self,
         file: &File,
@@ -522,6 +523,7 @@ impl PageCacheWindows {
         len: usize,
         fraction_min: f64,
         keep_free: usize,
+        transient_ok: bool,
     ) -> Result<Option<CopySource>, DeviceError> {
         let Ok(key) = FileKey::of(file) else {
             return Ok(None);
@@ -570,6 +572,9 @@ impl PageCacheWindows {
                 }
                 let transient =
                     registry.registered_bytes + bytes + keep_free > self.registered_bytes_max;
+                if transient && !transient_ok {
+                    return Ok(None);
+                }
                 let registered =
                     self.register(&mut registry, key, &mapped, index, start, bytes, clock)?;
                 let Some(slot) = registered else {

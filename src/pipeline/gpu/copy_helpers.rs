@@ -1,14 +1,15 @@
-//! Copy threads beside a shard loader: reads of the page cache into pinned buffers, each uploaded
-//! by the copy engines while the next is read.
+//! Copies of shard windows through pinned buffers, for a loader beyond the registration budget.
 //!
-//! A loader beyond the registration budget registers each window for its copy, and the driver's
-//! register and unregister calls bound it near 26 GB/s on the H100 test machine (they are
-//! serialised across threads, so more registering threads do not help). A copy thread needs no
-//! registration: it reads a window with `pread` into one of its pinned buffers (a memory copy by the
-//! kernel from the page cache, or a disk read when the window is not cached) and queues the upload
-//! on its own stream. The loader and its copy threads share a shard's windows: the loader takes
-//! them from the front, the copy threads from the back, until they meet, so neither waits for the
-//! other and each moves what its pace allows.
+//! Registering each window for its copy is bound by the driver's register and unregister calls
+//! (near 26 GB/s at best on the H100 test machine; they are serialised across threads, and
+//! unregistering waits for the device's queued work, so copy threads beside a registering loader
+//! gained nothing there). A copy helper needs no registration: it reads a window with `pread` into
+//! one of its pinned buffers (a memory copy by the kernel from the page cache, or a disk read when
+//! the window is not cached) and queues the upload on its own stream while it reads the next.
+//! The loader thread has a helper of its own and `copy_threads - 1` helper threads beside it: they
+//! share a shard's windows, the loader taking them from the front (copying straight from windows
+//! the budget keeps registered, through its helper otherwise) and the threads from the back, until
+//! they meet, so none waits for another and each moves what its pace allows.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -81,6 +82,8 @@ pub(super) struct CopyHelper {
     next: usize,
     /// Recorded after the last upload of a shard: the loader's stream waits for it.
     done: Event,
+    /// Whether this helper copied any of the current shard (its stream waited for `after`).
+    started: bool,
 }
 
 impl CopyHelper {
@@ -101,6 +104,7 @@ impl CopyHelper {
             buffers,
             next: 0,
             done,
+            started: false,
         })
     }
 
@@ -122,27 +126,47 @@ impl CopyHelper {
 
     fn copy_windows(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
         self.device.bind()?;
-        let mut copied_any = false;
+        self.begin();
         while let Some(window) = copy.claims.take_back() {
-            if !copied_any {
-                if let Some(after) = copy.after {
-                    self.stream.wait(after)?;
-                }
-                copied_any = true;
-            }
-            let start = window * copy.window_bytes;
-            let end = (start + copy.window_bytes).min(copy.bytes);
-            let mut at = start;
-            while at < end {
-                let bytes = (end - at).min(CHUNK_BYTES as u64) as usize;
-                self.copy_chunk(copy, at, bytes)?;
-                at += bytes as u64;
-            }
+            self.copy_window(copy, window)?;
         }
-        if copied_any {
+        self.finish()
+    }
+
+    /// Starts a shard.
+    pub(super) fn begin(&mut self) {
+        self.started = false;
+    }
+
+    /// Copies window `window` of the shard (the first one after the shard's `after`).
+    pub(super) fn copy_window(
+        &mut self,
+        copy: &ShardCopy<'_>,
+        window: u64,
+    ) -> Result<(), DeviceError> {
+        if !self.started {
+            if let Some(after) = copy.after {
+                self.stream.wait(after)?;
+            }
+            self.started = true;
+        }
+        let start = window * copy.window_bytes;
+        let end = (start + copy.window_bytes).min(copy.bytes);
+        let mut at = start;
+        while at < end {
+            let bytes = (end - at).min(CHUNK_BYTES as u64) as usize;
+            self.copy_chunk(copy, at, bytes)?;
+            at += bytes as u64;
+        }
+        Ok(())
+    }
+
+    /// Ends a shard: records [`Self::done`] if this helper copied any of it, and says whether.
+    pub(super) fn finish(&mut self) -> Result<bool, DeviceError> {
+        if self.started {
             self.done.record(&self.stream)?;
         }
-        Ok(copied_any)
+        Ok(self.started)
     }
 
     /// Reads `bytes` at `at` of the shard into the next buffer once its last upload is done, and

@@ -83,9 +83,9 @@ pub struct GpuStreamLimits {
     /// the shards it reads next (see `device_shards`); streams use as many whole-shard slots as fit,
     /// and none when fewer than two do.
     pub device_shard_bytes: u64,
-    /// Threads that copy shards beside a stream's loader beyond the registration budget (see
-    /// `copy_helpers`): each reads windows of the page cache into pinned buffers, about a host core
-    /// each while it copies; 0 leaves the loader alone.
+    /// Threads of a stream's loader that copy windows the registration budget has no room for
+    /// through pinned buffers (see `copy_helpers`; about a host core each while they copy); 0:
+    /// such windows are registered for their copy.
     pub loader_copy_threads: usize,
 }
 
@@ -133,7 +133,7 @@ impl std::str::FromStr for ZeroCopy {
 pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
 
 /// Default [`GpuStreamLimits::loader_copy_threads`].
-pub const LOADER_COPY_THREADS_DEFAULT: usize = 2;
+pub const LOADER_COPY_THREADS_DEFAULT: usize = 4;
 
 /// The most [`GpuStreamLimits::loader_copy_threads`].
 pub const LOADER_COPY_THREADS_MAX: usize = copy_helpers::COPY_THREADS_MAX;

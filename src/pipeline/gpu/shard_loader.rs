@@ -144,6 +144,7 @@ impl ShardLoader {
             pinned: VecDeque::new(),
             spare_events: Vec::new(),
             copy_threads,
+            own: None,
             helpers: Vec::new(),
         };
         let thread_shared = Arc::clone(&shared);
@@ -256,9 +257,11 @@ struct Worker {
     /// Windows held for copies in flight, oldest first, with the event recorded after each copy.
     pinned: VecDeque<(Event, CopySource)>,
     spare_events: Vec<Event>,
-    /// Copy threads beside the loader (see `copy_helpers`); their helpers are made when first
-    /// needed.
+    /// Threads copying windows the budget has no room for through pinned buffers (see
+    /// `copy_helpers`), this one among them; 0: such windows are registered for their copy. The
+    /// helpers are made when first needed: `own` for this thread, `helpers` for the others.
     copy_threads: usize,
+    own: Option<CopyHelper>,
     helpers: Vec<CopyHelper>,
 }
 
@@ -299,6 +302,7 @@ impl Worker {
                 let drained = stream.synchronize().and(
                     self.helpers
                         .iter()
+                        .chain(&self.own)
                         .try_for_each(|helper| helper.synchronize()),
                 );
                 self.unpin_done(true);
@@ -358,14 +362,6 @@ impl Worker {
         let window_bytes = self.windows.window_bytes();
         let windows = file_bytes.div_ceil(window_bytes);
         let claims = Claims::new(windows);
-        if self.copy_threads == 0 || windows < 2 {
-            while let Some(window) = claims.take_front() {
-                self.copy_window(stream, job, window)?;
-            }
-            return job.copied.record(stream);
-        }
-        self.start_helpers()?;
-        let mut helpers = std::mem::take(&mut self.helpers);
         let file = Arc::clone(&self.files[job.shard]);
         let copy = ShardCopy {
             file: &file,
@@ -375,14 +371,29 @@ impl Worker {
             after: job.after.as_deref(),
             claims: &claims,
         };
+        let others = if windows < 2 {
+            0
+        } else {
+            self.copy_threads.saturating_sub(1)
+        };
+        if self.copy_threads > 0 && self.own.is_none() {
+            self.own = Some(CopyHelper::new(&self.device)?);
+        }
+        while self.helpers.len() < others {
+            self.helpers.push(CopyHelper::new(&self.device)?);
+        }
+        if let Some(own) = &mut self.own {
+            own.begin();
+        }
+        let mut helpers = std::mem::take(&mut self.helpers);
         let (mine, theirs) = std::thread::scope(|scope| {
-            let threads: Vec<_> = helpers
+            let threads: Vec<_> = helpers[..others]
                 .iter_mut()
                 .map(|helper| scope.spawn(|| helper.copy_shard(&copy)))
                 .collect();
             let mut mine = Ok(());
             while let Some(window) = claims.take_front() {
-                mine = self.copy_window(stream, job, window);
+                mine = self.copy_window(stream, job, &copy, window);
                 if mine.is_err() {
                     claims.take_all();
                     break;
@@ -400,8 +411,11 @@ impl Worker {
                 .collect();
             (mine, theirs)
         });
+        self.helpers = helpers;
         let mut outcome = mine;
-        for (helper, copied) in helpers.iter().zip(theirs) {
+        let own = self.own.as_mut().map(|own| (own.finish(), &*own));
+        let finished = theirs.into_iter().zip(self.helpers.iter()).chain(own);
+        for (copied, helper) in finished {
             match copied {
                 // The slot's event waits for the helper's uploads too.
                 Ok(true) => outcome = outcome.and_then(|()| stream.wait(helper.done())),
@@ -409,37 +423,37 @@ impl Worker {
                 Err(error) => outcome = outcome.and(Err(error)),
             }
         }
-        self.helpers = helpers;
         outcome?;
         job.copied.record(stream)
     }
 
-    /// Makes the copy threads' helpers when first needed.
-    fn start_helpers(&mut self) -> Result<(), DeviceError> {
-        while self.helpers.len() < self.copy_threads {
-            self.helpers.push(CopyHelper::new(&self.device)?);
-        }
-        Ok(())
-    }
-
-    /// Queues the copy of window `window` of the job's shard on the loader's stream: from the
-    /// window registered (pinned, or for this copy), else from pageable memory.
+    /// Queues the copy of window `window` of the job's shard: on the loader's stream from the
+    /// window registered (pinned, or for this copy only when there are no copy threads), else
+    /// through the loader's own pinned buffers (copy threads) or from pageable memory.
     fn copy_window(
         &mut self,
         stream: &Stream,
         job: &LoadJob,
+        copy: &ShardCopy<'_>,
         window: u64,
     ) -> Result<(), DeviceError> {
         let window_bytes = self.windows.window_bytes();
         let keep_free = WINDOWS_KEPT_FREE * window_bytes as usize;
         let at = window * window_bytes;
         let bytes = window_bytes.min(job.bytes - at) as usize;
-        let file = &self.files[job.shard];
-        let source = self
-            .windows
-            .map_for_copy(file, at, bytes, self.fraction_min, keep_free)?;
+        let source = self.windows.map_for_copy(
+            copy.file,
+            at,
+            bytes,
+            self.fraction_min,
+            keep_free,
+            self.own.is_none(),
+        )?;
         let Some(source) = source else {
-            return self.copy_pageable(stream, job, at, bytes);
+            return match &mut self.own {
+                Some(own) => own.copy_window(copy, window),
+                None => self.copy_pageable(stream, job, at, bytes),
+            };
         };
         if let Err(error) = self.make_room_for(&source) {
             // Nothing is queued from `source` yet.
