@@ -26,48 +26,65 @@ const BUFFERS: usize = 3;
 /// The most copy threads a loader may have.
 pub(crate) const COPY_THREADS_MAX: usize = 16;
 
-/// Which windows of a shard are not yet taken: `front..back`.
-pub(super) struct Claims(Mutex<(u64, u64)>);
+/// Which bytes of a shard are not yet taken: `front..back`. The loader takes the rest of a window
+/// from the front, a copy thread one unit (a pinned buffer's worth, within one window) from the back:
+/// fine enough that the threads finish a shard together.
+pub(super) struct Claims {
+    left: Mutex<(u64, u64)>,
+    window_bytes: u64,
+    unit_bytes: u64,
+}
 
 impl Claims {
-    /// Windows `0..windows` to share.
-    pub(super) fn new(windows: u64) -> Claims {
-        Claims(Mutex::new((0, windows)))
+    /// Bytes `0..bytes` of a shard read in windows of `window_bytes`.
+    pub(super) fn new(bytes: u64, window_bytes: u64) -> Claims {
+        let unit_bytes = if window_bytes % CHUNK_BYTES as u64 == 0 {
+            CHUNK_BYTES as u64
+        } else {
+            window_bytes
+        };
+        Claims {
+            left: Mutex::new((0, bytes)),
+            window_bytes,
+            unit_bytes,
+        }
     }
 
-    /// The first window not taken, for the loader.
-    pub(super) fn take_front(&self) -> Option<u64> {
-        let mut claims = self.0.lock().expect("window claims poisoned");
-        (claims.0 < claims.1).then(|| {
-            claims.0 += 1;
-            claims.0 - 1
+    /// For the loader: the bytes from the first not taken to the end of its window (or to the
+    /// first byte taken from the back).
+    pub(super) fn take_front(&self) -> Option<(u64, u64)> {
+        let mut left = self.left.lock().expect("shard claims poisoned");
+        let (front, back) = *left;
+        (front < back).then(|| {
+            let end = ((front / self.window_bytes + 1) * self.window_bytes).min(back);
+            left.0 = end;
+            (front, end)
         })
     }
 
-    /// The last window not taken, for a copy thread.
-    fn take_back(&self) -> Option<u64> {
-        let mut claims = self.0.lock().expect("window claims poisoned");
-        (claims.0 < claims.1).then(|| {
-            claims.1 -= 1;
-            claims.1
+    /// For a copy thread: the last unit not taken (or what is left of it).
+    fn take_back(&self) -> Option<(u64, u64)> {
+        let mut left = self.left.lock().expect("shard claims poisoned");
+        let (front, back) = *left;
+        (front < back).then(|| {
+            let start = ((back - 1) / self.unit_bytes * self.unit_bytes).max(front);
+            left.1 = start;
+            (start, back)
         })
     }
 
-    /// Takes every window left (after a failure: nobody copies more of the shard).
+    /// Takes every byte left (after a failure: nobody copies more of the shard).
     pub(super) fn take_all(&self) {
-        let mut claims = self.0.lock().expect("window claims poisoned");
-        claims.0 = claims.1;
+        let mut left = self.left.lock().expect("shard claims poisoned");
+        left.0 = left.1;
     }
 }
 
 /// One shard's copy as a copy thread sees it.
 pub(super) struct ShardCopy<'a> {
     pub file: &'a File,
-    /// The shard's bytes to copy, from offset 0.
-    pub bytes: u64,
     /// The device address of the shard's first byte.
     pub dst: u64,
-    pub window_bytes: u64,
     /// What the copies wait for first (the rounds that read the slot's previous shard).
     pub after: Option<&'a Event>,
     pub claims: &'a Claims,
@@ -127,8 +144,8 @@ impl CopyHelper {
     fn copy_windows(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
         self.device.bind()?;
         self.begin();
-        while let Some(window) = copy.claims.take_back() {
-            self.copy_window(copy, window)?;
+        while let Some((start, end)) = copy.claims.take_back() {
+            self.copy_range(copy, start, end)?;
         }
         self.finish()
     }
@@ -138,11 +155,12 @@ impl CopyHelper {
         self.started = false;
     }
 
-    /// Copies window `window` of the shard (the first one after the shard's `after`).
-    pub(super) fn copy_window(
+    /// Copies bytes `start..end` of the shard (the first ones after the shard's `after`).
+    pub(super) fn copy_range(
         &mut self,
         copy: &ShardCopy<'_>,
-        window: u64,
+        start: u64,
+        end: u64,
     ) -> Result<(), DeviceError> {
         if !self.started {
             if let Some(after) = copy.after {
@@ -150,8 +168,6 @@ impl CopyHelper {
             }
             self.started = true;
         }
-        let start = window * copy.window_bytes;
-        let end = (start + copy.window_bytes).min(copy.bytes);
         let mut at = start;
         while at < end {
             let bytes = (end - at).min(CHUNK_BYTES as u64) as usize;
@@ -222,16 +238,26 @@ mod tests {
     use super::Claims;
 
     #[test]
-    fn front_and_back_take_each_window_once() {
-        let claims = Claims::new(5);
-        assert_eq!(claims.take_front(), Some(0));
-        assert_eq!(claims.take_back(), Some(4));
-        assert_eq!(claims.take_back(), Some(3));
-        assert_eq!(claims.take_front(), Some(1));
-        assert_eq!(claims.take_front(), Some(2));
+    fn front_and_back_take_each_byte_once() {
+        const M: u64 = 1 << 20;
+        // Windows of 16 MiB, units of 8 MiB, a shard of 40 MiB + 1.
+        let claims = Claims::new(40 * M + 1, 16 * M);
+        assert_eq!(claims.take_back(), Some((40 * M, 40 * M + 1)));
+        assert_eq!(claims.take_front(), Some((0, 16 * M)));
+        assert_eq!(claims.take_back(), Some((32 * M, 40 * M)));
+        assert_eq!(claims.take_back(), Some((24 * M, 32 * M)));
+        assert_eq!(claims.take_front(), Some((16 * M, 24 * M)));
         assert_eq!(claims.take_back(), None);
         assert_eq!(claims.take_front(), None);
-        let claims = Claims::new(3);
+        // Windows smaller than a buffer are the unit; a window not a multiple of it too.
+        for window in [256 << 10, 12 * M] {
+            let claims = Claims::new(3 * window, window);
+            assert_eq!(claims.take_back(), Some((2 * window, 3 * window)));
+            assert_eq!(claims.take_front(), Some((0, window)));
+            assert_eq!(claims.take_back(), Some((window, 2 * window)));
+            assert_eq!(claims.take_front(), None);
+        }
+        let claims = Claims::new(3 * M, 16 * M);
         claims.take_all();
         assert_eq!(claims.take_front(), None);
         assert_eq!(claims.take_back(), None);

@@ -361,13 +361,11 @@ impl Worker {
         let file_bytes = job.bytes;
         let window_bytes = self.windows.window_bytes();
         let windows = file_bytes.div_ceil(window_bytes);
-        let claims = Claims::new(windows);
+        let claims = Claims::new(file_bytes, window_bytes);
         let file = Arc::clone(&self.files[job.shard]);
         let copy = ShardCopy {
             file: &file,
-            bytes: file_bytes,
             dst: job.dst,
-            window_bytes,
             after: job.after.as_deref(),
             claims: &claims,
         };
@@ -392,8 +390,8 @@ impl Worker {
                 .map(|helper| scope.spawn(|| helper.copy_shard(&copy)))
                 .collect();
             let mut mine = Ok(());
-            while let Some(window) = claims.take_front() {
-                mine = self.copy_window(stream, job, &copy, window);
+            while let Some((start, end)) = claims.take_front() {
+                mine = self.copy_range(stream, job, &copy, start, end);
                 if mine.is_err() {
                     claims.take_all();
                     break;
@@ -427,20 +425,21 @@ impl Worker {
         job.copied.record(stream)
     }
 
-    /// Queues the copy of window `window` of the job's shard: on the loader's stream from the
-    /// window registered (pinned, or for this copy only when there are no copy threads), else
-    /// through the loader's own pinned buffers (copy threads) or from pageable memory.
-    fn copy_window(
+    /// Queues the copy of bytes `at..end` (within one window) of the job's shard: on the loader's
+    /// stream from the window registered (pinned, or for this copy only when there are no copy
+    /// threads), else through the loader's own pinned buffers (copy threads) or from pageable
+    /// memory.
+    fn copy_range(
         &mut self,
         stream: &Stream,
         job: &LoadJob,
         copy: &ShardCopy<'_>,
-        window: u64,
+        at: u64,
+        end: u64,
     ) -> Result<(), DeviceError> {
         let window_bytes = self.windows.window_bytes();
         let keep_free = WINDOWS_KEPT_FREE * window_bytes as usize;
-        let at = window * window_bytes;
-        let bytes = window_bytes.min(job.bytes - at) as usize;
+        let bytes = (end - at) as usize;
         let source = self.windows.map_for_copy(
             copy.file,
             at,
@@ -451,7 +450,7 @@ impl Worker {
         )?;
         let Some(source) = source else {
             return match &mut self.own {
-                Some(own) => own.copy_window(copy, window),
+                Some(own) => own.copy_range(copy, at, end),
                 None => self.copy_pageable(stream, job, at, bytes),
             };
         };
