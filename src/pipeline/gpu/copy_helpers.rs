@@ -101,6 +101,26 @@ pub(super) struct CopyHelper {
     done: Event,
     /// Whether this helper copied any of the current shard (its stream waited for `after`).
     started: bool,
+    /// What it did, for the loader's log.
+    pub(super) stats: HelperStats,
+}
+
+/// Where a copy helper's time went.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct HelperStats {
+    pub bytes: u64,
+    /// Seconds reading into pinned buffers.
+    pub read_s: f64,
+    /// Seconds waiting for a buffer's last upload.
+    pub wait_s: f64,
+}
+
+impl std::ops::AddAssign for HelperStats {
+    fn add_assign(&mut self, other: HelperStats) {
+        self.bytes += other.bytes;
+        self.read_s += other.read_s;
+        self.wait_s += other.wait_s;
+    }
 }
 
 impl CopyHelper {
@@ -122,6 +142,7 @@ impl CopyHelper {
             next: 0,
             done,
             started: false,
+            stats: HelperStats::default(),
         })
     }
 
@@ -195,7 +216,9 @@ impl CopyHelper {
     ) -> Result<(), DeviceError> {
         let (buffer, uploaded) = &mut self.buffers[self.next];
         self.next = (self.next + 1) % BUFFERS;
+        let started = std::time::Instant::now();
         uploaded.synchronize()?;
+        let waited = started.elapsed();
         let into = &mut buffer.as_mut_slice()[..bytes];
         copy.file
             .read_exact_at(into, at)
@@ -203,6 +226,11 @@ impl CopyHelper {
                 what: "reading a shard into a pinned buffer",
                 source,
             })?;
+        self.stats += HelperStats {
+            bytes: bytes as u64,
+            read_s: (started.elapsed() - waited).as_secs_f64(),
+            wait_s: waited.as_secs_f64(),
+        };
         // SAFETY: the source is this helper's pinned buffer, which is not written again until the
         // event recorded just below has completed (`uploaded.synchronize()` above, next time round)
         // and which outlives the upload (the loader synchronises the helpers' streams before it

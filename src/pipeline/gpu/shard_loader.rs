@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use memmap2::Mmap;
 
-use super::copy_helpers::{Claims, CopyHelper, ShardCopy};
+use super::copy_helpers::{Claims, CopyHelper, HelperStats, ShardCopy};
 use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
 use crate::pipeline::assemble::FillError;
 use crate::storage::windows::{CopySource, PageCacheWindows};
@@ -146,6 +146,11 @@ impl ShardLoader {
             copy_threads,
             own: None,
             helpers: Vec::new(),
+            shards_loaded: 0,
+            load_s: 0.0,
+            idle_s: 0.0,
+            registered_bytes: 0,
+            pageable_bytes: 0,
         };
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -263,6 +268,13 @@ struct Worker {
     copy_threads: usize,
     own: Option<CopyHelper>,
     helpers: Vec<CopyHelper>,
+    /// Shards loaded, seconds loading them and idle waiting for jobs, bytes copied straight from
+    /// registered windows and from pageable memory: for the log at the end.
+    shards_loaded: u64,
+    load_s: f64,
+    idle_s: f64,
+    registered_bytes: u64,
+    pageable_bytes: u64,
 }
 
 impl Worker {
@@ -275,10 +287,15 @@ impl Worker {
                     let job = match jobs.try_recv() {
                         Ok(job) => job,
                         Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
-                        Err(std::sync::mpsc::TryRecvError::Empty) => match self.idle(jobs) {
-                            Some(job) => job,
-                            None => break,
-                        },
+                        Err(std::sync::mpsc::TryRecvError::Empty) => {
+                            let started = std::time::Instant::now();
+                            let job = self.idle(jobs);
+                            self.idle_s += started.elapsed().as_secs_f64();
+                            match job {
+                                Some(job) => job,
+                                None => break,
+                            }
+                        }
                     };
                     if shared
                         .0
@@ -289,10 +306,13 @@ impl Worker {
                         break;
                     }
                     let (slot, generation, shard) = (job.slot, job.generation, job.shard);
+                    let started = std::time::Instant::now();
                     if let Err(error) = self.load(&stream, &job) {
                         result = Err((shard, error));
                         break;
                     }
+                    self.load_s += started.elapsed().as_secs_f64();
+                    self.shards_loaded += 1;
                     let (lock, ready) = &**shared;
                     let mut state = lock.lock().expect("shard loader state poisoned");
                     state.recorded[slot] = state.recorded[slot].max(generation);
@@ -306,6 +326,7 @@ impl Worker {
                         .try_for_each(|helper| helper.synchronize()),
                 );
                 self.unpin_done(true);
+                self.log_stats();
                 result.and(drained.map_err(|e| (0, e)))
             });
         if let Err((shard, error)) = outcome {
@@ -314,6 +335,31 @@ impl Worker {
             state.failed = Some((shard, Arc::new(std::io::Error::other(error))));
         }
         // `StopOnExit` marks the thread stopped and wakes the filler.
+    }
+
+    /// Logs where the loader's time went.
+    fn log_stats(&self) {
+        if self.shards_loaded == 0 {
+            return;
+        }
+        let mut helpers = HelperStats::default();
+        for helper in self.helpers.iter().chain(&self.own) {
+            helpers += helper.stats;
+        }
+        tracing::info!(
+            "shard loader: {} shards in {:.3} s ({:.3} s idle); bytes from registered windows {}, \
+             pageable {}, through {} copy threads' pinned buffers {} (reading {:.3} s, waiting \
+             for uploads {:.3} s, summed over the threads)",
+            self.shards_loaded,
+            self.load_s,
+            self.idle_s,
+            self.registered_bytes,
+            self.pageable_bytes,
+            self.copy_threads,
+            helpers.bytes,
+            helpers.read_s,
+            helpers.wait_s,
+        );
     }
 
     /// Waits for the next job while idle, handing back each window as its copy completes, so that
@@ -451,9 +497,13 @@ impl Worker {
         let Some(source) = source else {
             return match &mut self.own {
                 Some(own) => own.copy_range(copy, at, end),
-                None => self.copy_pageable(stream, job, at, bytes),
+                None => {
+                    self.pageable_bytes += bytes as u64;
+                    self.copy_pageable(stream, job, at, bytes)
+                }
             };
         };
+        self.registered_bytes += bytes as u64;
         if let Err(error) = self.make_room_for(&source) {
             // Nothing is queued from `source` yet.
             self.windows.release_copy_source(source);
