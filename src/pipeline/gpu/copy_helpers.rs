@@ -73,6 +73,21 @@ impl Claims {
         })
     }
 
+    /// For the loader, after [`Self::take_front`] gave it bytes up to `end`: gives back bytes
+    /// `from..end` (it copied less than it took).
+    pub(super) fn give_back_front(&self, from: u64, end: u64) {
+        let mut left = self.left.lock().expect("shard claims poisoned");
+        debug_assert!(left.0 == end && from <= end);
+        if left.0 == end {
+            left.0 = from;
+        }
+    }
+
+    /// Bytes a copy thread takes at a time.
+    pub(super) fn unit_bytes(&self) -> u64 {
+        self.unit_bytes
+    }
+
     /// Takes every byte left (after a failure: nobody copies more of the shard).
     pub(super) fn take_all(&self) {
         let mut left = self.left.lock().expect("shard claims poisoned");
@@ -285,6 +300,14 @@ mod tests {
             assert_eq!(claims.take_back(), Some((window, 2 * window)));
             assert_eq!(claims.take_front(), None);
         }
+        // The loader gives back what it took and did not copy.
+        let claims = Claims::new(32 * M, 16 * M);
+        assert_eq!(claims.take_front(), Some((0, 16 * M)));
+        claims.give_back_front(8 * M, 16 * M);
+        assert_eq!(claims.take_back(), Some((24 * M, 32 * M)));
+        assert_eq!(claims.take_front(), Some((8 * M, 16 * M)));
+        assert_eq!(claims.take_front(), Some((16 * M, 24 * M)));
+        assert_eq!(claims.take_back(), None);
         let claims = Claims::new(3 * M, 16 * M);
         claims.take_all();
         assert_eq!(claims.take_front(), None);

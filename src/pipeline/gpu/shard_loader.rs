@@ -437,10 +437,14 @@ impl Worker {
                 .collect();
             let mut mine = Ok(());
             while let Some((start, end)) = claims.take_front() {
-                mine = self.copy_range(stream, job, &copy, start, end);
-                if mine.is_err() {
-                    claims.take_all();
-                    break;
+                match self.copy_range(stream, job, &copy, start, end) {
+                    Ok(copied_to) if copied_to < end => claims.give_back_front(copied_to, end),
+                    Ok(_) => {}
+                    Err(error) => {
+                        mine = Err(error);
+                        claims.take_all();
+                        break;
+                    }
                 }
             }
             let theirs: Vec<_> = threads
@@ -473,8 +477,9 @@ impl Worker {
 
     /// Queues the copy of bytes `at..end` (within one window) of the job's shard: on the loader's
     /// stream from the window registered (pinned, or for this copy only when there are no copy
-    /// threads), else through the loader's own pinned buffers (copy threads) or from pageable
-    /// memory.
+    /// threads), else from pageable memory, or with copy threads, one unit of it through the
+    /// loader's own pinned buffers (so that the loader does not hold up the end of a shard with a
+    /// window the threads could have shared). Returns where the bytes copied end.
     fn copy_range(
         &mut self,
         stream: &Stream,
@@ -482,7 +487,7 @@ impl Worker {
         copy: &ShardCopy<'_>,
         at: u64,
         end: u64,
-    ) -> Result<(), DeviceError> {
+    ) -> Result<u64, DeviceError> {
         let window_bytes = self.windows.window_bytes();
         let keep_free = WINDOWS_KEPT_FREE * window_bytes as usize;
         let bytes = (end - at) as usize;
@@ -496,10 +501,13 @@ impl Worker {
         )?;
         let Some(source) = source else {
             return match &mut self.own {
-                Some(own) => own.copy_range(copy, at, end),
+                Some(own) => {
+                    let to = end.min(at + copy.claims.unit_bytes());
+                    own.copy_range(copy, at, to).map(|()| to)
+                }
                 None => {
                     self.pageable_bytes += bytes as u64;
-                    self.copy_pageable(stream, job, at, bytes)
+                    self.copy_pageable(stream, job, at, bytes).map(|()| end)
                 }
             };
         };
@@ -541,7 +549,7 @@ impl Worker {
             }
         };
         self.pinned.push_back((event, source));
-        Ok(())
+        Ok(end)
     }
 
     /// Copies `bytes` at `at` of the job's shard from a pageable map of the file (the window could
