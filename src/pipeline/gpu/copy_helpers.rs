@@ -128,6 +128,8 @@ pub(super) struct HelperStats {
     pub read_s: f64,
     /// Seconds waiting for a buffer's last upload.
     pub wait_s: f64,
+    /// Seconds in a copy thread's share of a shard.
+    pub busy_s: f64,
 }
 
 impl std::ops::AddAssign for HelperStats {
@@ -135,6 +137,7 @@ impl std::ops::AddAssign for HelperStats {
         self.bytes += other.bytes;
         self.read_s += other.read_s;
         self.wait_s += other.wait_s;
+        self.busy_s += other.busy_s;
     }
 }
 
@@ -170,7 +173,9 @@ impl CopyHelper {
     /// [`Self::done`]. Returns whether it copied any. On an error the claims are emptied so the
     /// other threads stop too.
     pub(super) fn copy_shard(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
+        let started = std::time::Instant::now();
         let outcome = self.copy_windows(copy);
+        self.stats.busy_s += started.elapsed().as_secs_f64();
         if outcome.is_err() {
             copy.claims.take_all();
         }
@@ -245,6 +250,7 @@ impl CopyHelper {
             bytes: bytes as u64,
             read_s: (started.elapsed() - waited).as_secs_f64(),
             wait_s: waited.as_secs_f64(),
+            busy_s: 0.0,
         };
         // SAFETY: the source is this helper's pinned buffer, which is not written again until the
         // event recorded just below has completed (`uploaded.synchronize()` above, next time round)

@@ -151,6 +151,7 @@ impl ShardLoader {
             idle_s: 0.0,
             registered_bytes: 0,
             pageable_bytes: 0,
+            phase_s: [0.0; 3],
         };
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -275,6 +276,8 @@ struct Worker {
     idle_s: f64,
     registered_bytes: u64,
     pageable_bytes: u64,
+    /// Seconds starting the copy threads, copying from the front, waiting for the threads.
+    phase_s: [f64; 3],
 }
 
 impl Worker {
@@ -349,7 +352,8 @@ impl Worker {
         tracing::info!(
             "shard loader: {} shards in {:.3} s ({:.3} s idle); bytes from registered windows {}, \
              pageable {}, through {} copy threads' pinned buffers {} (reading {:.3} s, waiting \
-             for uploads {:.3} s, summed over the threads)",
+             for uploads {:.3} s, in the threads {:.3} s, summed over the threads); starting the \
+             threads {:.3} s, copying from the front {:.3} s, waiting for the threads {:.3} s",
             self.shards_loaded,
             self.load_s,
             self.idle_s,
@@ -359,6 +363,10 @@ impl Worker {
             helpers.bytes,
             helpers.read_s,
             helpers.wait_s,
+            helpers.busy_s,
+            self.phase_s[0],
+            self.phase_s[1],
+            self.phase_s[2],
         );
     }
 
@@ -430,11 +438,14 @@ impl Worker {
             own.begin();
         }
         let mut helpers = std::mem::take(&mut self.helpers);
+        let spawning = std::time::Instant::now();
         let (mine, theirs) = std::thread::scope(|scope| {
             let threads: Vec<_> = helpers[..others]
                 .iter_mut()
                 .map(|helper| scope.spawn(|| helper.copy_shard(&copy)))
                 .collect();
+            self.phase_s[0] += spawning.elapsed().as_secs_f64();
+            let front = std::time::Instant::now();
             let mut mine = Ok(());
             while let Some((start, end)) = claims.take_front() {
                 match self.copy_range(stream, job, &copy, start, end) {
@@ -447,6 +458,8 @@ impl Worker {
                     }
                 }
             }
+            self.phase_s[1] += front.elapsed().as_secs_f64();
+            let joining = std::time::Instant::now();
             let theirs: Vec<_> = threads
                 .into_iter()
                 .map(|thread| match thread.join() {
@@ -457,6 +470,7 @@ impl Worker {
                     }),
                 })
                 .collect();
+            self.phase_s[2] += joining.elapsed().as_secs_f64();
             (mine, theirs)
         });
         self.helpers = helpers;
