@@ -19,6 +19,10 @@
 //! nothing queued after it): about 26 GB/s on one host core there, against 18 to 20 when windows
 //! are unregistered with copies in flight.
 //!
+//! With `loader_copy_threads` above 0, windows the budget has no room for are not registered for
+//! their copy but copied through pinned buffers by this thread and copy threads beside it (see
+//! `copy_helpers`), and the thread logs where its time went when the stream ends.
+//!
 //! The filler learns that a shard's copies are queued when its generation is recorded; rounds that
 //! read the shard then make the compute stream wait for the copy's event (no host wait on the
 //! device).
