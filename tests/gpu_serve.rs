@@ -717,21 +717,52 @@ fn two_devices_are_served_by_one_daemon() {
         "this test needs two CUDA GPUs and sees {devices}: run it on a machine with two (the \
          single-GPU scripts skip it with --skip two_devices)"
     );
+    serve_a_device_list("cuda:0,cuda:1", &["cuda:0", "cuda:1"]);
+}
+
+/// What a single GPU allows of the test above: `--device all` on a machine with one GPU is a device
+/// list of one; two consumer processes on it at once bit-exact, a device it does not serve refused
+/// naming it, kill safety, and one stream failing on a corrupt block while another stream on the
+/// same device goes on.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_device_list_of_one_gpu_serves_like_two() {
+    let devices = gpufeed::device::Device::count().unwrap_or(0);
+    assert!(devices >= 1, "this test needs a CUDA GPU");
+    if devices > 1 {
+        eprintln!(
+            "{devices} GPUs: two_devices_are_served_by_one_daemon covers them; --device all here"
+        );
+    }
+    let served: Vec<String> = (0..devices).map(|i| format!("cuda:{i}")).collect();
+    // Two consumers on the first device (on the first two with several).
+    let consumers = [served[0].as_str(), served[1.min(devices - 1)].as_str()];
+    serve_a_device_list("all", &consumers);
+}
+
+/// The checks of [`two_devices_are_served_by_one_daemon`] for a daemon started with `--device
+/// device_flag`, with one consumer on each of `consumers` (two).
+fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
     let root = tempfile::tempdir().unwrap();
     pack_dataset(root.path());
     let cpu_root = root.path().join("cpu-root");
     copy_dataset(&root.path().join("mixed"), &cpu_root.join("mixed"));
     let log = root.path().join("two-devices.log");
-    let gpu = start_daemon_logged(root.path(), "cuda:0,cuda:1", &[], Some(&log));
+    let gpu = start_daemon_logged(root.path(), device_flag, &[], Some(&log));
     let cpu = start_daemon(&cpu_root, "cpu");
     let dumps = root.path().join("dumps");
     std::fs::create_dir_all(&dumps).unwrap();
-    // One registry of page-cache windows serves both devices (portable registrations).
-    let log_text = std::fs::read_to_string(&log).unwrap();
-    assert!(
-        log_text.contains("page-cache registrations shared by cuda:0, cuda:1"),
-        "{log_text}"
-    );
+    let mut distinct: Vec<&str> = consumers.to_vec();
+    distinct.dedup();
+    let served_list = distinct.join(", ");
+    if distinct.len() > 1 {
+        // One registry of page-cache windows serves both devices (portable registrations).
+        let log_text = std::fs::read_to_string(&log).unwrap();
+        assert!(
+            log_text.contains(&format!("page-cache registrations shared by {served_list}")),
+            "{log_text}"
+        );
+    }
     let args = [
         "--batch-size",
         "96",
@@ -747,10 +778,11 @@ fn two_devices_are_served_by_one_daemon() {
         "4",
     ];
     // Both devices at once, then the CPU reference.
-    let children: Vec<(Child, &str)> = ["cuda:0", "cuda:1"]
-        .into_iter()
-        .map(|device| {
-            let dump = dumps.join(format!("{}.npy", device.replace(':', "")));
+    let children: Vec<(Child, &str)> = consumers
+        .iter()
+        .enumerate()
+        .map(|(i, &device)| {
+            let dump = dumps.join(format!("consumer{i}.npy"));
             (consume_dump(&gpu.socket, device, &args, &dump), device)
         })
         .collect();
@@ -769,9 +801,9 @@ fn two_devices_are_served_by_one_daemon() {
     ));
     let reference = npy_payload(&dumps.join("cpu.npy"));
     assert!(!reference.is_empty());
-    for device in ["cuda0", "cuda1"] {
+    for (i, device) in consumers.iter().enumerate() {
         assert!(
-            npy_payload(&dumps.join(format!("{device}.npy"))) == reference,
+            npy_payload(&dumps.join(format!("consumer{i}.npy"))) == reference,
             "{device}: GPU and CPU backends differ"
         );
     }
@@ -791,14 +823,16 @@ fn two_devices_are_served_by_one_daemon() {
         .unwrap();
     assert!(!refused.status.success());
     let message = String::from_utf8_lossy(&refused.stderr);
-    assert!(message.contains("cuda:0, cuda:1"), "{message}");
+    assert!(message.contains(&served_list), "{message}");
     // Consumers killed while holding batches on each device: their sessions end, each device's
     // free memory returns to what it was before them, and the daemon serves both devices again.
     wait_for_no_slots(&gpu.socket);
-    let opened: Vec<Device> = (0..2).map(|i| Device::open(i).unwrap()).collect();
+    let opened: Vec<Device> = (0..distinct.len())
+        .map(|i| Device::open(i).unwrap())
+        .collect();
     let baselines: Vec<usize> = opened.iter().map(|d| d.memory_info().unwrap().0).collect();
     for round in 0..5 {
-        for device in ["cuda:0", "cuda:1"] {
+        for &device in consumers {
             let mut child = Command::new(consume_bin())
                 .arg("--socket")
                 .arg(&gpu.socket)
@@ -836,8 +870,8 @@ fn two_devices_are_served_by_one_daemon() {
             "cuda:{index}: device memory did not return to its baseline after the kills"
         );
     }
-    for device in ["cuda:0", "cuda:1"] {
-        let dump = dumps.join(format!("again-{}.npy", device.replace(':', "")));
+    for (i, &device) in consumers.iter().enumerate() {
+        let dump = dumps.join(format!("again-{i}.npy"));
         finish(consume_dump(&gpu.socket, device, &args, &dump));
         assert!(npy_payload(&dump) == reference, "{device}: after the kills");
     }
@@ -855,7 +889,7 @@ fn two_devices_are_served_by_one_daemon() {
     // A fresh daemon: the running one verified every block already (its record of verified blocks
     // assumes shards do not change in place).
     drop(gpu);
-    let gpu = start_daemon(root.path(), "cuda:0,cuda:1");
+    let gpu = start_daemon(root.path(), device_flag);
     let corrupt_args = |policy: &'static str| {
         vec![
             "--dataset",
@@ -881,12 +915,13 @@ fn two_devices_are_served_by_one_daemon() {
             .spawn()
             .unwrap()
     };
-    let failing = spawn("cuda:1", "fail");
-    let serving = spawn("cuda:0", "replace");
+    let failing = spawn(consumers[1], "fail");
+    let serving = spawn(consumers[0], "replace");
     let failed = failing.wait_with_output().unwrap();
     assert!(
         !failed.status.success(),
-        "cuda:1 with policy fail succeeded"
+        "{} with policy fail succeeded",
+        consumers[1]
     );
     let stderr = String::from_utf8_lossy(&failed.stderr);
     let shard_name = shard.path.file_name().unwrap().to_string_lossy();
@@ -894,7 +929,9 @@ fn two_devices_are_served_by_one_daemon() {
     let served = serving.wait_with_output().unwrap();
     assert!(
         served.status.success(),
-        "cuda:0 ended with cuda:1's failure"
+        "{} ended with {}'s failure",
+        consumers[0],
+        consumers[1]
     );
     let line: serde_json::Value = serde_json::from_str(
         String::from_utf8_lossy(&served.stdout)
@@ -904,9 +941,10 @@ fn two_devices_are_served_by_one_daemon() {
     )
     .unwrap();
     assert!(line["replaced"].as_u64().unwrap() > 0, "{line}");
-    let after_failure = spawn("cuda:1", "replace").wait_with_output().unwrap();
+    let after_failure = spawn(consumers[1], "replace").wait_with_output().unwrap();
     assert!(
         after_failure.status.success(),
-        "cuda:1 after its stream failed"
+        "{} after its stream failed",
+        consumers[1]
     );
 }
