@@ -740,6 +740,29 @@ fn a_device_list_of_one_gpu_serves_like_two() {
     serve_a_device_list("all", &consumers);
 }
 
+/// The daemon's refusal of a stream of `mixed` on CUDA device `ordinal`, asked for over a raw
+/// connection.
+fn open_stream_refusal(socket: &Path, ordinal: u32) -> String {
+    use gpufeed_client::protocol::{Message, StreamSpec};
+    use gpufeed_client::transport;
+    let socket = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let hello = Message::Hello {
+        client: "gpu_serve test".to_string(),
+    };
+    transport::send(&socket, &hello, &[]).unwrap();
+    assert!(matches!(
+        transport::recv(&socket).unwrap().0,
+        Message::Welcome { .. }
+    ));
+    let mut spec = StreamSpec::new("mixed", 8);
+    spec.device = gpufeed_client::protocol::Device::Cuda(ordinal);
+    transport::send(&socket, &Message::OpenStream(spec), &[]).unwrap();
+    match transport::recv(&socket).unwrap().0 {
+        Message::Error { message, .. } => message,
+        other => panic!("expected a refusal of cuda:{ordinal}, got {other:?}"),
+    }
+}
+
 /// The checks of [`two_devices_are_served_by_one_daemon`] for a daemon started with `--device
 /// device_flag`, with one consumer on each of `consumers` (two).
 fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
@@ -808,21 +831,8 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
         );
     }
     // A device the daemon does not serve: refused, naming the served ones; the daemon serves on.
-    let refused = Command::new(consume_bin())
-        .arg("--socket")
-        .arg(&gpu.socket)
-        .args([
-            "--dataset",
-            "mixed",
-            "--device",
-            "cuda:7",
-            "--batch-size",
-            "8",
-        ])
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let message = String::from_utf8_lossy(&refused.stderr);
+    // (Asked for with a raw request: a consumer would fail opening a device its host lacks.)
+    let message = open_stream_refusal(&gpu.socket, 7);
     assert!(message.contains(&served_list), "{message}");
     // Consumers killed while holding batches on each device: their sessions end, each device's
     // free memory returns to what it was before them, and the daemon serves both devices again.
