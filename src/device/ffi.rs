@@ -825,9 +825,8 @@ pub unsafe fn memcpy_htod_async(
     )
 }
 
-/// Most 64-bit writes one `cuStreamBatchMemOp` call carries in [`stream_write_values`] (the driver
-/// answers `CUDA_ERROR_INVALID_VALUE` to 256).
-pub const STREAM_WRITES_PER_CALL: usize = 128;
+/// Most 64-bit writes one `cuStreamBatchMemOp` call carries in [`stream_write_values`].
+pub const STREAM_WRITES_PER_CALL: usize = 256;
 
 /// `cuStreamBatchMemOp` of 64-bit writes: `values[i]` to `dst + 8 i`, in stream order, done by the
 /// device's front end rather than a copy engine (so they do not queue behind bulk copies), one call

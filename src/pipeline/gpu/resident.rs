@@ -34,9 +34,8 @@ const ROW_PIECES_MAX_PER_FIELD: usize = 4;
 /// Threads verifying a dataset's blocks when a resident stream opens.
 const VERIFY_THREADS_MAX: usize = 8;
 
-/// Tables up to this size are written by [`write_small_table`] (three `cuStreamBatchMemOp` calls; a
-/// region table of 144 windows, 8 GiB of 64 MiB windows, is 2304 bytes).
-const SMALL_TABLE_BYTES_MAX: usize = 3 * crate::device::ffi::STREAM_WRITES_PER_CALL * 8;
+/// Tables up to this size are written by [`write_small_table`] (two `cuStreamBatchMemOp` calls).
+const SMALL_TABLE_BYTES_MAX: usize = 2 * crate::device::ffi::STREAM_WRITES_PER_CALL * 8;
 
 /// Whether small tables are written by the stream (`GPUFEED_TABLE_WRITES=0` turns it off, for
 /// measurements); turned off for the process when the driver refuses a write.
