@@ -154,7 +154,6 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoDAsync_v2",
-    "cuStreamBatchMemOp_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemsetD8Async",
@@ -823,46 +822,6 @@ pub unsafe fn memcpy_htod_async(
         "cuMemcpyHtoDAsync_v2",
         cu::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream),
     )
-}
-
-/// Most 64-bit writes one `cuStreamBatchMemOp` call carries in [`stream_write_values`].
-pub const STREAM_WRITES_PER_CALL: usize = 256;
-
-/// `cuStreamBatchMemOp` of 64-bit writes: `values[i]` to `dst + 8 i`, in stream order, done by the
-/// device's front end rather than a copy engine (so they do not queue behind bulk copies), one call
-/// per [`STREAM_WRITES_PER_CALL`] values.
-///
-/// # Safety
-/// `dst .. dst + 8 values.len()` is device memory that nothing else uses until the writes are done.
-pub unsafe fn stream_write_values(
-    stream: cu::CUstream,
-    dst: cu::CUdeviceptr,
-    values: &[u64],
-) -> DriverResult<()> {
-    let mut params = Vec::with_capacity(values.len().min(STREAM_WRITES_PER_CALL));
-    for (chunk_index, chunk) in values.chunks(STREAM_WRITES_PER_CALL).enumerate() {
-        params.clear();
-        let base = dst + (chunk_index * STREAM_WRITES_PER_CALL * 8) as u64;
-        for (i, &value) in chunk.iter().enumerate() {
-            params.push(cu::CUstreamBatchMemOpParams {
-                writeValue: cu::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
-                    operation: cu::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
-                    address: base + 8 * i as u64,
-                    __bindgen_anon_1:
-                        cu::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
-                            value64: value,
-                        },
-                    flags: 0,
-                    alias: 0,
-                },
-            });
-        }
-        check(
-            "cuStreamBatchMemOp_v2",
-            cu::cuStreamBatchMemOp_v2(stream, params.len() as u32, params.as_mut_ptr(), 0),
-        )?;
-    }
-    Ok(())
 }
 
 /// `cuMemcpyDtoHAsync`.

@@ -34,50 +34,6 @@ const ROW_PIECES_MAX_PER_FIELD: usize = 4;
 /// Threads verifying a dataset's blocks when a resident stream opens.
 const VERIFY_THREADS_MAX: usize = 8;
 
-/// Tables up to this size are written by [`write_small_table`] (two `cuStreamBatchMemOp` calls).
-const SMALL_TABLE_BYTES_MAX: usize = 2 * crate::device::ffi::STREAM_WRITES_PER_CALL * 8;
-
-/// Whether small tables are written by the stream (`GPUFEED_TABLE_WRITES=0` turns it off, for
-/// measurements); turned off for the process when the driver refuses a write.
-static TABLE_WRITES: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
-
-/// Writes `table` (a round's piece or region table) into `device` with 64-bit writes queued on
-/// `stream`, when it is small and the driver takes them; `false` when the caller must provide it
-/// another way. While shards are copied ahead the link is busy with the copies: a kernel reading its
-/// tables from pinned host memory waits behind them, and an upload queues behind them on the copy
-/// engines.
-fn write_small_table(stream: &crate::device::Stream, device: &DeviceBuffer, table: &[u8]) -> bool {
-    use std::sync::atomic::Ordering::Relaxed;
-    if TABLE_WRITES.load(Relaxed) == 2 {
-        let on = std::env::var_os("GPUFEED_TABLE_WRITES").is_none_or(|v| v != "0");
-        TABLE_WRITES.store(u8::from(on), Relaxed);
-    }
-    if TABLE_WRITES.load(Relaxed) == 0
-        || table.len() % 8 != 0
-        || table.len() > SMALL_TABLE_BYTES_MAX
-        || table.len() > device.len()
-    {
-        return false;
-    }
-    let values: Vec<u64> = table
-        .chunks_exact(8)
-        .map(|word| u64::from_le_bytes(word.try_into().expect("8 bytes")))
-        .collect();
-    // SAFETY: `device` is one of this round's tables, which only this round's kernels read, queued
-    // after these writes on the same stream (the round's previous kernels were queued before them).
-    let written = unsafe {
-        crate::device::ffi::stream_write_values(stream.raw(), device.device_ptr(), &values)
-    };
-    match written {
-        Ok(()) => true,
-        Err(error) => {
-            tracing::warn!("writing round tables on the stream failed ({error}); reading them from pinned memory instead");
-            TABLE_WRITES.store(0, Relaxed);
-            false
-        }
-    }
-}
-
 /// Threads planning a resident stream's steps ahead of the filler.
 const PLAN_WORKERS: usize = 6;
 
@@ -1077,14 +1033,10 @@ impl GpuAssembler {
                 .is_some_and(|d| d.redirect(&mut table));
             let layout = self.layout;
             let buffers = &mut self.buffers[index];
-            // Small tables are written into the round's device buffers by the stream's front end
-            // instead (no copy engine, no reads over the link by the kernel).
-            let pieces_written =
-                copying && write_small_table(&self.stream, &buffers.pieces, &planned.table);
-            if copying && !pieces_written {
+            if copying {
                 buffers.host.as_mut_slice()[layout.pieces..layout.pieces + planned.table.len()]
                     .copy_from_slice(&planned.table);
-            } else if !copying {
+            } else {
                 super::round::upload_table(
                     &self.stream,
                     &mut buffers.host,
@@ -1094,25 +1046,23 @@ impl GpuAssembler {
                 )?;
             }
             let encoded_regions = GatherRegion::encode_all(&table);
-            let regions_written =
-                on_device && write_small_table(&self.stream, &buffers.regions, &encoded_regions);
-            if on_device && !regions_written {
+            if on_device {
                 buffers.host.as_mut_slice()[layout.regions..layout.regions + encoded_regions.len()]
                     .copy_from_slice(&encoded_regions);
             }
             self.timings.rounds_from_device_copies += u64::from(on_device);
             let buffers = &self.buffers[index];
             let mapped_pieces = buffers.host.mapped(layout.pieces, planned.table.len());
-            let pieces: &dyn DeviceMemory = if copying && !pieces_written {
+            let pieces: &dyn DeviceMemory = if copying {
                 &mapped_pieces
             } else {
                 &buffers.pieces
             };
             let mapped_regions = buffers.host.mapped(layout.regions, encoded_regions.len());
-            let regions: &dyn DeviceMemory = match (on_device, regions_written) {
-                (true, false) => &mapped_regions,
-                (true, true) => &buffers.regions,
-                (false, _) => &resident.regions,
+            let regions: &dyn DeviceMemory = if on_device {
+                &mapped_regions
+            } else {
+                &resident.regions
             };
             // SAFETY: the piece table, region table and outcome belong to this round (its pinned
             // buffer is written again only after the host waited for the round); the windows the
