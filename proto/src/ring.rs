@@ -434,6 +434,26 @@ impl Doorbell {
     /// Sleeps until the doorbell rings, `also` becomes readable (or hangs up), or `timeout_ms`
     /// passes (-1: no limit). Returns (doorbell rang, `also` ready). The ring is not cleared.
     pub fn wait(&self, also: Option<BorrowedFd<'_>>, timeout_ms: i32) -> (bool, bool) {
+        let timeout = u64::try_from(timeout_ms)
+            .ok()
+            .map(std::time::Duration::from_millis);
+        self.wait_for(also, timeout)
+    }
+
+    /// As [`Doorbell::wait`], with a timeout to the nanosecond (`None`: no limit), for sleeps shorter
+    /// than a millisecond.
+    pub fn wait_for(
+        &self,
+        also: Option<BorrowedFd<'_>>,
+        timeout: Option<std::time::Duration>,
+    ) -> (bool, bool) {
+        let limit = timeout.map(|t| libc::timespec {
+            tv_sec: libc::time_t::try_from(t.as_secs()).unwrap_or(libc::time_t::MAX),
+            tv_nsec: libc::c_long::from(t.subsec_nanos()),
+        });
+        let limit_ptr = limit
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
         let mut fds = [
             libc::pollfd {
                 fd: self.fd.as_raw_fd(),
@@ -446,8 +466,9 @@ impl Doorbell {
                 revents: 0,
             },
         ];
-        // SAFETY: two live pollfd structs; a negative fd is ignored by poll.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        // SAFETY: two live pollfd structs (a negative fd is ignored), a live timespec or null (no
+        // limit), and no signal mask.
+        let ready = unsafe { libc::ppoll(fds.as_mut_ptr(), 2, limit_ptr, std::ptr::null()) };
         if ready <= 0 {
             return (false, false);
         }
@@ -635,5 +656,20 @@ mod tests {
         assert_eq!(bell.wait(None, 1000), (true, false));
         bell.clear();
         assert_eq!(bell.wait(None, 0), (false, false));
+    }
+
+    #[test]
+    fn a_doorbell_sleep_shorter_than_a_millisecond_ends_on_time_or_on_a_ring() {
+        let bell = Doorbell::new().unwrap();
+        let started = std::time::Instant::now();
+        let short = std::time::Duration::from_micros(300);
+        assert_eq!(bell.wait_for(None, Some(short)), (false, false));
+        let slept = started.elapsed();
+        assert!(slept >= short, "woke after {slept:?}, before {short:?}");
+        bell.ring();
+        let long = std::time::Duration::from_secs(5);
+        let started = std::time::Instant::now();
+        assert_eq!(bell.wait_for(None, Some(long)), (true, false));
+        assert!(started.elapsed() < long);
     }
 }

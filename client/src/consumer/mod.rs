@@ -55,6 +55,7 @@ use crate::transport::{self, TransportError};
 
 mod batch;
 mod layout;
+mod pacing;
 mod ring;
 mod stream;
 #[cfg(test)]
@@ -298,6 +299,7 @@ impl Client {
             batches_received: 0,
             cursor: spec.start_cursor,
             phase: Phase::Streaming,
+            pacing: pacing::Pacing::default(),
             spec,
             memory: Arc::new(SlotMemory {
                 layout,

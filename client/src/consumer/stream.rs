@@ -3,7 +3,10 @@
 use super::*;
 use std::os::fd::AsFd;
 
+use gpufeed_proto::protocol::monotonic_ns;
 use gpufeed_proto::ring::{check_published, decode_batch};
+
+use super::pacing::Pacing;
 
 use crate::protocol::BatchField;
 
@@ -104,18 +107,20 @@ pub(super) enum Event {
     Status(DaemonStatus),
 }
 
-/// How long a consumer waiting for a batch watches the ring before it sleeps on its doorbell, by
-/// default: long enough to cover the gap between batches of a busy stream without a system call on
-/// either side, short enough to cost nothing noticeable when the daemon is the slower side.
+/// How long a consumer waiting for a batch watches the ring at least before it sleeps on its
+/// doorbell, by default. Once the stream has a steady pace, the consumer also sleeps until shortly
+/// before each batch is due and watches from then until shortly after (`pacing.rs`), so that a
+/// batch arriving on time is taken without the doorbell's wake-up latency.
 pub const SPIN_US_DEFAULT: u64 = 50;
 
 /// Most microseconds `GPUFEED_SPIN_US` may ask for.
 pub const SPIN_US_MAX: u64 = 10_000;
 
-/// The spin before sleeping: `GPUFEED_SPIN_US` (0 to [`SPIN_US_MAX`] microseconds; read once per
-/// process) or [`SPIN_US_DEFAULT`]. A longer spin takes a batch that arrives within it without the
-/// doorbell's wake-up latency (tens to hundreds of microseconds on a busy host), for a core kept busy
-/// meanwhile; a value that does not parse is ignored with a warning on stderr.
+/// The least watch before sleeping: `GPUFEED_SPIN_US` (0 to [`SPIN_US_MAX`] microseconds; read once
+/// per process) or [`SPIN_US_DEFAULT`]. 0 never watches: the consumer sleeps on the doorbell only,
+/// which saves the most host CPU and pays a wake-up (tens to hundreds of microseconds on a busy
+/// host) on every batch it waits for; a value that does not parse is ignored with a warning on
+/// stderr.
 fn spin() -> std::time::Duration {
     static SPIN_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let us = *SPIN_US.get_or_init(|| match std::env::var("GPUFEED_SPIN_US") {
@@ -154,6 +159,8 @@ pub struct Stream {
     /// `cursor_after` of the last batch yielded.
     pub(super) cursor: u64,
     pub(super) phase: Phase,
+    /// The pace of the daemon's batches, for waiting on them.
+    pub(super) pacing: Pacing,
 }
 
 impl Stream {
@@ -289,13 +296,18 @@ impl Stream {
         Ok(Some(info))
     }
 
-    /// The next batch; `None` at the end of the epoch. Watches the ring for a moment, then sleeps on
-    /// the doorbell and the socket (which brings the end of the epoch and errors).
+    /// The next batch; `None` at the end of the epoch. Sleeps on the doorbell and the socket (which
+    /// brings the end of the epoch and errors) until shortly before the stream's pace says the batch
+    /// is due, watches the ring from then until shortly after, then sleeps until it comes
+    /// (`pacing.rs`).
     fn wait_for_batch(&mut self) -> Result<Option<BatchInfo>, ClientError> {
-        let spin_until = std::time::Instant::now() + spin();
+        let plan = self.pacing.plan(monotonic_ns(), spin());
+        let mut planned_sleep = (!plan.sleep.is_zero()).then_some(plan.sleep);
+        let mut watch_until = None;
         let mut polls = 0u32;
         loop {
             if let Some(info) = self.take_published()? {
+                self.pacing.record(info.ready_ns);
                 return Ok(Some(info));
             }
             if matches!(self.phase, Phase::Finished) {
@@ -307,32 +319,49 @@ impl Stream {
                     self.batches_received, self.memory.layout.steps
                 )));
             }
+            if let Some(sleep) = planned_sleep.take() {
+                self.sleep_on_doorbell(Some(sleep))?;
+                continue;
+            }
+            let until = *watch_until.get_or_insert_with(|| std::time::Instant::now() + plan.watch);
             polls += 1;
-            if polls % 64 != 0 || std::time::Instant::now() < spin_until {
+            if polls % 64 != 0 || std::time::Instant::now() < until {
                 std::hint::spin_loop();
                 continue;
             }
-            // Say that we sleep, then look once more: a batch published before the daemon saw the
-            // waiting word is found here; one published after it rings the doorbell.
-            let ring = &self.outbox.ring;
-            ring.view.set_consumer_waiting(true);
-            if ring.view.batches_published() == self.batches_received {
-                let (_, socket_ready) = ring.consumer_bell.wait(Some(self.socket.as_fd()), -1);
-                ring.consumer_bell.clear();
-                ring.view.set_consumer_waiting(false);
-                // The ring first: batches published before an error or the end of the epoch are
-                // served before it.
-                if socket_ready && ring.view.batches_published() == self.batches_received {
-                    if let Event::Status(_) = self.receive()? {
-                        return Err(ClientError::Protocol(
-                            "Status without a StatusRequest".to_string(),
-                        ));
-                    }
-                }
-            } else {
-                ring.view.set_consumer_waiting(false);
+            self.sleep_on_doorbell(None)?;
+        }
+    }
+
+    /// Sleeps until the doorbell rings, the socket has a frame, or `timeout` passes (`None`: no
+    /// limit), unless a batch is published meanwhile.
+    fn sleep_on_doorbell(
+        &mut self,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<(), ClientError> {
+        // Say that we sleep, then look once more: a batch published before the daemon saw the
+        // waiting word is found here; one published after it rings the doorbell.
+        let ring = &self.outbox.ring;
+        ring.view.set_consumer_waiting(true);
+        if ring.view.batches_published() != self.batches_received {
+            ring.view.set_consumer_waiting(false);
+            return Ok(());
+        }
+        let (_, socket_ready) = ring
+            .consumer_bell
+            .wait_for(Some(self.socket.as_fd()), timeout);
+        ring.consumer_bell.clear();
+        ring.view.set_consumer_waiting(false);
+        // The ring first: batches published before an error or the end of the epoch are served
+        // before it.
+        if socket_ready && ring.view.batches_published() == self.batches_received {
+            if let Event::Status(_) = self.receive()? {
+                return Err(ClientError::Protocol(
+                    "Status without a StatusRequest".to_string(),
+                ));
             }
         }
+        Ok(())
     }
 
     /// Validates a batch entry against the layout and the stream's progress, then records its slot
