@@ -23,7 +23,7 @@ use crate::config::{HttpListen, RegistrationBudget, Settings};
 use crate::device::{CacheDir, Device, DeviceError};
 use crate::ipc::{Server, ServerConfig};
 use crate::kernels::Kernels;
-use crate::pipeline::gpu::ZeroCopy;
+use crate::pipeline::gpu::{RoundBufferPool, ZeroCopy, ROUNDS_IN_FLIGHT_MAX};
 use crate::pipeline::{GpuBackend, GpuStreamLimits, StreamLimits};
 use crate::registry::Registry;
 use crate::storage::gpu::{GpuReaderLimits, PathChoice};
@@ -436,6 +436,7 @@ pub fn open_gpu_backend(
         device,
         ordinal,
         kernels: Arc::new(kernels),
+        round_pool: Arc::new(RoundBufferPool::new(ROUNDS_IN_FLIGHT_MAX)),
         reader_limits,
         choice: PathChoice::from_mode(engine),
         stream_limits: GpuStreamLimits {
@@ -454,6 +455,9 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
     let open_files_max = raise_open_files_limit();
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
+    for gpu in &gpus {
+        gpu.round_pool.report_to(&metrics);
+    }
     let (control, names) = open_control(&settings, &registry, &metrics).await?;
     let server = start_socket_server(&settings, &registry, &metrics, gpus, &control)?;
     let listener = match bind_http(settings.http).await {

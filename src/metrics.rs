@@ -117,6 +117,7 @@ pub struct Metrics {
     handoff_latency: Histogram,
     http_responses: [AtomicU64; 5],
     pack_raw_bytes: AtomicU64,
+    round_buffers_idle_bytes: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -178,7 +179,24 @@ impl Metrics {
             handoff_latency: Histogram::new(&HANDOFF_BUCKETS_US),
             http_responses: Default::default(),
             pack_raw_bytes: AtomicU64::new(0),
+            round_buffers_idle_bytes: AtomicU64::new(0),
         }
+    }
+
+    /// Adds to (or, negative, subtracts from) the device bytes of round buffers kept idle for the next GPU stream, over all devices.
+    pub fn add_round_buffers_idle_bytes(&self, bytes: i64) {
+        if bytes >= 0 {
+            self.round_buffers_idle_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed);
+        } else {
+            self.round_buffers_idle_bytes
+                .fetch_sub(bytes.unsigned_abs(), Ordering::Relaxed);
+        }
+    }
+
+    /// Device bytes of round buffers kept idle for the next GPU stream, over all devices.
+    pub fn round_buffers_idle_bytes(&self) -> u64 {
+        self.round_buffers_idle_bytes.load(Ordering::Relaxed)
     }
 
     /// Counts bytes read from shard files by `path`.
@@ -405,6 +423,12 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         "gauge",
         &format!("Bytes of batch slots allocated over all streams{counters_note}"),
         &one(serving.slot_bytes_allocated),
+    );
+    family(
+        "gpufeed_round_buffers_idle_bytes",
+        "gauge",
+        "Device bytes of GPU round buffers (staging and tables) kept for the next stream",
+        &one(metrics.round_buffers_idle_bytes()),
     );
     family(
         "gpufeed_slot_bytes_max",

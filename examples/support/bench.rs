@@ -70,6 +70,7 @@ pub fn gpu_pipeline_alone(
         reader,
         backend.choice,
         &backend.stream_limits,
+        Arc::clone(&backend.round_pool),
         Arc::new(Metrics::new()),
     )?;
     let ring: Vec<(ExportableBuffer, Event, Event)> = (0..slots.max(1))

@@ -36,6 +36,8 @@ pub struct GpuBackend {
     /// Registered page-cache windows, shared by every stream on the device so that data read once
     /// stays registered for the next epoch and the next consumer.
     pub windows: Arc<PageCacheWindows>,
+    /// Round buffers kept between the device's streams.
+    pub round_pool: Arc<crate::pipeline::gpu::RoundBufferPool>,
 }
 
 /// The backend that fills one stream.
@@ -205,6 +207,7 @@ impl Filler {
                     reader,
                     gpu.choice,
                     &gpu.stream_limits,
+                    Arc::clone(&gpu.round_pool),
                     metrics,
                 )
                 .map_err(FillerError::Gpu)?;

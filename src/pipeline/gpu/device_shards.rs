@@ -10,9 +10,10 @@
 //! every stored byte crosses the link once per epoch, in large copies, ahead of need.
 //!
 //! Within the registration budget every window stays registered for the stream's life: a round
-//! reads a shard from its device copy once that copy is queued (the compute stream waits for the
-//! copy's event; reading in place while the copy runs would share the link with it), and reads a
-//! shard in no slot in place. Beyond the budget (a "streamed" stream) nothing stays
+//! reads a window of a shard from its device copy once that window's copy is queued (the compute
+//! stream waits for the event recorded after that window's copy, so the first batch of a stream in
+//! dataset order waits for one window, not a whole shard; reading in place while the copy runs would
+//! share the link with it), and reads a shard in no slot in place. Beyond the budget (a "streamed" stream) nothing stays
 //! registered: a loader thread copies each shard through windows registered for the time of their
 //! copies (see `shard_loader`), and rows are read only from device copies: before a round, every
 //! shard it reads is in a slot, and the compute stream waits for its copy. A slot is overwritten
@@ -35,6 +36,13 @@ struct ShardSlot {
     shard: Option<usize>,
     /// Recorded on the copy stream after the shard's last window was copied.
     copied: Arc<Event>,
+    /// Registered source: recorded on the copy stream after each window of the shard was copied,
+    /// so that a round waits only for the windows it reads (the first batch of a stream in dataset
+    /// order waits for one window's copy, not the whole shard's).
+    window_copied: Vec<Event>,
+    /// Registered source: per window, whether the compute stream waits for its copy (rounds queued
+    /// from now on may read that window of the copy).
+    window_waited: Vec<bool>,
     /// Known complete: rounds may read the copy.
     ready: bool,
     /// Streamed: the compute stream waits for the copy (rounds queued from now on may read it).
@@ -48,9 +56,15 @@ struct ShardSlot {
 }
 
 impl ShardSlot {
-    /// Whether rounds may read the slot's copy.
-    fn usable(&self) -> bool {
-        self.shard.is_some() && (self.ready || self.waited)
+    /// Whether rounds may read the slot's copy of window `window` of its shard.
+    fn window_usable(&self, window: usize) -> bool {
+        self.shard.is_some()
+            && (self.ready || self.waited || self.window_waited.get(window) == Some(&true))
+    }
+
+    /// Whether rounds may read any part of the slot's copy.
+    fn any_usable(&self) -> bool {
+        self.shard.is_some() && (self.ready || self.waited || self.window_waited.contains(&true))
     }
 }
 
@@ -116,6 +130,7 @@ impl DeviceShards {
         if shard_bytes_max == 0 {
             return Ok(None);
         }
+        let windows_max = shards.iter().map(|s| s.windows.len()).max().unwrap_or(0);
         let slot_count = ((device_bytes_max / shard_bytes_max) as usize).min(shards.len());
         if slot_count < slots_min.max(2) {
             return Ok(None);
@@ -132,6 +147,10 @@ impl DeviceShards {
                 buffer,
                 shard: None,
                 copied: Arc::new(Event::new(device, EventTiming::Disabled)?),
+                window_copied: (0..windows_max)
+                    .map(|_| Event::new(device, EventTiming::Disabled))
+                    .collect::<Result<_, _>>()?,
+                window_waited: vec![false; windows_max],
                 ready: false,
                 waited: false,
                 generation: 0,
@@ -235,6 +254,7 @@ impl DeviceShards {
         }
         slot.generation = self.fills;
         slot.waited = false;
+        slot.window_waited.fill(false);
         if let ShardSource::Streamed(loader) = &self.source {
             let after = slot.read.then(|| Arc::clone(&slot.last_read));
             slot.read = false;
@@ -263,7 +283,7 @@ impl DeviceShards {
             slot.read = false;
         }
         let mut at = 0u64;
-        for &(host_addr, bytes) in &self.shards[shard].windows {
+        for (window, &(host_addr, bytes)) in self.shards[shard].windows.iter().enumerate() {
             // SAFETY: the source is a window of registered page-cache memory that the stream keeps
             // pinned (mapped and registered) until `DeviceShards::synchronize` has returned; the
             // destination lies within the slot (it holds the largest shard), which no round reads
@@ -278,6 +298,7 @@ impl DeviceShards {
                 )
             }
             .map_err(DeviceError::from)?;
+            slot.window_copied[window].record(&self.copy_stream)?;
             at += bytes;
         }
         slot.copied.record(&self.copy_stream)?;
@@ -288,22 +309,25 @@ impl DeviceShards {
         Ok(())
     }
 
-    /// Points the regions of the shards whose device copy is complete at that copy, in `table` (the
-    /// stream's table of registered windows); returns whether any region changed.
+    /// Points the regions whose device copy rounds may read (complete, or waited for by the compute
+    /// stream) at that copy, in `table` (the stream's table of registered windows); returns whether
+    /// any region changed.
     pub(super) fn redirect(&self, table: &mut [GatherRegion]) -> bool {
         let mut changed = false;
-        for slot in self.slots.iter().filter(|s| s.usable()) {
+        for slot in self.slots.iter().filter(|s| s.any_usable()) {
             let shard = &self.shards[slot.shard.expect("a usable slot holds a shard")];
             let mut at = 0u64;
             for (window, &(_, bytes)) in shard.windows.iter().enumerate() {
-                table[shard.first_region + window] = GatherRegion {
-                    ptr: slot.buffer.device_ptr() + at,
-                    bytes: table[shard.first_region + window].bytes,
-                };
                 debug_assert!(at == window as u64 * self.window_bytes);
+                if slot.window_usable(window) {
+                    table[shard.first_region + window] = GatherRegion {
+                        ptr: slot.buffer.device_ptr() + at,
+                        bytes: table[shard.first_region + window].bytes,
+                    };
+                    changed = true;
+                }
                 at += bytes;
             }
-            changed = true;
         }
         changed
     }
@@ -322,7 +346,7 @@ impl DeviceShards {
                 continue;
             };
             let slot = &mut self.slots[index];
-            if slot.usable() {
+            if slot.any_usable() {
                 slot.last_read.record(compute)?;
                 slot.read = true;
             }
@@ -366,38 +390,59 @@ impl DeviceShards {
         matches!(self.source, ShardSource::Streamed(_))
     }
 
-    /// Before a round reading the shards `needed` is queued: makes the compute stream wait for the
-    /// copies of those of them whose copy is queued (reading a shard in place while its copy runs
-    /// would share the link with the copy, and the copy engines move it faster). Streamed, also
-    /// makes sure each of them is in a slot, waiting on the host only for the loader to have queued
-    /// a copy (never for the copy itself). Returns the seconds waited on the host.
+    /// Before a round reading the shards `needed` (the regions `regions` of the stream's table) is
+    /// queued: makes the compute stream wait for the copies it reads whose copy is queued (reading
+    /// a shard in place while its copy runs would share the link with the copy, and the copy
+    /// engines move it faster). Within the budget it waits for the copies of the windows the round
+    /// reads only; streamed, for whole shards, and it also makes sure each of them is in a slot,
+    /// waiting on the host only for the loader to have queued a copy (never for the copy itself).
+    /// Returns the seconds waited on the host.
     pub(super) fn prepare_round(
         &mut self,
         needed: &[usize],
+        regions: &[usize],
         compute: &Stream,
     ) -> Result<f64, FillError> {
-        if self.is_streamed() {
-            if needed.len() > self.slots.len() {
-                return Err(FillError::ShardSlotsTooFew {
-                    needed: needed.len(),
-                    slots: self.slots.len(),
-                });
-            }
-            for &shard in needed {
-                if self.holder[shard].is_none() {
-                    // Not read ahead (the slots were too few for the order's look-ahead): a slot no
-                    // shard of this round needs, preferring one never filled.
-                    let victim = (0..self.slots.len())
-                        .filter(|&i| self.slots[i].shard.is_none_or(|s| !needed.contains(&s)))
-                        .min_by_key(|&i| self.slots[i].shard.is_some())
-                        .expect("more slots than shards needed");
-                    self.fill(victim, shard)?;
+        if !self.is_streamed() {
+            for &region in regions {
+                let shard = self.shard_of_region(region);
+                // A shard in no slot is read in place.
+                let Some(index) = self.holder[shard] else {
+                    continue;
+                };
+                let windows = self.shards[shard].windows.len();
+                let window = region - self.shards[shard].first_region;
+                let slot = &mut self.slots[index];
+                if slot.ready || slot.waited || slot.window_waited[window] {
+                    continue;
                 }
+                compute.wait(&slot.window_copied[window])?;
+                slot.window_waited[window] = true;
+                if slot.window_waited[..windows].iter().all(|&w| w) {
+                    slot.waited = true;
+                }
+            }
+            return Ok(0.0);
+        }
+        if needed.len() > self.slots.len() {
+            return Err(FillError::ShardSlotsTooFew {
+                needed: needed.len(),
+                slots: self.slots.len(),
+            });
+        }
+        for &shard in needed {
+            if self.holder[shard].is_none() {
+                // Not read ahead (the slots were too few for the order's look-ahead): a slot no
+                // shard of this round needs, preferring one never filled.
+                let victim = (0..self.slots.len())
+                    .filter(|&i| self.slots[i].shard.is_none_or(|s| !needed.contains(&s)))
+                    .min_by_key(|&i| self.slots[i].shard.is_some())
+                    .expect("more slots than shards needed");
+                self.fill(victim, shard)?;
             }
         }
         let mut waited_s = 0.0;
         for &shard in needed {
-            // Within the budget, a shard in no slot is read in place.
             let Some(index) = self.holder[shard] else {
                 continue;
             };

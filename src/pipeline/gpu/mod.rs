@@ -41,6 +41,7 @@ use std::time::Instant;
 use foldhash::{HashSet, HashSetExt};
 
 use self::cache::BlockCache;
+pub use self::round::RoundBufferPool;
 use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers};
 use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
 use crate::decode::BlockRef;
@@ -206,6 +207,9 @@ pub struct GpuAssembler {
     resident: Option<resident::Resident>,
     layout: HostLayout,
     buffers: Vec<RoundBuffers>,
+    /// Where the round buffers go back when the stream closes, and what they were made for.
+    pool: Arc<RoundBufferPool>,
+    round_shape: (usize, usize, usize, usize),
     /// Rounds queued, oldest first (at most one per set of round buffers).
     rounds: VecDeque<PendingRound>,
     /// Batches submitted, oldest first.
@@ -230,6 +234,7 @@ impl GpuAssembler {
         reader: GpuReader,
         choice: PathChoice,
         limits: &GpuStreamLimits,
+        pool: Arc<RoundBufferPool>,
         metrics: Arc<Metrics>,
     ) -> Result<GpuAssembler, FillError> {
         let started = std::time::Instant::now();
@@ -266,25 +271,34 @@ impl GpuAssembler {
         let pieces_max = limits.pieces_max.max(1);
         let layout = HostLayout::new(jobs_max, pieces_max);
         let rounds_in_flight = limits.rounds_in_flight.clamp(2, ROUNDS_IN_FLIGHT_MAX);
+        let round_shape = (staging_bytes as usize, jobs_max, pieces_max, layout.bytes);
         let mut buffers = Vec::with_capacity(rounds_in_flight);
+        let mut pooled = 0;
         for _ in 0..rounds_in_flight {
-            let round = RoundBuffers::new(
-                &device,
-                staging_bytes as usize,
-                jobs_max,
-                pieces_max,
-                &layout,
-            )?;
+            let round = match pool.take(round_shape) {
+                Some(round) => {
+                    pooled += 1;
+                    round
+                }
+                None => RoundBuffers::new(
+                    &device,
+                    staging_bytes as usize,
+                    jobs_max,
+                    pieces_max,
+                    &layout,
+                )?,
+            };
             buffers.push(round);
         }
         tracing::info!(
             "stream pipeline set up in {:.1} ms: files and stream {:.1} ms, resident {:.1} ms, \
-             block cache {:.1} ms, {} round buffers {:.1} ms",
+             block cache {:.1} ms, {} round buffers ({} kept from earlier streams) {:.1} ms",
             started.elapsed().as_secs_f64() * 1e3,
             opened_s * 1e3,
             resident_s * 1e3,
             cache_s * 1e3,
             buffers.len(),
+            pooled,
             (started.elapsed().as_secs_f64() - opened_s - resident_s - cache_s) * 1e3
         );
         Ok(GpuAssembler {
@@ -304,6 +318,8 @@ impl GpuAssembler {
             resident,
             layout,
             buffers,
+            pool,
+            round_shape,
             rounds: VecDeque::with_capacity(rounds_in_flight),
             batches: VecDeque::new(),
             next_buffers: 0,
@@ -449,9 +465,16 @@ impl GpuAssembler {
 impl Drop for GpuAssembler {
     fn drop(&mut self) {
         // Queued rounds read the staging buffers and write slots: let them finish first.
-        let _ = self.stream.synchronize();
+        let synchronized = self.stream.synchronize();
         if let Some(resident) = &mut self.resident {
             resident.release(self.reader.windows());
+        }
+        // Round buffers whose work is known done (the rounds', and the reads into their staging
+        // on the reader's copy stream) go back for the next stream on the device.
+        if synchronized.is_ok() && self.reader.stream().synchronize().is_ok() {
+            for buffers in self.buffers.drain(..) {
+                self.pool.put(self.round_shape, buffers);
+            }
         }
     }
 }

@@ -1011,14 +1011,20 @@ impl GpuAssembler {
             let resident = self.resident.as_mut().expect("a resident stream");
             // The shards the round reads.
             let mut needed: Vec<usize> = Vec::new();
+            let mut regions_read: Vec<usize> = Vec::new();
             if let Some(device_shards) = resident.device_shards.as_mut() {
                 for (region, &bytes) in planned.region_bytes.iter().enumerate() {
+                    if bytes == 0 {
+                        continue;
+                    }
+                    regions_read.push(region);
                     let shard = device_shards.shard_of_region(region);
-                    if bytes > 0 && !needed.contains(&shard) {
+                    if !needed.contains(&shard) {
                         needed.push(shard);
                     }
                 }
-                self.timings.copy_wait_s += device_shards.prepare_round(&needed, &self.stream)?;
+                self.timings.copy_wait_s +=
+                    device_shards.prepare_round(&needed, &regions_read, &self.stream)?;
             }
             // When shards are copied ahead, the piece table (and the region table, when some
             // shards are read from their device copies) are written to the round's pinned buffer
