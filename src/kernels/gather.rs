@@ -244,6 +244,13 @@ impl GatherPlan {
         GatherPlan::default()
     }
 
+    /// An empty plan with room for `pieces` pieces.
+    pub fn with_capacity(pieces: usize) -> GatherPlan {
+        GatherPlan {
+            pieces: Vec::with_capacity(pieces),
+        }
+    }
+
     /// Adds a run of `elements` elements, split into pieces of at most
     /// [`GATHER_PIECE_OUT_BYTES_MAX`] output bytes.
     pub fn push(

@@ -244,13 +244,23 @@ impl Filler {
         let started = std::time::Instant::now();
         let depth = filler.depth();
         let mut next = 0u64;
+        // For the log: seconds waiting for a free slot, and when each quarter of the steps was
+        // delivered (a window shuffle of four windows shows each window's pace).
+        let mut free_wait_s = 0.0;
+        let mut quarters = [0.0f64; 4];
+        let mut delivered = 0u64;
         loop {
             let pending = filler.pending();
             if next == filler.steps && pending == 0 {
                 break;
             }
             if next < filler.steps && pending < depth {
-                match handoff.take_free(pending == 0) {
+                let waiting = std::time::Instant::now();
+                let taken = handoff.take_free(pending == 0);
+                if pending == 0 {
+                    free_wait_s += waiting.elapsed().as_secs_f64();
+                }
+                match taken {
                     Ok(Some(slot)) => {
                         if let Err(error) = filler.submit(slots, slot, next) {
                             return handoff.fail(error);
@@ -269,21 +279,34 @@ impl Filler {
             if handoff.deliver(slot, step, report).is_err() {
                 return;
             }
+            delivered += 1;
+            for (quarter, at) in quarters.iter_mut().enumerate() {
+                if delivered == (filler.steps * (quarter as u64 + 1)).div_ceil(4) {
+                    *at = started.elapsed().as_secs_f64();
+                }
+            }
         }
         if let Backend::Gpu { assembler, .. } = &filler.backend {
             let t = assembler.timings;
             tracing::info!(
-                "GPU stream done: {} steps in {} rounds, {:.3} s; host plan {:.3} s, read {:.3} s, \
-                 decode {:.3} s, gather {:.3} s, waiting for the device {:.3} s; {} rounds read device \
-                 copies of shards",
+                "GPU stream done: {} steps in {} rounds, {:.3} s; host plan {:.3} s (planning \
+                 threads busy {:.3} s), read {:.3} s, decode {:.3} s, gather {:.3} s, waiting for \
+                 the device {:.3} s, for a free slot {:.3} s; quarters of the steps delivered at \
+                 {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards",
                 filler.steps,
                 t.rounds,
                 started.elapsed().as_secs_f64(),
                 t.plan_s,
+                t.planning_threads_s,
                 t.read_s,
                 t.decode_s,
                 t.gather_s,
                 t.wait_s,
+                free_wait_s,
+                quarters[0],
+                quarters[1],
+                quarters[2],
+                quarters[3],
                 t.rounds_from_device_copies
             );
         }

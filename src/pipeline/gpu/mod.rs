@@ -166,8 +166,10 @@ impl GpuStreamLimits {
 /// reading outcomes).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GpuFillTimings {
-    /// Planning rounds on the host.
+    /// Planning rounds on the host (resident streams: waiting for the planning threads).
     pub plan_s: f64,
+    /// Resident streams: seconds the planning threads spent planning, summed over the threads.
+    pub planning_threads_s: f64,
     /// Queueing reads (host-side reads of the bounce path and cuFile included).
     pub read_s: f64,
     /// Queueing checksum verification and LZ4 decoding, and reading their outcomes.

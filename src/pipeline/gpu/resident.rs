@@ -34,8 +34,25 @@ const ROW_PIECES_MAX_PER_FIELD: usize = 4;
 /// Threads verifying a dataset's blocks when a resident stream opens.
 const VERIFY_THREADS_MAX: usize = 8;
 
-/// Threads planning a resident stream's steps ahead of the filler.
+/// Threads planning a resident stream's steps ahead of the filler, unless `GPUFEED_PLAN_THREADS`
+/// (1 to [`PLAN_WORKERS_MAX`]) says otherwise.
 const PLAN_WORKERS: usize = 6;
+
+/// The most planning threads per stream.
+const PLAN_WORKERS_MAX: usize = 32;
+
+/// Planning threads per resident stream: `GPUFEED_PLAN_THREADS` if set to 1 to [`PLAN_WORKERS_MAX`],
+/// else [`PLAN_WORKERS`].
+fn plan_workers() -> usize {
+    static WORKERS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WORKERS.get_or_init(|| {
+        std::env::var("GPUFEED_PLAN_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| (1..=PLAN_WORKERS_MAX).contains(n))
+            .unwrap_or(PLAN_WORKERS)
+    })
+}
 
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
@@ -78,6 +95,8 @@ struct Planner {
     first_step: u64,
     next_step: u64,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// Nanoseconds spent planning, summed over the threads.
+    busy_ns: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Planner {
@@ -88,22 +107,29 @@ impl Planner {
         first_step: u64,
         rows_per_round: usize,
     ) -> Planner {
-        let workers = PLAN_WORKERS.min(plan.steps.saturating_sub(first_step).max(1) as usize);
+        let workers = plan_workers().min(plan.steps.saturating_sub(first_step).max(1) as usize);
         let mut receivers = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
+        let busy_ns = Arc::new(std::sync::atomic::AtomicU64::new(0));
         for worker in 0..workers {
             let (sender, receiver) = std::sync::mpsc::sync_channel(STEPS_PLANNED_AHEAD);
             let (plan, geometry) = (Arc::clone(&plan), Arc::clone(&geometry));
+            let busy_ns = Arc::clone(&busy_ns);
             let thread = std::thread::Builder::new()
                 .name(format!("gpufeed-plan-{worker}"))
                 .spawn(move || {
                     let steps = (first_step + worker as u64..plan.steps).step_by(workers);
                     for step in steps {
+                        let started = std::time::Instant::now();
                         let positions: Vec<u64> = plan
                             .rank
                             .batch_positions(plan.order.len(), plan.start_cursor, step)
                             .collect();
                         let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
+                        busy_ns.fetch_add(
+                            started.elapsed().as_nanos() as u64,
+                            std::sync::atomic::Ordering::Relaxed,
+                        );
                         let failed = rounds.is_err();
                         let planned = PlannedStep {
                             step,
@@ -126,7 +152,13 @@ impl Planner {
             first_step,
             next_step: first_step,
             threads,
+            busy_ns,
         }
+    }
+
+    /// Seconds the planning threads spent planning, summed over the threads.
+    fn busy_s(&self) -> f64 {
+        self.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
     }
 
     /// The planned rows of the next step.
@@ -765,7 +797,7 @@ fn plan_chunk(
     positions: &[u64],
     rows: std::ops::Range<usize>,
 ) -> Result<PlannedRows, FillError> {
-    let mut gather = GatherPlan::new();
+    let mut gather = GatherPlan::with_capacity(rows.len() * plan.fields.len());
     let mut replaced = Vec::new();
     let mut row = rows.start;
     while row < rows.end {
@@ -939,7 +971,7 @@ fn row_pieces(
 
 impl GpuAssembler {
     /// [`Self::submit`] for a resident stream: every row gathered in place, planned by arithmetic on
-    /// [`PLAN_WORKERS`] planning threads ahead of the filler, in rounds of at most `pieces_max` pieces.
+    /// [`plan_workers`] planning threads ahead of the filler, in rounds of at most `pieces_max` pieces.
     pub(super) fn submit_resident(
         &mut self,
         step: u64,
@@ -989,7 +1021,10 @@ impl GpuAssembler {
                 rows_per_round,
             ));
         }
-        resident.planner.as_mut().expect("started above").next()
+        let planner = resident.planner.as_mut().expect("started above");
+        let planned = planner.next();
+        self.timings.planning_threads_s = planner.busy_s();
+        planned
     }
 
     /// Queues one round of a resident stream: its pieces, the zeroing of its corrupt rows, and the
