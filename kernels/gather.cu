@@ -2,7 +2,8 @@
 //
 // Compiled at run time by NVRTC (see src/device/module.rs) without any CUDA header. The input is a
 // table of pieces, each a run of elements copied from one source buffer into the slot and converted on
-// the way; a sample spanning two blocks is two pieces. One thread block takes one piece at a time.
+// the way; a sample spanning two blocks is two pieces. One thread block takes one piece at a time,
+// having read its next pieces (up to 256) and their sources into shared memory together.
 // docs/KERNELS.md describes the design; the CPU reference is crate::decode::convert, whose f16 and
 // bf16 rules are the `half` crate's: this file reproduces them with integer operations, bit for bit.
 //
@@ -319,71 +320,96 @@ __device__ __forceinline__ void op_sizes(u32 op, u32* in_bytes, u32* out_bytes) 
     }
 }
 
+// Pieces (and their sources) a thread block reads into shared memory at once: one per thread.
+#define GF_GATHER_PREFETCH 256u
+
 extern "C" __global__ void __launch_bounds__(256)
 gf_gather_convert(const GatherPiece* __restrict__ pieces, u32 piece_count, GatherSources sources,
                   const GatherRegion* __restrict__ regions, u32 region_count,
                   u8* __restrict__ dst, u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
-    for (u32 p = blockIdx.x; p < piece_count; p += gridDim.x) {
-        const GatherPiece piece = pieces[p];
-        u32 in_bytes, out_bytes;
-        op_sizes(piece.op, &in_bytes, &out_bytes);
-        const u64 n = piece.elements;
-        // Select the source with constant indices: a run-time index into a by-value parameter would copy
-        // the whole table to local memory.
-        u64 source_ptr = 0, source_bytes = 0;
+    // The piece and region tables may live in pinned host memory read over PCIe: a block takes its
+    // pieces (blockIdx.x, blockIdx.x + gridDim.x, ...) up to GF_GATHER_PREFETCH at a time, each
+    // thread loading one piece and its source, so that the block waits for one round trip per
+    // table per chunk instead of two per piece.
+    __shared__ GatherPiece chunk_pieces[GF_GATHER_PREFETCH];
+    __shared__ u64 chunk_ptr[GF_GATHER_PREFETCH];
+    __shared__ u64 chunk_bytes[GF_GATHER_PREFETCH];
+    const u32 mine = blockIdx.x < piece_count ? (piece_count - blockIdx.x - 1u) / gridDim.x + 1u : 0u;
+    for (u32 first = 0; first < mine; first += GF_GATHER_PREFETCH) {
+        const u32 chunk = mine - first < GF_GATHER_PREFETCH ? mine - first : (u32)GF_GATHER_PREFETCH;
+        __syncthreads();  // the previous chunk is done with the shared tables
+        for (u32 k = threadIdx.x; k < chunk; k += blockDim.x) {
+            const GatherPiece piece = pieces[blockIdx.x + (first + k) * gridDim.x];
+            // Select the source with constant indices: a run-time index into a by-value parameter
+            // would copy the whole table to local memory.
+            u64 source_ptr = 0, source_bytes = 0;
 #pragma unroll
-        for (u32 k = 0; k < GF_GATHER_SOURCES_MAX; ++k) {
-            if (k == (u32)piece.source && k < sources.count) {
-                source_ptr = sources.ptr[k];
-                source_bytes = sources.bytes[k];
+            for (u32 s = 0; s < GF_GATHER_SOURCES_MAX; ++s) {
+                if (s == (u32)piece.source && s < sources.count) {
+                    source_ptr = sources.ptr[s];
+                    source_bytes = sources.bytes[s];
+                }
             }
+            if ((u32)piece.source >= GF_GATHER_SOURCES_MAX) {
+                const u32 r = (u32)piece.source - GF_GATHER_SOURCES_MAX;
+                if (r < region_count) {
+                    const GatherRegion region = regions[r];
+                    source_ptr = region.ptr;
+                    source_bytes = region.bytes;
+                }
+            }
+            chunk_pieces[k] = piece;
+            chunk_ptr[k] = source_ptr;
+            chunk_bytes[k] = source_bytes;
         }
-        if ((u32)piece.source >= GF_GATHER_SOURCES_MAX) {
-            const u32 r = (u32)piece.source - GF_GATHER_SOURCES_MAX;
-            if (r < region_count) {
-                const GatherRegion region = regions[r];
-                source_ptr = region.ptr;
-                source_bytes = region.bytes;
+        __syncthreads();
+        for (u32 k = 0; k < chunk; ++k) {
+            const u32 p = blockIdx.x + (first + k) * gridDim.x;
+            const GatherPiece piece = chunk_pieces[k];
+            u32 in_bytes, out_bytes;
+            op_sizes(piece.op, &in_bytes, &out_bytes);
+            const u64 n = piece.elements;
+            const u64 source_ptr = chunk_ptr[k];
+            const u64 source_bytes = chunk_bytes[k];
+            const bool fits = in_bytes != 0u && source_ptr != 0u &&
+                              extent_fits(piece.src_offset, n * in_bytes, source_bytes) &&
+                              extent_fits(piece.dst_offset, n * out_bytes, dst_capacity);
+            if (!fits) {
+                if (threadIdx.x == 0) {
+                    atomicAdd(&outcome->faulted_pieces, 1u);
+                    atomicMax(&outcome->last_faulted_plus_1, p + 1u);
+                }
+                continue;
             }
-        }
-        const bool fits = in_bytes != 0u && source_ptr != 0u &&
-                          extent_fits(piece.src_offset, n * in_bytes, source_bytes) &&
-                          extent_fits(piece.dst_offset, n * out_bytes, dst_capacity);
-        if (!fits) {
-            if (threadIdx.x == 0) {
-                atomicAdd(&outcome->faulted_pieces, 1u);
-                atomicMax(&outcome->last_faulted_plus_1, p + 1u);
+            const u8* src = reinterpret_cast<const u8*>(source_ptr) + piece.src_offset;
+            u8* out = dst + piece.dst_offset;
+            const u32 count = piece.elements;
+            switch (piece.op) {
+                case GF_OP_COPY: convert_piece<u8, u8>(src, out, count, CopyByte()); break;
+                case GF_OP_F16_F32: convert_piece<u16, float>(src, out, count, F16ToF32()); break;
+                case GF_OP_BF16_F32: convert_piece<u16, float>(src, out, count, Bf16ToF32()); break;
+                case GF_OP_U8_F32: {
+                    U8ToF32 conv;
+                    conv.scale = piece.scale;
+                    convert_piece<u8, float>(src, out, count, conv);
+                    break;
+                }
+                case GF_OP_I8_F32: convert_piece<i8, float>(src, out, count, IntToF32<i8>()); break;
+                case GF_OP_U16_F32: convert_piece<u16, float>(src, out, count, IntToF32<u16>()); break;
+                case GF_OP_I16_F32: convert_piece<i16, float>(src, out, count, IntToF32<i16>()); break;
+                case GF_OP_U32_F32: convert_piece<u32, float>(src, out, count, IntToF32<u32>()); break;
+                case GF_OP_I32_F32: convert_piece<i32, float>(src, out, count, IntToF32<i32>()); break;
+                case GF_OP_U64_F32: convert_piece<u64, float>(src, out, count, IntToF32<u64>()); break;
+                case GF_OP_I64_F32: convert_piece<i64, float>(src, out, count, IntToF32<i64>()); break;
+                case GF_OP_F64_F32: convert_piece<u64, float>(src, out, count, F64ToF32()); break;
+                case GF_OP_U8_I64: convert_piece<u8, i64>(src, out, count, IntToI64<u8>()); break;
+                case GF_OP_I8_I64: convert_piece<i8, i64>(src, out, count, IntToI64<i8>()); break;
+                case GF_OP_U16_I64: convert_piece<u16, i64>(src, out, count, IntToI64<u16>()); break;
+                case GF_OP_I16_I64: convert_piece<i16, i64>(src, out, count, IntToI64<i16>()); break;
+                case GF_OP_U32_I64: convert_piece<u32, i64>(src, out, count, IntToI64<u32>()); break;
+                case GF_OP_I32_I64: convert_piece<i32, i64>(src, out, count, IntToI64<i32>()); break;
+                default: break;
             }
-            continue;
-        }
-        const u8* src = reinterpret_cast<const u8*>(source_ptr) + piece.src_offset;
-        u8* out = dst + piece.dst_offset;
-        const u32 count = piece.elements;
-        switch (piece.op) {
-            case GF_OP_COPY: convert_piece<u8, u8>(src, out, count, CopyByte()); break;
-            case GF_OP_F16_F32: convert_piece<u16, float>(src, out, count, F16ToF32()); break;
-            case GF_OP_BF16_F32: convert_piece<u16, float>(src, out, count, Bf16ToF32()); break;
-            case GF_OP_U8_F32: {
-                U8ToF32 conv;
-                conv.scale = piece.scale;
-                convert_piece<u8, float>(src, out, count, conv);
-                break;
-            }
-            case GF_OP_I8_F32: convert_piece<i8, float>(src, out, count, IntToF32<i8>()); break;
-            case GF_OP_U16_F32: convert_piece<u16, float>(src, out, count, IntToF32<u16>()); break;
-            case GF_OP_I16_F32: convert_piece<i16, float>(src, out, count, IntToF32<i16>()); break;
-            case GF_OP_U32_F32: convert_piece<u32, float>(src, out, count, IntToF32<u32>()); break;
-            case GF_OP_I32_F32: convert_piece<i32, float>(src, out, count, IntToF32<i32>()); break;
-            case GF_OP_U64_F32: convert_piece<u64, float>(src, out, count, IntToF32<u64>()); break;
-            case GF_OP_I64_F32: convert_piece<i64, float>(src, out, count, IntToF32<i64>()); break;
-            case GF_OP_F64_F32: convert_piece<u64, float>(src, out, count, F64ToF32()); break;
-            case GF_OP_U8_I64: convert_piece<u8, i64>(src, out, count, IntToI64<u8>()); break;
-            case GF_OP_I8_I64: convert_piece<i8, i64>(src, out, count, IntToI64<i8>()); break;
-            case GF_OP_U16_I64: convert_piece<u16, i64>(src, out, count, IntToI64<u16>()); break;
-            case GF_OP_I16_I64: convert_piece<i16, i64>(src, out, count, IntToI64<i16>()); break;
-            case GF_OP_U32_I64: convert_piece<u32, i64>(src, out, count, IntToI64<u32>()); break;
-            case GF_OP_I32_I64: convert_piece<i32, i64>(src, out, count, IntToI64<i32>()); break;
-            default: break;
         }
     }
 }
