@@ -8,6 +8,12 @@
 //! then until shortly after. This is the block layer's hybrid polling (sleep for part of the mean
 //! completion time, then poll) applied to the hand-off. A batch that comes early still rings the
 //! doorbell; one that comes late after the watch is over is found by the doorbell as before.
+//!
+//! The pace is often not even but periodic: a stream in dataset order waits for each window of a
+//! shard to be copied to the device, then serves the window's batches back to back, so the gaps go
+//! long, short, short, ... (one long gap every eight batches of 8 MiB in 64 MiB windows). The next
+//! gap is predicted as the gap one period back, the period (1 to 8) being the one that best predicts
+//! the recent gaps, and the margin grows with that prediction's recent error.
 
 use std::time::Duration;
 
@@ -30,18 +36,22 @@ pub(super) struct WaitPlan {
     pub watch: Duration,
 }
 
+/// Gaps kept for the prediction.
+const HISTORY: usize = 24;
+
+/// Longest period of the gaps' pattern looked for.
+const PERIOD_MAX: usize = 8;
+
 /// The stream's recent pace.
 #[derive(Debug, Default)]
 pub(super) struct Pacing {
     last_ready_ns: Option<u64>,
-    /// Moving average of the gaps between batches, nanoseconds.
-    mean_gap_ns: Option<u64>,
-    last_gap_ns: Option<u64>,
+    /// The last gaps between batches, oldest first, nanoseconds (at most [`HISTORY`]).
+    gaps: std::collections::VecDeque<u64>,
 }
 
 impl Pacing {
-    /// Takes the completion stamp of a batch received (0, or one not after the last: ignored, the
-    /// daemon's word is not trusted further than this).
+    /// Notes a batch's completion stamp (0: the daemon gave none).
     pub fn record(&mut self, ready_ns: u64) {
         if ready_ns == 0 {
             return;
@@ -52,18 +62,41 @@ impl Pacing {
             }
             let gap = ready_ns - last;
             if gap <= GAP_MAX_NS {
-                self.last_gap_ns = Some(gap);
-                self.mean_gap_ns = Some(match self.mean_gap_ns {
-                    None => gap,
-                    Some(mean) => (mean * 7 + gap) / 8,
-                });
+                if self.gaps.len() == HISTORY {
+                    self.gaps.pop_front();
+                }
+                self.gaps.push_back(gap);
             }
         }
         self.last_ready_ns = Some(ready_ns);
     }
 
-    /// The plan for a wait that begins at `now_ns` (`CLOCK_MONOTONIC`), for a consumer that watches
-    /// at least `min_watch` (0: never watches, sleeps on the doorbell only).
+    /// The next gap and the mean error of that way of predicting over the recent gaps: the gap one
+    /// period back, for the period (1 to [`PERIOD_MAX`], the shortest of equals) that best predicted
+    /// the gaps kept.
+    fn predict(&self) -> Option<(u64, u64)> {
+        let gaps = &self.gaps;
+        let n = gaps.len();
+        let last = *gaps.back()?;
+        let mut best: Option<(usize, u64)> = None;
+        for period in 1..=PERIOD_MAX.min(n / 2) {
+            let error = (period..n)
+                .map(|i| gaps[i].abs_diff(gaps[i - period]))
+                .sum::<u64>()
+                / (n - period) as u64;
+            if best.is_none_or(|(_, least)| error < least) {
+                best = Some((period, error));
+            }
+        }
+        Some(match best {
+            Some((period, error)) => (gaps[n - period], error),
+            // One gap: no error known yet.
+            None => (last, last / 4),
+        })
+    }
+
+    /// How to wait for the next batch at `now_ns` (the clock of `ready_ns`), watching at least
+    /// `min_watch` (zero: never watch).
     pub fn plan(&self, now_ns: u64, min_watch: Duration) -> WaitPlan {
         let no_prediction = WaitPlan {
             sleep: Duration::ZERO,
@@ -72,22 +105,15 @@ impl Pacing {
         if min_watch.is_zero() {
             return no_prediction;
         }
-        let (Some(last), Some(mean), Some(recent)) =
-            (self.last_ready_ns, self.mean_gap_ns, self.last_gap_ns)
-        else {
+        let (Some(last), Some((gap, error))) = (self.last_ready_ns, self.predict()) else {
             return no_prediction;
         };
-        // Early rather than late: an early prediction costs a longer watch, a late one a wake-up.
-        let gap = mean.min(recent);
         let due = last.saturating_add(gap);
-        let margin = MARGIN_MIN_NS.max(gap / 4);
+        let margin = MARGIN_MIN_NS.max(error.saturating_mul(2)).max(gap / 8);
         let watch_end = due.saturating_add(margin);
         if watch_end <= now_ns {
-            // Overdue: the pace broke (the daemon waits for storage, or the epoch ends).
             return no_prediction;
         }
-        // At most one gap: a stamp ahead of this clock (another time namespace) cannot put the
-        // consumer to sleep for longer; the doorbell wakes it for a batch in any case.
         let sleep_ns = due
             .saturating_sub(margin)
             .saturating_sub(now_ns)
@@ -137,9 +163,9 @@ mod tests {
         let (pacing, last) = paced(800 * US, 10);
         // The consumer took its batch 10 µs after it was ready and waits for the next.
         let plan = pacing.plan(last + 10 * US, MIN);
-        // Due 800 µs after the last; the margin is a quarter of the gap, 200 µs.
-        assert_eq!(plan.sleep, Duration::from_micros(800 - 200 - 10));
-        assert_eq!(plan.watch, Duration::from_micros(400));
+        // Due 800 µs after the last; an even pace: the least margin, 150 µs.
+        assert_eq!(plan.sleep, Duration::from_micros(800 - 150 - 10));
+        assert_eq!(plan.watch, Duration::from_micros(300));
     }
 
     #[test]
@@ -170,11 +196,48 @@ mod tests {
         pacing.record(last);
         let plan = pacing.plan(last, MIN);
         assert_eq!(plan.sleep, Duration::from_micros(600 - 150));
-        // Gaps of 12 ms: a quarter is 3 ms, and the watch is capped.
+        // Gaps of 12 ms: the margin is an eighth, 1.5 ms, and the watch is capped.
         let (slow, last) = paced(12_000 * US, 4);
         let plan = slow.plan(last, MIN);
-        assert_eq!(plan.sleep, Duration::from_micros(9_000));
+        assert_eq!(plan.sleep, Duration::from_micros(10_500));
         assert_eq!(plan.watch, Duration::from_nanos(WATCH_MAX_NS));
+    }
+
+    #[test]
+    fn a_periodic_pace_is_predicted_one_period_back() {
+        // A window's copy (1 ms), then its other seven batches 30 µs apart, three times over.
+        let mut pacing = Pacing::default();
+        let mut stamp = 1_000_000_000;
+        pacing.record(stamp);
+        for _ in 0..3 {
+            stamp += 1_000 * US;
+            pacing.record(stamp);
+            for _ in 0..7 {
+                stamp += 30 * US;
+                pacing.record(stamp);
+            }
+        }
+        // After the seventh short gap the long one comes: slept for, watched around its due time.
+        let plan = pacing.plan(stamp + 5 * US, MIN);
+        assert_eq!(plan.sleep, Duration::from_micros(1_000 - 150 - 5));
+        assert_eq!(plan.watch, Duration::from_micros(300));
+        // After the long gap, a short one: watched for at once.
+        stamp += 1_000 * US;
+        pacing.record(stamp);
+        let plan = pacing.plan(stamp + 5 * US, MIN);
+        assert_eq!(plan.sleep, Duration::ZERO);
+        assert_eq!(plan.watch, Duration::from_micros(30 + 150 - 5));
+        // Long and short in turn.
+        let mut pacing = Pacing::default();
+        let mut stamp = 1_000_000_000;
+        pacing.record(stamp);
+        for i in 0..10 {
+            stamp += if i % 2 == 0 { 2_400 * US } else { 50 * US };
+            pacing.record(stamp);
+        }
+        let plan = pacing.plan(stamp, MIN);
+        assert_eq!(plan.sleep, Duration::from_micros(2_400 - 300));
+        assert_eq!(plan.watch, Duration::from_micros(600));
     }
 
     #[test]
