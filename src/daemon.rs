@@ -431,7 +431,21 @@ pub fn open_gpu_backend(
         reader_limits.window_bytes,
         reader_limits.registered_bytes_max,
     ));
+    let numa = device.numa_placement();
+    match &numa {
+        Some(numa) => tracing::info!(
+            "cuda:{ordinal} ({}) is on NUMA node {}: its streams' threads and pinned buffers are \
+             placed on that node's {} CPUs",
+            device.properties().pci_address,
+            numa.node,
+            numa.cpus.len()
+        ),
+        None => tracing::info!(
+            "cuda:{ordinal}: one NUMA node (or the device's is unknown): threads are not bound"
+        ),
+    }
     Ok(GpuBackend {
+        numa,
         windows,
         device,
         ordinal,

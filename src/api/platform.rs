@@ -30,6 +30,11 @@ pub struct DeviceView {
     pub multiprocessors: u32,
     /// Whether allocations can be exported as file descriptors (needed for shared batch slots).
     pub exportable_memory: bool,
+    /// The device's PCI address (`dddd:bb:dd.0`).
+    pub pci_address: String,
+    /// The host NUMA node the device is attached to, on a host with several (the daemon binds the
+    /// threads of its streams there); `null` on a host with one or when unknown.
+    pub numa_node: Option<u32>,
 }
 
 /// One read path on one device.

@@ -136,6 +136,8 @@ pub fn probe_platform() -> Platform {
                             ),
                             multiprocessors: p.multiprocessors,
                             exportable_memory: p.exportable_memory,
+                            pci_address: p.pci_address.clone(),
+                            numa_node: device.numa_placement().map(|n| n.node),
                         });
                     }
                     Err(error) => failures.push(format!("cuda:{ordinal}: {error}")),

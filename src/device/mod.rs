@@ -17,6 +17,7 @@
 pub mod ffi;
 mod memory;
 mod module;
+pub mod numa;
 mod stream;
 
 use std::collections::HashMap;
@@ -162,6 +163,8 @@ pub struct DeviceProperties {
     /// (`CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`): then one portable registration serves every such
     /// device at the same address.
     pub host_pointer_for_registered_memory: bool,
+    /// The device's PCI address as sysfs names it (`dddd:bb:dd.0`); empty when unknown.
+    pub pci_address: String,
 }
 
 pub(crate) struct DeviceInner {
@@ -245,6 +248,7 @@ impl Device {
                 driver_version: 0,
                 exportable_memory: false,
                 host_pointer_for_registered_memory: false,
+                pci_address: String::new(),
             },
             modules: Mutex::new(HashMap::new()),
         };
@@ -270,10 +274,39 @@ impl Device {
             host_pointer_for_registered_memory: attribute(
                 A::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
             )? != 0,
+            pci_address: match (
+                attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
+                attribute(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
+                attribute(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),
+            ) {
+                (Ok(domain), Ok(bus), Ok(device)) => {
+                    numa::pci_address(domain as u32, bus as u32, device as u32)
+                }
+                _ => String::new(),
+            },
         };
         Ok(Device {
             inner: Arc::new(inner),
         })
+    }
+
+    /// The device's NUMA node and that node's CPUs, on a host with several nodes (see [`numa`]);
+    /// `None` on a host with one, or when the node is unknown (the reason is logged).
+    pub fn numa_placement(&self) -> Option<numa::NumaPlacement> {
+        let address = &self.properties().pci_address;
+        if address.is_empty() {
+            return None;
+        }
+        match numa::placement_of(std::path::Path::new("/sys"), address) {
+            Ok(placement) => placement,
+            Err(error) => {
+                tracing::warn!(
+                    "cuda:{}: NUMA node unknown: {error}",
+                    self.properties().ordinal
+                );
+                None
+            }
+        }
     }
 
     /// The properties read at open.

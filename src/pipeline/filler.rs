@@ -38,6 +38,9 @@ pub struct GpuBackend {
     pub windows: Arc<PageCacheWindows>,
     /// Round buffers kept between the device's streams.
     pub round_pool: Arc<crate::pipeline::gpu::RoundBufferPool>,
+    /// The device's NUMA node and its CPUs, where the host has several: its streams' threads and
+    /// pinned buffers are placed there.
+    pub numa: Option<crate::device::numa::NumaPlacement>,
 }
 
 /// The backend that fills one stream.
@@ -158,6 +161,9 @@ pub trait Handoff: Send + 'static {
 pub struct Filler {
     steps: u64,
     backend: Backend,
+    /// The device's NUMA node, which the filler thread is bound to (GPU streams on a host with
+    /// several nodes).
+    numa: Option<crate::device::numa::NumaPlacement>,
 }
 
 /// The CPU assembler into host slots, or the GPU assembler into device slots.
@@ -183,6 +189,10 @@ impl Filler {
         metrics: Arc<Metrics>,
     ) -> Result<Filler, FillerError> {
         let steps = plan.steps;
+        let numa = match backend {
+            StreamBackend::Gpu(gpu) => gpu.numa.clone(),
+            StreamBackend::Cpu => None,
+        };
         let backend = match backend {
             StreamBackend::Cpu => {
                 let assembler = Assembler::new(plan, limits, metrics)?;
@@ -195,6 +205,9 @@ impl Filler {
                 }
             }
             StreamBackend::Gpu(gpu) => {
+                // The stream's pinned buffers, and the loader and verification threads it starts,
+                // belong on the device's node.
+                let _bound = crate::device::numa::BoundForNow::new(gpu.numa.as_ref());
                 let reader = GpuReader::with_windows(
                     &gpu.device,
                     gpu.reader_limits,
@@ -217,7 +230,11 @@ impl Filler {
                 }
             }
         };
-        Ok(Filler { steps, backend })
+        Ok(Filler {
+            steps,
+            backend,
+            numa,
+        })
     }
 
     /// Starts the filler thread: it fills every step of the stream into `slots`, as `handoff` frees
@@ -229,7 +246,15 @@ impl Filler {
     ) -> io::Result<thread::JoinHandle<()>> {
         thread::Builder::new()
             .name("gpufeed-filler".into())
-            .spawn(move || self.run(&*slots, handoff))
+            .spawn(move || {
+                // The planning threads it starts inherit the binding.
+                if let Some(numa) = &self.numa {
+                    if let Err(error) = crate::device::numa::bind_current_thread(&numa.cpus) {
+                        tracing::warn!("filler: binding to NUMA node {}: {error}", numa.node);
+                    }
+                }
+                self.run(&*slots, handoff)
+            })
     }
 
     /// The filler thread's loop.
