@@ -272,8 +272,12 @@ impl Filler {
         // For the log: seconds waiting for a free slot, and when each quarter of the steps was
         // delivered (a window shuffle of four windows shows each window's pace).
         let mut free_wait_s = 0.0;
+        let mut deliver_s = 0.0;
         let mut quarters = [0.0f64; 4];
         let mut delivered = 0u64;
+        // The GPU timings and the hand-off's time when three quarters were delivered, for the last
+        // quarter's own figures (a window shuffle's last window is served with no copy left).
+        let mut three_quarters: Option<(crate::pipeline::gpu::GpuFillTimings, f64, f64)> = None;
         loop {
             let pending = filler.pending();
             if next == filler.steps && pending == 0 {
@@ -301,23 +305,44 @@ impl Filler {
                 Ok(done) => done,
                 Err(error) => return handoff.fail(error),
             };
+            let delivering = std::time::Instant::now();
             if handoff.deliver(slot, step, report).is_err() {
                 return;
             }
+            deliver_s += delivering.elapsed().as_secs_f64();
             delivered += 1;
             for (quarter, at) in quarters.iter_mut().enumerate() {
                 if delivered == (filler.steps * (quarter as u64 + 1)).div_ceil(4) {
                     *at = started.elapsed().as_secs_f64();
+                    if quarter == 2 {
+                        if let Backend::Gpu { assembler, .. } = &filler.backend {
+                            three_quarters = Some((assembler.timings, free_wait_s, deliver_s));
+                        }
+                    }
                 }
             }
         }
         if let Backend::Gpu { assembler, .. } = &filler.backend {
             let t = assembler.timings;
+            if let Some((at, free_at, deliver_at)) = three_quarters {
+                tracing::info!(
+                    "GPU stream's last quarter: {:.3} s, of which host plan {:.3} s, gather {:.3} s, \
+                     waiting for the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; \
+                     {} rounds",
+                    quarters[3] - quarters[2],
+                    t.plan_s - at.plan_s,
+                    t.gather_s - at.gather_s,
+                    t.wait_s - at.wait_s,
+                    free_wait_s - free_at,
+                    deliver_s - deliver_at,
+                    t.rounds - at.rounds
+                );
+            }
             tracing::info!(
                 "GPU stream done: {} steps in {} rounds, {:.3} s; host plan {:.3} s (planning \
                  threads busy {:.3} s), read {:.3} s, decode {:.3} s, gather {:.3} s, waiting for \
-                 the device {:.3} s, for a free slot {:.3} s; quarters of the steps delivered at \
-                 {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards",
+                 the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; quarters of the \
+                 steps delivered at {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards",
                 filler.steps,
                 t.rounds,
                 started.elapsed().as_secs_f64(),
@@ -328,6 +353,7 @@ impl Filler {
                 t.gather_s,
                 t.wait_s,
                 free_wait_s,
+                deliver_s,
                 quarters[0],
                 quarters[1],
                 quarters[2],
