@@ -450,7 +450,7 @@ pub fn open_gpu_backend(
         device,
         ordinal,
         kernels: Arc::new(kernels),
-        round_pool: Arc::new(RoundBufferPool::new(ROUNDS_IN_FLIGHT_MAX)),
+        round_pool: Arc::new(RoundBufferPool::new(ROUNDS_IN_FLIGHT_MAX, ordinal)),
         reader_limits,
         choice: PathChoice::from_mode(engine),
         stream_limits: GpuStreamLimits {
@@ -470,6 +470,7 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
     for gpu in &gpus {
+        metrics.serve_device(gpu.ordinal);
         gpu.round_pool.report_to(&metrics);
     }
     let (control, names) = open_control(&settings, &registry, &metrics).await?;

@@ -118,6 +118,74 @@ pub struct Metrics {
     http_responses: [AtomicU64; 5],
     pack_raw_bytes: AtomicU64,
     round_buffers_idle_bytes: AtomicU64,
+    /// Per CUDA device (by ordinal, below [`DEVICES_MAX`]).
+    devices: [DeviceLedger; DEVICES_MAX],
+}
+
+/// CUDA devices the per-device figures cover (ordinals 0 to 15).
+pub const DEVICES_MAX: usize = 16;
+
+/// One CUDA device's counters and gauges.
+#[derive(Default)]
+struct DeviceLedger {
+    served: std::sync::atomic::AtomicBool,
+    streams: AtomicU64,
+    stream_device_bytes: AtomicU64,
+    batches: AtomicU64,
+    samples: AtomicU64,
+    read_bytes: AtomicU64,
+    round_buffers_idle_bytes: AtomicU64,
+}
+
+/// One served CUDA device's figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounts {
+    /// The device's ordinal (`cuda:N`).
+    pub ordinal: u32,
+    /// Streams open on it.
+    pub streams: u64,
+    /// Device memory its open streams' pipelines hold besides their slots (staging, cache, tables,
+    /// shards copied ahead).
+    pub stream_device_bytes: u64,
+    /// Batches its streams filled and handed on.
+    pub batches: u64,
+    /// Samples in those batches.
+    pub samples: u64,
+    /// Bytes its streams read from shard files (every path).
+    pub read_bytes: u64,
+    /// Device memory of round buffers kept for its next stream.
+    pub round_buffers_idle_bytes: u64,
+}
+
+/// A CUDA device's view of [`Metrics`]: what its streams read is counted for the node and for the
+/// device; everything else goes to the node's figures (through `Deref`).
+#[derive(Clone)]
+pub struct DeviceMetrics {
+    metrics: std::sync::Arc<Metrics>,
+    ordinal: u32,
+}
+
+impl DeviceMetrics {
+    /// The view of device `ordinal`.
+    pub fn new(metrics: std::sync::Arc<Metrics>, ordinal: u32) -> DeviceMetrics {
+        DeviceMetrics { metrics, ordinal }
+    }
+
+    /// Counts bytes read from shard files by `path`, for the node and the device.
+    pub fn add_read_bytes(&self, path: ReadPath, bytes: u64) {
+        self.metrics.add_read_bytes(path, bytes);
+        if let Some(device) = self.metrics.device(self.ordinal) {
+            device.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+impl std::ops::Deref for DeviceMetrics {
+    type Target = Metrics;
+
+    fn deref(&self) -> &Metrics {
+        &self.metrics
+    }
 }
 
 impl Default for Metrics {
@@ -180,17 +248,82 @@ impl Metrics {
             http_responses: Default::default(),
             pack_raw_bytes: AtomicU64::new(0),
             round_buffers_idle_bytes: AtomicU64::new(0),
+            devices: Default::default(),
         }
     }
 
-    /// Adds to (or, negative, subtracts from) the device bytes of round buffers kept idle for the next GPU stream, over all devices.
-    pub fn add_round_buffers_idle_bytes(&self, bytes: i64) {
-        if bytes >= 0 {
-            self.round_buffers_idle_bytes
-                .fetch_add(bytes as u64, Ordering::Relaxed);
-        } else {
-            self.round_buffers_idle_bytes
-                .fetch_sub(bytes.unsigned_abs(), Ordering::Relaxed);
+    fn device(&self, ordinal: u32) -> Option<&DeviceLedger> {
+        self.devices.get(ordinal as usize)
+    }
+
+    /// Notes that the daemon serves device `ordinal` (its figures are reported from now on).
+    pub fn serve_device(&self, ordinal: u32) {
+        if let Some(device) = self.device(ordinal) {
+            device.served.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// A stream opened on device `ordinal`, its pipeline holding `device_bytes` of device memory.
+    pub fn device_stream_opened(&self, ordinal: u32, device_bytes: u64) {
+        if let Some(device) = self.device(ordinal) {
+            device.streams.fetch_add(1, Ordering::Relaxed);
+            device
+                .stream_device_bytes
+                .fetch_add(device_bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// A stream of device `ordinal` whose pipeline held `device_bytes` closed.
+    pub fn device_stream_closed(&self, ordinal: u32, device_bytes: u64) {
+        if let Some(device) = self.device(ordinal) {
+            device.streams.fetch_sub(1, Ordering::Relaxed);
+            device
+                .stream_device_bytes
+                .fetch_sub(device_bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// A stream of device `ordinal` filled and handed on a batch of `samples` samples.
+    pub fn device_batch(&self, ordinal: u32, samples: u32) {
+        if let Some(device) = self.device(ordinal) {
+            device.batches.fetch_add(1, Ordering::Relaxed);
+            device
+                .samples
+                .fetch_add(u64::from(samples), Ordering::Relaxed);
+        }
+    }
+
+    /// The figures of every served device, by ordinal.
+    pub fn devices(&self) -> Vec<DeviceCounts> {
+        self.devices
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.served.load(Ordering::Relaxed))
+            .map(|(ordinal, d)| DeviceCounts {
+                ordinal: ordinal as u32,
+                streams: d.streams.load(Ordering::Relaxed),
+                stream_device_bytes: d.stream_device_bytes.load(Ordering::Relaxed),
+                batches: d.batches.load(Ordering::Relaxed),
+                samples: d.samples.load(Ordering::Relaxed),
+                read_bytes: d.read_bytes.load(Ordering::Relaxed),
+                round_buffers_idle_bytes: d.round_buffers_idle_bytes.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
+    /// Adds to (or, negative, subtracts from) the device bytes of round buffers kept idle for the
+    /// next GPU stream on device `ordinal`.
+    pub fn add_round_buffers_idle_bytes(&self, ordinal: u32, bytes: i64) {
+        let add = |gauge: &AtomicU64| {
+            if bytes >= 0 {
+                gauge.fetch_add(bytes as u64, Ordering::Relaxed);
+            } else {
+                gauge.fetch_sub(bytes.unsigned_abs(), Ordering::Relaxed);
+            }
+        };
+        add(&self.round_buffers_idle_bytes);
+        if let Some(device) = self.device(ordinal) {
+            add(&device.round_buffers_idle_bytes);
         }
     }
 
@@ -424,6 +557,54 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         &format!("Bytes of batch slots allocated over all streams{counters_note}"),
         &one(serving.slot_bytes_allocated),
     );
+    let devices = metrics.devices();
+    let per_device = |value: fn(&DeviceCounts) -> u64| -> Vec<(String, String)> {
+        devices
+            .iter()
+            .map(|d| {
+                (
+                    format!("{{device=\"cuda:{}\"}}", d.ordinal),
+                    value(d).to_string(),
+                )
+            })
+            .collect()
+    };
+    family(
+        "gpufeed_device_streams",
+        "gauge",
+        "Open streams per served CUDA device",
+        &per_device(|d| d.streams),
+    );
+    family(
+        "gpufeed_device_stream_bytes",
+        "gauge",
+        "Device memory of the open streams' pipelines per served CUDA device, slots excluded",
+        &per_device(|d| d.stream_device_bytes),
+    );
+    family(
+        "gpufeed_device_batches_total",
+        "counter",
+        "Batches filled and handed on per served CUDA device",
+        &per_device(|d| d.batches),
+    );
+    family(
+        "gpufeed_device_samples_total",
+        "counter",
+        "Samples in those batches per served CUDA device",
+        &per_device(|d| d.samples),
+    );
+    family(
+        "gpufeed_device_read_bytes_total",
+        "counter",
+        "Bytes read from shard files by the streams of each served CUDA device",
+        &per_device(|d| d.read_bytes),
+    );
+    family(
+        "gpufeed_device_round_buffers_idle_bytes",
+        "gauge",
+        "Device bytes of GPU round buffers kept for the next stream, per served CUDA device",
+        &per_device(|d| d.round_buffers_idle_bytes),
+    );
     family(
         "gpufeed_round_buffers_idle_bytes",
         "gauge",
@@ -578,6 +759,7 @@ fn seconds(ns: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn histogram_buckets_are_cumulative_in_the_rendering() {
@@ -635,6 +817,49 @@ mod tests {
         for lease in ["free", "filling", "consumer"] {
             assert!(text.contains(&format!("gpufeed_slots{{lease=\"{lease}\"}} 0\n")));
         }
+    }
+
+    #[test]
+    fn per_device_figures_cover_served_devices_and_return_to_zero() {
+        let metrics = Arc::new(Metrics::new());
+        // Nothing served: no per-device samples, and out-of-range ordinals are ignored.
+        metrics.device_stream_opened(DEVICES_MAX as u32, 1);
+        assert!(metrics.devices().is_empty());
+        metrics.serve_device(0);
+        metrics.serve_device(3);
+        metrics.device_stream_opened(3, 1 << 20);
+        metrics.device_batch(3, 96);
+        metrics.device_batch(3, 4);
+        metrics.add_round_buffers_idle_bytes(3, 4096);
+        let view = DeviceMetrics::new(Arc::clone(&metrics), 3);
+        view.add_read_bytes(ReadPath::PageCache, 2048);
+        assert_eq!(metrics.read_bytes_total(), 2048, "counted for the node too");
+        let text = render(&metrics, &Snapshot::default());
+        assert!(
+            text.contains("gpufeed_device_streams{device=\"cuda:3\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("gpufeed_device_streams{device=\"cuda:0\"} 0\n"));
+        assert!(text.contains("gpufeed_device_samples_total{device=\"cuda:3\"} 100\n"));
+        assert!(text.contains("gpufeed_device_read_bytes_total{device=\"cuda:3\"} 2048\n"));
+        assert!(text.contains("gpufeed_device_round_buffers_idle_bytes{device=\"cuda:3\"} 4096\n"));
+        assert!(text.contains("gpufeed_round_buffers_idle_bytes 4096\n"));
+        metrics.device_stream_closed(3, 1 << 20);
+        metrics.add_round_buffers_idle_bytes(3, -4096);
+        let devices = metrics.devices();
+        assert_eq!(devices.len(), 2);
+        assert_eq!(
+            devices[1],
+            DeviceCounts {
+                ordinal: 3,
+                streams: 0,
+                stream_device_bytes: 0,
+                batches: 2,
+                samples: 100,
+                read_bytes: 2048,
+                round_buffers_idle_bytes: 0,
+            }
+        );
     }
 
     #[test]

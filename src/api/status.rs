@@ -56,6 +56,26 @@ pub struct Serving {
     pub loader_copy_threads: u32,
 }
 
+/// One CUDA device the daemon serves: what its streams hold and have done.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct DeviceServing {
+    /// `cuda:N`.
+    pub device: String,
+    /// Streams open on it.
+    pub streams: u64,
+    /// Device memory of those streams' pipelines (staging, block cache, tables, shards copied
+    /// ahead), their batch slots excluded.
+    pub stream_device_bytes: u64,
+    /// Device memory of round buffers kept for its next stream.
+    pub round_buffers_idle_bytes: u64,
+    /// Batches its streams filled and handed on since the daemon started.
+    pub batches: u64,
+    /// Samples in those batches.
+    pub samples: u64,
+    /// Bytes its streams read from shard files.
+    pub read_bytes: u64,
+}
+
 /// Bounded pools and what is in use.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct Pools {
@@ -98,6 +118,8 @@ pub struct StatusView {
     pub platform: Platform,
     /// Pools and their use.
     pub pools: Pools,
+    /// Per CUDA device served (empty on the CPU backend).
+    pub devices: Vec<DeviceServing>,
     /// Datasets in the catalog.
     pub datasets: u64,
     /// Datasets in the catalog that are not served (missing or invalid).
@@ -300,6 +322,20 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
             jobs_active: u64::from(control.jobs.active_count()),
             jobs_active_max: u64::from(limits.running_max + limits.queued_max),
         },
+        devices: control
+            .metrics
+            .devices()
+            .into_iter()
+            .map(|d| DeviceServing {
+                device: format!("cuda:{}", d.ordinal),
+                streams: d.streams,
+                stream_device_bytes: d.stream_device_bytes,
+                round_buffers_idle_bytes: d.round_buffers_idle_bytes,
+                batches: d.batches,
+                samples: d.samples,
+                read_bytes: d.read_bytes,
+            })
+            .collect(),
         datasets: snapshot.datasets.iter().map(|(_, n)| n).sum(),
         datasets_unavailable: snapshot
             .datasets

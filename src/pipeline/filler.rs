@@ -164,6 +164,18 @@ pub struct Filler {
     /// The device's NUMA node, which the filler thread is bound to (GPU streams on a host with
     /// several nodes).
     numa: Option<crate::device::numa::NumaPlacement>,
+    /// GPU streams: the device's ordinal and the device bytes the pipeline holds, for the
+    /// per-device figures.
+    device: Option<(u32, u64)>,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for Filler {
+    fn drop(&mut self) {
+        if let Some((ordinal, bytes)) = self.device {
+            self.metrics.device_stream_closed(ordinal, bytes);
+        }
+    }
 }
 
 /// The CPU assembler into host slots, or the GPU assembler into device slots.
@@ -189,13 +201,13 @@ impl Filler {
         metrics: Arc<Metrics>,
     ) -> Result<Filler, FillerError> {
         let steps = plan.steps;
-        let numa = match backend {
-            StreamBackend::Gpu(gpu) => gpu.numa.clone(),
-            StreamBackend::Cpu => None,
+        let (numa, numa_ordinal) = match backend {
+            StreamBackend::Gpu(gpu) => (gpu.numa.clone(), Some(gpu.ordinal)),
+            StreamBackend::Cpu => (None, None),
         };
         let backend = match backend {
             StreamBackend::Cpu => {
-                let assembler = Assembler::new(plan, limits, metrics)?;
+                let assembler = Assembler::new(plan, limits, Arc::clone(&metrics))?;
                 if let Some(note) = &assembler.engine_note {
                     tracing::warn!("{note}");
                 }
@@ -221,7 +233,7 @@ impl Filler {
                     gpu.choice,
                     &gpu.stream_limits,
                     Arc::clone(&gpu.round_pool),
-                    metrics,
+                    Arc::clone(&metrics),
                 )
                 .map_err(FillerError::Gpu)?;
                 Backend::Gpu {
@@ -230,10 +242,20 @@ impl Filler {
                 }
             }
         };
+        let device = match (&backend, numa_ordinal) {
+            (Backend::Gpu { assembler, .. }, Some(ordinal)) => {
+                let bytes = assembler.device_bytes();
+                metrics.device_stream_opened(ordinal, bytes);
+                Some((ordinal, bytes))
+            }
+            _ => None,
+        };
         Ok(Filler {
             steps,
             backend,
             numa,
+            device,
+            metrics,
         })
     }
 
@@ -306,8 +328,12 @@ impl Filler {
                 Err(error) => return handoff.fail(error),
             };
             let delivering = std::time::Instant::now();
+            let samples = report.samples;
             if handoff.deliver(slot, step, report).is_err() {
                 return;
+            }
+            if let Some((ordinal, _)) = filler.device {
+                filler.metrics.device_batch(ordinal, samples);
             }
             deliver_s += delivering.elapsed().as_secs_f64();
             delivered += 1;

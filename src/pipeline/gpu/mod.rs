@@ -48,7 +48,7 @@ use crate::decode::BlockRef;
 use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer, Stream};
 use crate::format::BlockEntry;
 use crate::kernels::Kernels;
-use crate::metrics::Metrics;
+use crate::metrics::{DeviceMetrics, Metrics};
 use crate::storage::gpu::{GpuReader, PathChoice};
 use crate::storage::{DirectIo, FileTable, IO_ALIGN_BYTES};
 
@@ -225,7 +225,7 @@ pub struct GpuAssembler {
     /// Which block each cache entry holds, and which blocks are known to be corrupt.
     block_cache: BlockCache,
     round_stamp: u64,
-    metrics: Arc<Metrics>,
+    metrics: DeviceMetrics,
 }
 
 impl GpuAssembler {
@@ -241,6 +241,7 @@ impl GpuAssembler {
     ) -> Result<GpuAssembler, FillError> {
         let started = std::time::Instant::now();
         let device = reader.stream().device().clone();
+        let metrics = DeviceMetrics::new(metrics, device.properties().ordinal as u32);
         let mut files = FileTable::new(plan.dataset.shards.len());
         for shard in &plan.dataset.shards {
             files.open(&shard.path, DirectIo::Prefer)?;

@@ -251,7 +251,7 @@ impl Resident {
         limits: &GpuStreamLimits,
         fraction_min: f64,
         device: &crate::device::Device,
-        metrics: &crate::metrics::Metrics,
+        metrics: &crate::metrics::DeviceMetrics,
     ) -> Result<Option<Resident>, FillError> {
         let wanted = match limits.zero_copy {
             ZeroCopy::Off => false,
@@ -402,7 +402,7 @@ impl Resident {
         limits: &GpuStreamLimits,
         fraction_min: f64,
         device: &crate::device::Device,
-        metrics: &crate::metrics::Metrics,
+        metrics: &crate::metrics::DeviceMetrics,
         file_bytes: &[u64],
     ) -> Result<Option<Resident>, FillError> {
         let window_bytes = windows.window_bytes();
@@ -545,7 +545,7 @@ fn warm_for_full_shuffle(
     windows: &PageCacheWindows,
     fraction_min: f64,
     file_bytes: &[u64],
-    metrics: &crate::metrics::Metrics,
+    metrics: &crate::metrics::DeviceMetrics,
 ) {
     let cold: Vec<usize> = (0..file_bytes.len())
         .filter(|&i| {

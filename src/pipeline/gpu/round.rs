@@ -172,16 +172,19 @@ type RoundShape = (usize, usize, usize, usize);
 pub struct RoundBufferPool {
     sets: std::sync::Mutex<Vec<(RoundShape, RoundBuffers)>>,
     sets_max: usize,
+    /// The device's ordinal, for its per-device figures.
+    ordinal: u32,
     /// Where the idle bytes are reported, once the daemon's metrics exist.
     metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
 }
 
 impl RoundBufferPool {
-    /// An empty pool keeping at most `sets_max` sets.
-    pub fn new(sets_max: usize) -> RoundBufferPool {
+    /// An empty pool of device `ordinal` keeping at most `sets_max` sets.
+    pub fn new(sets_max: usize, ordinal: u32) -> RoundBufferPool {
         RoundBufferPool {
             sets: std::sync::Mutex::new(Vec::new()),
             sets_max,
+            ordinal,
             metrics: std::sync::OnceLock::new(),
         }
     }
@@ -191,13 +194,13 @@ impl RoundBufferPool {
         let sets = self.sets.lock().unwrap_or_else(|e| e.into_inner());
         if self.metrics.set(Arc::clone(metrics)).is_ok() {
             let bytes: usize = sets.iter().map(|(_, b)| b.device_bytes()).sum();
-            metrics.add_round_buffers_idle_bytes(bytes as i64);
+            metrics.add_round_buffers_idle_bytes(self.ordinal, bytes as i64);
         }
     }
 
     fn count(&self, bytes: i64) {
         if let Some(metrics) = self.metrics.get() {
-            metrics.add_round_buffers_idle_bytes(bytes);
+            metrics.add_round_buffers_idle_bytes(self.ordinal, bytes);
         }
     }
 
