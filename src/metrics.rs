@@ -493,6 +493,14 @@ pub struct Snapshot {
     pub jobs: Vec<(&'static str, u64)>,
 }
 
+/// A per-device series: name, type, help, and its value for one device.
+type DeviceFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&DeviceCounts) -> u64,
+);
+
 /// Renders the Prometheus text exposition format, version 0.0.4.
 pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     let mut out = String::with_capacity(8192);
@@ -569,42 +577,47 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             })
             .collect()
     };
-    family(
-        "gpufeed_device_streams",
-        "gauge",
-        "Open streams per served CUDA device",
-        &per_device(|d| d.streams),
-    );
-    family(
-        "gpufeed_device_stream_bytes",
-        "gauge",
-        "Device memory of the open streams' pipelines per served CUDA device, slots excluded",
-        &per_device(|d| d.stream_device_bytes),
-    );
-    family(
-        "gpufeed_device_batches_total",
-        "counter",
-        "Batches filled and handed on per served CUDA device",
-        &per_device(|d| d.batches),
-    );
-    family(
-        "gpufeed_device_samples_total",
-        "counter",
-        "Samples in those batches per served CUDA device",
-        &per_device(|d| d.samples),
-    );
-    family(
-        "gpufeed_device_read_bytes_total",
-        "counter",
-        "Bytes read from shard files by the streams of each served CUDA device",
-        &per_device(|d| d.read_bytes),
-    );
-    family(
-        "gpufeed_device_round_buffers_idle_bytes",
-        "gauge",
-        "Device bytes of GPU round buffers kept for the next stream, per served CUDA device",
-        &per_device(|d| d.round_buffers_idle_bytes),
-    );
+    let device_families: [DeviceFamily; 6] = [
+        (
+            "gpufeed_device_streams",
+            "gauge",
+            "Open streams per served CUDA device",
+            |d| d.streams,
+        ),
+        (
+            "gpufeed_device_stream_bytes",
+            "gauge",
+            "Device memory of the open streams' pipelines per served CUDA device, slots excluded",
+            |d| d.stream_device_bytes,
+        ),
+        (
+            "gpufeed_device_batches_total",
+            "counter",
+            "Batches filled and handed on per served CUDA device",
+            |d| d.batches,
+        ),
+        (
+            "gpufeed_device_samples_total",
+            "counter",
+            "Samples in those batches per served CUDA device",
+            |d| d.samples,
+        ),
+        (
+            "gpufeed_device_read_bytes_total",
+            "counter",
+            "Bytes read from shard files by the streams of each served CUDA device",
+            |d| d.read_bytes,
+        ),
+        (
+            "gpufeed_device_round_buffers_idle_bytes",
+            "gauge",
+            "Device bytes of GPU round buffers kept for the next stream, per served CUDA device",
+            |d| d.round_buffers_idle_bytes,
+        ),
+    ];
+    for (name, kind, help, value) in device_families {
+        family(name, kind, help, &per_device(value));
+    }
     family(
         "gpufeed_round_buffers_idle_bytes",
         "gauge",
