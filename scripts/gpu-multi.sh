@@ -7,7 +7,8 @@
 #      consumer on each device at once (each a whole epoch, fp32 device batches of 4096 rows), three
 #      runs each after a warm-up, interleaved. The aggregate rate is the bytes of both epochs over the
 #      time from the first start to the last end (process walls included). JSON lines in
-#      $OUT/multi.jsonl (with the daemon's CPU over each run), a table last;
+#      $OUT/multi.jsonl (with the daemon's CPU over each run), a table last, and the daemon's
+#      per-device figures from /v1/status in $OUT/multi.log;
 #   3. the Python training example as two ranks under torchrun, one per GPU (needs the wheel staged by
 #      scripts/gpu-stage-python.sh). Any failed step fails the script.
 set -uo pipefail
@@ -32,7 +33,7 @@ multi_bench() {
   rm -rf "$work/data/emb"
   "$bin/gpufeed" pack --out "$work/data/emb" --samples-per-shard 262144 --codec raw "$work/npy/emb_fp16.npy"
   cat "$work/npy/emb_fp16.npy" >/dev/null
-  "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0,cuda:1 --http off \
+  "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0,cuda:1 --http 127.0.0.1:7172 \
     >"$OUT/multi-daemon.out" 2>"$OUT/multi-daemon.log" &
   local daemon=$!
   for _ in $(seq 100); do [ -S "$socket" ] && break; sleep 0.1; done
@@ -53,6 +54,10 @@ multi_bench() {
       python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); w=float(sys.argv[6])-float(sys.argv[5]); print(json.dumps({'case':'two','order':sys.argv[3],'run':int(sys.argv[4]),'bytes_in':(a['bytes']+b['bytes'])//2,'seconds':max(a['seconds'],b['seconds']),'wall':w,'daemon_cores':(float(sys.argv[8])-float(sys.argv[7]))/w}))" "$work/a.json" "$work/b.json" "$order" "$run" "$t0" "$t1" "$c0" "$c1" >>"$jsonl"
     done
   done
+  # Per-device figures after the runs (streams closed: 0 streams and stream bytes on each device;
+  # batches, samples and bytes read per device), into the log.
+  python3 -c 'import json,urllib.request; print(json.dumps(json.load(urllib.request.urlopen("http://127.0.0.1:7172/v1/status", timeout=5))["devices"], indent=1))' \
+    >>"$OUT/multi.log" 2>&1 || true
   kill "$daemon"; wait "$daemon" || true
   python3 - "$jsonl" <<'PY'
 import json, statistics, sys
