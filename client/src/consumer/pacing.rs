@@ -42,6 +42,13 @@ const HISTORY: usize = 24;
 /// Longest period of the gaps' pattern looked for.
 const PERIOD_MAX: usize = 8;
 
+/// Gaps known before the pace is predicted (enough to find the longest period on two gaps).
+const EARLY_GAPS: usize = PERIOD_MAX + 2;
+
+/// Least watch before the pace is known: a stream's first batches come in bursts (a window's
+/// batches after its copy) that a short watch misses, and each miss costs a wake-up.
+const EARLY_WATCH_NS: u64 = 500_000;
+
 /// The stream's recent pace.
 #[derive(Debug, Default)]
 pub(super) struct Pacing {
@@ -79,7 +86,10 @@ impl Pacing {
         let n = gaps.len();
         let last = *gaps.back()?;
         let mut best: Option<(usize, u64)> = None;
-        for period in 1..=PERIOD_MAX.min(n / 2) {
+        // Each period is judged on at least two gaps where there are three or more: period 8 is
+        // found from the tenth gap on.
+        let periods = if n >= 3 { n - 2 } else { n.saturating_sub(1) };
+        for period in 1..=PERIOD_MAX.min(periods) {
             let error = (period..n)
                 .map(|i| gaps[i].abs_diff(gaps[i - period]))
                 .sum::<u64>()
@@ -104,6 +114,14 @@ impl Pacing {
         };
         if min_watch.is_zero() {
             return no_prediction;
+        }
+        if self.gaps.len() < EARLY_GAPS {
+            // Too few gaps to know the pace (a stream's first batches): watch longer rather than
+            // sleep, for a few batches.
+            return WaitPlan {
+                sleep: Duration::ZERO,
+                watch: min_watch.max(Duration::from_nanos(EARLY_WATCH_NS)),
+            };
         }
         let (Some(last), Some((gap, error))) = (self.last_ready_ns, self.predict()) else {
             return no_prediction;
@@ -144,23 +162,28 @@ mod tests {
     }
 
     #[test]
-    fn without_a_pace_the_consumer_watches_the_least_time_only() {
-        let pacing = Pacing::default();
+    fn before_the_pace_is_known_the_consumer_watches_longer_without_sleeping() {
+        let early = WaitPlan {
+            sleep: Duration::ZERO,
+            watch: Duration::from_nanos(EARLY_WATCH_NS),
+        };
+        assert_eq!(Pacing::default().plan(5, MIN), early);
+        let (few, last) = paced(700 * US, EARLY_GAPS as u64);
+        assert_eq!(few.plan(last, MIN), early);
+        // One more gap: the pace is known.
+        let (known, last) = paced(700 * US, EARLY_GAPS as u64 + 1);
         assert_eq!(
-            pacing.plan(5, MIN),
-            WaitPlan {
-                sleep: Duration::ZERO,
-                watch: MIN
-            }
+            known.plan(last, MIN).sleep,
+            Duration::from_micros(700 - 150)
         );
-        let (one, last) = paced(700 * US, 1);
-        assert_eq!(one.plan(last, MIN).sleep, Duration::ZERO);
-        assert_eq!(one.plan(last, MIN).watch, MIN);
+        // A longer least watch stays.
+        let long = Duration::from_millis(1);
+        assert_eq!(Pacing::default().plan(5, long).watch, long);
     }
 
     #[test]
     fn slow_batches_are_slept_for_and_watched_around_their_due_time() {
-        let (pacing, last) = paced(800 * US, 10);
+        let (pacing, last) = paced(800 * US, 12);
         // The consumer took its batch 10 µs after it was ready and waits for the next.
         let plan = pacing.plan(last + 10 * US, MIN);
         // Due 800 µs after the last; an even pace: the least margin, 150 µs.
@@ -170,7 +193,7 @@ mod tests {
 
     #[test]
     fn fast_batches_are_watched_for_without_sleeping() {
-        let (pacing, last) = paced(40 * US, 10);
+        let (pacing, last) = paced(40 * US, 12);
         let plan = pacing.plan(last + 5 * US, MIN);
         assert_eq!(plan.sleep, Duration::ZERO);
         // Due in 35 µs, watched until 150 µs after it.
@@ -179,7 +202,7 @@ mod tests {
 
     #[test]
     fn an_overdue_batch_or_a_consumer_that_never_watches_falls_back_to_the_doorbell() {
-        let (pacing, last) = paced(100 * US, 10);
+        let (pacing, last) = paced(100 * US, 12);
         let overdue = pacing.plan(last + 10_000 * US, MIN);
         assert_eq!(overdue.sleep, Duration::ZERO);
         assert_eq!(overdue.watch, MIN);
@@ -191,13 +214,13 @@ mod tests {
     #[test]
     fn the_prediction_leans_early_and_the_watch_is_bounded() {
         // A long average, then one short gap: the short one is used.
-        let (mut pacing, mut last) = paced(1_000 * US, 8);
+        let (mut pacing, mut last) = paced(1_000 * US, 12);
         last += 600 * US;
         pacing.record(last);
         let plan = pacing.plan(last, MIN);
         assert_eq!(plan.sleep, Duration::from_micros(600 - 150));
         // Gaps of 12 ms: the margin is an eighth, 1.5 ms, and the watch is capped.
-        let (slow, last) = paced(12_000 * US, 4);
+        let (slow, last) = paced(12_000 * US, 12);
         let plan = slow.plan(last, MIN);
         assert_eq!(plan.sleep, Duration::from_micros(10_500));
         assert_eq!(plan.watch, Duration::from_nanos(WATCH_MAX_NS));
@@ -227,6 +250,15 @@ mod tests {
         let plan = pacing.plan(stamp + 5 * US, MIN);
         assert_eq!(plan.sleep, Duration::ZERO);
         assert_eq!(plan.watch, Duration::from_micros(30 + 150 - 5));
+        // The period of eight is found as soon as two gaps judge it: from the tenth gap on.
+        let mut pacing = Pacing::default();
+        let mut stamp = 1_000_000_000;
+        pacing.record(stamp);
+        for gap in [1_000, 30, 30, 30, 30, 30, 30, 30, 1_000, 30] {
+            stamp += gap * US;
+            pacing.record(stamp);
+        }
+        assert_eq!(pacing.predict(), Some((30 * US, 0)));
         // Long and short in turn.
         let mut pacing = Pacing::default();
         let mut stamp = 1_000_000_000;
@@ -242,7 +274,7 @@ mod tests {
 
     #[test]
     fn stamps_that_go_back_or_stall_do_not_set_the_pace() {
-        let (mut pacing, last) = paced(100 * US, 4);
+        let (mut pacing, last) = paced(100 * US, 12);
         pacing.record(last - 50 * US);
         pacing.record(0);
         pacing.record(last + 60_000 * US);
