@@ -52,6 +52,8 @@ const EARLY_WATCH_NS: u64 = 500_000;
 /// The stream's recent pace.
 #[derive(Debug, Default)]
 pub(super) struct Pacing {
+    /// Gaps seen between completion stamps, kept for the prediction or not.
+    stamps: u64,
     last_ready_ns: Option<u64>,
     /// The last gaps between batches, oldest first, nanoseconds (at most [`HISTORY`]).
     gaps: std::collections::VecDeque<u64>,
@@ -67,6 +69,7 @@ impl Pacing {
             if ready_ns <= last {
                 return;
             }
+            self.stamps += 1;
             let gap = ready_ns - last;
             if gap <= GAP_MAX_NS {
                 if self.gaps.len() == HISTORY {
@@ -115,7 +118,9 @@ impl Pacing {
         if min_watch.is_zero() {
             return no_prediction;
         }
-        if self.gaps.len() < EARLY_GAPS {
+        // (Counted in stamps, not in gaps kept: a stream whose gaps are all too long to be a pace
+        // leaves the early phase all the same.)
+        if self.stamps < EARLY_GAPS as u64 {
             // Too few gaps to know the pace (a stream's first batches): watch longer rather than
             // sleep, for a few batches.
             return WaitPlan {
@@ -270,6 +275,18 @@ mod tests {
         let plan = pacing.plan(stamp, MIN);
         assert_eq!(plan.sleep, Duration::from_micros(2_400 - 300));
         assert_eq!(plan.watch, Duration::from_micros(600));
+    }
+
+    #[test]
+    fn a_stream_too_slow_for_a_pace_leaves_the_early_watch_all_the_same() {
+        let (slow, last) = paced(30_000 * US, EARLY_GAPS as u64 + 1);
+        assert_eq!(
+            slow.plan(last, MIN),
+            WaitPlan {
+                sleep: Duration::ZERO,
+                watch: MIN
+            }
+        );
     }
 
     #[test]

@@ -167,7 +167,8 @@ type RoundShape = (usize, usize, usize, usize);
 /// finished takes its round buffers (a few device allocations of tens of MiB and a pinned host
 /// buffer each, 2 to 3 ms a set) from here instead of allocating them: the set-up shows in the
 /// first batch of every stream. A stream hands its sets back when it closes, after its work on the
-/// device is done; at most `sets_max` sets are kept (more are freed), and their device bytes are the
+/// device is done; at most `sets_max` sets are kept (more are freed; sets of another shape, left by
+/// another dataset's streams, give way to the current ones), and their device bytes are the
 /// `gpufeed_round_buffers_idle_bytes` gauge.
 pub struct RoundBufferPool {
     sets: std::sync::Mutex<Vec<(RoundShape, RoundBuffers)>>,
@@ -204,23 +205,37 @@ impl RoundBufferPool {
         }
     }
 
-    /// A kept set of this shape, if any.
+    /// A kept set of this shape, if any. When there is none, the sets of other shapes (another
+    /// dataset's) are freed: the stream about to allocate its own needs the memory more.
     pub(super) fn take(&self, shape: RoundShape) -> Option<RoundBuffers> {
         let mut sets = self.sets.lock().unwrap_or_else(|e| e.into_inner());
-        let index = sets.iter().position(|(s, _)| *s == shape)?;
-        let (_, buffers) = sets.swap_remove(index);
-        self.count(-(buffers.device_bytes() as i64));
-        Some(buffers)
+        match sets.iter().position(|(s, _)| *s == shape) {
+            Some(index) => {
+                let (_, buffers) = sets.swap_remove(index);
+                self.count(-(buffers.device_bytes() as i64));
+                Some(buffers)
+            }
+            None => {
+                let freed: usize = sets.drain(..).map(|(_, b)| b.device_bytes()).sum();
+                self.count(-(freed as i64));
+                None
+            }
+        }
     }
 
-    /// Keeps `buffers` (whose queued work is done) for a later stream, or frees them when the pool
-    /// is full.
+    /// Keeps `buffers` (whose queued work is done) for a later stream. When the pool is full, the
+    /// oldest set of another shape makes room; if all are of this shape, `buffers` are freed.
     pub(super) fn put(&self, shape: RoundShape, buffers: RoundBuffers) {
         let mut sets = self.sets.lock().unwrap_or_else(|e| e.into_inner());
-        if sets.len() < self.sets_max {
-            self.count(buffers.device_bytes() as i64);
-            sets.push((shape, buffers));
+        if sets.len() >= self.sets_max {
+            let Some(other) = sets.iter().position(|(s, _)| *s != shape) else {
+                return;
+            };
+            let (_, evicted) = sets.remove(other);
+            self.count(-(evicted.device_bytes() as i64));
         }
+        self.count(buffers.device_bytes() as i64);
+        sets.push((shape, buffers));
     }
 
     /// Sets kept now.
