@@ -201,7 +201,7 @@ impl Filler {
         metrics: Arc<Metrics>,
     ) -> Result<Filler, FillerError> {
         let steps = plan.steps;
-        let (numa, numa_ordinal) = match backend {
+        let (numa, ordinal) = match backend {
             StreamBackend::Gpu(gpu) => (gpu.numa.clone(), Some(gpu.ordinal)),
             StreamBackend::Cpu => (None, None),
         };
@@ -242,7 +242,7 @@ impl Filler {
                 }
             }
         };
-        let device = match (&backend, numa_ordinal) {
+        let device = match (&backend, ordinal) {
             (Backend::Gpu { assembler, .. }, Some(ordinal)) => {
                 let bytes = assembler.device_bytes();
                 metrics.device_stream_opened(ordinal, bytes);

@@ -53,14 +53,15 @@ const EARLY_WATCH_NS: u64 = 500_000;
 #[derive(Debug, Default)]
 pub(super) struct Pacing {
     /// Gaps seen between completion stamps, kept for the prediction or not.
-    stamps: u64,
+    gaps_seen: u64,
     last_ready_ns: Option<u64>,
     /// The last gaps between batches, oldest first, nanoseconds (at most [`HISTORY`]).
     gaps: std::collections::VecDeque<u64>,
 }
 
 impl Pacing {
-    /// Notes a batch's completion stamp (0: the daemon gave none).
+    /// Takes the completion stamp of a batch received (0, or one not after the last: ignored, the
+    /// daemon's word is not trusted further than this).
     pub fn record(&mut self, ready_ns: u64) {
         if ready_ns == 0 {
             return;
@@ -69,7 +70,7 @@ impl Pacing {
             if ready_ns <= last {
                 return;
             }
-            self.stamps += 1;
+            self.gaps_seen += 1;
             let gap = ready_ns - last;
             if gap <= GAP_MAX_NS {
                 if self.gaps.len() == HISTORY {
@@ -108,8 +109,8 @@ impl Pacing {
         })
     }
 
-    /// How to wait for the next batch at `now_ns` (the clock of `ready_ns`), watching at least
-    /// `min_watch` (zero: never watch).
+    /// The plan for a wait that begins at `now_ns` (`CLOCK_MONOTONIC`), for a consumer that watches
+    /// at least `min_watch` (0: never watches, sleeps on the doorbell only).
     pub fn plan(&self, now_ns: u64, min_watch: Duration) -> WaitPlan {
         let no_prediction = WaitPlan {
             sleep: Duration::ZERO,
@@ -118,9 +119,9 @@ impl Pacing {
         if min_watch.is_zero() {
             return no_prediction;
         }
-        // (Counted in stamps, not in gaps kept: a stream whose gaps are all too long to be a pace
+        // (Counted in gaps seen, not gaps kept: a stream whose gaps are all too long to be a pace
         // leaves the early phase all the same.)
-        if self.stamps < EARLY_GAPS as u64 {
+        if self.gaps_seen < EARLY_GAPS as u64 {
             // Too few gaps to know the pace (a stream's first batches): watch longer rather than
             // sleep, for a few batches.
             return WaitPlan {
@@ -135,8 +136,11 @@ impl Pacing {
         let margin = MARGIN_MIN_NS.max(error.saturating_mul(2)).max(gap / 8);
         let watch_end = due.saturating_add(margin);
         if watch_end <= now_ns {
+            // Overdue: the pace broke (the daemon waits for storage, or the epoch ends).
             return no_prediction;
         }
+        // At most the longest gap kept: a stamp ahead of this clock (another time namespace) cannot
+        // put the consumer to sleep for longer; the doorbell wakes it for a batch in any case.
         let sleep_ns = due
             .saturating_sub(margin)
             .saturating_sub(now_ns)

@@ -37,8 +37,9 @@ const VERIFY_THREADS_MAX: usize = 8;
 /// Threads planning a resident stream's steps ahead of the filler (at most the host's CPU count),
 /// unless `GPUFEED_PLAN_THREADS` (1 to [`PLAN_WORKERS_MAX`]) says otherwise. A window shuffle of 4096
 /// rows of 2 KiB keeps six threads about half busy (0.54 to 0.62 s of planning per 8 GiB epoch of
-/// 0.19 s on the H100 test machine), and they fall behind in its last window, when no copies pace the
-/// filler: 12 took 0.886x to 0.906x of the in-order rate there (read-path run 44).
+/// 0.19 s on the H100 test machine), and they can fall behind in its last window, when no copies
+/// pace the filler: on one machine (read-path run 44) the window shuffle made 0.886x of the in-order
+/// rate with 6 threads and 0.906x with 12.
 const PLAN_WORKERS: usize = 12;
 
 /// The most planning threads per stream.

@@ -237,11 +237,6 @@ impl RoundBufferPool {
         self.count(buffers.device_bytes() as i64);
         sets.push((shape, buffers));
     }
-
-    /// Sets kept now.
-    pub fn sets(&self) -> usize {
-        self.sets.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
 }
 
 impl Drop for RoundBufferPool {
