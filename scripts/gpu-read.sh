@@ -15,7 +15,8 @@
 #      (best of 4/8/16 workers, 64 batches each). Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
 #      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
 #      the run and the bytes the daemon read (from /metrics) per byte of the epoch. READ_DAEMON_FLAGS:
-#      extra flags for every daemon (e.g. "--registered-window 1G"). READ_BENCH_ONLY=1: step 3 only;
+#      extra flags for every daemon (e.g. "--registered-window 1G"). READ_PREFETCH: the consumer's
+#      --prefetch (4); READ_PREFETCHES="4 8": each run once per value, interleaved. READ_BENCH_ONLY=1: step 3 only;
 #      READ_TESTS_ONLY=1: steps 1 and 2 only. READ_COLD_ROUNDS=N: after step 3, N interleaved cold
 #      rounds (see read_cold); READ_BENCH_ONLY=1 READ_CASES=none READ_COLD_ROUNDS=N: cold rounds only.
 # Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last.
@@ -79,7 +80,8 @@ cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
 
 start_daemon() {
   rm -f "$socket"
-  "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
+  # shellcheck disable=SC2086  # daemon_env: NAME=VALUE words of an env: case
+  env ${daemon_env:-} "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
     "$@" ${READ_DAEMON_FLAGS:-} >"$work/daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
@@ -183,6 +185,8 @@ read_bench() {
       third) start_daemon --registered-memory-max "$third" ;;
       third-copy*) start_daemon --registered-memory-max "$third" --loader-copy-threads "${case#third-copy}" ;;
       zero-copy-off) start_daemon --zero-copy off ;;
+      # env:NAME=VALUE,NAME=VALUE: the default daemon with those tuning variables set.
+      env:*) daemon_env=$(echo "${case#env:}" | tr , ' ') start_daemon ;;
       *) continue ;;  # "none": only the data (for the cold rounds)
     esac
     python3 -c 'import json,urllib.request; print(json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/status"))["serving"])' || true
@@ -198,7 +202,10 @@ read_bench() {
         run_gpufeed "$case-warmup" "$order" 0
       fi
       for run in $(seq 1 "$runs"); do
-        run_gpufeed "$case" "$order" "$run"
+        # READ_PREFETCHES="4 8": each run once per slot count, interleaved.
+        for prefetch in ${READ_PREFETCHES:-${READ_PREFETCH:-4}}; do
+          READ_PREFETCH=$prefetch run_gpufeed "$case" "$order" "$run"
+        done
         [ "$case" = default ] && [ "$order" = none ] && run_kvikio
       done
       [ "$case" = default ] && [ "$order" = full ] && run_torch_random
@@ -261,10 +268,12 @@ grep -E '^=== |ERROR SUMMARY' "$OUT/sanitizer.log" | cut -c1-160
 [ -s "$jsonl" ] && python3 - "$jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+prefetches = {r.get("prefetch") for r in rows if r.get("loader") == "gpufeed"}
 groups = {}
 for r in rows:
     if r.get("loader") == "gpufeed" and "warmup" not in r["case"] and "error" not in r:
-        groups.setdefault((r["case"], r["order"]), []).append(r)
+        case = r["case"] if len(prefetches) < 2 else f'{r["case"]}, prefetch {r.get("prefetch")}'
+        groups.setdefault((case, r["order"]), []).append(r)
     elif r.get("loader", "").startswith("kvikio"):
         groups.setdefault(("kvikio-" + r.get("temperature", "warm"), "none"), []).append(r)
     elif r.get("loader") == "torch-random":

@@ -450,7 +450,11 @@ pub fn open_gpu_backend(
         device,
         ordinal,
         kernels: Arc::new(kernels),
-        round_pool: Arc::new(RoundBufferPool::new(ROUNDS_IN_FLIGHT_MAX, ordinal)),
+        // The sets one stream uses, and one more for a stream that opens as another closes.
+        round_pool: Arc::new(RoundBufferPool::new(
+            (GpuStreamLimits::node_defaults().rounds_in_flight + 1).min(ROUNDS_IN_FLIGHT_MAX),
+            ordinal,
+        )),
         reader_limits,
         choice: PathChoice::from_mode(engine),
         stream_limits: GpuStreamLimits {

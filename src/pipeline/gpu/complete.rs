@@ -22,7 +22,15 @@ impl GpuAssembler {
     pub(super) fn complete_round(&mut self) -> Result<(), FillError> {
         let round = self.rounds.pop_front().expect("a round is queued");
         let waited = Instant::now();
-        self.buffers[round.buffers].done.synchronize()?;
+        let done = &self.buffers[round.buffers].done;
+        // Poll for a while before sleeping: a round of a stream the device keeps up with is often
+        // done within microseconds, and a sleeping filler wakes tens of microseconds late.
+        if !self.wait_spin.is_zero() {
+            while waited.elapsed() < self.wait_spin && !done.is_complete()? {
+                std::hint::spin_loop();
+            }
+        }
+        done.synchronize()?;
         self.timings.wait_s += waited.elapsed().as_secs_f64();
         let outcomes_started = Instant::now();
         let (xxh3, lz4) = self.read_outcomes(&round)?;

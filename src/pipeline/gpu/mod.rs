@@ -53,7 +53,10 @@ use crate::storage::gpu::{GpuReader, PathChoice};
 use crate::storage::{DirectIo, FileTable, IO_ALIGN_BYTES};
 
 /// Most sets of round buffers a stream may ask for (see [`GpuStreamLimits::rounds_in_flight`]).
-pub const ROUNDS_IN_FLIGHT_MAX: usize = 4;
+pub const ROUNDS_IN_FLIGHT_MAX: usize = 8;
+
+/// Longest spin of [`GpuStreamLimits::wait_spin`].
+pub const WAIT_SPIN_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Largest delivered bytes per field of a run of consecutive rows planned as one (see
 /// [`StreamPlan::placement_runs`]).
@@ -88,6 +91,10 @@ pub struct GpuStreamLimits {
     /// through pinned buffers (see `copy_helpers`; about a host core each while they copy); 0:
     /// such windows are registered for their copy.
     pub loader_copy_threads: usize,
+    /// How long the filler polls a round for completion before it sleeps until the device wakes it
+    /// (at most [`WAIT_SPIN_MAX`]; zero: it sleeps at once). A sleeping filler wakes some tens of
+    /// microseconds after the round is done; polling costs the host core it runs on.
+    pub wait_spin: std::time::Duration,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -153,10 +160,28 @@ impl GpuStreamLimits {
             cache_bytes: 256 << 20,
             scratch_bytes: 64 << 20,
             pieces_max: 64 << 10,
-            rounds_in_flight: 3,
+            rounds_in_flight: env_tuning("GPUFEED_ROUNDS_IN_FLIGHT", 2, ROUNDS_IN_FLIGHT_MAX as u64)
+                .map_or(3, |n| n as usize),
             zero_copy: ZeroCopy::Auto,
             device_shard_bytes: DEVICE_SHARD_BYTES_DEFAULT,
             loader_copy_threads: LOADER_COPY_THREADS_DEFAULT,
+            wait_spin: std::time::Duration::from_micros(
+                env_tuning("GPUFEED_FILLER_SPIN_US", 0, WAIT_SPIN_MAX.as_micros() as u64)
+                    .unwrap_or(0),
+            ),
+        }
+    }
+}
+
+/// A tuning variable of the environment, when it is set to a whole number from `min` to `max`
+/// (anything else is ignored with a warning).
+fn env_tuning(name: &str, min: u64, max: u64) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    match value.trim().parse::<u64>() {
+        Ok(n) if (min..=max).contains(&n) => Some(n),
+        _ => {
+            tracing::warn!("{name}={value:?} ignored: not a whole number from {min} to {max}");
+            None
         }
     }
 }
@@ -214,6 +239,8 @@ pub struct GpuAssembler {
     round_shape: (usize, usize, usize, usize),
     /// Rounds queued, oldest first (at most one per set of round buffers).
     rounds: VecDeque<PendingRound>,
+    /// See [`GpuStreamLimits::wait_spin`].
+    wait_spin: std::time::Duration,
     /// Batches submitted, oldest first.
     batches: VecDeque<PendingBatch>,
     next_buffers: usize,
@@ -324,6 +351,7 @@ impl GpuAssembler {
             pool,
             round_shape,
             rounds: VecDeque::with_capacity(rounds_in_flight),
+            wait_spin: limits.wait_spin.min(WAIT_SPIN_MAX),
             batches: VecDeque::new(),
             next_buffers: 0,
             verified: HashSet::new(),
