@@ -17,6 +17,10 @@ use crate::kernels::{
 };
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError};
 
+/// Time between two completion queries while the filler polls a round (see
+/// [`super::GpuStreamLimits::wait_spin`]).
+const WAIT_SPIN_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_micros(5);
+
 impl GpuAssembler {
     /// Waits for the oldest queued round and acts on its outcomes.
     pub(super) fn complete_round(&mut self) -> Result<(), FillError> {
@@ -27,7 +31,12 @@ impl GpuAssembler {
         // done within microseconds, and a sleeping filler wakes tens of microseconds late.
         if !self.wait_spin.is_zero() {
             while waited.elapsed() < self.wait_spin && !done.is_complete()? {
-                std::hint::spin_loop();
+                // A query every few microseconds, not back to back: queries in a tight loop slowed
+                // a window shuffle's shard copies (read-path run 49).
+                let paused = Instant::now();
+                while paused.elapsed() < WAIT_SPIN_QUERY_INTERVAL {
+                    std::hint::spin_loop();
+                }
             }
         }
         done.synchronize()?;

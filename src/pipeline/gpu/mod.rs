@@ -160,14 +160,22 @@ impl GpuStreamLimits {
             cache_bytes: 256 << 20,
             scratch_bytes: 64 << 20,
             pieces_max: 64 << 10,
-            rounds_in_flight: env_tuning("GPUFEED_ROUNDS_IN_FLIGHT", 2, ROUNDS_IN_FLIGHT_MAX as u64)
-                .map_or(3, |n| n as usize),
+            rounds_in_flight: env_tuning(
+                "GPUFEED_ROUNDS_IN_FLIGHT",
+                2,
+                ROUNDS_IN_FLIGHT_MAX as u64,
+            )
+            .map_or(3, |n| n as usize),
             zero_copy: ZeroCopy::Auto,
             device_shard_bytes: DEVICE_SHARD_BYTES_DEFAULT,
             loader_copy_threads: LOADER_COPY_THREADS_DEFAULT,
             wait_spin: std::time::Duration::from_micros(
-                env_tuning("GPUFEED_FILLER_SPIN_US", 0, WAIT_SPIN_MAX.as_micros() as u64)
-                    .unwrap_or(0),
+                env_tuning(
+                    "GPUFEED_FILLER_SPIN_US",
+                    0,
+                    WAIT_SPIN_MAX.as_micros() as u64,
+                )
+                .unwrap_or(0),
             ),
         }
     }
