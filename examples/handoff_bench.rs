@@ -78,6 +78,10 @@ struct Args {
     /// Where the dataset is packed (default: a temporary directory).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// With --dir: reuse the dataset packed there by an earlier run with the same --samples and
+    /// --row-bytes (recorded beside it when its packing completed) instead of packing it again.
+    #[arg(long, requires = "dir")]
+    reuse: bool,
     /// Append the JSON lines to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -128,24 +132,47 @@ fn main() -> Result<()> {
     let name = "handoff-bench";
     let width = args.row_bytes / 2;
     let packing = Instant::now();
-    let dataset = bench::pack_dataset(
-        &root.join(name),
-        name,
-        &[FieldSource::from_bytes(
-            "data",
-            DType::F16,
-            vec![width as u64],
-            synth::embedding_f16(args.samples as usize * width, 1),
-        )?],
-        CodecChoice::Raw,
-        OnExisting::Replace,
-    )?;
-    eprintln!(
-        "packed {} rows of {} bytes in {:.1} s",
-        args.samples,
-        args.row_bytes,
-        packing.elapsed().as_secs_f64()
+    // What the generated dataset is made from: the same words, the same bytes (the generator is
+    // seeded).
+    let packed_from = root.join(format!("{name}.packed-from"));
+    let wanted = format!(
+        "samples {} row_bytes {} seed 1 raw",
+        args.samples, args.row_bytes
     );
+    let reusable = args.reuse
+        && std::fs::read_to_string(&packed_from).is_ok_and(|recorded| recorded == wanted);
+    let dataset = if reusable {
+        let dataset = Arc::new(gpufeed::format::Dataset::open(&root.join(name))?);
+        eprintln!(
+            "reusing the dataset packed in {} ({wanted})",
+            root.join(name).display()
+        );
+        dataset
+    } else {
+        // Recorded again only once the packing is complete.
+        let _ = std::fs::remove_file(&packed_from);
+        let dataset = bench::pack_dataset(
+            &root.join(name),
+            name,
+            &[FieldSource::from_bytes(
+                "data",
+                DType::F16,
+                vec![width as u64],
+                synth::embedding_f16(args.samples as usize * width, 1),
+            )?],
+            CodecChoice::Raw,
+            OnExisting::Replace,
+        )?;
+        std::fs::write(&packed_from, &wanted)
+            .with_context(|| format!("writing {}", packed_from.display()))?;
+        eprintln!(
+            "packed {} rows of {} bytes in {:.1} s",
+            args.samples,
+            args.row_bytes,
+            packing.elapsed().as_secs_f64()
+        );
+        dataset
+    };
     // Page cache warm and clean: the packer's writes reach the disk before the clock runs (write-back
     // during a run would be measured with it), then every shard is read once.
     // SAFETY: sync takes no arguments.
