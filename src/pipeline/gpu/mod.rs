@@ -42,7 +42,7 @@ use foldhash::{HashSet, HashSetExt};
 
 use self::cache::BlockCache;
 pub use self::round::RoundBufferPool;
-use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers};
+use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, RoundShape};
 use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
 use crate::decode::BlockRef;
 use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer, Stream};
@@ -244,7 +244,7 @@ pub struct GpuAssembler {
     buffers: Vec<RoundBuffers>,
     /// Where the round buffers go back when the stream closes, and what they were made for.
     pool: Arc<RoundBufferPool>,
-    round_shape: (usize, usize, usize, usize),
+    round_shape: RoundShape,
     /// Rounds queued, oldest first (at most one per set of round buffers).
     rounds: VecDeque<PendingRound>,
     /// See [`GpuStreamLimits::wait_spin`].

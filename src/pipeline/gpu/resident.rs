@@ -50,14 +50,13 @@ const PLAN_WORKERS_MAX: usize = 32;
 fn plan_workers() -> usize {
     static WORKERS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *WORKERS.get_or_init(|| {
-        std::env::var("GPUFEED_PLAN_THREADS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|n| (1..=PLAN_WORKERS_MAX).contains(n))
-            .unwrap_or_else(|| {
+        super::env_tuning("GPUFEED_PLAN_THREADS", 1, PLAN_WORKERS_MAX as u64).map_or_else(
+            || {
                 let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
                 PLAN_WORKERS.min(cpus.max(2))
-            })
+            },
+            |n| n as usize,
+        )
     })
 }
 

@@ -161,7 +161,7 @@ impl RoundBuffers {
 }
 
 /// What a set of round buffers was made for: staging bytes, jobs, pieces and host bytes.
-type RoundShape = (usize, usize, usize, usize);
+pub(super) type RoundShape = (usize, usize, usize, usize);
 
 /// Round buffers kept between streams on one device, so that a stream opened after another
 /// finished takes its round buffers (a few device allocations of tens of MiB and a pinned host
