@@ -301,6 +301,9 @@ fn measure(
     // The pipeline alone.
     let started = Instant::now();
     let mut device_seconds = 0.0;
+    // The GPU pipeline's host phases summed over the epochs (see `GpuFillTimings`): where a batch's
+    // time goes when the device is not the limit.
+    let mut phases = [0.0f64; 5];
     for epoch in 0..epochs {
         let plan = Arc::new(StreamPlan::new(
             Arc::clone(dataset),
@@ -319,9 +322,18 @@ fn measure(
                 }
             }
             Some(backend) => {
-                let (seconds, _) =
+                let (seconds, timings) =
                     bench::gpu_pipeline_alone(backend, &plan, plan.slot_count as usize)?;
                 device_seconds += seconds;
+                for (sum, value) in phases.iter_mut().zip([
+                    timings.plan_s,
+                    timings.gather_s,
+                    timings.wait_s,
+                    timings.decode_s,
+                    timings.copy_wait_s,
+                ]) {
+                    *sum += value;
+                }
             }
         }
     }
@@ -376,6 +388,11 @@ fn measure(
         "delivered_bytes": delivered_bytes,
         "pipeline_seconds": pipeline_seconds,
         "pipeline_device_seconds": if backend.is_some() { json!(device_seconds) } else { Value::Null },
+        "pipeline_plan_seconds": backend.map(|_| phases[0]),
+        "pipeline_queue_seconds": backend.map(|_| phases[1]),
+        "pipeline_wait_seconds": backend.map(|_| phases[2]),
+        "pipeline_outcome_seconds": backend.map(|_| phases[3]),
+        "pipeline_copy_wait_seconds": backend.map(|_| phases[4]),
         "consumer_seconds": consumer_seconds,
         "consumer_process_seconds": process_seconds,
         "consumer_first_batch_seconds": consumer["first_batch_seconds"],

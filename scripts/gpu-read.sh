@@ -19,6 +19,7 @@
 #      --prefetch (4); READ_PREFETCHES="4 8": each run once per value, interleaved. READ_BENCH_ONLY=1: step 3 only;
 #      READ_TESTS_ONLY=1: steps 1 and 2 only. READ_COLD_ROUNDS=N: after step 3, N interleaved cold
 #      rounds (see read_cold); READ_BENCH_ONLY=1 READ_CASES=none READ_COLD_ROUNDS=N: cold rounds only.
+#      READ_BENCH_S: the seconds step 3 may take (240).
 # Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -265,7 +266,7 @@ if [ "${1:-}" = --bench-only ]; then
   read_bench
   exit $?
 fi
-[ -z "${READ_TESTS_ONLY:-}" ] && step read_bench bench 240 60 bash "$0" --bench-only
+[ -z "${READ_TESTS_ONLY:-}" ] && step read_bench bench "${READ_BENCH_S:-240}" 60 bash "$0" --bench-only
 [ -n "${READ_COLD_ROUNDS:-}" ] && step read_cold bench 400 60 bash "$0" --cold-only
 # API errors are not reported: libcufile's own cuFileDriverOpen frees an invalid pointer once per
 # process (an error inside NVIDIA's library, seen in the first run); kernel memory errors still are.

@@ -62,9 +62,22 @@ pub const WAIT_SPIN_MAX: std::time::Duration = std::time::Duration::from_millis(
 /// [`StreamPlan::placement_runs`]).
 const RUN_OUT_BYTES_MAX: usize = 1 << 20;
 
+/// Default largest output of a gather piece made by merging adjacent samples (see
+/// [`merged_piece_out_bytes`]).
+const MERGED_PIECE_OUT_BYTES_DEFAULT: u64 = 16 << 10;
+
 /// Largest output of a gather piece made by merging adjacent samples: small enough that a batch of
-/// consecutive samples still spreads over many thread blocks.
-const MERGED_PIECE_OUT_BYTES_MAX: u64 = 64 << 10;
+/// consecutive samples spreads over many thread blocks. A thread block converts one piece at a time,
+/// and on the H100 a piece of 64 KiB took one block about 20 µs: a batch of 1024 rows of 2 KiB in
+/// dataset order (64 such pieces, so 64 of the 132 multiprocessors busy) took 22 µs of gather, a
+/// third of the round. 16 KiB by default; `GPUFEED_GATHER_PIECE_KIB` (4 to 1024) sets it.
+pub(crate) fn merged_piece_out_bytes() -> u64 {
+    static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        env_tuning("GPUFEED_GATHER_PIECE_KIB", 4, 1024)
+            .map_or(MERGED_PIECE_OUT_BYTES_DEFAULT, |kib| kib << 10)
+    })
+}
 
 /// Device memory of one GPU stream, all allocated when the stream opens.
 #[derive(Clone, Copy, Debug)]

@@ -753,18 +753,20 @@ fn check_in_map(
     decode::check_block(stored, &entry, at).map_err(|e| Arc::new(CorruptBlock::from(e)))
 }
 
-/// Adds pieces reading file bytes `at..stop` of shard `shard` in place to slot offset `out_at`,
-/// split at window edges (windows are registered separately, so their device addresses are not
-/// contiguous); returns the slot offset after them.
+/// Adds pieces reading file bytes `span` of shard `shard` in place to slot offset `out_at`, split
+/// at window edges (windows are registered separately, so their device addresses are not
+/// contiguous) and merged with the previous piece up to `merged_out_bytes_max`; returns the slot
+/// offset after them.
 fn push_in_place(
     gather: &mut GatherPlan,
     resident: &RowGeometry,
     shard: usize,
-    mut at: u64,
-    stop: u64,
+    span: std::ops::Range<u64>,
     mut out_at: u64,
     op: GatherOp,
+    merged_out_bytes_max: u64,
 ) -> u64 {
+    let (mut at, stop) = (span.start, span.end);
     while at < stop {
         let window = at / resident.window_bytes;
         let piece_end = stop.min((window + 1) * resident.window_bytes);
@@ -777,7 +779,7 @@ fn push_in_place(
             elements,
             op,
             1.0,
-            super::MERGED_PIECE_OUT_BYTES_MAX,
+            merged_out_bytes_max,
         );
         out_at += elements * op.out_bytes();
         at = piece_end;
@@ -897,13 +899,24 @@ fn run_pieces(
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let out_at = (field.offset + row * field.sample_bytes_out) as u64;
-        // Pieces of at most MERGED_PIECE_OUT_BYTES_MAX, as merging rows one by one would make them,
-        // so that a batch spreads over many thread blocks.
-        let chunk = (super::MERGED_PIECE_OUT_BYTES_MAX / op.out_bytes()).max(1) * op.in_bytes();
+        // Pieces as merging rows one by one would make them: of at most `merged_piece_out_bytes`,
+        // so that a batch spreads over many thread blocks, but never smaller than one row, so that
+        // a run adds no more pieces than its rows would one by one (the round's table is sized
+        // for that).
+        let merged_max = super::merged_piece_out_bytes().max(field.sample_bytes_out as u64);
+        let chunk = (merged_max / op.out_bytes()).max(1) * op.in_bytes();
         let (mut at, mut out_at) = (at, out_at);
         while at < stop {
             let piece_stop = stop.min(at + chunk);
-            out_at = push_in_place(gather, geometry, shard, at, piece_stop, out_at, op);
+            out_at = push_in_place(
+                gather,
+                geometry,
+                shard,
+                at..piece_stop,
+                out_at,
+                op,
+                merged_max,
+            );
             at = piece_stop;
         }
     }
@@ -924,6 +937,7 @@ fn row_pieces(
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        let merged_max = super::merged_piece_out_bytes().max(field.sample_bytes_out as u64);
         if let Some((base, size)) = resident.linear[shard][index] {
             if !resident.corrupt.is_empty() {
                 for block in (start / size)..=((end - 1) / size) {
@@ -941,10 +955,10 @@ fn row_pieces(
                 gather,
                 resident,
                 shard,
-                base + start,
-                base + end,
+                base + start..base + end,
                 out_at,
                 op,
+                merged_max,
             );
             continue;
         }
@@ -969,7 +983,7 @@ fn row_pieces(
             let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
             // Raw blocks store the raw bytes.
             let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
-            out_at = push_in_place(gather, resident, shard, at, stop, out_at, op);
+            out_at = push_in_place(gather, resident, shard, at..stop, out_at, op, merged_max);
         }
     }
     None

@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
 
-use super::{GpuAssembler, MERGED_PIECE_OUT_BYTES_MAX};
+use super::{merged_piece_out_bytes, GpuAssembler};
 use crate::device::{
     fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer,
     PinnedBuffer, Stream,
@@ -836,7 +836,7 @@ impl GpuAssembler {
                 elements,
                 op,
                 1.0,
-                MERGED_PIECE_OUT_BYTES_MAX,
+                merged_piece_out_bytes(),
             );
         }
         replaced.extend(corrupt.iter().map(|(i, _)| first_row + i));
