@@ -14,7 +14,7 @@ use common::{device, fresh_rng, small};
 use gpufeed::decode::{decode_block, shuffle, BlockRef};
 use gpufeed::device::{
     compile, BufferPool, CacheDir, Device, DeviceBuffer, DeviceError, DeviceMemory, Event,
-    EventTiming, ExportableBuffer, ModuleOrigin, Stream,
+    EventTiming, ExportableBuffer, ModuleOrigin, PinnedBuffer, Stream,
 };
 use gpufeed::format::{checksum, BlockEntry, Codec, Filter};
 use gpufeed::kernels::reference::{
@@ -904,6 +904,79 @@ fn gpu_gather_skips_pieces_outside_their_buffers() {
         }
     );
     check_gather(&plan, &sources, &run);
+}
+
+/// Resident rounds pass the gather an outcome in their pinned buffer, mapped for the device and
+/// zeroed by the host: the kernel's counts land there with no memset or download on the stream,
+/// the same as through device memory, and a buffer zeroed again reads zero after a clean launch.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gather_writes_its_outcome_into_zeroed_mapped_host_memory() {
+    let device = device();
+    let kernels = kernels(&device);
+    let stream = Stream::new(&device).unwrap();
+    let sources = vec![synth::random_bytes(1000, 3)];
+    let source = DeviceBuffer::from_host(&device, &sources[0]).unwrap();
+    let piece = |src_offset: u64, dst_offset: u64, elements: u32| GatherPiece {
+        source: 0,
+        src_offset,
+        dst_offset,
+        elements,
+        op: GatherOp::F16ToF32,
+        scale: 1.0,
+    };
+    let mut faulty = GatherPlan::new();
+    faulty.push_piece(piece(0, 0, 250)); // fits
+    faulty.push_piece(piece(2, 1000, 500)); // reads past the source
+    faulty.push_piece(piece(0, 4000, 1)); // writes past the slot
+    faulty.push_piece(piece(500, 1000, 250)); // fits
+    let mut clean = GatherPlan::new();
+    clean.push_piece(piece(0, 0, 500));
+    // The outcome at an offset inside a larger pinned buffer, as in a round's buffer.
+    let mut host = PinnedBuffer::new(&device, 4096).unwrap();
+    let at = 1024;
+    for (plan, expected) in [
+        (
+            &faulty,
+            GatherOutcome {
+                faulted_pieces: 2,
+                last_faulted_plus_1: 3,
+            },
+        ),
+        (&clean, GatherOutcome::default()),
+    ] {
+        host.as_mut_slice()[at..at + GATHER_OUTCOME_BYTES].fill(0);
+        let table = DeviceBuffer::from_host(&device, &plan.encode()).unwrap();
+        let dst = DeviceBuffer::from_host(&device, &vec![POISON; 2000]).unwrap();
+        let outcome = host.mapped(at, GATHER_OUTCOME_BYTES);
+        // SAFETY: every buffer lives until the stream is synchronised below; the host does not
+        // touch the pinned buffer meanwhile.
+        unsafe {
+            kernels
+                .gather
+                .gather_regions_async(
+                    &stream,
+                    &table,
+                    plan.pieces().len() as u32,
+                    &[&source],
+                    None,
+                    &dst,
+                    (&outcome, true),
+                )
+                .unwrap()
+        };
+        stream.synchronize().unwrap();
+        let run = GatherRun {
+            dst: dst.to_vec().unwrap(),
+            outcome: GatherOutcome::decode(&host.as_slice()[at..at + GATHER_OUTCOME_BYTES]),
+        };
+        assert_eq!(run.outcome, expected);
+        check_gather(plan, &sources, &run);
+        assert!(host.as_slice()[..at].iter().all(|&b| b == 0));
+        assert!(host.as_slice()[at + GATHER_OUTCOME_BYTES..]
+            .iter()
+            .all(|&b| b == 0));
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

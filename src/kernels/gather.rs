@@ -429,13 +429,26 @@ impl Gatherer {
     ) -> Result<(), DeviceError> {
         // SAFETY: no region table; the rest is the caller's contract, the same as here.
         unsafe {
-            self.gather_regions_async(stream, pieces, piece_count, sources, None, dst, outcome)
+            self.gather_regions_async(
+                stream,
+                pieces,
+                piece_count,
+                sources,
+                None,
+                dst,
+                (outcome, false),
+            )
         }
     }
 
     /// [`Self::gather_async`] with a region table: `regions` is a device buffer holding `count`
     /// encoded [`GatherRegion`]s ([`GatherRegion::encode_all`]), which pieces whose source index is
     /// [`GatherRegion::source_index`] read from.
+    ///
+    /// `outcome` is the outcome's memory and whether it holds zeros already: the caller may pass
+    /// pinned host memory mapped for the device that it zeroed itself, which spares the stream a
+    /// memset before the launch and a download after it (the kernel writes the outcome only when a
+    /// piece does not fit, with device atomics; the host reads it once the launch has completed).
     ///
     /// # Safety
     /// As for [`Self::gather_async`]; in addition every region of the table is host memory mapped for
@@ -449,7 +462,7 @@ impl Gatherer {
         sources: &[&dyn DeviceMemory],
         regions: Option<(&dyn DeviceMemory, u32)>,
         dst: &dyn DeviceMemory,
-        outcome: &dyn DeviceMemory,
+        (outcome, outcome_zeroed): (&dyn DeviceMemory, bool),
     ) -> Result<(), DeviceError> {
         assert!(
             sources.len() <= GATHER_SOURCES_MAX,
@@ -472,7 +485,9 @@ impl Gatherer {
                 capacity: outcome.len() as u64,
             });
         }
-        fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0)?;
+        if !outcome_zeroed {
+            fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0)?;
+        }
         if piece_count == 0 {
             return Ok(());
         }

@@ -748,7 +748,7 @@ impl GpuAssembler {
                     &[&self.cache, &buffers.staging],
                     regions,
                     slot,
-                    &buffers.gather_outcome,
+                    (&buffers.gather_outcome, false),
                 )
             }?;
             let in_place: u64 = plan
