@@ -413,15 +413,3 @@ gf_gather_convert(const GatherPiece* __restrict__ pieces, u32 piece_count, Gathe
         }
     }
 }
-
-// Copies `count` 16-byte words from src to dst. A resident round's piece and region tables are
-// written by the host into pinned memory; while shard copies fill the link, every read the gather
-// kernel makes of that memory waits behind them, so the tables are first copied into device memory
-// by this kernel, on a stream of their own, ahead of the gather that reads them (see
-// src/pipeline/gpu/resident.rs). The copy engines would queue the same copy behind the shard copies.
-extern "C" __global__ void __launch_bounds__(256)
-gf_copy_words(const uint4* __restrict__ src, uint4* __restrict__ dst, u32 count) {
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
-        dst[i] = src[i];
-    }
-}

@@ -979,52 +979,6 @@ fn gpu_gather_writes_its_outcome_into_zeroed_mapped_host_memory() {
     }
 }
 
-/// Resident rounds copy their tables from pinned host memory into device memory with the gather
-/// module's word copy: every word arrives, for one word up to many blocks' worth, and a copy larger
-/// than either buffer is refused before anything is queued.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gpu_word_copy_moves_pinned_tables_into_device_memory() {
-    let device = device();
-    let kernels = kernels(&device);
-    let stream = Stream::new(&device).unwrap();
-    let bytes = 16 * 100_003;
-    let mut host = PinnedBuffer::new(&device, bytes + 64).unwrap();
-    host.as_mut_slice()
-        .copy_from_slice(&synth::random_bytes(bytes + 64, 5));
-    for words in [1usize, 17, 256, 257, 100_003] {
-        let dst = DeviceBuffer::from_host(&device, &vec![POISON; bytes]).unwrap();
-        let src = host.mapped(64, words * 16);
-        // SAFETY: both buffers live until the stream is synchronised below; the host does not write
-        // the pinned buffer meanwhile.
-        unsafe {
-            kernels
-                .gather
-                .copy_words_async(&stream, &src, &dst, words * 16)
-                .unwrap()
-        };
-        stream.synchronize().unwrap();
-        let got = dst.to_vec().unwrap();
-        assert_eq!(
-            &got[..words * 16],
-            &host.as_slice()[64..64 + words * 16],
-            "{words} words"
-        );
-        assert!(
-            got[words * 16..].iter().all(|&b| b == POISON),
-            "{words} words: wrote past"
-        );
-    }
-    let small = DeviceBuffer::new(&device, 32).unwrap();
-    let src = host.mapped(0, 64);
-    // SAFETY: refused before anything is queued.
-    let refused = unsafe { kernels.gather.copy_words_async(&stream, &src, &small, 64) };
-    assert!(
-        matches!(refused, Err(DeviceError::OutOfBounds { .. })),
-        "{refused:?}"
-    );
-}
-
 // ------------------------------------------------------------------------------------------------
 // Memory, streams, graphs, caches
 

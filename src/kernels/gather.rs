@@ -381,8 +381,6 @@ impl GatherLayout {
 /// The compiled gather + convert kernel for one device.
 pub struct Gatherer {
     kernel: Kernel,
-    /// `gf_copy_words`, from the same module.
-    copy: Kernel,
     grid_max: u32,
 }
 
@@ -403,19 +401,11 @@ impl Gatherer {
         };
         let (module, origin) = device.load_module(&GATHER_SOURCE, &options)?;
         let kernel = module.kernel(device, "gf_gather_convert")?;
-        let copy = module.kernel(device, "gf_copy_words")?;
         let per_sm = kernel
             .blocks_per_multiprocessor(GATHER_BLOCK_THREADS)?
             .max(1);
         let grid_max = per_sm * device.properties().multiprocessors.max(1);
-        Ok((
-            Gatherer {
-                kernel,
-                copy,
-                grid_max,
-            },
-            origin,
-        ))
+        Ok((Gatherer { kernel, grid_max }, origin))
     }
 
     /// Queues the gather of `piece_count` pieces encoded in `pieces` ([`GatherPlan::encode`]) from
@@ -548,64 +538,6 @@ impl Gatherer {
         // contract.
         self.kernel
             .launch(stream, grid, GATHER_BLOCK_THREADS, &mut params)
-    }
-}
-
-impl Gatherer {
-    /// Queues a copy of the first `bytes` of `src` into `dst` by the device's multiprocessors, not a
-    /// copy engine: for a round's tables in pinned host memory mapped for the device, which a copy
-    /// engine busy with shard copies would reach only after them. `bytes` is a multiple of 16 and both
-    /// buffers start 16-byte aligned.
-    ///
-    /// # Safety
-    /// Both buffers stay allocated until the copy has completed on `stream`; nothing else writes
-    /// `src` or touches `dst` meanwhile.
-    pub unsafe fn copy_words_async(
-        &self,
-        stream: &Stream,
-        src: &dyn DeviceMemory,
-        dst: &dyn DeviceMemory,
-        bytes: usize,
-    ) -> Result<(), DeviceError> {
-        assert!(
-            bytes % 16 == 0 && src.device_ptr() % 16 == 0 && dst.device_ptr() % 16 == 0,
-            "word copies move aligned 16-byte words"
-        );
-        for (what, capacity) in [
-            ("word copy source", src.len()),
-            ("word copy destination", dst.len()),
-        ] {
-            if bytes > capacity {
-                return Err(DeviceError::OutOfBounds {
-                    what,
-                    offset: 0,
-                    bytes: bytes as u64,
-                    capacity: capacity as u64,
-                });
-            }
-        }
-        let words = (bytes / 16) as u32;
-        if words == 0 {
-            return Ok(());
-        }
-        let grid = words
-            .div_ceil(GATHER_BLOCK_THREADS)
-            .min(self.grid_max)
-            .max(1);
-        let mut src_ptr = src.device_ptr();
-        let mut dst_ptr = dst.device_ptr();
-        let mut count = words;
-        let mut params: [*mut c_void; 3] = [
-            &mut src_ptr as *mut u64 as *mut c_void,
-            &mut dst_ptr as *mut u64 as *mut c_void,
-            &mut count as *mut u32 as *mut c_void,
-        ];
-        // SAFETY: the parameters match gf_copy_words's signature (pointer, pointer, u32); both
-        // buffers hold `count` words (checked above); lifetimes are the caller's contract.
-        unsafe {
-            self.copy
-                .launch(stream, grid, GATHER_BLOCK_THREADS, &mut params)
-        }
     }
 }
 

@@ -20,8 +20,7 @@
 //! off, so nothing corrupt is ever served.
 //!
 //! Ordering: all device work of a stream runs on its compute stream, which waits on the reader's
-//! copy stream for each round's reads, and (resident streams with shard copies) on the table stream
-//! for each round's tables. The first write into a slot waits on the slot's `released`
+//! copy stream for each round's reads. The first write into a slot waits on the slot's `released`
 //! event, which the consumer recorded on its own stream when it released the slot. Block cache
 //! entries are reused in stream order, so a gather queued before a decode that overwrites its source
 //! entry has read it first.
@@ -109,11 +108,6 @@ pub struct GpuStreamLimits {
     /// (at most [`WAIT_SPIN_MAX`]; zero: it sleeps at once). A sleeping filler wakes some tens of
     /// microseconds after the round is done; polling costs the host core it runs on.
     pub wait_spin: std::time::Duration,
-    /// Whether a resident round whose shards are copied ahead has its piece and region tables
-    /// copied from pinned host memory into device memory by a small kernel on a stream of its own,
-    /// ahead of its gather (`GPUFEED_STAGE_GATHER_TABLES`, 1 by default; 0: the gather reads them
-    /// from pinned memory over a link busy with the shard copies).
-    pub stage_tables: bool,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -196,7 +190,6 @@ impl GpuStreamLimits {
                 )
                 .unwrap_or(0),
             ),
-            stage_tables: env_tuning("GPUFEED_STAGE_GATHER_TABLES", 0, 1).is_none_or(|v| v == 1),
         }
     }
 }
@@ -269,9 +262,6 @@ pub struct GpuAssembler {
     rounds: VecDeque<PendingRound>,
     /// See [`GpuStreamLimits::wait_spin`].
     wait_spin: std::time::Duration,
-    /// Where resident rounds' tables are copied into device memory when
-    /// [`GpuStreamLimits::stage_tables`] is set (`None` otherwise).
-    table_stream: Option<Stream>,
     /// Batches submitted, oldest first.
     batches: VecDeque<PendingBatch>,
     next_buffers: usize,
@@ -325,10 +315,6 @@ impl GpuAssembler {
             &metrics,
         )?;
         let resident_s = started.elapsed().as_secs_f64() - opened_s;
-        let table_stream = match resident.is_some() && limits.stage_tables {
-            true => Some(Stream::new(&device)?),
-            false => None,
-        };
         let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;
         let cache_s = started.elapsed().as_secs_f64() - opened_s - resident_s;
         // At most one job per staged page: a bound on the jobs of one round.
@@ -387,7 +373,6 @@ impl GpuAssembler {
             round_shape,
             rounds: VecDeque::with_capacity(rounds_in_flight),
             wait_spin: limits.wait_spin.min(WAIT_SPIN_MAX),
-            table_stream,
             batches: VecDeque::new(),
             next_buffers: 0,
             verified: HashSet::new(),
@@ -531,14 +516,8 @@ impl GpuAssembler {
 
 impl Drop for GpuAssembler {
     fn drop(&mut self) {
-        // Queued rounds read the staging buffers and write slots: let them finish first (and table
-        // copies, which a round's gather waits for, but one that failed before its gather was queued
-        // may still run).
-        let synchronized = self.stream.synchronize().and_then(|()| {
-            self.table_stream
-                .as_ref()
-                .map_or(Ok(()), |tables| tables.synchronize())
-        });
+        // Queued rounds read the staging buffers and write slots: let them finish first.
+        let synchronized = self.stream.synchronize();
         if let Some(resident) = &mut self.resident {
             resident.release(self.reader.windows());
         }

@@ -1084,11 +1084,10 @@ impl GpuAssembler {
                     device_shards.prepare_round(&needed, &regions_read, &self.stream)?;
             }
             // When shards are copied ahead, the piece table (and the region table, when some
-            // shards are read from their device copies) are written to the round's pinned buffer,
-            // then copied into device memory on the table stream (or, with `stage_tables` off,
-            // read by the kernel from there): an upload could wait behind the shard copies on the
-            // copy engines. Otherwise the piece table is uploaded (the kernel then reads it from
-            // device memory).
+            // shards are read from their device copies) are written to the round's pinned buffer
+            // and read by the kernel from there: an upload could wait behind the shard copies on
+            // the copy engines. Otherwise the piece table is uploaded (the kernel then reads it
+            // from device memory).
             let mut table = resident.host_regions.clone();
             let copying = resident.device_shards.is_some();
             let on_device = resident
@@ -1123,50 +1122,19 @@ impl GpuAssembler {
             self.timings.rounds_from_device_copies += u64::from(on_device);
             let buffers = &self.buffers[index];
             let mapped_pieces = buffers.host.mapped(layout.pieces, planned.table.len());
-            let mapped_regions = buffers.host.mapped(layout.regions, encoded_regions.len());
-            let mapped_outcome = buffers
-                .host
-                .mapped(layout.gather_outcome, GATHER_OUTCOME_BYTES);
-            // While shard copies fill the link, each read the gather makes of pinned memory waits
-            // behind them, and a thread block reads its pieces, then their regions: so the tables
-            // are first copied into the round's device buffers by a small kernel on the table
-            // stream, queued now, ahead of the gather, which waits for it on the device.
-            let staged = match (&self.table_stream, copying) {
-                (Some(tables), true) => {
-                    // SAFETY: the pinned tables were written above and are not rewritten before
-                    // this round completes; the device tables belong to this round's buffers,
-                    // whose previous round has completed (the host waited for it).
-                    unsafe {
-                        self.kernels.gather.copy_words_async(
-                            tables,
-                            &mapped_pieces,
-                            &buffers.pieces,
-                            planned.table.len(),
-                        )?;
-                        if on_device {
-                            self.kernels.gather.copy_words_async(
-                                tables,
-                                &mapped_regions,
-                                &buffers.regions,
-                                encoded_regions.len(),
-                            )?;
-                        }
-                    }
-                    buffers.tables.record(tables)?;
-                    self.stream.wait(&buffers.tables)?;
-                    true
-                }
-                _ => false,
-            };
-            let pieces: &dyn DeviceMemory = if copying && !staged {
+            let pieces: &dyn DeviceMemory = if copying {
                 &mapped_pieces
             } else {
                 &buffers.pieces
             };
-            let regions: &dyn DeviceMemory = match (on_device, staged) {
-                (true, true) => &buffers.regions,
-                (true, false) => &mapped_regions,
-                (false, _) => &resident.regions,
+            let mapped_regions = buffers.host.mapped(layout.regions, encoded_regions.len());
+            let mapped_outcome = buffers
+                .host
+                .mapped(layout.gather_outcome, GATHER_OUTCOME_BYTES);
+            let regions: &dyn DeviceMemory = if on_device {
+                &mapped_regions
+            } else {
+                &resident.regions
             };
             // SAFETY: the piece table, region table and outcome (zeroed above) belong to this round (its pinned
             // buffer is written again only after the host waited for the round); the windows the

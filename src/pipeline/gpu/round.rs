@@ -11,8 +11,8 @@ use foldhash::{HashMap, HashMapExt};
 
 use super::{merged_piece_out_bytes, GpuAssembler};
 use crate::device::{
-    fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming,
-    ExportableBuffer, PinnedBuffer, Stream,
+    fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer,
+    PinnedBuffer, Stream,
 };
 use crate::format::{BlockEntry, Codec};
 use crate::kernels::{
@@ -122,9 +122,6 @@ pub(super) struct RoundBuffers {
     pub(super) host: PinnedBuffer,
     /// Recorded after the round's last work (outcome downloads included); sleeps when waited on.
     pub(super) done: Event,
-    /// Recorded on the assembler's table stream once a resident round's tables are in `pieces` and
-    /// `regions`; its gather waits for it.
-    pub(super) tables: Event,
 }
 
 impl RoundBuffers {
@@ -148,7 +145,6 @@ impl RoundBuffers {
             regions: new(REGIONS_MAX * GATHER_REGION_BYTES)?,
             host: PinnedBuffer::new(device, layout.bytes)?,
             done: Event::new_blocking(device)?,
-            tables: Event::new(device, EventTiming::Disabled)?,
         })
     }
 
