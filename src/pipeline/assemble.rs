@@ -4,7 +4,7 @@
 //! The same plan ([`StreamPlan`]) drives the GPU backend (`pipeline::gpu`), where reads land in device
 //! memory and the kernels decode and gather; only [`Assembler`] is CPU-specific.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
@@ -500,6 +500,23 @@ pub struct PlacementRuns {
     pub placements: Vec<Placement>,
 }
 
+/// Rows ahead of the one being converted whose in-place bytes the CPU backend prefetches.
+const PREFETCH_ROWS_AHEAD: usize = 8;
+
+/// A hint to start loading the cache line holding `byte` (nothing on targets without one).
+#[inline(always)]
+fn prefetch(byte: &u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch only hints the cache; `byte` is a valid reference.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            (byte as *const u8).cast(),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = byte;
+}
+
 /// Where one field of one sample lives: its shard, its raw byte range in the field's stream there, and
 /// the blocks (indices within the field) that hold the range.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -802,7 +819,12 @@ impl Assembler {
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
         let mut in_place_bytes = 0u64;
-        for (row, row_placements) in placements.chunks_exact(plan.fields.len()).enumerate() {
+        let width = plan.fields.len();
+        for (row, row_placements) in placements.chunks_exact(width).enumerate() {
+            let ahead = (row + PREFETCH_ROWS_AHEAD) * width;
+            if let Some(ahead) = placements.get(ahead..ahead + width) {
+                self.prefetch_in_place(ahead);
+            }
             let mut corrupt: Option<Arc<CorruptBlock>> = None;
             for (field, placement) in plan.fields.iter().zip(row_placements) {
                 let (shard, start, end) = (placement.shard, placement.start, placement.end);
@@ -870,6 +892,30 @@ impl Assembler {
             samples: sample_count as u32,
             replaced,
         })
+    }
+
+    /// Asks the CPU to start loading the first bytes each field of a later row reads in place from
+    /// a shard's memory map. In a shuffled order every row lies in another page: its address
+    /// translation and first cache line then load while earlier rows are converted, instead of one
+    /// after another (on a VM, where a page walk is costly, shuffled epochs ran at half the rate of
+    /// dataset order without it).
+    fn prefetch_in_place(&self, row_placements: &[Placement]) {
+        for (field, placement) in self.plan.fields.iter().zip(row_placements) {
+            let Some((map, _)) = self.maps[placement.shard].as_ref() else {
+                continue;
+            };
+            let block = placement.blocks.start;
+            let blocks = self.plan.dataset.shards[placement.shard]
+                .metadata
+                .field_blocks(field.field_index);
+            let Some(entry) = blocks.get(block as usize) else {
+                continue;
+            };
+            let at = entry.stored_offset + placement.start.saturating_sub(entry.raw_offset);
+            if let Some(byte) = map.get(at as usize) {
+                prefetch(byte);
+            }
+        }
     }
 
     fn entry(&self, key: &BlockKey) -> crate::format::BlockEntry {
