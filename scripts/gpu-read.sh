@@ -266,9 +266,7 @@ if [ "${1:-}" = --bench-only ]; then
   read_bench
   exit $?
 fi
-bench_s=${READ_BENCH_S:-240}
-# The step runs when at least its own limit (or 60 s, if less) is left of the budget.
-[ -z "${READ_TESTS_ONLY:-}" ] && step read_bench bench "$bench_s" $((bench_s < 60 ? bench_s : 60)) bash "$0" --bench-only
+[ -z "${READ_TESTS_ONLY:-}" ] && step read_bench bench "${READ_BENCH_S:-240}" 60 bash "$0" --bench-only
 [ -n "${READ_COLD_ROUNDS:-}" ] && step read_cold bench 400 60 bash "$0" --cold-only
 # API errors are not reported: libcufile's own cuFileDriverOpen frees an invalid pointer once per
 # process (an error inside NVIDIA's library, seen in the first run); kernel memory errors still are.

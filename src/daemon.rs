@@ -444,6 +444,12 @@ pub fn open_gpu_backend(
             "cuda:{ordinal}: one NUMA node (or the device's is unknown): threads are not bound"
         ),
     }
+    let stream_limits = GpuStreamLimits {
+        zero_copy,
+        device_shard_bytes,
+        loader_copy_threads,
+        ..GpuStreamLimits::node_defaults()
+    };
     Ok(GpuBackend {
         numa,
         windows,
@@ -452,17 +458,12 @@ pub fn open_gpu_backend(
         kernels: Arc::new(kernels),
         // The sets one stream uses, and one more for a stream that opens as another closes.
         round_pool: Arc::new(RoundBufferPool::new(
-            (GpuStreamLimits::node_defaults().rounds_in_flight + 1).min(ROUNDS_IN_FLIGHT_MAX),
+            (stream_limits.rounds_in_flight + 1).min(ROUNDS_IN_FLIGHT_MAX),
             ordinal,
         )),
         reader_limits,
         choice: PathChoice::from_mode(engine),
-        stream_limits: GpuStreamLimits {
-            zero_copy,
-            device_shard_bytes,
-            loader_copy_threads,
-            ..GpuStreamLimits::node_defaults()
-        },
+        stream_limits,
     })
 }
 

@@ -265,21 +265,18 @@ impl Metrics {
 
     /// A stream opened on device `ordinal`, its pipeline holding `device_bytes` of device memory.
     pub fn device_stream_opened(&self, ordinal: u32, device_bytes: u64) {
-        if let Some(device) = self.device(ordinal) {
-            device.streams.fetch_add(1, Ordering::Relaxed);
-            device
-                .stream_device_bytes
-                .fetch_add(device_bytes, Ordering::Relaxed);
-        }
+        self.device_streams_change(ordinal, 1, device_bytes as i64);
     }
 
     /// A stream of device `ordinal` whose pipeline held `device_bytes` closed.
     pub fn device_stream_closed(&self, ordinal: u32, device_bytes: u64) {
+        self.device_streams_change(ordinal, -1, -(device_bytes as i64));
+    }
+
+    fn device_streams_change(&self, ordinal: u32, streams: i64, device_bytes: i64) {
         if let Some(device) = self.device(ordinal) {
-            device.streams.fetch_sub(1, Ordering::Relaxed);
-            device
-                .stream_device_bytes
-                .fetch_sub(device_bytes, Ordering::Relaxed);
+            add_signed(&device.streams, streams);
+            add_signed(&device.stream_device_bytes, device_bytes);
         }
     }
 
@@ -314,16 +311,9 @@ impl Metrics {
     /// Adds to (or, negative, subtracts from) the device bytes of round buffers kept idle for the
     /// next GPU stream on device `ordinal`.
     pub fn add_round_buffers_idle_bytes(&self, ordinal: u32, bytes: i64) {
-        let add = |gauge: &AtomicU64| {
-            if bytes >= 0 {
-                gauge.fetch_add(bytes as u64, Ordering::Relaxed);
-            } else {
-                gauge.fetch_sub(bytes.unsigned_abs(), Ordering::Relaxed);
-            }
-        };
-        add(&self.round_buffers_idle_bytes);
+        add_signed(&self.round_buffers_idle_bytes, bytes);
         if let Some(device) = self.device(ordinal) {
-            add(&device.round_buffers_idle_bytes);
+            add_signed(&device.round_buffers_idle_bytes, bytes);
         }
     }
 
@@ -491,6 +481,15 @@ pub struct Snapshot {
     pub datasets: Vec<(&'static str, u64)>,
     /// Job records by state name.
     pub jobs: Vec<(&'static str, u64)>,
+}
+
+/// Adds `delta` to a gauge (subtracts, when negative).
+fn add_signed(gauge: &AtomicU64, delta: i64) {
+    if delta >= 0 {
+        gauge.fetch_add(delta as u64, Ordering::Relaxed);
+    } else {
+        gauge.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+    }
 }
 
 /// A per-device series: name, type, help, and its value for one device.

@@ -14,11 +14,12 @@ summary=()
 sanitize=(env GPUFEED_TEST_SCALE=small compute-sanitizer --error-exitcode 99 --print-limit 20)
 
 # step NAME LOG LIMIT_S MIN_S COMMAND...: runs COMMAND with its output appended to $OUT/LOG.log, within
-# LIMIT_S and what is left of the budget; skipped when less than MIN_S is left. (The device tool brings
-# back at most 8 files, so related steps share a log.)
+# LIMIT_S and what is left of the budget; skipped when less than MIN_S (at most LIMIT_S) is left. (The
+# device tool brings back at most 8 files, so related steps share a log.)
 step() {
   local name=$1 log=$2 limit=$3 min=$4
   shift 4
+  [ "$min" -gt "$limit" ] && min=$limit
   local left=$((budget_s - ($(date +%s) - started)))
   if [ "$left" -lt "$min" ]; then
     summary+=("$(printf "%-${step_name_width}s SKIPPED (%ss of budget left)" "$name" "$left")")

@@ -755,6 +755,14 @@ fn check_in_map(
     decode::check_block(stored, &entry, at).map_err(|e| Arc::new(CorruptBlock::from(e)))
 }
 
+/// The largest output of a piece merged from consecutive rows of a field whose rows deliver
+/// `sample_bytes_out` each: [`super::merged_piece_out_bytes`], but never less than one row, so that
+/// rows merged never make more pieces than the same rows one by one (the round's table is sized for
+/// that).
+fn merged_out_bytes_max(sample_bytes_out: usize) -> u64 {
+    super::merged_piece_out_bytes().max(sample_bytes_out as u64)
+}
+
 /// Adds pieces reading file bytes `span` of shard `shard` in place to slot offset `out_at`, split
 /// at window edges (windows are registered separately, so their device addresses are not
 /// contiguous) and merged with the previous piece up to `merged_out_bytes_max`; returns the slot
@@ -901,11 +909,9 @@ fn run_pieces(
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let out_at = (field.offset + row * field.sample_bytes_out) as u64;
-        // Pieces as merging rows one by one would make them: of at most `merged_piece_out_bytes`,
-        // so that a batch spreads over many thread blocks, but never smaller than one row, so that
-        // a run adds no more pieces than its rows would one by one (the round's table is sized
-        // for that).
-        let merged_max = super::merged_piece_out_bytes().max(field.sample_bytes_out as u64);
+        // Pieces as merging rows one by one would make them, so that a batch spreads over many
+        // thread blocks.
+        let merged_max = merged_out_bytes_max(field.sample_bytes_out);
         let chunk = (merged_max / op.out_bytes()).max(1) * op.in_bytes();
         let (mut at, mut out_at) = (at, out_at);
         while at < stop {
@@ -939,7 +945,7 @@ fn row_pieces(
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
-        let merged_max = super::merged_piece_out_bytes().max(field.sample_bytes_out as u64);
+        let merged_max = merged_out_bytes_max(field.sample_bytes_out);
         if let Some((base, size)) = resident.linear[shard][index] {
             if !resident.corrupt.is_empty() {
                 for block in (start / size)..=((end - 1) / size) {
