@@ -99,6 +99,15 @@ fn shuffle(args: &Args) -> Result<Shuffle> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // With GPUFEED_LOG set (as for the daemon, e.g. `info`), the in-process daemon's log goes to
+    // stderr: its filler's per-stream line says where a stream's time went (waiting for the device,
+    // for a free slot, delivering).
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("GPUFEED_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     if args.row_bytes % 2 != 0 || args.row_bytes == 0 {
         bail!(
             "--row-bytes {}: fp16 rows need an even, non-zero byte count",

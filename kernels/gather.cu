@@ -320,6 +320,37 @@ __device__ __forceinline__ void op_sizes(u32 op, u32* in_bytes, u32* out_bytes) 
     }
 }
 
+// Converts one piece's `count` elements at `src` into `out` with conversion `op` (GF_OP_*); an unknown
+// op writes nothing (the callers count it as a fault first).
+__device__ __forceinline__ void convert_op(u32 op, const u8* src, u8* out, u32 count, float scale) {
+    switch (op) {
+        case GF_OP_COPY: convert_piece<u8, u8>(src, out, count, CopyByte()); break;
+        case GF_OP_F16_F32: convert_piece<u16, float>(src, out, count, F16ToF32()); break;
+        case GF_OP_BF16_F32: convert_piece<u16, float>(src, out, count, Bf16ToF32()); break;
+        case GF_OP_U8_F32: {
+            U8ToF32 conv;
+            conv.scale = scale;
+            convert_piece<u8, float>(src, out, count, conv);
+            break;
+        }
+        case GF_OP_I8_F32: convert_piece<i8, float>(src, out, count, IntToF32<i8>()); break;
+        case GF_OP_U16_F32: convert_piece<u16, float>(src, out, count, IntToF32<u16>()); break;
+        case GF_OP_I16_F32: convert_piece<i16, float>(src, out, count, IntToF32<i16>()); break;
+        case GF_OP_U32_F32: convert_piece<u32, float>(src, out, count, IntToF32<u32>()); break;
+        case GF_OP_I32_F32: convert_piece<i32, float>(src, out, count, IntToF32<i32>()); break;
+        case GF_OP_U64_F32: convert_piece<u64, float>(src, out, count, IntToF32<u64>()); break;
+        case GF_OP_I64_F32: convert_piece<i64, float>(src, out, count, IntToF32<i64>()); break;
+        case GF_OP_F64_F32: convert_piece<u64, float>(src, out, count, F64ToF32()); break;
+        case GF_OP_U8_I64: convert_piece<u8, i64>(src, out, count, IntToI64<u8>()); break;
+        case GF_OP_I8_I64: convert_piece<i8, i64>(src, out, count, IntToI64<i8>()); break;
+        case GF_OP_U16_I64: convert_piece<u16, i64>(src, out, count, IntToI64<u16>()); break;
+        case GF_OP_I16_I64: convert_piece<i16, i64>(src, out, count, IntToI64<i16>()); break;
+        case GF_OP_U32_I64: convert_piece<u32, i64>(src, out, count, IntToI64<u32>()); break;
+        case GF_OP_I32_I64: convert_piece<i32, i64>(src, out, count, IntToI64<i32>()); break;
+        default: break;
+    }
+}
+
 // Pieces (and their sources) a thread block reads into shared memory at once: one per thread.
 #define GF_GATHER_PREFETCH 256u
 
@@ -381,35 +412,60 @@ gf_gather_convert(const GatherPiece* __restrict__ pieces, u32 piece_count, Gathe
                 }
                 continue;
             }
-            const u8* src = reinterpret_cast<const u8*>(source_ptr) + piece.src_offset;
-            u8* out = dst + piece.dst_offset;
-            const u32 count = piece.elements;
-            switch (piece.op) {
-                case GF_OP_COPY: convert_piece<u8, u8>(src, out, count, CopyByte()); break;
-                case GF_OP_F16_F32: convert_piece<u16, float>(src, out, count, F16ToF32()); break;
-                case GF_OP_BF16_F32: convert_piece<u16, float>(src, out, count, Bf16ToF32()); break;
-                case GF_OP_U8_F32: {
-                    U8ToF32 conv;
-                    conv.scale = piece.scale;
-                    convert_piece<u8, float>(src, out, count, conv);
-                    break;
-                }
-                case GF_OP_I8_F32: convert_piece<i8, float>(src, out, count, IntToF32<i8>()); break;
-                case GF_OP_U16_F32: convert_piece<u16, float>(src, out, count, IntToF32<u16>()); break;
-                case GF_OP_I16_F32: convert_piece<i16, float>(src, out, count, IntToF32<i16>()); break;
-                case GF_OP_U32_F32: convert_piece<u32, float>(src, out, count, IntToF32<u32>()); break;
-                case GF_OP_I32_F32: convert_piece<i32, float>(src, out, count, IntToF32<i32>()); break;
-                case GF_OP_U64_F32: convert_piece<u64, float>(src, out, count, IntToF32<u64>()); break;
-                case GF_OP_I64_F32: convert_piece<i64, float>(src, out, count, IntToF32<i64>()); break;
-                case GF_OP_F64_F32: convert_piece<u64, float>(src, out, count, F64ToF32()); break;
-                case GF_OP_U8_I64: convert_piece<u8, i64>(src, out, count, IntToI64<u8>()); break;
-                case GF_OP_I8_I64: convert_piece<i8, i64>(src, out, count, IntToI64<i8>()); break;
-                case GF_OP_U16_I64: convert_piece<u16, i64>(src, out, count, IntToI64<u16>()); break;
-                case GF_OP_I16_I64: convert_piece<i16, i64>(src, out, count, IntToI64<i16>()); break;
-                case GF_OP_U32_I64: convert_piece<u32, i64>(src, out, count, IntToI64<u32>()); break;
-                case GF_OP_I32_I64: convert_piece<i32, i64>(src, out, count, IntToI64<i32>()); break;
-                default: break;
-            }
+            convert_op(piece.op, reinterpret_cast<const u8*>(source_ptr) + piece.src_offset,
+                       dst + piece.dst_offset, piece.elements, piece.scale);
         }
     }
+}
+
+// Pieces one launch of gf_gather_convert_inline_N passes by value, in its parameters: kernel parameters
+// of up to 32 764 bytes need CUDA 12.1 and a Volta or later device. The host resolves every piece's
+// source to a device address (src_offset is that address) and has checked that it lies inside its
+// source; the kernel checks the destination. With the table in the launch's parameters the kernel
+// reads nothing over PCIe before its first row: the front end fetches parameters with the launch,
+// ahead of time, while a table in pinned memory costs each block round trips over a link that shard
+// copies may keep busy.
+template <u32 N>
+struct GatherInlinePieces {
+    u32 count;
+    u32 first;  // index of pieces[0] in the round's table, for the outcome's fault index
+    GatherPiece pieces[N];
+};
+
+template <u32 N>
+__device__ __forceinline__ void gather_inline(const GatherInlinePieces<N>& table, u8* __restrict__ dst,
+                                              u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
+    const u32 count = table.count < N ? table.count : N;
+    for (u32 p = blockIdx.x; p < count; p += gridDim.x) {
+        const GatherPiece piece = table.pieces[p];
+        u32 in_bytes, out_bytes;
+        op_sizes(piece.op, &in_bytes, &out_bytes);
+        const u64 n = piece.elements;
+        const bool fits = in_bytes != 0u && piece.src_offset != 0u &&
+                          extent_fits(piece.dst_offset, n * out_bytes, dst_capacity);
+        if (!fits) {
+            if (threadIdx.x == 0) {
+                atomicAdd(&outcome->faulted_pieces, 1u);
+                atomicMax(&outcome->last_faulted_plus_1, table.first + p + 1u);
+            }
+            continue;
+        }
+        convert_op(piece.op, reinterpret_cast<const u8*>(piece.src_offset), dst + piece.dst_offset,
+                   piece.elements, piece.scale);
+    }
+}
+
+#define GF_GATHER_INLINE_SMALL 128u
+#define GF_GATHER_INLINE_LARGE 1016u
+
+extern "C" __global__ void __launch_bounds__(256)
+gf_gather_convert_inline_small(const __grid_constant__ GatherInlinePieces<GF_GATHER_INLINE_SMALL> table,
+                               u8* __restrict__ dst, u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
+    gather_inline(table, dst, dst_capacity, outcome);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+gf_gather_convert_inline_large(const __grid_constant__ GatherInlinePieces<GF_GATHER_INLINE_LARGE> table,
+                               u8* __restrict__ dst, u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
+    gather_inline(table, dst, dst_capacity, outcome);
 }

@@ -21,9 +21,9 @@ use gpufeed::kernels::reference::{
     gather_reference, lz4_decode_transcribed, lz4_sequences, relu_sparse_f16,
 };
 use gpufeed::kernels::{
-    GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, Gatherer, Kernels, Lz4Config,
-    Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, GATHER_OUTCOME_BYTES,
-    LZ4_OUTCOME_BYTES, LZ4_SOURCE,
+    resolve_inline, GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, GatherRegion,
+    Gatherer, Kernels, Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath,
+    Unshuffle, GATHER_OUTCOME_BYTES, LZ4_OUTCOME_BYTES, LZ4_SOURCE,
 };
 use gpufeed::synth;
 use gpufeed_client::DType;
@@ -976,6 +976,103 @@ fn gpu_gather_writes_its_outcome_into_zeroed_mapped_host_memory() {
         assert!(host.as_slice()[at + GATHER_OUTCOME_BYTES..]
             .iter()
             .all(|&b| b == 0));
+    }
+}
+
+/// Resident rounds may pass their piece table in the gather's launch parameters, each piece's region
+/// resolved on the host (`resolve_inline`): the slot must be the same, byte for byte, as the
+/// table-reading kernel's, for tables that take one small launch, one large one, or several, and a
+/// piece that does not fit the slot is skipped and reported with its index in the whole table.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gather_with_its_table_in_the_launch_matches_the_table_kernel() {
+    let mut rng = fresh_rng("gpu_gather_with_its_table_in_the_launch_matches_the_table_kernel");
+    let device = device();
+    let kernels = kernels(&device);
+    assert!(
+        kernels.gather.has_inline(),
+        "the test machine's driver takes 32 KiB of parameters"
+    );
+    let stream = Stream::new(&device).unwrap();
+    let sources = vec![
+        synth::random_bytes(3 << 20, 5),
+        synth::random_bytes(1 << 20, 6),
+    ];
+    let device_sources: Vec<DeviceBuffer> = sources
+        .iter()
+        .map(|s| DeviceBuffer::from_host(&device, s).unwrap())
+        .collect();
+    let regions: Vec<GatherRegion> = device_sources
+        .iter()
+        .map(|s| GatherRegion {
+            ptr: s.device_ptr(),
+            bytes: s.len() as u64,
+        })
+        .collect();
+    for (count, faulty) in [
+        (100usize, None),
+        (1016, Some(1000usize)),
+        (2500, Some(1800)),
+    ] {
+        // The same pieces twice: reading sources 0 and 1 (the reference) and regions 0 and 1.
+        let mut by_source = GatherPlan::new();
+        let mut by_region = GatherPlan::new();
+        let mut dst_offset = 0u64;
+        for index in 0..count {
+            let op = GatherOp::ALL[rng.gen_range(0..GatherOp::ALL.len())];
+            let elements = rng.gen_range(1..600u32);
+            let source = rng.gen_range(0..2usize);
+            let in_bytes = elements as u64 * op.in_bytes();
+            let src_offset = rng.gen_range(0..sources[source].len() as u64 - in_bytes);
+            let piece = GatherPiece {
+                source: source as u16,
+                src_offset,
+                dst_offset: if faulty == Some(index) {
+                    u64::MAX / 2
+                } else {
+                    dst_offset
+                },
+                elements,
+                op,
+                scale: if op == GatherOp::U8ToF32 {
+                    1.0 / 255.0
+                } else {
+                    1.0
+                },
+            };
+            by_source.push_piece(piece);
+            by_region.push_piece(GatherPiece {
+                source: GatherRegion::source_index(source),
+                ..piece
+            });
+            dst_offset += elements as u64 * op.out_bytes() + rng.gen_range(0..16);
+        }
+        let mut resolved = Vec::new();
+        assert!(resolve_inline(&by_region.encode(), &regions, &mut resolved));
+        let dst = DeviceBuffer::from_host(&device, &vec![POISON; dst_offset as usize]).unwrap();
+        let outcome = DeviceBuffer::new(&device, GATHER_OUTCOME_BYTES).unwrap();
+        // SAFETY: every buffer lives until the stream is synchronised below; the sources do not
+        // overlap the slot.
+        unsafe {
+            kernels
+                .gather
+                .gather_inline_async(&stream, &resolved, &dst, (&outcome, false))
+                .unwrap()
+        };
+        stream.synchronize().unwrap();
+        let run = GatherRun {
+            dst: dst.to_vec().unwrap(),
+            outcome: GatherOutcome::decode(&outcome.to_vec().unwrap()),
+        };
+        println!("{count} pieces: {:?}", run.outcome);
+        assert_eq!(
+            run.outcome,
+            GatherOutcome {
+                faulted_pieces: u32::from(faulty.is_some()),
+                last_faulted_plus_1: faulty.map_or(0, |index| index as u32 + 1),
+            }
+        );
+        check_gather(&by_source, &sources, &run);
     }
 }
 

@@ -22,6 +22,13 @@ pub const GATHER_OUTCOME_BYTES: usize = 8;
 /// Most source buffers one launch may read from (passed by value); a piece's source index at or above
 /// it names a [`GatherRegion`] of the launch's region table instead.
 pub const GATHER_SOURCES_MAX: usize = 4;
+/// Most pieces one launch of the inline gather carries in its parameters (`GF_GATHER_INLINE_LARGE`);
+/// [`Gatherer::gather_inline_async`] splits longer tables into several launches.
+pub const GATHER_INLINE_PIECES_MAX: usize = 1016;
+/// Pieces of the smaller inline launch (`GF_GATHER_INLINE_SMALL`): 4 KiB of parameters instead of 32.
+const GATHER_INLINE_PIECES_SMALL: usize = 128;
+/// The least driver version (1000 * major + 10 * minor) taking kernel parameters over 4 KiB.
+const INLINE_DRIVER_VERSION_MIN: i32 = 12010;
 /// Bytes of one [`GatherRegion`] in the device table.
 pub const GATHER_REGION_BYTES: usize = 16;
 /// Most regions one launch may read from (the source index is 16 bits wide).
@@ -353,6 +360,45 @@ impl GatherOutcome {
     }
 }
 
+/// Rewrites the encoded piece table `table`, whose pieces read regions of `regions`, for
+/// [`Gatherer::gather_inline_async`]: into `out` (cleared first), each piece with its `src_offset`
+/// made the device address it reads. Returns false, leaving `out` unspecified, when a piece reads
+/// no region of the table, has an unknown op, or reaches past its region: such a table goes to the
+/// kernel that checks each piece against its source and reports the fault.
+pub fn resolve_inline(table: &[u8], regions: &[GatherRegion], out: &mut Vec<u8>) -> bool {
+    out.clear();
+    if table.len() % GATHER_PIECE_BYTES != 0 {
+        return false;
+    }
+    for piece in table.chunks_exact(GATHER_PIECE_BYTES) {
+        let src_offset = u64::from_le_bytes(piece[0..8].try_into().expect("8 bytes"));
+        let elements = u32::from_le_bytes(piece[16..20].try_into().expect("4 bytes"));
+        let source = u16::from_le_bytes(piece[20..22].try_into().expect("2 bytes")) as usize;
+        let Some(op) = GatherOp::ALL.get(piece[22] as usize) else {
+            return false;
+        };
+        let Some(region) = source
+            .checked_sub(GATHER_SOURCES_MAX)
+            .and_then(|index| regions.get(index))
+        else {
+            return false;
+        };
+        let fits = (elements as u64)
+            .checked_mul(op.in_bytes())
+            .and_then(|bytes| bytes.checked_add(src_offset))
+            .is_some_and(|end| end <= region.bytes);
+        let Some(address) = region.ptr.checked_add(src_offset) else {
+            return false;
+        };
+        if !fits || region.ptr == 0 {
+            return false;
+        }
+        out.extend_from_slice(&address.to_le_bytes());
+        out.extend_from_slice(&piece[8..]);
+    }
+    true
+}
+
 /// `struct GatherSources` of the kernel, passed by value.
 #[repr(C)]
 struct GatherSourcesParam {
@@ -378,10 +424,21 @@ impl GatherLayout {
     pub const STANDARD: GatherLayout = GatherLayout::CoalescedStores;
 }
 
+/// `struct GatherInlinePieces<N>` of the kernel, passed by value.
+#[repr(C)]
+struct GatherInlineParam<const N: usize> {
+    count: u32,
+    first: u32,
+    pieces: [[u8; GATHER_PIECE_BYTES]; N],
+}
+
 /// The compiled gather + convert kernel for one device.
 pub struct Gatherer {
     kernel: Kernel,
     grid_max: u32,
+    /// The launches taking their pieces in their parameters (small, large), where the driver takes
+    /// parameters that large.
+    inline: Option<(Kernel, Kernel)>,
 }
 
 impl Gatherer {
@@ -405,7 +462,135 @@ impl Gatherer {
             .blocks_per_multiprocessor(GATHER_BLOCK_THREADS)?
             .max(1);
         let grid_max = per_sm * device.properties().multiprocessors.max(1);
-        Ok((Gatherer { kernel, grid_max }, origin))
+        let inline = if device.properties().driver_version >= INLINE_DRIVER_VERSION_MIN {
+            Some((
+                module.kernel(device, "gf_gather_convert_inline_small")?,
+                module.kernel(device, "gf_gather_convert_inline_large")?,
+            ))
+        } else {
+            None
+        };
+        Ok((
+            Gatherer {
+                kernel,
+                grid_max,
+                inline,
+            },
+            origin,
+        ))
+    }
+
+    /// Whether [`Self::gather_inline_async`] can run here (the driver takes kernel parameters of up
+    /// to 32 KiB: CUDA 12.1 and later).
+    pub fn has_inline(&self) -> bool {
+        self.inline.is_some()
+    }
+
+    /// Queues the gather of the pieces encoded in `pieces` ([`GatherPiece::encode`], 32 bytes each),
+    /// whose `src_offset` is the device address of the piece's first element, into `dst`, with the
+    /// table in the launches' parameters: at most [`GATHER_INLINE_PIECES_MAX`] pieces a launch, so
+    /// that the kernel reads no table before its rows. The outcome is as for
+    /// [`Self::gather_regions_async`], fault indices counting from the table's first piece.
+    ///
+    /// # Safety
+    /// Every piece's source extent (`elements` of its op's stored size at `src_offset`) is device
+    /// memory, or host memory mapped for the device, that stays allocated and unmodified until the
+    /// launches have completed on `stream`, and overlaps no part of `dst`; `dst` and `outcome` are as
+    /// for [`Self::gather_async`].
+    pub unsafe fn gather_inline_async(
+        &self,
+        stream: &Stream,
+        pieces: &[u8],
+        dst: &dyn DeviceMemory,
+        (outcome, outcome_zeroed): (&dyn DeviceMemory, bool),
+    ) -> Result<(), DeviceError> {
+        let (small, large) = self
+            .inline
+            .as_ref()
+            .expect("gather_inline_async needs has_inline()");
+        assert!(pieces.len() % GATHER_PIECE_BYTES == 0);
+        if outcome.len() < GATHER_OUTCOME_BYTES {
+            return Err(DeviceError::OutOfBounds {
+                what: "gather outcome",
+                offset: 0,
+                bytes: GATHER_OUTCOME_BYTES as u64,
+                capacity: outcome.len() as u64,
+            });
+        }
+        if !outcome_zeroed {
+            fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0)?;
+        }
+        let count = pieces.len() / GATHER_PIECE_BYTES;
+        // Launches of nearly equal size: a table of 1 100 pieces goes as 550 + 550, not 1 016 + 84.
+        let launches = count.div_ceil(GATHER_INLINE_PIECES_MAX);
+        let mut first = 0usize;
+        for launch in 0..launches {
+            let this = (count - first).div_ceil(launches - launch);
+            let chunk = &pieces[first * GATHER_PIECE_BYTES..(first + this) * GATHER_PIECE_BYTES];
+            // SAFETY: the caller's contract, for this chunk of the table.
+            unsafe {
+                if this <= GATHER_INLINE_PIECES_SMALL {
+                    self.launch_inline::<GATHER_INLINE_PIECES_SMALL>(
+                        small, stream, chunk, first, dst, outcome,
+                    )
+                } else {
+                    self.launch_inline::<GATHER_INLINE_PIECES_MAX>(
+                        large, stream, chunk, first, dst, outcome,
+                    )
+                }
+            }?;
+            first += this;
+        }
+        Ok(())
+    }
+
+    /// One launch of `kernel` (an inline gather of `N` pieces) for the encoded pieces `chunk`, the
+    /// first of which is piece `first` of the round's table.
+    ///
+    /// # Safety
+    /// As for [`Self::gather_inline_async`]; `kernel` takes a `GatherInlinePieces<N>`.
+    unsafe fn launch_inline<const N: usize>(
+        &self,
+        kernel: &Kernel,
+        stream: &Stream,
+        chunk: &[u8],
+        first: usize,
+        dst: &dyn DeviceMemory,
+        outcome: &dyn DeviceMemory,
+    ) -> Result<(), DeviceError> {
+        let count = chunk.len() / GATHER_PIECE_BYTES;
+        assert!(count <= N);
+        if count == 0 {
+            return Ok(());
+        }
+        // The driver copies the parameters when the launch is queued: a value on this thread's
+        // stack serves, and no memory of it outlives the call.
+        let mut table = GatherInlineParam::<N> {
+            count: count as u32,
+            first: first as u32,
+            pieces: [[0; GATHER_PIECE_BYTES]; N],
+        };
+        for (out, piece) in table
+            .pieces
+            .iter_mut()
+            .zip(chunk.chunks_exact(GATHER_PIECE_BYTES))
+        {
+            out.copy_from_slice(piece);
+        }
+        let mut dst_ptr = dst.device_ptr();
+        let mut dst_capacity = dst.len() as u64;
+        let mut outcome_ptr = outcome.device_ptr();
+        let mut params: [*mut c_void; 4] = [
+            &mut table as *mut GatherInlineParam<N> as *mut c_void,
+            &mut dst_ptr as *mut u64 as *mut c_void,
+            &mut dst_capacity as *mut u64 as *mut c_void,
+            &mut outcome_ptr as *mut u64 as *mut c_void,
+        ];
+        let grid = (count as u32).min(self.grid_max);
+        // SAFETY: the parameters match gf_gather_convert_inline_*'s signature (GatherInlinePieces<N>
+        // by value with the same #[repr(C)] layout, pointer, u64, pointer); the rest is the caller's
+        // contract.
+        unsafe { kernel.launch(stream, grid, GATHER_BLOCK_THREADS, &mut params) }
     }
 
     /// Queues the gather of `piece_count` pieces encoded in `pieces` ([`GatherPlan::encode`]) from
@@ -544,6 +729,73 @@ impl Gatherer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn f16_piece(source: u16, src_offset: u64, elements: u32) -> GatherPiece {
+        GatherPiece {
+            source,
+            src_offset,
+            dst_offset: 4096,
+            elements,
+            op: GatherOp::F16ToF32,
+            scale: 1.0,
+        }
+    }
+
+    #[test]
+    fn inline_tables_carry_each_piece_at_its_region_address() {
+        let regions = [
+            GatherRegion {
+                ptr: 0x10_0000,
+                bytes: 8192,
+            },
+            GatherRegion {
+                ptr: 0x40_0000,
+                bytes: 4096,
+            },
+        ];
+        let mut table = Vec::new();
+        f16_piece(GatherRegion::source_index(1), 2048, 1024).encode(&mut table);
+        f16_piece(GatherRegion::source_index(0), 0, 4096).encode(&mut table);
+        let mut out = Vec::new();
+        assert!(resolve_inline(&table, &regions, &mut out));
+        let mut expected = Vec::new();
+        f16_piece(GatherRegion::source_index(1), 0x40_0000 + 2048, 1024).encode(&mut expected);
+        f16_piece(GatherRegion::source_index(0), 0x10_0000, 4096).encode(&mut expected);
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn inline_tables_refuse_pieces_the_checked_kernel_must_see() {
+        let regions = [GatherRegion {
+            ptr: 0x10_0000,
+            bytes: 8192,
+        }];
+        let refused = |piece: GatherPiece| {
+            let mut table = Vec::new();
+            f16_piece(GatherRegion::source_index(0), 0, 16).encode(&mut table);
+            piece.encode(&mut table);
+            !resolve_inline(&table, &regions, &mut Vec::new())
+        };
+        // One element past the region's end.
+        assert!(refused(f16_piece(GatherRegion::source_index(0), 2, 4096)));
+        // A region the table does not have.
+        assert!(refused(f16_piece(GatherRegion::source_index(1), 0, 1)));
+        // A source buffer, not a region.
+        assert!(refused(f16_piece(0, 0, 1)));
+        // An offset whose end overflows.
+        assert!(refused(f16_piece(
+            GatherRegion::source_index(0),
+            u64::MAX - 1,
+            1
+        )));
+        // An unknown op.
+        let mut table = Vec::new();
+        f16_piece(GatherRegion::source_index(0), 0, 1).encode(&mut table);
+        table[22] = 0xff;
+        assert!(!resolve_inline(&table, &regions, &mut Vec::new()));
+        // The same pieces inside the region pass.
+        assert!(!refused(f16_piece(GatherRegion::source_index(0), 2, 4095)));
+    }
 
     #[test]
     fn merged_pushes_join_contiguous_runs_up_to_the_bound() {

@@ -22,9 +22,10 @@ pub mod reference;
 mod xxh3;
 
 pub use gather::{
-    GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, GatherRegion, Gatherer,
-    GATHER_BLOCK_THREADS, GATHER_OUTCOME_BYTES, GATHER_PIECE_BYTES, GATHER_PIECE_OUT_BYTES_MAX,
-    GATHER_REGIONS_MAX, GATHER_REGION_BYTES, GATHER_SOURCE, GATHER_SOURCES_MAX,
+    resolve_inline, GatherLayout, GatherOp, GatherOutcome, GatherPiece, GatherPlan, GatherRegion,
+    Gatherer, GATHER_BLOCK_THREADS, GATHER_INLINE_PIECES_MAX, GATHER_OUTCOME_BYTES,
+    GATHER_PIECE_BYTES, GATHER_PIECE_OUT_BYTES_MAX, GATHER_REGIONS_MAX, GATHER_REGION_BYTES,
+    GATHER_SOURCE, GATHER_SOURCES_MAX,
 };
 pub use lz4::{
     Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, LZ4_JOB_BYTES,

@@ -368,7 +368,8 @@ impl Filler {
                 "GPU stream done: {} steps in {} rounds, {:.3} s; host plan {:.3} s (planning \
                  threads busy {:.3} s), read {:.3} s, decode {:.3} s, gather {:.3} s, waiting for \
                  the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; quarters of the \
-                 steps delivered at {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards",
+                 steps delivered at {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards, \
+                 {} passed their piece tables in the launch",
                 filler.steps,
                 t.rounds,
                 started.elapsed().as_secs_f64(),
@@ -384,7 +385,8 @@ impl Filler {
                 quarters[1],
                 quarters[2],
                 quarters[3],
-                t.rounds_from_device_copies
+                t.rounds_from_device_copies,
+                t.rounds_inline
             );
         }
         handoff.finish();

@@ -108,6 +108,12 @@ pub struct GpuStreamLimits {
     /// (at most [`WAIT_SPIN_MAX`]; zero: it sleeps at once). A sleeping filler wakes some tens of
     /// microseconds after the round is done; polling costs the host core it runs on.
     pub wait_spin: std::time::Duration,
+    /// Resident rounds pass their piece table in the gather's launch parameters, every piece's
+    /// region resolved on the host, instead of the kernel reading the piece and region tables from
+    /// pinned memory (over a link the shard copies keep busy); needs a driver taking 32 KiB of
+    /// parameters (CUDA 12.1), and rounds of at most two such launches. `GPUFEED_INLINE_GATHER_TABLES=0`
+    /// turns it off.
+    pub inline_gather_tables: bool,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -190,6 +196,7 @@ impl GpuStreamLimits {
                 )
                 .unwrap_or(0),
             ),
+            inline_gather_tables: env_tuning("GPUFEED_INLINE_GATHER_TABLES", 0, 1) != Some(0),
         }
     }
 }
@@ -228,6 +235,8 @@ pub struct GpuFillTimings {
     pub rounds: u64,
     /// Rounds of resident streams that read some shards from their device copies.
     pub rounds_from_device_copies: u64,
+    /// Rounds of resident streams whose piece table went in the gather's launch parameters.
+    pub rounds_inline: u64,
     /// Waiting for the loader of a stream beyond the registration budget to queue the copy of a
     /// shard a round reads.
     pub copy_wait_s: f64,
@@ -262,6 +271,10 @@ pub struct GpuAssembler {
     rounds: VecDeque<PendingRound>,
     /// See [`GpuStreamLimits::wait_spin`].
     wait_spin: std::time::Duration,
+    /// See [`GpuStreamLimits::inline_gather_tables`] (and the gatherer can).
+    inline_gather_tables: bool,
+    /// A resident round's piece table with its regions resolved (kept for its capacity).
+    inline_table: Vec<u8>,
     /// Batches submitted, oldest first.
     batches: VecDeque<PendingBatch>,
     next_buffers: usize,
@@ -352,6 +365,7 @@ impl GpuAssembler {
             pooled,
             (started.elapsed().as_secs_f64() - opened_s - resident_s - cache_s) * 1e3
         );
+        let inline_gather_tables = limits.inline_gather_tables && kernels.gather.has_inline();
         Ok(GpuAssembler {
             kernels,
             reader,
@@ -373,6 +387,8 @@ impl GpuAssembler {
             round_shape,
             rounds: VecDeque::with_capacity(rounds_in_flight),
             wait_spin: limits.wait_spin.min(WAIT_SPIN_MAX),
+            inline_gather_tables,
+            inline_table: Vec::new(),
             batches: VecDeque::new(),
             next_buffers: 0,
             verified: HashSet::new(),

@@ -23,7 +23,8 @@ use crate::decode::{self, BlockRef};
 use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer};
 use crate::format::Codec;
 use crate::kernels::{
-    GatherOp, GatherPlan, GatherRegion, GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
+    resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_INLINE_PIECES_MAX,
+    GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
 };
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
 use crate::storage::windows::{PageCacheWindows, WindowId};
@@ -1100,9 +1101,16 @@ impl GpuAssembler {
                 .device_shards
                 .as_ref()
                 .is_some_and(|d| d.redirect(&mut table));
+            // Small tables go in the launch's parameters, every piece's region resolved here:
+            // the kernel then reads no table over the link before its first row.
+            let inline = self.inline_gather_tables
+                && count <= 2 * GATHER_INLINE_PIECES_MAX
+                && resolve_inline(&planned.table, &table, &mut self.inline_table);
             let layout = self.layout;
             let buffers = &mut self.buffers[index];
-            if copying {
+            if inline {
+                // Nothing to write: the table goes with the launch.
+            } else if copying {
                 buffers.host.as_mut_slice()[layout.pieces..layout.pieces + planned.table.len()]
                     .copy_from_slice(&planned.table);
             } else {
@@ -1121,11 +1129,12 @@ impl GpuAssembler {
             buffers.host.as_mut_slice()
                 [layout.gather_outcome..layout.gather_outcome + GATHER_OUTCOME_BYTES]
                 .fill(0);
-            if on_device {
+            if on_device && !inline {
                 buffers.host.as_mut_slice()[layout.regions..layout.regions + encoded_regions.len()]
                     .copy_from_slice(&encoded_regions);
             }
             self.timings.rounds_from_device_copies += u64::from(on_device);
+            self.timings.rounds_inline += u64::from(inline);
             let buffers = &self.buffers[index];
             let mapped_pieces = buffers.host.mapped(layout.pieces, planned.table.len());
             let pieces: &dyn DeviceMemory = if copying {
@@ -1148,16 +1157,28 @@ impl GpuAssembler {
             // name are complete and are not overwritten before this round is done (the copy stream
             // waits for the event recorded below); the slot is this filler's (its release event was
             // waited on) and overlaps no source.
+            //
+            // Inline, the pieces address the same windows and device copies (resolve_inline checked
+            // each extent against its region).
             unsafe {
-                self.kernels.gather.gather_regions_async(
-                    &self.stream,
-                    pieces,
-                    count as u32,
-                    &[&self.cache, &buffers.staging],
-                    Some((regions, resident.region_count)),
-                    slot,
-                    (&mapped_outcome, true),
-                )
+                if inline {
+                    self.kernels.gather.gather_inline_async(
+                        &self.stream,
+                        &self.inline_table,
+                        slot,
+                        (&mapped_outcome, true),
+                    )
+                } else {
+                    self.kernels.gather.gather_regions_async(
+                        &self.stream,
+                        pieces,
+                        count as u32,
+                        &[&self.cache, &buffers.staging],
+                        Some((regions, resident.region_count)),
+                        slot,
+                        (&mapped_outcome, true),
+                    )
+                }
             }?;
             let mut host_bytes = 0u64;
             for (region, bytes) in planned.region_bytes.iter().enumerate() {
