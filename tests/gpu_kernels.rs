@@ -981,7 +981,7 @@ fn gpu_gather_writes_its_outcome_into_zeroed_mapped_host_memory() {
 
 /// Resident rounds may pass their piece table in the gather's launch parameters, each piece's region
 /// resolved on the host (`resolve_inline`): the slot must be the same, byte for byte, as the
-/// table-reading kernel's, for tables that take one small launch, one large one, or several, and a
+/// table-reading kernel's, for tables that take one launch of each size, or several, and a
 /// piece that does not fit the slot is skipped and reported with its index in the whole table.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -1010,8 +1010,10 @@ fn gpu_gather_with_its_table_in_the_launch_matches_the_table_kernel() {
         })
         .collect();
     for (count, faulty) in [
-        (100usize, None),
-        (1016, Some(1000usize)),
+        (40usize, None),
+        (256, Some(7usize)),
+        (700, None),
+        (1016, Some(1000)),
         (2500, Some(1800)),
     ] {
         // The same pieces twice: reading sources 0 and 1 (the reference) and regions 0 and 1.

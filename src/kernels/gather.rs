@@ -25,8 +25,10 @@ pub const GATHER_SOURCES_MAX: usize = 4;
 /// Most pieces one launch of the inline gather carries in its parameters (`GF_GATHER_INLINE_LARGE`);
 /// [`Gatherer::gather_inline_async`] splits longer tables into several launches.
 pub const GATHER_INLINE_PIECES_MAX: usize = 1016;
-/// Pieces of the smaller inline launch (`GF_GATHER_INLINE_SMALL`): 4 KiB of parameters instead of 32.
-const GATHER_INLINE_PIECES_SMALL: usize = 128;
+/// Pieces of the smaller inline launches (`GF_GATHER_INLINE_SMALL`, `GF_GATHER_INLINE_MEDIUM`): 2 and
+/// 8 KiB of parameters instead of 32.
+const GATHER_INLINE_PIECES_SMALL: usize = 64;
+const GATHER_INLINE_PIECES_MEDIUM: usize = 256;
 /// The least driver version (1000 * major + 10 * minor) taking kernel parameters over 4 KiB.
 const INLINE_DRIVER_VERSION_MIN: i32 = 12010;
 /// Bytes of one [`GatherRegion`] in the device table.
@@ -436,9 +438,9 @@ struct GatherInlineParam<const N: usize> {
 pub struct Gatherer {
     kernel: Kernel,
     grid_max: u32,
-    /// The launches taking their pieces in their parameters (small, large), where the driver takes
-    /// parameters that large.
-    inline: Option<(Kernel, Kernel)>,
+    /// The launches taking their pieces in their parameters (small, medium, large), where the driver
+    /// takes parameters that large.
+    inline: Option<[Kernel; 3]>,
 }
 
 impl Gatherer {
@@ -463,10 +465,11 @@ impl Gatherer {
             .max(1);
         let grid_max = per_sm * device.properties().multiprocessors.max(1);
         let inline = if device.properties().driver_version >= INLINE_DRIVER_VERSION_MIN {
-            Some((
+            Some([
                 module.kernel(device, "gf_gather_convert_inline_small")?,
+                module.kernel(device, "gf_gather_convert_inline_medium")?,
                 module.kernel(device, "gf_gather_convert_inline_large")?,
-            ))
+            ])
         } else {
             None
         };
@@ -504,7 +507,7 @@ impl Gatherer {
         dst: &dyn DeviceMemory,
         (outcome, outcome_zeroed): (&dyn DeviceMemory, bool),
     ) -> Result<(), DeviceError> {
-        let (small, large) = self
+        let [small, medium, large] = self
             .inline
             .as_ref()
             .expect("gather_inline_async needs has_inline()");
@@ -532,6 +535,10 @@ impl Gatherer {
                 if this <= GATHER_INLINE_PIECES_SMALL {
                     self.launch_inline::<GATHER_INLINE_PIECES_SMALL>(
                         small, stream, chunk, first, dst, outcome,
+                    )
+                } else if this <= GATHER_INLINE_PIECES_MEDIUM {
+                    self.launch_inline::<GATHER_INLINE_PIECES_MEDIUM>(
+                        medium, stream, chunk, first, dst, outcome,
                     )
                 } else {
                     self.launch_inline::<GATHER_INLINE_PIECES_MAX>(
