@@ -483,7 +483,7 @@ impl GpuAssembler {
             .last()
             .map_or(0, |&(first, count)| first + count);
         let runs = placements.runs.len();
-        self.stream.wait(released)?;
+        self.wait_released(released)?;
         self.batches.push_back(PendingBatch::new(step, slot, rows));
         let mut run = 0usize;
         while run < runs {
@@ -527,6 +527,22 @@ impl GpuAssembler {
                 replaced: batch.replaced,
             },
         ))
+    }
+}
+
+impl GpuAssembler {
+    /// Makes the stream wait for the consumer's last use of a slot (its `released` event) before
+    /// the slot is written again, unless that use is known done on the host: a consumer that
+    /// recorded nothing, or whose work completed, costs the device no wait. (The consumer records
+    /// the event before it publishes the release, so the query sees that record; a wait queued on
+    /// the device would wait for the same one. A wait on another process's event makes the device
+    /// read its state over the link, which in the middle of shard copies costs microseconds a
+    /// round.)
+    fn wait_released(&mut self, released: &Event) -> Result<(), FillError> {
+        if !released.is_complete()? {
+            self.stream.wait(released)?;
+        }
+        Ok(())
     }
 }
 

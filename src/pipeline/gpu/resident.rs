@@ -1009,7 +1009,7 @@ impl GpuAssembler {
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
         let plan = Arc::clone(&self.plan);
-        self.stream.wait(released)?;
+        self.wait_released(released)?;
         let waited = std::time::Instant::now();
         let planned = self.planned_step(step)?;
         self.timings.plan_s += waited.elapsed().as_secs_f64();
