@@ -55,6 +55,12 @@ use crate::storage::{DirectIo, FileTable, IO_ALIGN_BYTES};
 /// Most sets of round buffers a stream may ask for (see [`GpuStreamLimits::rounds_in_flight`]).
 pub const ROUNDS_IN_FLIGHT_MAX: usize = 8;
 
+/// The default [`GpuStreamLimits::inline_gather_launches`]: a dataset-order round of up to 8 MiB out
+/// in 16 KiB pieces.
+pub const INLINE_GATHER_LAUNCHES_DEFAULT: usize = 2;
+/// Most [`GpuStreamLimits::inline_gather_launches`].
+pub const INLINE_GATHER_LAUNCHES_MAX: usize = 8;
+
 /// Longest spin of [`GpuStreamLimits::wait_spin`].
 pub const WAIT_SPIN_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -108,12 +114,12 @@ pub struct GpuStreamLimits {
     /// (at most [`WAIT_SPIN_MAX`]; zero: it sleeps at once). A sleeping filler wakes some tens of
     /// microseconds after the round is done; polling costs the host core it runs on.
     pub wait_spin: std::time::Duration,
-    /// Resident rounds pass their piece table in the gather's launch parameters, every piece's
-    /// region resolved on the host, instead of the kernel reading the piece and region tables from
-    /// pinned memory (over a link the shard copies keep busy); needs a driver taking 32 KiB of
-    /// parameters (CUDA 12.1), and rounds of at most two such launches. `GPUFEED_INLINE_GATHER_TABLES=0`
-    /// turns it off.
-    pub inline_gather_tables: bool,
+    /// Resident rounds of at most this many launches of [`crate::kernels::GATHER_INLINE_PIECES_MAX`]
+    /// pieces pass their piece table in the gather's launch parameters, every piece's region
+    /// resolved on the host, instead of the kernel reading the piece and region tables from pinned
+    /// memory (over a link the shard copies keep busy); needs a driver taking 32 KiB of parameters
+    /// (CUDA 12.1). 0: never. `GPUFEED_INLINE_GATHER_TABLES` (0 to [`INLINE_GATHER_LAUNCHES_MAX`]).
+    pub inline_gather_launches: usize,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -196,7 +202,12 @@ impl GpuStreamLimits {
                 )
                 .unwrap_or(0),
             ),
-            inline_gather_tables: env_tuning("GPUFEED_INLINE_GATHER_TABLES", 0, 1) != Some(0),
+            inline_gather_launches: env_tuning(
+                "GPUFEED_INLINE_GATHER_TABLES",
+                0,
+                INLINE_GATHER_LAUNCHES_MAX as u64,
+            )
+            .map_or(INLINE_GATHER_LAUNCHES_DEFAULT, |n| n as usize),
         }
     }
 }
@@ -271,8 +282,9 @@ pub struct GpuAssembler {
     rounds: VecDeque<PendingRound>,
     /// See [`GpuStreamLimits::wait_spin`].
     wait_spin: std::time::Duration,
-    /// See [`GpuStreamLimits::inline_gather_tables`] (and the gatherer can).
-    inline_gather_tables: bool,
+    /// Pieces a resident round may pass in its launches' parameters: see
+    /// [`GpuStreamLimits::inline_gather_launches`] (0 where the gatherer cannot).
+    inline_pieces_max: usize,
     /// A resident round's piece table with its regions resolved (kept for its capacity).
     inline_table: Vec<u8>,
     /// Batches submitted, oldest first.
@@ -365,7 +377,14 @@ impl GpuAssembler {
             pooled,
             (started.elapsed().as_secs_f64() - opened_s - resident_s - cache_s) * 1e3
         );
-        let inline_gather_tables = limits.inline_gather_tables && kernels.gather.has_inline();
+        let inline_pieces_max = if kernels.gather.has_inline() {
+            limits
+                .inline_gather_launches
+                .min(INLINE_GATHER_LAUNCHES_MAX)
+                * crate::kernels::GATHER_INLINE_PIECES_MAX
+        } else {
+            0
+        };
         Ok(GpuAssembler {
             kernels,
             reader,
@@ -387,7 +406,7 @@ impl GpuAssembler {
             round_shape,
             rounds: VecDeque::with_capacity(rounds_in_flight),
             wait_spin: limits.wait_spin.min(WAIT_SPIN_MAX),
-            inline_gather_tables,
+            inline_pieces_max,
             inline_table: Vec::new(),
             batches: VecDeque::new(),
             next_buffers: 0,

@@ -23,8 +23,7 @@ use crate::decode::{self, BlockRef};
 use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer};
 use crate::format::Codec;
 use crate::kernels::{
-    resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_INLINE_PIECES_MAX,
-    GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
+    resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
 };
 use crate::pipeline::assemble::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
 use crate::storage::windows::{PageCacheWindows, WindowId};
@@ -1103,8 +1102,7 @@ impl GpuAssembler {
                 .is_some_and(|d| d.redirect(&mut table));
             // Small tables go in the launch's parameters, every piece's region resolved here:
             // the kernel then reads no table over the link before its first row.
-            let inline = self.inline_gather_tables
-                && count <= 2 * GATHER_INLINE_PIECES_MAX
+            let inline = count <= self.inline_pieces_max
                 && resolve_inline(&planned.table, &table, &mut self.inline_table);
             let layout = self.layout;
             let buffers = &mut self.buffers[index];
