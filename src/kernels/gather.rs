@@ -59,11 +59,17 @@ impl GatherRegion {
     /// The little-endian device encoding of `regions`, in order.
     pub fn encode_all(regions: &[GatherRegion]) -> Vec<u8> {
         let mut out = Vec::with_capacity(regions.len() * GATHER_REGION_BYTES);
+        Self::encode_into(regions, &mut out);
+        out
+    }
+
+    /// [`Self::encode_all`], appended to `out`.
+    pub fn encode_into(regions: &[GatherRegion], out: &mut Vec<u8>) {
+        out.reserve(regions.len() * GATHER_REGION_BYTES);
         for region in regions {
             out.extend_from_slice(&region.ptr.to_le_bytes());
             out.extend_from_slice(&region.bytes.to_le_bytes());
         }
-        out
     }
 }
 /// Threads per block of the gather kernel (its `__launch_bounds__`).

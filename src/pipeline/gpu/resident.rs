@@ -69,6 +69,11 @@ pub(super) struct Resident {
     region_count: u32,
     /// The same table on the host, for rounds that read some shards from their device copies.
     host_regions: Vec<GatherRegion>,
+    /// A round's region table (`host_regions`, redirected to the device copies it may read), kept
+    /// for its capacity: no allocation per round.
+    round_regions: Vec<GatherRegion>,
+    /// The round's region table encoded for the device, kept likewise.
+    round_regions_encoded: Vec<u8>,
     /// Shards copied ahead into device memory, in dataset order and window shuffles.
     device_shards: Option<DeviceShards>,
     /// Windows pinned for the stream's life.
@@ -375,6 +380,8 @@ impl Resident {
             regions,
             region_count: table.len() as u32,
             host_regions: table,
+            round_regions: Vec::new(),
+            round_regions_encoded: Vec::new(),
             device_shards,
             windows: mapped,
             planner: None,
@@ -473,6 +480,8 @@ impl Resident {
             regions,
             region_count: table_len as u32,
             host_regions: table,
+            round_regions: Vec::new(),
+            round_regions_encoded: Vec::new(),
             device_shards: Some(device_shards),
             windows: Vec::new(),
             planner: None,
@@ -1094,7 +1103,8 @@ impl GpuAssembler {
             // and read by the kernel from there: an upload could wait behind the shard copies on
             // the copy engines. Otherwise the piece table is uploaded (the kernel then reads it
             // from device memory).
-            let mut table = resident.host_regions.clone();
+            let mut table = std::mem::take(&mut resident.round_regions);
+            table.clone_from(&resident.host_regions);
             let copying = resident.device_shards.is_some();
             let on_device = resident
                 .device_shards
@@ -1120,7 +1130,12 @@ impl GpuAssembler {
                     &planned.table,
                 )?;
             }
-            let encoded_regions = GatherRegion::encode_all(&table);
+            // The region table, for the kernel that reads it (inline pieces carry addresses).
+            let mut encoded_regions = std::mem::take(&mut resident.round_regions_encoded);
+            encoded_regions.clear();
+            if !inline {
+                GatherRegion::encode_into(&table, &mut encoded_regions);
+            }
             // The gather writes its outcome straight into the round's pinned buffer (mapped for
             // the device), zeroed here: no memset before the launch and no download after it,
             // two fewer operations on the stream per round.
@@ -1191,6 +1206,8 @@ impl GpuAssembler {
             }
             self.metrics
                 .add_read_bytes(crate::metrics::ReadPath::PageCache, host_bytes);
+            resident.round_regions = table;
+            resident.round_regions_encoded = encoded_regions;
         }
         for &row in &planned.replaced {
             self.zero_row(slot, row)?;
