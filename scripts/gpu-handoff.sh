@@ -8,7 +8,8 @@
 #   3. the hand-off benchmark (examples/handoff_bench.rs): HANDOFF_GIB GiB (default 8) of fp16 rows
 #      of 2 KiB, in order, page cache warm, fp32 device batches, batch sizes HANDOFF_BATCHES, 3 runs
 #      of >= 10 000 batches each: the pipeline alone beside a consumer process (GPUFEED_SPIN_US, if
-#      set, is the consumer's spin before it sleeps). The dataset is packed once per machine in
+#      set, is the consumer's spin before it sleeps; HANDOFF_RUNS and HANDOFF_MIN_BATCHES change the 3
+#      runs and the 10 000 batches). The dataset is packed once per machine in
 #      /var/tmp/gpufeed-handoff and reused by later invocations of the same size (--reuse);
 #   4. with HANDOFF_PY_BENCH=1, the Python consumer against the Rust one (scripts/gpu-python.sh).
 # JSON lines in $OUT/handoff.jsonl. Any failed step makes the script exit non-zero; a summary is
@@ -39,8 +40,8 @@ fi
 mkdir -p /var/tmp/gpufeed-handoff
 step handoff bench "${HANDOFF_BENCH_S:-330}" 60 "$bin/handoff_bench" --device cuda:0 \
   --consume-bin "$bin/consume" --dir /var/tmp/gpufeed-handoff --reuse --row-bytes 2048 --samples "$rows" \
-  --dtype f32 --batch-sizes "${HANDOFF_BATCHES:-64,256,1024,4096,16384}" --runs 3 \
-  --min-batches 10000 --out "$OUT/handoff.jsonl"
+  --dtype f32 --batch-sizes "${HANDOFF_BATCHES:-64,256,1024,4096,16384}" --runs "${HANDOFF_RUNS:-3}" \
+  --min-batches "${HANDOFF_MIN_BATCHES:-10000}" --out "$OUT/handoff.jsonl"
 python3 - "$OUT/handoff.jsonl" <<'PY'
 import json, sys
 try:
