@@ -17,7 +17,7 @@ use foldhash::{HashMap, HashMapExt};
 use memmap2::Mmap;
 
 use super::device_shards::{DeviceShards, ShardWindows};
-use super::round::{PendingBatch, PendingRound, REGIONS_MAX};
+use super::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, REGIONS_MAX};
 use super::{GpuAssembler, GpuStreamLimits, ZeroCopy};
 use crate::decode::{self, BlockRef};
 use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer};
@@ -1006,6 +1006,62 @@ fn row_pieces(
     None
 }
 
+/// Puts a round's piece table where its gather kernel reads it: the round's pinned buffer when
+/// shards are copied ahead (`copying`), device memory (uploaded on `stream`) otherwise.
+fn place_piece_table(
+    stream: &crate::device::Stream,
+    buffers: &mut RoundBuffers,
+    layout: HostLayout,
+    table: &[u8],
+    copying: bool,
+) -> Result<(), FillError> {
+    if copying {
+        buffers.host.as_mut_slice()[layout.pieces..layout.pieces + table.len()]
+            .copy_from_slice(table);
+        return Ok(());
+    }
+    super::round::upload_table(
+        stream,
+        &mut buffers.host,
+        layout.pieces,
+        &buffers.pieces,
+        table,
+    )
+}
+
+/// The shards a round reading `region_bytes` bytes of each region reads (each once, in order of
+/// their first region), and the regions it reads.
+fn shards_read(device_shards: &DeviceShards, region_bytes: &[u64]) -> (Vec<usize>, Vec<usize>) {
+    let mut needed: Vec<usize> = Vec::new();
+    let mut regions_read: Vec<usize> = Vec::new();
+    for (region, &bytes) in region_bytes.iter().enumerate() {
+        if bytes == 0 {
+            continue;
+        }
+        regions_read.push(region);
+        let shard = device_shards.shard_of_region(region);
+        if !needed.contains(&shard) {
+            needed.push(shard);
+        }
+    }
+    (needed, regions_read)
+}
+
+/// Bytes of `region_bytes` a round reads in place from host memory: those of the regions its table
+/// `table` still points at their registered windows (`host_regions`), not at a device copy.
+fn bytes_read_in_place(
+    region_bytes: &[u64],
+    table: &[GatherRegion],
+    host_regions: &[GatherRegion],
+) -> u64 {
+    region_bytes
+        .iter()
+        .enumerate()
+        .filter(|&(region, _)| table[region].ptr == host_regions[region].ptr)
+        .map(|(_, bytes)| bytes)
+        .sum()
+}
+
 impl GpuAssembler {
     /// [`Self::submit`] for a resident stream: every row gathered in place, planned by arithmetic on
     /// [`plan_workers`] planning threads ahead of the filler, in rounds of at most `pieces_max` pieces.
@@ -1083,18 +1139,9 @@ impl GpuAssembler {
             let resident = self.resident.as_mut().expect("a resident stream");
             // The shards the round reads.
             let mut needed: Vec<usize> = Vec::new();
-            let mut regions_read: Vec<usize> = Vec::new();
             if let Some(device_shards) = resident.device_shards.as_mut() {
-                for (region, &bytes) in planned.region_bytes.iter().enumerate() {
-                    if bytes == 0 {
-                        continue;
-                    }
-                    regions_read.push(region);
-                    let shard = device_shards.shard_of_region(region);
-                    if !needed.contains(&shard) {
-                        needed.push(shard);
-                    }
-                }
+                let regions_read;
+                (needed, regions_read) = shards_read(device_shards, &planned.region_bytes);
                 self.timings.copy_wait_s +=
                     device_shards.prepare_round(&needed, &regions_read, &self.stream)?;
             }
@@ -1116,19 +1163,8 @@ impl GpuAssembler {
                 && resolve_inline(&planned.table, &table, &mut self.inline_table);
             let layout = self.layout;
             let buffers = &mut self.buffers[index];
-            if inline {
-                // Nothing to write: the table goes with the launch.
-            } else if copying {
-                buffers.host.as_mut_slice()[layout.pieces..layout.pieces + planned.table.len()]
-                    .copy_from_slice(&planned.table);
-            } else {
-                super::round::upload_table(
-                    &self.stream,
-                    &mut buffers.host,
-                    layout.pieces,
-                    &buffers.pieces,
-                    &planned.table,
-                )?;
+            if !inline {
+                place_piece_table(&self.stream, buffers, layout, &planned.table, copying)?;
             }
             // The region table, for the kernel that reads it (inline pieces carry addresses).
             let mut encoded_regions = std::mem::take(&mut resident.round_regions_encoded);
@@ -1193,12 +1229,8 @@ impl GpuAssembler {
                     )
                 }
             }?;
-            let mut host_bytes = 0u64;
-            for (region, bytes) in planned.region_bytes.iter().enumerate() {
-                if table[region].ptr == resident.host_regions[region].ptr {
-                    host_bytes += bytes;
-                }
-            }
+            let mut host_bytes =
+                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions);
             if let Some(device_shards) = resident.device_shards.as_mut() {
                 device_shards.record_reads(&self.stream, &needed)?;
                 // Bytes copied ahead are read bytes when they are queued.
