@@ -407,6 +407,32 @@ pub fn resolve_inline(table: &[u8], regions: &[GatherRegion], out: &mut Vec<u8>)
     true
 }
 
+/// Checks that `outcome` holds a [`GatherOutcome`] and, unless the caller zeroed it (`zeroed`),
+/// queues its zeroing on `stream` before the launch.
+///
+/// # Safety
+/// `outcome` stays allocated, and nothing else uses it, until the launch after the zeroing has
+/// completed on `stream`.
+unsafe fn prepare_outcome(
+    stream: &Stream,
+    outcome: &dyn DeviceMemory,
+    zeroed: bool,
+) -> Result<(), DeviceError> {
+    if outcome.len() < GATHER_OUTCOME_BYTES {
+        return Err(DeviceError::OutOfBounds {
+            what: "gather outcome",
+            offset: 0,
+            bytes: GATHER_OUTCOME_BYTES as u64,
+            capacity: outcome.len() as u64,
+        });
+    }
+    if !zeroed {
+        // SAFETY: the caller's contract.
+        unsafe { fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0) }?;
+    }
+    Ok(())
+}
+
 /// `struct GatherSources` of the kernel, passed by value.
 #[repr(C)]
 struct GatherSourcesParam {
@@ -518,17 +544,8 @@ impl Gatherer {
             .as_ref()
             .expect("gather_inline_async needs has_inline()");
         assert!(pieces.len() % GATHER_PIECE_BYTES == 0);
-        if outcome.len() < GATHER_OUTCOME_BYTES {
-            return Err(DeviceError::OutOfBounds {
-                what: "gather outcome",
-                offset: 0,
-                bytes: GATHER_OUTCOME_BYTES as u64,
-                capacity: outcome.len() as u64,
-            });
-        }
-        if !outcome_zeroed {
-            fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0)?;
-        }
+        // SAFETY: the outcome is the caller's, as for the launch.
+        unsafe { prepare_outcome(stream, outcome, outcome_zeroed) }?;
         let count = pieces.len() / GATHER_PIECE_BYTES;
         // Launches of nearly equal size: a table of 1 100 pieces goes as 550 + 550, not 1 016 + 84.
         let launches = count.div_ceil(GATHER_INLINE_PIECES_MAX);
@@ -675,17 +692,8 @@ impl Gatherer {
                 capacity: pieces.len() as u64,
             });
         }
-        if outcome.len() < GATHER_OUTCOME_BYTES {
-            return Err(DeviceError::OutOfBounds {
-                what: "gather outcome",
-                offset: 0,
-                bytes: GATHER_OUTCOME_BYTES as u64,
-                capacity: outcome.len() as u64,
-            });
-        }
-        if !outcome_zeroed {
-            fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0)?;
-        }
+        // SAFETY: the outcome is the caller's, as for the launch.
+        unsafe { prepare_outcome(stream, outcome, outcome_zeroed) }?;
         if piece_count == 0 {
             return Ok(());
         }
