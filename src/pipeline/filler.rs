@@ -289,6 +289,7 @@ impl Filler {
         // before the caller's reference to the slots it writes.
         let mut filler = self;
         let started = std::time::Instant::now();
+        let usage_at_start = thread_usage();
         let depth = filler.depth();
         let mut next = 0u64;
         // For the log: seconds waiting for a free slot, and when each quarter of the steps was
@@ -350,6 +351,19 @@ impl Filler {
         }
         if let Backend::Gpu { assembler, .. } = &filler.backend {
             let t = assembler.timings;
+            // The filler thread's own CPU time and involuntary context switches over the stream:
+            // whether a slow stream's host work was slow on the core or kept off it.
+            let usage = thread_usage().since(&usage_at_start);
+            tracing::info!(
+                "GPU stream's filler thread: {:.3} s of CPU over {:.3} s, {} involuntary and {} \
+                 voluntary context switches, last on CPU {}",
+                usage.cpu_s,
+                started.elapsed().as_secs_f64(),
+                usage.involuntary_switches,
+                usage.voluntary_switches,
+                // SAFETY: sched_getcpu takes no arguments.
+                unsafe { libc::sched_getcpu() }
+            );
             if let Some((at, free_at, deliver_at)) = three_quarters {
                 tracing::info!(
                     "GPU stream's last quarter: {:.3} s, of which host plan {:.3} s, gather {:.3} s, \
@@ -446,5 +460,69 @@ impl Filler {
                 Ok((slot, step, report))
             }
         }
+    }
+}
+
+/// CPU time and context switches of the calling thread so far (`getrusage(RUSAGE_THREAD)`).
+#[derive(Clone, Copy, Debug, Default)]
+struct ThreadUsage {
+    cpu_s: f64,
+    involuntary_switches: i64,
+    voluntary_switches: i64,
+}
+
+impl ThreadUsage {
+    /// What was used between `earlier` and `self`.
+    fn since(&self, earlier: &ThreadUsage) -> ThreadUsage {
+        ThreadUsage {
+            cpu_s: self.cpu_s - earlier.cpu_s,
+            involuntary_switches: self.involuntary_switches - earlier.involuntary_switches,
+            voluntary_switches: self.voluntary_switches - earlier.voluntary_switches,
+        }
+    }
+}
+
+/// The calling thread's [`ThreadUsage`] (zeros if the kernel refuses).
+fn thread_usage() -> ThreadUsage {
+    // SAFETY: getrusage writes one rusage struct into a live, zeroed local.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
+        return ThreadUsage::default();
+    }
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    ThreadUsage {
+        cpu_s: seconds(usage.ru_utime) + seconds(usage.ru_stime),
+        involuntary_switches: usage.ru_nivcsw,
+        voluntary_switches: usage.ru_nvcsw,
+    }
+}
+
+#[cfg(test)]
+mod thread_usage_tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_that_spins_sees_its_own_cpu_time_grow() {
+        let start = thread_usage();
+        assert!(start.cpu_s >= 0.0);
+        // Spin until this thread's CPU time has grown by 10 ms: the count must move (a loaded
+        // machine only makes that take longer; the wall-clock bound catches a counter that is stuck).
+        let began = std::time::Instant::now();
+        let mut x = 0u64;
+        let used = loop {
+            for _ in 0..100_000 {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            let used = thread_usage().since(&start);
+            if used.cpu_s >= 0.010 {
+                break used;
+            }
+            assert!(
+                began.elapsed() < std::time::Duration::from_secs(60),
+                "the thread's CPU time did not grow: {used:?}"
+            );
+        };
+        assert!(used.involuntary_switches >= 0 && used.voluntary_switches >= 0);
     }
 }
