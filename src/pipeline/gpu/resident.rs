@@ -1145,11 +1145,12 @@ impl GpuAssembler {
                 self.timings.copy_wait_s +=
                     device_shards.prepare_round(&needed, &regions_read, &self.stream)?;
             }
-            // When shards are copied ahead, the piece table (and the region table, when some
-            // shards are read from their device copies) are written to the round's pinned buffer
-            // and read by the kernel from there: an upload could wait behind the shard copies on
-            // the copy engines. Otherwise the piece table is uploaded (the kernel then reads it
-            // from device memory).
+            // The region table, pointed at the device copies the round may read. Small piece
+            // tables go in the launch's parameters with every piece's region resolved from it.
+            // Otherwise, when shards are copied ahead, the piece table (and the region table,
+            // when some shards are read from their device copies) are written to the round's
+            // pinned buffer and read by the kernel from there: an upload could wait behind the
+            // shard copies on the copy engines. Without copies the piece table is uploaded.
             let mut table = std::mem::take(&mut resident.round_regions);
             table.clone_from(&resident.host_regions);
             let copying = resident.device_shards.is_some();
@@ -1157,19 +1158,16 @@ impl GpuAssembler {
                 .device_shards
                 .as_ref()
                 .is_some_and(|d| d.redirect(&mut table));
-            // Small tables go in the launch's parameters, every piece's region resolved here:
-            // the kernel then reads no table over the link before its first row.
             let inline = count <= self.inline_pieces_max
                 && resolve_inline(&planned.table, &table, &mut self.inline_table);
             let layout = self.layout;
             let buffers = &mut self.buffers[index];
-            if !inline {
-                place_piece_table(&self.stream, buffers, layout, &planned.table, copying)?;
-            }
-            // The region table, for the kernel that reads it (inline pieces carry addresses).
+            // The region table's encoding, for the kernel that reads it (inline pieces carry
+            // addresses).
             let mut encoded_regions = std::mem::take(&mut resident.round_regions_encoded);
             encoded_regions.clear();
             if !inline {
+                place_piece_table(&self.stream, buffers, layout, &planned.table, copying)?;
                 GatherRegion::encode_into(&table, &mut encoded_regions);
             }
             // The gather writes its outcome straight into the round's pinned buffer (mapped for
@@ -1200,12 +1198,12 @@ impl GpuAssembler {
             } else {
                 &resident.regions
             };
-            // SAFETY: the piece table, region table and outcome (zeroed above) belong to this round (its pinned
-            // buffer is written again only after the host waited for the round); the windows the
-            // regions name stay mapped and pinned for the stream's life, and the device copies they
-            // name are complete and are not overwritten before this round is done (the copy stream
-            // waits for the event recorded below); the slot is this filler's (its release event was
-            // waited on) and overlaps no source.
+            // SAFETY: the piece table, region table and outcome (zeroed above) belong to this
+            // round (its pinned buffer is written again only after the host waited for the round);
+            // the windows the regions name stay mapped and pinned for the stream's life, and the
+            // device copies they name are complete and are not overwritten before this round is
+            // done (the copy stream waits for the event recorded below); the slot is this filler's
+            // (its release event was waited on) and overlaps no source.
             //
             // Inline, the pieces address the same windows and device copies (resolve_inline checked
             // each extent against its region).
