@@ -413,6 +413,9 @@ fn measure(
         "handoff_us_p50": consumer["handoff_us_p50"],
         "handoff_us_p99": consumer["handoff_us_p99"],
         "handoff_us_max": consumer["handoff_us_max"],
+        "release_us_p50": consumer["release_us_p50"],
+        "release_us_p99": consumer["release_us_p99"],
+        "consumer_ready_before_asked": consumer["ready_before_asked"],
         "daemon_cpu_cores": (self_after - self_before) / process_seconds,
         "consumer_cpu_cores": (children_after - children_before) / process_seconds,
     }))

@@ -291,6 +291,9 @@ fn run(args: &Args) -> Result<()> {
             "handoff_us_p50": quantile_us(&mut received.handoff_ns, 0.50),
             "handoff_us_p99": quantile_us(&mut received.handoff_ns, 0.99),
             "handoff_us_max": quantile_us(&mut received.handoff_ns, 1.0),
+            "release_us_p50": quantile_us(&mut received.release_ns, 0.50),
+            "release_us_p99": quantile_us(&mut received.release_ns, 0.99),
+            "ready_before_asked": received.ready_before_asked,
         })
     );
     Ok(())
@@ -305,6 +308,10 @@ struct Received {
     totals: Totals,
     /// Hand-off latency of each batch.
     handoff_ns: Vec<u64>,
+    /// Time each batch's release took (dropping it: the release query and the ring entry).
+    release_ns: Vec<u64>,
+    /// Batches that were ready before this consumer asked for them (it was behind the daemon).
+    ready_before_asked: u64,
     /// Seconds from the start to the first batch.
     first_batch_s: Option<f64>,
     /// `--dump`: the first field's geometry (learned from the first stream) and its bytes.
@@ -347,6 +354,7 @@ fn consume_epoch(
         // The hand-off latency: from the batch being ready, or from the moment this consumer
         // started waiting for it if it was ready before (prefetched), to its arrival here.
         let ready_or_asked = batch.info().ready_ns.max(waiting_since);
+        received.ready_before_asked += u64::from(batch.info().ready_ns < waiting_since);
         received
             .handoff_ns
             .push(monotonic_ns().saturating_sub(ready_or_asked));
@@ -368,9 +376,10 @@ fn consume_epoch(
             }
             field.copy_to_host(dump_bytes)?;
         }
+        let mut batch = Some(batch);
         if let Some(hold_after) = args.hold_after {
             if totals.batches <= hold_after {
-                held.push_back(batch);
+                held.push_back(batch.take().expect("not yet moved"));
                 if totals.batches == hold_after {
                     hold_until_stdin_closes(&held)?;
                     held.clear();
@@ -378,6 +387,13 @@ fn consume_epoch(
                     held.pop_front();
                 }
             }
+        }
+        if let Some(batch) = batch {
+            let releasing = monotonic_ns();
+            drop(batch);
+            received
+                .release_ns
+                .push(monotonic_ns().saturating_sub(releasing));
         }
     }
     Ok((stream.state().cursor, stream.spec().device))
