@@ -416,6 +416,7 @@ fn measure(
         "release_us_p50": consumer["release_us_p50"],
         "release_us_p99": consumer["release_us_p99"],
         "consumer_ready_before_asked": consumer["ready_before_asked"],
+        "consumer_epoch_times": consumer["epoch_times"],
         "daemon_cpu_cores": (self_after - self_before) / process_seconds,
         "consumer_cpu_cores": (children_after - children_before) / process_seconds,
     }))

@@ -294,6 +294,7 @@ fn run(args: &Args) -> Result<()> {
             "release_us_p50": quantile_us(&mut received.release_ns, 0.50),
             "release_us_p99": quantile_us(&mut received.release_ns, 0.99),
             "ready_before_asked": received.ready_before_asked,
+            "epoch_times": received.epochs,
         })
     );
     Ok(())
@@ -312,6 +313,8 @@ struct Received {
     release_ns: Vec<u64>,
     /// Batches that were ready before this consumer asked for them (it was behind the daemon).
     ready_before_asked: u64,
+    /// Each epoch's stream as the consumer saw it.
+    epochs: Vec<EpochTimes>,
     /// Seconds from the start to the first batch.
     first_batch_s: Option<f64>,
     /// `--dump`: the first field's geometry (learned from the first stream) and its bytes.
@@ -327,12 +330,15 @@ fn consume_epoch(
     started: Instant,
 ) -> Result<(u64, Device)> {
     let epoch = spec.epoch;
+    let opening = Instant::now();
     let mut stream = client.open_stream(spec).with_context(|| {
         format!(
             "opening a stream of dataset {:?}, epoch {epoch}",
             args.dataset
         )
     })?;
+    let opened_ms = opening.elapsed().as_secs_f64() * 1e3;
+    let mut first_batch_ms = None;
     if let Some((geometry @ None, _)) = &mut received.dump {
         *geometry = Some(dump_geometry(stream.layout())?);
     }
@@ -349,6 +355,7 @@ fn consume_epoch(
         let batch = batch
             .with_context(|| format!("receiving the batch after {} batches", totals.batches))?;
         totals.batches += 1;
+        first_batch_ms.get_or_insert_with(|| opening.elapsed().as_secs_f64() * 1e3);
         totals.samples += u64::from(batch.samples());
         totals.replaced += u64::from(batch.replaced());
         // The hand-off latency: from the batch being ready, or from the moment this consumer
@@ -396,7 +403,21 @@ fn consume_epoch(
                 .push(monotonic_ns().saturating_sub(releasing));
         }
     }
+    received.epochs.push(EpochTimes {
+        open_ms: opened_ms,
+        first_batch_ms,
+        ms: opening.elapsed().as_secs_f64() * 1e3,
+    });
     Ok((stream.state().cursor, stream.spec().device))
+}
+
+/// One epoch's stream, from the consumer's side: opening it, its first batch, and all of it
+/// (milliseconds since it began to open).
+#[derive(Debug, serde::Serialize)]
+struct EpochTimes {
+    open_ms: f64,
+    first_batch_ms: Option<f64>,
+    ms: f64,
 }
 
 /// The `q` quantile of `values` (nanoseconds) in microseconds; null when there are none.

@@ -625,6 +625,7 @@ fn open_stream(
         free: (0..plan.slot_count).collect(),
         releases_taken: 0,
         batches_published: 0,
+        waits: FreeSlotWaits::default(),
         stop: Arc::clone(&stop),
         writer: Arc::clone(writer),
         metrics: Arc::clone(metrics),
@@ -664,9 +665,22 @@ struct RingHandoff {
     free: VecDeque<u32>,
     releases_taken: u64,
     batches_published: u64,
+    /// For the stream's log line: how the filler waited for free slots.
+    waits: FreeSlotWaits,
     stop: Arc<AtomicBool>,
     writer: Arc<Mutex<UnixStream>>,
     metrics: Arc<Metrics>,
+}
+
+/// The times a filler with nothing in flight found no free slot: how often, how long it slept on the
+/// doorbell, and how many batches the consumer held (published and not released) when it looked.
+#[derive(Debug, Default)]
+struct FreeSlotWaits {
+    waits: u64,
+    sleeps: u64,
+    slept_s: f64,
+    held_sum: u64,
+    held_max: u64,
 }
 
 impl RingHandoff {
@@ -731,14 +745,21 @@ impl Handoff for RingHandoff {
             if !wait {
                 return Ok(None);
             }
+            let view = &self.handoff.view;
+            let held = self.batches_published - self.releases_taken;
+            self.waits.waits += 1;
+            self.waits.held_sum += held;
+            self.waits.held_max = self.waits.held_max.max(held);
             // Say that we sleep, then look once more: a release published before the consumer saw
             // the waiting word is found here; one published after it rings the doorbell.
-            let view = &self.handoff.view;
             view.set_daemon_waiting(true);
             let found = self.take_releases();
             if matches!(found, Ok(0)) {
+                let slept = std::time::Instant::now();
                 self.handoff.daemon_bell.wait(None, RELEASE_WAIT_MS);
                 self.handoff.daemon_bell.clear();
+                self.waits.sleeps += 1;
+                self.waits.slept_s += slept.elapsed().as_secs_f64();
             }
             self.handoff.view.set_daemon_waiting(false);
             if let Err(reason) = found {
@@ -789,6 +810,20 @@ impl Handoff for RingHandoff {
     }
 
     fn finish(&mut self) {
+        let w = &self.waits;
+        if w.waits > 0 {
+            tracing::info!(
+                "hand-off: {} waits for a free slot with nothing in flight, {} of them slept on the \
+                 doorbell for {:.3} s; the consumer held {:.1} of {} slots on average at a wait (at \
+                 most {})",
+                w.waits,
+                w.sleeps,
+                w.slept_s,
+                w.held_sum as f64 / w.waits as f64,
+                self.plan.slot_count,
+                w.held_max
+            );
+        }
         let end = Message::EndOfEpoch {
             epoch: self.plan.epoch,
             steps: self.plan.steps,
