@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use gpufeed::input::write_npy;
-use gpufeed_client::consumer::{Batch, Client};
+use gpufeed_client::consumer::{Batch, Client, OpeningStream, Stream};
 use gpufeed_client::protocol::{
     monotonic_ns, Backend, CorruptPolicy, Device, FieldRequest, Shuffle, StreamLayout, StreamSpec,
     Tail,
@@ -107,6 +107,19 @@ pub struct Args {
     /// daemon runs on a GPU, else host memory).
     #[arg(long, default_value = "auto")]
     device: String,
+    /// With several epochs: open the next epoch's stream, on a helper thread, once this fraction of
+    /// the current epoch's batches is left (0: open it only when the epoch is over). The daemon
+    /// fills its first batches (and, in a window shuffle, copies its first window) meanwhile.
+    #[arg(long, default_value_t = 0.25, value_parser = parse_fraction)]
+    open_ahead: f64,
+}
+
+/// A fraction from 0 to 1.
+fn parse_fraction(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if (0.0..=1.0).contains(&value) => Ok(value),
+        _ => Err(format!("{text:?} is not a fraction from 0 to 1")),
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -241,22 +254,38 @@ fn run(args: &Args) -> Result<()> {
         ..Received::default()
     };
     let mut last = None;
-    // A session serves one stream: later epochs connect again.
+    // A session serves one stream: later epochs connect again, ahead of need (--open-ahead).
     let mut first_client = Some(client);
-    for epoch in args.epoch..args.epoch + args.epochs {
-        let client = match first_client.take() {
-            Some(client) => client,
-            None => Client::connect(&args.socket)?,
-        };
+    let mut opening: Option<OpeningStream> = None;
+    let end = args.epoch + args.epochs;
+    for epoch in args.epoch..end {
         spec.epoch = epoch;
         if epoch != args.epoch {
             // Later epochs start at their beginning.
             spec.start_cursor = 0;
         }
+        let waiting = Instant::now();
+        let stream = match (opening.take(), first_client.take()) {
+            (Some(opening), _) => opening.wait(),
+            (None, Some(client)) => client.open_stream(spec.clone()),
+            (None, None) => Client::connect(&args.socket)?.open_stream(spec.clone()),
+        }
+        .with_context(|| {
+            format!(
+                "opening a stream of dataset {:?}, epoch {epoch}",
+                args.dataset
+            )
+        })?;
+        let next = (epoch + 1 < end && args.open_ahead > 0.0).then(|| {
+            let mut next = spec.clone();
+            next.epoch = epoch + 1;
+            next.start_cursor = 0;
+            next
+        });
         last = Some(consume_epoch(
             args,
-            client,
-            spec.clone(),
+            stream,
+            (waiting, next, &mut opening),
             &mut received,
             started,
         )?);
@@ -322,22 +351,22 @@ struct Received {
 }
 
 /// Consumes one epoch's stream; returns its cursor at the end and its device.
+///
+/// `ahead` is when the consumer began to wait for the stream, and the next epoch's spec, to be
+/// opened into the `OpeningStream` once `--open-ahead` of this epoch is left.
 fn consume_epoch(
     args: &Args,
-    client: Client,
-    spec: StreamSpec,
+    mut stream: Stream,
+    ahead: (Instant, Option<StreamSpec>, &mut Option<OpeningStream>),
     received: &mut Received,
     started: Instant,
 ) -> Result<(u64, Device)> {
-    let epoch = spec.epoch;
-    let opening = Instant::now();
-    let mut stream = client.open_stream(spec).with_context(|| {
-        format!(
-            "opening a stream of dataset {:?}, epoch {epoch}",
-            args.dataset
-        )
-    })?;
+    let (opening, mut next, next_stream) = ahead;
     let opened_ms = opening.elapsed().as_secs_f64() * 1e3;
+    let steps = stream.layout().steps;
+    // Open the next stream once this many batches are left.
+    let open_when_left = (args.open_ahead * steps as f64).ceil() as u64;
+    let mut epoch_batches = 0u64;
     let mut first_batch_ms = None;
     if let Some((geometry @ None, _)) = &mut received.dump {
         *geometry = Some(dump_geometry(stream.layout())?);
@@ -355,6 +384,14 @@ fn consume_epoch(
         let batch = batch
             .with_context(|| format!("receiving the batch after {} batches", totals.batches))?;
         totals.batches += 1;
+        epoch_batches += 1;
+        if steps.saturating_sub(epoch_batches) <= open_when_left
+            && totals.batches < limit.saturating_sub(steps.saturating_sub(epoch_batches))
+        {
+            if let Some(spec) = next.take() {
+                *next_stream = Some(OpeningStream::start(args.socket.clone(), spec));
+            }
+        }
         first_batch_ms.get_or_insert_with(|| opening.elapsed().as_secs_f64() * 1e3);
         totals.samples += u64::from(batch.samples());
         totals.replaced += u64::from(batch.replaced());

@@ -112,3 +112,62 @@ fn the_minimal_client_example_reads_an_epoch() {
         "{stdout}"
     );
 }
+
+/// `--open-ahead` opens each next epoch's stream on a helper thread before the current epoch ends:
+/// the batches are the same, in the same order, as when every epoch is opened after the one before.
+#[test]
+fn opening_the_next_epoch_ahead_serves_the_same_batches() {
+    let root = tempfile::tempdir().unwrap();
+    let daemon = common::daemon::tiny_cpu_daemon(root.path());
+    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
+    let consume = |open_ahead: &str| {
+        let dump = root.path().join(format!("ahead-{open_ahead}.npy"));
+        let output = Command::new(binary)
+            .arg("consume")
+            .arg("--socket")
+            .arg(&daemon.socket)
+            .args([
+                "--dataset",
+                "tiny",
+                "--batch-size",
+                "3",
+                "--shuffle",
+                "full",
+            ])
+            .args(["--epochs", "3", "--seed", "7", "--open-ahead", open_ahead])
+            .arg("--dump")
+            .arg(&dump)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let summary: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        // 16 samples in steps of 3: 5 steps an epoch, the last partial one dropped.
+        assert_eq!(summary["batches"], 15, "{summary}");
+        assert_eq!(
+            summary["epoch_times"].as_array().unwrap().len(),
+            3,
+            "{summary}"
+        );
+        std::fs::read(dump).unwrap()
+    };
+    let after = consume("0");
+    let ahead = consume("0.5");
+    let ahead_at_once = consume("1");
+    assert_eq!(after, ahead);
+    assert_eq!(after, ahead_at_once);
+
+    let refused = Command::new(binary)
+        .args(["consume", "--socket", "/nonexistent", "--dataset", "tiny"])
+        .args(["--open-ahead", "1.5"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("not a fraction from 0 to 1"), "{stderr}");
+}

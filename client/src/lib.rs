@@ -9,7 +9,7 @@ pub mod cuda;
 
 pub use gpufeed_proto::{dtype, protocol, ring, spec, transport};
 
-pub use consumer::{Batch, Client, ClientError, FieldData, FieldView, Stream};
+pub use consumer::{Batch, Client, ClientError, FieldData, FieldView, OpeningStream, Stream};
 pub use dtype::{DType, DTypeError, ALL_DTYPES};
 pub use gpufeed_proto::spec::{StreamState, PREFETCH_DEFAULT};
 pub use protocol::{

@@ -53,6 +53,7 @@ use crate::protocol::{
 };
 use crate::transport::{self, TransportError};
 
+mod ahead;
 mod batch;
 mod layout;
 mod pacing;
@@ -61,6 +62,7 @@ mod stream;
 #[cfg(test)]
 mod tests;
 
+pub use ahead::OpeningStream;
 pub use batch::{Batch, FieldData, FieldView};
 use layout::*;
 pub use stream::Stream;
