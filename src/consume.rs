@@ -110,7 +110,7 @@ pub struct Args {
     /// With several epochs: open the next epoch's stream, on a helper thread, once this fraction of
     /// the current epoch's batches is left (0: open it only when the epoch is over). The daemon
     /// fills its first batches (and, in a window shuffle, copies its first window) meanwhile.
-    #[arg(long, default_value_t = 0.25, value_parser = parse_fraction)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     open_ahead: f64,
 }
 
