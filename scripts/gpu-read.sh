@@ -9,8 +9,10 @@
 #      one with a budget of a third of the dataset (in order and window; cases third-copyN: with N
 #      loader copy threads instead of the default), and one with zero-copy off
 #      (full shuffle staging whole blocks, for comparison); per order (none, window of 4 shards, full) a
-#      consumer process (`consume`, fp32 device batches of READ_BATCH rows), one warm-up epoch then
-#      READ_REPEAT measured epochs; KvikIO (8 threads, 8 batches in flight, read + astype) interleaved
+#      consumer process (`consume`, fp32 device batches of READ_BATCH rows) per run, serving
+#      READ_EPOCHS (3) epochs one after another as a training process does, each next epoch's stream
+#      opened when READ_OPEN_AHEAD (0.3) of the current one is left; one warm-up run then
+#      READ_REPEAT measured runs; KvikIO (8 threads, 8 batches in flight, read + astype) interleaved
 #      with gpufeed's runs, and after the full-shuffle runs a PyTorch DataLoader with a RandomSampler
 #      (best of 4/8/16 workers, 64 batches each). Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
 #      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
@@ -105,7 +107,7 @@ field_flags() {
   python3 -c 'import json,urllib.request; d=json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/datasets/emb", timeout=5)); print(" ".join("--field " + f for f in d["dataset"]["fields"]))'
 }
 
-# run_gpufeed CASE ORDER RUN: one consumer process over one epoch; one JSON line.
+# run_gpufeed CASE ORDER RUN: one consumer process over READ_EPOCHS epochs; one JSON line.
 run_gpufeed() {
   local case=$1 order=$2 run=$3 read0 read1 cpu0 cpu1 t0 t1 line fields
   fields=$(field_flags)
@@ -114,7 +116,8 @@ run_gpufeed() {
   t0=$(date +%s.%N)
   line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
     --batch-size "$batch" $dtype_flags $fields --shuffle "$order" --window-shards 4 --seed "$run" \
-    --prefetch "${READ_PREFETCH:-4}" ${READ_CONSUME_FLAGS:-} | tail -1)
+    --prefetch "${READ_PREFETCH:-4}" --epochs "${READ_EPOCHS:-3}" --open-ahead "${READ_OPEN_AHEAD:-0.3}" \
+    ${READ_CONSUME_FLAGS:-} | tail -1)
   t1=$(date +%s.%N)
   cpu1=$(cpu_seconds "$daemon")
   read1=$(metric gpufeed_read_bytes_total)
@@ -131,6 +134,8 @@ bytes_in = summary.get("bytes", 0) // int(os.environ.get("READ_OUT_PER_IN", "2")
 record = {
     "loader": "gpufeed", "case": case, "order": order, "run": int(run), "batch_size": int(batch),
     "prefetch": int(os.environ.get("READ_PREFETCH", "4")),
+    "epochs": summary.get("epochs"), "open_ahead": float(os.environ.get("READ_OPEN_AHEAD", "0.3")),
+    "epoch_times": summary.get("epoch_times"),
     "stream_seconds": summary.get("seconds"), "wall_seconds": wall,
     "first_batch_seconds": summary.get("first_batch_seconds"),
     "bytes_in": bytes_in, "bytes_out": summary.get("bytes", 0),
@@ -242,7 +247,7 @@ read_cold() {
     for order in none window; do
       start_daemon
       drop
-      run_gpufeed cold "$order" "$round"
+      READ_EPOCHS=1 run_gpufeed cold "$order" "$round"
       stop_daemon
     done
     env PYTHONPATH=/tmp/kvikio-site python3 scripts/e2e/peers.py kvikio --file "$npy" \
@@ -254,7 +259,7 @@ read_cold() {
     tail -1 "$jsonl"
     start_daemon
     drop
-    READ_CONSUME_FLAGS="--steps ${READ_COLD_FULL_STEPS:-16}" run_gpufeed cold full "$round"
+    READ_EPOCHS=1 READ_CONSUME_FLAGS="--steps ${READ_COLD_FULL_STEPS:-16}" run_gpufeed cold full "$round"
     stop_daemon
   done
 }
