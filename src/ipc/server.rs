@@ -626,10 +626,6 @@ fn open_stream(
         releases_taken: 0,
         batches_published: 0,
         waits: FreeSlotWaits::default(),
-        release_spin: match spec.device {
-            gpufeed_proto::protocol::Device::Cuda(_) => RELEASE_SPIN,
-            gpufeed_proto::protocol::Device::Cpu => std::time::Duration::ZERO,
-        },
         stop: Arc::clone(&stop),
         writer: Arc::clone(writer),
         metrics: Arc::clone(metrics),
@@ -656,14 +652,6 @@ fn open_stream(
 /// stream down to this.
 const RELEASE_WAIT_MS: i32 = 100;
 
-/// How long a device stream's filler with nothing in flight and no free slot watches the ring for a
-/// release before it sleeps on its doorbell. A sleeping filler makes the consumer ring the doorbell
-/// with each release, and on the H100 test machine (a VM) a release that rings took 200-270 µs at
-/// the 99th percentile against 1 µs: a consumer that once fell behind stayed behind for the whole
-/// run, at 0.76-0.81x the pipeline's pace at 64 and 256 rows (`docs/benchmarks/handoff-2026-11-24.md`,
-/// run 29). A consumer keeping up releases a slot every few microseconds at those sizes.
-const RELEASE_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
-
 /// A stream's consumer as its filler sees it: free slots come back as releases in the hand-off ring,
 /// filled slots go out as batch entries in it. The socket carries only the end of the epoch and errors.
 ///
@@ -679,8 +667,6 @@ struct RingHandoff {
     batches_published: u64,
     /// For the stream's log line: how the filler waited for free slots.
     waits: FreeSlotWaits,
-    /// How long the filler watches the ring for a release before it sleeps on its doorbell.
-    release_spin: std::time::Duration,
     stop: Arc<AtomicBool>,
     writer: Arc<Mutex<UnixStream>>,
     metrics: Arc<Metrics>,
@@ -690,8 +676,6 @@ struct RingHandoff {
 /// doorbell, and how many batches the consumer held (published and not released) when it looked.
 #[derive(Debug, Default)]
 struct FreeSlotWaits {
-    /// Waits ended by a release found while watching the ring, before sleeping.
-    watched: u64,
     waits: u64,
     sleeps: u64,
     slept_s: f64,
@@ -761,26 +745,6 @@ impl Handoff for RingHandoff {
             if !wait {
                 return Ok(None);
             }
-            // Watch for a release a while: one taken this way needs no doorbell.
-            let watching = std::time::Instant::now();
-            let mut found_watching = Ok(0);
-            while watching.elapsed() < self.release_spin {
-                found_watching = self.take_releases();
-                if !matches!(found_watching, Ok(0)) {
-                    break;
-                }
-                for _ in 0..32 {
-                    std::hint::spin_loop();
-                }
-            }
-            match found_watching {
-                Ok(0) => {}
-                Ok(_) => {
-                    self.waits.watched += 1;
-                    continue;
-                }
-                Err(reason) => return Err(self.refuse(reason)),
-            }
             let view = &self.handoff.view;
             let held = self.batches_published - self.releases_taken;
             self.waits.waits += 1;
@@ -847,16 +811,15 @@ impl Handoff for RingHandoff {
 
     fn finish(&mut self) {
         let w = &self.waits;
-        if w.waits + w.watched > 0 {
+        if w.waits > 0 {
             tracing::info!(
-                "hand-off: {} waits for a free slot with nothing in flight ended by a release seen \
-                 while watching the ring; {} more, {} of them slept on the doorbell for {:.3} s; the \
-                 consumer held {:.1} of {} slots on average at such a wait (at most {})",
-                w.watched,
+                "hand-off: {} waits for a free slot with nothing in flight, {} of them slept on the \
+                 doorbell for {:.3} s; the consumer held {:.1} of {} slots on average at a wait (at \
+                 most {})",
                 w.waits,
                 w.sleeps,
                 w.slept_s,
-                w.held_sum as f64 / w.waits.max(1) as f64,
+                w.held_sum as f64 / w.waits as f64,
                 self.plan.slot_count,
                 w.held_max
             );
