@@ -379,7 +379,7 @@ fn measure(
         "the consumer received {} batches, not {batches}",
         consumer["batches"]
     );
-    Ok(json!({
+    let mut line = json!({
         "kind": "run",
         "run": run,
         "device": args.device,
@@ -413,13 +413,22 @@ fn measure(
         "handoff_us_p50": consumer["handoff_us_p50"],
         "handoff_us_p99": consumer["handoff_us_p99"],
         "handoff_us_max": consumer["handoff_us_max"],
-        "release_us_p50": consumer["release_us_p50"],
-        "release_us_p99": consumer["release_us_p99"],
-        "consumer_ready_before_asked": consumer["ready_before_asked"],
-        "consumer_epoch_times": consumer["epoch_times"],
         "daemon_cpu_cores": (self_after - self_before) / process_seconds,
         "consumer_cpu_cores": (children_after - children_before) / process_seconds,
-    }))
+    });
+    // The consumer's own figures, as it reported them.
+    for (key, from) in [
+        ("release_us_p50", "release_us_p50"),
+        ("release_us_p99", "release_us_p99"),
+        ("release_us_mean", "release_us_mean"),
+        ("handoff_us_p90", "handoff_us_p90"),
+        ("handoff_us_mean", "handoff_us_mean"),
+        ("consumer_ready_before_asked", "ready_before_asked"),
+        ("consumer_epoch_times", "epoch_times"),
+    ] {
+        line[key] = consumer[from].clone();
+    }
+    Ok(line)
 }
 
 /// The median of each numeric field over `runs` (the other fields from the first run).

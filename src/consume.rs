@@ -322,6 +322,9 @@ fn run(args: &Args) -> Result<()> {
             "handoff_us_max": quantile_us(&mut received.handoff_ns, 1.0),
             "release_us_p50": quantile_us(&mut received.release_ns, 0.50),
             "release_us_p99": quantile_us(&mut received.release_ns, 0.99),
+            "release_us_mean": mean_us(&received.release_ns),
+            "handoff_us_p90": quantile_us(&mut received.handoff_ns, 0.90),
+            "handoff_us_mean": mean_us(&received.handoff_ns),
             "ready_before_asked": received.ready_before_asked,
             "epoch_times": received.epochs,
         })
@@ -363,6 +366,7 @@ fn consume_epoch(
 ) -> Result<(u64, Device)> {
     let (opening, mut next, next_stream) = ahead;
     let opened_ms = opening.elapsed().as_secs_f64() * 1e3;
+    let usage_at_start = gpufeed::pipeline::filler::thread_usage();
     let steps = stream.layout().steps;
     // Open the next stream once this many batches are left.
     let open_when_left = (args.open_ahead * steps as f64).ceil() as u64;
@@ -440,21 +444,34 @@ fn consume_epoch(
                 .push(monotonic_ns().saturating_sub(releasing));
         }
     }
+    let usage = gpufeed::pipeline::filler::thread_usage().since(&usage_at_start);
     received.epochs.push(EpochTimes {
         open_ms: opened_ms,
         first_batch_ms,
         ms: opening.elapsed().as_secs_f64() * 1e3,
+        cpu_ms: usage.cpu_s * 1e3,
+        involuntary_switches: usage.involuntary_switches,
+        voluntary_switches: usage.voluntary_switches,
     });
     Ok((stream.state().cursor, stream.spec().device))
 }
 
 /// One epoch's stream, from the consumer's side: opening it, its first batch, and all of it
-/// (milliseconds since it began to open).
+/// (milliseconds since it began to open); the consuming thread's CPU time and context switches
+/// over the epoch (whether a slow epoch's thread was kept off its CPU or waited).
 #[derive(Debug, serde::Serialize)]
 struct EpochTimes {
     open_ms: f64,
     first_batch_ms: Option<f64>,
     ms: f64,
+    cpu_ms: f64,
+    involuntary_switches: i64,
+    voluntary_switches: i64,
+}
+
+/// The mean of `values` (nanoseconds) in microseconds; null when there are none.
+fn mean_us(values: &[u64]) -> Option<f64> {
+    (!values.is_empty()).then(|| values.iter().sum::<u64>() as f64 / values.len() as f64 / 1e3)
 }
 
 /// The `q` quantile of `values` (nanoseconds) in microseconds; null when there are none.

@@ -465,15 +465,18 @@ impl Filler {
 
 /// CPU time and context switches of the calling thread so far (`getrusage(RUSAGE_THREAD)`).
 #[derive(Clone, Copy, Debug, Default)]
-struct ThreadUsage {
-    cpu_s: f64,
-    involuntary_switches: i64,
-    voluntary_switches: i64,
+pub struct ThreadUsage {
+    /// User and system CPU seconds.
+    pub cpu_s: f64,
+    /// Times the thread was taken off its CPU while it could run.
+    pub involuntary_switches: i64,
+    /// Times the thread gave up its CPU to wait.
+    pub voluntary_switches: i64,
 }
 
 impl ThreadUsage {
     /// What was used between `earlier` and `self`.
-    fn since(&self, earlier: &ThreadUsage) -> ThreadUsage {
+    pub fn since(&self, earlier: &ThreadUsage) -> ThreadUsage {
         ThreadUsage {
             cpu_s: self.cpu_s - earlier.cpu_s,
             involuntary_switches: self.involuntary_switches - earlier.involuntary_switches,
@@ -483,7 +486,7 @@ impl ThreadUsage {
 }
 
 /// The calling thread's [`ThreadUsage`] (zeros if the kernel refuses).
-fn thread_usage() -> ThreadUsage {
+pub fn thread_usage() -> ThreadUsage {
     // SAFETY: getrusage writes one rusage struct into a live, zeroed local.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
