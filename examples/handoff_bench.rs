@@ -425,6 +425,8 @@ fn measure(
         ("handoff_us_mean", "handoff_us_mean"),
         ("consumer_ready_before_asked", "ready_before_asked"),
         ("consumer_epoch_times", "epoch_times"),
+        ("consumer_ready_queries", "ready_queries"),
+        ("consumer_stream_queries", "stream_queries"),
     ] {
         line[key] = consumer[from].clone();
     }

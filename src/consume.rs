@@ -327,6 +327,8 @@ fn run(args: &Args) -> Result<()> {
             "handoff_us_mean": mean_us(&received.handoff_ns),
             "ready_before_asked": received.ready_before_asked,
             "epoch_times": received.epochs,
+            "ready_queries": gpufeed_client::cuda::QUERY_STATS.ready.read(),
+            "stream_queries": gpufeed_client::cuda::QUERY_STATS.stream.read(),
         })
     );
     Ok(())

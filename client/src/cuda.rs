@@ -247,8 +247,11 @@ impl DeviceSlots {
     pub(crate) fn wait_ready(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
         self.bind()?;
         let ready = self.slots[slot as usize].ready;
+        let queried = std::time::Instant::now();
         // SAFETY: the event is live.
-        if event_complete(unsafe { cu::cuEventQuery(ready) })? {
+        let complete = event_complete(unsafe { cu::cuEventQuery(ready) });
+        QUERY_STATS.ready.add(queried.elapsed());
+        if complete? {
             return Ok(());
         }
         // SAFETY: the event is live; the caller vouched for the stream (Stream::set_cuda_stream).
@@ -265,8 +268,11 @@ impl DeviceSlots {
     /// recorded, and the daemon's wait on the `released` event is on a record already complete.
     pub(crate) fn release(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
         self.bind()?;
+        let queried = std::time::Instant::now();
         // SAFETY: the caller vouched for the stream.
-        if event_complete(unsafe { cu::cuStreamQuery(stream) })? {
+        let idle = event_complete(unsafe { cu::cuStreamQuery(stream) });
+        QUERY_STATS.stream.add(queried.elapsed());
+        if idle? {
             return Ok(());
         }
         // SAFETY: as in wait_ready.
@@ -310,6 +316,60 @@ impl DeviceSlots {
 
 /// The answer of `cuEventQuery` / `cuStreamQuery`: true when the work is complete, false when it is
 /// still pending, an error otherwise.
+/// Counts of the driver queries a consumer makes for each batch, for diagnosis: how many, their
+/// total time, and how many took over [`SLOW_QUERY_NS`].
+#[derive(Debug, Default)]
+pub struct QueryCounter {
+    calls: std::sync::atomic::AtomicU64,
+    total_ns: std::sync::atomic::AtomicU64,
+    slow: std::sync::atomic::AtomicU64,
+}
+
+/// A query slower than this (nanoseconds) counts as slow.
+pub const SLOW_QUERY_NS: u64 = 50_000;
+
+impl QueryCounter {
+    const fn new() -> QueryCounter {
+        QueryCounter {
+            calls: std::sync::atomic::AtomicU64::new(0),
+            total_ns: std::sync::atomic::AtomicU64::new(0),
+            slow: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn add(&self, took: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let ns = took.as_nanos() as u64;
+        self.calls.fetch_add(1, Relaxed);
+        self.total_ns.fetch_add(ns, Relaxed);
+        self.slow.fetch_add(u64::from(ns > SLOW_QUERY_NS), Relaxed);
+    }
+
+    /// (calls, total seconds, calls over [`SLOW_QUERY_NS`]) so far in this process.
+    pub fn read(&self) -> (u64, f64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.calls.load(Relaxed),
+            self.total_ns.load(Relaxed) as f64 / 1e9,
+            self.slow.load(Relaxed),
+        )
+    }
+}
+
+/// The process's per-batch driver queries: of a batch's ready event (`cuEventQuery`, when it is
+/// handed out) and of the consumer's stream (`cuStreamQuery`, when it is released).
+#[derive(Debug)]
+pub struct QueryStats {
+    pub ready: QueryCounter,
+    pub stream: QueryCounter,
+}
+
+/// This process's [`QueryStats`].
+pub static QUERY_STATS: QueryStats = QueryStats {
+    ready: QueryCounter::new(),
+    stream: QueryCounter::new(),
+};
+
 fn event_complete(code: cu::CUresult) -> Result<bool, CudaError> {
     match code {
         cu::CUresult::CUDA_SUCCESS => Ok(true),
