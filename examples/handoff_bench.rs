@@ -121,6 +121,14 @@ fn main() -> Result<()> {
             _ => bail!("--device {other}: expected cpu or cuda:N"),
         },
     };
+    // The pipeline alone runs on this thread: off the device's interrupt CPUs, like the daemon's
+    // fillers and the consumer (unless GPUFEED_AVOID_IRQ_CPUS=0, as for the fillers).
+    if let Device::Cuda(ordinal) = device {
+        if std::env::var("GPUFEED_AVOID_IRQ_CPUS").map_or(true, |v| v.trim() != "0") {
+            gpufeed_client::cuda::keep_thread_off_interrupt_cpus(ordinal)
+                .map_err(|e| anyhow::anyhow!("{}", e.0))?;
+        }
+    }
     let backend = match device {
         Device::Cuda(ordinal) => Some(Arc::new(gpufeed::daemon::open_gpu_backend(
             ordinal,

@@ -112,6 +112,10 @@ pub struct Args {
     /// fills its first batches (and, in a window shuffle, copies its first window) meanwhile.
     #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     open_ahead: f64,
+    /// With `--device cuda:N`: do not move this thread off the CPUs that service the device's
+    /// interrupts (by default it moves, when other CPUs are allowed to it).
+    #[arg(long)]
+    stay_on_interrupt_cpus: bool,
 }
 
 /// A fraction from 0 to 1.
@@ -230,10 +234,18 @@ fn run(args: &Args) -> Result<()> {
     // A training process has its CUDA context (its framework made it) before it asks for data, and
     // keeps it across epochs: so does this one, before the clock starts.
     let _context = match args.device.strip_prefix("cuda:").map(str::parse::<u32>) {
-        Some(Ok(ordinal)) => Some(
-            gpufeed_client::cuda::retain_primary_context(ordinal)
-                .with_context(|| format!("initializing CUDA device {ordinal}"))?,
-        ),
+        Some(Ok(ordinal)) => {
+            let context = gpufeed_client::cuda::retain_primary_context(ordinal)
+                .with_context(|| format!("initializing CUDA device {ordinal}"))?;
+            // Take batches on a CPU that does not service the device's interrupts (unless asked
+            // not to): the driver queries of each batch wait behind the interrupt handler there.
+            if !args.stay_on_interrupt_cpus {
+                if let Err(error) = gpufeed_client::cuda::keep_thread_off_interrupt_cpus(ordinal) {
+                    eprintln!("consume: keeping off cuda:{ordinal}'s interrupt CPUs: {error}");
+                }
+            }
+            Some(context)
+        }
         _ => None,
     };
     // The clock starts before the consumer connects: connecting, opening streams and mapping their

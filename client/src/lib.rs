@@ -4,6 +4,7 @@
 //! dependency). It stays light on purpose (no async runtime, no HTTP stack) so that a training process
 //! can link it without pulling in the daemon.
 
+pub mod affinity;
 pub mod consumer;
 pub mod cuda;
 
