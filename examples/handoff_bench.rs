@@ -69,6 +69,10 @@ struct Args {
     /// Least batches in a run (whole epochs are added until there are this many).
     #[arg(long, default_value_t = 10_000)]
     min_batches: u64,
+    /// Unmeasured runs at the first batch size before the measured ones (kept in the output as
+    /// `"kind": "warmup"`).
+    #[arg(long, default_value_t = 1)]
+    warmup_runs: u32,
     /// Deliver the rows converted to this dtype (default: as stored, fp16).
     #[arg(long)]
     dtype: Option<DType>,
@@ -246,6 +250,25 @@ fn main() -> Result<()> {
             .output()?
             .stdout,
     )?;
+    // Warm-up runs at the first batch size, kept in the output as "warmup" lines and left out of the
+    // medians: the first pipeline-alone epochs of a process ran at half speed or less (their first
+    // registrations and launches), which made the first measured run's ratio meaningless.
+    for run in 0..args.warmup_runs {
+        let first_size = *args.batch_sizes.first().context("no batch size")?;
+        let mut line = measure(
+            &args,
+            &dataset,
+            backend.as_deref(),
+            &limits,
+            &socket,
+            device,
+            first_size,
+            run,
+        )?;
+        line["kind"] = json!("warmup");
+        line["date"] = json!(date.trim());
+        emit(line)?;
+    }
     for &batch_size in &args.batch_sizes {
         let mut runs = Vec::new();
         for run in 0..args.runs {
