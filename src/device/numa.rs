@@ -169,6 +169,35 @@ impl BoundForNow {
     }
 }
 
+impl BoundForNow {
+    /// Also keeps the calling thread off `avoid` (the CPUs servicing the device's interrupts,
+    /// `gpufeed_client::affinity`) until dropped, when other CPUs are allowed to it; the affinity
+    /// before [`BoundForNow::new`] (or before this, if `new` bound nothing) comes back on drop.
+    pub fn avoiding(mut self, avoid: &[usize]) -> BoundForNow {
+        if avoid.is_empty() {
+            return self;
+        }
+        let previous = match (&self.previous, current_affinity()) {
+            (Some(_), _) => None,
+            (None, Ok(previous)) => Some(previous),
+            (None, Err(error)) => {
+                tracing::warn!("reading the affinity: {error}");
+                return self;
+            }
+        };
+        match gpufeed_client::affinity::keep_thread_off(avoid) {
+            Ok(Some(_)) => {
+                if previous.is_some() {
+                    self.previous = previous;
+                }
+            }
+            Ok(None) => {}
+            Err(error) => tracing::warn!("keeping a thread off CPUs {avoid:?}: {error}"),
+        }
+        self
+    }
+}
+
 impl Drop for BoundForNow {
     fn drop(&mut self) {
         if let Some(previous) = self.previous.take() {
@@ -285,5 +314,27 @@ mod tests {
             assert!(bind_current_thread(&[outside]).is_err());
             assert_eq!(current_affinity().unwrap(), before);
         }
+    }
+
+    #[test]
+    fn a_thread_kept_off_cpus_for_now_gets_its_affinity_back() {
+        std::thread::spawn(|| {
+            let before = current_affinity().unwrap();
+            let allowed: Vec<usize> = (0..nix::sched::CpuSet::count())
+                .filter(|&c| before.is_set(c).unwrap_or(false))
+                .collect();
+            {
+                let _off = BoundForNow::new(None).avoiding(&allowed[..1]);
+                if allowed.len() >= 2 {
+                    assert!(!current_affinity().unwrap().is_set(allowed[0]).unwrap());
+                } else {
+                    // The only CPU allowed is not given up.
+                    assert_eq!(current_affinity().unwrap(), before);
+                }
+            }
+            assert_eq!(current_affinity().unwrap(), before);
+        })
+        .join()
+        .unwrap();
     }
 }

@@ -226,7 +226,15 @@ impl Filler {
             StreamBackend::Gpu(gpu) => {
                 // The stream's pinned buffers, and the loader and verification threads it starts,
                 // belong on the device's node.
-                let _bound = crate::device::numa::BoundForNow::new(gpu.numa.as_ref());
+                // Off the CPUs that service the device's interrupts too, like the filler thread.
+                let avoid = match &pci_address {
+                    Some(address) if avoid_irq_cpus() => {
+                        gpufeed_client::affinity::interrupt_cpus(address)
+                    }
+                    _ => Vec::new(),
+                };
+                let _bound =
+                    crate::device::numa::BoundForNow::new(gpu.numa.as_ref()).avoiding(&avoid);
                 let reader = GpuReader::with_windows(
                     &gpu.device,
                     gpu.reader_limits,
@@ -284,6 +292,8 @@ impl Filler {
                     }
                 }
                 if let Some(address) = self.pci_address.as_deref().filter(|_| avoid_irq_cpus()) {
+                    // Read again: the stream's set-up may have taken a while, and a CPU's share
+                    // may have changed (irqbalance).
                     let avoid = gpufeed_client::affinity::interrupt_cpus(address);
                     match gpufeed_client::affinity::keep_thread_off(&avoid) {
                         Ok(Some(cpus)) => tracing::debug!(
