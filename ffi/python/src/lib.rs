@@ -847,9 +847,25 @@ impl Field {
     }
 }
 
+/// Moves the calling thread off the CPUs that service `device`'s interrupts (`cuda` or `cuda:N`),
+/// when other CPUs are allowed to it; returns the CPUs it runs on now, or None when it was left as it
+/// was. Threads it starts afterwards inherit the restriction. For the thread that takes batches:
+/// its per-batch CUDA driver calls stall behind the interrupt handler on those CPUs.
+#[pyfunction]
+fn keep_thread_off_interrupt_cpus(py: Python<'_>, device: &str) -> PyResult<Option<Vec<usize>>> {
+    let Device::Cuda(ordinal) = parse_device(device)? else {
+        return Err(PyValueError::new_err(format!(
+            "device {device:?}: interrupt CPUs are a CUDA device's"
+        )));
+    };
+    gpufeed_client::cuda::keep_thread_off_interrupt_cpus(ordinal)
+        .map_err(|e| to_py(py, ClientError::Cuda(e)))
+}
+
 /// The native module.
 #[pymodule]
 fn _gpufeed(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_function(wrap_pyfunction!(keep_thread_off_interrupt_cpus, module)?)?;
     module.add_class::<Client>()?;
     module.add_class::<Stream>()?;
     module.add_class::<Batch>()?;

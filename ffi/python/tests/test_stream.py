@@ -183,3 +183,17 @@ def test_a_killed_consumer_leaks_no_slot(daemon):
     client = gpufeed.Client(daemon.socket)
     ids, _ = collect(client.open_stream("toy", batch_size=100, prefetch=3))
     np.testing.assert_array_equal(ids, np.arange(1000))
+
+
+def test_keep_thread_off_interrupt_cpus_takes_a_cuda_device_only():
+    with pytest.raises(ValueError, match="CUDA device"):
+        gpufeed.keep_thread_off_interrupt_cpus("cpu")
+    with pytest.raises(ValueError, match="not cpu, cuda or cuda:N"):
+        gpufeed.keep_thread_off_interrupt_cpus("gpu7")
+    try:
+        kept = gpufeed.keep_thread_off_interrupt_cpus("cuda:0")
+    except gpufeed.CudaError as error:
+        # No NVIDIA driver here: a clear error, not a crash.
+        assert "libcuda" in str(error) or "cu" in str(error)
+    else:
+        assert kept is None or (kept and all(isinstance(cpu, int) for cpu in kept))

@@ -9,7 +9,14 @@ CuPy and NumPy through DLPack.
 See docs/PYTHON.md for the API, the lifetime of batches and CUDA stream ordering.
 """
 
-from gpufeed._gpufeed import Batch, Client, Field, Stream, __version__
+from gpufeed._gpufeed import (
+    Batch,
+    Client,
+    Field,
+    Stream,
+    __version__,
+    keep_thread_off_interrupt_cpus,
+)
 from gpufeed.errors import (
     AllSlotsHeldError,
     ConnectError,
@@ -35,4 +42,5 @@ __all__ = [
     "SessionError",
     "Stream",
     "__version__",
+    "keep_thread_off_interrupt_cpus",
 ]

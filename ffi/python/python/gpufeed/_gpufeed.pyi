@@ -2,6 +2,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 __version__: str
 
+def keep_thread_off_interrupt_cpus(device: str) -> Optional[List[int]]: ...
+
 class Client:
     def __init__(self, socket: str) -> None: ...
     @property
