@@ -101,6 +101,9 @@ fn shuffle(args: &Args) -> Result<Shuffle> {
     })
 }
 
+/// The CPUs the pipeline-alone measurement keeps off: those servicing the device's interrupts.
+static PIPELINE_AVOIDS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+
 fn main() -> Result<()> {
     let args = Args::parse();
     // With GPUFEED_LOG set (as for the daemon, e.g. `info`), the in-process daemon's log goes to
@@ -125,12 +128,20 @@ fn main() -> Result<()> {
             _ => bail!("--device {other}: expected cpu or cuda:N"),
         },
     };
-    // The pipeline alone runs on this thread: off the device's interrupt CPUs, like the daemon's
-    // fillers and the consumer (unless GPUFEED_AVOID_IRQ_CPUS=0, as for the fillers).
+    // The pipeline alone runs on this thread: while it runs, off the device's interrupt CPUs, like
+    // the daemon's fillers and the consumer (unless GPUFEED_AVOID_IRQ_CPUS=0, as for the fillers).
+    // Only then: the in-process daemon's threads and the consumer process choose for themselves.
     if let Device::Cuda(ordinal) = device {
-        if std::env::var("GPUFEED_AVOID_IRQ_CPUS").map_or(true, |v| v.trim() != "0") {
-            gpufeed_client::cuda::keep_thread_off_interrupt_cpus(ordinal)
-                .map_err(|e| anyhow::anyhow!("{}", e.0))?;
+        if gpufeed::pipeline::filler::avoid_irq_cpus() {
+            match gpufeed_client::cuda::pci_address(ordinal) {
+                Ok(address) => {
+                    let _ = PIPELINE_AVOIDS.set(gpufeed_client::affinity::interrupt_cpus(&address));
+                }
+                Err(error) => eprintln!(
+                    "cuda:{ordinal}: no PCI address ({}): CPUs not chosen",
+                    error.0
+                ),
+            }
         }
     }
     let backend = match device {
@@ -338,7 +349,9 @@ fn measure(
     let delivered_bytes = batch_bytes_out * batches;
     let input_bytes = args.row_bytes as u64 * u64::from(batch_size) * batches;
 
-    // The pipeline alone.
+    // The pipeline alone, off the device's interrupt CPUs until the consumer's turn.
+    let off_interrupt_cpus = gpufeed::device::numa::BoundForNow::new(None)
+        .avoiding(PIPELINE_AVOIDS.get().map_or(&[], Vec::as_slice));
     let started = Instant::now();
     let mut device_seconds = 0.0;
     // The GPU pipeline's host phases summed over the epochs (see `GpuFillTimings`): where a batch's
@@ -378,6 +391,8 @@ fn measure(
         }
     }
     let pipeline_seconds = started.elapsed().as_secs_f64();
+
+    drop(off_interrupt_cpus);
 
     // The consumer process.
     let (self_before, children_before) = bench::cpu_seconds();

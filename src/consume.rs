@@ -278,7 +278,12 @@ fn run(args: &Args) -> Result<()> {
         }
         let waiting = Instant::now();
         let stream = match (opening.take(), first_client.take()) {
-            (Some(opening), _) => opening.wait(),
+            // An ahead-open needs a second session and ring while the current one lives: if the
+            // daemon refused it (its bounds), open again now that the current stream is gone.
+            (Some(opening), _) => opening.wait().or_else(|error| {
+                eprintln!("consume: opening epoch {epoch} ahead failed ({error}); opening it now");
+                Client::connect(&args.socket)?.open_stream(spec.clone())
+            }),
             (None, Some(client)) => client.open_stream(spec.clone()),
             (None, None) => Client::connect(&args.socket)?.open_stream(spec.clone()),
         }
@@ -470,9 +475,11 @@ fn consume_epoch(
     Ok((stream.state().cursor, stream.spec().device))
 }
 
-/// One epoch's stream, from the consumer's side: opening it, its first batch, and all of it
-/// (milliseconds since it began to open); the consuming thread's CPU time and context switches
-/// over the epoch (whether a slow epoch's thread was kept off its CPU or waited).
+/// One epoch's stream, from the consumer's side, in milliseconds from when the consumer began to
+/// wait for it: the wait for the stream (its whole opening, connection included after the first
+/// epoch; or what was left of an opening started ahead), its first batch, and all of it; and the
+/// consuming thread's CPU time and context switches over the epoch (whether a slow epoch's thread
+/// was kept off its CPU or waited).
 #[derive(Debug, serde::Serialize)]
 struct EpochTimes {
     open_ms: f64,

@@ -315,8 +315,6 @@ impl DeviceSlots {
     }
 }
 
-/// The answer of `cuEventQuery` / `cuStreamQuery`: true when the work is complete, false when it is
-/// still pending, an error otherwise.
 /// Counts of the driver queries a consumer makes for each batch, for diagnosis: how many, their
 /// total time, and how many took over [`SLOW_QUERY_NS`].
 #[derive(Debug, Default)]
@@ -371,6 +369,8 @@ pub static QUERY_STATS: QueryStats = QueryStats {
     stream: QueryCounter::new(),
 };
 
+/// The answer of `cuEventQuery` / `cuStreamQuery`: true when the work is complete, false when it is
+/// still pending, an error otherwise.
 fn event_complete(code: cu::CUresult) -> Result<bool, CudaError> {
     match code {
         cu::CUresult::CUDA_SUCCESS => Ok(true),

@@ -4,11 +4,10 @@
 //! dependency). It stays light on purpose (no async runtime, no HTTP stack) so that a training process
 //! can link it without pulling in the daemon.
 
-pub mod affinity;
 pub mod consumer;
 pub mod cuda;
 
-pub use gpufeed_proto::{dtype, protocol, ring, spec, transport};
+pub use gpufeed_proto::{affinity, dtype, protocol, ring, spec, transport};
 
 pub use consumer::{Batch, Client, ClientError, FieldData, FieldView, OpeningStream, Stream};
 pub use dtype::{DType, DTypeError, ALL_DTYPES};

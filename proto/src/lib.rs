@@ -8,6 +8,7 @@
 //!
 //! No CUDA and no memory mapping: the daemon's format layer and the client crate both build on it.
 
+pub mod affinity;
 pub mod dtype;
 pub mod protocol;
 pub mod ring;

@@ -171,7 +171,7 @@ impl BoundForNow {
 
 impl BoundForNow {
     /// Also keeps the calling thread off `avoid` (the CPUs servicing the device's interrupts,
-    /// `gpufeed_client::affinity`) until dropped, when other CPUs are allowed to it; the affinity
+    /// `gpufeed_proto::affinity`) until dropped, when other CPUs are allowed to it; the affinity
     /// before [`BoundForNow::new`] (or before this, if `new` bound nothing) comes back on drop.
     pub fn avoiding(mut self, avoid: &[usize]) -> BoundForNow {
         if avoid.is_empty() {
@@ -185,7 +185,7 @@ impl BoundForNow {
                 return self;
             }
         };
-        match gpufeed_client::affinity::keep_thread_off(avoid) {
+        match gpufeed_proto::affinity::keep_thread_off(avoid) {
             Ok(Some(_)) => {
                 if previous.is_some() {
                     self.previous = previous;

@@ -229,7 +229,7 @@ impl Filler {
                 // Off the CPUs that service the device's interrupts too, like the filler thread.
                 let avoid = match &pci_address {
                     Some(address) if avoid_irq_cpus() => {
-                        gpufeed_client::affinity::interrupt_cpus(address)
+                        gpufeed_proto::affinity::interrupt_cpus(address)
                     }
                     _ => Vec::new(),
                 };
@@ -294,8 +294,8 @@ impl Filler {
                 if let Some(address) = self.pci_address.as_deref().filter(|_| avoid_irq_cpus()) {
                     // Read again: the stream's set-up may have taken a while, and a CPU's share
                     // may have changed (irqbalance).
-                    let avoid = gpufeed_client::affinity::interrupt_cpus(address);
-                    match gpufeed_client::affinity::keep_thread_off(&avoid) {
+                    let avoid = gpufeed_proto::affinity::interrupt_cpus(address);
+                    match gpufeed_proto::affinity::keep_thread_off(&avoid) {
                         Ok(Some(cpus)) => tracing::debug!(
                             "filler: off CPUs {avoid:?}, which service {address}'s interrupts; on \
                              {} others",
@@ -494,9 +494,9 @@ impl Filler {
 }
 
 /// Whether GPU fillers (and the planning threads they start) keep off the CPUs that service their
-/// device's interrupts (`gpufeed_client::affinity`): yes unless `GPUFEED_AVOID_IRQ_CPUS=0` (read once).
+/// device's interrupts (`gpufeed_proto::affinity`): yes unless `GPUFEED_AVOID_IRQ_CPUS=0` (read once).
 /// On the H100 test machine a filler on the interrupt CPU ran an epoch three times slower.
-fn avoid_irq_cpus() -> bool {
+pub fn avoid_irq_cpus() -> bool {
     static AVOID: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVOID.get_or_init(|| std::env::var("GPUFEED_AVOID_IRQ_CPUS").map_or(true, |v| v.trim() != "0"))
 }

@@ -13,8 +13,9 @@ use super::{Client, ClientError, Stream};
 
 /// A stream being opened on a helper thread: connecting, greeting, opening and mapping its slots.
 ///
-/// Each open stream holds its own ring in the daemon (and, on a GPU, device memory for its shards):
-/// open one ahead, not many.
+/// Each open stream is a session of its own and holds its own ring in the daemon (and, on a GPU,
+/// device memory for its shards): open one ahead, not many. A daemon at its session or slot-memory
+/// bound refuses it; open again once the current stream is dropped.
 ///
 /// ```no_run
 /// use gpufeed_client::consumer::{Client, ClientError, OpeningStream};
@@ -25,12 +26,16 @@ use super::{Client, ClientError, Stream};
 /// let spec = StreamSpec::new("tokens", 256);
 /// let mut stream = Client::connect(socket)?.open_stream(spec.clone())?;
 /// for epoch in 0..10u64 {
+///     // The stream's steps, from its start (a resumed stream starts mid-epoch).
 ///     let steps = stream.layout().steps;
+///     let mut received = 0;
 ///     let mut next = None;
 ///     while let Some(batch) = stream.next() {
 ///         let batch = batch?;
+///         received += 1;
 ///         // ... train on the batch ...
-///         if next.is_none() && epoch + 1 < 10 && batch.step() + 1 >= steps * 3 / 4 {
+///         // A quarter of the epoch left: open the next one.
+///         if next.is_none() && epoch + 1 < 10 && received >= steps * 3 / 4 {
 ///             let mut spec = spec.clone();
 ///             spec.epoch = epoch + 1;
 ///             next = Some(OpeningStream::start(socket, spec));

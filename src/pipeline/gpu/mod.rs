@@ -479,8 +479,10 @@ impl GpuAssembler {
 
     /// Queues stream step `step` into `slot`. The slot's previous contents may still be read by the
     /// consumer until `released` completes: the first write waits for it on the device. `ready` (if
-    /// any) is recorded on the stream after the batch's last work. The batch is not to be handed off
-    /// before [`Self::complete`] has returned it: only then are its blocks known to be sound.
+    /// any) is recorded on the stream after the batch's last work, except on a resident stream,
+    /// whose batches are complete on the device when [`Self::complete`] returns them (it records
+    /// `ready` after a fix-up). The batch is not to be handed off before [`Self::complete`] has
+    /// returned it: only then are its blocks known to be sound.
     ///
     /// The slot must stay allocated until the batch is completed.
     pub fn submit(
