@@ -264,18 +264,21 @@ fn main() -> Result<()> {
     // Warm-up runs at the first batch size, kept in the output as "warmup" lines and left out of the
     // medians: the first pipeline-alone epochs of a process ran at half speed or less (their first
     // registrations and launches), which made the first measured run's ratio meaningless.
-    for run in 0..args.warmup_runs {
-        let first_size = *args.batch_sizes.first().context("no batch size")?;
-        let mut line = measure(
+    let measure_at = |batch_size, run| {
+        measure(
             &args,
             &dataset,
             backend.as_deref(),
             &limits,
             &socket,
             device,
-            first_size,
+            batch_size,
             run,
-        )?;
+        )
+    };
+    for run in 0..args.warmup_runs {
+        let first_size = *args.batch_sizes.first().context("no batch size")?;
+        let mut line = measure_at(first_size, run)?;
         line["kind"] = json!("warmup");
         line["date"] = json!(date.trim());
         emit(line)?;
@@ -283,17 +286,7 @@ fn main() -> Result<()> {
     for &batch_size in &args.batch_sizes {
         let mut runs = Vec::new();
         for run in 0..args.runs {
-            let line = measure(
-                &args,
-                &dataset,
-                backend.as_deref(),
-                &limits,
-                &socket,
-                device,
-                batch_size,
-                run,
-            )?;
-            let mut line = line;
+            let mut line = measure_at(batch_size, run)?;
             line["date"] = json!(date.trim());
             emit(line.clone())?;
             runs.push(line);

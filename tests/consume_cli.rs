@@ -15,20 +15,10 @@ fn gpufeed_consume_pulls_an_epoch_and_reports_it() {
     let root = tempfile::tempdir().unwrap();
     let daemon = common::daemon::tiny_cpu_daemon(root.path());
     let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
-    let output = Command::new(binary)
-        .arg("consume")
-        .arg("--socket")
-        .arg(&daemon.socket)
-        .args(["--dataset", "tiny", "--batch-size", "4", "--dtype", "i64"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+    let summary = consume_summary(
+        &daemon.socket,
+        &["--dataset", "tiny", "--batch-size", "4", "--dtype", "i64"],
     );
-    let summary: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(summary["batches"], 4, "{summary}");
     assert_eq!(summary["samples"], 16, "{summary}");
     // 16 samples of 4 elements, widened to i64.
@@ -122,31 +112,25 @@ fn opening_the_next_epoch_ahead_serves_the_same_batches() {
     let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
     let consume = |open_ahead: &str| {
         let dump = root.path().join(format!("ahead-{open_ahead}.npy"));
-        let output = Command::new(binary)
-            .arg("consume")
-            .arg("--socket")
-            .arg(&daemon.socket)
-            .args([
+        let summary = consume_summary(
+            &daemon.socket,
+            &[
                 "--dataset",
                 "tiny",
                 "--batch-size",
                 "3",
                 "--shuffle",
                 "full",
-            ])
-            .args(["--epochs", "3", "--seed", "7", "--open-ahead", open_ahead])
-            .arg("--dump")
-            .arg(&dump)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success(),
-            "{stdout}\n{}",
-            String::from_utf8_lossy(&output.stderr)
+                "--epochs",
+                "3",
+                "--seed",
+                "7",
+                "--open-ahead",
+                open_ahead,
+                "--dump",
+                dump.to_str().unwrap(),
+            ],
         );
-        let summary: serde_json::Value =
-            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
         // 16 samples in steps of 3: 5 steps an epoch, the last partial one dropped.
         assert_eq!(summary["batches"], 15, "{summary}");
         assert_eq!(
@@ -170,4 +154,23 @@ fn opening_the_next_epoch_ahead_serves_the_same_batches() {
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(stderr.contains("not a fraction from 0 to 1"), "{stderr}");
+}
+
+/// Runs `gpufeed consume --socket SOCKET ARGS...`, checks that it succeeded, and returns its JSON
+/// summary (its last line).
+fn consume_summary(socket: &Path, args: &[&str]) -> serde_json::Value {
+    let output = Command::new(env!("CARGO_BIN_EXE_gpufeed"))
+        .arg("consume")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
 }

@@ -47,7 +47,7 @@ pub fn interrupt_cpus_from(
         let file = procfs.join(format!("irq/{irq}/effective_affinity_list"));
         let now = std::fs::read_to_string(file)
             .ok()
-            .and_then(|text| parse_cpu_list(&text))
+            .and_then(|text| parse_cpulist(&text).ok())
             .filter(|list| !list.is_empty());
         match now {
             Some(list) => cpus.extend(list),
@@ -57,23 +57,33 @@ pub fn interrupt_cpus_from(
     cpus.into_iter().collect()
 }
 
-/// A kernel CPU list (`0-3,8`); `None` if malformed.
-fn parse_cpu_list(text: &str) -> Option<Vec<usize>> {
+/// Most CPUs a `cpulist` may name (a bound on what a malformed file can make us allocate).
+const CPUS_MAX: usize = 1 << 16;
+
+/// Parses a kernel CPU list such as `0-7,16-23` or `3`; an empty list is empty.
+pub fn parse_cpulist(text: &str) -> Result<Vec<usize>, String> {
     let mut cpus = Vec::new();
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        let number = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("CPU list {text:?}: {s:?} is not a CPU number"))
+        };
         let (first, last) = match part.split_once('-') {
-            Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+            Some((a, b)) => (number(a)?, number(b)?),
             None => {
-                let n: usize = part.trim().parse().ok()?;
+                let n = number(part)?;
                 (n, n)
             }
         };
-        if first > last || last >= 1 << 16 {
-            return None;
+        if first > last || last >= CPUS_MAX {
+            return Err(format!("CPU list {text:?}: range {part:?} is not valid"));
         }
         cpus.extend(first..=last);
     }
-    Some(cpus)
+    cpus.sort_unstable();
+    cpus.dedup();
+    Ok(cpus)
 }
 
 /// Per-CPU interrupt counts of some IRQs, from `/proc/interrupts` text.

@@ -23,34 +23,8 @@ pub struct NumaPlacement {
     pub cpus: Vec<usize>,
 }
 
-/// Most CPUs a `cpulist` may name (a bound on what a malformed file can make us allocate).
-const CPUS_MAX: usize = 1 << 16;
-
-/// Parses a kernel CPU list such as `0-7,16-23` or `3`; an empty list is empty.
-pub fn parse_cpulist(text: &str) -> Result<Vec<usize>, String> {
-    let mut cpus = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        let number = |s: &str| {
-            s.trim()
-                .parse::<usize>()
-                .map_err(|_| format!("CPU list {text:?}: {s:?} is not a CPU number"))
-        };
-        let (first, last) = match part.split_once('-') {
-            Some((a, b)) => (number(a)?, number(b)?),
-            None => {
-                let n = number(part)?;
-                (n, n)
-            }
-        };
-        if first > last || last >= CPUS_MAX {
-            return Err(format!("CPU list {text:?}: range {part:?} is not valid"));
-        }
-        cpus.extend(first..=last);
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Ok(cpus)
-}
+/// Parses a kernel CPU list such as `0-7,16-23` (shared with the interrupt-CPU finder).
+pub use gpufeed_proto::affinity::parse_cpulist;
 
 /// The PCI address sysfs names a function by, `dddd:bb:dd.0`, from the driver's domain, bus and
 /// device numbers.
