@@ -385,6 +385,7 @@ fn consume_epoch(
 ) -> Result<(u64, Device)> {
     let (opening, mut next, next_stream) = ahead;
     let opened_ms = opening.elapsed().as_secs_f64() * 1e3;
+    let open_phases = stream.open_phases();
     let usage_at_start = gpufeed::pipeline::filler::thread_usage();
     let steps = stream.layout().steps;
     // Open the next stream once this many batches are left.
@@ -466,6 +467,8 @@ fn consume_epoch(
     let usage = gpufeed::pipeline::filler::thread_usage().since(&usage_at_start);
     received.epochs.push(EpochTimes {
         open_ms: opened_ms,
+        open_daemon_ms: open_phases.daemon_s * 1e3,
+        open_map_ms: open_phases.map_s * 1e3,
         first_batch_ms,
         ms: opening.elapsed().as_secs_f64() * 1e3,
         cpu_ms: usage.cpu_s * 1e3,
@@ -483,6 +486,9 @@ fn consume_epoch(
 #[derive(Debug, serde::Serialize)]
 struct EpochTimes {
     open_ms: f64,
+    /// Of the opening: the daemon's answer, and mapping the slots here (`Stream::open_phases`).
+    open_daemon_ms: f64,
+    open_map_ms: f64,
     first_batch_ms: Option<f64>,
     ms: f64,
     cpu_ms: f64,

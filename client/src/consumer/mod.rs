@@ -65,8 +65,8 @@ mod tests;
 pub use ahead::OpeningStream;
 pub use batch::{Batch, FieldData, FieldView};
 use layout::*;
-pub use stream::Stream;
 use stream::*;
+pub use stream::{OpenPhases, Stream};
 
 // The held-slot set is a 64-bit mask.
 const _: () = assert!(SLOTS_MAX <= 64);
@@ -253,8 +253,10 @@ impl Client {
     /// (dataset and field names, dtype conversions, resource bounds) and answers with an error code.
     pub fn open_stream(self, spec: StreamSpec) -> Result<Stream, ClientError> {
         check_spec(&spec)?;
+        let asked = std::time::Instant::now();
         transport::send(&self.socket, &Message::OpenStream(spec.clone()), &[])?;
         let (message, fds) = transport::recv(&self.socket)?;
+        let answered = std::time::Instant::now();
         let layout = match message {
             Message::StreamOpened(layout) => layout,
             other => {
@@ -284,6 +286,10 @@ impl Client {
                 &layout.slot_events,
             )?),
         };
+        let open_phases = OpenPhases {
+            daemon_s: (answered - asked).as_secs_f64(),
+            map_s: answered.elapsed().as_secs_f64(),
+        };
         let outbox = Outbox {
             inner: Mutex::new(OutboxInner {
                 socket: self.socket.try_clone()?,
@@ -302,6 +308,7 @@ impl Client {
             cursor: spec.start_cursor,
             phase: Phase::Streaming,
             pacing: pacing::Pacing::default(),
+            open_phases,
             spec,
             memory: Arc::new(SlotMemory {
                 layout,

@@ -161,12 +161,30 @@ pub struct Stream {
     pub(super) phase: Phase,
     /// The pace of the daemon's batches, for waiting on them.
     pub(super) pacing: Pacing,
+    /// Where the stream's opening went.
+    pub(super) open_phases: OpenPhases,
+}
+
+/// Where a stream's opening went, in seconds: the daemon's answer to the request (its plan, slots and
+/// pipeline set-up, and the frame both ways), then mapping the ring and the slots in this process
+/// (for device slots: importing each allocation and opening its events).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpenPhases {
+    /// From sending the request to receiving the daemon's answer.
+    pub daemon_s: f64,
+    /// Mapping the ring and the slots after the answer.
+    pub map_s: f64,
 }
 
 impl Stream {
     /// The slot layout the daemon chose.
     pub fn layout(&self) -> &StreamLayout {
         &self.memory.layout
+    }
+
+    /// Where the stream's opening went.
+    pub fn open_phases(&self) -> OpenPhases {
+        self.open_phases
     }
 
     /// The spec the stream was opened with.
