@@ -101,21 +101,17 @@ fn probe_driver() -> Result<(), CudaError> {
 struct MappedSlot {
     handle: cu::CUmemGenericAllocationHandle,
     ptr: cu::CUdeviceptr,
+    reserved_bytes: usize,
     mapped_bytes: usize,
     ready: cu::CUevent,
     released: cu::CUevent,
 }
 
-/// A stream's device slots, mapped read-write in this process on the daemon's device: one address
-/// range for the whole ring, each slot's allocation mapped at its place in it, and read-write access
-/// granted once over the range (one `cuMemSetAccess` instead of one per slot: each costs tens of
-/// microseconds, which a ring of 64 slots turned into 3 ms of every stream's opening).
+/// A stream's device slots, mapped read-write in this process on the daemon's device.
 #[derive(Debug)]
 pub(crate) struct DeviceSlots {
     device: cu::CUdevice,
     context: cu::CUcontext,
-    /// The reserved address range: its start and length (0 until reserved).
-    range: (cu::CUdeviceptr, usize),
     slots: Vec<MappedSlot>,
 }
 
@@ -151,7 +147,6 @@ impl DeviceSlots {
         let mut slots = DeviceSlots {
             device,
             context,
-            range: (0, 0),
             slots: Vec::with_capacity(fds.len()),
         };
         slots.bind()?;
@@ -172,34 +167,19 @@ impl DeviceSlots {
             )
         })?;
         let mapped_bytes = slot_bytes.max(1).div_ceil(granularity) * granularity;
-        let range_bytes = mapped_bytes.checked_mul(fds.len()).ok_or_else(|| {
-            CudaError(format!(
-                "{} slots of {mapped_bytes} bytes overflow the address space",
-                fds.len()
-            ))
-        })?;
-        if range_bytes == 0 {
-            return Ok(slots);
-        }
-        let mut base: cu::CUdeviceptr = 0;
-        // SAFETY: the context is current; writes one address.
-        check("cuMemAddressReserve", unsafe {
-            cu::cuMemAddressReserve(&mut base, range_bytes, granularity, 0, 0)
-        })?;
-        slots.range = (base, range_bytes);
-        for (index, (fd, handles)) in fds.iter().zip(events).enumerate() {
+        for (fd, handles) in fds.iter().zip(events) {
             // Pushed piece by piece so that Drop releases whatever a failure leaves behind.
             let mut slot = MappedSlot {
                 handle: 0,
-                ptr: base + (index * mapped_bytes) as cu::CUdeviceptr,
+                ptr: 0,
+                reserved_bytes: 0,
                 mapped_bytes: 0,
                 ready: std::ptr::null_mut(),
                 released: std::ptr::null_mut(),
             };
             let result = (|| {
-                // SAFETY: the context is current; the descriptor is open for the call; the slot's
-                // place lies inside the reserved range and is mapped once; each step uses what the
-                // previous produced and is undone by Drop.
+                // SAFETY: the context is current; the descriptor is open for the call; each step
+                // uses what the previous produced and is undone by Drop.
                 unsafe {
                     check(
                         "cuMemImportFromShareableHandle",
@@ -210,10 +190,23 @@ impl DeviceSlots {
                         ),
                     )?;
                     check(
+                        "cuMemAddressReserve",
+                        cu::cuMemAddressReserve(&mut slot.ptr, mapped_bytes, granularity, 0, 0),
+                    )?;
+                    slot.reserved_bytes = mapped_bytes;
+                    check(
                         "cuMemMap",
                         cu::cuMemMap(slot.ptr, mapped_bytes, 0, slot.handle, 0),
                     )?;
                     slot.mapped_bytes = mapped_bytes;
+                    let mut access: cu::CUmemAccessDesc = MaybeUninit::zeroed().assume_init();
+                    access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                    access.location.id = ordinal as i32;
+                    access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                    check(
+                        "cuMemSetAccess",
+                        cu::cuMemSetAccess(slot.ptr, mapped_bytes, &access, 1),
+                    )?;
                     slot.ready = open_event(&handles.ready)?;
                     slot.released = open_event(&handles.released)?;
                 }
@@ -221,18 +214,6 @@ impl DeviceSlots {
             })();
             slots.slots.push(slot);
             result?;
-        }
-        // Every slot is mapped: the range is whole, and access is granted over it at once.
-        // SAFETY: the context is current; the range is reserved and fully mapped.
-        unsafe {
-            let mut access: cu::CUmemAccessDesc = MaybeUninit::zeroed().assume_init();
-            access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-            access.location.id = ordinal as i32;
-            access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            check(
-                "cuMemSetAccess",
-                cu::cuMemSetAccess(base, range_bytes, &access, 1),
-            )?;
         }
         Ok(slots)
     }
@@ -496,14 +477,13 @@ impl Drop for DeviceSlots {
                 if slot.mapped_bytes > 0 {
                     let _ = cu::cuMemUnmap(slot.ptr, slot.mapped_bytes);
                 }
+                if slot.reserved_bytes > 0 {
+                    let _ = cu::cuMemAddressFree(slot.ptr, slot.reserved_bytes);
+                }
                 if slot.handle != 0 {
                     let _ = cu::cuMemRelease(slot.handle);
                 }
             }
-        }
-        if self.range.1 > 0 {
-            // SAFETY: reserved once in `import`; every mapping in it was undone above.
-            let _ = unsafe { cu::cuMemAddressFree(self.range.0, self.range.1) };
         }
         // SAFETY: retained once in `import`.
         let _ = unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.device) };

@@ -540,62 +540,47 @@ fn open_stream(
         (code, message)
     };
     let started = std::time::Instant::now();
-    let new_filler = || {
-        let started = std::time::Instant::now();
-        let filler = Filler::new(Arc::clone(&plan), backend, limits, Arc::clone(metrics));
-        (filler, started.elapsed())
+    let ring = match backend {
+        StreamBackend::Cpu => SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
+            undo(
+                ErrorCode::ResourceExhausted,
+                format!("cannot allocate slots: {e}"),
+            )
+        })?,
+        StreamBackend::Gpu(gpu) => {
+            SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes).map_err(|e| {
+                undo(
+                    ErrorCode::ResourceExhausted,
+                    format!("cannot allocate device slots: {e}"),
+                )
+            })?
+        }
     };
-    // A GPU stream's pipeline is set up on a helper thread while this one makes and exports the slots:
-    // both are mostly driver calls (allocations, mappings, exports) of a few milliseconds each, which
-    // the consumer otherwise waits for one after the other before its first batch.
-    let (made, slots_made, (filler, pipeline_made)) = std::thread::scope(|scope| {
-        let pipeline = match backend {
-            StreamBackend::Gpu(_) => Some(
-                std::thread::Builder::new()
-                    .name("gpufeed-open".into())
-                    .spawn_scoped(scope, new_filler),
-            ),
-            StreamBackend::Cpu => None,
-        };
-        let slots = make_slots(backend, &plan);
-        let slots_made = started.elapsed();
-        let filler = match pipeline {
-            Some(Ok(thread)) => thread.join().expect("the stream's set-up thread panicked"),
-            // No helper thread to be had: set the pipeline up here.
-            Some(Err(_)) | None => new_filler(),
-        };
-        slots.map(|made| (made, slots_made, filler))
-    })
-    .map_err(|(code, message)| undo(code, message))?;
-    let filler = filler.map_err(|error| {
-        let code = match error {
-            FillerError::Storage(_) => ErrorCode::Internal,
-            FillerError::DeviceReads(_) | FillerError::Gpu(_) => ErrorCode::ResourceExhausted,
-        };
-        undo(code, error.to_string())
-    })?;
+    let handoff_ring = Arc::new(HandoffRing::new(plan.slot_count).map_err(|e| {
+        undo(
+            ErrorCode::ResourceExhausted,
+            format!("cannot create the hand-off ring: {e}"),
+        )
+    })?);
+    let slots_made = started.elapsed();
+    let filler =
+        Filler::new(Arc::clone(&plan), backend, limits, Arc::clone(metrics)).map_err(|error| {
+            let code = match error {
+                FillerError::Storage(_) => ErrorCode::Internal,
+                FillerError::DeviceReads(_) | FillerError::Gpu(_) => ErrorCode::ResourceExhausted,
+            };
+            undo(code, error.to_string())
+        })?;
     tracing::info!(
-        "stream of '{}' set up in {:.1} ms: {} slots of {} bytes {:.1} ms, pipeline {:.1} ms{}",
+        "stream of '{}' set up in {:.1} ms: {} slots of {} bytes {:.1} ms, pipeline {:.1} ms",
         spec.dataset,
         started.elapsed().as_secs_f64() * 1e3,
         plan.slot_count,
         plan.slot_bytes,
         slots_made.as_secs_f64() * 1e3,
-        pipeline_made.as_secs_f64() * 1e3,
-        if matches!(backend, StreamBackend::Gpu(_)) {
-            " (at the same time)"
-        } else {
-            ""
-        }
+        (started.elapsed() - slots_made).as_secs_f64() * 1e3
     );
-    let MadeSlots {
-        ring,
-        handoff_ring,
-        slot_events,
-        descriptors,
-    } = made;
     let ring = Arc::new(ring);
-    let handoff_ring = Arc::new(handoff_ring);
     let layout = StreamLayout {
         slot_count: plan.slot_count,
         slot_bytes: plan.slot_bytes as u64,
@@ -613,9 +598,19 @@ fn open_stream(
             })
             .collect(),
         device: spec.device,
-        slot_events,
+        slot_events: ring
+            .slot_events()
+            .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?,
     };
     {
+        let mut descriptors = ring
+            .descriptors()
+            .map_err(|e| undo(ErrorCode::Internal, e))?;
+        descriptors.extend(
+            handoff_ring
+                .descriptors()
+                .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?,
+        );
         let borrowed: Vec<_> = descriptors.iter().map(|fd| fd.as_fd()).collect();
         let socket = writer.lock().expect("socket lock poisoned");
         transport::send(&socket, &Message::StreamOpened(layout), &borrowed)
@@ -649,60 +644,6 @@ fn open_stream(
         stop,
         filler,
         metrics: Arc::clone(metrics),
-    })
-}
-
-/// A stream's slots, its hand-off ring, and what the consumer is sent of them: the slots' events and
-/// the descriptors (the slots' in order, then the ring's).
-struct MadeSlots {
-    ring: SlotRing,
-    handoff_ring: HandoffRing,
-    slot_events: Vec<gpufeed_proto::protocol::SlotEvents>,
-    descriptors: Vec<std::os::fd::OwnedFd>,
-}
-
-/// A stream's slots on its backend and its hand-off ring ([`MadeSlots`]), or the error to answer
-/// with.
-fn make_slots(
-    backend: StreamBackend<'_>,
-    plan: &StreamPlan,
-) -> Result<MadeSlots, (ErrorCode, String)> {
-    let ring = match backend {
-        StreamBackend::Cpu => SlotRing::new(plan.slot_count, plan.slot_bytes).map_err(|e| {
-            (
-                ErrorCode::ResourceExhausted,
-                format!("cannot allocate slots: {e}"),
-            )
-        })?,
-        StreamBackend::Gpu(gpu) => {
-            SlotRing::new_device(&gpu.device, plan.slot_count, plan.slot_bytes).map_err(|e| {
-                (
-                    ErrorCode::ResourceExhausted,
-                    format!("cannot allocate device slots: {e}"),
-                )
-            })?
-        }
-    };
-    let handoff_ring = HandoffRing::new(plan.slot_count).map_err(|e| {
-        (
-            ErrorCode::ResourceExhausted,
-            format!("cannot create the hand-off ring: {e}"),
-        )
-    })?;
-    let slot_events = ring
-        .slot_events()
-        .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
-    let mut descriptors = ring.descriptors().map_err(|e| (ErrorCode::Internal, e))?;
-    descriptors.extend(
-        handoff_ring
-            .descriptors()
-            .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
-    );
-    Ok(MadeSlots {
-        ring,
-        handoff_ring,
-        slot_events,
-        descriptors,
     })
 }
 
