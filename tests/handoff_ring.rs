@@ -70,8 +70,9 @@ fn open_raw(socket_path: &Path) -> RawStream {
     let Message::StreamOpened(layout) = opened else {
         panic!("expected StreamOpened, got {opened:?}");
     };
-    assert_eq!(fds.len(), layout.slot_count as usize + 3);
-    let memory: OwnedFd = fds.remove(layout.slot_count as usize);
+    // The slots' memory, then the hand-off ring and its two doorbells.
+    assert_eq!(fds.len(), 4, "{} slots", layout.slot_count);
+    let memory: OwnedFd = fds.remove(1);
     let file = std::fs::File::from(memory);
     // SAFETY: the daemon's ring memfd, sealed against shrinking; only accessed through the view.
     let mut map = unsafe { memmap2::MmapMut::map_mut(&file).unwrap() };

@@ -344,15 +344,16 @@ enum Moment {
 #[test]
 fn malformed_frames_end_only_their_session() {
     let (_root, daemon) = setup();
+    let v = gpufeed_client::protocol::PROTOCOL_VERSION as u8;
     let cases: [(Moment, Vec<u8>); 5] = [
         // A length far over the frame bound.
         (Moment::First, u32::MAX.to_le_bytes().to_vec()),
         // Unknown message kind 99.
-        (Moment::First, vec![6, 0, 0, 0, 3, 0, 99, 0, 0, 0]),
+        (Moment::First, vec![6, 0, 0, 0, v, 0, 99, 0, 0, 0]),
         // A Hello whose string length runs past the frame.
-        (Moment::First, vec![6, 0, 0, 0, 3, 0, 1, 0, 200, 0]),
+        (Moment::First, vec![6, 0, 0, 0, v, 0, 1, 0, 200, 0]),
         // Kind 6, a Release frame of protocol version 2, unassigned since version 3.
-        (Moment::AfterHello, vec![8, 0, 0, 0, 3, 0, 6, 0, 0, 0, 0, 0]),
+        (Moment::AfterHello, vec![8, 0, 0, 0, v, 0, 6, 0, 0, 0, 0, 0]),
         // A frame only the daemon sends.
         (
             Moment::AfterHello,

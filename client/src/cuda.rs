@@ -14,7 +14,7 @@ use cudarc::driver::sys as cu;
 /// A CUDA stream handle as the driver API names it (a raw pointer).
 pub(crate) type RawStream = cu::CUstream;
 
-use crate::protocol::{SlotEvents, IPC_EVENT_HANDLE_BYTES};
+use crate::protocol::{StreamLayout, IPC_EVENT_HANDLE_BYTES};
 
 /// Every driver entry point this module calls; checked before the first call, because cudarc's loader
 /// panics on a missing symbol.
@@ -96,22 +96,27 @@ fn probe_driver() -> Result<(), CudaError> {
     }
 }
 
-/// One imported slot.
+/// One imported slot: where it starts in this process and its events.
 #[derive(Debug)]
 struct MappedSlot {
-    handle: cu::CUmemGenericAllocationHandle,
     ptr: cu::CUdeviceptr,
-    reserved_bytes: usize,
-    mapped_bytes: usize,
     ready: cu::CUevent,
     released: cu::CUevent,
 }
 
-/// A stream's device slots, mapped read-write in this process on the daemon's device.
+/// A stream's device slots, mapped read-write in this process on the daemon's device: the one
+/// exported allocation that holds them all, imported and mapped once, slot *i* at *i* × `slot_stride`.
 #[derive(Debug)]
 pub(crate) struct DeviceSlots {
     device: cu::CUdevice,
     context: cu::CUcontext,
+    /// The imported allocation (0 until imported).
+    handle: cu::CUmemGenericAllocationHandle,
+    /// The reserved address range (start, bytes; 0 bytes until reserved) and whether the allocation is
+    /// mapped there.
+    range: (cu::CUdeviceptr, usize),
+    mapped: bool,
+    slot_bytes: usize,
     slots: Vec<MappedSlot>,
 }
 
@@ -122,15 +127,15 @@ unsafe impl Send for DeviceSlots {}
 unsafe impl Sync for DeviceSlots {}
 
 impl DeviceSlots {
-    /// Maps the `fds` (exported allocations of at least `slot_bytes`) on CUDA device `ordinal` and
-    /// opens the slots' events. Everything made is released again if a step fails.
+    /// Maps `fd` (the exported allocation of every slot of `layout`, already checked by the layout
+    /// rules) on CUDA device `ordinal` and opens the slots' events. Everything made is released again
+    /// if a step fails.
     pub(crate) fn import(
         ordinal: u32,
-        slot_bytes: usize,
-        fds: Vec<OwnedFd>,
-        events: &[SlotEvents],
+        layout: &StreamLayout,
+        fd: OwnedFd,
     ) -> Result<DeviceSlots, CudaError> {
-        assert_eq!(fds.len(), events.len());
+        assert_eq!(layout.slot_events.len(), layout.slot_count as usize);
         probe_driver()?;
         // SAFETY: plain driver calls with valid out-pointers.
         let (device, context) = unsafe {
@@ -147,7 +152,11 @@ impl DeviceSlots {
         let mut slots = DeviceSlots {
             device,
             context,
-            slots: Vec::with_capacity(fds.len()),
+            handle: 0,
+            range: (0, 0),
+            mapped: false,
+            slot_bytes: layout.slot_bytes as usize,
+            slots: Vec::with_capacity(layout.slot_count as usize),
         };
         slots.bind()?;
         // SAFETY: CUmemAllocationProp is plain data; all-zero is valid before the fields are set.
@@ -166,54 +175,61 @@ impl DeviceSlots {
                 cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
             )
         })?;
-        let mapped_bytes = slot_bytes.max(1).div_ceil(granularity) * granularity;
-        for (fd, handles) in fds.iter().zip(events) {
+        let stride = layout.slot_stride as usize;
+        let mapped_bytes = stride
+            .checked_mul(layout.slot_count as usize)
+            .and_then(|bytes| bytes.checked_next_multiple_of(granularity.max(1)))
+            .ok_or_else(|| {
+                CudaError(format!(
+                    "{} slots {stride} bytes apart do not fit in the address space",
+                    layout.slot_count
+                ))
+            })?;
+        // SAFETY: the context is current; the descriptor is open for the call; each step uses what the
+        // previous produced and is undone by Drop. If the daemon's allocation is shorter than the
+        // layout says, cuMemMap fails.
+        unsafe {
+            check(
+                "cuMemImportFromShareableHandle",
+                cu::cuMemImportFromShareableHandle(
+                    &mut slots.handle,
+                    fd.as_raw_fd() as isize as *mut c_void,
+                    cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                ),
+            )?;
+            let mut base: cu::CUdeviceptr = 0;
+            check(
+                "cuMemAddressReserve",
+                cu::cuMemAddressReserve(&mut base, mapped_bytes, granularity, 0, 0),
+            )?;
+            slots.range = (base, mapped_bytes);
+            check(
+                "cuMemMap",
+                cu::cuMemMap(base, mapped_bytes, 0, slots.handle, 0),
+            )?;
+            slots.mapped = true;
+            let mut access: cu::CUmemAccessDesc = MaybeUninit::zeroed().assume_init();
+            access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            access.location.id = ordinal as i32;
+            access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            check(
+                "cuMemSetAccess",
+                cu::cuMemSetAccess(base, mapped_bytes, &access, 1),
+            )?;
+        }
+        for (index, handles) in layout.slot_events.iter().enumerate() {
             // Pushed piece by piece so that Drop releases whatever a failure leaves behind.
-            let mut slot = MappedSlot {
-                handle: 0,
-                ptr: 0,
-                reserved_bytes: 0,
-                mapped_bytes: 0,
+            slots.slots.push(MappedSlot {
+                ptr: slots.range.0 + (index * stride) as cu::CUdeviceptr,
                 ready: std::ptr::null_mut(),
                 released: std::ptr::null_mut(),
-            };
-            let result = (|| {
-                // SAFETY: the context is current; the descriptor is open for the call; each step
-                // uses what the previous produced and is undone by Drop.
-                unsafe {
-                    check(
-                        "cuMemImportFromShareableHandle",
-                        cu::cuMemImportFromShareableHandle(
-                            &mut slot.handle,
-                            fd.as_raw_fd() as isize as *mut c_void,
-                            cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                        ),
-                    )?;
-                    check(
-                        "cuMemAddressReserve",
-                        cu::cuMemAddressReserve(&mut slot.ptr, mapped_bytes, granularity, 0, 0),
-                    )?;
-                    slot.reserved_bytes = mapped_bytes;
-                    check(
-                        "cuMemMap",
-                        cu::cuMemMap(slot.ptr, mapped_bytes, 0, slot.handle, 0),
-                    )?;
-                    slot.mapped_bytes = mapped_bytes;
-                    let mut access: cu::CUmemAccessDesc = MaybeUninit::zeroed().assume_init();
-                    access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-                    access.location.id = ordinal as i32;
-                    access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-                    check(
-                        "cuMemSetAccess",
-                        cu::cuMemSetAccess(slot.ptr, mapped_bytes, &access, 1),
-                    )?;
-                    slot.ready = open_event(&handles.ready)?;
-                    slot.released = open_event(&handles.released)?;
-                }
-                Ok::<(), CudaError>(())
-            })();
-            slots.slots.push(slot);
-            result?;
+            });
+            let slot = slots.slots.last_mut().expect("pushed above");
+            // SAFETY: the context is current.
+            unsafe {
+                slot.ready = open_event(&handles.ready)?;
+                slot.released = open_event(&handles.released)?;
+            }
         }
         Ok(slots)
     }
@@ -297,9 +313,7 @@ impl DeviceSlots {
         out: &mut [u8],
     ) -> Result<(), CudaError> {
         let mapped = &self.slots[slot as usize];
-        assert!(
-            ptr >= mapped.ptr && ptr + out.len() as u64 <= mapped.ptr + mapped.mapped_bytes as u64
-        );
+        assert!(ptr >= mapped.ptr && ptr + out.len() as u64 <= mapped.ptr + self.slot_bytes as u64);
         self.bind()?;
         // SAFETY: the event is live; the range was checked to lie in the mapped slot.
         unsafe {
@@ -464,28 +478,28 @@ unsafe fn open_event(bytes: &[u8; IPC_EVENT_HANDLE_BYTES]) -> Result<cu::CUevent
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
         let _ = self.bind();
-        for slot in &self.slots {
-            // SAFETY: each resource was made in `import` and is torn down once, in reverse order; null
-            // or zero values mark the steps that never happened.
-            unsafe {
+        // SAFETY: each resource was made in `import` and is torn down once, in reverse order; null
+        // or zero values mark the steps that never happened.
+        unsafe {
+            for slot in &self.slots {
                 if !slot.released.is_null() {
                     let _ = cu::cuEventDestroy_v2(slot.released);
                 }
                 if !slot.ready.is_null() {
                     let _ = cu::cuEventDestroy_v2(slot.ready);
                 }
-                if slot.mapped_bytes > 0 {
-                    let _ = cu::cuMemUnmap(slot.ptr, slot.mapped_bytes);
-                }
-                if slot.reserved_bytes > 0 {
-                    let _ = cu::cuMemAddressFree(slot.ptr, slot.reserved_bytes);
-                }
-                if slot.handle != 0 {
-                    let _ = cu::cuMemRelease(slot.handle);
-                }
             }
+            if self.mapped {
+                let _ = cu::cuMemUnmap(self.range.0, self.range.1);
+            }
+            if self.range.1 > 0 {
+                let _ = cu::cuMemAddressFree(self.range.0, self.range.1);
+            }
+            if self.handle != 0 {
+                let _ = cu::cuMemRelease(self.handle);
+            }
+            // Retained once in `import`.
+            let _ = cu::cuDevicePrimaryCtxRelease_v2(self.device);
         }
-        // SAFETY: retained once in `import`.
-        let _ = unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.device) };
     }
 }

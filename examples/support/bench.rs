@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
-use gpufeed::device::{Event, ExportableBuffer};
+use gpufeed::device::{DeviceRegion, Event, ExportableBuffer};
 use gpufeed::format::Dataset;
 use gpufeed::input::FieldSource;
 use gpufeed::metrics::Metrics;
@@ -73,10 +73,13 @@ pub fn gpu_pipeline_alone(
         Arc::clone(&backend.round_pool),
         Arc::new(Metrics::new()),
     )?;
-    let ring: Vec<(ExportableBuffer, Event, Event)> = (0..slots.max(1))
-        .map(|_| {
+    // The daemon's ring: one exportable allocation, a region of it per slot, two events per slot.
+    let stride = gpufeed_client::protocol::slot_stride(plan.slot_bytes as u64) as usize;
+    let memory = ExportableBuffer::new(&backend.device, stride * slots.max(1))?;
+    let ring: Vec<(DeviceRegion, Event, Event)> = (0..slots.max(1))
+        .map(|slot| {
             Ok((
-                ExportableBuffer::new(&backend.device, plan.slot_bytes)?,
+                memory.region(slot * stride, plan.slot_bytes)?,
                 Event::new_interprocess(&backend.device)?,
                 Event::new_interprocess(&backend.device)?,
             ))

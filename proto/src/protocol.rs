@@ -9,7 +9,7 @@
 use crate::dtype::DType;
 
 /// Protocol version spoken by this build.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of the frame header.
 pub const FRAME_HEADER_BYTES: usize = 8;
 /// Largest frame (header included).
@@ -22,11 +22,23 @@ pub const STREAM_FIELDS_MAX: usize = 256;
 pub const BATCH_NDIM_MAX: usize = 7;
 /// Most slots a stream may have.
 pub const SLOTS_MAX: u32 = 64;
-/// Descriptors `StreamOpened` carries besides one per slot: the hand-off ring's memfd, the consumer's
-/// doorbell and the daemon's doorbell (see [`crate::ring`]).
+/// Descriptors `StreamOpened` carries besides the slots' memory: the hand-off ring's memfd, the
+/// consumer's doorbell and the daemon's doorbell (see [`crate::ring`]).
 pub const STREAM_EXTRA_DESCRIPTORS: u32 = 3;
+/// Descriptors `StreamOpened` carries: the memory of all the slots, then the extra ones.
+pub const STREAM_OPENED_DESCRIPTORS: u32 = 1 + STREAM_EXTRA_DESCRIPTORS;
 /// Most descriptors one frame carries.
-pub const DESCRIPTORS_MAX: u32 = SLOTS_MAX + STREAM_EXTRA_DESCRIPTORS;
+pub const DESCRIPTORS_MAX: u32 = STREAM_OPENED_DESCRIPTORS;
+/// `StreamLayout::slot_stride` is a multiple of this: each slot starts on its own page.
+pub const SLOT_STRIDE_ALIGN_BYTES: u64 = 4096;
+
+/// The stride the reference daemon gives slots of `slot_bytes`: `slot_bytes` rounded up to
+/// [`SLOT_STRIDE_ALIGN_BYTES`] (saturating at the largest multiple below `u64::MAX`).
+pub fn slot_stride(slot_bytes: u64) -> u64 {
+    slot_bytes
+        .div_ceil(SLOT_STRIDE_ALIGN_BYTES)
+        .saturating_mul(SLOT_STRIDE_ALIGN_BYTES)
+}
 
 /// Which memory batches live in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,10 +146,14 @@ pub struct FieldLayout {
 /// The reply to [`Message::OpenStream`]; the slots' descriptors travel with it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamLayout {
-    /// Number of slots (and of descriptors passed).
+    /// Number of slots.
     pub slot_count: u32,
     /// Size of each slot in bytes.
     pub slot_bytes: u64,
+    /// Bytes from one slot's start to the next one's in the slots' memory: slot *i* occupies
+    /// `[i * slot_stride, i * slot_stride + slot_bytes)` of it. At least `slot_bytes`, a multiple of
+    /// [`SLOT_STRIDE_ALIGN_BYTES`].
+    pub slot_stride: u64,
     /// Samples in the epoch.
     pub epoch_samples: u64,
     /// Batches this rank will receive from the start cursor to the end of the epoch.
@@ -295,8 +311,9 @@ pub enum Message {
     },
     /// Consumer → daemon: open the session's stream.
     OpenStream(StreamSpec),
-    /// Daemon → consumer: the stream's layout; carries one descriptor per slot, then the hand-off
-    /// ring and its two doorbells. Filled slots and releases then travel through the ring.
+    /// Daemon → consumer: the stream's layout; carries the descriptor of the slots' memory (all the
+    /// slots, `slot_stride` apart), then the hand-off ring and its two doorbells. Filled slots and
+    /// releases then travel through the ring.
     StreamOpened(StreamLayout),
     /// Daemon → consumer: no more batches in this epoch.
     EndOfEpoch {
@@ -602,6 +619,7 @@ impl Message {
             Message::StreamOpened(layout) => {
                 w.u32(layout.slot_count);
                 w.u64(layout.slot_bytes);
+                w.u64(layout.slot_stride);
                 w.u64(layout.epoch_samples);
                 w.u64(layout.steps);
                 assert!(layout.fields.len() <= STREAM_FIELDS_MAX);
@@ -786,6 +804,7 @@ impl Message {
             KIND_STREAM_OPENED => {
                 let slot_count = r.u32()?;
                 let slot_bytes = r.u64()?;
+                let slot_stride = r.u64()?;
                 let epoch_samples = r.u64()?;
                 let steps = r.u64()?;
                 let count = r.count("fields", STREAM_FIELDS_MAX)?;
@@ -823,6 +842,7 @@ impl Message {
                 Message::StreamOpened(StreamLayout {
                     slot_count,
                     slot_bytes,
+                    slot_stride,
                     epoch_samples,
                     steps,
                     fields,
@@ -895,6 +915,7 @@ mod tests {
             Message::StreamOpened(StreamLayout {
                 slot_count: 4,
                 slot_bytes: 1 << 20,
+                slot_stride: 1 << 20,
                 epoch_samples: 1000,
                 steps: 30,
                 fields: vec![FieldLayout {
@@ -910,6 +931,7 @@ mod tests {
             Message::StreamOpened(StreamLayout {
                 slot_count: 2,
                 slot_bytes: 2 << 20,
+                slot_stride: 2 << 20,
                 epoch_samples: 10,
                 steps: 3,
                 fields: vec![FieldLayout {
@@ -979,8 +1001,13 @@ mod tests {
             Message::decode(&[2, 0, 1, 0]),
             Err(DecodeError::Version { found: 2 })
         );
-        assert_eq!(Message::decode(&[3, 0, 99, 0]), Err(DecodeError::Kind(99)));
-        assert_eq!(Message::decode(&[3, 0, 5, 0]), Err(DecodeError::Kind(5)));
+        // Version 3 passed one descriptor per slot: a peer speaking it is refused by version.
+        assert_eq!(
+            Message::decode(&[3, 0, 1, 0]),
+            Err(DecodeError::Version { found: 3 })
+        );
+        assert_eq!(Message::decode(&[4, 0, 99, 0]), Err(DecodeError::Kind(99)));
+        assert_eq!(Message::decode(&[4, 0, 5, 0]), Err(DecodeError::Kind(5)));
     }
 
     #[test]

@@ -34,6 +34,7 @@ fn valid_bodies() -> Vec<Vec<u8>> {
     let layout = StreamLayout {
         slot_count: 2,
         slot_bytes: 8192,
+        slot_stride: 8192,
         epoch_samples: 100,
         steps: 3,
         fields: vec![FieldLayout {

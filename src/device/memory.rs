@@ -602,6 +602,35 @@ impl DeviceMemory for ExportableBuffer {
     }
 }
 
+impl ExportableBuffer {
+    /// `bytes` of this allocation from `offset`, as a region that work can be queued on (one slot of
+    /// a ring allocated as one buffer). The region does not keep the buffer alive: its holder keeps
+    /// both together.
+    pub fn region(&self, offset: usize, bytes: usize) -> Result<DeviceRegion, DeviceError> {
+        check_range("exportable buffer region", offset, bytes, self.bytes)?;
+        Ok(DeviceRegion {
+            ptr: self.ptr + offset as u64,
+            bytes,
+        })
+    }
+}
+
+/// A range of device memory inside an allocation its holder keeps alive ([`ExportableBuffer::region`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRegion {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceMemory for DeviceRegion {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
 impl Drop for ExportableBuffer {
     fn drop(&mut self) {
         let _ = self.device.bind();

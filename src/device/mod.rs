@@ -27,8 +27,8 @@ use cudarc::driver::sys as cu;
 
 pub use ffi::{DriverCallError, NvrtcCallError};
 pub use memory::{
-    copy_async, fill_async, BufferPool, DeviceBuffer, DeviceMemory, ExportableBuffer, MappedHost,
-    PinnedBuffer, PoolBuffer, POOL_ALIGN_BYTES,
+    copy_async, fill_async, BufferPool, DeviceBuffer, DeviceMemory, DeviceRegion, ExportableBuffer,
+    MappedHost, PinnedBuffer, PoolBuffer, POOL_ALIGN_BYTES,
 };
 pub use module::{
     cache_dir_from_env, cache_file_name, compile, CacheDir, CompileOptions, CompiledImage, Kernel,

@@ -581,31 +581,14 @@ fn open_stream(
         (started.elapsed() - slots_made).as_secs_f64() * 1e3
     );
     let ring = Arc::new(ring);
-    let layout = StreamLayout {
-        slot_count: plan.slot_count,
-        slot_bytes: plan.slot_bytes as u64,
-        epoch_samples: plan.order.len(),
-        steps: plan.steps,
-        fields: plan
-            .fields
-            .iter()
-            .map(|f| FieldLayout {
-                name: f.name.clone(),
-                dtype: f.out,
-                sample_shape: f.sample_shape.clone(),
-                offset: f.offset as u64,
-                batch_bytes: (f.sample_bytes_out * plan.rank.batch_size as usize) as u64,
-            })
-            .collect(),
-        device: spec.device,
-        slot_events: ring
-            .slot_events()
-            .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?,
-    };
+    let slot_events = ring
+        .slot_events()
+        .map_err(|e| undo(ErrorCode::Internal, e.to_string()))?;
+    let layout = stream_layout(&plan, &ring, spec.device, slot_events);
     {
-        let mut descriptors = ring
-            .descriptors()
-            .map_err(|e| undo(ErrorCode::Internal, e))?;
+        let mut descriptors = vec![ring
+            .descriptor()
+            .map_err(|e| undo(ErrorCode::Internal, e))?];
         descriptors.extend(
             handoff_ring
                 .descriptors()
@@ -645,6 +628,35 @@ fn open_stream(
         filler,
         metrics: Arc::clone(metrics),
     })
+}
+
+/// The layout `StreamOpened` announces for `plan`'s slots in `ring`.
+fn stream_layout(
+    plan: &StreamPlan,
+    ring: &SlotRing,
+    device: gpufeed_proto::protocol::Device,
+    slot_events: Vec<gpufeed_proto::protocol::SlotEvents>,
+) -> StreamLayout {
+    StreamLayout {
+        slot_count: plan.slot_count,
+        slot_bytes: plan.slot_bytes as u64,
+        slot_stride: ring.slot_stride() as u64,
+        epoch_samples: plan.order.len(),
+        steps: plan.steps,
+        fields: plan
+            .fields
+            .iter()
+            .map(|f| FieldLayout {
+                name: f.name.clone(),
+                dtype: f.out,
+                sample_shape: f.sample_shape.clone(),
+                offset: f.offset as u64,
+                batch_bytes: (f.sample_bytes_out * plan.rank.batch_size as usize) as u64,
+            })
+            .collect(),
+        device,
+        slot_events,
+    }
 }
 
 /// How long the filler sleeps on its doorbell before it looks at the stop flag and the ring again:

@@ -12,7 +12,7 @@ use std::thread;
 
 use super::assemble::{Assembler, FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
 use super::gpu::{GpuAssembler, GpuStreamLimits};
-use crate::device::{Device, Event, ExportableBuffer};
+use crate::device::{Device, DeviceRegion, Event};
 use crate::kernels::Kernels;
 use crate::metrics::Metrics;
 use crate::storage::gpu::{GpuReadError, GpuReader, GpuReaderLimits, PathChoice};
@@ -110,10 +110,10 @@ pub enum FillerError {
     Gpu(FillError),
 }
 
-/// One device slot: the exportable allocation and its two interprocess events.
+/// One device slot: its region of the ring's exportable allocation and its two interprocess events.
 pub struct DeviceSlot {
-    /// The slot's memory, mapped read-write for the daemon.
-    pub buffer: ExportableBuffer,
+    /// The slot's memory, mapped read-write for the daemon (kept alive by the ring that holds it).
+    pub memory: DeviceRegion,
     /// Recorded by the daemon once the slot is filled; the consumer's stream waits on it.
     pub ready: Event,
     /// Recorded by the consumer on its stream when it releases the slot; the daemon's stream waits on
@@ -467,7 +467,7 @@ impl Filler {
                 let device_slot = memory.device_slot(slot);
                 assembler.submit(
                     step,
-                    &device_slot.buffer,
+                    &device_slot.memory,
                     &device_slot.released,
                     Some(&device_slot.ready),
                 )?;

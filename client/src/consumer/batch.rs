@@ -171,7 +171,7 @@ impl Batch {
         let start = field.offset as usize;
         let data = match &self.memory.slots {
             Slots::Host(slots) => {
-                FieldData::Host(&slots[self.info.slot as usize][start..start + len as usize])
+                FieldData::Host(&slots.slot(self.info.slot)[start..start + len as usize])
             }
             Slots::Device(slots) => FieldData::Device {
                 ptr: slots.ptr(self.info.slot) + start as u64,

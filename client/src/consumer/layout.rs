@@ -8,6 +8,14 @@ pub(super) fn extent_bytes(dims: &[u64], element_bytes: usize) -> Option<u64> {
         .try_fold(element_bytes as u64, |acc, &d| acc.checked_mul(d))
 }
 
+/// Bytes of the memory that holds every slot of `layout` (`slot_count` × `slot_stride`), `None` when
+/// that does not fit in the address space.
+pub(super) fn ring_memory_bytes(layout: &StreamLayout) -> Option<usize> {
+    usize::try_from(layout.slot_stride)
+        .ok()?
+        .checked_mul(layout.slot_count as usize)
+}
+
 /// Validates a `StreamOpened` layout against the request before any memory is mapped.
 pub(super) fn check_layout(
     spec: &StreamSpec,
@@ -21,15 +29,26 @@ pub(super) fn check_layout(
             layout.slot_count
         ));
     }
-    if descriptors != (layout.slot_count + STREAM_EXTRA_DESCRIPTORS) as usize {
+    if descriptors != STREAM_OPENED_DESCRIPTORS as usize {
         return violation(format!(
-            "StreamOpened announced {} slots but carried {descriptors} descriptors (one per slot, \
-             then the hand-off ring and its two doorbells)",
-            layout.slot_count
+            "StreamOpened carried {descriptors} descriptors, not {STREAM_OPENED_DESCRIPTORS} (the \
+             slots' memory, then the hand-off ring and its two doorbells)"
         ));
     }
     if layout.slot_bytes == 0 || usize::try_from(layout.slot_bytes).is_err() {
         return violation(format!("slot_bytes {} cannot be mapped", layout.slot_bytes));
+    }
+    if layout.slot_stride < layout.slot_bytes || layout.slot_stride % SLOT_STRIDE_ALIGN_BYTES != 0 {
+        return violation(format!(
+            "slot_stride {} is not a multiple of {SLOT_STRIDE_ALIGN_BYTES} of at least slot_bytes {}",
+            layout.slot_stride, layout.slot_bytes
+        ));
+    }
+    if ring_memory_bytes(layout).is_none() {
+        return violation(format!(
+            "{} slots {} bytes apart cannot be mapped",
+            layout.slot_count, layout.slot_stride
+        ));
     }
     let step_samples = u64::from(spec.world_size) * u64::from(spec.batch_size);
     let samples_left = layout.epoch_samples.saturating_sub(spec.start_cursor);
@@ -142,48 +161,44 @@ pub(super) fn check_field_layout(
     Ok(())
 }
 
-/// Maps every slot read-only after checking that its descriptor is a file of at least `slot_bytes`.
-pub(super) fn map_slots(
-    layout: &StreamLayout,
-    fds: Vec<OwnedFd>,
-) -> Result<Vec<Mmap>, ClientError> {
-    let slot_bytes = layout.slot_bytes as usize;
-    let mut slots = Vec::with_capacity(fds.len());
-    for (slot, fd) in fds.into_iter().enumerate() {
-        let file = File::from(fd);
-        let metadata = file.metadata()?;
-        if !metadata.file_type().is_file() {
-            return Err(ClientError::Protocol(format!(
-                "the descriptor of slot {slot} is not a memory file"
-            )));
-        }
-        if metadata.len() < layout.slot_bytes {
-            return Err(ClientError::Protocol(format!(
-                "slot {slot} is {} bytes, the layout says {}",
-                metadata.len(),
-                layout.slot_bytes
-            )));
-        }
-        // A file that shrinks under a mapping turns reads past its new end into SIGBUS; the seal
-        // makes the size check above hold for the mapping's lifetime.
-        let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(std::io::Error::from)?;
-        if !SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
-            return Err(ClientError::Protocol(format!(
-                "slot {slot} is not sealed against shrinking (F_SEAL_SHRINK)"
-            )));
-        }
-        // SAFETY: the mapping is shared with the daemon, which writes the slot while the daemon owns
-        // it. The lease rule (docs/PROTOCOL.md, "Slots and leases") guarantees that the daemon never
-        // writes a slot while a `Batch` for it exists, and slices of the mapping are only handed out
-        // through a `Batch`. The file is at least `slot_bytes` long and sealed against shrinking, so
-        // every page of the mapping stays backed.
-        let map = unsafe { MmapOptions::new().len(slot_bytes).map(&file) }.map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!("mapping slot {slot} ({slot_bytes} bytes): {e}"),
-            )
-        })?;
-        slots.push(map);
+/// Maps the slots' memory read-only after checking that its descriptor is a memory file sealed
+/// against shrinking, large enough for every slot of the layout (checked by [`check_layout`]).
+pub(super) fn map_slots(layout: &StreamLayout, fd: OwnedFd) -> Result<HostSlots, ClientError> {
+    let bytes = ring_memory_bytes(layout).expect("checked by check_layout");
+    let file = File::from(fd);
+    let metadata = file.metadata()?;
+    if !metadata.file_type().is_file() {
+        return Err(ClientError::Protocol(
+            "the slots' descriptor is not a memory file".to_string(),
+        ));
     }
-    Ok(slots)
+    if metadata.len() < bytes as u64 {
+        return Err(ClientError::Protocol(format!(
+            "the slots' memory is {} bytes; {} slots {} bytes apart need {bytes}",
+            metadata.len(),
+            layout.slot_count,
+            layout.slot_stride
+        )));
+    }
+    // A file that shrinks under a mapping turns reads past its new end into SIGBUS; the seal makes
+    // the size check above hold for the mapping's lifetime.
+    let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(std::io::Error::from)?;
+    if !SealFlag::from_bits_truncate(seals).contains(SealFlag::F_SEAL_SHRINK) {
+        return Err(ClientError::Protocol(
+            "the slots' memory is not sealed against shrinking (F_SEAL_SHRINK)".to_string(),
+        ));
+    }
+    // SAFETY: the mapping is shared with the daemon, which writes a slot while the daemon owns it.
+    // The lease rule (docs/PROTOCOL.md, "Slots and leases") guarantees that the daemon never writes
+    // a slot while a `Batch` for it exists, and slices of the mapping are only handed out through a
+    // `Batch`. The file is at least `bytes` long and sealed against shrinking, so every page of the
+    // mapping stays backed.
+    let map = unsafe { MmapOptions::new().len(bytes).map(&file) }.map_err(|e| {
+        std::io::Error::new(e.kind(), format!("mapping the slots ({bytes} bytes): {e}"))
+    })?;
+    Ok(HostSlots {
+        map,
+        stride: layout.slot_stride as usize,
+        slot_bytes: layout.slot_bytes as usize,
+    })
 }

@@ -49,7 +49,8 @@ use gpufeed_proto::spec::{StreamState, FIELD_OFFSET_ALIGN_BYTES};
 use crate::dtype::DType;
 use crate::protocol::{
     Backend, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message, StreamLayout,
-    StreamSpec, Tail, BATCH_NDIM_MAX, PROTOCOL_VERSION, SLOTS_MAX, STREAM_EXTRA_DESCRIPTORS,
+    StreamSpec, Tail, BATCH_NDIM_MAX, PROTOCOL_VERSION, SLOTS_MAX, SLOT_STRIDE_ALIGN_BYTES,
+    STREAM_OPENED_DESCRIPTORS,
 };
 use crate::transport::{self, TransportError};
 
@@ -273,17 +274,15 @@ impl Client {
         check_layout(&spec, &layout, fds.len())?;
         let mut fds = fds;
         let ring_fds: [OwnedFd; 3] = fds
-            .split_off(layout.slot_count as usize)
+            .split_off(1)
             .try_into()
             .expect("check_layout counted the descriptors");
+        let slots_fd = fds.pop().expect("check_layout counted the descriptors");
         let ring = ConsumerRing::map(ring_fds, layout.slot_count)?;
         let slots = match layout.device {
-            Device::Cpu => Slots::Host(map_slots(&layout, fds)?),
+            Device::Cpu => Slots::Host(map_slots(&layout, slots_fd)?),
             Device::Cuda(ordinal) => Slots::Device(crate::cuda::DeviceSlots::import(
-                ordinal,
-                layout.slot_bytes as usize,
-                fds,
-                &layout.slot_events,
+                ordinal, &layout, slots_fd,
             )?),
         };
         let open_phases = OpenPhases {

@@ -23,8 +23,25 @@ pub(super) struct SlotMemory {
 
 #[derive(Debug)]
 pub(super) enum Slots {
-    Host(Vec<Mmap>),
+    Host(HostSlots),
     Device(crate::cuda::DeviceSlots),
+}
+
+/// The host slots: one read-only mapping of the memory that holds them all, slot *i* at *i* ×
+/// `stride`.
+#[derive(Debug)]
+pub(super) struct HostSlots {
+    pub(super) map: Mmap,
+    pub(super) stride: usize,
+    pub(super) slot_bytes: usize,
+}
+
+impl HostSlots {
+    /// The bytes of `slot` (checked against the layout when the batch was accepted).
+    pub(super) fn slot(&self, slot: u32) -> &[u8] {
+        let start = slot as usize * self.stride;
+        &self.map[start..start + self.slot_bytes]
+    }
 }
 
 impl SlotMemory {

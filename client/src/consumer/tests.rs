@@ -141,11 +141,19 @@ impl Fake {
         });
     }
 
-    /// Greets, reads the OpenStream, and answers with `layout`, `descriptors` memfds of
-    /// `file_bytes` each (which the fake keeps to fill), and the hand-off ring.
-    fn open(&mut self, layout: StreamLayout, descriptors: usize, file_bytes: u64) -> Vec<File> {
+    /// Greets, reads the OpenStream, and answers with `layout`, the slots' memory (one memfd of
+    /// `slot_count` × `slot_stride` bytes, which the fake keeps to fill), and the hand-off ring.
+    fn open(&mut self, layout: StreamLayout) -> File {
+        let bytes = u64::from(layout.slot_count) * layout.slot_stride;
+        self.open_with(layout, vec![memfd(bytes)])
+            .pop()
+            .expect("one memfd")
+    }
+
+    /// Like `open`, with `descriptors` memfds of `file_bytes` each in place of the slots' memory.
+    fn open_files(&mut self, layout: StreamLayout, descriptors: usize, file_bytes: u64) {
         let files = (0..descriptors).map(|_| memfd(file_bytes)).collect();
-        self.open_with(layout, files)
+        self.open_with(layout, files);
     }
 
     /// Greets, reads the OpenStream, and answers with `layout`, `files` and the hand-off ring.
@@ -218,6 +226,7 @@ fn layout(slot_count: u32, steps: u64) -> StreamLayout {
     StreamLayout {
         slot_count,
         slot_bytes: SLOT_BYTES,
+        slot_stride: SLOT_BYTES,
         epoch_samples: steps * u64::from(BATCH_SIZE),
         steps,
         fields: vec![
@@ -276,9 +285,11 @@ fn emb_of(step: u64) -> Vec<u8> {
 }
 
 /// Writes step `step`'s data into a slot, as the daemon would.
-fn fill(slot: &File, step: u64) {
-    slot.write_at(&ids_of(step), 0).unwrap();
-    slot.write_at(&emb_of(step), 4096).unwrap();
+/// Writes step `step`'s fields into slot `slot` of the slots' memory.
+fn fill(slots: &File, slot: u64, step: u64) {
+    let at = slot * SLOT_BYTES;
+    slots.write_at(&ids_of(step), at).unwrap();
+    slots.write_at(&emb_of(step), at + 4096).unwrap();
 }
 
 fn assert_holds_step(batch: &Batch, step: u64) {
@@ -370,13 +381,13 @@ fn an_error_instead_of_stream_opened_is_a_daemon_error() {
 #[test]
 fn batches_are_leased_released_and_reused() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
-        fill(&slots[0], 0);
-        fill(&slots[1], 1);
+        let slots = fake.open(layout(2, 3));
+        fill(&slots, 0, 0);
+        fill(&slots, 1, 1);
         fake.batch(batch(0, 0));
         fake.batch(batch(1, 1));
         assert_eq!(fake.release(), 0);
-        fill(&slots[0], 2);
+        fill(&slots, 0, 2);
         fake.batch(batch(0, 2));
         fake.send(Message::EndOfEpoch { epoch: 0, steps: 3 });
         assert_eq!(fake.drain(), [Message::Close]);
@@ -408,9 +419,9 @@ fn batches_are_leased_released_and_reused() {
 #[test]
 fn batches_published_before_a_status_reply_and_end_of_epoch_are_still_served() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        let slots = fake.open(layout(2, 2), 2, SLOT_BYTES);
-        fill(&slots[0], 0);
-        fill(&slots[1], 1);
+        let slots = fake.open(layout(2, 2));
+        fill(&slots, 0, 0);
+        fill(&slots, 1, 1);
         fake.batch(batch(0, 0));
         fake.batch(batch(1, 1));
         assert_eq!(fake.recv(), Message::StatusRequest);
@@ -433,8 +444,8 @@ fn batches_published_before_a_status_reply_and_end_of_epoch_are_still_served() {
 #[test]
 fn an_error_frame_ends_the_stream_with_a_daemon_error() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
-        fill(&slots[0], 0);
+        let slots = fake.open(layout(2, 3));
+        fill(&slots, 0, 0);
         fake.batch(batch(0, 0));
         fake.send(Message::Error {
             code: ErrorCode::CorruptData,
@@ -460,7 +471,7 @@ fn an_error_frame_ends_the_stream_with_a_daemon_error() {
 #[test]
 fn an_error_read_by_status_is_reported_once_by_the_iterator() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        fake.open(layout(2, 3), 2, SLOT_BYTES);
+        fake.open(layout(2, 3));
         assert_eq!(fake.recv(), Message::StatusRequest);
         fake.send(Message::Error {
             code: ErrorCode::Internal,
@@ -485,8 +496,8 @@ fn an_error_read_by_status_is_reported_once_by_the_iterator() {
 #[test]
 fn a_dropped_connection_is_a_transport_error() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
-        fill(&slots[0], 0);
+        let slots = fake.open(layout(2, 3));
+        fill(&slots, 0, 0);
         fake.batch(batch(0, 0));
     });
     let mut stream = open(socket).unwrap();
@@ -501,11 +512,11 @@ fn a_dropped_connection_is_a_transport_error() {
     daemon.join().unwrap();
 }
 
-/// Runs a fake that answers OpenStream with `layout`, `descriptors` memfds of `file_bytes`, and
-/// expects the client to refuse it.
+/// Runs a fake that answers OpenStream with `layout`, `descriptors` memfds of `file_bytes` for the
+/// slots' memory, and expects the client to refuse it.
 fn assert_layout_refused(layout: StreamLayout, descriptors: usize, file_bytes: u64) {
     let (socket, daemon) = spawn_daemon(move |mut fake| {
-        fake.open(layout, descriptors, file_bytes);
+        fake.open_files(layout, descriptors, file_bytes);
         fake.drain();
     });
     match open(socket) {
@@ -517,48 +528,63 @@ fn assert_layout_refused(layout: StreamLayout, descriptors: usize, file_bytes: u
 
 #[test]
 fn bad_layouts_are_refused() {
-    assert_layout_refused(layout(2, 3), 1, SLOT_BYTES);
-    assert_layout_refused(layout(2, 3), 3, SLOT_BYTES);
-    assert_layout_refused(layout(0, 3), 0, SLOT_BYTES);
-    assert_layout_refused(layout(2, 3), 2, SLOT_BYTES - 1);
+    const RING: u64 = 2 * SLOT_BYTES;
+    // No memory for the slots (more descriptors than StreamOpened carries are refused by the
+    // transport: see its tests).
+    assert_layout_refused(layout(2, 3), 0, RING);
+    assert_layout_refused(layout(0, 3), 1, RING);
+    // Memory shorter than two slots.
+    assert_layout_refused(layout(2, 3), 1, RING - 1);
+    // Slots closer than their size, or not on a page of their own.
+    let mut overlapping_slots = layout(2, 3);
+    overlapping_slots.slot_stride = SLOT_BYTES - 4096;
+    assert_layout_refused(overlapping_slots, 1, RING);
+    let mut unaligned_stride = layout(2, 3);
+    unaligned_stride.slot_stride = SLOT_BYTES + 64;
+    assert_layout_refused(unaligned_stride, 1, 2 * (SLOT_BYTES + 64));
+    let mut huge_stride = layout(2, 3);
+    huge_stride.slot_stride = u64::MAX - 4095;
+    assert_layout_refused(huge_stride, 1, RING);
     let mut beyond = layout(2, 3);
     beyond.fields[1].offset = SLOT_BYTES;
-    assert_layout_refused(beyond, 2, SLOT_BYTES);
+    assert_layout_refused(beyond, 1, RING);
     let mut overflowing = layout(2, 3);
     overflowing.fields[1].batch_bytes = u64::MAX - 100;
-    assert_layout_refused(overflowing, 2, SLOT_BYTES);
+    assert_layout_refused(overflowing, 1, RING);
     let mut unaligned = layout(2, 3);
     unaligned.fields[1].offset = 100;
-    assert_layout_refused(unaligned, 2, SLOT_BYTES);
+    assert_layout_refused(unaligned, 1, RING);
     let mut too_small = layout(2, 3);
     too_small.fields[0].batch_bytes = 7;
-    assert_layout_refused(too_small, 2, SLOT_BYTES);
+    assert_layout_refused(too_small, 1, RING);
     let mut overlapping = layout(2, 3);
     overlapping.fields[0].batch_bytes = 4097;
-    assert_layout_refused(overlapping, 2, SLOT_BYTES);
+    assert_layout_refused(overlapping, 1, RING);
     let mut duplicate = layout(2, 3);
     duplicate.fields[1].name = "ids".into();
-    assert_layout_refused(duplicate, 2, SLOT_BYTES);
+    assert_layout_refused(duplicate, 1, RING);
     let mut wrong_steps = layout(2, 3);
     wrong_steps.steps = 4;
-    assert_layout_refused(wrong_steps, 2, SLOT_BYTES);
+    assert_layout_refused(wrong_steps, 1, RING);
     let mut too_many_dims = layout(2, 3);
     too_many_dims.fields[0].sample_shape = vec![1; BATCH_NDIM_MAX];
-    assert_layout_refused(too_many_dims, 2, SLOT_BYTES);
+    assert_layout_refused(too_many_dims, 1, RING);
     let mut no_fields = layout(2, 3);
     no_fields.fields.clear();
-    assert_layout_refused(no_fields, 2, SLOT_BYTES);
+    assert_layout_refused(no_fields, 1, RING);
 }
 
 #[test]
 fn slots_that_can_shrink_are_refused() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        let files = vec![memfd(SLOT_BYTES), unsealed_memfd(SLOT_BYTES)];
+        let files = vec![unsealed_memfd(2 * SLOT_BYTES)];
         fake.open_with(layout(2, 3), files);
         fake.drain();
     });
     match open(socket) {
-        Err(ClientError::Protocol(reason)) => assert!(reason.contains("slot 1"), "{reason}"),
+        Err(ClientError::Protocol(reason)) => {
+            assert!(reason.contains("sealed against shrinking"), "{reason}")
+        }
         other => panic!("expected a protocol error, got {other:?}"),
     }
     daemon.join().unwrap();
@@ -589,7 +615,7 @@ fn a_refusal_sent_before_hello_is_reported() {
 #[test]
 fn a_layout_must_match_the_requested_fields() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        fake.open(layout(2, 3), 2, SLOT_BYTES);
+        fake.open(layout(2, 3));
         fake.drain();
     });
     let mut spec = StreamSpec::new("demo", BATCH_SIZE);
@@ -622,8 +648,8 @@ enum Step {
 /// yield `good` batches and then a protocol error.
 fn assert_batches_refused(good: usize, steps: Vec<Step>) {
     let (socket, daemon) = spawn_daemon(move |mut fake| {
-        let slots = fake.open(layout(2, 3), 2, SLOT_BYTES);
-        fill(&slots[0], 0);
+        let slots = fake.open(layout(2, 3));
+        fill(&slots, 0, 0);
         for step in steps {
             match step {
                 Step::Batch(info) => fake.batch(info),
@@ -719,7 +745,7 @@ fn bad_batches_are_refused() {
 #[test]
 fn more_batches_than_announced_are_refused() {
     let (socket, daemon) = spawn_daemon(|mut fake| {
-        fake.open(layout(2, 1), 2, SLOT_BYTES);
+        fake.open(layout(2, 1));
         fake.batch(batch(0, 0));
         fake.batch(batch(1, 1));
         fake.drain();

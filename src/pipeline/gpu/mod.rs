@@ -45,7 +45,7 @@ pub use self::round::RoundBufferPool;
 use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, RoundShape};
 use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
 use crate::decode::BlockRef;
-use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer, Stream};
+use crate::device::{DeviceBuffer, DeviceMemory, DeviceRegion, Event, Stream};
 use crate::format::BlockEntry;
 use crate::kernels::Kernels;
 use crate::metrics::{DeviceMetrics, Metrics};
@@ -468,7 +468,7 @@ impl GpuAssembler {
     pub fn fill(
         &mut self,
         step: u64,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
         released: &Event,
     ) -> Result<FillReport, FillError> {
         assert!(self.batches.is_empty(), "complete submitted batches first");
@@ -488,7 +488,7 @@ impl GpuAssembler {
     pub fn submit(
         &mut self,
         step: u64,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
         released: &Event,
         ready: Option<&Event>,
     ) -> Result<(), FillError> {

@@ -20,7 +20,7 @@ use super::device_shards::{DeviceShards, ShardWindows};
 use super::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, REGIONS_MAX};
 use super::{GpuAssembler, GpuStreamLimits, ZeroCopy};
 use crate::decode::{self, BlockRef};
-use crate::device::{DeviceBuffer, DeviceMemory, Event, ExportableBuffer};
+use crate::device::{DeviceBuffer, DeviceMemory, DeviceRegion, Event};
 use crate::format::Codec;
 use crate::kernels::{
     resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
@@ -1068,7 +1068,7 @@ impl GpuAssembler {
     pub(super) fn submit_resident(
         &mut self,
         step: u64,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
         released: &Event,
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
@@ -1129,7 +1129,7 @@ impl GpuAssembler {
         &mut self,
         step: u64,
         planned: PlannedRows,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
     ) -> Result<(), FillError> {
         if self.rounds.len() == self.buffers.len() {
             self.complete_round()?;

@@ -11,8 +11,8 @@ use foldhash::{HashMap, HashMapExt};
 
 use super::{merged_piece_out_bytes, GpuAssembler};
 use crate::device::{
-    fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, Event, ExportableBuffer,
-    PinnedBuffer, Stream,
+    fill_async, Device, DeviceBuffer, DeviceError, DeviceMemory, DeviceRegion, Event, PinnedBuffer,
+    Stream,
 };
 use crate::format::{BlockEntry, Codec};
 use crate::kernels::{
@@ -291,7 +291,7 @@ pub(super) struct PendingBatch {
 
 impl PendingBatch {
     /// A batch of `samples` rows for stream step `step`, about to be queued into `slot`.
-    pub(super) fn new(step: u64, slot: &ExportableBuffer, samples: usize) -> PendingBatch {
+    pub(super) fn new(step: u64, slot: &DeviceRegion, samples: usize) -> PendingBatch {
         PendingBatch {
             step,
             slot_ptr: slot.device_ptr(),
@@ -363,7 +363,7 @@ impl GpuAssembler {
         step: u64,
         placements: &Arc<PlacementRuns>,
         round: Round,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
     ) -> Result<(), FillError> {
         let queued = self.queue_round_phases(step, placements, &round, slot);
         // The mapped windows stay registered until the stream has passed this point: after the
@@ -387,7 +387,7 @@ impl GpuAssembler {
         step: u64,
         placements: &Arc<PlacementRuns>,
         round: &Round,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
     ) -> Result<PendingRound, FillError> {
         let index = self.next_buffers;
         self.next_buffers = (self.next_buffers + 1) % self.buffers.len();
@@ -697,7 +697,7 @@ impl GpuAssembler {
         round: &Round,
         placements: &PlacementRuns,
         unreadable: &HashMap<BlockKey, Arc<CorruptBlock>>,
-        slot: &ExportableBuffer,
+        slot: &DeviceRegion,
     ) -> Result<(Vec<usize>, bool), FillError> {
         let mut gather = RoundGather {
             plan: GatherPlan::new(),
