@@ -79,7 +79,9 @@ pub fn gpu_pipeline_alone(
     let ring: Vec<(DeviceRegion, Event, Event)> = (0..slots.max(1))
         .map(|slot| {
             Ok((
-                memory.region(slot * stride, plan.slot_bytes)?,
+                // SAFETY: `memory` outlives the ring and the assembler, whose work is synchronized
+                // before this function returns.
+                unsafe { memory.region(slot * stride, plan.slot_bytes) }?,
                 Event::new_interprocess(&backend.device)?,
                 Event::new_interprocess(&backend.device)?,
             ))

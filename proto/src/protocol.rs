@@ -33,11 +33,12 @@ pub const DESCRIPTORS_MAX: u32 = STREAM_OPENED_DESCRIPTORS;
 pub const SLOT_STRIDE_ALIGN_BYTES: u64 = 4096;
 
 /// The stride the reference daemon gives slots of `slot_bytes`: `slot_bytes` rounded up to
-/// [`SLOT_STRIDE_ALIGN_BYTES`] (saturating at the largest multiple below `u64::MAX`).
+/// [`SLOT_STRIDE_ALIGN_BYTES`] (at most the largest multiple of it that a `u64` holds).
 pub fn slot_stride(slot_bytes: u64) -> u64 {
     slot_bytes
         .div_ceil(SLOT_STRIDE_ALIGN_BYTES)
         .saturating_mul(SLOT_STRIDE_ALIGN_BYTES)
+        & !(SLOT_STRIDE_ALIGN_BYTES - 1)
 }
 
 /// Which memory batches live in.
@@ -991,6 +992,14 @@ mod tests {
             longer.push(0);
             assert!(Message::decode(&longer).is_err());
         }
+    }
+
+    #[test]
+    fn slot_strides_are_whole_pages_of_at_least_the_slot() {
+        assert_eq!(slot_stride(1), 4096);
+        assert_eq!(slot_stride(4096), 4096);
+        assert_eq!(slot_stride(4097), 8192);
+        assert_eq!(slot_stride(u64::MAX) % SLOT_STRIDE_ALIGN_BYTES, 0);
     }
 
     #[test]

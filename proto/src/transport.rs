@@ -215,8 +215,8 @@ mod tests {
         assert!(matches!(recv(&b), Err(TransportError::Closed)));
     }
 
-    /// Regression test: a frame carrying more descriptors than a frame may (here 100, over the 67 of
-    /// DESCRIPTORS_MAX) used to leak the descriptors the kernel installed, because the truncated control
+    /// Regression test: a frame carrying more descriptors than a frame may (here 100, over the
+    /// DESCRIPTORS_MAX of 4) used to leak the descriptors the kernel installed, because the truncated control
     /// message was refused before they were taken. They are closed now: every copy of a pipe's write
     /// end sent in the frame is closed after the refusal, so its read end sees end-of-file.
     #[test]

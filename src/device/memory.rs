@@ -604,9 +604,12 @@ impl DeviceMemory for ExportableBuffer {
 
 impl ExportableBuffer {
     /// `bytes` of this allocation from `offset`, as a region that work can be queued on (one slot of
-    /// a ring allocated as one buffer). The region does not keep the buffer alive: its holder keeps
-    /// both together.
-    pub fn region(&self, offset: usize, bytes: usize) -> Result<DeviceRegion, DeviceError> {
+    /// a ring allocated as one buffer).
+    ///
+    /// # Safety
+    /// The region does not keep the buffer alive: the caller keeps the buffer alive as long as the
+    /// region is used, and until the device work queued on it is done.
+    pub unsafe fn region(&self, offset: usize, bytes: usize) -> Result<DeviceRegion, DeviceError> {
         check_range("exportable buffer region", offset, bytes, self.bytes)?;
         Ok(DeviceRegion {
             ptr: self.ptr + offset as u64,

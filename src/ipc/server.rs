@@ -524,7 +524,8 @@ fn open_stream(
         StreamPlan::new(dataset, &request, limits)
             .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
     );
-    let ring_bytes = plan.slot_bytes as u64 * plan.slot_count as u64;
+    let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
+        .saturating_mul(u64::from(plan.slot_count));
     let metrics = &shared.config.metrics;
     if !metrics.reserve_slot_bytes(ring_bytes, shared.config.slot_memory_bytes_max) {
         return Err((

@@ -11,7 +11,7 @@ use gpufeed_proto::protocol::{slot_stride, SlotEvents};
 use crate::device::{Device, DeviceError, Event, ExportableBuffer};
 use crate::pipeline::{DeviceSlot, SlotMemory};
 
-use memmap2::MmapMut;
+use memmap2::MmapRaw;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 
@@ -26,10 +26,11 @@ pub enum Lease {
     Consumer,
 }
 
-/// The host slots: one sealed memfd holding every slot, and the daemon's writable mapping of it.
+/// The host slots: one sealed memfd holding every slot, and the daemon's writable mapping of it (a raw
+/// mapping: slots are written through its pointer, never through a reference to the whole ring).
 struct HostSlots {
     file: File,
-    map: MmapMut,
+    map: MmapRaw,
 }
 
 enum Slots {
@@ -53,6 +54,7 @@ enum Slots {
 pub struct SlotRing {
     slots: Slots,
     leases: Mutex<Vec<Lease>>,
+    count: u32,
     slot_bytes: usize,
     slot_stride: usize,
 }
@@ -114,11 +116,11 @@ impl SlotRing {
             ),
         )
         .map_err(std::io::Error::from)?;
-        // SAFETY: the memfd is ours, sealed against resizing, and lives as long as the mapping.
-        let map = unsafe { MmapMut::map_mut(&file)? };
+        let map = MmapRaw::map_raw(&file)?;
         Ok(SlotRing {
             slots: Slots::Host(HostSlots { file, map }),
             leases: Mutex::new(vec![Lease::Free; count as usize]),
+            count,
             slot_bytes,
             slot_stride: stride,
         })
@@ -139,7 +141,10 @@ impl SlotRing {
         let mut slots = Vec::with_capacity(count as usize);
         for slot in 0..count as usize {
             slots.push(DeviceSlot {
-                memory: memory.region(slot * stride, slot_bytes)?,
+                // SAFETY: the region is kept beside `memory` in the ring, dropped before it, and
+                // the ring outlives the work its filler queues on the slots (the filler drains its
+                // device work before the ring goes).
+                memory: unsafe { memory.region(slot * stride, slot_bytes) }?,
                 ready: Event::new_interprocess(device)?,
                 released: Event::new_interprocess(device)?,
             });
@@ -147,6 +152,7 @@ impl SlotRing {
         Ok(SlotRing {
             slots: Slots::Device { slots, memory },
             leases: Mutex::new(vec![Lease::Free; count as usize]),
+            count,
             slot_bytes,
             slot_stride: stride,
         })
@@ -154,7 +160,7 @@ impl SlotRing {
 
     /// Number of slots.
     pub fn len(&self) -> usize {
-        self.leases.lock().expect("lease lock poisoned").len()
+        self.count as usize
     }
 
     /// True when the ring has no slots.
@@ -255,16 +261,12 @@ impl SlotRing {
         let Slots::Host(host) = &self.slots else {
             panic!("slot_mut on a device slot ring");
         };
+        assert!(slot < self.count, "slot {slot} is not in the ring");
+        // In bounds: the mapping holds `count` slots `slot_stride` apart, each `slot_bytes` long.
         let start = slot as usize * self.slot_stride;
-        assert!(
-            start + self.slot_bytes <= host.map.len(),
-            "slot {slot} is not in the ring"
-        );
-        // SAFETY: exclusive by the caller's lease (slots do not overlap); in bounds (checked above);
-        // the mapping lives as long as `self`.
-        unsafe {
-            std::slice::from_raw_parts_mut(host.map.as_ptr().add(start) as *mut u8, self.slot_bytes)
-        }
+        // SAFETY: exclusive by the caller's lease, and slots do not overlap; in bounds (above); the
+        // mapping lives as long as `self`, and no reference to the rest of it is made.
+        unsafe { std::slice::from_raw_parts_mut(host.map.as_mut_ptr().add(start), self.slot_bytes) }
     }
 }
 

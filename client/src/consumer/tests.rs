@@ -285,9 +285,13 @@ fn emb_of(step: u64) -> Vec<u8> {
 }
 
 /// Writes step `step`'s data into a slot, as the daemon would.
-/// Writes step `step`'s fields into slot `slot` of the slots' memory.
+/// Writes step `step`'s fields into slot `slot` of the slots' memory (slots `SLOT_BYTES` apart).
 fn fill(slots: &File, slot: u64, step: u64) {
-    let at = slot * SLOT_BYTES;
+    fill_at(slots, slot * SLOT_BYTES, step);
+}
+
+/// Writes step `step`'s fields into the slot that starts at byte `at` of the slots' memory.
+fn fill_at(slots: &File, at: u64, step: u64) {
     slots.write_at(&ids_of(step), at).unwrap();
     slots.write_at(&emb_of(step), at + 4096).unwrap();
 }
@@ -413,6 +417,36 @@ fn batches_are_leased_released_and_reused() {
     assert_holds_step(&second, 1);
     drop(second);
     drop(third);
+    daemon.join().unwrap();
+}
+
+/// A daemon may space slots wider than they are: each slot is read at its index times the stride.
+#[test]
+fn slots_are_found_at_their_stride() {
+    const STRIDE: u64 = 3 * SLOT_BYTES;
+    let (socket, daemon) = spawn_daemon(|mut fake| {
+        let mut wide = layout(2, 2);
+        wide.slot_stride = STRIDE;
+        let slots = fake.open(wide);
+        // What a reader at the slot size instead of the stride would find: the wrong step.
+        fill_at(&slots, SLOT_BYTES, 7);
+        fill_at(&slots, 0, 0);
+        fill_at(&slots, STRIDE, 1);
+        fake.batch(batch(0, 0));
+        fake.batch(batch(1, 1));
+        fake.send(Message::EndOfEpoch { epoch: 0, steps: 2 });
+        fake.drain();
+    });
+    let mut stream = open(socket).unwrap();
+    assert_eq!(stream.layout().slot_stride, STRIDE);
+    let first = stream.next().unwrap().unwrap();
+    let second = stream.next().unwrap().unwrap();
+    assert_holds_step(&first, 0);
+    assert_eq!(second.slot(), 1);
+    assert_holds_step(&second, 1);
+    drop((first, second));
+    assert!(stream.next().is_none());
+    drop(stream);
     daemon.join().unwrap();
 }
 
