@@ -176,8 +176,7 @@ impl DeviceSlots {
             )
         })?;
         let stride = layout.slot_stride as usize;
-        let mapped_bytes = stride
-            .checked_mul(layout.slot_count as usize)
+        let mapped_bytes = crate::consumer::ring_memory_bytes(layout)
             .and_then(|bytes| bytes.checked_next_multiple_of(granularity.max(1)))
             .ok_or_else(|| {
                 CudaError(format!(

@@ -7,8 +7,6 @@ use std::ptr::NonNull;
 
 use gpufeed_proto::ring::{ring_bytes, Doorbell, RingView};
 use memmap2::MmapMut;
-use nix::fcntl::{fcntl, FcntlArg, SealFlag};
-use nix::sys::memfd::{memfd_create, MFdFlags};
 
 /// Bytes of a page; the ring's memfd is a whole number of them.
 const PAGE_BYTES: usize = 4096;
@@ -32,20 +30,7 @@ impl HandoffRing {
     /// truncated it would crash the daemon's reads with SIGBUS).
     pub fn new(slot_count: u32) -> std::io::Result<HandoffRing> {
         let bytes = ring_bytes(slot_count).div_ceil(PAGE_BYTES) * PAGE_BYTES;
-        let fd = memfd_create(
-            c"gpufeed-ring",
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .map_err(std::io::Error::from)?;
-        let file = File::from(fd);
-        file.set_len(bytes as u64)?;
-        fcntl(
-            &file,
-            FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
-            ),
-        )
-        .map_err(std::io::Error::from)?;
+        let file = super::sealed_memfd(c"gpufeed-ring", bytes as u64)?;
         // SAFETY: the memfd is ours and sealed against resizing; the mapping lives as long as the
         // ring, and the view (the only user of the mapping) does not outlive it.
         let mut map = unsafe { MmapMut::map_mut(&file)? };

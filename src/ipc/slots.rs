@@ -12,8 +12,6 @@ use crate::device::{Device, DeviceError, Event, ExportableBuffer};
 use crate::pipeline::{DeviceSlot, SlotMemory};
 
 use memmap2::MmapRaw;
-use nix::fcntl::{fcntl, FcntlArg, SealFlag};
-use nix::sys::memfd::{memfd_create, MFdFlags};
 
 /// Who holds a slot. A slot belongs to exactly one side at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,20 +100,7 @@ impl SlotRing {
     /// cannot truncate the memory under the daemon's mapping (which would crash the daemon with SIGBUS).
     pub fn new(count: u32, slot_bytes: usize) -> std::io::Result<SlotRing> {
         let (stride, total) = ring_bytes(count, slot_bytes)?;
-        let fd = memfd_create(
-            c"gpufeed-slots",
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .map_err(std::io::Error::from)?;
-        let file = File::from(fd);
-        file.set_len(total as u64)?;
-        fcntl(
-            &file,
-            FcntlArg::F_ADD_SEALS(
-                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
-            ),
-        )
-        .map_err(std::io::Error::from)?;
+        let file = super::sealed_memfd(c"gpufeed-slots", total as u64)?;
         let map = MmapRaw::map_raw(&file)?;
         Ok(SlotRing {
             slots: Slots::Host(HostSlots { file, map }),

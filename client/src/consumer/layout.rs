@@ -10,7 +10,7 @@ pub(super) fn extent_bytes(dims: &[u64], element_bytes: usize) -> Option<u64> {
 
 /// Bytes of the memory that holds every slot of `layout` (`slot_count` × `slot_stride`), `None` when
 /// that does not fit in the address space.
-pub(super) fn ring_memory_bytes(layout: &StreamLayout) -> Option<usize> {
+pub(crate) fn ring_memory_bytes(layout: &StreamLayout) -> Option<usize> {
     usize::try_from(layout.slot_stride)
         .ok()?
         .checked_mul(layout.slot_count as usize)

@@ -65,6 +65,7 @@ mod tests;
 
 pub use ahead::OpeningStream;
 pub use batch::{Batch, FieldData, FieldView};
+pub(crate) use layout::ring_memory_bytes;
 use layout::*;
 use stream::*;
 pub use stream::{OpenPhases, Stream};
