@@ -172,7 +172,10 @@ mod tests {
             src[1..].copy_from_slice(&bits);
             let mut dst = vec![0u8; aligned.len() + 1];
             convert(dtype, &src[1..], DType::F32, &mut dst[1..]).unwrap();
-            assert!(dst[1..] == aligned[..], "{dtype}: misaligned buffers converted differently");
+            assert!(
+                dst[1..] == aligned[..],
+                "{dtype}: misaligned buffers converted differently"
+            );
         }
     }
 
