@@ -12,8 +12,9 @@
 #      consumer process (`consume`, fp32 device batches of READ_BATCH rows) per run, serving
 #      READ_EPOCHS (3) epochs one after another as a training process does, each next epoch's stream
 #      opened when READ_OPEN_AHEAD (0.3) of the current one is left; one warm-up run then
-#      READ_REPEAT measured runs; KvikIO (8 threads, 8 batches in flight, read + astype) interleaved
-#      with gpufeed's runs, and after the full-shuffle runs a PyTorch DataLoader with a RandomSampler
+#      READ_REPEAT measured runs; KvikIO (8 threads, 8 batches in flight, read + astype) and the
+#      simplest strong peer (the .npy mapped and registered once, copy + astype) interleaved with
+#      gpufeed's in-order runs, and after the full-shuffle runs a PyTorch DataLoader with a RandomSampler
 #      (best of 4/8/16 workers, 64 batches each). Every run is one JSON line in $OUT/read.jsonl, with the consumer's stream
 #      seconds, the process's wall seconds (from before it connects), the daemon's CPU seconds over
 #      the run and the bytes the daemon read (from /metrics) per byte of the epoch. READ_DAEMON_FLAGS:
@@ -167,6 +168,13 @@ run_kvikio() {
     --no-gpu-busy | tail -1
 }
 
+# The simplest strong peer: the .npy mapped and registered once, each batch copied from it and
+# converted with CuPy (scripts/e2e/peers.py register-copy), interleaved like KvikIO.
+run_register_copy() {
+  python3 scripts/e2e/peers.py register-copy --file "$source_npy" --batch-sizes "$batch" \
+    --temperatures warm --repeat 1 --depth 4 --jsonl "$jsonl" --no-gpu-busy | tail -1
+}
+
 read_bench() {
   set -e
   : >"$jsonl"
@@ -222,7 +230,7 @@ read_bench() {
         for prefetch in ${READ_PREFETCHES:-${READ_PREFETCH:-4}}; do
           READ_PREFETCH=$prefetch run_gpufeed "$case" "$order" "$run"
         done
-        [ "$case" = default ] && [ "$order" = none ] && run_kvikio
+        [ "$case" = default ] && [ "$order" = none ] && { run_kvikio; run_register_copy; }
       done
       [ "$case" = default ] && [ "$order" = full ] && run_torch_random
     done
@@ -292,6 +300,8 @@ for r in rows:
         groups.setdefault((case, r["order"]), []).append(r)
     elif r.get("loader", "").startswith("kvikio"):
         groups.setdefault(("kvikio-" + r.get("temperature", "warm"), "none"), []).append(r)
+    elif r.get("loader") == "register-copy":
+        groups.setdefault(("register-copy", "none"), []).append(r)
     elif r.get("loader") == "torch-random":
         groups.setdefault(("torch-random", "full"), []).append(r)
     elif r.get("loader") in ("dd-direct", "random-read-probe"):
@@ -300,7 +310,7 @@ print("| case | order | runs | GB/s in (stream) | GB/s in (wall) | daemon cores 
 print("|---|---|---|---|---|---|---|")
 for (case, order), rs in groups.items():
     med = lambda k: statistics.median([r[k] for r in rs if r.get(k) is not None] or [float("nan")])
-    if case in ("kvikio-warm", "kvikio-cold", "torch-random", "dd-direct", "random-read-probe"):
+    if case in ("kvikio-warm", "kvikio-cold", "register-copy", "torch-random", "dd-direct", "random-read-probe"):
         for r in rs:
             r.setdefault("gb_per_s_in", r.get("gb_per_s"))
         best = max(r["gb_per_s_in"] for r in rs)

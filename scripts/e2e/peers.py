@@ -3,6 +3,7 @@
     python3 scripts/e2e/peers.py torch  --file emb_fp16.npy --batch-sizes 256,1024,4096 --workers 4,8,12
     python3 scripts/e2e/peers.py kvikio --file emb_fp16.npy --batch-sizes 256,1024,4096 [--read-only]
     python3 scripts/e2e/peers.py dali   --file emb_fp16.npy --batch-sizes 256,1024,4096
+    python3 scripts/e2e/peers.py register-copy --file emb_fp16.npy --batch-sizes 4096 --temperatures warm
 
 Each prints one JSON line per measurement (and appends it to --jsonl): loader, kind, temperature,
 batch_size, samples, bytes_in (bytes of the .npy payload read), bytes_out (bytes of the batches made on
@@ -344,6 +345,88 @@ def run_kvikio(args, layout):
                     common.emit(record, args.jsonl)
 
 
+# --- mmap + cuMemHostRegister + copy ---------------------------------------------------------------
+
+def run_register_copy(args, layout):
+    """The simplest strong peer in dataset order: the whole file mapped and page-locked once
+    (cudaHostRegister, read-only), then each batch copied by the copy engine from the registered
+    page cache into a device buffer on a copy stream and converted on the compute stream, `depth`
+    buffers in flight. The registration is timed apart (`register_seconds`, once per process, as a
+    long-running loader pays it once); `seconds` is the epoch. Needs the file to fit the host's
+    lock limit."""
+    import mmap
+
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    host_register_read_only = 8  # cudaHostRegisterReadOnly
+    host_to_device = 1  # cudaMemcpyHostToDevice
+    out_dtype = cupy.dtype(layout.out_dtype())
+    device_name = runtime.getDeviceProperties(0)["name"].decode()
+    with open(layout.path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    base = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+    size = len(mapped)
+    prepare("warm", layout.path)
+    started = time.perf_counter()
+    runtime.hostRegister(base, size, host_register_read_only)
+    register_seconds = time.perf_counter() - started
+    copy_stream = cupy.cuda.Stream(non_blocking=True)
+    compute_stream = cupy.cuda.Stream(non_blocking=True)
+
+    def epoch(batch_size, batches):
+        batch_bytes = batch_size * layout.row_bytes
+        depth = min(args.depth, batches)
+        buffers = [cupy.empty(batch_bytes, dtype=cupy.uint8) for _ in range(depth)]
+        released = [None] * depth
+        last = None
+        with compute_stream:
+            for index in range(batches):
+                slot = index % depth
+                if released[slot] is not None:
+                    copy_stream.wait_event(released[slot])
+                runtime.memcpyAsync(buffers[slot].data.ptr,
+                                    base + layout.offset + index * batch_bytes,
+                                    batch_bytes, host_to_device, copy_stream.ptr)
+                copied = cupy.cuda.Event(disable_timing=True)
+                copied.record(copy_stream)
+                compute_stream.wait_event(copied)
+                source = buffers[slot].view(layout.dtype).reshape(batch_size, layout.row_values)
+                last = source.astype(out_dtype)
+                released[slot] = cupy.cuda.Event(disable_timing=True)
+                released[slot].record(compute_stream)
+            compute_stream.synchronize()
+        return last
+
+    def check(batch_size, batches, last):
+        expected = np.load(layout.path, mmap_mode="r")[(batches - 1) * batch_size:batches * batch_size]
+        return bool(np.array_equal(cupy.asnumpy(last), expected.astype(layout.out_dtype())))
+
+    try:
+        epoch(args.batch_sizes[0], min(4, layout.batches(args.batch_sizes[0], None)))
+        for batch_size in args.batch_sizes:
+            batches = layout.batches(batch_size, args.batches_max)
+            if batches == 0:
+                continue
+            for repeat in range(args.repeat):
+                record = base_record(args, "register-copy", layout, "warm", batch_size, batches)
+                record.update(prepare("warm", layout.path))
+                result = {}
+
+                def run():
+                    result["last"] = epoch(batch_size, batches)
+                    return {}
+
+                record.update(timed(args, run))
+                record.update({"depth": args.depth, "repeat": repeat, "device": device_name,
+                               "register_seconds": register_seconds, "registered_bytes": size,
+                               "verified": check(batch_size, batches, result["last"])})
+                common.finish_record(record)
+                common.emit(record, args.jsonl)
+    finally:
+        runtime.hostUnregister(base)
+
+
 # --- DALI -----------------------------------------------------------------------------------------
 
 def run_dali(args, layout):
@@ -406,7 +489,7 @@ def int_list(text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("loader", choices=["torch", "kvikio", "dali"])
+    parser.add_argument("loader", choices=["torch", "kvikio", "dali", "register-copy"])
     parser.add_argument("--file", required=True, help="a 2-D .npy file (float16 or int32)")
     parser.add_argument("--kind", help="label (default: from the file name, emb or tokens)")
     parser.add_argument("--batch-sizes", type=int_list, required=True, help="comma-separated")
@@ -427,7 +510,8 @@ def main():
                                   "batches (the usual map-style DataLoader)")
     kvikio_group = parser.add_argument_group("kvikio")
     kvikio_group.add_argument("--threads", type=int, default=8, help="KvikIO (or DALI) threads")
-    kvikio_group.add_argument("--depth", type=int, default=2, help="batches read ahead (2: double buffering)")
+    kvikio_group.add_argument("--depth", type=int, default=2,
+                              help="batches read ahead (2: double buffering); register-copy too")
     kvikio_group.add_argument("--task-bytes", type=int, help="KvikIO task size (default: its own)")
     kvikio_group.add_argument("--read-only", action="store_true", help="read only, no conversion")
     args = parser.parse_args()
@@ -435,7 +519,8 @@ def main():
         if temperature not in ("cold", "warm"):
             parser.error(f"unknown temperature {temperature!r}")
     layout = NpyLayout(args.file)
-    {"torch": run_torch, "kvikio": run_kvikio, "dali": run_dali}[args.loader](args, layout)
+    {"torch": run_torch, "kvikio": run_kvikio, "dali": run_dali,
+     "register-copy": run_register_copy}[args.loader](args, layout)
 
 
 if __name__ == "__main__":
