@@ -23,7 +23,7 @@ use crate::config::{HttpListen, RegistrationBudget, Settings};
 use crate::device::{CacheDir, Device, DeviceError};
 use crate::ipc::{Server, ServerConfig};
 use crate::kernels::Kernels;
-use crate::pipeline::gpu::{RoundBufferPool, ZeroCopy, ROUNDS_IN_FLIGHT_MAX};
+use crate::pipeline::gpu::{RoundBufferPool, ShardSlotPool, ZeroCopy, ROUNDS_IN_FLIGHT_MAX};
 use crate::pipeline::{GpuBackend, GpuStreamLimits, StreamLimits};
 use crate::registry::Registry;
 use crate::storage::gpu::{GpuReaderLimits, PathChoice};
@@ -461,6 +461,12 @@ pub fn open_gpu_backend(
             (stream_limits.rounds_in_flight + 1).min(ROUNDS_IN_FLIGHT_MAX),
             ordinal,
         )),
+        // One stream's shard slots: a consumer's next epoch, opened while the current one runs,
+        // and the current one then alternate through them.
+        shard_pool: Arc::new(ShardSlotPool::new(
+            stream_limits.device_shard_bytes as usize,
+            ordinal,
+        )),
         reader_limits,
         choice: PathChoice::from_mode(engine),
         stream_limits,
@@ -477,6 +483,7 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
     for gpu in &gpus {
         metrics.serve_device(gpu.ordinal);
         gpu.round_pool.report_to(&metrics);
+        gpu.shard_pool.report_to(&metrics);
     }
     let (control, names) = open_control(&settings, &registry, &metrics).await?;
     let server = start_socket_server(&settings, &registry, &metrics, gpus, &control)?;

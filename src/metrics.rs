@@ -118,6 +118,7 @@ pub struct Metrics {
     http_responses: [AtomicU64; 5],
     pack_raw_bytes: AtomicU64,
     round_buffers_idle_bytes: AtomicU64,
+    shard_slots_idle_bytes: AtomicU64,
     /// Per CUDA device (by ordinal, below [`DEVICES_MAX`]).
     devices: [DeviceLedger; DEVICES_MAX],
 }
@@ -135,6 +136,7 @@ struct DeviceLedger {
     samples: AtomicU64,
     read_bytes: AtomicU64,
     round_buffers_idle_bytes: AtomicU64,
+    shard_slots_idle_bytes: AtomicU64,
 }
 
 /// One served CUDA device's figures.
@@ -155,6 +157,8 @@ pub struct DeviceCounts {
     pub read_bytes: u64,
     /// Device memory of round buffers kept for its next stream.
     pub round_buffers_idle_bytes: u64,
+    /// Device memory of shard slots kept for its next stream.
+    pub shard_slots_idle_bytes: u64,
 }
 
 /// A CUDA device's view of [`Metrics`]: what its streams read is counted for the node and for the
@@ -248,6 +252,7 @@ impl Metrics {
             http_responses: Default::default(),
             pack_raw_bytes: AtomicU64::new(0),
             round_buffers_idle_bytes: AtomicU64::new(0),
+            shard_slots_idle_bytes: AtomicU64::new(0),
             devices: Default::default(),
         }
     }
@@ -304,6 +309,7 @@ impl Metrics {
                 samples: d.samples.load(Ordering::Relaxed),
                 read_bytes: d.read_bytes.load(Ordering::Relaxed),
                 round_buffers_idle_bytes: d.round_buffers_idle_bytes.load(Ordering::Relaxed),
+                shard_slots_idle_bytes: d.shard_slots_idle_bytes.load(Ordering::Relaxed),
             })
             .collect()
     }
@@ -320,6 +326,20 @@ impl Metrics {
     /// Device bytes of round buffers kept idle for the next GPU stream, over all devices.
     pub fn round_buffers_idle_bytes(&self) -> u64 {
         self.round_buffers_idle_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Adds to (or, negative, subtracts from) the device bytes of shard slots kept idle for the next
+    /// GPU stream on device `ordinal`.
+    pub fn add_shard_slots_idle_bytes(&self, ordinal: u32, bytes: i64) {
+        add_signed(&self.shard_slots_idle_bytes, bytes);
+        if let Some(device) = self.device(ordinal) {
+            add_signed(&device.shard_slots_idle_bytes, bytes);
+        }
+    }
+
+    /// Device bytes of shard slots kept idle for the next GPU stream, over all devices.
+    pub fn shard_slots_idle_bytes(&self) -> u64 {
+        self.shard_slots_idle_bytes.load(Ordering::Relaxed)
     }
 
     /// Counts bytes read from shard files by `path`.
@@ -576,7 +596,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             })
             .collect()
     };
-    let device_families: [DeviceFamily; 6] = [
+    let device_families: [DeviceFamily; 7] = [
         (
             "gpufeed_device_streams",
             "gauge",
@@ -613,6 +633,12 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             "Device bytes of GPU round buffers kept for the next stream, per served CUDA device",
             |d| d.round_buffers_idle_bytes,
         ),
+        (
+            "gpufeed_device_shard_slots_idle_bytes",
+            "gauge",
+            "Device bytes of shard slots kept for the next stream, per served CUDA device",
+            |d| d.shard_slots_idle_bytes,
+        ),
     ];
     for (name, kind, help, value) in device_families {
         family(name, kind, help, &per_device(value));
@@ -622,6 +648,12 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         "gauge",
         "Device bytes of GPU round buffers (staging and tables) kept for the next stream",
         &one(metrics.round_buffers_idle_bytes()),
+    );
+    family(
+        "gpufeed_shard_slots_idle_bytes",
+        "gauge",
+        "Device bytes of shard slots (shards copied ahead) kept for the next stream",
+        &one(metrics.shard_slots_idle_bytes()),
     );
     family(
         "gpufeed_slot_bytes_max",
@@ -843,6 +875,7 @@ mod tests {
         metrics.device_batch(3, 96);
         metrics.device_batch(3, 4);
         metrics.add_round_buffers_idle_bytes(3, 4096);
+        metrics.add_shard_slots_idle_bytes(3, 1 << 29);
         let view = DeviceMetrics::new(Arc::clone(&metrics), 3);
         view.add_read_bytes(ReadPath::PageCache, 2048);
         assert_eq!(metrics.read_bytes_total(), 2048, "counted for the node too");
@@ -856,8 +889,13 @@ mod tests {
         assert!(text.contains("gpufeed_device_read_bytes_total{device=\"cuda:3\"} 2048\n"));
         assert!(text.contains("gpufeed_device_round_buffers_idle_bytes{device=\"cuda:3\"} 4096\n"));
         assert!(text.contains("gpufeed_round_buffers_idle_bytes 4096\n"));
+        assert!(
+            text.contains("gpufeed_device_shard_slots_idle_bytes{device=\"cuda:3\"} 536870912\n")
+        );
+        assert!(text.contains("gpufeed_shard_slots_idle_bytes 536870912\n"));
         metrics.device_stream_closed(3, 1 << 20);
         metrics.add_round_buffers_idle_bytes(3, -4096);
+        metrics.add_shard_slots_idle_bytes(3, -(1 << 29));
         let devices = metrics.devices();
         assert_eq!(devices.len(), 2);
         assert_eq!(
@@ -870,6 +908,7 @@ mod tests {
                 samples: 100,
                 read_bytes: 2048,
                 round_buffers_idle_bytes: 0,
+                shard_slots_idle_bytes: 0,
             }
         );
     }

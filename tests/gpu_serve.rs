@@ -640,6 +640,75 @@ fn wait_for_no_slots(socket: &Path) {
     }
 }
 
+/// Shard slots go back to the device's pool when a stream closes, and the next stream that copies
+/// shards ahead takes them (the daemon's log says how many it kept): streams one after another, in
+/// dataset order, a window shuffle and dataset order again, each bit-exact against the CPU backend
+/// although its slots still hold the previous stream's shards when it starts.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
+    let root = tempfile::tempdir().unwrap();
+    pack_dataset(root.path());
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&root.path().join("mixed"), &cpu_root.join("mixed"));
+    let log = root.path().join("pool.log");
+    let gpu = start_daemon_logged(root.path(), "cuda:0", &[], Some(&log));
+    let cpu = start_daemon(&cpu_root, "cpu");
+    let emb = |shuffle: &'static str| {
+        vec![
+            "--batch-size",
+            "96",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "6",
+        ]
+    };
+    for (index, shuffle) in ["none", "window", "none"].into_iter().enumerate() {
+        let gpu_dump = root.path().join(format!("pool-{index}-gpu.npy"));
+        let cpu_dump = root.path().join(format!("pool-{index}-cpu.npy"));
+        finish(consume_dump(
+            &gpu.socket,
+            "cuda:0",
+            &emb(shuffle),
+            &gpu_dump,
+        ));
+        // The stream is closed, and its slots handed back, once the daemon counts no stream.
+        wait_for_no_slots(&gpu.socket);
+        finish(consume_dump(&cpu.socket, "cpu", &emb(shuffle), &cpu_dump));
+        let gpu_rows = npy_payload(&gpu_dump);
+        assert!(
+            !gpu_rows.is_empty(),
+            "stream {index} ({shuffle}): nothing dumped"
+        );
+        assert!(
+            gpu_rows == npy_payload(&cpu_dump),
+            "stream {index} ({shuffle}): GPU and CPU backends differ"
+        );
+    }
+    let log = std::fs::read_to_string(&log).unwrap();
+    let kept: Vec<usize> = log
+        .lines()
+        .filter(|line| line.contains("stream copies shards ahead into"))
+        .map(|line| {
+            let (_, after) = line.split_once('(').expect("the kept count in parentheses");
+            after.split(' ').next().unwrap().parse().unwrap()
+        })
+        .collect();
+    assert_eq!(kept.len(), 3, "three streams copying shards ahead:\n{log}");
+    assert_eq!(kept[0], 0, "the first stream found slots kept:\n{log}");
+    assert!(
+        kept[1] > 0 && kept[2] > 0,
+        "later streams kept no slots ({kept:?}):\n{log}"
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn device_memory_returns_to_baseline_after_100_killed_consumers() {

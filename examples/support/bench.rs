@@ -71,6 +71,7 @@ pub fn gpu_pipeline_alone(
         backend.choice,
         &backend.stream_limits,
         Arc::clone(&backend.round_pool),
+        &backend.shard_pool,
         Arc::new(Metrics::new()),
     )?;
     // The daemon's ring: one exportable allocation, a region of it per slot, two events per slot.

@@ -68,6 +68,9 @@ pub struct DeviceServing {
     pub stream_device_bytes: u64,
     /// Device memory of round buffers kept for its next stream.
     pub round_buffers_idle_bytes: u64,
+    /// Device memory of shard slots (shards copied ahead) kept for its next stream; freed after 30 s
+    /// idle.
+    pub shard_slots_idle_bytes: u64,
     /// Batches its streams filled and handed on since the daemon started.
     pub batches: u64,
     /// Samples in those batches.
@@ -331,6 +334,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 streams: d.streams,
                 stream_device_bytes: d.stream_device_bytes,
                 round_buffers_idle_bytes: d.round_buffers_idle_bytes,
+                shard_slots_idle_bytes: d.shard_slots_idle_bytes,
                 batches: d.batches,
                 samples: d.samples,
                 read_bytes: d.read_bytes,

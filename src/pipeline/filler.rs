@@ -38,6 +38,8 @@ pub struct GpuBackend {
     pub windows: Arc<PageCacheWindows>,
     /// Round buffers kept between the device's streams.
     pub round_pool: Arc<crate::pipeline::gpu::RoundBufferPool>,
+    /// Device memory for shards copied ahead, kept between the device's streams.
+    pub shard_pool: Arc<crate::pipeline::gpu::ShardSlotPool>,
     /// The device's NUMA node and its CPUs, where the host has several: its streams' threads and
     /// pinned buffers are placed there.
     pub numa: Option<crate::device::numa::NumaPlacement>,
@@ -248,6 +250,7 @@ impl Filler {
                     gpu.choice,
                     &gpu.stream_limits,
                     Arc::clone(&gpu.round_pool),
+                    &gpu.shard_pool,
                     Arc::clone(&metrics),
                 )
                 .map_err(FillerError::Gpu)?;

@@ -24,6 +24,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::shard_loader::{LoadJob, ShardLoader};
+use super::shard_pool::ShardSlotPool;
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::kernels::GatherRegion;
 use crate::pipeline::assemble::FillError;
@@ -103,13 +104,17 @@ pub(super) struct DeviceShards {
     window_bytes: u64,
     /// Bytes copied to the device, for the read counters.
     pub(super) copied_bytes: u64,
+    /// Where the slots go when the stream closes, for the device's next stream.
+    pool: Arc<ShardSlotPool>,
 }
 
 impl DeviceShards {
     /// Slots for as many shards of at most `shard_bytes_max` bytes each as `device_bytes_max` holds
     /// (at least `slots_min`), if `order` draws from a few shards at a time and the device has the
     /// memory; `None` otherwise (the stream reads in place only). A streamed source is given its
-    /// slot count by [`Self::start_loader`].
+    /// slot count by [`Self::start_loader`]. Slots come from `pool` where it has them (see
+    /// `shard_pool`) and go back to it when the stream closes.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         device: &Device,
         order: &EpochOrder,
@@ -118,6 +123,7 @@ impl DeviceShards {
         window_bytes: u64,
         device_bytes_max: u64,
         slots_min: usize,
+        pool: &Arc<ShardSlotPool>,
     ) -> Result<Option<DeviceShards>, DeviceError> {
         if order.samples_ahead(0, 1).is_none() || shards.len() < 2 {
             return Ok(None);
@@ -136,12 +142,17 @@ impl DeviceShards {
             return Ok(None);
         }
         let mut slots = Vec::with_capacity(slot_count);
+        let mut kept = pool.take(shard_bytes_max as usize, slot_count);
+        let kept_count = kept.len();
         for _ in 0..slot_count {
-            let buffer = match DeviceBuffer::new(device, shard_bytes_max as usize) {
-                Ok(buffer) => buffer,
-                // Less device memory than the budget: as many slots as fit, or none.
-                Err(DeviceError::Driver(error)) if error.is_out_of_memory() => break,
-                Err(error) => return Err(error),
+            let buffer = match kept.pop() {
+                Some(buffer) => buffer,
+                None => match DeviceBuffer::new(device, shard_bytes_max as usize) {
+                    Ok(buffer) => buffer,
+                    // Less device memory than the budget: as many slots as fit, or none.
+                    Err(DeviceError::Driver(error)) if error.is_out_of_memory() => break,
+                    Err(error) => return Err(error),
+                },
             };
             slots.push(ShardSlot {
                 buffer,
@@ -159,10 +170,12 @@ impl DeviceShards {
             });
         }
         if slots.len() < slots_min.max(2) {
+            pool.put(slots.into_iter().map(|slot| slot.buffer).collect());
             return Ok(None);
         }
         tracing::info!(
-            "stream copies shards ahead into {} device slots of {} MiB",
+            "stream copies shards ahead into {} device slots of {} MiB ({kept_count} kept from \
+             earlier streams)",
             slots.len(),
             shard_bytes_max >> 20
         );
@@ -176,6 +189,7 @@ impl DeviceShards {
             shard_first_samples,
             window_bytes,
             copied_bytes: 0,
+            pool: Arc::clone(pool),
         }))
     }
 
@@ -475,7 +489,20 @@ impl DeviceShards {
 }
 
 impl Drop for DeviceShards {
+    /// Waits for the copies, then hands the slots to the device's pool once nothing reads or writes
+    /// them any more: the copies into them, and the rounds that read them (recorded on the compute
+    /// stream). A slot whose work cannot be confirmed done is freed instead, with the ones after it.
     fn drop(&mut self) {
-        let _ = self.synchronize();
+        if self.synchronize().is_err() {
+            return;
+        }
+        let mut done = Vec::with_capacity(self.slots.len());
+        for slot in self.slots.drain(..) {
+            if slot.copied.synchronize().is_err() || slot.last_read.synchronize().is_err() {
+                return;
+            }
+            done.push(slot.buffer);
+        }
+        self.pool.put(done);
     }
 }

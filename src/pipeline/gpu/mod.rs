@@ -33,6 +33,7 @@ mod plan;
 mod resident;
 mod round;
 mod shard_loader;
+mod shard_pool;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -43,6 +44,7 @@ use foldhash::{HashSet, HashSetExt};
 use self::cache::BlockCache;
 pub use self::round::RoundBufferPool;
 use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, RoundShape};
+pub use self::shard_pool::ShardSlotPool;
 use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
 use crate::decode::BlockRef;
 use crate::device::{DeviceBuffer, DeviceMemory, DeviceRegion, Event, Stream};
@@ -302,7 +304,9 @@ pub struct GpuAssembler {
 }
 
 impl GpuAssembler {
-    /// Opens the dataset's shards and allocates the stream's device memory on `reader`'s device.
+    /// Opens the dataset's shards and allocates the stream's device memory on `reader`'s device,
+    /// taking round buffers from `pool` and shard slots from `shard_pool` where they have them.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: Arc<StreamPlan>,
         kernels: Arc<Kernels>,
@@ -310,6 +314,7 @@ impl GpuAssembler {
         choice: PathChoice,
         limits: &GpuStreamLimits,
         pool: Arc<RoundBufferPool>,
+        shard_pool: &Arc<ShardSlotPool>,
         metrics: Arc<Metrics>,
     ) -> Result<GpuAssembler, FillError> {
         let started = std::time::Instant::now();
@@ -338,6 +343,7 @@ impl GpuAssembler {
             reader.resident_fraction_min(),
             &device,
             &metrics,
+            shard_pool,
         )?;
         let resident_s = started.elapsed().as_secs_f64() - opened_s;
         let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;

@@ -18,6 +18,7 @@ use memmap2::Mmap;
 
 use super::device_shards::{DeviceShards, ShardWindows};
 use super::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, REGIONS_MAX};
+use super::shard_pool::ShardSlotPool;
 use super::{GpuAssembler, GpuStreamLimits, ZeroCopy};
 use crate::decode::{self, BlockRef};
 use crate::device::{DeviceBuffer, DeviceMemory, DeviceRegion, Event};
@@ -251,6 +252,7 @@ impl Resident {
     /// Maps every window of every shard of `plan` for the device, if the stream qualifies: every block
     /// of its fields raw, the policy not `off` (and `always`, or a shuffled order), and every window
     /// resident and within the budget. `None` otherwise (the windows mapped so far are released).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn open(
         plan: &StreamPlan,
         files: &FileTable,
@@ -259,6 +261,7 @@ impl Resident {
         fraction_min: f64,
         device: &crate::device::Device,
         metrics: &crate::metrics::DeviceMetrics,
+        shard_pool: &Arc<ShardSlotPool>,
     ) -> Result<Option<Resident>, FillError> {
         let wanted = match limits.zero_copy {
             ZeroCopy::Off => false,
@@ -282,6 +285,7 @@ impl Resident {
                 device,
                 metrics,
                 &file_bytes,
+                shard_pool,
             );
         }
         if plan.order.samples_ahead(0, 1).is_none() {
@@ -332,6 +336,7 @@ impl Resident {
                             device,
                             metrics,
                             &file_bytes,
+                            shard_pool,
                         );
                     }
                 }
@@ -350,6 +355,7 @@ impl Resident {
                 window_bytes,
                 limits.device_shard_bytes,
                 2,
+                shard_pool,
             )?
         } else {
             None
@@ -413,6 +419,7 @@ impl Resident {
         device: &crate::device::Device,
         metrics: &crate::metrics::DeviceMetrics,
         file_bytes: &[u64],
+        shard_pool: &Arc<ShardSlotPool>,
     ) -> Result<Option<Resident>, FillError> {
         let window_bytes = windows.window_bytes();
         let mut table: Vec<GatherRegion> = Vec::new();
@@ -453,6 +460,7 @@ impl Resident {
             window_bytes,
             limits.device_shard_bytes,
             slots_min,
+            shard_pool,
         )?
         else {
             return Ok(None);
