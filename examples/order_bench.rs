@@ -47,7 +47,8 @@ struct Args {
     /// Shards per window of the window shuffle.
     #[arg(long, default_value_t = 2)]
     window_shards: u32,
-    /// Order modes to run, comma-separated (none, window, full); the ratios are against the first.
+    /// Order modes to run, comma-separated (none, window, full; other names are ignored); the ratios
+    /// are against the first of none, window, full that runs.
     #[arg(long, value_delimiter = ',', default_value = "none,window,full")]
     orders: Vec<String>,
     /// Also measure the bare row copy in file order and in a random order (see above).

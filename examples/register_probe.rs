@@ -8,8 +8,9 @@
 //! running the pipelined schedule (`--process-depth` windows in flight) over every N-th window: the
 //! driver serialises registration within a process and unregistering waits for the context's queued
 //! work, so this shows whether separate contexts register and copy side by side. The processes set
-//! up (context, map, buffers) before the timer starts and tear down after it stops; CPU cores are
-//! each process's own over its copies, summed.
+//! up (context, map, buffers) before the timer starts; the run ends at the last process's report,
+//! and a process that finishes early frees its buffers and exits while the others still copy.
+//! CPU cores are each process's own over its copies, summed.
 //!
 //! ```sh
 //! cargo run --release --example register_probe -- --file /var/tmp/probe.bin --gib 8 --threads 1,2,3,4,6

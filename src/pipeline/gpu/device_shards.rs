@@ -170,7 +170,8 @@ impl DeviceShards {
             });
         }
         if slots.len() < slots_min.max(2) {
-            pool.put(slots.into_iter().map(|slot| slot.buffer).collect());
+            // Short of device memory: the slots are freed, not kept, for the stream's other
+            // allocations.
             return Ok(None);
         }
         tracing::info!(
@@ -491,7 +492,7 @@ impl DeviceShards {
 impl Drop for DeviceShards {
     /// Waits for the copies, then hands the slots to the device's pool once nothing reads or writes
     /// them any more: the copies into them, and the rounds that read them (recorded on the compute
-    /// stream). A slot whose work cannot be confirmed done is freed instead, with the ones after it.
+    /// stream). If the work on any slot cannot be confirmed done, every slot is freed instead.
     fn drop(&mut self) {
         if self.synchronize().is_err() {
             return;

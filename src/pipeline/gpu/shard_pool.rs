@@ -81,11 +81,12 @@ impl ShardSlotPool {
             let kept = same.len().saturating_sub(count);
             let taken: Vec<DeviceBuffer> = same.drain(kept..).map(|(b, _)| b).collect();
             idle.extend(same);
+            // Counted under the lock, as every change of the idle set is.
+            let gone: usize = taken.iter().map(|b| b.len()).sum::<usize>()
+                + other.iter().map(|(b, _)| b.len()).sum::<usize>();
+            self.shared.count(-(gone as i64));
             (taken, other)
         };
-        let gone: usize = taken.iter().map(|b| b.len()).sum::<usize>()
-            + freed.iter().map(|(b, _)| b.len()).sum::<usize>();
-        self.shared.count(-(gone as i64));
         // Freed outside the lock: freeing device memory can wait for the device.
         drop(freed);
         taken
@@ -110,15 +111,14 @@ impl ShardSlotPool {
             }
         }
         drop(rest);
-        if self.shared.releaser.get().is_none() {
+        // One releasing thread per pool, started by the first slots handed back (if it cannot be
+        // started, slots stay until a stream takes them).
+        self.shared.releaser.get_or_init(|| {
             let shared = Arc::clone(&self.shared);
-            let started = std::thread::Builder::new()
+            let _ = std::thread::Builder::new()
                 .name("gpufeed-slot-pool".into())
                 .spawn(move || shared.release_idle());
-            if started.is_ok() {
-                let _ = self.shared.releaser.set(());
-            }
-        }
+        });
         self.shared.returned.notify_all();
     }
 }
@@ -145,9 +145,9 @@ impl Shared {
                 .partition(|(_, since)| now.duration_since(*since) >= IDLE_RELEASE);
             *idle = kept;
             if !expired.is_empty() {
-                drop(idle);
                 let bytes: usize = expired.iter().map(|(b, _)| b.len()).sum();
                 self.count(-(bytes as i64));
+                drop(idle);
                 drop(expired);
                 idle = self.lock();
                 continue;
