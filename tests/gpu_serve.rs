@@ -123,6 +123,26 @@ fn consume_dump(socket: &Path, device: &str, args: &[&str], dump: &Path) -> Chil
         .expect("start the consume example")
 }
 
+/// `consume` arguments for the raw embedding field alone as f32, batches of 96, in `shuffle` order
+/// (windows of two shards) with `seed`: a resident stream, which copies shards ahead in dataset order
+/// and window shuffles.
+fn emb_rows(shuffle: &'static str, seed: &'static str) -> Vec<&'static str> {
+    vec![
+        "--batch-size",
+        "96",
+        "--field",
+        "emb",
+        "--dtype",
+        "f32",
+        "--shuffle",
+        shuffle,
+        "--window-shards",
+        "2",
+        "--seed",
+        seed,
+    ]
+}
+
 fn finish(child: Child) -> serde_json::Value {
     let output = child.wait_with_output().unwrap();
     assert!(output.status.success(), "consume failed: {output:?}");
@@ -391,22 +411,7 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
     assert_eq!(distinct_ids(&full[0].0).len() as u64, SAMPLES / 64 * 64);
     // Resident streams: the raw embedding field alone, the whole dataset mapped for the stream's
     // life (default budget), every order planned row by row in place.
-    let emb_orders = |shuffle: &'static str| {
-        vec![
-            "--batch-size",
-            "96",
-            "--field",
-            "emb",
-            "--dtype",
-            "f32",
-            "--shuffle",
-            shuffle,
-            "--window-shards",
-            "2",
-            "--seed",
-            "3",
-        ]
-    };
+    let emb_orders = |shuffle| emb_rows(shuffle, "3");
     let resident = vec![
         ("resident-none", emb_orders("none")),
         ("resident-window", emb_orders("window")),
@@ -654,22 +659,7 @@ fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
     let log = root.path().join("pool.log");
     let gpu = start_daemon_logged(root.path(), "cuda:0", &[], Some(&log));
     let cpu = start_daemon(&cpu_root, "cpu");
-    let emb = |shuffle: &'static str| {
-        vec![
-            "--batch-size",
-            "96",
-            "--field",
-            "emb",
-            "--dtype",
-            "f32",
-            "--shuffle",
-            shuffle,
-            "--window-shards",
-            "2",
-            "--seed",
-            "6",
-        ]
-    };
+    let emb = |shuffle| emb_rows(shuffle, "6");
     for (index, shuffle) in ["none", "window", "none"].into_iter().enumerate() {
         let gpu_dump = root.path().join(format!("pool-{index}-gpu.npy"));
         let cpu_dump = root.path().join(format!("pool-{index}-cpu.npy"));
@@ -855,20 +845,7 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
             "{log_text}"
         );
     }
-    let args = [
-        "--batch-size",
-        "96",
-        "--field",
-        "emb",
-        "--dtype",
-        "f32",
-        "--shuffle",
-        "window",
-        "--window-shards",
-        "2",
-        "--seed",
-        "4",
-    ];
+    let args = emb_rows("window", "4");
     // Both devices at once, then the CPU reference.
     let children: Vec<(Child, &str)> = consumers
         .iter()

@@ -65,11 +65,6 @@ impl ShardSlotPool {
         }
     }
 
-    /// Idle bytes now.
-    pub fn idle_bytes(&self) -> usize {
-        self.shared.lock().iter().map(|(b, _)| b.len()).sum()
-    }
-
     /// Up to `count` idle slots of exactly `bytes` bytes. Idle slots of another size are freed: the
     /// stream about to allocate its own needs the memory more.
     pub(super) fn take(&self, bytes: usize, count: usize) -> Vec<DeviceBuffer> {
