@@ -703,6 +703,13 @@ pub enum FillError {
     },
 }
 
+impl FillError {
+    /// Whether the device ran out of memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, FillError::Device(DeviceError::Driver(error)) if error.is_out_of_memory())
+    }
+}
+
 /// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and
 /// gathers samples into the slot in the stream's order.
 pub struct Assembler {

@@ -237,23 +237,39 @@ impl Filler {
                 };
                 let _bound =
                     crate::device::numa::BoundForNow::new(gpu.numa.as_ref()).avoiding(&avoid);
-                let reader = GpuReader::with_windows(
-                    &gpu.device,
-                    gpu.reader_limits,
-                    Arc::clone(&gpu.windows),
-                )
-                .map_err(FillerError::DeviceReads)?;
-                let assembler = GpuAssembler::new(
-                    plan,
-                    Arc::clone(&gpu.kernels),
-                    reader,
-                    gpu.choice,
-                    &gpu.stream_limits,
-                    Arc::clone(&gpu.round_pool),
-                    &gpu.shard_pool,
-                    Arc::clone(&metrics),
-                )
-                .map_err(FillerError::Gpu)?;
+                let open = |plan: Arc<StreamPlan>| {
+                    let reader = GpuReader::with_windows(
+                        &gpu.device,
+                        gpu.reader_limits,
+                        Arc::clone(&gpu.windows),
+                    )
+                    .map_err(FillerError::DeviceReads)?;
+                    GpuAssembler::new(
+                        plan,
+                        Arc::clone(&gpu.kernels),
+                        reader,
+                        gpu.choice,
+                        &gpu.stream_limits,
+                        Arc::clone(&gpu.round_pool),
+                        &gpu.shard_pool,
+                        Arc::clone(&metrics),
+                    )
+                    .map_err(FillerError::Gpu)
+                };
+                let assembler = match open(Arc::clone(&plan)) {
+                    // Short of device memory: the shard slots that closed streams left for the
+                    // device's next one are freed, and the stream opens once more.
+                    Err(FillerError::Gpu(error))
+                        if error.is_out_of_memory() && gpu.shard_pool.release_all() > 0 =>
+                    {
+                        tracing::info!(
+                            "stream ran short of device memory ({error}); idle shard slots freed, \
+                             opening again"
+                        );
+                        open(plan)?
+                    }
+                    opened => opened?,
+                };
                 Backend::Gpu {
                     assembler: Box::new(assembler),
                     slots: VecDeque::new(),

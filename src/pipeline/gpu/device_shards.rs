@@ -106,6 +106,9 @@ pub(super) struct DeviceShards {
     pub(super) copied_bytes: u64,
     /// Where the slots go when the stream closes, for the device's next stream.
     pool: Arc<ShardSlotPool>,
+    /// A loader thread panicked: copies it queued into the slots are not known to be done, so the
+    /// slots are freed, not pooled, when the stream closes.
+    unconfirmed: bool,
 }
 
 impl DeviceShards {
@@ -191,6 +194,7 @@ impl DeviceShards {
             window_bytes,
             copied_bytes: 0,
             pool: Arc::clone(pool),
+            unconfirmed: false,
         }))
     }
 
@@ -372,8 +376,10 @@ impl DeviceShards {
     /// Waits for every queued copy: before the windows they read are unpinned, and before the slots
     /// are freed (a streamed source's loader is stopped, once its copies are done).
     pub(super) fn synchronize(&mut self) -> Result<(), DeviceError> {
-        if matches!(self.source, ShardSource::Streamed(_)) {
-            self.source = ShardSource::Registered;
+        if let ShardSource::Streamed(loader) =
+            std::mem::replace(&mut self.source, ShardSource::Registered)
+        {
+            self.unconfirmed |= !loader.finish();
         }
         self.copy_stream.synchronize()
     }
@@ -492,9 +498,10 @@ impl DeviceShards {
 impl Drop for DeviceShards {
     /// Waits for the copies, then hands the slots to the device's pool once nothing reads or writes
     /// them any more: the copies into them, and the rounds that read them (recorded on the compute
-    /// stream). If the work on any slot cannot be confirmed done, every slot is freed instead.
+    /// stream). If the work on any slot cannot be confirmed done (a failed wait, or a loader thread
+    /// that panicked), every slot is freed instead.
     fn drop(&mut self) {
-        if self.synchronize().is_err() {
+        if self.synchronize().is_err() || self.unconfirmed {
             return;
         }
         let mut done = Vec::with_capacity(self.slots.len());

@@ -240,19 +240,31 @@ impl ShardLoader {
     }
 }
 
-impl Drop for ShardLoader {
-    fn drop(&mut self) {
-        // Jobs still queued are dropped; closing the channel ends the thread once the copies it
-        // queued are done and their windows handed back.
+impl ShardLoader {
+    /// Stops the loader: jobs still queued are dropped, and the thread ends once the copies it
+    /// queued are done and their windows handed back. Returns false if the thread panicked: copies
+    /// it queued may then still be running, and nothing that they write may be reused.
+    pub(super) fn finish(mut self) -> bool {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> bool {
         self.shared
             .0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .closing = true;
+        // Closing the channel ends the thread's wait for jobs.
         self.jobs = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.thread
+            .take()
+            .is_none_or(|thread| thread.join().is_ok())
+    }
+}
+
+impl Drop for ShardLoader {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

@@ -12,7 +12,8 @@
 //! runs allocates its own; from then on the two streams of a consumer alternate through the pool.
 //! Slots of another size (another dataset's) give way to a stream that needs new ones. Slots idle
 //! for [`IDLE_RELEASE`] are freed by the pool's thread, so a daemon nobody reads from gives the
-//! memory back to the training processes on the device. The idle bytes are the
+//! memory back to the training processes on the device, and a stream whose opening runs short of
+//! device memory frees them all and tries once more. The idle bytes are the
 //! `gpufeed_shard_slots_idle_bytes` gauge.
 
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -85,6 +86,20 @@ impl ShardSlotPool {
         // Freed outside the lock: freeing device memory can wait for the device.
         drop(freed);
         taken
+    }
+
+    /// Frees every idle slot now, for an allocation of the device that ran short of memory;
+    /// returns the bytes freed.
+    pub fn release_all(&self) -> usize {
+        let freed: Vec<(DeviceBuffer, Instant)> = {
+            let mut idle = self.shared.lock();
+            let freed: Vec<_> = idle.drain(..).collect();
+            let bytes: usize = freed.iter().map(|(b, _)| b.len()).sum();
+            self.shared.count(-(bytes as i64));
+            freed
+        };
+        // Freed outside the lock: freeing device memory can wait for the device.
+        freed.into_iter().map(|(b, _)| b.len()).sum()
     }
 
     /// Keeps `slots` (no work on the device reads or writes them any more) for a later stream, as
