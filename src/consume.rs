@@ -392,6 +392,9 @@ fn consume_epoch(
     let open_when_left = (args.open_ahead * steps as f64).ceil() as u64;
     let mut epoch_batches = 0u64;
     let mut first_batch_ms = None;
+    // When each batch arrived, in milliseconds from the wait for the stream (for the epoch's
+    // progress and its longest gaps).
+    let mut arrivals_ms: Vec<f64> = Vec::with_capacity(steps.min(1 << 20) as usize);
     if let Some((geometry @ None, _)) = &mut received.dump {
         *geometry = Some(dump_geometry(stream.layout())?);
     }
@@ -417,6 +420,9 @@ fn consume_epoch(
             }
         }
         first_batch_ms.get_or_insert_with(|| opening.elapsed().as_secs_f64() * 1e3);
+        if arrivals_ms.len() < 1 << 20 {
+            arrivals_ms.push(opening.elapsed().as_secs_f64() * 1e3);
+        }
         totals.samples += u64::from(batch.samples());
         totals.replaced += u64::from(batch.replaced());
         // The hand-off latency: from the batch being ready, or from the moment this consumer
@@ -470,6 +476,8 @@ fn consume_epoch(
         open_daemon_ms: open_phases.daemon_s * 1e3,
         open_map_ms: open_phases.map_s * 1e3,
         first_batch_ms,
+        progress_ms: progress_ms(&arrivals_ms),
+        gaps_ms: longest_gaps(&arrivals_ms, 4),
         ms: opening.elapsed().as_secs_f64() * 1e3,
         cpu_ms: usage.cpu_s * 1e3,
         involuntary_switches: usage.involuntary_switches,
@@ -490,10 +498,39 @@ struct EpochTimes {
     open_daemon_ms: f64,
     open_map_ms: f64,
     first_batch_ms: Option<f64>,
+    /// When the last batch of each eighth of the epoch's batches arrived (a window shuffle of four
+    /// windows shows each window's service in two of them).
+    progress_ms: Vec<f64>,
+    /// The longest waits between consecutive batches: (index of the later batch, milliseconds).
+    gaps_ms: Vec<(usize, f64)>,
     ms: f64,
     cpu_ms: f64,
     involuntary_switches: i64,
     voluntary_switches: i64,
+}
+
+/// When the last batch of each eighth of the batches arrived (`arrivals_ms`, in order).
+fn progress_ms(arrivals_ms: &[f64]) -> Vec<f64> {
+    let count = arrivals_ms.len();
+    if count == 0 {
+        return Vec::new();
+    }
+    (1..=8)
+        .map(|eighth| arrivals_ms[(count * eighth).div_ceil(8).max(1) - 1])
+        .collect()
+}
+
+/// The `most` longest waits between consecutive arrivals, longest first: (index of the later
+/// arrival, milliseconds).
+fn longest_gaps(arrivals_ms: &[f64], most: usize) -> Vec<(usize, f64)> {
+    let mut gaps: Vec<(usize, f64)> = arrivals_ms
+        .windows(2)
+        .enumerate()
+        .map(|(i, pair)| (i + 1, pair[1] - pair[0]))
+        .collect();
+    gaps.sort_by(|a, b| b.1.total_cmp(&a.1));
+    gaps.truncate(most);
+    gaps
 }
 
 /// The mean of `values` (nanoseconds) in microseconds; null when there are none.
@@ -560,6 +597,22 @@ mod tests {
             "32",
         ];
         Args::try_parse_from(base.iter().chain(extra))
+    }
+
+    #[test]
+    fn progress_and_gaps_summarise_the_arrivals() {
+        // 16 arrivals 1 ms apart, with a 10 ms wait before the ninth.
+        let arrivals: Vec<f64> = (0..16)
+            .map(|i| i as f64 + if i >= 8 { 10.0 } else { 0.0 })
+            .collect();
+        assert_eq!(
+            progress_ms(&arrivals),
+            vec![1.0, 3.0, 5.0, 7.0, 19.0, 21.0, 23.0, 25.0]
+        );
+        assert_eq!(longest_gaps(&arrivals, 2), vec![(8, 11.0), (1, 1.0)]);
+        // Fewer arrivals than eighths: the last arrival so far stands for the later eighths.
+        assert_eq!(progress_ms(&[2.0, 5.0]), vec![2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 5.0, 5.0]);
+        assert!(progress_ms(&[]).is_empty() && longest_gaps(&[1.0], 4).is_empty());
     }
 
     #[test]
