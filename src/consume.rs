@@ -611,7 +611,10 @@ mod tests {
         );
         assert_eq!(longest_gaps(&arrivals, 2), vec![(8, 11.0), (1, 1.0)]);
         // Fewer arrivals than eighths: the last arrival so far stands for the later eighths.
-        assert_eq!(progress_ms(&[2.0, 5.0]), vec![2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 5.0, 5.0]);
+        assert_eq!(
+            progress_ms(&[2.0, 5.0]),
+            vec![2.0, 2.0, 2.0, 2.0, 5.0, 5.0, 5.0, 5.0]
+        );
         assert!(progress_ms(&[]).is_empty() && longest_gaps(&[1.0], 4).is_empty());
     }
 

@@ -636,7 +636,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         (
             "gpufeed_device_shard_slots_idle_bytes",
             "gauge",
-            "Device bytes of shard slots kept for the next stream, per served CUDA device",
+            "Device bytes of shard slots and stream buffers (block cache, region table) kept for the next stream, per served CUDA device",
             |d| d.shard_slots_idle_bytes,
         ),
     ];
@@ -652,7 +652,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
     family(
         "gpufeed_shard_slots_idle_bytes",
         "gauge",
-        "Device bytes of shard slots (shards copied ahead) kept for the next stream",
+        "Device bytes of shard slots (shards copied ahead) and stream buffers (block cache, region table) kept for the next stream",
         &one(metrics.shard_slots_idle_bytes()),
     );
     family(

@@ -44,10 +44,11 @@ use foldhash::{HashSet, HashSetExt};
 use self::cache::BlockCache;
 pub use self::round::RoundBufferPool;
 use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, RoundShape};
+use self::shard_pool::KeptBuffer;
 pub use self::shard_pool::ShardSlotPool;
 use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
 use crate::decode::BlockRef;
-use crate::device::{DeviceBuffer, DeviceMemory, DeviceRegion, Event, Stream};
+use crate::device::{DeviceMemory, DeviceRegion, Event, Stream};
 use crate::format::BlockEntry;
 use crate::kernels::Kernels;
 use crate::metrics::{DeviceMetrics, Metrics};
@@ -264,7 +265,7 @@ pub struct GpuAssembler {
     files: FileTable,
     stream: Stream,
     /// The block cache (`block_cache.entries` entries of `entry_bytes`), then the shuffle scratch.
-    cache: DeviceBuffer,
+    cache: KeptBuffer,
     entry_bytes: u64,
     scratch_offset: u64,
     scratch_bytes: u64,
@@ -346,7 +347,11 @@ impl GpuAssembler {
             shard_pool,
         )?;
         let resident_s = started.elapsed().as_secs_f64() - opened_s;
-        let cache = DeviceBuffer::new(&device, (scratch_offset + scratch_bytes) as usize)?;
+        let cache = KeptBuffer::new(
+            &device,
+            (scratch_offset + scratch_bytes) as usize,
+            shard_pool,
+        )?;
         let cache_s = started.elapsed().as_secs_f64() - opened_s - resident_s;
         // At most one job per staged page: a bound on the jobs of one round.
         let jobs_max = (staging_bytes / IO_ALIGN_BYTES) as usize;
@@ -580,10 +585,16 @@ impl Drop for GpuAssembler {
             resident.release(self.reader.windows());
         }
         // Round buffers whose work is known done (the rounds', and the reads into their staging
-        // on the reader's copy stream) go back for the next stream on the device.
+        // on the reader's copy stream) go back for the next stream on the device, and so do the
+        // block cache and the region table; otherwise they are freed.
         if synchronized.is_ok() && self.reader.stream().synchronize().is_ok() {
             for buffers in self.buffers.drain(..) {
                 self.pool.put(self.round_shape, buffers);
+            }
+        } else {
+            self.cache.discard();
+            if let Some(resident) = &mut self.resident {
+                resident.discard_buffers();
             }
         }
     }

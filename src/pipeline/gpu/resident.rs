@@ -18,10 +18,10 @@ use memmap2::Mmap;
 
 use super::device_shards::{DeviceShards, ShardWindows};
 use super::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, REGIONS_MAX};
-use super::shard_pool::ShardSlotPool;
+use super::shard_pool::{KeptBuffer, ShardSlotPool};
 use super::{GpuAssembler, GpuStreamLimits, ZeroCopy};
 use crate::decode::{self, BlockRef};
-use crate::device::{DeviceBuffer, DeviceMemory, DeviceRegion, Event};
+use crate::device::{DeviceMemory, DeviceRegion, Event};
 use crate::format::Codec;
 use crate::kernels::{
     resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
@@ -66,7 +66,7 @@ fn plan_workers() -> usize {
 /// The mapped windows and region table of a resident stream.
 pub(super) struct Resident {
     /// The region table on the device (one region per window, shards in order).
-    regions: DeviceBuffer,
+    regions: KeptBuffer,
     region_count: u32,
     /// The same table on the host, for rounds that read some shards from their device copies.
     host_regions: Vec<GatherRegion>,
@@ -370,7 +370,7 @@ impl Resident {
         // Verifying reads each block whole once per dataset: counted as read, like any other read.
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
         // Written synchronously, before any kernel of the stream can read it.
-        let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         let table_len = table.len();
         tracing::info!(
             "stream reads {} shards in place from {} registered windows ({} corrupt blocks); \
@@ -475,7 +475,7 @@ impl Resident {
         )?;
         let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
-        let regions = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         tracing::info!(
             "stream copies {} shards ({} windows) through the registration budget into device \
              memory ({} corrupt blocks)",
@@ -511,6 +511,12 @@ impl Resident {
             let _ = device_shards.synchronize();
         }
         windows.unpin(&self.windows);
+    }
+
+    /// Frees the stream's region table when it is dropped instead of keeping it for the next
+    /// stream: for when the stream's work on the device could not be confirmed done.
+    pub(super) fn discard_buffers(&mut self) {
+        self.regions.discard();
     }
 
     /// Device memory held for shard copies.

@@ -1,4 +1,5 @@
-//! Device memory for shard copies, kept from one stream of a device to the next.
+//! Device memory kept from one stream of a device to the next: shard slots, and each stream's own
+//! buffers (its block cache and its region table).
 //!
 //! A resident stream in dataset order or a window shuffle copies shards ahead into slots of device
 //! memory (`device_shards`): 9 slots of 512 MiB by default. Allocating them when each stream opened
@@ -8,31 +9,52 @@
 //! epoch is opened while its current one runs. So a closing stream hands its slots here once its
 //! work on them is done, and the next stream that copies shards of the same size takes them.
 //!
-//! At most `bytes_max` are kept idle: one stream's worth. A stream opened ahead while another still
-//! runs allocates its own; from then on the two streams of a consumer alternate through the pool.
-//! Slots of another size (another dataset's) give way to a stream that needs new ones. Slots idle
-//! for [`IDLE_RELEASE`] are freed by the pool's thread, so a daemon nobody reads from gives the
-//! memory back to the training processes on the device, and a stream whose opening runs short of
-//! device memory frees them all and tries once more. The idle bytes are the
-//! `gpufeed_shard_slots_idle_bytes` gauge.
+//! The same holds for the stream's other device buffers. Freeing one (`cuMemFree`) may wait until
+//! the whole device is idle, and other threads' driver calls wait with it: when a consumer's epoch
+//! closed, the next epoch's stream, opened ahead, delivered its first batch and then none until
+//! every shard copy it had queued was done (49 ms in a window shuffle, 87 in dataset order; run 74).
+//! In a window shuffle the link then idled while the first window was served. So a closing stream
+//! hands its block cache and region table here too ([`KeptBuffer`]), and the next stream takes
+//! buffers of the same size.
+//!
+//! At most `bytes_max` of shard slots are kept idle (one stream's worth), and at most
+//! [`STREAM_BUFFERS_MAX`] stream buffers. A stream opened ahead while another still runs allocates
+//! its own; from then on the two streams of a consumer alternate through the pool. Slots of another
+//! size (another dataset's) give way to a stream that needs new ones. Memory idle for
+//! [`IDLE_RELEASE`] is freed by the pool's thread, so a daemon nobody reads from gives it back to
+//! the training processes on the device, and a stream whose opening runs short of device memory
+//! frees it all and tries once more. The idle bytes are the `gpufeed_shard_slots_idle_bytes` gauge.
 
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::device::{DeviceBuffer, DeviceMemory};
+use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory};
 use crate::metrics::Metrics;
 
 /// How long a slot may stay idle before it is freed.
 pub const IDLE_RELEASE: Duration = Duration::from_secs(30);
 
-/// Shard slots kept between the streams of one device (see the module's text).
+/// Most stream buffers kept idle: the block caches and region tables of two streams.
+pub const STREAM_BUFFERS_MAX: usize = 4;
+
+/// What an idle buffer was used for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    ShardSlot,
+    Stream,
+}
+
+/// An idle buffer: the buffer, what it was used for, and when it was handed back.
+type Idle = (DeviceBuffer, Use, Instant);
+
+/// Device memory kept between the streams of one device (see the module's text).
 pub struct ShardSlotPool {
     shared: Arc<Shared>,
 }
 
 struct Shared {
-    /// Idle slots, each with the time it was handed back.
-    idle: Mutex<Vec<(DeviceBuffer, Instant)>>,
+    /// Idle buffers, each with its use and the time it was handed back.
+    idle: Mutex<Vec<Idle>>,
     /// Wakes the releasing thread when slots come back.
     returned: Condvar,
     /// Started on the first slot handed back.
@@ -61,7 +83,7 @@ impl ShardSlotPool {
     pub fn report_to(&self, metrics: &Arc<Metrics>) {
         let idle = self.shared.lock();
         if self.shared.metrics.set(Arc::clone(metrics)).is_ok() {
-            let bytes: usize = idle.iter().map(|(b, _)| b.len()).sum();
+            let bytes: usize = idle.iter().map(|(b, _, _)| b.len()).sum();
             metrics.add_shard_slots_idle_bytes(self.shared.ordinal, bytes as i64);
         }
     }
@@ -69,19 +91,39 @@ impl ShardSlotPool {
     /// Up to `count` idle slots of exactly `bytes` bytes. Idle slots of another size are freed: the
     /// stream about to allocate its own needs the memory more.
     pub(super) fn take(&self, bytes: usize, count: usize) -> Vec<DeviceBuffer> {
+        self.take_of(Use::ShardSlot, bytes, count)
+    }
+
+    /// An idle stream buffer of exactly `bytes` bytes, if there is one; idle stream buffers of other
+    /// sizes are freed when there is none.
+    fn take_stream_buffer(&self, bytes: usize) -> Option<DeviceBuffer> {
+        self.take_of(Use::Stream, bytes, 1).pop()
+    }
+
+    fn take_of(&self, usage: Use, bytes: usize, count: usize) -> Vec<DeviceBuffer> {
         let (taken, freed) = {
             let mut idle = self.shared.lock();
-            let (mut same, other): (Vec<_>, Vec<_>) =
-                idle.drain(..).partition(|(b, _)| b.len() == bytes);
-            // The most recently returned are taken; the others stay, with their idle time.
+            let (mine, others): (Vec<Idle>, Vec<Idle>) =
+                idle.drain(..).partition(|(_, u, _)| *u == usage);
+            idle.extend(others);
+            let (mut same, other): (Vec<Idle>, Vec<Idle>) =
+                mine.into_iter().partition(|(b, _, _)| b.len() == bytes);
+            // The most recently returned are taken; the others stay, with their idle time. Of a
+            // use with none to take, those of other sizes are freed.
             let kept = same.len().saturating_sub(count);
-            let taken: Vec<DeviceBuffer> = same.drain(kept..).map(|(b, _)| b).collect();
+            let taken: Vec<DeviceBuffer> = same.drain(kept..).map(|(b, _, _)| b).collect();
             idle.extend(same);
+            let freed = if taken.is_empty() || usage == Use::ShardSlot {
+                other
+            } else {
+                idle.extend(other);
+                Vec::new()
+            };
             // Counted under the lock, as every change of the idle set is.
             let gone: usize = taken.iter().map(|b| b.len()).sum::<usize>()
-                + other.iter().map(|(b, _)| b.len()).sum::<usize>();
+                + freed.iter().map(|(b, _, _)| b.len()).sum::<usize>();
             self.shared.count(-(gone as i64));
-            (taken, other)
+            (taken, freed)
         };
         // Freed outside the lock: freeing device memory can wait for the device.
         drop(freed);
@@ -91,38 +133,54 @@ impl ShardSlotPool {
     /// Frees every idle slot now, for an allocation of the device that ran short of memory;
     /// returns the bytes freed.
     pub fn release_all(&self) -> usize {
-        let freed: Vec<(DeviceBuffer, Instant)> = {
+        let freed: Vec<Idle> = {
             let mut idle = self.shared.lock();
-            let freed: Vec<_> = idle.drain(..).collect();
-            let bytes: usize = freed.iter().map(|(b, _)| b.len()).sum();
+            let freed: Vec<Idle> = idle.drain(..).collect();
+            let bytes: usize = freed.iter().map(|(b, _, _)| b.len()).sum();
             self.shared.count(-(bytes as i64));
             freed
         };
         // Freed outside the lock: freeing device memory can wait for the device.
-        freed.into_iter().map(|(b, _)| b.len()).sum()
+        freed.into_iter().map(|(b, _, _)| b.len()).sum()
     }
 
     /// Keeps `slots` (no work on the device reads or writes them any more) for a later stream, as
     /// far as the pool has room; the rest are freed.
     pub(super) fn put(&self, slots: Vec<DeviceBuffer>) {
+        self.put_of(Use::ShardSlot, slots);
+    }
+
+    fn put_of(&self, usage: Use, buffers: Vec<DeviceBuffer>) {
         let mut rest = Vec::new();
         {
             let mut idle = self.shared.lock();
-            let mut bytes: usize = idle.iter().map(|(b, _)| b.len()).sum();
+            let mut bytes: usize = idle
+                .iter()
+                .filter(|(_, u, _)| *u == Use::ShardSlot)
+                .map(|(b, _, _)| b.len())
+                .sum();
+            let mut stream_buffers = idle.iter().filter(|(_, u, _)| *u == Use::Stream).count();
             let now = Instant::now();
-            for slot in slots {
-                if bytes + slot.len() <= self.shared.bytes_max {
-                    bytes += slot.len();
-                    self.shared.count(slot.len() as i64);
-                    idle.push((slot, now));
+            for buffer in buffers {
+                let room = match usage {
+                    Use::ShardSlot => bytes + buffer.len() <= self.shared.bytes_max,
+                    Use::Stream => stream_buffers < STREAM_BUFFERS_MAX,
+                };
+                if room {
+                    match usage {
+                        Use::ShardSlot => bytes += buffer.len(),
+                        Use::Stream => stream_buffers += 1,
+                    }
+                    self.shared.count(buffer.len() as i64);
+                    idle.push((buffer, usage, now));
                 } else {
-                    rest.push(slot);
+                    rest.push(buffer);
                 }
             }
         }
         drop(rest);
-        // One releasing thread per pool, started by the first slots handed back (if it cannot be
-        // started, slots stay until a stream takes them).
+        // One releasing thread per pool, started by the first buffers handed back (if it cannot be
+        // started, they stay until a stream takes them).
         self.shared.releaser.get_or_init(|| {
             let shared = Arc::clone(&self.shared);
             let _ = std::thread::Builder::new()
@@ -133,8 +191,81 @@ impl ShardSlotPool {
     }
 }
 
+/// A device buffer of one stream (its block cache, its region table) taken from the device's
+/// [`ShardSlotPool`] where it has one of the size, and handed back to it when dropped, unless
+/// [`KeptBuffer::discard`] was called: then it is freed.
+pub(super) struct KeptBuffer {
+    buffer: Option<DeviceBuffer>,
+    /// Where it goes when dropped; `None`: freed.
+    pool: Option<Arc<ShardSlotPool>>,
+}
+
+impl KeptBuffer {
+    /// `bytes` of device memory, from `pool` if it has a buffer of that size.
+    pub(super) fn new(
+        device: &Device,
+        bytes: usize,
+        pool: &Arc<ShardSlotPool>,
+    ) -> Result<KeptBuffer, DeviceError> {
+        let buffer = match pool.take_stream_buffer(bytes) {
+            Some(buffer) => buffer,
+            None => DeviceBuffer::new(device, bytes)?,
+        };
+        Ok(KeptBuffer {
+            buffer: Some(buffer),
+            pool: Some(Arc::clone(pool)),
+        })
+    }
+
+    /// A buffer holding `data`, written synchronously.
+    pub(super) fn from_host(
+        device: &Device,
+        data: &[u8],
+        pool: &Arc<ShardSlotPool>,
+    ) -> Result<KeptBuffer, DeviceError> {
+        let kept = KeptBuffer::new(device, data.len(), pool)?;
+        kept.write(0, data)?;
+        Ok(kept)
+    }
+
+    /// Frees the buffer when it is dropped instead of handing it back: for when work on it may not
+    /// be done (freeing waits for the device; the pool does not).
+    pub(super) fn discard(&mut self) {
+        self.pool = None;
+    }
+}
+
+impl std::ops::Deref for KeptBuffer {
+    type Target = DeviceBuffer;
+
+    fn deref(&self) -> &DeviceBuffer {
+        self.buffer
+            .as_ref()
+            .expect("a kept buffer holds one until dropped")
+    }
+}
+
+impl DeviceMemory for KeptBuffer {
+    fn device_ptr(&self) -> u64 {
+        <DeviceBuffer as DeviceMemory>::device_ptr(self)
+    }
+    fn len(&self) -> usize {
+        <DeviceBuffer as DeviceMemory>::len(self)
+    }
+}
+
+impl Drop for KeptBuffer {
+    /// The holder has made sure that no device work uses the buffer any more, or called
+    /// [`KeptBuffer::discard`].
+    fn drop(&mut self) {
+        if let (Some(buffer), Some(pool)) = (self.buffer.take(), &self.pool) {
+            pool.put_of(Use::Stream, vec![buffer]);
+        }
+    }
+}
+
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(DeviceBuffer, Instant)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -152,10 +283,10 @@ impl Shared {
             let now = Instant::now();
             let (expired, kept): (Vec<_>, Vec<_>) = idle
                 .drain(..)
-                .partition(|(_, since)| now.duration_since(*since) >= IDLE_RELEASE);
+                .partition(|(_, _, since)| now.duration_since(*since) >= IDLE_RELEASE);
             *idle = kept;
             if !expired.is_empty() {
-                let bytes: usize = expired.iter().map(|(b, _)| b.len()).sum();
+                let bytes: usize = expired.iter().map(|(b, _, _)| b.len()).sum();
                 self.count(-(bytes as i64));
                 drop(idle);
                 drop(expired);
@@ -164,7 +295,7 @@ impl Shared {
             }
             let wait = idle
                 .iter()
-                .map(|(_, since)| (*since + IDLE_RELEASE).saturating_duration_since(now))
+                .map(|(_, _, since)| (*since + IDLE_RELEASE).saturating_duration_since(now))
                 .min()
                 .unwrap_or(IDLE_RELEASE);
             idle = self
