@@ -499,7 +499,8 @@ struct EpochTimes {
     open_map_ms: f64,
     first_batch_ms: Option<f64>,
     /// When the last batch of each eighth of the epoch's batches arrived (a window shuffle of four
-    /// windows shows each window's service in two of them).
+    /// windows shows each window's service in two of them); of its first 2^20 batches when it has
+    /// more, and likewise for the gaps.
     progress_ms: Vec<f64>,
     /// The longest waits between consecutive batches: (index of the later batch, milliseconds).
     gaps_ms: Vec<(usize, f64)>,

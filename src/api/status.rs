@@ -68,8 +68,8 @@ pub struct DeviceServing {
     pub stream_device_bytes: u64,
     /// Device memory of round buffers kept for its next stream.
     pub round_buffers_idle_bytes: u64,
-    /// Device memory of shard slots (shards copied ahead) kept for its next stream; freed after 30 s
-    /// idle.
+    /// Device memory of shard slots (shards copied ahead) and of closed streams' block caches and
+    /// region tables, kept for its next stream; freed after 30 s idle.
     pub shard_slots_idle_bytes: u64,
     /// Batches its streams filled and handed on since the daemon started.
     pub batches: u64,

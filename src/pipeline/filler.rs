@@ -256,15 +256,16 @@ impl Filler {
                     )
                     .map_err(FillerError::Gpu)
                 };
+                // Device memory that closed streams left for the device's next ones.
+                let kept_before = gpu.shard_pool.idle_bytes();
                 let assembler = match open(Arc::clone(&plan)) {
-                    // Short of device memory: the shard slots that closed streams left for the
-                    // device's next one are freed, and the stream opens once more.
-                    Err(FillerError::Gpu(error))
-                        if error.is_out_of_memory() && gpu.shard_pool.release_all() > 0 =>
-                    {
+                    // Short of device memory while the pool held some: all that the pool keeps is
+                    // freed, and the stream opens once more.
+                    Err(FillerError::Gpu(error)) if error.is_out_of_memory() && kept_before > 0 => {
+                        let freed = gpu.shard_pool.release_all();
                         tracing::info!(
-                            "stream ran short of device memory ({error}); idle shard slots freed, \
-                             opening again"
+                            "stream ran short of device memory ({error}); {freed} bytes kept for \
+                             later streams freed, opening again"
                         );
                         open(plan)?
                     }

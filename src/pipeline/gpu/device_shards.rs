@@ -150,11 +150,10 @@ impl DeviceShards {
         for _ in 0..slot_count {
             let buffer = match kept.pop() {
                 Some(buffer) => buffer,
-                None => match DeviceBuffer::new(device, shard_bytes_max as usize) {
-                    Ok(buffer) => buffer,
+                None => match new_slot(device, shard_bytes_max as usize, pool)? {
+                    Some(buffer) => buffer,
                     // Less device memory than the budget: as many slots as fit, or none.
-                    Err(DeviceError::Driver(error)) if error.is_out_of_memory() => break,
-                    Err(error) => return Err(error),
+                    None => break,
                 },
             };
             slots.push(ShardSlot {
@@ -493,6 +492,27 @@ impl DeviceShards {
     pub(super) fn device_bytes(&self) -> usize {
         self.slots.iter().map(|s| s.buffer.len()).sum()
     }
+}
+
+/// A new slot of `bytes`; when the device is short of memory, what `pool` keeps idle is freed and
+/// the allocation tried once more. `None`: still short.
+fn new_slot(
+    device: &Device,
+    bytes: usize,
+    pool: &ShardSlotPool,
+) -> Result<Option<DeviceBuffer>, DeviceError> {
+    for attempt in 0..2 {
+        match DeviceBuffer::new(device, bytes) {
+            Ok(buffer) => return Ok(Some(buffer)),
+            Err(DeviceError::Driver(error)) if error.is_out_of_memory() => {
+                if attempt > 0 || pool.release_all() == 0 {
+                    return Ok(None);
+                }
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(None)
 }
 
 impl Drop for DeviceShards {

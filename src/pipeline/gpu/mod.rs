@@ -582,7 +582,7 @@ impl Drop for GpuAssembler {
         // Queued rounds read the staging buffers and write slots: let them finish first.
         let synchronized = self.stream.synchronize();
         if let Some(resident) = &mut self.resident {
-            resident.release(self.reader.windows());
+            resident.release();
         }
         // Round buffers whose work is known done (the rounds', and the reads into their staging
         // on the reader's copy stream) go back for the next stream on the device, and so do the

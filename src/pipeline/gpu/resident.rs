@@ -78,11 +78,39 @@ pub(super) struct Resident {
     /// Shards copied ahead into device memory, in dataset order and window shuffles.
     device_shards: Option<DeviceShards>,
     /// Windows pinned for the stream's life.
-    windows: Vec<WindowId>,
+    windows: PinnedWindows,
     /// Where rows are read from, shared by the planning threads.
     geometry: Arc<RowGeometry>,
     /// Plans the rows of the next steps on a thread of its own, ahead of the filler.
     planner: Option<Planner>,
+}
+
+/// Windows that [`PageCacheWindows::map`] pinned for a stream, unpinned when dropped: when the
+/// stream is released, and on every error path of its opening (a pinned window is never evicted, so
+/// a leaked pin would keep part of the registration budget from later streams).
+struct PinnedWindows {
+    registry: Arc<PageCacheWindows>,
+    ids: Vec<WindowId>,
+}
+
+impl PinnedWindows {
+    fn new(registry: &Arc<PageCacheWindows>) -> PinnedWindows {
+        PinnedWindows {
+            registry: Arc::clone(registry),
+            ids: Vec::new(),
+        }
+    }
+
+    /// Unpins the windows now (no queued work may read them any more).
+    fn unpin(&mut self) {
+        self.registry.unpin(&std::mem::take(&mut self.ids));
+    }
+}
+
+impl Drop for PinnedWindows {
+    fn drop(&mut self) {
+        self.unpin();
+    }
 }
 
 /// Steps each planning thread plans ahead of the filler: with 3, a window shuffle's filler waited
@@ -293,7 +321,7 @@ impl Resident {
         }
         let started = std::time::Instant::now();
         let window_bytes = windows.window_bytes();
-        let mut mapped: Vec<WindowId> = Vec::new();
+        let mut mapped = PinnedWindows::new(windows);
         let mut table: Vec<GatherRegion> = Vec::new();
         let mut first_region = Vec::with_capacity(plan.dataset.shards.len());
         let mut shard_windows = Vec::with_capacity(plan.dataset.shards.len());
@@ -309,7 +337,7 @@ impl Resident {
                 let len = window_bytes.min(bytes - start);
                 match windows.map(file, start, len as usize, fraction_min)? {
                     Some(range) => {
-                        mapped.push(range.window);
+                        mapped.ids.push(range.window);
                         shard_windows[index]
                             .windows
                             .push((range.window_host_addr, range.window_bytes));
@@ -319,7 +347,7 @@ impl Resident {
                         });
                     }
                     None => {
-                        windows.unpin(&mapped);
+                        mapped.unpin();
                         // A window not in the page cache (or not registrable now): a window shuffle
                         // still reads each shard whole, in sequence, into device memory (the
                         // loader reads what is not cached from the file); dataset order stages
@@ -362,7 +390,7 @@ impl Resident {
         };
         if limits.zero_copy == ZeroCopy::Auto && plan.order.is_identity() && device_shards.is_none()
         {
-            windows.unpin(&mapped);
+            mapped.unpin();
             return Ok(None);
         }
         let slots_s = started.elapsed().as_secs_f64() - map_s;
@@ -491,7 +519,7 @@ impl Resident {
             round_regions: Vec::new(),
             round_regions_encoded: Vec::new(),
             device_shards: Some(device_shards),
-            windows: Vec::new(),
+            windows: PinnedWindows::new(windows),
             planner: None,
             geometry: Arc::new(RowGeometry::new(
                 plan,
@@ -506,11 +534,11 @@ impl Resident {
 
     /// Unpins the windows once the stream's work is done (the caller synchronised its compute
     /// stream; the copies ahead are waited for here).
-    pub(super) fn release(&mut self, windows: &PageCacheWindows) {
+    pub(super) fn release(&mut self) {
         if let Some(device_shards) = &mut self.device_shards {
             let _ = device_shards.synchronize();
         }
-        windows.unpin(&self.windows);
+        self.windows.unpin();
     }
 
     /// Frees the stream's region table when it is dropped instead of keeping it for the next

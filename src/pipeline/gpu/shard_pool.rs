@@ -22,8 +22,11 @@
 //! its own; from then on the two streams of a consumer alternate through the pool. Slots of another
 //! size (another dataset's) give way to a stream that needs new ones. Memory idle for
 //! [`IDLE_RELEASE`] is freed by the pool's thread, so a daemon nobody reads from gives it back to
-//! the training processes on the device, and a stream whose opening runs short of device memory
-//! frees it all and tries once more. The idle bytes are the `gpufeed_shard_slots_idle_bytes` gauge.
+//! the training processes on the device. A stream whose opening fails short of device memory, when
+//! the pool held memory, frees all of it and opens once more; a stream short of memory for its
+//! slots frees it before taking fewer slots. Idle stream buffers of another size stay until then or
+//! until the idle release (freeing one while other streams run could stall them). The idle bytes
+//! are the `gpufeed_shard_slots_idle_bytes` gauge.
 
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -31,7 +34,7 @@ use std::time::{Duration, Instant};
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory};
 use crate::metrics::Metrics;
 
-/// How long a slot may stay idle before it is freed.
+/// How long a buffer may stay idle before it is freed.
 pub const IDLE_RELEASE: Duration = Duration::from_secs(30);
 
 /// Most stream buffers kept idle: the block caches and region tables of two streams.
@@ -65,7 +68,8 @@ struct Shared {
 }
 
 impl ShardSlotPool {
-    /// An empty pool of device `ordinal` keeping at most `bytes_max` idle bytes.
+    /// An empty pool of device `ordinal` keeping at most `bytes_max` idle bytes of shard slots (and
+    /// at most [`STREAM_BUFFERS_MAX`] stream buffers besides).
     pub fn new(bytes_max: usize, ordinal: u32) -> ShardSlotPool {
         ShardSlotPool {
             shared: Arc::new(Shared {
@@ -94,8 +98,7 @@ impl ShardSlotPool {
         self.take_of(Use::ShardSlot, bytes, count)
     }
 
-    /// An idle stream buffer of exactly `bytes` bytes, if there is one; idle stream buffers of other
-    /// sizes are freed when there is none.
+    /// An idle stream buffer of exactly `bytes` bytes, if there is one.
     fn take_stream_buffer(&self, bytes: usize) -> Option<DeviceBuffer> {
         self.take_of(Use::Stream, bytes, 1).pop()
     }
@@ -108,12 +111,14 @@ impl ShardSlotPool {
             idle.extend(others);
             let (mut same, other): (Vec<Idle>, Vec<Idle>) =
                 mine.into_iter().partition(|(b, _, _)| b.len() == bytes);
-            // The most recently returned are taken; the others stay, with their idle time. Of a
-            // use with none to take, those of other sizes are freed.
+            // The most recently returned are taken; the others stay, with their idle time.
             let kept = same.len().saturating_sub(count);
             let taken: Vec<DeviceBuffer> = same.drain(kept..).map(|(b, _, _)| b).collect();
             idle.extend(same);
-            let freed = if taken.is_empty() || usage == Use::ShardSlot {
+            // Shard slots of another size give way to the slots about to be allocated. Stream
+            // buffers of other sizes stay (they are few, and freeing one here could stall the
+            // device's other streams): the idle release or an allocation short of memory frees them.
+            let freed = if usage == Use::ShardSlot {
                 other
             } else {
                 idle.extend(other);
@@ -130,7 +135,12 @@ impl ShardSlotPool {
         taken
     }
 
-    /// Frees every idle slot now, for an allocation of the device that ran short of memory;
+    /// The bytes idle in the pool now (shard slots and stream buffers).
+    pub fn idle_bytes(&self) -> usize {
+        self.shared.lock().iter().map(|(b, _, _)| b.len()).sum()
+    }
+
+    /// Frees every idle buffer now, for an allocation of the device that ran short of memory;
     /// returns the bytes freed.
     pub fn release_all(&self) -> usize {
         let freed: Vec<Idle> = {
@@ -162,6 +172,22 @@ impl ShardSlotPool {
             let mut stream_buffers = idle.iter().filter(|(_, u, _)| *u == Use::Stream).count();
             let now = Instant::now();
             for buffer in buffers {
+                if usage == Use::Stream && stream_buffers >= STREAM_BUFFERS_MAX {
+                    // The oldest idle stream buffer makes room: the newest is the likelier to be
+                    // taken again.
+                    if let Some(oldest) = idle
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (_, u, _))| *u == Use::Stream)
+                        .min_by_key(|(_, (_, _, since))| *since)
+                        .map(|(index, _)| index)
+                    {
+                        let (evicted, _, _) = idle.remove(oldest);
+                        self.shared.count(-(evicted.len() as i64));
+                        rest.push(evicted);
+                        stream_buffers -= 1;
+                    }
+                }
                 let room = match usage {
                     Use::ShardSlot => bytes + buffer.len() <= self.shared.bytes_max,
                     Use::Stream => stream_buffers < STREAM_BUFFERS_MAX,
@@ -223,8 +249,12 @@ impl KeptBuffer {
         data: &[u8],
         pool: &Arc<ShardSlotPool>,
     ) -> Result<KeptBuffer, DeviceError> {
-        let kept = KeptBuffer::new(device, data.len(), pool)?;
-        kept.write(0, data)?;
+        let mut kept = KeptBuffer::new(device, data.len(), pool)?;
+        if let Err(error) = kept.write(0, data) {
+            // A failed copy may have left work on the buffer: it is freed, not kept.
+            kept.discard();
+            return Err(error);
+        }
         Ok(kept)
     }
 
