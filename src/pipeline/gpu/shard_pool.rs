@@ -48,35 +48,55 @@ enum Use {
 }
 
 /// An idle buffer: the buffer, what it was used for, and when it was handed back.
-type Idle = (DeviceBuffer, Use, Instant);
+type Idle<B> = (B, Use, Instant);
 
-/// Device memory kept between the streams of one device (see the module's text).
-pub struct ShardSlotPool {
-    shared: Arc<Shared>,
+/// What the pool keeps: device memory of a known size. (A trait, so that the pool's bookkeeping is
+/// tested without a device.)
+pub trait Pooled: Send + 'static {
+    /// Its size in bytes.
+    fn bytes(&self) -> usize;
 }
 
-struct Shared {
+impl Pooled for DeviceBuffer {
+    fn bytes(&self) -> usize {
+        DeviceMemory::len(self)
+    }
+}
+
+/// Device memory kept between the streams of one device (see the module's text).
+pub struct ShardSlotPool<B: Pooled = DeviceBuffer> {
+    shared: Arc<Shared<B>>,
+}
+
+struct Shared<B> {
     /// Idle buffers, each with its use and the time it was handed back.
-    idle: Mutex<Vec<Idle>>,
+    idle: Mutex<Vec<Idle<B>>>,
     /// Wakes the releasing thread when slots come back.
     returned: Condvar,
     /// Started on the first slot handed back.
     releaser: OnceLock<()>,
     bytes_max: usize,
+    /// How long a buffer may stay idle ([`IDLE_RELEASE`]).
+    idle_release: Duration,
     ordinal: u32,
     metrics: OnceLock<Arc<Metrics>>,
 }
 
-impl ShardSlotPool {
+impl<B: Pooled> ShardSlotPool<B> {
     /// An empty pool of device `ordinal` keeping at most `bytes_max` idle bytes of shard slots (and
     /// at most [`STREAM_BUFFERS_MAX`] stream buffers besides).
-    pub fn new(bytes_max: usize, ordinal: u32) -> ShardSlotPool {
+    pub fn new(bytes_max: usize, ordinal: u32) -> ShardSlotPool<B> {
+        Self::with_idle_release(bytes_max, ordinal, IDLE_RELEASE)
+    }
+
+    fn with_idle_release(bytes_max: usize, ordinal: u32, idle_release: Duration) -> Self {
         ShardSlotPool {
             shared: Arc::new(Shared {
                 idle: Mutex::new(Vec::new()),
                 returned: Condvar::new(),
                 releaser: OnceLock::new(),
                 bytes_max,
+                idle_release,
                 ordinal,
                 metrics: OnceLock::new(),
             }),
@@ -87,33 +107,33 @@ impl ShardSlotPool {
     pub fn report_to(&self, metrics: &Arc<Metrics>) {
         let idle = self.shared.lock();
         if self.shared.metrics.set(Arc::clone(metrics)).is_ok() {
-            let bytes: usize = idle.iter().map(|(b, _, _)| b.len()).sum();
+            let bytes: usize = idle.iter().map(|(b, _, _)| b.bytes()).sum();
             metrics.add_shard_slots_idle_bytes(self.shared.ordinal, bytes as i64);
         }
     }
 
     /// Up to `count` idle slots of exactly `bytes` bytes. Idle slots of another size are freed: the
     /// stream about to allocate its own needs the memory more.
-    pub(super) fn take(&self, bytes: usize, count: usize) -> Vec<DeviceBuffer> {
+    pub(super) fn take(&self, bytes: usize, count: usize) -> Vec<B> {
         self.take_of(Use::ShardSlot, bytes, count)
     }
 
     /// An idle stream buffer of exactly `bytes` bytes, if there is one.
-    fn take_stream_buffer(&self, bytes: usize) -> Option<DeviceBuffer> {
+    fn take_stream_buffer(&self, bytes: usize) -> Option<B> {
         self.take_of(Use::Stream, bytes, 1).pop()
     }
 
-    fn take_of(&self, usage: Use, bytes: usize, count: usize) -> Vec<DeviceBuffer> {
+    fn take_of(&self, usage: Use, bytes: usize, count: usize) -> Vec<B> {
         let (taken, freed) = {
             let mut idle = self.shared.lock();
-            let (mine, others): (Vec<Idle>, Vec<Idle>) =
+            let (mine, others): (Vec<Idle<B>>, Vec<Idle<B>>) =
                 idle.drain(..).partition(|(_, u, _)| *u == usage);
             idle.extend(others);
-            let (mut same, other): (Vec<Idle>, Vec<Idle>) =
-                mine.into_iter().partition(|(b, _, _)| b.len() == bytes);
+            let (mut same, other): (Vec<Idle<B>>, Vec<Idle<B>>) =
+                mine.into_iter().partition(|(b, _, _)| b.bytes() == bytes);
             // The most recently returned are taken; the others stay, with their idle time.
             let kept = same.len().saturating_sub(count);
-            let taken: Vec<DeviceBuffer> = same.drain(kept..).map(|(b, _, _)| b).collect();
+            let taken: Vec<B> = same.drain(kept..).map(|(b, _, _)| b).collect();
             idle.extend(same);
             // Shard slots of another size give way to the slots about to be allocated. Stream
             // buffers of other sizes stay (they are few, and freeing one here could stall the
@@ -125,8 +145,8 @@ impl ShardSlotPool {
                 Vec::new()
             };
             // Counted under the lock, as every change of the idle set is.
-            let gone: usize = taken.iter().map(|b| b.len()).sum::<usize>()
-                + freed.iter().map(|(b, _, _)| b.len()).sum::<usize>();
+            let gone: usize = taken.iter().map(|b| b.bytes()).sum::<usize>()
+                + freed.iter().map(|(b, _, _)| b.bytes()).sum::<usize>();
             self.shared.count(-(gone as i64));
             (taken, freed)
         };
@@ -137,37 +157,37 @@ impl ShardSlotPool {
 
     /// The bytes idle in the pool now (shard slots and stream buffers).
     pub fn idle_bytes(&self) -> usize {
-        self.shared.lock().iter().map(|(b, _, _)| b.len()).sum()
+        self.shared.lock().iter().map(|(b, _, _)| b.bytes()).sum()
     }
 
     /// Frees every idle buffer now, for an allocation of the device that ran short of memory;
     /// returns the bytes freed.
     pub fn release_all(&self) -> usize {
-        let freed: Vec<Idle> = {
+        let freed: Vec<Idle<B>> = {
             let mut idle = self.shared.lock();
-            let freed: Vec<Idle> = idle.drain(..).collect();
-            let bytes: usize = freed.iter().map(|(b, _, _)| b.len()).sum();
+            let freed: Vec<Idle<B>> = idle.drain(..).collect();
+            let bytes: usize = freed.iter().map(|(b, _, _)| b.bytes()).sum();
             self.shared.count(-(bytes as i64));
             freed
         };
         // Freed outside the lock: freeing device memory can wait for the device.
-        freed.into_iter().map(|(b, _, _)| b.len()).sum()
+        freed.into_iter().map(|(b, _, _)| b.bytes()).sum()
     }
 
     /// Keeps `slots` (no work on the device reads or writes them any more) for a later stream, as
     /// far as the pool has room; the rest are freed.
-    pub(super) fn put(&self, slots: Vec<DeviceBuffer>) {
+    pub(super) fn put(&self, slots: Vec<B>) {
         self.put_of(Use::ShardSlot, slots);
     }
 
-    fn put_of(&self, usage: Use, buffers: Vec<DeviceBuffer>) {
+    fn put_of(&self, usage: Use, buffers: Vec<B>) {
         let mut rest = Vec::new();
         {
             let mut idle = self.shared.lock();
             let mut bytes: usize = idle
                 .iter()
                 .filter(|(_, u, _)| *u == Use::ShardSlot)
-                .map(|(b, _, _)| b.len())
+                .map(|(b, _, _)| b.bytes())
                 .sum();
             let mut stream_buffers = idle.iter().filter(|(_, u, _)| *u == Use::Stream).count();
             let now = Instant::now();
@@ -183,21 +203,21 @@ impl ShardSlotPool {
                         .map(|(index, _)| index)
                     {
                         let (evicted, _, _) = idle.remove(oldest);
-                        self.shared.count(-(evicted.len() as i64));
+                        self.shared.count(-(evicted.bytes() as i64));
                         rest.push(evicted);
                         stream_buffers -= 1;
                     }
                 }
                 let room = match usage {
-                    Use::ShardSlot => bytes + buffer.len() <= self.shared.bytes_max,
+                    Use::ShardSlot => bytes + buffer.bytes() <= self.shared.bytes_max,
                     Use::Stream => stream_buffers < STREAM_BUFFERS_MAX,
                 };
                 if room {
                     match usage {
-                        Use::ShardSlot => bytes += buffer.len(),
+                        Use::ShardSlot => bytes += buffer.bytes(),
                         Use::Stream => stream_buffers += 1,
                     }
-                    self.shared.count(buffer.len() as i64);
+                    self.shared.count(buffer.bytes() as i64);
                     idle.push((buffer, usage, now));
                 } else {
                     rest.push(buffer);
@@ -294,8 +314,8 @@ impl Drop for KeptBuffer {
     }
 }
 
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+impl<B: Pooled> Shared<B> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Idle<B>>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -313,10 +333,10 @@ impl Shared {
             let now = Instant::now();
             let (expired, kept): (Vec<_>, Vec<_>) = idle
                 .drain(..)
-                .partition(|(_, _, since)| now.duration_since(*since) >= IDLE_RELEASE);
+                .partition(|(_, _, since)| now.duration_since(*since) >= self.idle_release);
             *idle = kept;
             if !expired.is_empty() {
-                let bytes: usize = expired.iter().map(|(b, _, _)| b.len()).sum();
+                let bytes: usize = expired.iter().map(|(b, _, _)| b.bytes()).sum();
                 self.count(-(bytes as i64));
                 drop(idle);
                 drop(expired);
@@ -325,14 +345,125 @@ impl Shared {
             }
             let wait = idle
                 .iter()
-                .map(|(_, _, since)| (*since + IDLE_RELEASE).saturating_duration_since(now))
+                .map(|(_, _, since)| (*since + self.idle_release).saturating_duration_since(now))
                 .min()
-                .unwrap_or(IDLE_RELEASE);
+                .unwrap_or(self.idle_release);
             idle = self
                 .returned
                 .wait_timeout(idle, wait)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A stand-in for device memory: its size, and the bytes of its kind freed so far.
+    struct Fake {
+        bytes: usize,
+        freed: Arc<AtomicUsize>,
+    }
+
+    impl Pooled for Fake {
+        fn bytes(&self) -> usize {
+            self.bytes
+        }
+    }
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            self.freed.fetch_add(self.bytes, Ordering::SeqCst);
+        }
+    }
+
+    fn fakes(freed: &Arc<AtomicUsize>, sizes: &[usize]) -> Vec<Fake> {
+        sizes
+            .iter()
+            .map(|&bytes| Fake {
+                bytes,
+                freed: Arc::clone(freed),
+            })
+            .collect()
+    }
+
+    /// A pool reporting to a fresh `Metrics`, as the daemon's does.
+    fn pool(bytes_max: usize, idle_release: Duration) -> (ShardSlotPool<Fake>, Arc<Metrics>) {
+        let pool = ShardSlotPool::<Fake>::with_idle_release(bytes_max, 0, idle_release);
+        let metrics = Arc::new(Metrics::new());
+        metrics.serve_device(0);
+        pool.report_to(&metrics);
+        (pool, metrics)
+    }
+
+    #[test]
+    fn slots_are_kept_up_to_the_bound_and_taken_by_size() {
+        let freed = Arc::new(AtomicUsize::new(0));
+        let (pool, metrics) = pool(300, IDLE_RELEASE);
+        pool.put(fakes(&freed, &[100, 100, 100, 100]));
+        assert_eq!(pool.idle_bytes(), 300);
+        assert_eq!(
+            freed.load(Ordering::SeqCst),
+            100,
+            "the slot over the bound is freed"
+        );
+        assert_eq!(metrics.shard_slots_idle_bytes(), 300);
+        let taken = pool.take(100, 2);
+        assert_eq!(taken.len(), 2);
+        assert_eq!(pool.idle_bytes(), 100);
+        // A stream of another shard size: the idle slot gives way.
+        assert!(pool.take(200, 3).is_empty());
+        assert_eq!(pool.idle_bytes(), 0);
+        assert_eq!(freed.load(Ordering::SeqCst), 200);
+        assert_eq!(metrics.shard_slots_idle_bytes(), 0);
+        drop(taken);
+        assert_eq!(freed.load(Ordering::SeqCst), 400);
+    }
+
+    #[test]
+    fn stream_buffers_are_bounded_apart_from_slots_and_stay_on_a_miss() {
+        let freed = Arc::new(AtomicUsize::new(0));
+        let (pool, metrics) = pool(100, IDLE_RELEASE);
+        pool.put(fakes(&freed, &[100]));
+        for size in [10, 20, 30, 40, 50] {
+            pool.put_of(Use::Stream, fakes(&freed, &[size]));
+        }
+        // Four stream buffers at most, beside the slot's bound: the oldest (10) gave way.
+        assert_eq!(freed.load(Ordering::SeqCst), 10);
+        assert_eq!(pool.idle_bytes(), 100 + 20 + 30 + 40 + 50);
+        // A miss frees nothing.
+        assert!(pool.take_stream_buffer(70).is_none());
+        assert_eq!(pool.idle_bytes(), 240);
+        // Slots of another size give way to new slots; stream buffers do not.
+        assert!(pool.take(80, 1).is_empty());
+        assert_eq!(freed.load(Ordering::SeqCst), 110);
+        assert_eq!(pool.idle_bytes(), 140);
+        let buffer = pool.take_stream_buffer(30).expect("a buffer of 30 bytes");
+        assert_eq!(buffer.bytes(), 30);
+        assert_eq!(pool.idle_bytes(), 110);
+        assert_eq!(metrics.shard_slots_idle_bytes(), 110);
+        assert_eq!(pool.release_all(), 110);
+        assert_eq!(pool.idle_bytes(), 0);
+        assert_eq!(metrics.shard_slots_idle_bytes(), 0);
+        assert_eq!(freed.load(Ordering::SeqCst), 220);
+    }
+
+    #[test]
+    fn idle_buffers_are_freed_once_idle_for_the_release_time() {
+        let freed = Arc::new(AtomicUsize::new(0));
+        let (pool, metrics) = pool(1000, Duration::from_millis(50));
+        pool.put(fakes(&freed, &[100, 100]));
+        pool.put_of(Use::Stream, fakes(&freed, &[10]));
+        let started = Instant::now();
+        while freed.load(Ordering::SeqCst) < 210 && started.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(freed.load(Ordering::SeqCst), 210);
+        assert!(started.elapsed() >= Duration::from_millis(40));
+        assert_eq!(pool.idle_bytes(), 0);
+        assert_eq!(metrics.shard_slots_idle_bytes(), 0);
     }
 }
