@@ -461,8 +461,8 @@ pub fn open_gpu_backend(
             (stream_limits.rounds_in_flight + 1).min(ROUNDS_IN_FLIGHT_MAX),
             ordinal,
         )),
-        // One stream's shard slots: a consumer's next epoch, opened while the current one runs,
-        // and the current one then alternate through them.
+        // One stream's shard slots (and a few stream buffers): a consumer's next epoch, opened while
+        // the current one runs, and the current one then alternate through them.
         shard_pool: Arc::new(ShardSlotPool::new(
             stream_limits.device_shard_bytes as usize,
             ordinal,

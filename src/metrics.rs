@@ -157,7 +157,7 @@ pub struct DeviceCounts {
     pub read_bytes: u64,
     /// Device memory of round buffers kept for its next stream.
     pub round_buffers_idle_bytes: u64,
-    /// Device memory of shard slots kept for its next stream.
+    /// Device memory of shard slots and stream buffers kept for its next stream.
     pub shard_slots_idle_bytes: u64,
 }
 
@@ -328,8 +328,8 @@ impl Metrics {
         self.round_buffers_idle_bytes.load(Ordering::Relaxed)
     }
 
-    /// Adds to (or, negative, subtracts from) the device bytes of shard slots kept idle for the next
-    /// GPU stream on device `ordinal`.
+    /// Adds to (or, negative, subtracts from) the device bytes of shard slots and stream buffers
+    /// kept idle for the next GPU stream on device `ordinal`.
     pub fn add_shard_slots_idle_bytes(&self, ordinal: u32, bytes: i64) {
         add_signed(&self.shard_slots_idle_bytes, bytes);
         if let Some(device) = self.device(ordinal) {
@@ -337,7 +337,8 @@ impl Metrics {
         }
     }
 
-    /// Device bytes of shard slots kept idle for the next GPU stream, over all devices.
+    /// Device bytes of shard slots and stream buffers kept idle for the next GPU stream, over all
+    /// devices.
     pub fn shard_slots_idle_bytes(&self) -> u64 {
         self.shard_slots_idle_bytes.load(Ordering::Relaxed)
     }

@@ -12,8 +12,7 @@ use gpufeed::input::FieldSource;
 use gpufeed::metrics::Metrics;
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
 use gpufeed::pipeline::gpu::GpuFillTimings;
-use gpufeed::pipeline::{GpuAssembler, GpuBackend, StreamPlan};
-use gpufeed::storage::gpu::GpuReader;
+use gpufeed::pipeline::{GpuBackend, StreamPlan};
 
 /// Packs `fields` into `dir` as dataset `name` (64 KiB blocks, the default shard size, byte
 /// shuffle chosen per block, every core) with `codec`, and opens it.
@@ -59,21 +58,7 @@ pub fn gpu_pipeline_alone(
     plan: &Arc<StreamPlan>,
     slots: usize,
 ) -> Result<(f64, GpuFillTimings)> {
-    let reader = GpuReader::with_windows(
-        &backend.device,
-        backend.reader_limits,
-        Arc::clone(&backend.windows),
-    )?;
-    let mut assembler = GpuAssembler::new(
-        Arc::clone(plan),
-        Arc::clone(&backend.kernels),
-        reader,
-        backend.choice,
-        &backend.stream_limits,
-        Arc::clone(&backend.round_pool),
-        &backend.shard_pool,
-        Arc::new(Metrics::new()),
-    )?;
+    let mut assembler = backend.open_assembler(Arc::clone(plan), Arc::new(Metrics::new()))?;
     // The daemon's ring: one exportable allocation, a region of it per slot, two events per slot.
     let stride = gpufeed_client::protocol::slot_stride(plan.slot_bytes as u64) as usize;
     let memory = ExportableBuffer::new(&backend.device, stride * slots.max(1))?;

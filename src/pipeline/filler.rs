@@ -38,7 +38,8 @@ pub struct GpuBackend {
     pub windows: Arc<PageCacheWindows>,
     /// Round buffers kept between the device's streams.
     pub round_pool: Arc<crate::pipeline::gpu::RoundBufferPool>,
-    /// Device memory for shards copied ahead, kept between the device's streams.
+    /// Device memory kept between the device's streams: shard slots, and closed streams' block
+    /// caches and region tables.
     pub shard_pool: Arc<crate::pipeline::gpu::ShardSlotPool>,
     /// The device's NUMA node and its CPUs, where the host has several: its streams' threads and
     /// pinned buffers are placed there.
@@ -110,6 +111,31 @@ pub enum FillerError {
     /// The GPU assembler's device buffers could not be set up.
     #[error(transparent)]
     Gpu(FillError),
+}
+
+impl GpuBackend {
+    /// A stream's GPU pipeline for `plan` on this device: its device reader, and its assembler with
+    /// buffers from the device's pools where they have them.
+    pub fn open_assembler(
+        &self,
+        plan: Arc<StreamPlan>,
+        metrics: Arc<Metrics>,
+    ) -> Result<GpuAssembler, FillerError> {
+        let reader =
+            GpuReader::with_windows(&self.device, self.reader_limits, Arc::clone(&self.windows))
+                .map_err(FillerError::DeviceReads)?;
+        GpuAssembler::new(
+            plan,
+            Arc::clone(&self.kernels),
+            reader,
+            self.choice,
+            &self.stream_limits,
+            Arc::clone(&self.round_pool),
+            &self.shard_pool,
+            metrics,
+        )
+        .map_err(FillerError::Gpu)
+    }
 }
 
 /// One device slot: its region of the ring's exportable allocation and its two interprocess events.
@@ -237,25 +263,7 @@ impl Filler {
                 };
                 let _bound =
                     crate::device::numa::BoundForNow::new(gpu.numa.as_ref()).avoiding(&avoid);
-                let open = |plan: Arc<StreamPlan>| {
-                    let reader = GpuReader::with_windows(
-                        &gpu.device,
-                        gpu.reader_limits,
-                        Arc::clone(&gpu.windows),
-                    )
-                    .map_err(FillerError::DeviceReads)?;
-                    GpuAssembler::new(
-                        plan,
-                        Arc::clone(&gpu.kernels),
-                        reader,
-                        gpu.choice,
-                        &gpu.stream_limits,
-                        Arc::clone(&gpu.round_pool),
-                        &gpu.shard_pool,
-                        Arc::clone(&metrics),
-                    )
-                    .map_err(FillerError::Gpu)
-                };
+                let open = |plan: Arc<StreamPlan>| gpu.open_assembler(plan, Arc::clone(&metrics));
                 // Device memory that closed streams left for the device's next ones.
                 let kept_before = gpu.shard_pool.idle_bytes();
                 let assembler = match open(Arc::clone(&plan)) {
