@@ -77,7 +77,10 @@ pub fn start_daemon(
         .arg("--socket")
         .arg(&socket)
         .args(["--device", device, "--http", "off"])
-        .args(extra);
+        .args(extra)
+        // Device memory kept idle between streams stays kept for the test's length (an hour, not
+        // 30 s): free-memory checks then compare the device before and after with the same kept.
+        .env("GPUFEED_DEVICE_POOL_IDLE_S", "3600");
     spawn_ready(command, stderr, None, ControlApi::Off)
 }
 

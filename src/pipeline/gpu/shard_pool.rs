@@ -84,9 +84,12 @@ struct Shared<B> {
 
 impl<B: Pooled> ShardSlotPool<B> {
     /// An empty pool of device `ordinal` keeping at most `bytes_max` idle bytes of shard slots (and
-    /// at most [`STREAM_BUFFERS_MAX`] stream buffers besides).
+    /// at most [`STREAM_BUFFERS_MAX`] stream buffers besides), freeing what stays idle for
+    /// [`IDLE_RELEASE`] or for `GPUFEED_DEVICE_POOL_IDLE_S` seconds (1 to 86 400) when that is set.
     pub fn new(bytes_max: usize, ordinal: u32) -> ShardSlotPool<B> {
-        Self::with_idle_release(bytes_max, ordinal, IDLE_RELEASE)
+        let idle_release = super::env_tuning("GPUFEED_DEVICE_POOL_IDLE_S", 1, 86_400)
+            .map_or(IDLE_RELEASE, Duration::from_secs);
+        Self::with_idle_release(bytes_max, ordinal, idle_release)
     }
 
     fn with_idle_release(bytes_max: usize, ordinal: u32, idle_release: Duration) -> Self {
