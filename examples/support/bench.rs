@@ -76,7 +76,7 @@ pub fn gpu_pipeline_alone(
     let started = Instant::now();
     for step in 0..plan.steps {
         let (slot, ready, released) = &ring[(step % ring.len() as u64) as usize];
-        if assembler.pending_batches() == assembler.rounds_in_flight() {
+        if assembler.pending_batches() == assembler.batches_ahead() {
             assembler.complete(None)?;
         }
         assembler.submit(step, slot, released, Some(ready))?;

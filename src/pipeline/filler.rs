@@ -441,7 +441,7 @@ impl Filler {
                  threads busy {:.3} s), read {:.3} s, decode {:.3} s, gather {:.3} s, waiting for \
                  the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; quarters of the \
                  steps delivered at {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards, \
-                 {} passed their piece tables in the launch",
+                 {} passed their piece tables in the launch; {} batches gathered in groups",
                 filler.steps,
                 t.rounds,
                 started.elapsed().as_secs_f64(),
@@ -458,7 +458,8 @@ impl Filler {
                 quarters[2],
                 quarters[3],
                 t.rounds_from_device_copies,
-                t.rounds_inline
+                t.rounds_inline,
+                t.batches_grouped
             );
         }
         handoff.finish();
@@ -468,7 +469,7 @@ impl Filler {
     fn depth(&self) -> usize {
         match &self.backend {
             Backend::Cpu { .. } => 1,
-            Backend::Gpu { assembler, .. } => assembler.rounds_in_flight(),
+            Backend::Gpu { assembler, .. } => assembler.batches_ahead(),
         }
     }
 

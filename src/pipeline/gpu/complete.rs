@@ -46,8 +46,10 @@ impl GpuAssembler {
         let (xxh3, lz4) = self.read_outcomes(&round)?;
         let bad = self.bad_blocks(&round, &xxh3, &lz4);
         self.fix_up_rows(&round, &bad)?;
-        if let Some(batch) = self.batches.iter_mut().find(|b| b.step == round.step) {
-            batch.rounds_left -= 1;
+        for batch in self.batches.iter_mut() {
+            if round.steps.contains(&batch.step) {
+                batch.rounds_left -= 1;
+            }
         }
         self.metrics.add_decode_time(outcomes_started.elapsed());
         self.timings.decode_s += outcomes_started.elapsed().as_secs_f64();
@@ -176,8 +178,10 @@ impl GpuAssembler {
         let batch = self
             .batches
             .iter_mut()
-            .find(|b| b.step == round.step)
+            .find(|b| b.step == round.steps.start)
             .expect("a queued round's batch is pending");
+        // Only a batch's own round checks blocks: a group's rounds read verified rows alone.
+        debug_assert_eq!(round.steps.end - round.steps.start, 1);
         batch.replaced += fixes.len() as u32;
         batch.fixed_up = true;
         let slot = DeviceRange {

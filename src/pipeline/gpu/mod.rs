@@ -64,6 +64,13 @@ pub const INLINE_GATHER_LAUNCHES_DEFAULT: usize = 2;
 /// Most [`GpuStreamLimits::inline_gather_launches`].
 pub const INLINE_GATHER_LAUNCHES_MAX: usize = 8;
 
+/// Most batches one round of a resident stream gathers (see [`GpuStreamLimits::batch_group_max`]).
+pub const BATCH_GROUP_MAX: usize = 16;
+
+/// Output bytes a group of small batches gathered by one round stays within: batches of at least
+/// this much go one to a round.
+const BATCH_GROUP_OUT_BYTES: usize = 4 << 20;
+
 /// Longest spin of [`GpuStreamLimits::wait_spin`].
 pub const WAIT_SPIN_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -123,6 +130,11 @@ pub struct GpuStreamLimits {
     /// memory (over a link the shard copies keep busy); needs a driver taking 32 KiB of parameters
     /// (CUDA 12.1). 0: never. `GPUFEED_INLINE_GATHER_TABLES` (0 to [`INLINE_GATHER_LAUNCHES_MAX`]).
     pub inline_gather_launches: usize,
+    /// Most consecutive small batches of a resident stream one round gathers into their slots (one
+    /// launch and one completion for the group instead of one each), within 4 MiB of output and one
+    /// launch's inline pieces; 1: a round per batch. `GPUFEED_BATCH_GROUP_MAX` (1 to
+    /// [`BATCH_GROUP_MAX`]).
+    pub batch_group_max: usize,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -211,6 +223,8 @@ impl GpuStreamLimits {
                 INLINE_GATHER_LAUNCHES_MAX as u64,
             )
             .map_or(INLINE_GATHER_LAUNCHES_DEFAULT, |n| n as usize),
+            batch_group_max: env_tuning("GPUFEED_BATCH_GROUP_MAX", 1, BATCH_GROUP_MAX as u64)
+                .map_or(BATCH_GROUP_MAX, |n| n as usize),
         }
     }
 }
@@ -251,6 +265,8 @@ pub struct GpuFillTimings {
     pub rounds_from_device_copies: u64,
     /// Rounds of resident streams whose piece table went in the gather's launch parameters.
     pub rounds_inline: u64,
+    /// Batches gathered by a round together with others (see [`GpuStreamLimits::batch_group_max`]).
+    pub batches_grouped: u64,
     /// Waiting for the loader of a stream beyond the registration budget to queue the copy of a
     /// shard a round reads.
     pub copy_wait_s: f64,
@@ -290,6 +306,13 @@ pub struct GpuAssembler {
     inline_pieces_max: usize,
     /// A resident round's piece table with its regions resolved (kept for its capacity).
     inline_table: Vec<u8>,
+    /// Small batches of a resident stream planned and not queued yet, gathered together by one
+    /// round (see [`GpuStreamLimits::batch_group_max`]).
+    group: Option<resident::BatchGroup>,
+    /// Most batches in `group` (1: no groups).
+    group_batches_max: usize,
+    /// Most pieces in `group`: one launch's.
+    group_pieces_max: usize,
     /// Batches submitted, oldest first.
     batches: VecDeque<PendingBatch>,
     next_buffers: usize,
@@ -396,6 +419,18 @@ impl GpuAssembler {
         } else {
             0
         };
+        // Small batches of a resident stream are gathered several to a round: at 256 rows of 2 KiB a
+        // round per batch left the pipeline bound by the host's launches and completions.
+        let group_batches_max = if resident.is_some() {
+            (BATCH_GROUP_OUT_BYTES / plan.slot_bytes.max(1)).clamp(1, limits.batch_group_max.max(1))
+        } else {
+            1
+        };
+        let group_pieces_max = if inline_pieces_max > 0 {
+            crate::kernels::GATHER_INLINE_PIECES_MAX
+        } else {
+            pieces_max
+        };
         Ok(GpuAssembler {
             kernels,
             reader,
@@ -419,6 +454,9 @@ impl GpuAssembler {
             wait_spin: limits.wait_spin.min(WAIT_SPIN_MAX),
             inline_pieces_max,
             inline_table: Vec::new(),
+            group: None,
+            group_batches_max,
+            group_pieces_max,
             batches: VecDeque::new(),
             next_buffers: 0,
             verified: HashSet::new(),
@@ -451,6 +489,11 @@ impl GpuAssembler {
     /// them only makes `submit` wait.
     pub fn rounds_in_flight(&self) -> usize {
         self.buffers.len()
+    }
+
+    /// Batches to submit ahead of completing them: as many as the rounds in flight gather.
+    pub fn batches_ahead(&self) -> usize {
+        self.buffers.len() * self.group_batches_max
     }
 
     /// Batches submitted and not completed yet.
@@ -541,6 +584,8 @@ impl GpuAssembler {
     /// whose blocks turned out to be corrupt, and returns its step and report. `ready` is the batch's
     /// ready event, recorded again if work was queued on the slot after it.
     pub fn complete(&mut self, ready: Option<&Event>) -> Result<(u64, FillReport), FillError> {
+        // A group of batches waiting for more is queued now.
+        self.flush_group()?;
         let oldest = self.batches.front().expect("a batch was submitted").step;
         while self.batches.front().is_some_and(|b| b.rounds_left > 0) {
             self.complete_round()?;

@@ -859,6 +859,90 @@ struct PlannedRows {
     replaced: Vec<usize>,
 }
 
+/// Widest span of slot memory one group of batches may write (the slots of a ring lie in one
+/// allocation, in order; the span also covers the slots between the group's, which its pieces do not
+/// write).
+const GROUP_SPAN_BYTES_MAX: u64 = 64 << 20;
+
+/// Consecutive small batches of a resident stream, planned and waiting to be gathered by one round
+/// (one launch and one completion event instead of one each): their piece tables joined, each
+/// piece's destination moved from its slot's start to the group's first slot.
+pub(super) struct BatchGroup {
+    steps: std::ops::Range<u64>,
+    /// Device address of the first batch's slot.
+    base: u64,
+    /// End of the last batch's slot.
+    end: u64,
+    table: Vec<u8>,
+    pieces: usize,
+    region_bytes: Vec<u64>,
+}
+
+impl BatchGroup {
+    /// An empty group starting with step `step` in `slot`, for a stream of `region_count` regions.
+    fn new(step: u64, slot: &dyn DeviceMemory, region_count: usize) -> BatchGroup {
+        BatchGroup {
+            steps: step..step,
+            base: slot.device_ptr(),
+            end: slot.device_ptr(),
+            table: Vec::new(),
+            pieces: 0,
+            region_bytes: vec![0; region_count],
+        }
+    }
+
+    /// Batches in the group.
+    fn len(&self) -> usize {
+        (self.steps.end - self.steps.start) as usize
+    }
+
+    /// Whether step `step` in `slot`, of `pieces` pieces, may join: the next step, its slot after
+    /// the group's within [`GROUP_SPAN_BYTES_MAX`], and at most `pieces_max` pieces in all.
+    fn accepts(
+        &self,
+        step: u64,
+        slot: &dyn DeviceMemory,
+        pieces: usize,
+        pieces_max: usize,
+    ) -> bool {
+        step == self.steps.end
+            && slot.device_ptr() >= self.end
+            && slot.device_ptr() + slot.len() as u64 - self.base <= GROUP_SPAN_BYTES_MAX
+            && self.pieces + pieces <= pieces_max
+    }
+
+    /// Adds step `step`'s planned rows, written into `slot` (accepted by [`Self::accepts`], or the
+    /// group's first).
+    fn add(&mut self, step: u64, slot: &dyn DeviceMemory, rows: PlannedRows) {
+        debug_assert_eq!(step, self.steps.end);
+        let offset = slot.device_ptr() - self.base;
+        let start = self.table.len();
+        self.table.extend_from_slice(&rows.table);
+        shift_destinations(&mut self.table[start..], offset);
+        self.pieces += rows.pieces;
+        for (sum, bytes) in self.region_bytes.iter_mut().zip(&rows.region_bytes) {
+            *sum += bytes;
+        }
+        self.steps.end = step + 1;
+        self.end = slot.device_ptr() + slot.len() as u64;
+    }
+}
+
+/// Adds `offset` to the destination of every piece of an encoded piece table.
+fn shift_destinations(table: &mut [u8], offset: u64) {
+    if offset == 0 {
+        return;
+    }
+    for piece in table.chunks_exact_mut(crate::kernels::GATHER_PIECE_BYTES) {
+        let dst = &mut piece[GATHER_PIECE_DST_OFFSET..GATHER_PIECE_DST_OFFSET + 8];
+        let moved = u64::from_le_bytes(dst.try_into().expect("8 bytes")) + offset;
+        dst.copy_from_slice(&moved.to_le_bytes());
+    }
+}
+
+/// Where a piece's destination offset lies in its encoding ([`crate::kernels::GatherPiece::encode`]).
+const GATHER_PIECE_DST_OFFSET: usize = 8;
+
 /// Plans rows `rows` on the calling thread.
 fn plan_chunk(
     plan: &StreamPlan,
@@ -1121,16 +1205,47 @@ impl GpuAssembler {
         self.timings.plan_s += waited.elapsed().as_secs_f64();
         self.batches
             .push_back(PendingBatch::new(step, slot, planned.rows));
-        if let (Some(device_shards), Some(first)) = (
-            self.resident
-                .as_mut()
-                .and_then(|r| r.device_shards.as_mut()),
-            planned.first_position,
-        ) {
-            device_shards.read_ahead(&plan.order, first)?;
+        let mut rounds = planned.rounds?;
+        // A small batch of one round with no rows to zero joins the group of batches waiting to be
+        // gathered together, if it can; a batch that cannot queues the group first.
+        let joins = self.group_batches_max > 1
+            && rounds.len() == 1
+            && rounds[0].replaced.is_empty()
+            && rounds[0].pieces > 0;
+        if self.group.as_ref().is_some_and(|group| {
+            !joins || !group.accepts(step, slot, rounds[0].pieces, self.group_pieces_max)
+        }) {
+            self.flush_group()?;
         }
-        for rows in planned.rounds? {
-            self.queue_resident_round(step, rows, slot)?;
+        // Shards are read ahead from the first batch of a group on: a later batch's read-ahead
+        // could give the slots of shards the group reads to shards further on before the group's
+        // round records its reads.
+        if self.group.is_none() {
+            if let (Some(device_shards), Some(first)) = (
+                self.resident
+                    .as_mut()
+                    .and_then(|r| r.device_shards.as_mut()),
+                planned.first_position,
+            ) {
+                device_shards.read_ahead(&plan.order, first)?;
+            }
+        }
+        if joins {
+            let rows = rounds.pop().expect("one round");
+            let region_count = rows.region_bytes.len();
+            let group = self
+                .group
+                .get_or_insert_with(|| BatchGroup::new(step, slot, region_count));
+            group.add(step, slot, rows);
+            if group.len() == self.group_batches_max
+                || group.pieces * (group.len() + 1) > self.group_pieces_max * group.len()
+            {
+                self.flush_group()?;
+            }
+            return Ok(());
+        }
+        for rows in rounds {
+            self.queue_resident_round(step..step + 1, rows, slot)?;
         }
         // No record of `ready` here: every write to the slot is queued before the completion event
         // of its batch's last round, which [`Self::complete`] waits for on the host before the batch
@@ -1165,13 +1280,37 @@ impl GpuAssembler {
         planned
     }
 
-    /// Queues one round of a resident stream: its pieces, the zeroing of its corrupt rows, and the
-    /// gather outcome's download.
+    /// Queues the group of small batches waiting to be gathered, if any, as one round.
+    pub(super) fn flush_group(&mut self) -> Result<(), FillError> {
+        let Some(group) = self.group.take() else {
+            return Ok(());
+        };
+        if group.len() > 1 {
+            self.timings.batches_grouped += group.len() as u64;
+        }
+        // The slots lie in ascending order in the ring's one allocation; the round writes the span
+        // from the first to the end of the last, each piece into its own batch's slot.
+        let span = super::round::DeviceRange {
+            ptr: group.base,
+            bytes: (group.end - group.base) as usize,
+        };
+        let rows = PlannedRows {
+            table: group.table,
+            pieces: group.pieces,
+            region_bytes: group.region_bytes,
+            replaced: Vec::new(),
+        };
+        self.queue_resident_round(group.steps, rows, &span)
+    }
+
+    /// Queues one round of a resident stream, for one batch or a group of consecutive ones
+    /// (`steps`) whose slots `slot` spans: its pieces, the zeroing of its corrupt rows (a batch's
+    /// own round only), and the gather outcome's download.
     fn queue_resident_round(
         &mut self,
-        step: u64,
+        steps: std::ops::Range<u64>,
         planned: PlannedRows,
-        slot: &DeviceRegion,
+        slot: &dyn DeviceMemory,
     ) -> Result<(), FillError> {
         if self.rounds.len() == self.buffers.len() {
             self.complete_round()?;
@@ -1291,12 +1430,19 @@ impl GpuAssembler {
         self.queue_downloads(index, 0, 0, false)?;
         self.timings.gather_s += queued.elapsed().as_secs_f64();
         self.timings.rounds += 1;
-        let batch = self.batches.back_mut().expect("a batch is being submitted");
-        batch.rounds_left += 1;
-        batch.replaced += planned.replaced.len() as u32;
+        // The round's batches are the last submitted.
+        for batch in self.batches.iter_mut().rev() {
+            if !steps.contains(&batch.step) {
+                break;
+            }
+            batch.rounds_left += 1;
+            if batch.step == steps.start {
+                batch.replaced += planned.replaced.len() as u32;
+            }
+        }
         self.rounds.push_back(PendingRound {
             buffers: index,
-            step,
+            steps,
             runs: 0..0,
             placements: Arc::new(PlacementRuns {
                 runs: Vec::new(),
@@ -1310,5 +1456,108 @@ impl GpuAssembler {
             gathered: count > 0,
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{GatherOp, GatherPlan, GATHER_PIECE_BYTES};
+    use crate::pipeline::gpu::round::DeviceRange;
+
+    /// Planned rows of `pieces` pieces, piece `i` writing at `i * 4096` of its slot and reading
+    /// region `i % 2` of two.
+    fn rows(pieces: usize) -> PlannedRows {
+        let mut plan = GatherPlan::new();
+        for i in 0..pieces {
+            let source = (crate::kernels::GATHER_SOURCES_MAX + i % 2) as u16;
+            plan.push(
+                source,
+                i as u64 * 2048,
+                i as u64 * 4096,
+                1024,
+                GatherOp::F16ToF32,
+                1.0,
+            );
+        }
+        let mut region_bytes = vec![0u64; 2];
+        for piece in plan.pieces() {
+            region_bytes[piece.source as usize - crate::kernels::GATHER_SOURCES_MAX] += 2048;
+        }
+        PlannedRows {
+            table: plan.encode(),
+            pieces,
+            region_bytes,
+            replaced: Vec::new(),
+        }
+    }
+
+    fn dst(table: &[u8], piece: usize) -> u64 {
+        let at = piece * GATHER_PIECE_BYTES + GATHER_PIECE_DST_OFFSET;
+        u64::from_le_bytes(table[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn a_group_moves_each_batch_s_pieces_to_its_own_slot_and_sums_its_reads() {
+        let stride = 1 << 20;
+        let slot = |i: u64| DeviceRange {
+            ptr: 0x7000_0000 + i * stride,
+            bytes: 1 << 20,
+        };
+        let mut group = BatchGroup::new(10, &slot(3), 2);
+        group.add(10, &slot(3), rows(4));
+        assert!(group.accepts(11, &slot(4), 4, 16));
+        group.add(11, &slot(4), rows(4));
+        // Slot 6: a gap (slot 5 is held elsewhere) is allowed, the span covering it.
+        assert!(group.accepts(12, &slot(6), 4, 16));
+        group.add(12, &slot(6), rows(4));
+        assert_eq!(group.len(), 3);
+        assert_eq!(group.steps, 10..13);
+        assert_eq!(group.pieces, 12);
+        assert_eq!(group.table.len(), 12 * GATHER_PIECE_BYTES);
+        assert_eq!(group.region_bytes, vec![6 * 2048, 6 * 2048]);
+        assert_eq!(
+            (group.base, group.end),
+            (slot(3).ptr, slot(6).ptr + (1 << 20))
+        );
+        for piece in 0..4u64 {
+            assert_eq!(dst(&group.table, piece as usize), piece * 4096);
+            assert_eq!(dst(&group.table, 4 + piece as usize), stride + piece * 4096);
+            assert_eq!(
+                dst(&group.table, 8 + piece as usize),
+                3 * stride + piece * 4096
+            );
+        }
+        // Everything but the destination is the batch's own table.
+        let own = rows(4).table;
+        for piece in 0..4 {
+            let (a, b) = (
+                piece * GATHER_PIECE_BYTES,
+                8 * GATHER_PIECE_BYTES + piece * GATHER_PIECE_BYTES,
+            );
+            assert_eq!(group.table[b..b + 8], own[a..a + 8]);
+            assert_eq!(group.table[b + 16..b + 32], own[a + 16..a + 32]);
+        }
+    }
+
+    #[test]
+    fn a_group_refuses_a_step_out_of_turn_a_slot_behind_too_wide_a_span_or_too_many_pieces() {
+        let slot = |ptr: u64| DeviceRange {
+            ptr,
+            bytes: 1 << 20,
+        };
+        let mut group = BatchGroup::new(5, &slot(1 << 30), 2);
+        group.add(5, &slot(1 << 30), rows(8));
+        assert!(group.accepts(6, &slot((1 << 30) + (1 << 20)), 8, 16));
+        // Not the next step.
+        assert!(!group.accepts(7, &slot((1 << 30) + (1 << 20)), 8, 16));
+        // The ring wrapped: a slot before the group's.
+        assert!(!group.accepts(6, &slot(1 << 29), 8, 16));
+        // Overlapping the group's last slot.
+        assert!(!group.accepts(6, &slot((1 << 30) + 4096), 8, 16));
+        // A span wider than GROUP_SPAN_BYTES_MAX.
+        assert!(!group.accepts(6, &slot((1 << 30) + GROUP_SPAN_BYTES_MAX), 8, 16));
+        // More pieces than one launch takes.
+        assert!(!group.accepts(6, &slot((1 << 30) + (1 << 20)), 9, 16));
     }
 }

@@ -255,8 +255,8 @@ impl Drop for RoundBufferPool {
 /// A round queued on the device whose outcomes have not been read yet.
 pub(super) struct PendingRound {
     pub(super) buffers: usize,
-    /// The batch (stream step) it belongs to.
-    pub(super) step: u64,
+    /// The batches (stream steps) it belongs to: one, or a group of consecutive small batches.
+    pub(super) steps: Range<u64>,
     pub(super) runs: Range<usize>,
     pub(super) placements: Arc<PlacementRuns>,
     /// Blocks whose checksum the round verifies, with the checksum they must have.
@@ -415,7 +415,7 @@ impl GpuAssembler {
         }
         Ok(PendingRound {
             buffers: index,
-            step,
+            steps: step..step + 1,
             runs: 0..0,
             placements: Arc::clone(placements),
             checks,
