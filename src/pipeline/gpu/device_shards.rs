@@ -482,6 +482,28 @@ impl DeviceShards {
     }
 
     /// The shard holding region `region` of the stream's table.
+    /// Whether one round may read the regions two sets of planned rows read (bytes per region,
+    /// `a` and `b`): streamed, the shards they lie in must fit the slots at once.
+    pub(super) fn fit_one_round(&self, a: &[u64], b: &[u64]) -> bool {
+        if !self.is_streamed() {
+            return true;
+        }
+        let mut shards: Vec<usize> = Vec::new();
+        for (region, (x, y)) in a.iter().zip(b).enumerate() {
+            if x + y == 0 {
+                continue;
+            }
+            let shard = self.shard_of_region(region);
+            if !shards.contains(&shard) {
+                shards.push(shard);
+                if shards.len() > self.slots.len() {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
     pub(super) fn shard_of_region(&self, region: usize) -> usize {
         self.shards
             .partition_point(|s| s.first_region <= region)

@@ -584,9 +584,13 @@ impl GpuAssembler {
     /// whose blocks turned out to be corrupt, and returns its step and report. `ready` is the batch's
     /// ready event, recorded again if work was queued on the slot after it.
     pub fn complete(&mut self, ready: Option<&Event>) -> Result<(u64, FillReport), FillError> {
-        // A group of batches waiting for more is queued now.
-        self.flush_group()?;
         let oldest = self.batches.front().expect("a batch was submitted").step;
+        // The group of batches waiting for more is queued now if the oldest batch is in it. (Not
+        // otherwise: a filler completing a batch for each one it submits would queue every group
+        // with one batch.)
+        if self.group.as_ref().is_some_and(|g| g.contains(oldest)) {
+            self.flush_group()?;
+        }
         while self.batches.front().is_some_and(|b| b.rounds_left > 0) {
             self.complete_round()?;
         }

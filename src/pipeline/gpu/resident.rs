@@ -891,6 +891,11 @@ impl BatchGroup {
         }
     }
 
+    /// Whether step `step` is in the group.
+    pub(super) fn contains(&self, step: u64) -> bool {
+        self.steps.contains(&step)
+    }
+
     /// Batches in the group.
     fn len(&self) -> usize {
         (self.steps.end - self.steps.start) as usize
@@ -1212,8 +1217,15 @@ impl GpuAssembler {
             && rounds.len() == 1
             && rounds[0].replaced.is_empty()
             && rounds[0].pieces > 0;
+        let device_shards = self
+            .resident
+            .as_ref()
+            .and_then(|r| r.device_shards.as_ref());
         if self.group.as_ref().is_some_and(|group| {
-            !joins || !group.accepts(step, slot, rounds[0].pieces, self.group_pieces_max)
+            !joins
+                || !group.accepts(step, slot, rounds[0].pieces, self.group_pieces_max)
+                || device_shards
+                    .is_some_and(|d| !d.fit_one_round(&group.region_bytes, &rounds[0].region_bytes))
         }) {
             self.flush_group()?;
         }
@@ -1430,10 +1442,16 @@ impl GpuAssembler {
         self.queue_downloads(index, 0, 0, false)?;
         self.timings.gather_s += queued.elapsed().as_secs_f64();
         self.timings.rounds += 1;
-        // The round's batches are the last submitted.
-        for batch in self.batches.iter_mut().rev() {
+        // The round's batches: the last submitted, or all but the last (a group queued as the
+        // batch that could not join it was submitted).
+        for batch in self
+            .batches
+            .iter_mut()
+            .rev()
+            .take((steps.end - steps.start) as usize + 1)
+        {
             if !steps.contains(&batch.step) {
-                break;
+                continue;
             }
             batch.rounds_left += 1;
             if batch.step == steps.start {
