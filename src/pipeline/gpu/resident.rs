@@ -128,57 +128,76 @@ struct PlannedStep {
 }
 
 /// Threads planning the rows of a resident stream's steps ahead of the filler, so that host
-/// planning overlaps the device's work on earlier steps instead of adding to it. Worker `k` of `n`
-/// plans steps `first + k`, `first + k + n`, ..., each on its own (threads are started once per
-/// stream, not per batch: starting them per batch cost more than the planning).
+/// planning overlaps the device's work on earlier steps instead of adding to it. The steps go in
+/// chunks of `chunk` consecutive steps (one for large batches; a group's worth for small ones, so
+/// that the filler takes a message, and wakes a planning thread, once a group rather than once a
+/// batch); worker `k` of `n` plans chunks `k`, `k + n`, ..., each on its own (threads are started
+/// once per stream, not per batch: starting them per batch cost more than the planning).
 struct Planner {
-    /// One channel per worker; step `first + i` comes from `receivers[i % n]`.
-    receivers: Vec<std::sync::mpsc::Receiver<PlannedStep>>,
+    /// One channel per worker; chunk `c` (steps `first + c * chunk ..`) comes from
+    /// `receivers[c % n]`.
+    receivers: Vec<std::sync::mpsc::Receiver<Vec<PlannedStep>>>,
     first_step: u64,
     next_step: u64,
+    chunk: u64,
+    /// The rest of the chunk being taken, in step order.
+    taken: std::collections::VecDeque<PlannedStep>,
     threads: Vec<std::thread::JoinHandle<()>>,
     /// Nanoseconds spent planning, summed over the threads.
     busy_ns: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Planner {
-    /// Starts planning from `first_step`, `rows_per_round` rows a round.
+    /// Starts planning from `first_step`, `rows_per_round` rows a round, in chunks of `chunk`
+    /// steps.
     fn start(
         plan: Arc<StreamPlan>,
         geometry: Arc<RowGeometry>,
         first_step: u64,
         rows_per_round: usize,
+        chunk: usize,
     ) -> Planner {
-        let workers = plan_workers().min(plan.steps.saturating_sub(first_step).max(1) as usize);
+        let chunk = chunk.max(1) as u64;
+        let chunks = plan.steps.saturating_sub(first_step).div_ceil(chunk);
+        let workers = plan_workers().min(chunks.max(1) as usize);
         let mut receivers = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
         let busy_ns = Arc::new(std::sync::atomic::AtomicU64::new(0));
         for worker in 0..workers {
-            let (sender, receiver) = std::sync::mpsc::sync_channel(STEPS_PLANNED_AHEAD);
+            let (sender, receiver) =
+                std::sync::mpsc::sync_channel((STEPS_PLANNED_AHEAD / chunk as usize).max(2));
             let (plan, geometry) = (Arc::clone(&plan), Arc::clone(&geometry));
             let busy_ns = Arc::clone(&busy_ns);
             let thread = std::thread::Builder::new()
                 .name(format!("gpufeed-plan-{worker}"))
                 .spawn(move || {
-                    let steps = (first_step + worker as u64..plan.steps).step_by(workers);
-                    for step in steps {
-                        let started = std::time::Instant::now();
-                        let positions: Vec<u64> = plan
-                            .rank
-                            .batch_positions(plan.order.len(), plan.start_cursor, step)
-                            .collect();
-                        let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
-                        busy_ns.fetch_add(
-                            started.elapsed().as_nanos() as u64,
-                            std::sync::atomic::Ordering::Relaxed,
-                        );
-                        let failed = rounds.is_err();
-                        let planned = PlannedStep {
-                            step,
-                            first_position: positions.first().copied(),
-                            rows: positions.len(),
-                            rounds,
-                        };
+                    for index in (worker as u64..chunks).step_by(workers) {
+                        let first = first_step + index * chunk;
+                        let steps = first..(first + chunk).min(plan.steps);
+                        let mut planned = Vec::with_capacity(chunk as usize);
+                        let mut failed = false;
+                        for step in steps {
+                            let started = std::time::Instant::now();
+                            let positions: Vec<u64> = plan
+                                .rank
+                                .batch_positions(plan.order.len(), plan.start_cursor, step)
+                                .collect();
+                            let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
+                            busy_ns.fetch_add(
+                                started.elapsed().as_nanos() as u64,
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
+                            failed = rounds.is_err();
+                            planned.push(PlannedStep {
+                                step,
+                                first_position: positions.first().copied(),
+                                rows: positions.len(),
+                                rounds,
+                            });
+                            if failed {
+                                break;
+                            }
+                        }
                         // The filler stopped listening (the stream ended): stop planning.
                         if sender.send(planned).is_err() || failed {
                             break;
@@ -193,6 +212,8 @@ impl Planner {
             receivers,
             first_step,
             next_step: first_step,
+            chunk,
+            taken: std::collections::VecDeque::new(),
             threads,
             busy_ns,
         }
@@ -206,10 +227,18 @@ impl Planner {
     /// The planned rows of the next step.
     fn next(&mut self) -> Result<PlannedStep, FillError> {
         let step = self.next_step;
-        let worker = ((step - self.first_step) % self.receivers.len() as u64) as usize;
-        let planned = self.receivers[worker]
-            .recv()
-            .map_err(|_| FillError::PlannerStopped { step })?;
+        if self.taken.is_empty() {
+            let index = (step - self.first_step) / self.chunk;
+            let worker = (index % self.receivers.len() as u64) as usize;
+            self.taken = self.receivers[worker]
+                .recv()
+                .map_err(|_| FillError::PlannerStopped { step })?
+                .into();
+        }
+        let planned = self
+            .taken
+            .pop_front()
+            .ok_or(FillError::PlannerStopped { step })?;
         debug_assert_eq!(planned.step, step);
         self.next_step += 1;
         Ok(planned)
@@ -1284,6 +1313,7 @@ impl GpuAssembler {
                 Arc::clone(&resident.geometry),
                 step,
                 rows_per_round,
+                self.group_batches_max,
             ));
         }
         let planner = resident.planner.as_mut().expect("started above");
