@@ -354,6 +354,8 @@ impl Filler {
         // delivered (a window shuffle of four windows shows each window's pace).
         let mut free_wait_s = 0.0;
         let mut deliver_s = 0.0;
+        // Seconds in the loop's other calls: taking free slots, submitting, completing.
+        let (mut take_s, mut submit_s, mut complete_s) = (0.0, 0.0, 0.0);
         let mut quarters = [0.0f64; 4];
         let mut delivered = 0u64;
         // The GPU timings and the hand-off's time when three quarters were delivered, for the last
@@ -367,14 +369,18 @@ impl Filler {
             if next < filler.steps && pending < depth {
                 let waiting = std::time::Instant::now();
                 let taken = handoff.take_free(pending == 0);
+                let submitting = std::time::Instant::now();
+                let took = (submitting - waiting).as_secs_f64();
+                take_s += took;
                 if pending == 0 {
-                    free_wait_s += waiting.elapsed().as_secs_f64();
+                    free_wait_s += took;
                 }
                 match taken {
                     Ok(Some(slot)) => {
                         if let Err(error) = filler.submit(slots, slot, next) {
                             return handoff.fail(error);
                         }
+                        submit_s += submitting.elapsed().as_secs_f64();
                         next += 1;
                         continue;
                     }
@@ -382,11 +388,13 @@ impl Filler {
                     Err(Ended) => return,
                 }
             }
+            let completing = std::time::Instant::now();
             let (slot, step, report) = match filler.complete(slots) {
                 Ok(done) => done,
                 Err(error) => return handoff.fail(error),
             };
             let delivering = std::time::Instant::now();
+            complete_s += (delivering - completing).as_secs_f64();
             let samples = report.samples;
             if handoff.deliver(slot, step, report).is_err() {
                 return;
@@ -441,7 +449,8 @@ impl Filler {
                  threads busy {:.3} s), read {:.3} s, decode {:.3} s, gather {:.3} s, waiting for \
                  the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; quarters of the \
                  steps delivered at {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards, \
-                 {} passed their piece tables in the launch; {} batches gathered in groups",
+                 {} passed their piece tables in the launch; {} batches gathered in groups; the loop \
+                 took slots for {:.3} s, submitted for {:.3} s, completed for {:.3} s",
                 filler.steps,
                 t.rounds,
                 started.elapsed().as_secs_f64(),
@@ -459,7 +468,10 @@ impl Filler {
                 quarters[3],
                 t.rounds_from_device_copies,
                 t.rounds_inline,
-                t.batches_grouped
+                t.batches_grouped,
+                take_s,
+                submit_s,
+                complete_s
             );
         }
         handoff.finish();
