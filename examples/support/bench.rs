@@ -5,6 +5,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The daemon's allocator (see `src/main.rs`), for the pipeline and the daemon these benchmarks run
+/// in their own process.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::Result;
 use gpufeed::device::{DeviceRegion, Event, ExportableBuffer};
 use gpufeed::format::Dataset;
