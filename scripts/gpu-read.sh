@@ -85,7 +85,7 @@ cpu_seconds() { awk '{print ($14 + $15) / 100}' "/proc/$1/stat"; }
 start_daemon() {
   rm -f "$socket"
   # shellcheck disable=SC2086  # daemon_env: NAME=VALUE words of an env: case
-  env ${daemon_env:-} "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
+  env ${daemon_env:-} "${daemon_bin:-$bin}/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
     "$@" ${READ_DAEMON_FLAGS:-} >"$work/daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
@@ -211,6 +211,8 @@ read_bench() {
       zero-copy-off) start_daemon --zero-copy off ;;
       # env:NAME=VALUE,NAME=VALUE: the default daemon with those tuning variables set.
       env:*) daemon_env=$(echo "${case#env:}" | tr , ' ') start_daemon ;;
+      # bin:DIR: the daemon binary staged in DIR (another build, for an A/B).
+      bin:*) daemon_bin=${case#bin:} start_daemon ;;
       *) continue ;;  # "none": only the data (for the cold rounds)
     esac
     python3 -c 'import json,urllib.request; print(json.load(urllib.request.urlopen("http://127.0.0.1:7171/v1/status"))["serving"])' || true
