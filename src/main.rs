@@ -8,23 +8,6 @@ mod consume;
 /// 64 rows on the H100 test machine (`docs/benchmarks/handoff-2026-11-24.md`, runs 52-53).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// mimalloc's `purge_delay` option (`mi_option_purge_delay`; the crate names no constant for it).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-
-/// How long memory the daemon freed stays committed before mimalloc returns it to the system, unless
-/// `MIMALLOC_PURGE_DELAY` says otherwise: with mimalloc's 10 ms, a window shuffle's planning threads
-/// paid page faults for the tables they allocate again and again (read bench, run 78: 45.7 GB/s
-/// against 48.6 with no purging). A second keeps that memory between batches and still gives it
-/// back when a stream ends.
-const PURGE_DELAY_MS: std::ffi::c_long = 1000;
-
-fn set_allocator_options() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        // SAFETY: sets a plain option of the allocator; any thread may call it at any time.
-        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
-    }
-}
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -309,7 +292,6 @@ fn parse_bytes(text: &str) -> Result<u32, String> {
 /// panic of a `println!` or `eprintln!` elsewhere (the demo's report). `serve` is left out: a daemon
 /// must not stop, let alone report success, because its start-up line could not be printed.
 fn main() -> ExitCode {
-    set_allocator_options();
     let cli = Cli::parse();
     let outcome = if matches!(cli.command, Command::Serve(_)) {
         run(cli.command)
