@@ -5,7 +5,7 @@ mod consume;
 
 /// mimalloc: the daemon's planning threads allocate each planned batch and the filler thread frees it;
 /// with the system allocator those frees took the planning threads' arena locks, about 2 µs a batch of
-/// 64 rows on the H100 test machine (`docs/benchmarks/handoff-2026-11-24.md`, runs 52-53).
+/// 64 rows on the H100 test machine (`docs/benchmarks/handoff-2026-11-24.md`, runs 53 and 54).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::path::{Path, PathBuf};
