@@ -613,6 +613,10 @@ fn open_stream(
         stop: Arc::clone(&stop),
         writer: Arc::clone(writer),
         metrics: Arc::clone(metrics),
+        unfinished: UnfinishedStream {
+            writer: Arc::clone(writer),
+            armed: true,
+        },
     };
     let filler = filler.spawn(Arc::clone(&ring), handoff).map_err(|e| {
         metrics.stream_closed([u64::from(plan.slot_count), 0, 0], ring_bytes);
@@ -683,6 +687,39 @@ struct RingHandoff {
     stop: Arc<AtomicBool>,
     writer: Arc<Mutex<UnixStream>>,
     metrics: Arc<Metrics>,
+    /// Tells the consumer if the filler stops without ending the stream (it panicked).
+    unfinished: UnfinishedStream,
+}
+
+/// Armed while a stream's filler runs: dropped armed (the filler thread unwound from a panic, and the
+/// hand-off with it), it sends the consumer an `Internal` error and shuts the socket, so that the
+/// consumer fails at once instead of waiting for batches that will never come. Disarmed when the
+/// stream ends any other way (finished, failed, or stopped).
+struct UnfinishedStream {
+    writer: Arc<Mutex<UnixStream>>,
+    armed: bool,
+}
+
+impl Drop for UnfinishedStream {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let message =
+            "the daemon's filler for this stream stopped unexpectedly (see the daemon's log)";
+        tracing::error!("session error (Internal): {message}");
+        // The lock may be poisoned by the panic being unwound; the socket is still sound.
+        let socket = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = transport::send(
+            &socket,
+            &Message::Error {
+                code: ErrorCode::Internal,
+                message: message.to_string(),
+            },
+            &[],
+        );
+        let _ = socket.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 /// The times a filler with nothing in flight found no free slot: how often, how long it slept on the
@@ -729,7 +766,8 @@ impl RingHandoff {
     }
 
     /// Ends the stream because the consumer wrote something it may not into the ring.
-    fn refuse(&self, reason: String) -> Ended {
+    fn refuse(&mut self, reason: String) -> Ended {
+        self.unfinished.armed = false;
         send_error(&self.writer, ErrorCode::BadRequest, reason);
         let socket = self.writer.lock().expect("socket lock poisoned");
         let _ = socket.shutdown(std::net::Shutdown::Both);
@@ -742,6 +780,7 @@ impl Handoff for RingHandoff {
         let mut counted = false;
         loop {
             if self.stop.load(Ordering::SeqCst) {
+                self.unfinished.armed = false;
                 return Err(Ended);
             }
             if let Some(slot) = self.free.pop_front() {
@@ -817,6 +856,7 @@ impl Handoff for RingHandoff {
     }
 
     fn fail(&mut self, error: FillError) {
+        self.unfinished.armed = false;
         let code = match error {
             FillError::Corrupt { .. } => ErrorCode::CorruptData,
             _ => ErrorCode::Internal,
@@ -828,6 +868,7 @@ impl Handoff for RingHandoff {
     }
 
     fn finish(&mut self) {
+        self.unfinished.armed = false;
         let w = &self.waits;
         if w.waits > 0 {
             tracing::info!(
@@ -886,6 +927,49 @@ mod tests {
                 "{message}"
             );
         }
+    }
+
+    /// A filler thread that panics drops its hand-off while unwinding: the consumer gets an
+    /// `Internal` error and the socket is shut, instead of waiting for batches forever (a panicking
+    /// filler once left a GPU test's consumer waiting until the test's time ran out). A stream that
+    /// ended any other way sends nothing more.
+    #[test]
+    fn a_filler_that_panics_fails_its_stream_for_the_consumer() {
+        let (daemon_side, consumer_side) = UnixStream::pair().unwrap();
+        let writer = Arc::new(Mutex::new(daemon_side));
+        let guard = UnfinishedStream {
+            writer: Arc::clone(&writer),
+            armed: true,
+        };
+        let filler = std::thread::spawn(move || {
+            let _guard = guard;
+            panic!("a filler's bug");
+        });
+        assert!(filler.join().is_err());
+        let (message, _) = transport::recv(&consumer_side).unwrap();
+        let Message::Error { code, message } = message else {
+            panic!("expected an error frame, got {message:?}");
+        };
+        assert_eq!(code, ErrorCode::Internal);
+        assert!(message.contains("stopped unexpectedly"), "{message}");
+        // Shut: the consumer reads the end of the socket next.
+        assert!(transport::recv(&consumer_side).is_err());
+
+        let (daemon_side, consumer_side) = UnixStream::pair().unwrap();
+        let writer = Arc::new(Mutex::new(daemon_side));
+        let mut guard = UnfinishedStream {
+            writer: Arc::clone(&writer),
+            armed: true,
+        };
+        guard.armed = false;
+        drop(guard);
+        consumer_side.set_nonblocking(true).unwrap();
+        let mut byte = [0u8; 1];
+        let read = std::io::Read::read(&mut &consumer_side, &mut byte);
+        assert!(
+            matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "a disarmed guard sent something: {read:?}"
+        );
     }
 
     /// Whether `word` looks like a Rust identifier in CamelCase (`DatasetRemoved`), not a word (a
