@@ -1326,6 +1326,26 @@ impl GpuAssembler {
         planned
     }
 
+    /// Counts a round just queued on its batches (`steps`), and its `replaced` rows on the first.
+    fn count_round(&mut self, steps: &std::ops::Range<u64>, replaced: usize) {
+        // The round's batches: the last submitted, or all but the last (a group queued as the
+        // batch that could not join it was submitted).
+        for batch in self
+            .batches
+            .iter_mut()
+            .rev()
+            .take((steps.end - steps.start) as usize + 1)
+        {
+            if !steps.contains(&batch.step) {
+                continue;
+            }
+            batch.rounds_left += 1;
+            if batch.step == steps.start {
+                batch.replaced += replaced as u32;
+            }
+        }
+    }
+
     /// Queues the group of small batches waiting to be gathered, if any, as one round.
     pub(super) fn flush_group(&mut self) -> Result<(), FillError> {
         let Some(group) = self.group.take() else {
@@ -1476,22 +1496,7 @@ impl GpuAssembler {
         self.queue_downloads(index, 0, 0, false)?;
         self.timings.gather_s += queued.elapsed().as_secs_f64();
         self.timings.rounds += 1;
-        // The round's batches: the last submitted, or all but the last (a group queued as the
-        // batch that could not join it was submitted).
-        for batch in self
-            .batches
-            .iter_mut()
-            .rev()
-            .take((steps.end - steps.start) as usize + 1)
-        {
-            if !steps.contains(&batch.step) {
-                continue;
-            }
-            batch.rounds_left += 1;
-            if batch.step == steps.start {
-                batch.replaced += planned.replaced.len() as u32;
-            }
-        }
+        self.count_round(&steps, planned.replaced.len());
         self.rounds.push_back(PendingRound {
             buffers: index,
             steps,
