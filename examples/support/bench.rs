@@ -81,7 +81,8 @@ pub fn gpu_pipeline_alone(
     let started = Instant::now();
     for step in 0..plan.steps {
         let (slot, ready, released) = &ring[(step % ring.len() as u64) as usize];
-        if assembler.pending_batches() == assembler.batches_ahead() {
+        // As the daemon's filler: never more batches pending than slots (its ring has no other).
+        if assembler.pending_batches() == assembler.batches_ahead().min(ring.len()) {
             assembler.complete(None)?;
         }
         assembler.submit(step, slot, released, Some(ready))?;

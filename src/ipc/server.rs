@@ -613,9 +613,11 @@ fn open_stream(
         stop: Arc::clone(&stop),
         writer: Arc::clone(writer),
         metrics: Arc::clone(metrics),
+        // Armed once the filler thread runs: a thread that never started is reported by the
+        // caller.
         unfinished: UnfinishedStream {
             writer: Arc::clone(writer),
-            armed: true,
+            armed: false,
         },
     };
     let filler = filler.spawn(Arc::clone(&ring), handoff).map_err(|e| {
@@ -691,7 +693,7 @@ struct RingHandoff {
     unfinished: UnfinishedStream,
 }
 
-/// Armed while a stream's filler runs: dropped armed (the filler thread unwound from a panic, and the
+/// Armed while a stream's filler thread runs: dropped armed (the filler thread unwound from a panic, and the
 /// hand-off with it), it sends the consumer an `Internal` error and shuts the socket, so that the
 /// consumer fails at once instead of waiting for batches that will never come. Disarmed when the
 /// stream ends any other way (finished, failed, or stopped).
@@ -776,6 +778,10 @@ impl RingHandoff {
 }
 
 impl Handoff for RingHandoff {
+    fn begin(&mut self) {
+        self.unfinished.armed = true;
+    }
+
     fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended> {
         let mut counted = false;
         loop {

@@ -171,6 +171,9 @@ pub struct Ended;
 /// The consumer's side of a stream as the filler sees it: where free slots come from and where filled
 /// ones go. The socket server implements it over the session's socket.
 pub trait Handoff: Send + 'static {
+    /// The filler thread started (before its first step).
+    fn begin(&mut self) {}
+
     /// The next free slot, leased to the filler from now on. Waits for one when `wait`; otherwise
     /// `Ok(None)` when none is free now.
     fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended>;
@@ -333,6 +336,8 @@ impl Filler {
                         Err(error) => tracing::warn!("filler: avoiding CPUs {avoid:?}: {error}"),
                     }
                 }
+                let mut handoff = handoff;
+                handoff.begin();
                 self.run(&*slots, handoff)
             })
     }

@@ -481,7 +481,6 @@ impl DeviceShards {
         Ok(waited_s)
     }
 
-    /// The shard holding region `region` of the stream's table.
     /// Whether one round may read the regions two sets of planned rows read (bytes per region,
     /// `a` and `b`): streamed, the shards they lie in must fit the slots at once.
     pub(super) fn fit_one_round(&self, a: &[u64], b: &[u64]) -> bool {
@@ -504,6 +503,7 @@ impl DeviceShards {
         true
     }
 
+    /// The shard holding region `region` of the stream's table.
     pub(super) fn shard_of_region(&self, region: usize) -> usize {
         self.shards
             .partition_point(|s| s.first_region <= region)

@@ -430,8 +430,10 @@ impl GpuAssembler {
         } else {
             1
         };
+        // One launch's inline pieces, and never more than a round's piece table holds (a group
+        // whose table cannot go inline goes through it).
         let group_pieces_max = if inline_pieces_max > 0 {
-            crate::kernels::GATHER_INLINE_PIECES_MAX
+            crate::kernels::GATHER_INLINE_PIECES_MAX.min(pieces_max)
         } else {
             pieces_max
         };
