@@ -455,7 +455,7 @@ impl Filler {
                  the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; quarters of the \
                  steps delivered at {:.3}/{:.3}/{:.3}/{:.3} s; {} rounds read device copies of shards, \
                  {} passed their piece tables in the launch; {} batches gathered in groups; the loop \
-                 took slots for {:.3} s, submitted for {:.3} s (releases {:.3} s, groups {:.3} s), \
+                 took slots for {:.3} s, submitted for {:.3} s, \
                  completed for {:.3} s",
                 filler.steps,
                 t.rounds,
@@ -477,8 +477,6 @@ impl Filler {
                 t.batches_grouped,
                 take_s,
                 submit_s,
-                t.released_s,
-                t.group_s,
                 complete_s
             );
         }

@@ -267,10 +267,6 @@ pub struct GpuFillTimings {
     pub rounds_inline: u64,
     /// Batches gathered by a round together with others (see [`GpuStreamLimits::batch_group_max`]).
     pub batches_grouped: u64,
-    /// Resident streams: checking (or making the stream wait for) each slot's release.
-    pub released_s: f64,
-    /// Resident streams: adding batches to their groups.
-    pub group_s: f64,
     /// Waiting for the loader of a stream beyond the registration budget to queue the copy of a
     /// shard a round reads.
     pub copy_wait_s: f64,

@@ -1233,10 +1233,8 @@ impl GpuAssembler {
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
         let plan = Arc::clone(&self.plan);
-        let releasing = std::time::Instant::now();
         self.wait_released(released)?;
         let waited = std::time::Instant::now();
-        self.timings.released_s += (waited - releasing).as_secs_f64();
         let planned = self.planned_step(step)?;
         self.timings.plan_s += waited.elapsed().as_secs_f64();
         self.batches
@@ -1274,14 +1272,12 @@ impl GpuAssembler {
             }
         }
         if joins {
-            let joining = std::time::Instant::now();
             let rows = rounds.pop().expect("one round");
             let region_count = rows.region_bytes.len();
             let group = self
                 .group
                 .get_or_insert_with(|| BatchGroup::new(step, slot, region_count));
             group.add(step, slot, rows);
-            self.timings.group_s += joining.elapsed().as_secs_f64();
             if group.len() == self.group_batches_max
                 || group.pieces * (group.len() + 1) > self.group_pieces_max * group.len()
             {
