@@ -480,6 +480,15 @@ impl Drop for DeviceSlots {
         // SAFETY: each resource was made in `import` and is torn down once, in reverse order; null
         // or zero values mark the steps that never happened.
         unsafe {
+            // Work the consumer queued on its batches may still read them (a framework frees a
+            // tensor, and with it the last batch, while kernels reading it are queued): wait for the
+            // release each batch recorded after that work before the memory is unmapped, or those
+            // kernels fault. An event never recorded is complete.
+            for slot in &self.slots {
+                if !slot.released.is_null() {
+                    let _ = cu::cuEventSynchronize(slot.released);
+                }
+            }
             for slot in &self.slots {
                 if !slot.released.is_null() {
                     let _ = cu::cuEventDestroy_v2(slot.released);
