@@ -98,11 +98,17 @@ impl Histogram {
 
     /// Records one observation.
     pub fn observe(&self, value: Duration) {
+        self.observe_n(value, 1);
+    }
+
+    /// Records `n` observations of `value` at once.
+    pub fn observe_n(&self, value: Duration, n: u64) {
         let us = u64::try_from(value.as_micros()).unwrap_or(u64::MAX);
         let bucket = self.bounds_us.partition_point(|&bound| bound < us);
-        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(us, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
+        self.buckets[bucket].fetch_add(n, Ordering::Relaxed);
+        self.sum_us
+            .fetch_add(us.saturating_mul(n), Ordering::Relaxed);
+        self.count.fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -287,11 +293,14 @@ impl Metrics {
 
     /// A stream of device `ordinal` filled and handed on a batch of `samples` samples.
     pub fn device_batch(&self, ordinal: u32, samples: u32) {
+        self.device_batches(ordinal, 1, u64::from(samples));
+    }
+
+    /// `batches` batches of `samples` samples in all were delivered on device `ordinal`.
+    pub fn device_batches(&self, ordinal: u32, batches: u64, samples: u64) {
         if let Some(device) = self.device(ordinal) {
-            device.batches.fetch_add(1, Ordering::Relaxed);
-            device
-                .samples
-                .fetch_add(u64::from(samples), Ordering::Relaxed);
+            device.batches.fetch_add(batches, Ordering::Relaxed);
+            device.samples.fetch_add(samples, Ordering::Relaxed);
         }
     }
 
@@ -436,19 +445,28 @@ impl Metrics {
 
     /// One slot's lease moved from `from` to `to`.
     pub fn move_slot(&self, from: SlotLease, to: SlotLease) {
+        self.move_slots(from, to, 1);
+    }
+
+    /// `n` slots moved from lease `from` to lease `to`.
+    pub fn move_slots(&self, from: SlotLease, to: SlotLease, n: u64) {
         let gauges = &self.serving.slots_by_lease;
-        gauges[from as usize].fetch_sub(1, Ordering::Relaxed);
-        gauges[to as usize].fetch_add(1, Ordering::Relaxed);
+        gauges[from as usize].fetch_sub(n, Ordering::Relaxed);
+        gauges[to as usize].fetch_add(n, Ordering::Relaxed);
     }
 
     /// One batch was handed to its consumer, `latency` after its slot was filled, with `replaced`
     /// samples zeroed under the corrupt-block policy.
     pub fn batch_served(&self, replaced: u32, latency: Duration) {
-        self.handoff_latency.observe(latency);
-        self.serving.batches.fetch_add(1, Ordering::SeqCst);
-        self.serving
-            .replaced
-            .fetch_add(u64::from(replaced), Ordering::SeqCst);
+        self.batches_served(1, u64::from(replaced), latency);
+    }
+
+    /// `batches` batches were handed to their consumer at once, `latency` after their slots were
+    /// filled, with `replaced` samples zeroed among them under the corrupt-block policy.
+    pub fn batches_served(&self, batches: u64, replaced: u64, latency: Duration) {
+        self.handoff_latency.observe_n(latency, batches);
+        self.serving.batches.fetch_add(batches, Ordering::SeqCst);
+        self.serving.replaced.fetch_add(replaced, Ordering::SeqCst);
     }
 
     /// The serving ledger now.

@@ -322,11 +322,21 @@ impl RingView {
     /// Writes batch entry `index` and publishes it (the batch count becomes `index + 1`). Returns
     /// true when the consumer sleeps and its doorbell must be rung.
     pub fn publish_batch(&self, index: u64, batch: &RingBatch) -> bool {
-        for (word, value) in encode_batch(index, batch).into_iter().enumerate() {
-            self.batch_word(index, word).store(value, Ordering::Relaxed);
+        self.publish_batches(index, std::slice::from_ref(batch))
+    }
+
+    /// Writes the entries of `batches`, the first as entry `first`, and publishes them at once (the
+    /// batch count becomes `first + batches.len()`): one count store and one fence for them all.
+    /// Returns true when the consumer sleeps and its doorbell must be rung. The caller never has
+    /// more than the ring's slots published and unreleased, so no entry overwrites one unread.
+    pub fn publish_batches(&self, first: u64, batches: &[RingBatch]) -> bool {
+        for (index, batch) in (first..).zip(batches) {
+            for (word, value) in encode_batch(index, batch).into_iter().enumerate() {
+                self.batch_word(index, word).store(value, Ordering::Relaxed);
+            }
         }
         self.word(BATCHES_PUBLISHED)
-            .store(index + 1, Ordering::Release);
+            .store(first + batches.len() as u64, Ordering::Release);
         // Pairs with the consumer's fence between setting its waiting word and reading the count.
         fence(Ordering::SeqCst);
         self.word(CONSUMER_WAITING).load(Ordering::Relaxed) != 0
@@ -585,6 +595,39 @@ mod tests {
                 Ok(got.slot)
             );
         }
+    }
+
+    #[test]
+    fn batches_published_together_are_seen_together_and_in_order() {
+        let mut words = region(4);
+        let daemon = view(&mut words, 4);
+        // SAFETY: as in `view`.
+        let consumer = unsafe {
+            RingView::attach(
+                NonNull::new(words.as_mut_ptr().cast()).unwrap(),
+                words.len() * 8,
+            )
+        }
+        .unwrap();
+        // Two laps: three batches at once, one, then the ring's four across the wrap.
+        let mut next = 0u64;
+        for (count, released) in [(3u64, 3u64), (1, 1), (4, 4)] {
+            let sent: Vec<RingBatch> = (next..next + count)
+                .map(|step| batch((step % 4) as u32, step))
+                .collect();
+            assert!(!daemon.publish_batches(next, &sent));
+            let ready = check_published("batch", consumer.batches_published(), next, 4).unwrap();
+            assert_eq!(ready, count);
+            for (index, expected) in (next..).zip(&sent) {
+                assert_eq!(
+                    decode_batch(index, consumer.batch_entry(index), 4).unwrap(),
+                    *expected
+                );
+                consumer.publish_release(index, expected.slot);
+            }
+            next += released;
+        }
+        assert_eq!(daemon.releases_published(), next);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use super::ring::HandoffRing;
 use super::slots::{Lease, SlotRing};
 use crate::metrics::{Metrics, SlotLease};
 use crate::pipeline::{
-    Ended, FillError, FillReport, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
+    Ended, FillError, Filled, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
     StreamLimits, StreamPlan, StreamRequest,
 };
 use crate::registry::Registry;
@@ -609,6 +609,7 @@ fn open_stream(
         free: (0..plan.slot_count).collect(),
         releases_taken: 0,
         batches_published: 0,
+        publishing: Vec::with_capacity(crate::pipeline::DELIVER_AT_ONCE_MAX),
         waits: FreeSlotWaits::default(),
         stop: Arc::clone(&stop),
         writer: Arc::clone(writer),
@@ -684,6 +685,8 @@ struct RingHandoff {
     free: VecDeque<u32>,
     releases_taken: u64,
     batches_published: u64,
+    /// The ring entries of the batches being delivered (kept for its allocation).
+    publishing: Vec<RingBatch>,
     /// For the stream's log line: how the filler waited for free slots.
     waits: FreeSlotWaits,
     stop: Arc<AtomicBool>,
@@ -831,33 +834,42 @@ impl Handoff for RingHandoff {
         }
     }
 
-    fn deliver(&mut self, slot: u32, step: u64, report: FillReport) -> Result<(), Ended> {
+    fn deliver(&mut self, filled: &[Filled]) -> Result<(), Ended> {
         let ready_ns = gpufeed_proto::protocol::monotonic_ns();
-        self.ring
-            .transition(slot, Lease::Filling, Lease::Consumer)
-            .expect("the filler holds the lease");
-        self.metrics
-            .move_slot(SlotLease::Filling, SlotLease::Consumer);
-        let filled = std::time::Instant::now();
+        let started = std::time::Instant::now();
         let plan = &self.plan;
-        let batch = RingBatch {
-            slot,
-            samples: report.samples,
-            replaced: report.replaced,
-            epoch: plan.epoch,
-            step: plan.epoch_step(step),
-            cursor_after: plan.cursor_after(step),
-            ready_ns,
-        };
+        self.publishing.clear();
+        let mut replaced = 0u64;
+        for batch in filled {
+            self.ring
+                .transition(batch.slot, Lease::Filling, Lease::Consumer)
+                .expect("the filler holds the lease");
+            replaced += u64::from(batch.report.replaced);
+            self.publishing.push(RingBatch {
+                slot: batch.slot,
+                samples: batch.report.samples,
+                replaced: batch.report.replaced,
+                epoch: plan.epoch,
+                step: plan.epoch_step(batch.step),
+                cursor_after: plan.cursor_after(batch.step),
+                ready_ns,
+            });
+        }
+        let count = filled.len() as u64;
+        self.metrics
+            .move_slots(SlotLease::Filling, SlotLease::Consumer, count);
+        // One count store and one fence for the batches completed together (a group's), and one
+        // doorbell at most.
         if self
             .handoff
             .view
-            .publish_batch(self.batches_published, &batch)
+            .publish_batches(self.batches_published, &self.publishing)
         {
             self.handoff.consumer_bell.ring();
         }
-        self.batches_published += 1;
-        self.metrics.batch_served(report.replaced, filled.elapsed());
+        self.batches_published += count;
+        self.metrics
+            .batches_served(count, replaced, started.elapsed());
         Ok(())
     }
 

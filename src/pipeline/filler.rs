@@ -164,6 +164,21 @@ pub trait SlotMemory: Send + Sync + 'static {
     fn device_slot(&self, slot: u32) -> &DeviceSlot;
 }
 
+/// A slot filled with stream step `step`, ready to be handed to the consumer.
+#[derive(Clone, Copy, Debug)]
+pub struct Filled {
+    /// The slot.
+    pub slot: u32,
+    /// The stream step it holds.
+    pub step: u64,
+    /// What the fill found.
+    pub report: FillReport,
+}
+
+/// Batches handed to the consumer by one [`Handoff::deliver`] at most: the filler delivers the
+/// batches it finds complete together (a group's, gathered by one round) with one publication.
+pub const DELIVER_AT_ONCE_MAX: usize = 16;
+
 /// The stream is ending (its consumer left, or its session stops it): the filler stops.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ended;
@@ -178,8 +193,9 @@ pub trait Handoff: Send + 'static {
     /// `Ok(None)` when none is free now.
     fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended>;
 
-    /// Hands `slot`, filled with stream step `step`, to the consumer.
-    fn deliver(&mut self, slot: u32, step: u64, report: FillReport) -> Result<(), Ended>;
+    /// Hands filled slots to the consumer, in stream order: one or several completed together (a
+    /// group's batches), at most [`DELIVER_AT_ONCE_MAX`].
+    fn deliver(&mut self, filled: &[Filled]) -> Result<(), Ended>;
 
     /// Ends the stream because a batch could not be filled.
     fn fail(&mut self, error: FillError);
@@ -366,6 +382,7 @@ impl Filler {
         // The GPU timings and the hand-off's time when three quarters were delivered, for the last
         // quarter's own figures (a window shuffle's last window is served with no copy left).
         let mut three_quarters: Option<(crate::pipeline::gpu::GpuFillTimings, f64, f64)> = None;
+        let mut done: Vec<Filled> = Vec::with_capacity(DELIVER_AT_ONCE_MAX);
         loop {
             let pending = filler.pending();
             if next == filler.steps && pending == 0 {
@@ -393,24 +410,36 @@ impl Filler {
                     Err(Ended) => return,
                 }
             }
+            // The oldest batch, waited for, and those after it already complete with it (a group's
+            // batches complete with their round): delivered together.
             let completing = std::time::Instant::now();
-            let (slot, step, report) = match filler.complete(slots) {
-                Ok(done) => done,
-                Err(error) => return handoff.fail(error),
-            };
+            done.clear();
+            loop {
+                match filler.complete(slots) {
+                    Ok((slot, step, report)) => done.push(Filled { slot, step, report }),
+                    Err(error) => return handoff.fail(error),
+                }
+                if done.len() == DELIVER_AT_ONCE_MAX || !filler.oldest_complete() {
+                    break;
+                }
+            }
             let delivering = std::time::Instant::now();
             complete_s += (delivering - completing).as_secs_f64();
-            let samples = report.samples;
-            if handoff.deliver(slot, step, report).is_err() {
+            if handoff.deliver(&done).is_err() {
                 return;
             }
             if let Some((ordinal, _)) = filler.device {
-                filler.metrics.device_batch(ordinal, samples);
+                let samples = done.iter().map(|d| u64::from(d.report.samples)).sum();
+                filler
+                    .metrics
+                    .device_batches(ordinal, done.len() as u64, samples);
             }
             deliver_s += delivering.elapsed().as_secs_f64();
-            delivered += 1;
+            let before = delivered;
+            delivered += done.len() as u64;
             for (quarter, at) in quarters.iter_mut().enumerate() {
-                if delivered == (filler.steps * (quarter as u64 + 1)).div_ceil(4) {
+                let mark = (filler.steps * (quarter as u64 + 1)).div_ceil(4);
+                if before < mark && mark <= delivered {
                     *at = started.elapsed().as_secs_f64();
                     if quarter == 2 {
                         if let Backend::Gpu { assembler, .. } = &filler.backend {
@@ -488,6 +517,15 @@ impl Filler {
         match &self.backend {
             Backend::Cpu { .. } => 1,
             Backend::Gpu { assembler, .. } => assembler.batches_ahead(),
+        }
+    }
+
+    /// Whether the oldest batch submitted is complete already, so that [`Self::complete`] would
+    /// return it without waiting for the device.
+    fn oldest_complete(&self) -> bool {
+        match &self.backend {
+            Backend::Cpu { done, .. } => !done.is_empty(),
+            Backend::Gpu { assembler, .. } => assembler.oldest_complete(),
         }
     }
 

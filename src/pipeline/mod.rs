@@ -15,8 +15,8 @@ pub use assemble::{
     PlacementRuns, PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,
 };
 pub use filler::{
-    BackendError, DeviceSlot, Ended, Filler, FillerError, GpuBackend, Handoff, SlotMemory,
-    StreamBackend,
+    BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff, SlotMemory,
+    StreamBackend, DELIVER_AT_ONCE_MAX,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};

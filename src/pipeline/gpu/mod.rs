@@ -498,6 +498,14 @@ impl GpuAssembler {
         self.buffers.len() * self.group_batches_max
     }
 
+    /// Whether the oldest batch submitted is complete already: all its rounds were waited for, and
+    /// it is in no group still waiting to be queued. [`Self::complete`] then returns it at once.
+    pub fn oldest_complete(&self) -> bool {
+        self.batches.front().is_some_and(|b| {
+            b.rounds_left == 0 && !self.group.as_ref().is_some_and(|g| g.contains(b.step))
+        })
+    }
+
     /// Batches submitted and not completed yet.
     pub fn pending_batches(&self) -> usize {
         self.batches.len()

@@ -1233,7 +1233,6 @@ impl GpuAssembler {
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
         let plan = Arc::clone(&self.plan);
-        self.wait_released(released)?;
         let waited = std::time::Instant::now();
         let planned = self.planned_step(step)?;
         self.timings.plan_s += waited.elapsed().as_secs_f64();
@@ -1258,6 +1257,9 @@ impl GpuAssembler {
         }) {
             self.flush_group()?;
         }
+        // The slot's last use by the consumer, waited for before the batch's first write is queued
+        // (after the group it did not join, which does not write this slot).
+        self.wait_released(released)?;
         // Shards are read ahead from the first batch of a group on: a later batch's read-ahead
         // could give the slots of shards the group reads to shards further on before the group's
         // round records its reads.
