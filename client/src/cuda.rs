@@ -263,10 +263,10 @@ impl DeviceSlots {
     pub(crate) fn wait_ready(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
         self.bind()?;
         let ready = self.slots[slot as usize].ready;
-        let queried = std::time::Instant::now();
+        let timer = QUERY_STATS.ready.start();
         // SAFETY: the event is live.
         let complete = event_complete(unsafe { cu::cuEventQuery(ready) });
-        QUERY_STATS.ready.add(queried.elapsed());
+        QUERY_STATS.ready.add(timer);
         if complete? {
             return Ok(());
         }
@@ -284,10 +284,10 @@ impl DeviceSlots {
     /// recorded, and the daemon's wait on the `released` event is on a record already complete.
     pub(crate) fn release(&self, slot: u32, stream: cu::CUstream) -> Result<(), CudaError> {
         self.bind()?;
-        let queried = std::time::Instant::now();
+        let timer = QUERY_STATS.stream.start();
         // SAFETY: the caller vouched for the stream.
         let idle = event_complete(unsafe { cu::cuStreamQuery(stream) });
-        QUERY_STATS.stream.add(queried.elapsed());
+        QUERY_STATS.stream.add(timer);
         if idle? {
             return Ok(());
         }
@@ -328,43 +328,65 @@ impl DeviceSlots {
     }
 }
 
-/// Counts of the driver queries a consumer makes for each batch, for diagnosis: how many, their
-/// total time, and how many took over [`SLOW_QUERY_NS`].
+/// Counts of the driver queries a consumer makes for each batch, for diagnosis: how many, and the
+/// time of one in [`QUERY_TIMED_EVERY`] (two clock reads a query would cost a batch about as much as
+/// the query): their total, and how many of them took over [`SLOW_QUERY_NS`].
 #[derive(Debug, Default)]
 pub struct QueryCounter {
     calls: std::sync::atomic::AtomicU64,
-    total_ns: std::sync::atomic::AtomicU64,
+    timed: std::sync::atomic::AtomicU64,
+    timed_ns: std::sync::atomic::AtomicU64,
     slow: std::sync::atomic::AtomicU64,
 }
 
 /// A query slower than this (nanoseconds) counts as slow.
 pub const SLOW_QUERY_NS: u64 = 50_000;
 
+/// One query in this many is timed.
+pub const QUERY_TIMED_EVERY: u64 = 16;
+
 impl QueryCounter {
     const fn new() -> QueryCounter {
         QueryCounter {
             calls: std::sync::atomic::AtomicU64::new(0),
-            total_ns: std::sync::atomic::AtomicU64::new(0),
+            timed: std::sync::atomic::AtomicU64::new(0),
+            timed_ns: std::sync::atomic::AtomicU64::new(0),
             slow: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    fn add(&self, took: std::time::Duration) {
+    /// Counts a query about to be made; the start time when this one is timed.
+    fn start(&self) -> Option<std::time::Instant> {
         use std::sync::atomic::Ordering::Relaxed;
-        let ns = took.as_nanos() as u64;
-        self.calls.fetch_add(1, Relaxed);
-        self.total_ns.fetch_add(ns, Relaxed);
+        let call = self.calls.fetch_add(1, Relaxed);
+        (call % QUERY_TIMED_EVERY == 0).then(std::time::Instant::now)
+    }
+
+    /// Ends a query counted by [`Self::start`].
+    fn add(&self, started: Option<std::time::Instant>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(started) = started else {
+            return;
+        };
+        let ns = started.elapsed().as_nanos() as u64;
+        self.timed.fetch_add(1, Relaxed);
+        self.timed_ns.fetch_add(ns, Relaxed);
         self.slow.fetch_add(u64::from(ns > SLOW_QUERY_NS), Relaxed);
     }
 
-    /// (calls, total seconds, calls over [`SLOW_QUERY_NS`]) so far in this process.
+    /// (calls, their total seconds estimated from the timed ones, timed calls over
+    /// [`SLOW_QUERY_NS`]) so far in this process.
     pub fn read(&self) -> (u64, f64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
-        (
-            self.calls.load(Relaxed),
-            self.total_ns.load(Relaxed) as f64 / 1e9,
-            self.slow.load(Relaxed),
-        )
+        let calls = self.calls.load(Relaxed);
+        let timed = self.timed.load(Relaxed);
+        let timed_s = self.timed_ns.load(Relaxed) as f64 / 1e9;
+        let total_s = if timed == 0 {
+            0.0
+        } else {
+            timed_s * calls as f64 / timed as f64
+        };
+        (calls, total_s, self.slow.load(Relaxed))
     }
 }
 

@@ -383,16 +383,18 @@ impl Filler {
         // quarter's own figures (a window shuffle's last window is served with no copy left).
         let mut three_quarters: Option<(crate::pipeline::gpu::GpuFillTimings, f64, f64)> = None;
         let mut done: Vec<Filled> = Vec::with_capacity(DELIVER_AT_ONCE_MAX);
+        // The end of the loop's last phase: each phase reads the clock once, when it ends.
+        let mut mark = std::time::Instant::now();
         loop {
             let pending = filler.pending();
             if next == filler.steps && pending == 0 {
                 break;
             }
             if next < filler.steps && pending < depth {
-                let waiting = std::time::Instant::now();
                 let taken = handoff.take_free(pending == 0);
                 let submitting = std::time::Instant::now();
-                let took = (submitting - waiting).as_secs_f64();
+                let took = (submitting - mark).as_secs_f64();
+                mark = submitting;
                 take_s += took;
                 if pending == 0 {
                     free_wait_s += took;
@@ -402,7 +404,9 @@ impl Filler {
                         if let Err(error) = filler.submit(slots, slot, next) {
                             return handoff.fail(error);
                         }
-                        submit_s += submitting.elapsed().as_secs_f64();
+                        let submitted = std::time::Instant::now();
+                        submit_s += (submitted - mark).as_secs_f64();
+                        mark = submitted;
                         next += 1;
                         continue;
                     }
@@ -412,7 +416,7 @@ impl Filler {
             }
             // The oldest batch, waited for, and those after it already complete with it (a group's
             // batches complete with their round): delivered together.
-            let completing = std::time::Instant::now();
+            let completing = mark;
             done.clear();
             loop {
                 match filler.complete(slots) {
@@ -434,7 +438,9 @@ impl Filler {
                     .metrics
                     .device_batches(ordinal, done.len() as u64, samples);
             }
-            deliver_s += delivering.elapsed().as_secs_f64();
+            let delivered_at = std::time::Instant::now();
+            deliver_s += (delivered_at - delivering).as_secs_f64();
+            mark = delivered_at;
             let before = delivered;
             delivered += done.len() as u64;
             for (quarter, at) in quarters.iter_mut().enumerate() {

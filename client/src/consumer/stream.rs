@@ -336,6 +336,13 @@ impl Stream {
     /// is due, watches the ring from then until shortly after, then sleeps until it comes
     /// (`pacing.rs`).
     fn wait_for_batch(&mut self) -> Result<Option<BatchInfo>, ClientError> {
+        // A batch already published is taken without planning a wait (no clock read): the usual
+        // case while the daemon runs ahead, and for every batch after the first of a group
+        // published together.
+        if let Some(info) = self.take_published()? {
+            self.pacing.record(info.ready_ns);
+            return Ok(Some(info));
+        }
         let plan = self.pacing.plan(monotonic_ns(), spin());
         let mut planned_sleep = (!plan.sleep.is_zero()).then_some(plan.sleep);
         let mut watch_until = None;

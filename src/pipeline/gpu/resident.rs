@@ -1233,9 +1233,7 @@ impl GpuAssembler {
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
         let plan = Arc::clone(&self.plan);
-        let waited = std::time::Instant::now();
         let planned = self.planned_step(step)?;
-        self.timings.plan_s += waited.elapsed().as_secs_f64();
         self.batches
             .push_back(PendingBatch::new(step, slot, planned.rows));
         let mut rounds = planned.rounds?;
@@ -1319,7 +1317,15 @@ impl GpuAssembler {
             ));
         }
         let planner = resident.planner.as_mut().expect("started above");
+        // Timed (and the planning threads' figure read) only when a chunk of plans is received:
+        // the other steps of a chunk are taken from memory, and the clock reads and the read of the
+        // threads' shared counter would cost more than taking them.
+        if !planner.taken.is_empty() {
+            return planner.next();
+        }
+        let waited = std::time::Instant::now();
         let planned = planner.next();
+        self.timings.plan_s += waited.elapsed().as_secs_f64();
         self.timings.planning_threads_s = planner.busy_s();
         planned
     }
