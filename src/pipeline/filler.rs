@@ -204,6 +204,22 @@ pub trait Handoff: Send + 'static {
     fn finish(&mut self);
 }
 
+/// For the filler's log: seconds waiting for a free slot, delivering, and in the loop's other calls
+/// (taking free slots, submitting, completing); when each quarter of the steps was delivered (a
+/// window shuffle of four windows shows each window's pace); and the GPU timings and the hand-off's
+/// time when three quarters were delivered, for the last quarter's own figures (a window shuffle's
+/// last window is served with no copy left).
+#[derive(Default)]
+struct LoopTimes {
+    free_wait_s: f64,
+    deliver_s: f64,
+    take_s: f64,
+    submit_s: f64,
+    complete_s: f64,
+    quarters: [f64; 4],
+    three_quarters: Option<(crate::pipeline::gpu::GpuFillTimings, f64, f64)>,
+}
+
 /// What fills a stream's slots, on the backend the stream asked for.
 pub struct Filler {
     steps: u64,
@@ -371,17 +387,8 @@ impl Filler {
         let usage_at_start = thread_usage();
         let depth = filler.depth();
         let mut next = 0u64;
-        // For the log: seconds waiting for a free slot, and when each quarter of the steps was
-        // delivered (a window shuffle of four windows shows each window's pace).
-        let mut free_wait_s = 0.0;
-        let mut deliver_s = 0.0;
-        // Seconds in the loop's other calls: taking free slots, submitting, completing.
-        let (mut take_s, mut submit_s, mut complete_s) = (0.0, 0.0, 0.0);
-        let mut quarters = [0.0f64; 4];
+        let mut times = LoopTimes::default();
         let mut delivered = 0u64;
-        // The GPU timings and the hand-off's time when three quarters were delivered, for the last
-        // quarter's own figures (a window shuffle's last window is served with no copy left).
-        let mut three_quarters: Option<(crate::pipeline::gpu::GpuFillTimings, f64, f64)> = None;
         let mut done: Vec<Filled> = Vec::with_capacity(DELIVER_AT_ONCE_MAX);
         // The end of the loop's last phase: each phase reads the clock once, when it ends.
         let mut mark = std::time::Instant::now();
@@ -395,9 +402,9 @@ impl Filler {
                 let submitting = std::time::Instant::now();
                 let took = (submitting - mark).as_secs_f64();
                 mark = submitting;
-                take_s += took;
+                times.take_s += took;
                 if pending == 0 {
-                    free_wait_s += took;
+                    times.free_wait_s += took;
                 }
                 match taken {
                     Ok(Some(slot)) => {
@@ -405,7 +412,7 @@ impl Filler {
                             return handoff.fail(error);
                         }
                         let submitted = std::time::Instant::now();
-                        submit_s += (submitted - mark).as_secs_f64();
+                        times.submit_s += (submitted - mark).as_secs_f64();
                         mark = submitted;
                         next += 1;
                         continue;
@@ -428,7 +435,7 @@ impl Filler {
                 }
             }
             let delivering = std::time::Instant::now();
-            complete_s += (delivering - completing).as_secs_f64();
+            times.complete_s += (delivering - completing).as_secs_f64();
             if handoff.deliver(&done).is_err() {
                 return;
             }
@@ -439,27 +446,40 @@ impl Filler {
                     .device_batches(ordinal, done.len() as u64, samples);
             }
             let delivered_at = std::time::Instant::now();
-            deliver_s += (delivered_at - delivering).as_secs_f64();
+            times.deliver_s += (delivered_at - delivering).as_secs_f64();
             mark = delivered_at;
             let before = delivered;
             delivered += done.len() as u64;
-            for (quarter, at) in quarters.iter_mut().enumerate() {
-                let mark = (filler.steps * (quarter as u64 + 1)).div_ceil(4);
-                if before < mark && mark <= delivered {
+            for (quarter, at) in times.quarters.iter_mut().enumerate() {
+                let due = (filler.steps * (quarter as u64 + 1)).div_ceil(4);
+                if before < due && due <= delivered {
                     *at = started.elapsed().as_secs_f64();
                     if quarter == 2 {
                         if let Backend::Gpu { assembler, .. } = &filler.backend {
-                            three_quarters = Some((assembler.timings, free_wait_s, deliver_s));
+                            times.three_quarters =
+                                Some((assembler.timings, times.free_wait_s, times.deliver_s));
                         }
                     }
                 }
             }
         }
-        if let Backend::Gpu { assembler, .. } = &filler.backend {
+        filler.log_gpu_stream(started, &usage_at_start, &times);
+        handoff.finish();
+    }
+
+    /// The GPU stream's log lines when it is done: the filler thread's CPU time, the last quarter's
+    /// figures and the whole stream's.
+    fn log_gpu_stream(
+        &self,
+        started: std::time::Instant,
+        usage_at_start: &ThreadUsage,
+        times: &LoopTimes,
+    ) {
+        if let Backend::Gpu { assembler, .. } = &self.backend {
             let t = assembler.timings;
             // The filler thread's own CPU time and involuntary context switches over the stream:
             // whether a slow stream's host work was slow on the core or kept off it.
-            let usage = thread_usage().since(&usage_at_start);
+            let usage = thread_usage().since(usage_at_start);
             tracing::info!(
                 "GPU stream's filler thread: {:.3} s of CPU over {:.3} s, {} involuntary and {} \
                  voluntary context switches, last on CPU {}",
@@ -470,17 +490,17 @@ impl Filler {
                 // SAFETY: sched_getcpu takes no arguments.
                 unsafe { libc::sched_getcpu() }
             );
-            if let Some((at, free_at, deliver_at)) = three_quarters {
+            if let Some((at, free_at, deliver_at)) = times.three_quarters {
                 tracing::info!(
                     "GPU stream's last quarter: {:.3} s, of which host plan {:.3} s, gather {:.3} s, \
                      waiting for the device {:.3} s, for a free slot {:.3} s, delivering {:.3} s; \
                      {} rounds",
-                    quarters[3] - quarters[2],
+                    times.quarters[3] - times.quarters[2],
                     t.plan_s - at.plan_s,
                     t.gather_s - at.gather_s,
                     t.wait_s - at.wait_s,
-                    free_wait_s - free_at,
-                    deliver_s - deliver_at,
+                    times.free_wait_s - free_at,
+                    times.deliver_s - deliver_at,
                     t.rounds - at.rounds
                 );
             }
@@ -492,7 +512,7 @@ impl Filler {
                  {} passed their piece tables in the launch; {} batches gathered in groups; the loop \
                  took slots for {:.3} s, submitted for {:.3} s, \
                  completed for {:.3} s",
-                filler.steps,
+                self.steps,
                 t.rounds,
                 started.elapsed().as_secs_f64(),
                 t.plan_s,
@@ -501,21 +521,20 @@ impl Filler {
                 t.decode_s,
                 t.gather_s,
                 t.wait_s,
-                free_wait_s,
-                deliver_s,
-                quarters[0],
-                quarters[1],
-                quarters[2],
-                quarters[3],
+                times.free_wait_s,
+                times.deliver_s,
+                times.quarters[0],
+                times.quarters[1],
+                times.quarters[2],
+                times.quarters[3],
                 t.rounds_from_device_copies,
                 t.rounds_inline,
                 t.batches_grouped,
-                take_s,
-                submit_s,
-                complete_s
+                times.take_s,
+                times.submit_s,
+                times.complete_s
             );
         }
-        handoff.finish();
     }
 
     /// Batches submitted ahead of the hand-off at most.
