@@ -497,8 +497,9 @@ fn consume_epoch(
     Ok((stream.state().cursor, stream.spec().device))
 }
 
-/// One release in this many is timed (`release_us_*`).
-const RELEASE_TIMED_EVERY: u64 = 4;
+/// One release in this many is timed (`release_us_*`): prime, so that the timed releases do not fall
+/// on the same batch of every group of batches published together.
+const RELEASE_TIMED_EVERY: u64 = 5;
 
 /// One epoch's stream, from the consumer's side, in milliseconds from when the consumer began to
 /// wait for it: the wait for the stream (its whole opening, connection included after the first

@@ -102,7 +102,14 @@ struct MappedSlot {
     ptr: cu::CUdeviceptr,
     ready: cu::CUevent,
     released: cu::CUevent,
+    /// Whether a release of the slot was recorded on a stream with work queued (then `released`
+    /// completes only after that work, which the unmapping must wait for).
+    recorded: std::sync::atomic::AtomicBool,
 }
+
+/// How long dropping a stream's slots waits, at most, for the work its consumer queued on the last
+/// batches before it unmaps them (see `Drop for DeviceSlots`).
+const UNMAP_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A stream's device slots, mapped read-write in this process on the daemon's device: the one
 /// exported allocation that holds them all, imported and mapped once, slot *i* at *i* × `slot_stride`.
@@ -222,6 +229,7 @@ impl DeviceSlots {
                 ptr: slots.range.0 + (index * stride) as cu::CUdeviceptr,
                 ready: std::ptr::null_mut(),
                 released: std::ptr::null_mut(),
+                recorded: std::sync::atomic::AtomicBool::new(false),
             });
             let slot = slots.slots.last_mut().expect("pushed above");
             // SAFETY: the context is current.
@@ -291,11 +299,16 @@ impl DeviceSlots {
         if idle? {
             return Ok(());
         }
+        let mapped = &self.slots[slot as usize];
         // SAFETY: as in wait_ready.
         let recorded = check("cuEventRecord", unsafe {
-            cu::cuEventRecord(self.slots[slot as usize].released, stream)
+            cu::cuEventRecord(mapped.released, stream)
         });
-        if recorded.is_err() {
+        if recorded.is_ok() {
+            mapped
+                .recorded
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        } else {
             // SAFETY: as above.
             check("cuStreamSynchronize", unsafe {
                 cu::cuStreamSynchronize(stream)
@@ -330,7 +343,7 @@ impl DeviceSlots {
 
 /// Counts of the driver queries a consumer makes for each batch, for diagnosis: how many, and the
 /// time of one in [`QUERY_TIMED_EVERY`] (two clock reads a query would cost a batch about as much as
-/// the query): their total, and how many of them took over [`SLOW_QUERY_NS`].
+/// the query), from which [`QueryCounter::read`] estimates the total and the slow calls.
 #[derive(Debug, Default)]
 pub struct QueryCounter {
     calls: std::sync::atomic::AtomicU64,
@@ -342,8 +355,9 @@ pub struct QueryCounter {
 /// A query slower than this (nanoseconds) counts as slow.
 pub const SLOW_QUERY_NS: u64 = 50_000;
 
-/// One query in this many is timed.
-pub const QUERY_TIMED_EVERY: u64 = 16;
+/// One query in this many is timed: prime, so that the timed queries do not fall on the same batch
+/// of every group of batches published together (up to 16).
+pub const QUERY_TIMED_EVERY: u64 = 17;
 
 impl QueryCounter {
     const fn new() -> QueryCounter {
@@ -374,19 +388,19 @@ impl QueryCounter {
         self.slow.fetch_add(u64::from(ns > SLOW_QUERY_NS), Relaxed);
     }
 
-    /// (calls, their total seconds estimated from the timed ones, timed calls over
-    /// [`SLOW_QUERY_NS`]) so far in this process.
+    /// (calls, their total seconds, and how many took over [`SLOW_QUERY_NS`]) so far in this
+    /// process; the seconds and the slow calls are estimated from the timed ones, scaled to all.
     pub fn read(&self) -> (u64, f64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
         let calls = self.calls.load(Relaxed);
         let timed = self.timed.load(Relaxed);
-        let timed_s = self.timed_ns.load(Relaxed) as f64 / 1e9;
-        let total_s = if timed == 0 {
-            0.0
-        } else {
-            timed_s * calls as f64 / timed as f64
-        };
-        (calls, total_s, self.slow.load(Relaxed))
+        if timed == 0 {
+            return (calls, 0.0, 0);
+        }
+        let scale = calls as f64 / timed as f64;
+        let total_s = self.timed_ns.load(Relaxed) as f64 / 1e9 * scale;
+        let slow = (self.slow.load(Relaxed) as f64 * scale).round() as u64;
+        (calls, total_s, slow)
     }
 }
 
@@ -496,21 +510,55 @@ unsafe fn open_event(bytes: &[u8; IPC_EVENT_HANDLE_BYTES]) -> Result<cu::CUevent
     Ok(event)
 }
 
+impl DeviceSlots {
+    /// Waits, for [`UNMAP_WAIT_MAX`] at most, until every release recorded on a stream with work
+    /// queued has completed: until the work the consumer queued on its batches before releasing them
+    /// is done. True when it has (a release never recorded needs no wait), false on a timeout or an
+    /// error (the work is stuck, e.g. behind a collective whose peer died, or the daemon ended the
+    /// session and its events are gone).
+    fn releases_complete(&self) -> bool {
+        let deadline = std::time::Instant::now() + UNMAP_WAIT_MAX;
+        for slot in &self.slots {
+            if slot.released.is_null() || !slot.recorded.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                continue;
+            }
+            loop {
+                // SAFETY: the event is live (destroyed only in Drop, after this).
+                match event_complete(unsafe { cu::cuEventQuery(slot.released) }) {
+                    Ok(true) => break,
+                    Ok(false) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_micros(50));
+                    }
+                    _ => return false,
+                }
+            }
+        }
+        true
+    }
+}
+
 impl Drop for DeviceSlots {
     fn drop(&mut self) {
         let _ = self.bind();
+        // Work the consumer queued on its batches may still read them (a framework frees a tensor,
+        // and with it the last batch, while kernels reading it are queued, e.g. a rank running ahead
+        // of its GPU behind an all-reduce): the memory is unmapped only once the release each batch
+        // recorded after that work has completed, or those kernels fault. If that does not happen
+        // within UNMAP_WAIT_MAX, the mapping is left in place (its device memory stays held until
+        // the process exits) rather than pulled from under work that may still read it.
+        let unmap = self.releases_complete();
+        if !unmap {
+            eprintln!(
+                "gpufeed-client: the work queued on a stream's last batches did not finish within {} s; \
+                 its {} bytes of device memory stay mapped until the process exits",
+                UNMAP_WAIT_MAX.as_secs(),
+                self.range.1
+            );
+        }
         // SAFETY: each resource was made in `import` and is torn down once, in reverse order; null
         // or zero values mark the steps that never happened.
         unsafe {
-            // Work the consumer queued on its batches may still read them (a framework frees a
-            // tensor, and with it the last batch, while kernels reading it are queued): wait for the
-            // release each batch recorded after that work before the memory is unmapped, or those
-            // kernels fault. An event never recorded is complete.
-            for slot in &self.slots {
-                if !slot.released.is_null() {
-                    let _ = cu::cuEventSynchronize(slot.released);
-                }
-            }
             for slot in &self.slots {
                 if !slot.released.is_null() {
                     let _ = cu::cuEventDestroy_v2(slot.released);
@@ -519,17 +567,51 @@ impl Drop for DeviceSlots {
                     let _ = cu::cuEventDestroy_v2(slot.ready);
                 }
             }
-            if self.mapped {
-                let _ = cu::cuMemUnmap(self.range.0, self.range.1);
+            if unmap {
+                if self.mapped {
+                    let _ = cu::cuMemUnmap(self.range.0, self.range.1);
+                }
+                if self.range.1 > 0 {
+                    let _ = cu::cuMemAddressFree(self.range.0, self.range.1);
+                }
+                if self.handle != 0 {
+                    let _ = cu::cuMemRelease(self.handle);
+                }
+                // Retained once in `import`; a mapping left in place keeps the context too.
+                let _ = cu::cuDevicePrimaryCtxRelease_v2(self.device);
             }
-            if self.range.1 > 0 {
-                let _ = cu::cuMemAddressFree(self.range.0, self.range.1);
-            }
-            if self.handle != 0 {
-                let _ = cu::cuMemRelease(self.handle);
-            }
-            // Retained once in `import`.
-            let _ = cu::cuDevicePrimaryCtxRelease_v2(self.device);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_query_counter_times_one_call_in_n_and_scales_its_estimates_to_all() {
+        let counter = QueryCounter::new();
+        let mut timed = 0;
+        for _ in 0..(QUERY_TIMED_EVERY * 4 + 1) {
+            let started = counter.start();
+            timed += u64::from(started.is_some());
+            counter.add(started);
+        }
+        // The first call and every QUERY_TIMED_EVERY-th after it.
+        assert_eq!(timed, 5);
+        let (calls, total_s, slow) = counter.read();
+        assert_eq!(calls, QUERY_TIMED_EVERY * 4 + 1);
+        assert!(total_s >= 0.0);
+        assert_eq!(slow, 0);
+        // A slow timed call counts for the calls it stands for.
+        counter
+            .slow
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (_, _, slow) = counter.read();
+        assert_eq!(
+            slow,
+            ((QUERY_TIMED_EVERY * 4 + 1) as f64 / 5.0).round() as u64
+        );
+        assert_eq!(QueryCounter::new().read(), (0, 0.0, 0));
     }
 }

@@ -428,7 +428,13 @@ impl Filler {
             loop {
                 match filler.complete(slots) {
                     Ok((slot, step, report)) => done.push(Filled { slot, step, report }),
-                    Err(error) => return handoff.fail(error),
+                    Err(error) => {
+                        // The batches completed before the failing one are sound: delivered first.
+                        if !done.is_empty() && handoff.deliver(&done).is_err() {
+                            return;
+                        }
+                        return handoff.fail(error);
+                    }
                 }
                 if done.len() == DELIVER_AT_ONCE_MAX || !filler.oldest_complete() {
                     break;
