@@ -8,7 +8,7 @@
 //! [`Metrics`] is also the one ledger of what the socket server holds: sessions, streams, slots and
 //! their bytes, slots by lease, batches served and samples replaced. Each serving event updates it
 //! once, through one method ([`Metrics::open_session`], [`Metrics::stream_opened`],
-//! [`Metrics::move_slot`], [`Metrics::batch_served`]...), and both the socket protocol's `Status` and
+//! [`Metrics::move_slot`], [`Metrics::batches_served`]...), and both the socket protocol's `Status` and
 //! the control API's status and metrics read the same values ([`Metrics::serving`]).
 //!
 //! The socket server feeds that ledger and the hand-off latency (from a filled slot to its `Batch`
@@ -94,11 +94,6 @@ impl Histogram {
             }
         }
         None
-    }
-
-    /// Records one observation.
-    pub fn observe(&self, value: Duration) {
-        self.observe_n(value, 1);
     }
 
     /// Records `n` observations of `value` at once.
@@ -291,11 +286,6 @@ impl Metrics {
         }
     }
 
-    /// A stream of device `ordinal` filled and handed on a batch of `samples` samples.
-    pub fn device_batch(&self, ordinal: u32, samples: u32) {
-        self.device_batches(ordinal, 1, u64::from(samples));
-    }
-
     /// `batches` batches of `samples` samples in all were delivered on device `ordinal`.
     pub fn device_batches(&self, ordinal: u32, batches: u64, samples: u64) {
         if let Some(device) = self.device(ordinal) {
@@ -453,12 +443,6 @@ impl Metrics {
         let gauges = &self.serving.slots_by_lease;
         gauges[from as usize].fetch_sub(n, Ordering::Relaxed);
         gauges[to as usize].fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// One batch was handed to its consumer, `latency` after its slot was filled, with `replaced`
-    /// samples zeroed under the corrupt-block policy.
-    pub fn batch_served(&self, replaced: u32, latency: Duration) {
-        self.batches_served(1, u64::from(replaced), latency);
     }
 
     /// `batches` batches were handed to their consumer at once, `latency` after their slots were
@@ -828,7 +812,7 @@ mod tests {
     fn histogram_buckets_are_cumulative_in_the_rendering() {
         let metrics = Metrics::new();
         for latency_us in [5, 10, 30, 5_000_000] {
-            metrics.batch_served(0, Duration::from_micros(latency_us));
+            metrics.batches_served(1, 0, Duration::from_micros(latency_us));
         }
         let text = render(&metrics, &Snapshot::default());
         assert!(text.contains("gpufeed_handoff_latency_seconds_bucket{le=\"0.00001\"} 2\n"));
@@ -853,7 +837,7 @@ mod tests {
         metrics.stream_opened(3);
         metrics.move_slot(SlotLease::Free, SlotLease::Filling);
         metrics.move_slot(SlotLease::Filling, SlotLease::Consumer);
-        metrics.batch_served(2, Duration::from_micros(40));
+        metrics.batches_served(1, 2, Duration::from_micros(40));
         assert_eq!(
             metrics.serving(),
             ServingCounts {
@@ -891,8 +875,8 @@ mod tests {
         metrics.serve_device(0);
         metrics.serve_device(3);
         metrics.device_stream_opened(3, 1 << 20);
-        metrics.device_batch(3, 96);
-        metrics.device_batch(3, 4);
+        metrics.device_batches(3, 1, 96);
+        metrics.device_batches(3, 1, 4);
         metrics.add_round_buffers_idle_bytes(3, 4096);
         metrics.add_shard_slots_idle_bytes(3, 1 << 29);
         let view = DeviceMetrics::new(Arc::clone(&metrics), 3);

@@ -555,6 +555,18 @@ mod tests {
         unsafe { RingView::init(NonNull::new(words.as_mut_ptr().cast()).unwrap(), slot_count) }
     }
 
+    /// The consumer's view of a ring that `view` initialised in `words`.
+    fn attached(words: &mut [u64]) -> RingView {
+        // SAFETY: as in `view`.
+        unsafe {
+            RingView::attach(
+                NonNull::new(words.as_mut_ptr().cast()).unwrap(),
+                words.len() * 8,
+            )
+        }
+        .unwrap()
+    }
+
     fn batch(slot: u32, step: u64) -> RingBatch {
         RingBatch {
             slot,
@@ -571,14 +583,7 @@ mod tests {
     fn batches_and_releases_cross_the_ring_over_several_laps() {
         let mut words = region(3);
         let daemon = view(&mut words, 3);
-        // SAFETY: as in `view`.
-        let consumer = unsafe {
-            RingView::attach(
-                NonNull::new(words.as_mut_ptr().cast()).unwrap(),
-                words.len() * 8,
-            )
-        }
-        .unwrap();
+        let consumer = attached(&mut words);
         assert_eq!(consumer.slot_count(), 3);
         for index in 0..10u64 {
             let sent = batch((index % 3) as u32, index);
@@ -601,17 +606,10 @@ mod tests {
     fn batches_published_together_are_seen_together_and_in_order() {
         let mut words = region(4);
         let daemon = view(&mut words, 4);
-        // SAFETY: as in `view`.
-        let consumer = unsafe {
-            RingView::attach(
-                NonNull::new(words.as_mut_ptr().cast()).unwrap(),
-                words.len() * 8,
-            )
-        }
-        .unwrap();
+        let consumer = attached(&mut words);
         // Two laps: three batches at once, one, then the ring's four across the wrap.
         let mut next = 0u64;
-        for (count, released) in [(3u64, 3u64), (1, 1), (4, 4)] {
+        for count in [3u64, 1, 4] {
             let sent: Vec<RingBatch> = (next..next + count)
                 .map(|step| batch((step % 4) as u32, step))
                 .collect();
@@ -625,7 +623,7 @@ mod tests {
                 );
                 consumer.publish_release(index, expected.slot);
             }
-            next += released;
+            next += count;
         }
         assert_eq!(daemon.releases_published(), next);
     }

@@ -1232,7 +1232,6 @@ impl GpuAssembler {
         released: &Event,
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
-        let plan = Arc::clone(&self.plan);
         let planned = self.planned_step(step)?;
         self.batches
             .push_back(PendingBatch::new(step, slot, planned.rows));
@@ -1268,7 +1267,7 @@ impl GpuAssembler {
                     .and_then(|r| r.device_shards.as_mut()),
                 planned.first_position,
             ) {
-                device_shards.read_ahead(&plan.order, first)?;
+                device_shards.read_ahead(&self.plan.order, first)?;
             }
         }
         if joins {
