@@ -563,16 +563,19 @@ impl PageCacheWindows {
         let slot = match known {
             Some(slot) => slot,
             None => {
+                // The budget first: a loader with copy threads asks once per pinned buffer's worth
+                // of a window the budget has no room for, and the residency of a whole window
+                // (a `mincore` over it) costs milliseconds.
+                let transient =
+                    registry.registered_bytes + bytes + keep_free > self.registered_bytes_max;
+                if transient && !transient_ok {
+                    return Ok(None);
+                }
                 let resident = mapped
                     .residency
                     .resident_fraction(start, bytes.min(file_len - start))
                     .is_ok_and(|f| f >= fraction_min);
                 if !resident {
-                    return Ok(None);
-                }
-                let transient =
-                    registry.registered_bytes + bytes + keep_free > self.registered_bytes_max;
-                if transient && !transient_ok {
                     return Ok(None);
                 }
                 let registered =

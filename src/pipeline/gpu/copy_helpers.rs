@@ -11,11 +11,13 @@
 //! the budget keeps registered, through its helper otherwise) and the threads from the back, until
 //! they meet, so none waits for another and each moves what its pace allows.
 //!
-//! Measured on the H100 test machine (8 GiB of shards, budget a third of it, in order): 7.8 GB/s
-//! with one thread, 14 to 21 GB/s with 4 to 12 (the threads read at 3 to 6 GB/s each while reading
-//! but spent about half their time idle, for reasons not yet found), against 22 to 25 GB/s
-//! registering; so `loader_copy_threads` is 0 by default, and the threads are for hosts where
-//! registering is slower or refused.
+//! Measured on the H100 test machine (8 GiB of shards, budget a third of it, in order, batch 4096;
+//! `docs/benchmarks/read-path-2026-11-25.md`, runs 83–84): 30.9 GB/s with 8 threads, 29.1 with 12, against 26.4
+//! registering each window (the default, about 1 host core); with 8 threads the daemon used 5.5
+//! cores. A bare probe of the same machine (threads reading the page cache into 1 MiB pinned buffers
+//! and uploading them, no loader) reached 39.5 GB/s on 8 threads and 45 on 12, so the loader's
+//! share-out per shard still leaves the threads idle part of the time. `loader_copy_threads` is 0
+//! by default: the threads are for hosts with cores to spare, or where registering is refused.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -23,11 +25,13 @@ use std::sync::Mutex;
 
 use crate::device::{Device, DeviceError, Event, EventTiming, PinnedBuffer, Stream};
 
-/// Bytes of one pinned buffer (one read, one upload).
-pub(super) const CHUNK_BYTES: usize = 8 << 20;
+/// Bytes of one pinned buffer (one read, one upload). Small buffers stay in the host's caches
+/// between the read that fills them and the upload that reads them: on the H100 test machine 1 MiB
+/// buffers moved 39.5 GB/s on 8 threads where 8 MiB ones moved 26 to 28 (probe, 2026-11-26).
+pub(super) const CHUNK_BYTES: usize = 1 << 20;
 
 /// Pinned buffers per copy thread: one being read into while the others upload.
-const BUFFERS: usize = 3;
+const BUFFERS: usize = 4;
 
 /// The most copy threads a loader may have.
 pub(crate) const COPY_THREADS_MAX: usize = 16;
@@ -290,22 +294,22 @@ impl Drop for CopyHelper {
 
 #[cfg(test)]
 mod tests {
-    use super::Claims;
+    use super::{Claims, CHUNK_BYTES};
 
     #[test]
     fn front_and_back_take_each_byte_once() {
-        const M: u64 = 1 << 20;
-        // Windows of 16 MiB, units of 8 MiB, a shard of 40 MiB + 1.
-        let claims = Claims::new(40 * M + 1, 16 * M);
-        assert_eq!(claims.take_back(), Some((40 * M, 40 * M + 1)));
-        assert_eq!(claims.take_front(), Some((0, 16 * M)));
-        assert_eq!(claims.take_back(), Some((32 * M, 40 * M)));
-        assert_eq!(claims.take_back(), Some((24 * M, 32 * M)));
-        assert_eq!(claims.take_front(), Some((16 * M, 24 * M)));
+        // Units of one pinned buffer (U), windows of two, a shard of five units and a byte.
+        const U: u64 = CHUNK_BYTES as u64;
+        let claims = Claims::new(5 * U + 1, 2 * U);
+        assert_eq!(claims.take_back(), Some((5 * U, 5 * U + 1)));
+        assert_eq!(claims.take_front(), Some((0, 2 * U)));
+        assert_eq!(claims.take_back(), Some((4 * U, 5 * U)));
+        assert_eq!(claims.take_back(), Some((3 * U, 4 * U)));
+        assert_eq!(claims.take_front(), Some((2 * U, 3 * U)));
         assert_eq!(claims.take_back(), None);
         assert_eq!(claims.take_front(), None);
         // Windows smaller than a buffer are the unit; a window not a multiple of it too.
-        for window in [256 << 10, 12 * M] {
+        for window in [U / 4, U + U / 2] {
             let claims = Claims::new(3 * window, window);
             assert_eq!(claims.take_back(), Some((2 * window, 3 * window)));
             assert_eq!(claims.take_front(), Some((0, window)));
@@ -313,14 +317,14 @@ mod tests {
             assert_eq!(claims.take_front(), None);
         }
         // The loader gives back what it took and did not copy.
-        let claims = Claims::new(32 * M, 16 * M);
-        assert_eq!(claims.take_front(), Some((0, 16 * M)));
-        claims.give_back_front(8 * M, 16 * M);
-        assert_eq!(claims.take_back(), Some((24 * M, 32 * M)));
-        assert_eq!(claims.take_front(), Some((8 * M, 16 * M)));
-        assert_eq!(claims.take_front(), Some((16 * M, 24 * M)));
+        let claims = Claims::new(4 * U, 2 * U);
+        assert_eq!(claims.take_front(), Some((0, 2 * U)));
+        claims.give_back_front(U, 2 * U);
+        assert_eq!(claims.take_back(), Some((3 * U, 4 * U)));
+        assert_eq!(claims.take_front(), Some((U, 2 * U)));
+        assert_eq!(claims.take_front(), Some((2 * U, 3 * U)));
         assert_eq!(claims.take_back(), None);
-        let claims = Claims::new(3 * M, 16 * M);
+        let claims = Claims::new(3 * U, 16 * U);
         claims.take_all();
         assert_eq!(claims.take_front(), None);
         assert_eq!(claims.take_back(), None);
