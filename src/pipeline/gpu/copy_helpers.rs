@@ -7,9 +7,11 @@
 //! one of its pinned buffers (a memory copy by the kernel from the page cache, or a disk read when
 //! the window is not cached) and queues the upload on its own stream while it reads the next.
 //! The loader thread has a helper of its own and `copy_threads - 1` helper threads beside it: they
-//! share a shard's windows, the loader taking them from the front (copying straight from windows
-//! the budget keeps registered, through its helper otherwise) and the threads from the back, until
-//! they meet, so none waits for another and each moves what its pace allows.
+//! share the windows of a group of shards (the jobs queued, up to four), the loader taking them
+//! from the front, shard after shard (copying straight from windows the budget keeps registered,
+//! through its helper otherwise), and the threads from the back of the first shard with bytes
+//! left, until they meet, so none waits for another and each moves what its pace allows: the copy
+//! engines move one shard from registered windows while the threads read the next.
 //!
 //! Measured on the H100 test machine (8 GiB of shards, budget a third of it, in order, batch 4096;
 //! `docs/benchmarks/read-path-2026-11-25.md`, runs 83–84): 30.9 GB/s with 8 threads, 29.1 with 12, against 26.4
@@ -126,6 +128,8 @@ pub(super) struct CopyHelper {
     done: Event,
     /// Whether this helper copied any of the current shard (its stream waited for `after`).
     started: bool,
+    /// Whether it copied any of the current group of shards.
+    copied_any: bool,
     /// What it did, for the loader's log.
     pub(super) stats: HelperStats,
 }
@@ -170,6 +174,7 @@ impl CopyHelper {
             next: 0,
             done,
             started: false,
+            copied_any: false,
             stats: HelperStats::default(),
         })
     }
@@ -179,29 +184,41 @@ impl CopyHelper {
         &self.done
     }
 
-    /// Copies windows of `copy` taken from the back until none is left, then records
-    /// [`Self::done`]. Returns whether it copied any. On an error the claims are emptied so the
-    /// other threads stop too.
-    pub(super) fn copy_shard(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
+    /// Copies units of `copies` (a loader's group of shards, in order) taken from the back of the
+    /// first shard with bytes left until none is left in any, then records [`Self::done`]. Returns
+    /// whether it copied any. On an error every shard's claims are emptied so the other threads
+    /// stop too.
+    pub(super) fn copy_shards(&mut self, copies: &[ShardCopy<'_>]) -> Result<bool, DeviceError> {
         let started = std::time::Instant::now();
-        let outcome = self.copy_windows(copy);
+        let outcome = self.copy_units(copies);
         self.stats.busy_s += started.elapsed().as_secs_f64();
         if outcome.is_err() {
-            copy.claims.take_all();
+            for copy in copies {
+                copy.claims.take_all();
+            }
         }
         outcome
     }
 
-    fn copy_windows(&mut self, copy: &ShardCopy<'_>) -> Result<bool, DeviceError> {
+    fn copy_units(&mut self, copies: &[ShardCopy<'_>]) -> Result<bool, DeviceError> {
         self.device.bind()?;
-        self.begin();
-        while let Some((start, end)) = copy.claims.take_back() {
-            self.copy_range(copy, start, end)?;
+        self.begin_group();
+        for copy in copies {
+            self.begin();
+            while let Some((start, end)) = copy.claims.take_back() {
+                self.copy_range(copy, start, end)?;
+            }
         }
         self.finish()
     }
 
-    /// Starts a shard.
+    /// Starts a group of shards.
+    pub(super) fn begin_group(&mut self) {
+        self.started = false;
+        self.copied_any = false;
+    }
+
+    /// Starts a shard of the group: its first copy waits for the shard's `after`.
     pub(super) fn begin(&mut self) {
         self.started = false;
     }
@@ -218,6 +235,7 @@ impl CopyHelper {
                 self.stream.wait(after)?;
             }
             self.started = true;
+            self.copied_any = true;
         }
         let mut at = start;
         while at < end {
@@ -228,12 +246,12 @@ impl CopyHelper {
         Ok(())
     }
 
-    /// Ends a shard: records [`Self::done`] if this helper copied any of it, and says whether.
+    /// Ends a group: records [`Self::done`] if this helper copied any of it, and says whether.
     pub(super) fn finish(&mut self) -> Result<bool, DeviceError> {
-        if self.started {
+        if self.copied_any {
             self.done.record(&self.stream)?;
         }
-        Ok(self.started)
+        Ok(self.copied_any)
     }
 
     /// Reads `bytes` at `at` of the shard into the next buffer once its last upload is done, and

@@ -21,7 +21,8 @@
 //!
 //! With `loader_copy_threads` above 0, windows the budget has no room for are not registered for
 //! their copy but copied through pinned buffers by this thread and copy threads beside it (see
-//! `copy_helpers`), and the thread logs where its time went when the stream ends.
+//! `copy_helpers`), a group of the shards queued at a time, and the thread logs where its time
+//! went when the stream ends.
 //!
 //! The filler learns that a shard's copies are queued when its generation is recorded; rounds that
 //! read the shard then make the compute stream wait for the copy's event (no host wait on the
@@ -52,6 +53,10 @@ const PINNED_WINDOWS_MAX: usize = 4;
 /// Windows of the budget a loader leaves free when it registers windows into the registry, so that
 /// windows registered for one copy always find room.
 const WINDOWS_KEPT_FREE: usize = 2;
+
+/// Most shards a loader with copy threads copies as one group (see `Worker::load`): a group's
+/// slots are ready together, when its last copy is queued.
+const GROUP_SHARDS_MAX: usize = 4;
 
 /// How long a filler waits for a shard between checks that the loader is still alive.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
@@ -324,17 +329,30 @@ impl Worker {
                     {
                         break;
                     }
-                    let (slot, generation, shard) = (job.slot, job.generation, job.shard);
+                    let mut group = vec![job];
+                    // The loader's first shard alone (a stream's first batch waits for it); later
+                    // ones grouped with those already queued when there are copy threads.
+                    while self.copy_threads > 0
+                        && self.shards_loaded > 0
+                        && group.len() < GROUP_SHARDS_MAX
+                    {
+                        match jobs.try_recv() {
+                            Ok(job) => group.push(job),
+                            Err(_) => break,
+                        }
+                    }
                     let started = std::time::Instant::now();
-                    if let Err(error) = self.load(&stream, &job) {
-                        result = Err((shard, error));
+                    if let Err(error) = self.load(&stream, &group) {
+                        result = Err(error);
                         break;
                     }
                     self.load_s += started.elapsed().as_secs_f64();
-                    self.shards_loaded += 1;
+                    self.shards_loaded += group.len() as u64;
                     let (lock, ready) = &**shared;
                     let mut state = lock.lock().expect("shard loader state poisoned");
-                    state.recorded[slot] = state.recorded[slot].max(generation);
+                    for job in &group {
+                        state.recorded[job.slot] = state.recorded[job.slot].max(job.generation);
+                    }
                     ready.notify_all();
                 }
                 // Every copy done before its windows are unpinned and the thread ends.
@@ -402,75 +420,89 @@ impl Worker {
         }
     }
 
-    /// Queues the copies of one shard into its slot, then records the slot's event.
-    fn load(&mut self, stream: &Stream, job: &LoadJob) -> Result<(), DeviceError> {
-        if let Some(after) = &job.after {
-            stream.wait(after)?;
-        }
-        let file_len = self.files[job.shard]
-            .metadata()
-            .map_err(|source| DeviceError::Os {
-                what: "reading the size of a shard",
-                source,
-            })?
-            .len();
-        if file_len < job.bytes {
-            return Err(DeviceError::Os {
-                what: "copying a shard",
-                source: std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "the shard is {file_len} bytes, shorter than the {} it had when the \
-                         stream opened",
-                        job.bytes
-                    ),
-                ),
-            });
-        }
-        // Never more than the slot was sized for, whatever the file has become.
-        let file_bytes = job.bytes;
+    /// Queues the copies of a group of shards into their slots, then records each slot's event.
+    /// With copy threads, a group is every job already queued, up to [`GROUP_SHARDS_MAX`]: the
+    /// threads take pinned buffers' worth from the back of the group's first shard with bytes left,
+    /// while this thread takes windows from the front, shard after shard, so that the copy engines
+    /// move one shard from registered windows while the threads read the next through their
+    /// buffers, and nobody waits for the others until the group ends. On a failure, the shard at
+    /// fault (or the group's first) is returned with the error.
+    fn load(&mut self, stream: &Stream, jobs: &[LoadJob]) -> Result<(), (usize, DeviceError)> {
+        let first_shard = jobs.first().map_or(0, |job| job.shard);
         let window_bytes = self.windows.window_bytes();
-        let windows = file_bytes.div_ceil(window_bytes);
-        let claims = Claims::new(file_bytes, window_bytes);
-        let file = Arc::clone(&self.files[job.shard]);
-        let copy = ShardCopy {
-            file: &file,
-            dst: job.dst,
-            after: job.after.as_deref(),
-            claims: &claims,
-        };
+        let mut claims = Vec::with_capacity(jobs.len());
+        let mut windows = 0;
+        for job in jobs {
+            let bytes = self.shard_bytes(job).map_err(|error| (job.shard, error))?;
+            windows += bytes.div_ceil(window_bytes);
+            claims.push(Claims::new(bytes, window_bytes));
+        }
+        let files: Vec<Arc<File>> = jobs
+            .iter()
+            .map(|job| Arc::clone(&self.files[job.shard]))
+            .collect();
+        let copies: Vec<ShardCopy<'_>> = jobs
+            .iter()
+            .zip(&files)
+            .zip(&claims)
+            .map(|((job, file), claims)| ShardCopy {
+                file,
+                dst: job.dst,
+                after: job.after.as_deref(),
+                claims,
+            })
+            .collect();
         let others = if windows < 2 {
             0
         } else {
             self.copy_threads.saturating_sub(1)
         };
-        if self.copy_threads > 0 && self.own.is_none() {
-            self.own = Some(CopyHelper::new(&self.device)?);
-        }
-        while self.helpers.len() < others {
-            self.helpers.push(CopyHelper::new(&self.device)?);
-        }
+        let made = (|| {
+            if self.copy_threads > 0 && self.own.is_none() {
+                self.own = Some(CopyHelper::new(&self.device)?);
+            }
+            while self.helpers.len() < others {
+                self.helpers.push(CopyHelper::new(&self.device)?);
+            }
+            Ok(())
+        })();
+        made.map_err(|error| (first_shard, error))?;
         if let Some(own) = &mut self.own {
-            own.begin();
+            own.begin_group();
         }
         let mut helpers = std::mem::take(&mut self.helpers);
         let spawning = std::time::Instant::now();
         let (mine, theirs) = std::thread::scope(|scope| {
             let threads: Vec<_> = helpers[..others]
                 .iter_mut()
-                .map(|helper| scope.spawn(|| helper.copy_shard(&copy)))
+                .map(|helper| scope.spawn(|| helper.copy_shards(&copies)))
                 .collect();
             self.phase_s[0] += spawning.elapsed().as_secs_f64();
             let front = std::time::Instant::now();
             let mut mine = Ok(());
-            while let Some((start, end)) = claims.take_front() {
-                match self.copy_range(stream, job, &copy, start, end) {
-                    Ok(copied_to) if copied_to < end => claims.give_back_front(copied_to, end),
-                    Ok(_) => {}
-                    Err(error) => {
-                        mine = Err(error);
-                        claims.take_all();
+            'jobs: for (job, copy) in jobs.iter().zip(&copies) {
+                if let Some(after) = &job.after {
+                    if let Err(error) = stream.wait(after) {
+                        mine = Err((job.shard, error));
                         break;
+                    }
+                }
+                if let Some(own) = &mut self.own {
+                    own.begin();
+                }
+                while let Some((start, end)) = copy.claims.take_front() {
+                    match self.copy_range(stream, job, copy, start, end) {
+                        Ok(copied_to) if copied_to < end => {
+                            copy.claims.give_back_front(copied_to, end)
+                        }
+                        Ok(_) => {}
+                        Err(error) => {
+                            mine = Err((job.shard, error));
+                            for copy in &copies {
+                                copy.claims.take_all();
+                            }
+                            break 'jobs;
+                        }
                     }
                 }
             }
@@ -495,14 +527,49 @@ impl Worker {
         let finished = theirs.into_iter().zip(self.helpers.iter()).chain(own);
         for (copied, helper) in finished {
             match copied {
-                // The slot's event waits for the helper's uploads too.
-                Ok(true) => outcome = outcome.and_then(|()| stream.wait(helper.done())),
+                // The slots' events wait for the helper's uploads too.
+                Ok(true) => {
+                    outcome = outcome
+                        .and_then(|()| stream.wait(helper.done()).map_err(|e| (first_shard, e)))
+                }
                 Ok(false) => {}
-                Err(error) => outcome = outcome.and(Err(error)),
+                Err(error) => outcome = outcome.and(Err((first_shard, error))),
             }
         }
         outcome?;
-        job.copied.record(stream)
+        for job in jobs {
+            job.copied
+                .record(stream)
+                .map_err(|error| (job.shard, error))?;
+        }
+        Ok(())
+    }
+
+    /// The bytes of `job`'s shard to copy: its size when the stream opened; an error if the file
+    /// is shorter now.
+    fn shard_bytes(&self, job: &LoadJob) -> Result<u64, DeviceError> {
+        let file_len = self.files[job.shard]
+            .metadata()
+            .map_err(|source| DeviceError::Os {
+                what: "reading the size of a shard",
+                source,
+            })?
+            .len();
+        if file_len < job.bytes {
+            return Err(DeviceError::Os {
+                what: "copying a shard",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "the shard is {file_len} bytes, shorter than the {} it had when the \
+                         stream opened",
+                        job.bytes
+                    ),
+                ),
+            });
+        }
+        // Never more than the slot was sized for, whatever the file has become.
+        Ok(job.bytes)
     }
 
     /// Queues the copy of bytes `at..end` (within one window) of the job's shard: on the loader's
