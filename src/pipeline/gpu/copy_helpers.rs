@@ -90,7 +90,8 @@ impl Claims {
     /// `from..end` (it copied less than it took).
     pub(super) fn give_back_front(&self, from: u64, end: u64) {
         let mut left = self.left.lock().expect("shard claims poisoned");
-        debug_assert!(left.0 == end && from <= end);
+        // Unless a failure took every byte meanwhile (`take_all`), the front is where it left it.
+        debug_assert!(from <= end && (left.0 == end || left.0 == left.1));
         if left.0 == end {
             left.0 = from;
         }
@@ -187,9 +188,12 @@ impl CopyHelper {
 
     /// Copies units of `copies` (a loader's group of shards, in order) taken from the back of the
     /// first shard with bytes left until none is left in any, then records [`Self::done`]. Returns
-    /// whether it copied any. On an error every shard's claims are emptied so the other threads
-    /// stop too.
-    pub(super) fn copy_shards(&mut self, copies: &[ShardCopy<'_>]) -> Result<bool, DeviceError> {
+    /// whether it copied any; on an error, the index in `copies` of the shard it was copying, and
+    /// every shard's claims are emptied so the other threads stop too.
+    pub(super) fn copy_shards(
+        &mut self,
+        copies: &[ShardCopy<'_>],
+    ) -> Result<bool, (usize, DeviceError)> {
         let started = std::time::Instant::now();
         let outcome = self.copy_units(copies);
         self.stats.busy_s += started.elapsed().as_secs_f64();
@@ -201,16 +205,18 @@ impl CopyHelper {
         outcome
     }
 
-    fn copy_units(&mut self, copies: &[ShardCopy<'_>]) -> Result<bool, DeviceError> {
-        self.device.bind()?;
+    fn copy_units(&mut self, copies: &[ShardCopy<'_>]) -> Result<bool, (usize, DeviceError)> {
+        self.device.bind().map_err(|error| (0, error))?;
         self.begin_group();
-        for copy in copies {
+        for (index, copy) in copies.iter().enumerate() {
             self.begin();
             while let Some((start, end)) = copy.claims.take_back() {
-                self.copy_range(copy, start, end)?;
+                self.copy_range(copy, start, end)
+                    .map_err(|error| (index, error))?;
             }
         }
         self.finish()
+            .map_err(|error| (copies.len().saturating_sub(1), error))
     }
 
     /// Starts a group of shards.

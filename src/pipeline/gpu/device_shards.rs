@@ -267,6 +267,7 @@ impl DeviceShards {
     fn fill(&mut self, index: usize, shard: usize) -> Result<(), FillError> {
         self.fills += 1;
         let slot = &mut self.slots[index];
+        let previous_fill = slot.shard.is_some();
         if let Some(previous) = slot.shard.take() {
             self.holder[previous] = None;
         }
@@ -274,7 +275,16 @@ impl DeviceShards {
         slot.waited = false;
         slot.window_waited.fill(false);
         if let ShardSource::Streamed(loader) = &self.source {
-            let after = slot.read.then(|| Arc::clone(&slot.last_read));
+            // After the rounds that read the slot's previous shard; if none did, after that
+            // shard's own copies, which may still be running (the loader records them before it
+            // copies this fill: it never groups two fills of one slot).
+            let after = if slot.read {
+                Some(Arc::clone(&slot.last_read))
+            } else if previous_fill {
+                Some(Arc::clone(&slot.copied))
+            } else {
+                None
+            };
             slot.read = false;
             slot.ready = false;
             slot.shard = Some(shard);

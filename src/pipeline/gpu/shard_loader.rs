@@ -76,7 +76,9 @@ pub(super) struct LoadJob {
     pub dst: u64,
     /// Recorded on the loader's stream after the shard's last copy.
     pub copied: Arc<Event>,
-    /// The last round that read the slot's previous shard: the copies wait for it.
+    /// What the copies wait for: the last round that read the slot's previous shard, or, when no
+    /// round read it, the previous fill's own copies (its `copied`, recorded before this job is
+    /// copied: a loader never groups two jobs of one slot).
     pub after: Option<Arc<Event>>,
 }
 
@@ -307,8 +309,10 @@ impl Worker {
             .map_err(|e| (0, e))
             .and_then(|stream| {
                 let mut result = Ok(());
+                // A job taken while a group formed that had to start the next group.
+                let mut held: Option<LoadJob> = None;
                 loop {
-                    let job = match jobs.try_recv() {
+                    let job = match held.take().map_or_else(|| jobs.try_recv(), Ok) {
                         Ok(job) => job,
                         Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
                         Err(std::sync::mpsc::TryRecvError::Empty) => {
@@ -331,12 +335,24 @@ impl Worker {
                     }
                     let mut group = vec![job];
                     // The loader's first shard alone (a stream's first batch waits for it); later
-                    // ones grouped with those already queued when there are copy threads.
+                    // ones grouped with those already queued when there are copy threads. A job
+                    // for a slot already in the group starts the next group: its copies must come
+                    // after those of the slot's earlier fill (its `after`, see `LoadJob`), whose
+                    // event is recorded when the group ends.
                     while self.copy_threads > 0
                         && self.shards_loaded > 0
                         && group.len() < GROUP_SHARDS_MAX
+                        && !shared
+                            .0
+                            .lock()
+                            .expect("shard loader state poisoned")
+                            .closing
                     {
                         match jobs.try_recv() {
+                            Ok(job) if group.iter().any(|queued| queued.slot == job.slot) => {
+                                held = Some(job);
+                                break;
+                            }
                             Ok(job) => group.push(job),
                             Err(_) => break,
                         }
@@ -484,6 +500,9 @@ impl Worker {
                 if let Some(after) = &job.after {
                     if let Err(error) = stream.wait(after) {
                         mine = Err((job.shard, error));
+                        for copy in &copies {
+                            copy.claims.take_all();
+                        }
                         break;
                     }
                 }
@@ -512,10 +531,13 @@ impl Worker {
                 .into_iter()
                 .map(|thread| match thread.join() {
                     Ok(outcome) => outcome,
-                    Err(_) => Err(DeviceError::Os {
-                        what: "copying a shard",
-                        source: std::io::Error::other("a copy thread panicked"),
-                    }),
+                    Err(_) => Err((
+                        0,
+                        DeviceError::Os {
+                            what: "copying a shard",
+                            source: std::io::Error::other("a copy thread panicked"),
+                        },
+                    )),
                 })
                 .collect();
             self.phase_s[2] += joining.elapsed().as_secs_f64();
@@ -523,7 +545,10 @@ impl Worker {
         });
         self.helpers = helpers;
         let mut outcome = mine;
-        let own = self.own.as_mut().map(|own| (own.finish(), &*own));
+        let own = self
+            .own
+            .as_mut()
+            .map(|own| (own.finish().map_err(|error| (0, error)), &*own));
         let finished = theirs.into_iter().zip(self.helpers.iter()).chain(own);
         for (copied, helper) in finished {
             match copied {
@@ -533,7 +558,11 @@ impl Worker {
                         .and_then(|()| stream.wait(helper.done()).map_err(|e| (first_shard, e)))
                 }
                 Ok(false) => {}
-                Err(error) => outcome = outcome.and(Err((first_shard, error))),
+                // The shard the helper was copying when it failed.
+                Err((index, error)) => {
+                    let shard = jobs.get(index).map_or(first_shard, |job| job.shard);
+                    outcome = outcome.and(Err((shard, error)));
+                }
             }
         }
         outcome?;
