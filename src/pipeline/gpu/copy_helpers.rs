@@ -353,5 +353,13 @@ mod tests {
         claims.take_all();
         assert_eq!(claims.take_front(), None);
         assert_eq!(claims.take_back(), None);
+        // A failure elsewhere takes every byte while the loader holds a range: what it gives back
+        // stays taken.
+        let claims = Claims::new(4 * U, 2 * U);
+        assert_eq!(claims.take_front(), Some((0, 2 * U)));
+        claims.take_all();
+        claims.give_back_front(U, 2 * U);
+        assert_eq!(claims.take_front(), None);
+        assert_eq!(claims.take_back(), None);
     }
 }
