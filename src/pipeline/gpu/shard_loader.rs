@@ -275,6 +275,29 @@ impl Drop for ShardLoader {
     }
 }
 
+/// A group of jobs to copy together: `first`, then the jobs `next` yields while the group has fewer
+/// than `max`, up to the first job for a slot already in the group, which is returned to start the
+/// next group: a fill's copies must come after those of its slot's earlier fill (its `after`, see
+/// [`LoadJob`]), whose event is recorded when that fill's group ends.
+fn take_group<J>(
+    first: J,
+    max: usize,
+    slot_of: impl Fn(&J) -> usize,
+    mut next: impl FnMut() -> Option<J>,
+) -> (Vec<J>, Option<J>) {
+    let mut group = vec![first];
+    while group.len() < max {
+        let Some(job) = next() else {
+            break;
+        };
+        if group.iter().any(|queued| slot_of(queued) == slot_of(&job)) {
+            return (group, Some(job));
+        }
+        group.push(job);
+    }
+    (group, None)
+}
+
 /// What the loader thread owns.
 struct Worker {
     device: Device,
@@ -333,30 +356,31 @@ impl Worker {
                     {
                         break;
                     }
-                    let mut group = vec![job];
                     // The loader's first shard alone (a stream's first batch waits for it); later
-                    // ones grouped with those already queued when there are copy threads. A job
-                    // for a slot already in the group starts the next group: its copies must come
-                    // after those of the slot's earlier fill (its `after`, see `LoadJob`), whose
-                    // event is recorded when the group ends.
-                    while self.copy_threads > 0
-                        && self.shards_loaded > 0
-                        && group.len() < GROUP_SHARDS_MAX
-                        && !shared
-                            .0
-                            .lock()
-                            .expect("shard loader state poisoned")
-                            .closing
-                    {
-                        match jobs.try_recv() {
-                            Ok(job) if group.iter().any(|queued| queued.slot == job.slot) => {
-                                held = Some(job);
-                                break;
+                    // ones grouped with those already queued when there are copy threads.
+                    let max = if self.copy_threads > 0 && self.shards_loaded > 0 {
+                        GROUP_SHARDS_MAX
+                    } else {
+                        1
+                    };
+                    let (group, next) = take_group(
+                        job,
+                        max,
+                        |job| job.slot,
+                        || {
+                            let closing = shared
+                                .0
+                                .lock()
+                                .expect("shard loader state poisoned")
+                                .closing;
+                            if closing {
+                                None
+                            } else {
+                                jobs.try_recv().ok()
                             }
-                            Ok(job) => group.push(job),
-                            Err(_) => break,
-                        }
-                    }
+                        },
+                    );
+                    held = next;
                     let started = std::time::Instant::now();
                     if let Err(error) = self.load(&stream, &group) {
                         result = Err(error);
@@ -765,5 +789,53 @@ impl Worker {
         }
         self.unpin_done(false);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_group;
+
+    /// Jobs as (slot, id); `next` yields the queued ones in order.
+    fn group_of(
+        first: (usize, u32),
+        queued: &[(usize, u32)],
+        max: usize,
+    ) -> (Vec<u32>, Option<u32>, usize) {
+        let mut queue = queued.iter().copied();
+        let mut taken = 0;
+        let (group, held) = take_group(
+            first,
+            max,
+            |job| job.0,
+            || {
+                let job = queue.next();
+                taken += job.is_some() as usize;
+                job
+            },
+        );
+        (
+            group.iter().map(|job| job.1).collect(),
+            held.map(|job| job.1),
+            taken,
+        )
+    }
+
+    #[test]
+    fn a_group_takes_queued_jobs_up_to_its_size_and_a_slot_once() {
+        // Up to `max`, never more taken from the queue than the group holds.
+        assert_eq!(
+            group_of((0, 1), &[(1, 2), (2, 3), (3, 4), (4, 5)], 4),
+            (vec![1, 2, 3, 4], None, 3)
+        );
+        assert_eq!(group_of((0, 1), &[(1, 2)], 4), (vec![1, 2], None, 1));
+        // Size one: nothing taken from the queue.
+        assert_eq!(group_of((0, 1), &[(1, 2)], 1), (vec![1], None, 0));
+        // A second fill of slot 1 closes the group and starts the next one.
+        assert_eq!(
+            group_of((0, 1), &[(1, 2), (1, 3), (2, 4)], 4),
+            (vec![1, 2], Some(3), 2)
+        );
+        assert_eq!(group_of((5, 1), &[(5, 2)], 4), (vec![1], Some(2), 1));
     }
 }
