@@ -248,8 +248,8 @@ struct ServeArgs {
     /// dataset is larger than the registration budget (each reads page cache into its buffers:
     /// about a host core while it copies) instead of registering each window for its copy (0 to
     /// 16). Default: 0, registering (about 1 host core). On the H100 test machine, at a dataset 3x
-    /// the budget in dataset order, 8 threads moved 36.4-40.2 GB/s on about 6 daemon cores against
-    /// 26-31 GB/s registering, and 12 threads 36.1: worth it on a host with cores to spare.
+    /// the budget in dataset order, 8 threads moved 36.1-40.2 GB/s on about 6 daemon cores against
+    /// 25-31 GB/s registering, and 12 threads 36.1: worth it on a host with cores to spare.
     #[arg(long, value_name = "N")]
     loader_copy_threads: Option<u32>,
     /// Most control API connections served at once (further ones wait to be accepted), so that idle

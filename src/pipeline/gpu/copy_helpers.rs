@@ -14,8 +14,8 @@
 //! engines move one shard from registered windows while the threads read the next.
 //!
 //! Measured on the H100 test machine (8 GiB of shards, budget a third of it, dataset order, batch
-//! 4096; `docs/benchmarks/read-path-2026-11-25.md`, runs 83–90): 36.4–40.2 GB/s with 8 threads
-//! (5.7–6.3 daemon cores), 35.6 with 10 and 36.1 with 12, against 26–31 registering each window
+//! 4096; `docs/benchmarks/read-path-2026-11-25.md`, runs 83–91): 36.1–40.2 GB/s with 8 threads
+//! (5.7–6.3 daemon cores), 35.6 with 10 and 36.1 with 12, against 25–31 registering each window
 //! (the default, about 1.2 cores) and 53 within the budget. The loader registering windows for its
 //! own share beside the threads made 27 GB/s (run 88): registering holds up the threads' driver
 //! calls. A bare probe of the same machine (threads reading the page cache into 1 MiB pinned

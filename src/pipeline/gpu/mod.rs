@@ -181,7 +181,7 @@ impl std::str::FromStr for ZeroCopy {
 pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
 
 /// Default [`GpuStreamLimits::loader_copy_threads`].
-/// On the H100 test machine 8 copy threads moved 36.4 to 40.2 GB/s beyond the budget against 26 to 31
+/// On the H100 test machine 8 copy threads moved 36.1 to 40.2 GB/s beyond the budget against 25 to 31
 /// registering each window for its copy, but on about 6 host cores against 1 (see `copy_helpers`):
 /// the host's cores belong to the training processes first, so none by default.
 pub const LOADER_COPY_THREADS_DEFAULT: usize = 0;
