@@ -109,6 +109,13 @@ impl Claims {
     }
 }
 
+/// Takes every byte left of every shard in `copies` (after a failure: nobody copies more of them).
+pub(super) fn stop_all(copies: &[ShardCopy<'_>]) {
+    for copy in copies {
+        copy.claims.take_all();
+    }
+}
+
 /// One shard's copy as a copy thread sees it.
 pub(super) struct ShardCopy<'a> {
     pub file: &'a File,
@@ -198,9 +205,7 @@ impl CopyHelper {
         let outcome = self.copy_units(copies);
         self.stats.busy_s += started.elapsed().as_secs_f64();
         if outcome.is_err() {
-            for copy in copies {
-                copy.claims.take_all();
-            }
+            stop_all(copies);
         }
         outcome
     }

@@ -267,8 +267,8 @@ impl DeviceShards {
     fn fill(&mut self, index: usize, shard: usize) -> Result<(), FillError> {
         self.fills += 1;
         let slot = &mut self.slots[index];
-        let previous_fill = slot.shard.is_some();
-        if let Some(previous) = slot.shard.take() {
+        let previous_fill = slot.shard.take();
+        if let Some(previous) = previous_fill {
             self.holder[previous] = None;
         }
         slot.generation = self.fills;
@@ -280,7 +280,7 @@ impl DeviceShards {
             // copies this fill: it never groups two fills of one slot).
             let after = if slot.read {
                 Some(Arc::clone(&slot.last_read))
-            } else if previous_fill {
+            } else if previous_fill.is_some() {
                 Some(Arc::clone(&slot.copied))
             } else {
                 None

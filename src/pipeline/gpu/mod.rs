@@ -180,10 +180,9 @@ impl std::str::FromStr for ZeroCopy {
 /// (seven such slots) the next window's last shard could not be copied before its window began.
 pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
 
-/// Default [`GpuStreamLimits::loader_copy_threads`].
-/// On the H100 test machine 8 copy threads moved 36.1 to 40.2 GB/s beyond the budget against 25 to 31
-/// registering each window for its copy, but on about 6 host cores against 1 (see `copy_helpers`):
-/// the host's cores belong to the training processes first, so none by default.
+/// Default [`GpuStreamLimits::loader_copy_threads`]: none. Copy threads move more than registering
+/// beyond the budget on the H100 test machine, but on several host cores against one (figures in
+/// `copy_helpers`), and the host's cores belong to the training processes first.
 pub const LOADER_COPY_THREADS_DEFAULT: usize = 0;
 
 /// The most [`GpuStreamLimits::loader_copy_threads`].

@@ -42,7 +42,7 @@ use std::time::Duration;
 
 use memmap2::Mmap;
 
-use super::copy_helpers::{Claims, CopyHelper, HelperStats, ShardCopy};
+use super::copy_helpers::{stop_all, Claims, CopyHelper, HelperStats, ShardCopy};
 use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
 use crate::pipeline::assemble::FillError;
 use crate::storage::windows::{CopySource, PageCacheWindows};
@@ -497,16 +497,8 @@ impl Worker {
         } else {
             self.copy_threads.saturating_sub(1)
         };
-        let made = (|| {
-            if self.copy_threads > 0 && self.own.is_none() {
-                self.own = Some(CopyHelper::new(&self.device)?);
-            }
-            while self.helpers.len() < others {
-                self.helpers.push(CopyHelper::new(&self.device)?);
-            }
-            Ok(())
-        })();
-        made.map_err(|error| (first_shard, error))?;
+        self.make_helpers(others)
+            .map_err(|error| (first_shard, error))?;
         if let Some(own) = &mut self.own {
             own.begin_group();
         }
@@ -524,9 +516,7 @@ impl Worker {
                 if let Some(after) = &job.after {
                     if let Err(error) = stream.wait(after) {
                         mine = Err((job.shard, error));
-                        for copy in &copies {
-                            copy.claims.take_all();
-                        }
+                        stop_all(&copies);
                         break;
                     }
                 }
@@ -541,9 +531,7 @@ impl Worker {
                         Ok(_) => {}
                         Err(error) => {
                             mine = Err((job.shard, error));
-                            for copy in &copies {
-                                copy.claims.take_all();
-                            }
+                            stop_all(&copies);
                             break 'jobs;
                         }
                     }
@@ -594,6 +582,17 @@ impl Worker {
             job.copied
                 .record(stream)
                 .map_err(|error| (job.shard, error))?;
+        }
+        Ok(())
+    }
+
+    /// Makes this thread's copy helper and `others` for the copy threads, those not made yet.
+    fn make_helpers(&mut self, others: usize) -> Result<(), DeviceError> {
+        if self.copy_threads > 0 && self.own.is_none() {
+            self.own = Some(CopyHelper::new(&self.device)?);
+        }
+        while self.helpers.len() < others {
+            self.helpers.push(CopyHelper::new(&self.device)?);
         }
         Ok(())
     }
