@@ -309,6 +309,19 @@ fn handshake(
     let deadline = std::time::Instant::now() + shared.config.handshake_timeout;
     let hello = transport::recv_before(reader, deadline);
     let client = match hello {
+        // Descriptors on any client frame are BadFrame (docs/PROTOCOL.md), the Hello's too: they
+        // are closed here (dropped with the frame) and the session refused.
+        Ok((Message::Hello { .. }, fds)) if !fds.is_empty() => {
+            send_error(
+                writer,
+                ErrorCode::BadFrame,
+                format!(
+                    "the Hello carried {} file descriptor(s): consumers may not pass descriptors",
+                    fds.len()
+                ),
+            );
+            return None;
+        }
         Ok((Message::Hello { client }, _)) => {
             tracing::info!("session {session_id}: {client} (uid {uid})");
             client
