@@ -191,6 +191,8 @@ struct GfStreamOptions {
   // Step of the epoch to start at (0: the beginning); ignored when `resume` is set.
   uint64_t start_step;
   // A checkpoint to continue from (from [`gf_stream_state`]), at any world size; null for none.
+  // It gives the seed, epoch and shuffle left at their init values; `dataset`, and any of them
+  // set otherwise, must be the state's (else `GF_STATUS_INVALID_ARGUMENT` naming both values).
   const struct GfStreamState *resume;
   // Corrupt-block policy (a `GfCorruptPolicy`).
   uint32_t on_corrupt;

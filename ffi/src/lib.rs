@@ -185,6 +185,8 @@ pub struct GfStreamOptions {
     /// Step of the epoch to start at (0: the beginning); ignored when `resume` is set.
     pub start_step: u64,
     /// A checkpoint to continue from (from [`gf_stream_state`]), at any world size; null for none.
+    /// It gives the seed, epoch and shuffle left at their init values; `dataset`, and any of them
+    /// set otherwise, must be the state's (else `GF_STATUS_INVALID_ARGUMENT` naming both values).
     pub resume: *const GfStreamState,
     /// Corrupt-block policy (a `GfCorruptPolicy`).
     pub on_corrupt: u32,
@@ -576,7 +578,8 @@ unsafe fn spec_of(options: &GfStreamOptions) -> Result<StreamSpec, GfStatus> {
             world_size: state.world_size,
             batch_size: state.batch_size,
             cursor: state.cursor,
-        });
+        })
+        .map_err(|e| invalid(format!("options.resume: {e}")))?;
     }
     spec.validate().map_err(|e| invalid(e.to_string()))?;
     Ok(spec)

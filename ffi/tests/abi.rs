@@ -136,6 +136,40 @@ fn batches_are_the_source_rows_and_resume_at_another_world_size() {
     expected.sort_unstable();
     rest.sort_unstable();
     assert_eq!(rest, expected);
+    resume_state_does_not_override_the_options(&daemon, &state);
+}
+
+/// `options.resume` with another dataset (or another seed) won over `options.dataset` (and
+/// `options.seed`): the checkpoint's stream was served. A mismatch is refused, naming the field and
+/// both values.
+fn resume_state_does_not_override_the_options(daemon: &common::Daemon, state: &GfStreamState) {
+    let other = CString::new("ds1").unwrap();
+    let mut another_dataset = options(&other, 50);
+    another_dataset.resume = state;
+    let mut stream = null_mut();
+    // SAFETY: a fresh client and initialised options.
+    let status = unsafe { gf_open_stream(connect(&daemon.socket), &another_dataset, &mut stream) };
+    assert_eq!(status, GfStatus::InvalidArgument);
+    let message = last_error();
+    assert!(
+        message.contains("options.resume")
+            && message.contains("'ds1'")
+            && message.contains("'toy'"),
+        "{message}"
+    );
+    let toy = CString::new("toy").unwrap();
+    let mut another_seed = options(&toy, 50);
+    another_seed.shuffle = GfShuffle::Full as u32;
+    another_seed.seed = 12;
+    another_seed.resume = state;
+    // SAFETY: as above.
+    let status = unsafe { gf_open_stream(connect(&daemon.socket), &another_seed, &mut stream) };
+    assert_eq!(status, GfStatus::InvalidArgument);
+    let message = last_error();
+    assert!(
+        message.contains("seed 12") && message.contains("seed 11"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -111,16 +111,35 @@ impl StreamSpec {
         self
     }
 
-    /// Continues from a checkpoint: takes the dataset, seed, epoch and shuffle that define the epoch's
-    /// order, and the cursor, from `state`. The rank, world size and batch size stay as set here: the
-    /// order does not depend on them, so a checkpoint resumes at any world size (elastic resume).
-    pub fn resume(&mut self, state: &StreamState) -> &mut StreamSpec {
-        self.dataset.clone_from(&state.dataset);
+    /// Continues from a checkpoint: takes the seed, epoch and shuffle that define the epoch's order,
+    /// and the cursor, from `state`. The rank, world size and batch size stay as set here: the order
+    /// does not depend on them, so a checkpoint resumes at any world size (elastic resume).
+    ///
+    /// The spec's dataset must be the state's, and a seed, epoch or shuffle set here (any value but
+    /// the one [`StreamSpec::new`] gives) must be the state's too: a checkpoint never silently
+    /// replaces what the caller asked for. The error names the field and both values.
+    pub fn resume(&mut self, state: &StreamState) -> Result<&mut StreamSpec, SpecError> {
+        let unset = StreamSpec::new(String::new(), 1);
+        if self.dataset != state.dataset {
+            return Err(resume_mismatch(
+                "dataset",
+                &format!("'{}'", self.dataset),
+                &format!("'{}'", state.dataset),
+            ));
+        }
+        check_resumed("seed", &self.seed, &state.seed, Some(&unset.seed))?;
+        check_resumed("epoch", &self.epoch, &state.epoch, Some(&unset.epoch))?;
+        check_resumed(
+            "shuffle",
+            &ShuffleName(self.shuffle),
+            &ShuffleName(state.shuffle),
+            Some(&ShuffleName(unset.shuffle)),
+        )?;
         self.seed = state.seed;
         self.epoch = state.epoch;
         self.shuffle = state.shuffle;
         self.start_cursor = state.cursor;
-        self
+        Ok(self)
     }
 
     /// Every check that needs nothing but the spec: string and frame bounds (what the encoder would
@@ -166,6 +185,47 @@ impl StreamSpec {
             ));
         }
         Ok(())
+    }
+}
+
+/// `field` of a spec being resumed: `given` (the spec's value) must equal `state` (the checkpoint's),
+/// unless it is `unset` (the value [`StreamSpec::new`] gives, which the state fills in).
+fn check_resumed<T: PartialEq + std::fmt::Display>(
+    field: &str,
+    given: &T,
+    state: &T,
+    unset: Option<&T>,
+) -> Result<(), SpecError> {
+    if given == state || unset == Some(given) {
+        return Ok(());
+    }
+    Err(resume_mismatch(field, given, state))
+}
+
+/// The error of a resume whose `field` was given as `given` while the resume state holds `state`.
+/// (The Python binding, which knows which arguments were passed, reports with it too.)
+pub fn resume_mismatch(
+    field: &str,
+    given: &dyn std::fmt::Display,
+    state: &dyn std::fmt::Display,
+) -> SpecError {
+    SpecError(format!(
+        "{field} {given} was asked for, but the resume state is of {field} {state}: a checkpoint \
+         continues the stream it was taken from (leave {field} unset, or give the state's value)"
+    ))
+}
+
+/// A shuffle as the bindings name it: `none`, `window of N shards`, `full`.
+#[derive(PartialEq)]
+pub struct ShuffleName(pub Shuffle);
+
+impl std::fmt::Display for ShuffleName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Shuffle::None => write!(f, "none"),
+            Shuffle::Window(shards) => write!(f, "window ({shards} shards)"),
+            Shuffle::Full => write!(f, "full"),
+        }
     }
 }
 
@@ -239,5 +299,78 @@ mod tests {
             let error = spec.validate().expect_err(expected);
             assert!(error.0.contains(expected), "{error} lacks {expected:?}");
         }
+    }
+
+    fn checkpoint_of_big() -> StreamState {
+        StreamState {
+            dataset: "big".into(),
+            seed: 0,
+            epoch: 2,
+            shuffle: Shuffle::None,
+            world_size: 4,
+            batch_size: 1000,
+            cursor: 8000,
+        }
+    }
+
+    /// A resume state silently overrode explicit arguments: a spec of dataset `ds1` resumed from a
+    /// checkpoint of `big` streamed `big`, and a full shuffle of seed 7 resumed from a checkpoint in
+    /// dataset order streamed in dataset order. Each mismatch is now an error naming the field and
+    /// both values.
+    #[test]
+    fn a_resume_state_never_overrides_what_the_spec_asks_for() {
+        let state = checkpoint_of_big();
+        let mut other_dataset = StreamSpec::new("ds1", 500);
+        let error = other_dataset.resume(&state).expect_err("another dataset");
+        assert!(
+            error.0.contains("dataset 'ds1'") && error.0.contains("dataset 'big'"),
+            "{error}"
+        );
+        assert_eq!(other_dataset.dataset, "ds1");
+
+        let mut full = StreamSpec::new("big", 1000);
+        full.shuffle = Shuffle::Full;
+        full.seed = 7;
+        let error = full.resume(&state).expect_err("another seed");
+        assert!(
+            error.0.contains("seed 7") && error.0.contains("seed 0"),
+            "{error}"
+        );
+        full.seed = 0;
+        let error = full.resume(&state).expect_err("another shuffle");
+        assert!(
+            error.0.contains("shuffle full") && error.0.contains("shuffle none"),
+            "{error}"
+        );
+        assert_eq!(full.start_cursor, 0, "a refused resume changes nothing");
+
+        let mut epoch = StreamSpec::new("big", 1000);
+        epoch.epoch = 5;
+        let error = epoch.resume(&state).expect_err("another epoch");
+        assert!(
+            error.0.contains("epoch 5") && error.0.contains("epoch 2"),
+            "{error}"
+        );
+    }
+
+    /// What the spec leaves unset (as [`StreamSpec::new`] gives it) or sets to the state's values is
+    /// taken from the state, with its cursor.
+    #[test]
+    fn a_resume_fills_what_the_spec_leaves_unset() {
+        let mut state = checkpoint_of_big();
+        state.seed = 7;
+        state.shuffle = Shuffle::Window(4);
+        let mut spec = StreamSpec::new("big", 250);
+        spec.resume(&state).expect("unset fields are the state's");
+        assert_eq!(
+            (spec.seed, spec.epoch, spec.shuffle, spec.start_cursor),
+            (7, 2, Shuffle::Window(4), 8000)
+        );
+        let mut same = StreamSpec::new("big", 250);
+        same.seed = 7;
+        same.shuffle = Shuffle::Window(4);
+        same.epoch = 2;
+        same.resume(&state).expect("the state's own values");
+        assert_eq!(same, spec);
     }
 }

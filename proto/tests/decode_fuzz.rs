@@ -18,7 +18,6 @@ fn valid_bodies() -> Vec<Vec<u8>> {
         name: "ids".into(),
         dtype: Some(DType::F32),
     }];
-    spec.shuffle = Shuffle::Window(4);
     spec.tail = Tail::Pad;
     spec.on_corrupt = CorruptPolicy::Replace;
     spec.device = Device::Cuda(1);
@@ -30,7 +29,8 @@ fn valid_bodies() -> Vec<Vec<u8>> {
         world_size: 4,
         batch_size: 32,
         cursor: 640,
-    });
+    })
+    .expect("the spec leaves the order to the state");
     let layout = StreamLayout {
         slot_count: 2,
         slot_bytes: 8192,
