@@ -10,6 +10,7 @@ use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use gpufeed_client::protocol::{CorruptPolicy, Device, FieldRequest, Shuffle, StreamSpec, Tail};
+use gpufeed_client::spec::{resume_mismatch, ShuffleName};
 use gpufeed_client::{ClientError, DType, FieldData, StreamState};
 use pyo3::exceptions::{PyBufferError, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
@@ -194,8 +195,8 @@ impl Client {
     }
 
     #[pyo3(signature = (
-        dataset, batch_size, *, fields=None, device="cpu", shuffle="none", window_shards=4,
-        seed=0, epoch=0, rank=0, world=1, tail="drop", start_step=None, state=None,
+        dataset, batch_size, *, fields=None, device="cpu", shuffle=None, window_shards=4,
+        seed=None, epoch=None, rank=0, world=1, tail="drop", start_step=None, state=None,
         on_corrupt="fail", prefetch=4
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -206,10 +207,10 @@ impl Client {
         batch_size: u32,
         fields: Option<Bound<'_, PyAny>>,
         device: &str,
-        shuffle: &str,
+        shuffle: Option<&str>,
         window_shards: u32,
-        seed: u64,
-        epoch: u64,
+        seed: Option<u64>,
+        epoch: Option<u64>,
         rank: u32,
         world: u32,
         tail: &str,
@@ -221,9 +222,12 @@ impl Client {
         let mut spec = StreamSpec::new(dataset, batch_size);
         spec.fields = field_requests(fields)?;
         spec.device = parse_device(device)?;
-        spec.shuffle = parse_shuffle(shuffle, window_shards)?;
-        spec.seed = seed;
-        spec.epoch = epoch;
+        // Unset (None): dataset order, seed 0, epoch 0, or the resume state's values.
+        if let Some(shuffle) = shuffle {
+            spec.shuffle = parse_shuffle(shuffle, window_shards)?;
+        }
+        spec.seed = seed.unwrap_or(spec.seed);
+        spec.epoch = epoch.unwrap_or(spec.epoch);
         spec.rank = rank;
         spec.world_size = world;
         spec.tail = match tail {
@@ -249,7 +253,30 @@ impl Client {
             if start_step.is_some() {
                 return Err(PyValueError::new_err("give start_step or state, not both"));
             }
-            spec.resume(&parse_state(&state)?);
+            let state = parse_state(&state)?;
+            spec.resume(&state)
+                .map_err(|e| PyValueError::new_err(format!("state: {e}")))?;
+            // What was passed must be the state's even when it is the value an unset argument
+            // takes (`shuffle="none"`, `seed=0`, `epoch=0`), which `resume` cannot tell from unset.
+            let given = shuffle
+                .map(|name| parse_shuffle(name, window_shards))
+                .transpose()?;
+            let mismatch = if let Some(given) = given.filter(|&given| given != state.shuffle) {
+                Some(resume_mismatch(
+                    "shuffle",
+                    &ShuffleName(given),
+                    &ShuffleName(state.shuffle),
+                ))
+            } else if let Some(seed) = seed.filter(|&seed| seed != state.seed) {
+                Some(resume_mismatch("seed", &seed, &state.seed))
+            } else {
+                epoch
+                    .filter(|&epoch| epoch != state.epoch)
+                    .map(|epoch| resume_mismatch("epoch", &epoch, &state.epoch))
+            };
+            if let Some(error) = mismatch {
+                return Err(PyValueError::new_err(format!("state: {error}")));
+            }
         } else if let Some(step) = start_step {
             spec.start_at_step(step);
         }

@@ -91,6 +91,45 @@ def test_resume_from_state_dict_at_the_same_and_another_world_size(daemon):
     assert len(served) == 600 and set(served.tolist()) == set(whole[400:].tolist())
 
 
+def test_a_resume_state_does_not_override_explicit_arguments(daemon):
+    """A resume state silently overrode explicit arguments: open_stream('ds1', state=<checkpoint of
+    toy>) streamed toy, and shuffle="full", seed=7 with a state in dataset order, seed 0, streamed in
+    dataset order. A mismatch is a ValueError naming the field and both values; arguments left unset,
+    or given the state's values, resume."""
+    client = gpufeed.Client(daemon.socket)
+    stream = client.open_stream("toy", batch_size=50)
+    with next(stream):
+        pass
+    state = stream.state_dict()
+    stream.close()
+    assert state["dataset"] == "toy" and state["shuffle"] == "none" and state["seed"] == 0
+    cases = [
+        (dict(), "ds1", ("dataset 'ds1'", "dataset 'toy'")),
+        (dict(shuffle="full", seed=7), "toy", ("seed 7", "seed 0")),
+        (dict(shuffle="full"), "toy", ("shuffle full", "shuffle none")),
+        (dict(epoch=3), "toy", ("epoch 3", "epoch 0")),
+    ]
+    for arguments, dataset, named in cases:
+        with pytest.raises(ValueError) as raised:
+            client.open_stream(dataset, batch_size=50, state=state, **arguments)
+        assert all(part in str(raised.value) for part in named), (arguments, str(raised.value))
+    resumed, _ = collect(client.open_stream("toy", batch_size=50, shuffle="none", seed=0, epoch=0,
+                                            state=state))
+    np.testing.assert_array_equal(resumed, np.arange(50, 1000))
+    # The state's own non-default values pass too.
+    shuffled = client.open_stream("toy", batch_size=50, shuffle="window", window_shards=2, seed=3)
+    with next(shuffled):
+        pass
+    window_state = shuffled.state_dict()
+    shuffled.close()
+    with pytest.raises(ValueError) as raised:
+        client.open_stream("toy", batch_size=50, shuffle="none", state=window_state)
+    assert "shuffle none" in str(raised.value) and "window (2 shards)" in str(raised.value)
+    resumed, _ = collect(client.open_stream("toy", batch_size=50, shuffle="window", window_shards=2,
+                                            seed=3, state=window_state))
+    assert len(resumed) == 950
+
+
 def test_errors_carry_the_daemons_codes(daemon, tmp_path):
     with pytest.raises(gpufeed.ConnectError):
         gpufeed.Client(str(tmp_path / "no-such.sock"))

@@ -85,7 +85,7 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         common = dict(fields=self.fields, device=self.device, rank=self.rank, world=self.world_size,
                       tail=self.tail, on_corrupt=self.on_corrupt, prefetch=self.prefetch)
         if self._resume is not None:
-            stream = client.open_stream(self._resume["dataset"], self.batch_size, state=self._resume,
+            stream = client.open_stream(self.dataset, self.batch_size, state=self._resume,
                                         **common)
         else:
             stream = client.open_stream(self.dataset, self.batch_size, shuffle=self.shuffle,
