@@ -57,3 +57,31 @@ fn a_failed_step_fails_a_hand_run_script() {
         "exit 0\nexit 1\nexit 0\n"
     );
 }
+
+/// The cuFile fallback GPU test returned early, and passed, on a machine without cuFile: a pass that
+/// tested nothing. Such a test now prints `SKIPPED: <test>: <reason>`, and the scripts' summaries
+/// (`step_summary`, `finish`) count those lines and show them, without failing for them.
+#[test]
+fn tests_that_say_skipped_are_counted_in_the_summary() {
+    let said = bash(
+        "budget_s=60; step_name_width=8; . scripts/lib/check.sh; \
+         step storage tests 10 0 bash -c 'printf \"test t ... \\nSKIPPED: t: cuFile unavailable\\nok\\n\"'; \
+         step other tests 10 0 true; step_summary",
+    );
+    let text = String::from_utf8_lossy(&said.stdout);
+    assert!(said.status.success(), "{text}");
+    assert!(text.contains("tests that said SKIPPED: 1"), "{text}");
+    assert!(text.contains("SKIPPED: t: cuFile unavailable"), "{text}");
+    let none = bash(
+        "budget_s=60; step_name_width=8; . scripts/lib/check.sh; step quiet tests 10 0 true; step_summary",
+    );
+    let text = String::from_utf8_lossy(&none.stdout);
+    assert!(text.contains("tests that said SKIPPED: 0"), "{text}");
+    let hand_run = bash(
+        "echo 'SKIPPED: a: reason' >\"$OUT/storage.log\"; echo 'SKIPPED: b: reason' >>\"$OUT/storage.log\"; \
+         . scripts/lib/exits.sh; finish",
+    );
+    let text = String::from_utf8_lossy(&hand_run.stdout);
+    assert!(hand_run.status.success(), "{text}");
+    assert!(text.contains("tests that said SKIPPED: 2"), "{text}");
+}

@@ -6,6 +6,7 @@
 
 mkdir -p "$OUT"
 . scripts/lib/gpu-env.sh
+. scripts/lib/skipped.sh
 export GPUFEED_CACHE_DIR=/tmp/gpufeed-kernel-cache
 started=$(date +%s)
 summary=()
@@ -41,10 +42,12 @@ sanitizer_verdicts() {
   grep -E '^=== |ERROR SUMMARY|RACECHECK SUMMARY|^test result' "$OUT/sanitizer.log" 2>/dev/null | cut -c1-160
 }
 
-# step_summary: one line per step, then the total time; fails (status 1) when a step failed, so that
-# a script ending with it fails too (a step skipped for the time budget is reported, not failed).
+# step_summary: one line per step, the tests that said SKIPPED (counted, not failed), then the total
+# time; fails (status 1) when a step failed, so that a script ending with it fails too (a step skipped
+# for the time budget is reported, not failed).
 step_summary() {
   printf '%s\n' "${summary[@]}"
+  said_skipped
   echo "total $(($(date +%s) - started))s"
   ! printf '%s\n' "${summary[@]}" | grep -q FAIL
 }

@@ -2,6 +2,7 @@
 # a failed step must make the whole script fail, even though the script goes on to run and log the
 # remaining steps (the device tool brings back the logs either way).
 
+. scripts/lib/skipped.sh
 failed_steps=0
 
 # note_exit RC LOG: logs "exit RC" to LOG and counts the step as failed when RC is not 0.
@@ -12,8 +13,10 @@ note_exit() {
   fi
 }
 
-# finish: the script's exit status: 1 when any step failed (and says how many), else 0.
+# finish: the tests that said SKIPPED (counted, not failed), then the script's exit status: 1 when any
+# step failed (and says how many), else 0.
 finish() {
+  said_skipped
   if [ "$failed_steps" -ne 0 ]; then
     echo "FAILED: $failed_steps step(s) failed" >&2
     exit 1
