@@ -194,6 +194,11 @@ except Exception as error:
   else
     say "consume has no --device flag in this build: it maps batches on the host"
   fi
+  # The consumer reads the daemon's CPU over its stream itself (daemon_cores_stream), when it can.
+  local consume_takes_pid=
+  if "$bin/consume" --help | grep -q -- '--daemon-pid'; then
+    consume_takes_pid=1
+  fi
 
   local batch temperature dtype_args bytes_in stored repeat
   for kind in "${kinds[@]}"; do
@@ -218,6 +223,11 @@ except Exception as error:
         for repeat in $(seq 1 "$repeats"); do
           in_budget "gpufeed $kind $batch $temperature" || return 0
           echo "--- gpufeed $kind batch $batch $temperature $repeat" >>"$log"
+          # The daemon's pid now (a cold run restarted it).
+          local consume_cpu=()
+          if [ -n "$consume_takes_pid" ]; then
+            consume_cpu=(--daemon-pid "$daemon_pid")
+          fi
           timeout $((consume_timeout + 30)) "$py" scripts/e2e/measure.py --jsonl "$jsonl" \
             --kind "$kind" --temperature "$temperature" --batch-size "$batch" \
             --bytes-per-sample-in "${bytes_in%.*}" --stored-bytes-per-sample "$stored" \
@@ -225,7 +235,9 @@ except Exception as error:
             --set "device=$device" --set "engine=$engine" --set "backend=$backend" \
             --set "repeat=$repeat" -- \
             "$bin/consume" --socket "$socket" --dataset "$kind" --batch-size "$batch" --shuffle none \
-            "${dtype_args[@]}" "${consume_device[@]}" >>"$log" 2>&1
+            "${dtype_args[@]}" "${consume_device[@]}" "${consume_cpu[@]}" >>"$log" 2>&1
+          # A failed or timed-out consumer is recorded with `error` and fails the script at its end.
+          note_exit $? "$log"
         done
       done
     done

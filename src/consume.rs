@@ -13,6 +13,9 @@
 //! cursor to resume from (`--resume-cursor`), and `handoff_us_*` are quantiles of the hand-off
 //! latency: from a batch being ready (or from the consumer asking, if it asked later) to its arrival.
 //! `--epochs N` consumes N epochs one after another, a stream each.
+//! `consumer_cpu_s_stream` is this process's CPU time over `seconds`, and with `--daemon-pid PID`
+//! `daemon_cpu_s_stream` the daemon's (from `/proc/PID/stat`); `cpu_samples` holds the readings at
+//! both ends, with their instants on the monotonic clock.
 //!
 //! `--dump FILE.npy` writes the samples of the first field (the first `--field`, or the dataset's
 //! first field) in the order received, as an array of shape `[samples, ...sample_shape]`. The samples
@@ -116,6 +119,46 @@ pub struct Args {
     /// interrupts (by default it moves, when other CPUs are allowed to it).
     #[arg(long)]
     stay_on_interrupt_cpus: bool,
+    /// The daemon's process id: its CPU time (all threads, user + system) is read when the clock
+    /// starts and after the last batch, and reported as `daemon_cpu_s_stream`, so that its cores are
+    /// counted over the stream rather than over this process's whole life.
+    #[arg(long, value_name = "PID")]
+    daemon_pid: Option<u32>,
+}
+
+/// User + system CPU seconds of process `pid` (`self` for this one), all its threads: fields 14 and
+/// 15 of `/proc/PID/stat`, in clock ticks. `None` when the process is gone or the file unreadable.
+fn process_cpu_s(pid: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which is in parentheses and may hold spaces: the first of
+    // them is field 3 (state), so utime (14) and stime (15) are the 12th and 13th.
+    let after_name = &text[text.rfind(')')? + 1..];
+    let mut fields = after_name.split_whitespace().skip(11);
+    let user_ticks: u64 = fields.next()?.parse().ok()?;
+    let system_ticks: u64 = fields.next()?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system; no memory is passed.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (ticks_per_s > 0).then(|| (user_ticks + system_ticks) as f64 / ticks_per_s as f64)
+}
+
+/// CPU time of the daemon (with `--daemon-pid`) and of this process at one instant, with the instant
+/// on the monotonic clock (nanoseconds), so that the CPU over an interval of several consumers (the
+/// first start to the last end) can be worked out from their summaries.
+#[derive(Clone, Copy, Debug)]
+struct CpuSample {
+    monotonic_ns: u64,
+    daemon_s: Option<f64>,
+    consumer_s: Option<f64>,
+}
+
+impl CpuSample {
+    fn now(daemon_pid: Option<u32>) -> CpuSample {
+        CpuSample {
+            monotonic_ns: monotonic_ns(),
+            daemon_s: daemon_pid.and_then(|pid| process_cpu_s(&pid.to_string())),
+            consumer_s: process_cpu_s("self"),
+        }
+    }
 }
 
 /// A fraction from 0 to 1.
@@ -251,6 +294,7 @@ fn run(args: &Args) -> Result<()> {
     // The clock starts before the consumer connects: connecting, opening streams and mapping their
     // slots are part of what a training loop waits for.
     let started = Instant::now();
+    let cpu_at_start = CpuSample::now(args.daemon_pid);
     let mut spec = build_spec(args, &field_names(args)?);
     let client = Client::connect(&args.socket)?;
     spec.device = match args.device.as_str() {
@@ -311,6 +355,7 @@ fn run(args: &Args) -> Result<()> {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu_at_end = CpuSample::now(args.daemon_pid);
     let (cursor, spec_device) = last.expect("at least one epoch");
     let totals = &received.totals;
     if let (Some(path), Some((Some((dtype, sample_shape)), dump_bytes))) =
@@ -346,6 +391,16 @@ fn run(args: &Args) -> Result<()> {
             "epoch_times": received.epochs,
             "ready_queries": gpufeed_client::cuda::QUERY_STATS.ready.read(),
             "stream_queries": gpufeed_client::cuda::QUERY_STATS.stream.read(),
+            // Over `seconds` (from before connecting to the last batch): the daemon's CPU (null
+            // without --daemon-pid) and this process's, and the samples they come from.
+            "daemon_cpu_s_stream": cpu_at_start.daemon_s.zip(cpu_at_end.daemon_s).map(|(a, b)| b - a),
+            "consumer_cpu_s_stream": cpu_at_start.consumer_s.zip(cpu_at_end.consumer_s).map(|(a, b)| b - a),
+            "cpu_samples": {
+                "start_monotonic_s": cpu_at_start.monotonic_ns as f64 / 1e9,
+                "end_monotonic_s": cpu_at_end.monotonic_ns as f64 / 1e9,
+                "daemon_cpu_s": [cpu_at_start.daemon_s, cpu_at_end.daemon_s],
+                "consumer_cpu_s": [cpu_at_start.consumer_s, cpu_at_end.consumer_s],
+            },
         })
     );
     Ok(())

@@ -174,3 +174,44 @@ fn consume_summary(socket: &Path, args: &[&str]) -> serde_json::Value {
     );
     serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
 }
+
+/// Daemon cores were divided by the consumer process's whole wall time, start-up included, so that a
+/// figure of 0.63 cores was 0.81 to 0.93 over the stream. `consume --daemon-pid PID` reads the
+/// daemon's CPU time (and its own) when its clock starts and after its last batch, and reports them
+/// over the stream's `seconds`, with the readings they come from.
+#[test]
+fn consume_reports_the_daemons_and_its_own_cpu_over_the_stream() {
+    let root = tempfile::tempdir().unwrap();
+    let daemon = common::daemon::tiny_cpu_daemon(root.path());
+    let pid = daemon.child.id().to_string();
+    let summary = consume_summary(
+        &daemon.socket,
+        &[
+            "--dataset",
+            "tiny",
+            "--batch-size",
+            "4",
+            "--daemon-pid",
+            &pid,
+        ],
+    );
+    let daemon_cpu = summary["daemon_cpu_s_stream"].as_f64().expect("daemon CPU");
+    let consumer_cpu = summary["consumer_cpu_s_stream"]
+        .as_f64()
+        .expect("consumer CPU");
+    assert!(daemon_cpu >= 0.0 && consumer_cpu >= 0.0, "{summary}");
+    let samples = &summary["cpu_samples"];
+    let [start, end] =
+        ["start_monotonic_s", "end_monotonic_s"].map(|k| samples[k].as_f64().unwrap());
+    assert!(end >= start, "{summary}");
+    let readings = samples["daemon_cpu_s"].as_array().unwrap();
+    let difference = readings[1].as_f64().unwrap() - readings[0].as_f64().unwrap();
+    assert!((difference - daemon_cpu).abs() < 1e-9, "{summary}");
+    // Without --daemon-pid there is no daemon figure, and the consumer's own still is.
+    let summary = consume_summary(&daemon.socket, &["--dataset", "tiny", "--batch-size", "4"]);
+    assert!(summary["daemon_cpu_s_stream"].is_null(), "{summary}");
+    assert!(
+        summary["consumer_cpu_s_stream"].as_f64().is_some(),
+        "{summary}"
+    );
+}

@@ -11,9 +11,12 @@ bytes_in (samples x --bytes-per-sample-in: the raw payload, before any compressi
 seconds over the consumer's lifetime (/proc/PID/stat utime + stime), the consumer's own (rusage of the
 waited-for child), host_cpu_seconds = their sum, cores = host_cpu_seconds / wall_seconds (both over the
 consumer process's lifetime: its start, the stream's opening and its end included) and gpu_busy_pct.
-`seconds` is the consumer's own: from the stream's opening to the last batch. A consumer that fails or
-times out is recorded with `error` and the tail of its stderr; the exit status is 0 either way so that a
-benchmark script goes on.
+`seconds` is the consumer's own: from the stream's opening to the last batch. When the consumer was
+given `--daemon-pid`, its summary carries the daemon's and its own CPU seconds over that stream
+(daemon_cpu_s_stream, consumer_cpu_s_stream): the record adds them with daemon_cores_stream and
+consumer_cores_stream (over `seconds`, start-up excluded). A consumer that fails or times out is
+recorded with `error` and the tail of its stderr, and the exit status is 1 (the calling script counts
+it as a failed step and goes on).
 """
 import argparse
 import json
@@ -109,7 +112,7 @@ def main():
         record["stderr_tail"] = stderr_text[-2000:]
         record["stdout_tail"] = stdout[-1000:]
         common.emit(record, args.jsonl)
-        return
+        return 1
     record["consume"] = summary
     samples = summary["samples"]
     record.update({
@@ -123,6 +126,12 @@ def main():
         "daemon_cores": daemon_cpu / wall if daemon_cpu is not None and wall > 0 else None,
         "consumer_cores": consumer_cpu / wall if wall > 0 else None,
     })
+    stream_seconds = summary["seconds"]
+    for who in ("daemon", "consumer"):
+        cpu = summary.get(f"{who}_cpu_s_stream")
+        if cpu is not None:
+            record[f"{who}_cpu_s_stream"] = cpu
+            record[f"{who}_cores_stream"] = cpu / stream_seconds if stream_seconds > 0 else None
     if args.stored_bytes_per_sample is not None:
         record["bytes_stored"] = round(samples * args.stored_bytes_per_sample)
         record["gb_per_s_stored"] = (record["bytes_stored"] / summary["seconds"] / 1e9
@@ -131,7 +140,8 @@ def main():
         record["stderr_tail"] = stderr_text[-500:]
     common.finish_record(record)
     common.emit(record, args.jsonl)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
