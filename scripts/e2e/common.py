@@ -139,8 +139,15 @@ def finish_record(record):
     return record
 
 
+# Records emitted with `verified` false: a peer whose batches did not match the source measured
+# something else, so its script exits non-zero (peers.py's main).
+unverified_records = []
+
+
 def emit(record, jsonl_path=None):
     """Prints the record as one JSON line and appends it to `jsonl_path` when given."""
+    if record.get("verified") is False:
+        unverified_records.append(record)
     line = json.dumps(record, sort_keys=True)
     print(line, flush=True)
     if jsonl_path:

@@ -9,11 +9,16 @@ Each prints one JSON line per measurement (and appends it to --jsonl): loader, k
 batch_size, samples, bytes_in (bytes of the .npy payload read), bytes_out (bytes of the batches made on
 the GPU), seconds, samples_per_s, gb_per_s_in, gb_per_s_out, host_cpu_seconds (user + system of this
 process and its waited-for children, DataLoader workers included), cores (host_cpu_seconds / seconds)
-and gpu_busy_pct (nvidia-smi utilization.gpu, mean over the run). Batches hold whole rows in file
+and gpu_busy_pct (nvidia-smi utilization.gpu, mean over the run), and `verified` (the batches checked
+against the source; the script exits 1 when one was not). Batches hold whole rows in file
 order; a last partial batch is left out, as gpufeed's default tail policy does. fp16 becomes fp32 on
 the GPU; int32 stays int32 (copied into an output batch). `seconds` runs from the loader's start (worker
 start-up included, as gpufeed's includes opening the stream) to a device synchronize after the last
-batch.
+batch; except `torch --random` (a full shuffle, loader `torch-random`), which is timed over its
+steady state: after a warm-up of `warmup_batches` (worker start-up and the batches prefetched
+meanwhile, `warmup_seconds`), over --batches-max batches, with the CPU of this process and of its
+live workers over that part. Its `verified` checks values: three timed batches against the source
+rows they name, and that no index was drawn twice.
 
 Temperatures: `cold` drops the page cache first (root: sync and /proc/sys/vm/drop_caches; otherwise
 posix_fadvise on the file); `warm` reads the file once through the page cache first (once per cache
@@ -25,6 +30,7 @@ These scripts exist only to compare against; they are no part of gpufeed.
 """
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -64,6 +70,12 @@ class NpyLayout:
     def batches(self, batch_size, batches_max):
         count = self.rows // batch_size
         return count if batches_max is None else min(count, batches_max)
+
+
+def _already_collated(batch):
+    """The collate function of a dataset whose `__getitems__` returns whole batches (module level, so
+    that worker processes can pickle it)."""
+    return batch
 
 
 def kind_of(path):
@@ -164,61 +176,119 @@ def run_torch(args, layout):
             rows = self.array[index * self.batch_size:(index + 1) * self.batch_size]
             return torch.from_numpy(np.array(rows))
 
-    class NpyRows(torch.utils.data.Dataset):
-        """Row `index` of the memory-mapped .npy file: the usual map-style dataset that a
-        RandomSampler draws a full shuffle from, one row per __getitem__, collated into batches."""
+    class NpyRowBatches(torch.utils.data.Dataset):
+        """Rows of the memory-mapped .npy file for a full shuffle, fetched a batch at a time (the
+        strong form of a map-style dataset): the DataLoader hands `__getitems__` a batch's indices
+        drawn by a RandomSampler, which reads them sorted (file order within the batch: fewer, more
+        local page-cache reads; a batch is a set to SGD) with one fancy index of the mapping. Returns
+        (the indices in the rows' order, the rows), so that a batch can be checked against the
+        source by index."""
 
         def __init__(self, rows):
             self.rows = rows
-            self.array = None
+            self.array = None  # opened in each worker: a memmap would be pickled as a copy
 
         def __len__(self):
             return self.rows
 
         def __getitem__(self, index):
+            return self.__getitems__([index])
+
+        def __getitems__(self, indices):
             if self.array is None:
                 self.array = np.load(layout.path, mmap_mode="r")
-            return torch.from_numpy(np.array(self.array[index]))
+            order = np.sort(np.asarray(indices, dtype=np.int64))
+            return torch.from_numpy(order), torch.from_numpy(np.asarray(self.array[order]))
+
+    def to_device(rows):
+        on_device = rows.cuda(non_blocking=True)
+        return on_device.float() if convert else on_device.clone()
 
     def epoch(batch_size, workers, batches):
-        if args.random:
-            generator = torch.Generator().manual_seed(0)
-            loader = torch.utils.data.DataLoader(
-                NpyRows(layout.rows), batch_size=batch_size, drop_last=True,
-                sampler=torch.utils.data.RandomSampler(NpyRows(layout.rows), generator=generator),
-                num_workers=workers, pin_memory=True,
-                prefetch_factor=args.prefetch_factor if workers > 0 else None,
-                persistent_workers=False)
-        else:
-            loader = torch.utils.data.DataLoader(
-                NpyBatches(batch_size, batches), batch_size=None, shuffle=False, num_workers=workers,
-                pin_memory=True, prefetch_factor=args.prefetch_factor if workers > 0 else None,
-                persistent_workers=False)
+        """In file order: every batch timed from the loader's start (worker start-up included)."""
+        loader = torch.utils.data.DataLoader(
+            NpyBatches(batch_size, batches), batch_size=None, shuffle=False, num_workers=workers,
+            pin_memory=True, prefetch_factor=args.prefetch_factor if workers > 0 else None,
+            persistent_workers=False)
         last = None
         received = 0
         for batch in loader:
-            on_device = batch.cuda(non_blocking=True)
-            last = on_device.float() if convert else on_device.clone()
+            last = to_device(batch)
             received += 1
             if received == batches:
                 break
         torch.cuda.synchronize()
         # The workers are joined when the iterator ends, so their CPU time is in RUSAGE_CHILDREN.
         del loader
-        return received, last
+        return {"received": received, "last": last}
 
-    def check(batch_size, received, last):
+    def random_epoch(batch_size, workers, batches, warmup):
+        """A full shuffle: `warmup` batches first (worker start-up, and the batches the workers
+        prefetched meanwhile), then `batches` timed batches, the steady state. The timed CPU is this
+        process's (the pin-memory thread included) and the live workers' (/proc/PID/stat). Keeps
+        every timed batch's indices, and three batches on the device, for the checks."""
+        generator = torch.Generator().manual_seed(0)
+        dataset = NpyRowBatches(layout.rows)
+        started = time.perf_counter()
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, drop_last=True,
+            sampler=torch.utils.data.RandomSampler(dataset, generator=generator),
+            collate_fn=_already_collated, num_workers=workers, pin_memory=True,
+            prefetch_factor=args.prefetch_factor if workers > 0 else None, persistent_workers=False)
+        batches_iter = iter(loader)
+        for _ in range(warmup):
+            to_device(next(batches_iter)[1])
+        torch.cuda.synchronize()
+        warmup_seconds = time.perf_counter() - started
+        worker_pids = [w.pid for w in getattr(batches_iter, "_workers", [])]
+
+        def cpu_now():
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            return own.ru_utime + own.ru_stime + sum(common.pid_cpu_seconds(pid) for pid in worker_pids)
+
+        cpu0 = cpu_now()
+        t0 = time.perf_counter()
+        kept, indices = {}, []
+        keep = {0, batches // 2, batches - 1}
+        for index in range(batches):
+            order, rows = next(batches_iter)
+            on_device = to_device(rows)
+            indices.append(order)
+            if index in keep:
+                kept[index] = (order, on_device)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        cpu = cpu_now() - cpu0
+        del batches_iter, loader
+        return {"received": batches, "kept": kept, "indices": torch.cat(indices).numpy(),
+                "fields": {"seconds": seconds, "host_cpu_seconds": cpu, "warmup_batches": warmup,
+                           "warmup_seconds": warmup_seconds, "timed": "after the warm-up",
+                           "fetch": "__getitems__, sorted indices, one fancy index of the mapping"}}
+
+    def check(batch_size, result):
+        source = np.load(layout.path, mmap_mode="r")
         if args.random:
-            # Random rows: check that every row of the last batch is a row of the file, by value.
-            return bool(last.shape[0] == batch_size)
-        expected = np.load(layout.path, mmap_mode="r")[(received - 1) * batch_size:received * batch_size]
-        return bool(np.array_equal(last.cpu().numpy(), expected.astype(layout.out_dtype())))
+            # Values, by index: three timed batches (the first, a middle one, the last) equal the
+            # source rows they name, converted as the batches were; and the timed batches drew
+            # every index at most once (a shuffle, not a sample with replacement).
+            indices = result["indices"]
+            rows_match = all(
+                np.array_equal(on_device.cpu().numpy(),
+                               source[order.numpy()].astype(layout.out_dtype()))
+                for order, on_device in result["kept"].values())
+            return bool(rows_match and len(np.unique(indices)) == len(indices)
+                        and all(on_device.shape[0] == batch_size
+                                for _, on_device in result["kept"].values()))
+        received = result["received"]
+        expected = source[(received - 1) * batch_size:received * batch_size]
+        return bool(np.array_equal(result["last"].cpu().numpy(), expected.astype(layout.out_dtype())))
 
     torch.cuda.init()
     device_name = torch.cuda.get_device_name()
     epoch(args.batch_sizes[0], 0, min(4, layout.batches(args.batch_sizes[0], None)))
 
     for batch_size in args.batch_sizes:
+        available = layout.batches(batch_size, None)
         batches = layout.batches(batch_size, args.batches_max)
         if batches == 0:
             continue
@@ -227,21 +297,35 @@ def run_torch(args, layout):
             tries = args.workers if (temperature == "warm" and len(args.workers) > 1) else [best_workers]
             best_rate = -1.0
             for workers in tries:
+                # The warm-up covers the batches prefetched while the workers started (prefetch
+                # factor per worker) and one round more; the timed batches then come at the
+                # workers' steady pace.
+                warmup = workers * args.prefetch_factor + max(workers, 1) if args.random else 0
+                timed_batches = min(batches, available - warmup) if args.random else batches
+                if timed_batches <= 0:
+                    common.emit({"loader": "torch-random", "batch_size": batch_size, "workers": workers,
+                                 "skipped": f"{available} batches in the file, fewer than the warm-up of {warmup}"},
+                                args.jsonl)
+                    continue
                 for repeat in range(args.repeat if temperature == "warm" else 1):
                     loader_name = "torch-random" if args.random else "torch"
-                    record = base_record(args, loader_name, layout, temperature, batch_size, batches)
+                    record = base_record(args, loader_name, layout, temperature, batch_size, timed_batches)
                     record.update(prepare(temperature, layout.path))
                     result = {}
 
                     def run():
-                        result["received"], result["last"] = epoch(batch_size, workers, batches)
+                        if args.random:
+                            result.update(random_epoch(batch_size, workers, timed_batches, warmup))
+                            # The timed part's seconds and CPU replace the whole call's.
+                            return result["fields"]
+                        result.update(epoch(batch_size, workers, timed_batches))
                         return {}
 
                     record.update(timed(args, run))
-                    assert result["received"] == batches, (result["received"], batches)
+                    assert result["received"] == timed_batches, (result["received"], timed_batches)
                     record.update({"workers": workers, "prefetch_factor": args.prefetch_factor,
                                    "pin_memory": True, "repeat": repeat, "device": device_name,
-                                   "verified": check(batch_size, result["received"], result["last"]),
+                                   "verified": check(batch_size, result),
                                    "torch": torch.__version__})
                     common.finish_record(record)
                     common.emit(record, args.jsonl)
@@ -256,10 +340,13 @@ def run_kvikio(args, layout):
     import kvikio
     import kvikio.defaults
 
-    try:
-        kvikio.defaults.set("num_threads", args.threads)
-    except (AttributeError, TypeError):
-        kvikio.defaults.num_threads_reset(args.threads)
+    def set_threads(count):
+        try:
+            kvikio.defaults.set("num_threads", count)
+        except (AttributeError, TypeError):
+            kvikio.defaults.num_threads_reset(count)
+
+    set_threads(args.threads[0])
     if args.task_bytes:
         try:
             kvikio.defaults.set("task_size", args.task_bytes)
@@ -321,28 +408,38 @@ def run_kvikio(args, layout):
             batches = layout.batches(batch_size, args.batches_max)
             if batches == 0:
                 continue
-            for temperature in temperatures_in_order(args):
-                for repeat in range(args.repeat if temperature == "warm" else 1):
-                    record = base_record(args, loader, layout, temperature, batch_size, batches)
-                    if args.read_only:
-                        record["bytes_out"] = record["bytes_in"]
-                        record["dtype_out"] = record["dtype_in"]
-                    record.update(prepare(temperature, layout.path))
-                    result = {}
+            # Warm, every thread count is measured (each record says its count); cold, the count
+            # that was fastest warm (or the first), as the torch peer does with its workers.
+            best_threads, best_rate = args.threads[0], -1.0
+            for temperature, threads, repeat in [
+                    (temperature, threads, repeat)
+                    for temperature in temperatures_in_order(args)
+                    for threads in (args.threads if temperature == "warm" else [None])
+                    for repeat in range(args.repeat if temperature == "warm" else 1)]:
+                threads = best_threads if threads is None else threads
+                set_threads(threads)
+                record = base_record(args, loader, layout, temperature, batch_size, batches)
+                if args.read_only:
+                    record["bytes_out"] = record["bytes_in"]
+                    record["dtype_out"] = record["dtype_in"]
+                record.update(prepare(temperature, layout.path))
+                result = {}
 
-                    def run():
-                        result["last"] = epoch(file, batch_size, batches)
-                        return {}
+                def run():
+                    result["last"] = epoch(file, batch_size, batches)
+                    return {}
 
-                    record.update(timed(args, run))
-                    record.update({"threads": args.threads, "depth": args.depth,
-                                   "task_bytes": args.task_bytes, "compat_mode": compat_mode,
-                                   "compat_mode_env": os.environ.get("KVIKIO_COMPAT_MODE", "unset"),
-                                   "repeat": repeat, "device": device_name,
-                                   "verified": check(batch_size, batches, result["last"]),
-                                   "kvikio": getattr(kvikio, "__version__", "?")})
-                    common.finish_record(record)
-                    common.emit(record, args.jsonl)
+                record.update(timed(args, run))
+                record.update({"threads": threads, "threads_swept": args.threads, "depth": args.depth,
+                               "task_bytes": args.task_bytes, "compat_mode": compat_mode,
+                               "compat_mode_env": os.environ.get("KVIKIO_COMPAT_MODE", "unset"),
+                               "repeat": repeat, "device": device_name,
+                               "verified": check(batch_size, batches, result["last"]),
+                               "kvikio": getattr(kvikio, "__version__", "?")})
+                common.finish_record(record)
+                common.emit(record, args.jsonl)
+                if temperature == "warm" and record["gb_per_s_in"] > best_rate:
+                    best_rate, best_threads = record["gb_per_s_in"], threads
 
 
 # --- mmap + cuMemHostRegister + copy ---------------------------------------------------------------
@@ -455,7 +552,7 @@ def run_dali(args, layout):
         def roi_start():
             return [np.array([next(starts) * batch_size, 0], dtype=np.int32)]
 
-        @pipeline_def(batch_size=1, num_threads=args.threads, device_id=args.gpu, prefetch_queue_depth=2)
+        @pipeline_def(batch_size=1, num_threads=args.threads[0], device_id=args.gpu, prefetch_queue_depth=2)
         def pipe():
             start = fn.external_source(source=roi_start, batch=True, cycle=False)
             rows = fn.readers.numpy(device="gpu", file_root=os.path.dirname(layout.path) or ".",
@@ -513,10 +610,14 @@ def main():
                                   "and the cold run uses the fastest")
     torch_group.add_argument("--prefetch-factor", type=int, default=2)
     torch_group.add_argument("--random", action="store_true",
-                             help="full shuffle: a RandomSampler over single rows, collated into "
-                                  "batches (the usual map-style DataLoader)")
+                             help="full shuffle: a RandomSampler whose batches of indices are fetched "
+                                  "whole (__getitems__, sorted, one fancy index of the mapping), "
+                                  "pinned; timed over --batches-max batches after a warm-up, a "
+                                  "sampled batch checked against the source rows by index")
     kvikio_group = parser.add_argument_group("kvikio")
-    kvikio_group.add_argument("--threads", type=int, default=8, help="KvikIO (or DALI) threads")
+    kvikio_group.add_argument("--threads", type=int_list, default=[8],
+                              help="KvikIO thread counts, comma-separated: warm, each is measured (a "
+                                   "record each), cold uses the fastest; DALI takes the first")
     kvikio_group.add_argument("--depth", type=int, default=2,
                               help="batches read ahead (2: double buffering); register-copy too")
     kvikio_group.add_argument("--task-bytes", type=int, help="KvikIO task size (default: its own)")
@@ -528,6 +629,9 @@ def main():
     layout = NpyLayout(args.file)
     {"torch": run_torch, "kvikio": run_kvikio, "dali": run_dali,
      "register-copy": run_register_copy}[args.loader](args, layout)
+    if common.unverified_records:
+        sys.exit(f"{args.loader}: {len(common.unverified_records)} measurement(s) whose batches did not "
+                 "match the source (verified: false)")
 
 
 if __name__ == "__main__":
