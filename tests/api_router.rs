@@ -47,10 +47,7 @@ fn options(root: &Path) -> ApiOptions {
         slot_memory_bytes_max: 1 << 30,
         device: "cpu".to_string(),
         engine: EngineMode::Auto,
-        registered: gpufeed::config::registered_bytes_max_default(),
-        zero_copy: gpufeed::pipeline::gpu::ZeroCopy::Auto,
-        device_shard_bytes: gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
-        loader_copy_threads: gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
+        gpu: gpufeed::config::GpuSettings::node_defaults(),
     }
 }
 
@@ -641,11 +638,11 @@ async fn a_dataset_whose_files_vanished_is_reported_missing() {
     assert_eq!(status["serving"]["zero_copy"], "auto");
     assert_eq!(
         status["serving"]["device_shard_memory"],
-        gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT
+        gpufeed::config::DEVICE_SHARD_BYTES_DEFAULT
     );
     assert_eq!(
         status["serving"]["loader_copy_threads"],
-        gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT
+        gpufeed::config::LOADER_COPY_THREADS_DEFAULT
     );
 
     // A restart lists it as missing, with the reason, and serves the rest.

@@ -80,14 +80,9 @@ pub struct ApiOptions {
     pub device: String,
     /// The configured engine, for status.
     pub engine: EngineMode,
-    /// The page-cache registration budget, for status.
-    pub registered: crate::config::RegistrationBudget,
-    /// The zero-copy policy, for status.
-    pub zero_copy: crate::pipeline::gpu::ZeroCopy,
-    /// Device memory per GPU stream for shards copied ahead, for status.
-    pub device_shard_bytes: u64,
-    /// Copy threads per GPU stream beyond the registration budget, for status.
-    pub loader_copy_threads: usize,
+    /// What the GPU backends are built with (the registration budget and the pipeline's tuning),
+    /// for status.
+    pub gpu: crate::config::GpuSettings,
 }
 
 impl ApiOptions {
@@ -116,10 +111,7 @@ impl ApiOptions {
             slot_memory_bytes_max: settings.slot_memory_bytes_max,
             device: settings.device.clone(),
             engine: settings.engine,
-            registered: settings.registered,
-            zero_copy: settings.zero_copy,
-            device_shard_bytes: settings.device_shard_bytes,
-            loader_copy_threads: settings.loader_copy_threads,
+            gpu: settings.gpu.clone(),
         }
     }
 }
