@@ -148,7 +148,7 @@ fn main() -> Result<()> {
         Device::Cuda(ordinal) => Some(Arc::new(gpufeed::daemon::open_gpu_backend(
             ordinal,
             gpufeed::storage::EngineMode::Auto,
-            &gpufeed::config::GpuSettings::node_defaults(),
+            &gpufeed::config::GpuSettings::from_environment()?,
         )?)),
         Device::Cpu => None,
     };

@@ -210,7 +210,7 @@ mod gpu {
         let mut serving = open_gpu_backend(
             ordinal,
             EngineMode::Auto,
-            &gpufeed::config::GpuSettings::node_defaults(),
+            &gpufeed::config::GpuSettings::from_environment()?,
         )?;
         if let Some(rounds) = args.rounds_in_flight {
             serving.stream_limits.rounds_in_flight = rounds;

@@ -967,6 +967,12 @@ impl GpuSettings {
             .resolve_gpu()
             .expect("the defaults are valid")
     }
+
+    /// The defaults under the process's `GPUFEED_*` variables, as the daemon would read them (for
+    /// benchmarks that build a GPU backend in process and are tuned like the daemon).
+    pub fn from_environment() -> Result<GpuSettings, ConfigError> {
+        ConfigLayer::from_env(|key| std::env::var(key).ok())?.resolve_gpu()
+    }
 }
 
 /// Where the registration budget came from, shown in `/v1/status`.

@@ -83,6 +83,12 @@ pub struct ApiOptions {
     /// What the GPU backends are built with (the registration budget and the pipeline's tuning),
     /// for status.
     pub gpu: crate::config::GpuSettings,
+    /// The consumers' socket, for status.
+    pub socket_path: PathBuf,
+    /// Uids allowed on the socket, for status.
+    pub allowed_uids: Vec<u32>,
+    /// The control API's configured connection bounds, for status.
+    pub http_connections: crate::config::HttpConnections,
 }
 
 impl ApiOptions {
@@ -112,6 +118,9 @@ impl ApiOptions {
             device: settings.device.clone(),
             engine: settings.engine,
             gpu: settings.gpu.clone(),
+            socket_path: settings.socket_path.clone(),
+            allowed_uids: settings.allowed_uids.clone(),
+            http_connections: settings.http_connections,
         }
     }
 }

@@ -73,6 +73,32 @@ pub struct Serving {
     pub kernel_cache_dir: Option<String>,
 }
 
+/// The settings of the socket server, the control API and pack jobs that `serving` and `pools` do
+/// not show (the token never is).
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct ControlSettings {
+    /// The consumers' Unix socket (`--socket`).
+    pub socket: String,
+    /// Uids allowed on the socket (`--allow-uid`).
+    pub allowed_uids: Vec<u32>,
+    /// Whether a token guards the API (`--api-token`; the token itself is not shown).
+    pub api_token_set: bool,
+    /// Largest request body (`--body-limit`).
+    pub body_limit_bytes: u64,
+    /// Most control API connections served at once, as configured (`--http-connections-max`; the
+    /// daemon serves at most a quarter of its open descriptor limit).
+    pub http_connections_max: u64,
+    /// Seconds a connection may take to send a request's headers or body, or stay idle
+    /// (`--http-idle-timeout`).
+    pub http_idle_timeout_s: u64,
+    /// Most job records kept (`--job-records-max`).
+    pub job_records_max: u64,
+    /// Threads compressing blocks in each pack job (`--pack-threads`).
+    pub pack_threads: u64,
+    /// Most raw bytes per second each pack job packs (`--pack-rate-max`); `null`: unlimited.
+    pub pack_rate_max: Option<u64>,
+}
+
 /// One CUDA device the daemon serves: what its streams hold and have done.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct DeviceServing {
@@ -134,6 +160,8 @@ pub struct StatusView {
     pub data_root: String,
     /// What the daemon serves with.
     pub serving: Serving,
+    /// The other settings.
+    pub control: ControlSettings,
     /// What the machine offers.
     pub platform: Platform,
     /// Pools and their use.
@@ -219,6 +247,17 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                     .as_ref()
                     .map(|dir| dir.display().to_string()),
             }
+        },
+        control: ControlSettings {
+            socket: options.socket_path.display().to_string(),
+            allowed_uids: options.allowed_uids.clone(),
+            api_token_set: options.auth.token.is_some(),
+            body_limit_bytes: options.body_bytes_max as u64,
+            http_connections_max: options.http_connections.connections_max as u64,
+            http_idle_timeout_s: options.http_connections.idle_timeout.as_secs(),
+            job_records_max: u64::from(limits.records_max),
+            pack_threads: options.pack_threads as u64,
+            pack_rate_max: options.pack_bytes_per_s_max,
         },
         platform,
         pools: Pools {
