@@ -1518,4 +1518,17 @@ mod tests {
         );
         assert_eq!(kernel_cache_dir_default(lookup(&[])), None);
     }
+
+    /// The configuration sits below the pipeline: it defines the defaults, bounds and enums it
+    /// needs, and the daemon converts them (it once imported the pipeline's constants and its
+    /// zero-copy enum).
+    #[test]
+    fn the_configuration_imports_nothing_from_the_pipeline() {
+        let upward = concat!("crate::", "pipeline");
+        let offenders: Vec<&str> = include_str!("config.rs")
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("//") && line.contains(upward))
+            .collect();
+        assert!(offenders.is_empty(), "{offenders:?}");
+    }
 }
