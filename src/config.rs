@@ -166,11 +166,14 @@ impl<'de> Deserialize<'de> for ByteCount {
         #[derive(Deserialize)]
         #[serde(untagged)]
         enum Raw {
-            Number(u64),
+            // TOML integers are signed: a negative one is read, to be refused by name.
+            Number(i64),
             Text(String),
         }
         match Raw::deserialize(deserializer)? {
-            Raw::Number(value) => Ok(ByteCount(value)),
+            Raw::Number(value) => u64::try_from(value)
+                .map(ByteCount)
+                .map_err(|_| serde::de::Error::custom(format!("{value} is negative"))),
             Raw::Text(text) => parse_byte_count(&text)
                 .map(ByteCount)
                 .map_err(serde::de::Error::custom),
@@ -451,10 +454,17 @@ impl ConfigLayer {
             .map(|text| {
                 text.split(',')
                     .map(|uid| {
-                        uid.trim().parse::<u32>().map_err(|_| {
+                        parse_whole::<u32>(uid).map_err(|fault| {
                             invalid(
                                 "GPUFEED_ALLOW_UIDS",
-                                format!("{uid:?} is not a uid (expected a comma-separated list)"),
+                                match fault {
+                                    NumberFault::TooLarge => {
+                                        format!("{uid:?} is too large for a uid")
+                                    }
+                                    _ => format!(
+                                        "{uid:?} is not a uid (expected a comma-separated list)"
+                                    ),
+                                },
                             )
                         })
                     })
@@ -1369,6 +1379,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("too large"), "{error}");
+        let map: HashMap<&str, &str> = [("GPUFEED_ALLOW_UIDS", "1000,99999999999")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("too large"), "{error}");
         let map: HashMap<&str, &str> = [("GPUFEED_JOBS_MAX", "-3")].into();
         let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
             .unwrap_err()
@@ -1387,6 +1402,10 @@ mod tests {
             error.contains("c.toml") && error.contains("too large"),
             "{error}"
         );
+        let error = ConfigLayer::from_toml_str(Path::new("c.toml"), "slot_memory_max = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("negative"), "{error}");
         // In range for the type but not for the setting: the setting's bounds are named.
         let error = env(&[
             ("GPUFEED_DATA_ROOT", "/r"),
