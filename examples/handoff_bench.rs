@@ -148,10 +148,7 @@ fn main() -> Result<()> {
         Device::Cuda(ordinal) => Some(Arc::new(gpufeed::daemon::open_gpu_backend(
             ordinal,
             gpufeed::storage::EngineMode::Auto,
-            gpufeed::config::registered_bytes_max_default(),
-            gpufeed::pipeline::gpu::ZeroCopy::Auto,
-            gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
-            gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
+            &gpufeed::config::GpuSettings::from_environment()?,
         )?)),
         Device::Cpu => None,
     };

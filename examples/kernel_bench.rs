@@ -286,7 +286,7 @@ fn profile(device: &Device, stream: &Stream, zipf: Vec<u8>, relu: Vec<u8>) -> Re
     ];
     let mut decoded = Vec::new();
     for config in [Lz4Config::TWO_PHASE, Lz4Config::STANDARD] {
-        let (decoder, _) = Lz4Decoder::with_config(device, config, CacheDir::FromEnvironment)?;
+        let (decoder, _) = Lz4Decoder::with_config(device, config, kernel_cache())?;
         for set in &sets {
             let table = DeviceBuffer::from_host(device, &Lz4Job::encode_all(&set.jobs))?;
             let src = DeviceBuffer::from_host(device, &set.staging)?;
@@ -307,7 +307,7 @@ fn profile(device: &Device, stream: &Stream, zipf: Vec<u8>, relu: Vec<u8>) -> Re
             decoded.push(dst);
         }
     }
-    let (gatherer, _) = Gatherer::new(device, GatherLayout::STANDARD, CacheDir::FromEnvironment)?;
+    let (gatherer, _) = Gatherer::new(device, GatherLayout::STANDARD, kernel_cache())?;
     let source = &decoded[1];
     let elements = (source.len() / 2) as u64;
     let mut plan = GatherPlan::new();
@@ -381,8 +381,7 @@ fn bench_small_batches(
     let outcomes = DeviceBuffer::new(device, batch_blocks * LZ4_OUTCOME_BYTES)?;
     let slot = DeviceBuffer::new(device, batch_blocks * block_bytes * 2)?;
     let gather_outcome = DeviceBuffer::new(device, GATHER_OUTCOME_BYTES)?;
-    let (decoder, _) =
-        Lz4Decoder::with_config(device, Lz4Config::STANDARD, CacheDir::FromEnvironment)?;
+    let (decoder, _) = Lz4Decoder::with_config(device, Lz4Config::STANDARD, kernel_cache())?;
     let pieces = plan.pieces().len() as u32;
     let enqueue = |s: &Stream| -> Result<(), gpufeed::device::DeviceError> {
         // SAFETY: every buffer here outlives the timing loops, which end with a synchronisation; the
@@ -548,7 +547,7 @@ fn main() -> Result<()> {
         .map(|set| (set.name.clone(), 0.0, 0.0, ""))
         .collect();
     for (label, config) in configs {
-        let (decoder, _) = Lz4Decoder::with_config(&device, config, CacheDir::FromEnvironment)?;
+        let (decoder, _) = Lz4Decoder::with_config(&device, config, kernel_cache())?;
         let per_sm = decoder
             .kernel()
             .blocks_per_multiprocessor(config.warps_per_block * 32)?;
@@ -639,7 +638,7 @@ fn main() -> Result<()> {
     ];
     let mut gather_worst = f64::INFINITY;
     for layout in [GatherLayout::CoalescedStores, GatherLayout::WideLoads] {
-        let (gatherer, _) = Gatherer::new(&device, layout, CacheDir::FromEnvironment)?;
+        let (gatherer, _) = Gatherer::new(&device, layout, kernel_cache())?;
         for (label, op, elements, samples) in cases {
             let sample_in = elements * op.in_bytes();
             let slots = (source.len() as u64 / sample_in) as usize;
@@ -692,7 +691,7 @@ fn main() -> Result<()> {
     }
 
     // Small batches queued the way the pipeline does it, with direct launches and as a CUDA graph.
-    let (gatherer, _) = Gatherer::new(&device, GatherLayout::STANDARD, CacheDir::FromEnvironment)?;
+    let (gatherer, _) = Gatherer::new(&device, GatherLayout::STANDARD, kernel_cache())?;
     let small_sets = [
         sets[2].clone_prefix(32),
         compress_blocks(
@@ -744,4 +743,14 @@ fn main() -> Result<()> {
         std::fs::write(out.join("kernel_bench.md"), &table)?;
     }
     Ok(())
+}
+
+/// The compiled-kernel cache the daemon would use under this environment: `GPUFEED_CACHE_DIR`, else
+/// the default under `XDG_CACHE_HOME` or `HOME`.
+fn kernel_cache() -> CacheDir {
+    std::env::var_os("GPUFEED_CACHE_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| gpufeed::config::kernel_cache_dir_default(|name| std::env::var_os(name)))
+        .map_or(CacheDir::Disabled, CacheDir::At)
 }

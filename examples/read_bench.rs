@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpufeed::device::{Device, DeviceBuffer};
 use gpufeed::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice, ReadPath};
+use gpufeed::storage::windows::PageCacheWindows;
 use gpufeed::storage::{DirectIo, Extent, FileId, FileTable};
 
 #[derive(Parser)]
@@ -76,7 +77,10 @@ fn main() -> Result<()> {
     if let Some(threads) = args.cufile_threads {
         limits.cufile_threads = threads;
     }
-    let mut reader = GpuReader::new(&device, limits)?;
+    // 64 MiB windows within an 8 GiB registration budget: the file's windows stay registered
+    // between repeats.
+    let windows = std::sync::Arc::new(PageCacheWindows::new(&device, 64 << 20, 8 << 30));
+    let mut reader = GpuReader::with_windows(&device, limits, windows)?;
     let extent_bytes = (args.extent_mib << 20) as u64;
     let extents: Vec<Extent> = (0..len.div_ceil(extent_bytes))
         .map(|i| {

@@ -210,10 +210,7 @@ mod gpu {
         let mut serving = open_gpu_backend(
             ordinal,
             EngineMode::Auto,
-            gpufeed::config::registered_bytes_max_default(),
-            gpufeed::pipeline::gpu::ZeroCopy::Auto,
-            gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
-            gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
+            &gpufeed::config::GpuSettings::from_environment()?,
         )?;
         if let Some(rounds) = args.rounds_in_flight {
             serving.stream_limits.rounds_in_flight = rounds;

@@ -9,10 +9,10 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::pipeline::gpu::ZeroCopy;
 use crate::storage::{EngineMode, UnknownEngine};
 
 /// Where the control API listens unless told otherwise.
@@ -28,6 +28,8 @@ pub const HTTP_CONNECTIONS_MAX_MAX: u32 = 16384;
 /// Default time a control API connection may take to send a request's headers, and may stay idle
 /// between requests, in seconds.
 pub const HTTP_IDLE_TIMEOUT_S_DEFAULT: u64 = 30;
+/// Longest `--http-idle-timeout`: a day; a longer one would be no bound on idle connections at all.
+pub const HTTP_IDLE_TIMEOUT_S_MAX: u64 = 86_400;
 /// Smallest body limit accepted: below this even an ordinary request would be refused.
 pub const BODY_BYTES_MAX_MIN: u64 = 1 << 10;
 /// Largest body limit accepted: the API never needs more, and every body is held in memory.
@@ -36,6 +38,9 @@ pub const BODY_BYTES_MAX_MAX: u64 = 64 << 20;
 pub const SESSIONS_MAX_DEFAULT: u32 = 64;
 /// Default most bytes of slot memory over all streams (8 GiB).
 pub const SLOT_MEMORY_BYTES_MAX_DEFAULT: u64 = 8 << 30;
+/// Smallest slot memory bound accepted: one slot of the smallest stride, the least memory any
+/// stream needs (a stream has at least one slot). Below it no stream could ever open.
+pub const SLOT_MEMORY_BYTES_MAX_MIN: u64 = gpufeed_proto::protocol::SLOT_STRIDE_ALIGN_BYTES;
 /// Default size of a registered page-cache window: registering one costs about 2 ms on the H100 box
 /// (unregistering 0.6 ms): small enough that a stream beyond the budget, which registers each window
 /// for its copy, queues copies in small steps (64 MiB windows streamed 20.6 GB/s there, 256 MiB ones
@@ -65,6 +70,56 @@ pub const JOB_RECORDS_MAX_MAX: u32 = 65_536;
 pub const API_TOKEN_BYTES_MIN: usize = 16;
 /// Longest API token accepted.
 pub const API_TOKEN_BYTES_MAX: usize = 1024;
+
+// The GPU pipeline's settings. The pipeline keeps its own copies of some of these (its node defaults);
+// a test in `daemon` checks that the two agree.
+
+/// Default device memory each GPU stream in dataset order or a window shuffle may fill with whole
+/// shards copied ahead of need: room for two windows of four shards of 512 MiB (the window being
+/// served and the next) with their headers, 6 % of an 80 GiB GPU. With 4 GiB (seven such slots) the
+/// next window's last shard could not be copied before its window began.
+pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
+/// Default threads per GPU stream copying shards through pinned buffers beyond the registration
+/// budget: none. Copy threads move more than registering beyond the budget, but on several host
+/// cores against one, and the host's cores belong to the training processes first.
+pub const LOADER_COPY_THREADS_DEFAULT: u32 = 0;
+/// Most `--loader-copy-threads`.
+pub const LOADER_COPY_THREADS_MAX: u32 = 16;
+/// Default rounds a GPU stream queues on the device at once.
+pub const ROUNDS_IN_FLIGHT_DEFAULT: u32 = 3;
+/// Fewest `--rounds-in-flight`: one round on the device while the next is queued.
+pub const ROUNDS_IN_FLIGHT_MIN: u32 = 2;
+/// Most `--rounds-in-flight` (each holds a staging buffer and tables).
+pub const ROUNDS_IN_FLIGHT_MAX: u32 = 8;
+/// Default `--filler-spin-us`: the filler sleeps at once until the device wakes it (polling costs a
+/// host core).
+pub const FILLER_SPIN_US_DEFAULT: u32 = 0;
+/// Longest `--filler-spin-us` (1 ms).
+pub const FILLER_SPIN_US_MAX: u32 = 1000;
+/// Default largest output of a gather piece made of consecutive rows, in KiB: small enough that a
+/// batch read in dataset order spreads over many thread blocks of the gather kernel.
+pub const GATHER_PIECE_KIB_DEFAULT: u32 = 16;
+/// Smallest `--gather-piece-kib`.
+pub const GATHER_PIECE_KIB_MIN: u32 = 4;
+/// Largest `--gather-piece-kib`.
+pub const GATHER_PIECE_KIB_MAX: u32 = 1024;
+/// Default gather launches a round read in place may take with its piece table in the launch
+/// parameters: a dataset-order round of up to 8 MiB out in 16 KiB pieces.
+pub const INLINE_GATHER_TABLES_DEFAULT: u32 = 2;
+/// Most `--inline-gather-tables`.
+pub const INLINE_GATHER_TABLES_MAX: u32 = 8;
+/// Default and largest `--batch-group-max`: consecutive small batches one round gathers.
+pub const BATCH_GROUP_MAX_DEFAULT: u32 = 16;
+/// Largest `--batch-group-max`.
+pub const BATCH_GROUP_MAX_MAX: u32 = 16;
+/// Default `--plan-threads`: 0, chosen by the pipeline from the host's CPU count.
+pub const PLAN_THREADS_AUTOMATIC: u32 = 0;
+/// Most `--plan-threads`.
+pub const PLAN_THREADS_MAX: u32 = 32;
+/// Default seconds device memory kept between a device's streams may stay idle before it is freed.
+pub const DEVICE_POOL_IDLE_S_DEFAULT: u32 = 30;
+/// Longest `--device-pool-idle-s` (a day).
+pub const DEVICE_POOL_IDLE_S_MAX: u32 = 86_400;
 
 /// A configuration source could not be read or holds an invalid value.
 #[derive(Debug, thiserror::Error)]
@@ -111,11 +166,14 @@ impl<'de> Deserialize<'de> for ByteCount {
         #[derive(Deserialize)]
         #[serde(untagged)]
         enum Raw {
-            Number(u64),
+            // TOML integers are signed: a negative one is read, to be refused by name.
+            Number(i64),
             Text(String),
         }
         match Raw::deserialize(deserializer)? {
-            Raw::Number(value) => Ok(ByteCount(value)),
+            Raw::Number(value) => u64::try_from(value)
+                .map(ByteCount)
+                .map_err(|_| serde::de::Error::custom(format!("{value} is negative"))),
             Raw::Text(text) => parse_byte_count(&text)
                 .map(ByteCount)
                 .map_err(serde::de::Error::custom),
@@ -132,12 +190,99 @@ pub fn parse_byte_count(text: &str) -> Result<u64, String> {
         Some('G' | 'g') => (&trimmed[..trimmed.len() - 1], 1u64 << 30),
         _ => (trimmed, 1),
     };
-    let value: u64 = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a byte count like 65536, 64K or 1M"))?;
+    let value = parse_whole::<u64>(digits).map_err(|fault| match fault {
+        NumberFault::TooLarge => format!("{text:?} is too large"),
+        NumberFault::Negative | NumberFault::NotANumber => {
+            format!("{text:?} is not a byte count like 65536, 64K or 1M")
+        }
+    })?;
     value
         .checked_mul(multiplier)
         .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Why a text is not a whole number of the type asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NumberFault {
+    /// Digits, but more than the type holds.
+    TooLarge,
+    /// A minus sign before digits.
+    Negative,
+    /// Not digits at all.
+    NotANumber,
+}
+
+/// Parses a whole number, telling a number too large for `T` (or negative) from one that is no
+/// number at all: `99999999999` for a 32-bit setting is too large, not "not a whole number".
+fn parse_whole<T: std::str::FromStr<Err = std::num::ParseIntError>>(
+    text: &str,
+) -> Result<T, NumberFault> {
+    let text = text.trim();
+    text.parse::<T>().map_err(|error| match error.kind() {
+        std::num::IntErrorKind::PosOverflow => NumberFault::TooLarge,
+        _ if text.strip_prefix('-').is_some_and(|digits| {
+            !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+        }) =>
+        {
+            NumberFault::Negative
+        }
+        _ => NumberFault::NotANumber,
+    })
+}
+
+/// What is wrong with `text`, which is not a whole number for the reason `fault`.
+fn number_message(text: &str, fault: NumberFault) -> String {
+    match fault {
+        NumberFault::TooLarge => format!("{text:?} is too large"),
+        NumberFault::Negative => format!("{text:?} is negative"),
+        NumberFault::NotANumber => format!("{text:?} is not a whole number"),
+    }
+}
+
+/// Reads an optional TOML integer into a `u32`, saying whether a value that does not fit is too
+/// large or negative (serde's own message names the Rust type).
+fn toml_whole_number<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u32>, D::Error> {
+    let value = i64::deserialize(deserializer)?;
+    u32::try_from(value).map(Some).map_err(|_| {
+        serde::de::Error::custom(if value < 0 {
+            format!("{value} is negative")
+        } else {
+            format!("{value} is too large (at most {})", u32::MAX)
+        })
+    })
+}
+
+/// `on` or `off`, written as `on`/`off`, `1`/`0`, `true`/`false` or `yes`/`no` (a TOML boolean too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Switch(pub bool);
+
+impl std::str::FromStr for Switch {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Switch, String> {
+        match text.trim() {
+            "on" | "1" | "true" | "yes" => Ok(Switch(true)),
+            "off" | "0" | "false" | "no" => Ok(Switch(false)),
+            other => Err(format!("{other:?} is not on or off")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Switch {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bool(bool),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Bool(on) => Ok(Switch(on)),
+            Raw::Text(text) => text.parse().map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 /// The settings one source gives; every key is optional. Field names are the TOML keys.
@@ -155,6 +300,7 @@ pub struct ConfigLayer {
     /// Uids allowed on the socket.
     pub allow_uids: Option<Vec<u32>>,
     /// Most concurrent consumer sessions.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub sessions_max: Option<u32>,
     /// Most bytes of slot memory over all streams.
     pub slot_memory_max: Option<ByteCount>,
@@ -165,12 +311,16 @@ pub struct ConfigLayer {
     /// Largest request body of the control API.
     pub body_limit: Option<ByteCount>,
     /// Most pack jobs running at once.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub jobs_max: Option<u32>,
     /// Most pack jobs waiting to run.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub jobs_queued_max: Option<u32>,
     /// Most job records kept.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub job_records_max: Option<u32>,
     /// Threads compressing blocks in each pack job.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub pack_threads: Option<u32>,
     /// Most raw bytes per second each pack job packs (unlimited when absent).
     pub pack_rate_max: Option<ByteCount>,
@@ -178,8 +328,10 @@ pub struct ConfigLayer {
     /// the page-cache path off. Default: see [`registered_bytes_max_default`].
     pub registered_memory_max: Option<ByteCount>,
     /// Most open control API connections.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub http_connections_max: Option<u32>,
     /// Seconds a control API connection may take to send a request's headers or stay idle.
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub http_idle_timeout_s: Option<u32>,
     /// Size of one registered page-cache window (a multiple of 4096).
     pub registered_window: Option<ByteCount>,
@@ -187,16 +339,42 @@ pub struct ConfigLayer {
     /// cache instead of staging whole blocks.
     pub zero_copy: Option<String>,
     /// Device memory each GPU stream in dataset order or a window shuffle may fill with whole
-    /// shards copied ahead of need; `0` turns the copies off. Default:
-    /// [`crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT`].
+    /// shards copied ahead of need; `0` turns the copies off. Default: [`DEVICE_SHARD_BYTES_DEFAULT`].
     pub device_shard_memory: Option<ByteCount>,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration
-    /// budget (0: windows registered for their copy). Default: [`crate::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT`].
+    /// budget (0: windows registered for their copy). Default: [`LOADER_COPY_THREADS_DEFAULT`].
+    #[serde(default, deserialize_with = "toml_whole_number")]
     pub loader_copy_threads: Option<u32>,
+    /// Rounds a GPU stream queues on the device at once.
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub rounds_in_flight: Option<u32>,
+    /// Microseconds a GPU stream's filler polls a round for completion before it sleeps.
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub filler_spin_us: Option<u32>,
+    /// Largest output of a gather piece made of consecutive rows, in KiB.
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub gather_piece_kib: Option<u32>,
+    /// Gather launches a round read in place may take with its piece table in the launch
+    /// parameters (0: never).
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub inline_gather_tables: Option<u32>,
+    /// Most consecutive small batches of a resident stream one round gathers.
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub batch_group_max: Option<u32>,
+    /// Threads per GPU stream planning rows ahead of the filler (0: chosen from the CPU count).
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub plan_threads: Option<u32>,
+    /// Seconds device memory kept between a device's streams may stay idle before it is freed.
+    #[serde(default, deserialize_with = "toml_whole_number")]
+    pub device_pool_idle_s: Option<u32>,
+    /// Whether GPU streams' threads keep off the CPUs that service their device's interrupts.
+    pub avoid_irq_cpus: Option<Switch>,
+    /// Directory of the compiled-kernel cache.
+    pub cache_dir: Option<PathBuf>,
 }
 
-/// The environment variable for each key, in [`ConfigLayer`] order.
-pub const ENV_VARS: [&str; 22] = [
+/// The environment variable of each key.
+pub const ENV_VARS: [&str; 31] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -219,6 +397,15 @@ pub const ENV_VARS: [&str; 22] = [
     "GPUFEED_HTTP_CONNECTIONS_MAX",
     "GPUFEED_HTTP_IDLE_TIMEOUT_S",
     "GPUFEED_LOADER_COPY_THREADS",
+    "GPUFEED_ROUNDS_IN_FLIGHT",
+    "GPUFEED_FILLER_SPIN_US",
+    "GPUFEED_GATHER_PIECE_KIB",
+    "GPUFEED_INLINE_GATHER_TABLES",
+    "GPUFEED_BATCH_GROUP_MAX",
+    "GPUFEED_PLAN_THREADS",
+    "GPUFEED_DEVICE_POOL_IDLE_S",
+    "GPUFEED_AVOID_IRQ_CPUS",
+    "GPUFEED_CACHE_DIR",
 ];
 
 /// The environment variable naming the configuration file.
@@ -249,9 +436,8 @@ impl ConfigLayer {
         let number = |key: &str| -> Result<Option<u32>, ConfigError> {
             get(key)
                 .map(|text| {
-                    text.trim()
-                        .parse::<u32>()
-                        .map_err(|_| invalid(key, format!("{text:?} is not a whole number")))
+                    parse_whole::<u32>(&text)
+                        .map_err(|fault| invalid(key, number_message(&text, fault)))
                 })
                 .transpose()
         };
@@ -268,10 +454,17 @@ impl ConfigLayer {
             .map(|text| {
                 text.split(',')
                     .map(|uid| {
-                        uid.trim().parse::<u32>().map_err(|_| {
+                        parse_whole::<u32>(uid).map_err(|fault| {
                             invalid(
                                 "GPUFEED_ALLOW_UIDS",
-                                format!("{uid:?} is not a uid (expected a comma-separated list)"),
+                                match fault {
+                                    NumberFault::TooLarge => {
+                                        format!("{uid:?} is too large for a uid")
+                                    }
+                                    _ => format!(
+                                        "{uid:?} is not a uid (expected a comma-separated list)"
+                                    ),
+                                },
                             )
                         })
                     })
@@ -301,6 +494,20 @@ impl ConfigLayer {
             http_connections_max: number("GPUFEED_HTTP_CONNECTIONS_MAX")?,
             http_idle_timeout_s: number("GPUFEED_HTTP_IDLE_TIMEOUT_S")?,
             loader_copy_threads: number("GPUFEED_LOADER_COPY_THREADS")?,
+            rounds_in_flight: number("GPUFEED_ROUNDS_IN_FLIGHT")?,
+            filler_spin_us: number("GPUFEED_FILLER_SPIN_US")?,
+            gather_piece_kib: number("GPUFEED_GATHER_PIECE_KIB")?,
+            inline_gather_tables: number("GPUFEED_INLINE_GATHER_TABLES")?,
+            batch_group_max: number("GPUFEED_BATCH_GROUP_MAX")?,
+            plan_threads: number("GPUFEED_PLAN_THREADS")?,
+            device_pool_idle_s: number("GPUFEED_DEVICE_POOL_IDLE_S")?,
+            avoid_irq_cpus: get("GPUFEED_AVOID_IRQ_CPUS")
+                .map(|text| {
+                    text.parse::<Switch>()
+                        .map_err(|reason| invalid("GPUFEED_AVOID_IRQ_CPUS", reason))
+                })
+                .transpose()?,
+            cache_dir: get("GPUFEED_CACHE_DIR").map(PathBuf::from),
         })
     }
 
@@ -329,10 +536,18 @@ impl ConfigLayer {
             http_connections_max: self.http_connections_max.or(lower.http_connections_max),
             http_idle_timeout_s: self.http_idle_timeout_s.or(lower.http_idle_timeout_s),
             loader_copy_threads: self.loader_copy_threads.or(lower.loader_copy_threads),
+            rounds_in_flight: self.rounds_in_flight.or(lower.rounds_in_flight),
+            filler_spin_us: self.filler_spin_us.or(lower.filler_spin_us),
+            gather_piece_kib: self.gather_piece_kib.or(lower.gather_piece_kib),
+            inline_gather_tables: self.inline_gather_tables.or(lower.inline_gather_tables),
+            batch_group_max: self.batch_group_max.or(lower.batch_group_max),
+            plan_threads: self.plan_threads.or(lower.plan_threads),
+            device_pool_idle_s: self.device_pool_idle_s.or(lower.device_pool_idle_s),
+            avoid_irq_cpus: self.avoid_irq_cpus.or(lower.avoid_irq_cpus),
+            cache_dir: self.cache_dir.or(lower.cache_dir),
         }
     }
 
-    /// Fills in the defaults and checks every value. `own_uid` is the default socket allowlist.
     /// The control API's connection limit and header/idle timeout.
     fn resolve_http_connections(&self) -> Result<HttpConnections, ConfigError> {
         let connections_max = self
@@ -347,8 +562,11 @@ impl ConfigLayer {
         let idle_timeout_s = self
             .http_idle_timeout_s
             .map_or(HTTP_IDLE_TIMEOUT_S_DEFAULT, u64::from);
-        if idle_timeout_s == 0 {
-            return Err(invalid("--http-idle-timeout", "must be at least 1 second"));
+        if !(1..=HTTP_IDLE_TIMEOUT_S_MAX).contains(&idle_timeout_s) {
+            return Err(invalid(
+                "--http-idle-timeout",
+                format!("{idle_timeout_s} s is outside 1..={HTTP_IDLE_TIMEOUT_S_MAX} seconds"),
+            ));
         }
         Ok(HttpConnections {
             connections_max: connections_max as usize,
@@ -431,7 +649,7 @@ impl ConfigLayer {
     }
 
     /// The page-cache registration budget and when GPUs read rows in place.
-    fn resolve_registration(&self) -> Result<(RegistrationBudget, ZeroCopy), ConfigError> {
+    fn resolve_registration(&self) -> Result<(RegistrationBudget, ZeroCopyMode), ConfigError> {
         let window_bytes = self
             .registered_window
             .map_or(REGISTERED_WINDOW_BYTES_DEFAULT, |ByteCount(n)| n);
@@ -446,7 +664,7 @@ impl ConfigLayer {
                 ),
             ));
         }
-        let zero_copy: ZeroCopy = self
+        let zero_copy: ZeroCopyMode = self
             .zero_copy
             .as_deref()
             .unwrap_or("auto")
@@ -480,11 +698,88 @@ impl ConfigLayer {
         Ok((registered, zero_copy))
     }
 
+    /// What every GPU backend is built with: the registration budget and the pipeline's tuning.
+    fn resolve_gpu(&self) -> Result<GpuSettings, ConfigError> {
+        let (registered, zero_copy) = self.resolve_registration()?;
+        let loader_copy_threads = within(
+            "--loader-copy-threads",
+            self.loader_copy_threads,
+            LOADER_COPY_THREADS_DEFAULT,
+            0..=LOADER_COPY_THREADS_MAX,
+        )?;
+        let rounds_in_flight = within(
+            "--rounds-in-flight",
+            self.rounds_in_flight,
+            ROUNDS_IN_FLIGHT_DEFAULT,
+            ROUNDS_IN_FLIGHT_MIN..=ROUNDS_IN_FLIGHT_MAX,
+        )?;
+        let filler_spin_us = within(
+            "--filler-spin-us",
+            self.filler_spin_us,
+            FILLER_SPIN_US_DEFAULT,
+            0..=FILLER_SPIN_US_MAX,
+        )?;
+        let gather_piece_kib = within(
+            "--gather-piece-kib",
+            self.gather_piece_kib,
+            GATHER_PIECE_KIB_DEFAULT,
+            GATHER_PIECE_KIB_MIN..=GATHER_PIECE_KIB_MAX,
+        )?;
+        let inline_gather_tables = within(
+            "--inline-gather-tables",
+            self.inline_gather_tables,
+            INLINE_GATHER_TABLES_DEFAULT,
+            0..=INLINE_GATHER_TABLES_MAX,
+        )?;
+        let batch_group_max = within(
+            "--batch-group-max",
+            self.batch_group_max,
+            BATCH_GROUP_MAX_DEFAULT,
+            1..=BATCH_GROUP_MAX_MAX,
+        )?;
+        let plan_threads = within(
+            "--plan-threads",
+            self.plan_threads,
+            PLAN_THREADS_AUTOMATIC,
+            0..=PLAN_THREADS_MAX,
+        )?;
+        let device_pool_idle_s = within(
+            "--device-pool-idle-s",
+            self.device_pool_idle_s,
+            DEVICE_POOL_IDLE_S_DEFAULT,
+            1..=DEVICE_POOL_IDLE_S_MAX,
+        )?;
+        Ok(GpuSettings {
+            registered,
+            zero_copy,
+            device_shard_bytes: self
+                .device_shard_memory
+                .map_or(DEVICE_SHARD_BYTES_DEFAULT, |ByteCount(n)| n),
+            loader_copy_threads: loader_copy_threads as usize,
+            rounds_in_flight: rounds_in_flight as usize,
+            filler_spin: Duration::from_micros(u64::from(filler_spin_us)),
+            gather_piece_bytes: u64::from(gather_piece_kib) << 10,
+            inline_gather_tables: inline_gather_tables as usize,
+            batch_group_max: batch_group_max as usize,
+            plan_threads: plan_threads as usize,
+            device_pool_idle_release: Duration::from_secs(u64::from(device_pool_idle_s)),
+            interrupt_cpus: match self.avoid_irq_cpus {
+                Some(Switch(false)) => InterruptCpus::Share,
+                Some(Switch(true)) | None => InterruptCpus::Avoid,
+            },
+            kernel_cache_dir: self
+                .cache_dir
+                .clone()
+                .or_else(|| kernel_cache_dir_default(|name| std::env::var_os(name))),
+        })
+    }
+
+    /// Fills in the defaults and checks every value. `own_uid` is the default socket allowlist.
     pub fn resolve(self, own_uid: u32) -> Result<Settings, ConfigError> {
         let (http, body_bytes_max) = self.resolve_http()?;
         let http_connections = self.resolve_http_connections()?;
         let jobs = self.resolve_jobs()?;
-        let (registered, zero_copy) = self.resolve_registration()?;
+        let gpu = self.resolve_gpu()?;
         let data_root = self.data_root.ok_or_else(|| {
             invalid(
                 "--data-root",
@@ -513,19 +808,18 @@ impl ConfigLayer {
             Some(n) => n as usize,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        let loader_copy_threads = match self.loader_copy_threads {
-            Some(n) if n as usize > crate::pipeline::gpu::LOADER_COPY_THREADS_MAX => {
-                return Err(invalid(
-                    "--loader-copy-threads",
-                    format!(
-                        "must be at most {}",
-                        crate::pipeline::gpu::LOADER_COPY_THREADS_MAX
-                    ),
-                ))
-            }
-            Some(n) => n as usize,
-            None => crate::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
-        };
+        let slot_memory_bytes_max = self
+            .slot_memory_max
+            .map_or(SLOT_MEMORY_BYTES_MAX_DEFAULT, |ByteCount(n)| n);
+        if slot_memory_bytes_max < SLOT_MEMORY_BYTES_MAX_MIN {
+            return Err(invalid(
+                "--slot-memory-max",
+                format!(
+                    "{slot_memory_bytes_max} bytes is less than one batch slot \
+                     ({SLOT_MEMORY_BYTES_MAX_MIN} bytes): no stream could open"
+                ),
+            ));
+        }
         let pack_bytes_per_s_max = match self.pack_rate_max {
             Some(ByteCount(0)) => {
                 return Err(invalid(
@@ -543,24 +837,151 @@ impl ConfigLayer {
             engine,
             allowed_uids,
             sessions_max,
-            slot_memory_bytes_max: self
-                .slot_memory_max
-                .map_or(SLOT_MEMORY_BYTES_MAX_DEFAULT, |ByteCount(n)| n),
+            slot_memory_bytes_max,
             http,
             api_token: self.api_token,
             body_bytes_max,
             jobs,
             pack_threads,
             pack_bytes_per_s_max,
-            registered,
-            zero_copy,
+            gpu,
             http_connections,
-            device_shard_bytes: self.device_shard_memory.map_or(
-                crate::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
-                |ByteCount(n)| n,
-            ),
-            loader_copy_threads,
         })
+    }
+}
+
+/// `value` (or `default` when unset) if it lies in `bounds`; otherwise an error naming `key`.
+fn within(
+    key: &str,
+    value: Option<u32>,
+    default: u32,
+    bounds: std::ops::RangeInclusive<u32>,
+) -> Result<u32, ConfigError> {
+    let value = value.unwrap_or(default);
+    if bounds.contains(&value) {
+        return Ok(value);
+    }
+    let side = if value > *bounds.end() {
+        "too large"
+    } else {
+        "too small"
+    };
+    Err(invalid(
+        key,
+        format!(
+            "{value} is {side}: must be in {}..={}",
+            bounds.start(),
+            bounds.end()
+        ),
+    ))
+}
+
+/// The compiled-kernel cache directory when none is configured: `$XDG_CACHE_HOME/gpufeed/kernels`,
+/// else `~/.cache/gpufeed/kernels`; none when neither variable is set (`lookup` reads the
+/// environment). `--cache-dir` (`GPUFEED_CACHE_DIR`) overrides it.
+pub fn kernel_cache_dir_default(
+    lookup: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Option<PathBuf> {
+    let var = |name: &str| lookup(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var("XDG_CACHE_HOME")
+        .map(|dir| dir.join("gpufeed").join("kernels"))
+        .or_else(|| var("HOME").map(|dir| dir.join(".cache").join("gpufeed").join("kernels")))
+}
+
+/// When GPUs read rows of raw blocks straight from registered page cache instead of staging whole
+/// blocks (`--zero-copy`). The daemon turns it into the pipeline's own policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroCopyMode {
+    /// Always stage whole blocks.
+    Off,
+    /// Read a block's rows in place when a batch uses less than half of it.
+    Auto,
+    /// Read every raw block in place when its window can be mapped.
+    Always,
+}
+
+impl ZeroCopyMode {
+    /// The name used in configuration and status.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroCopyMode::Off => "off",
+            ZeroCopyMode::Auto => "auto",
+            ZeroCopyMode::Always => "always",
+        }
+    }
+}
+
+impl std::str::FromStr for ZeroCopyMode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<ZeroCopyMode, String> {
+        match text {
+            "off" => Ok(ZeroCopyMode::Off),
+            "auto" => Ok(ZeroCopyMode::Auto),
+            "always" => Ok(ZeroCopyMode::Always),
+            other => Err(format!("{other:?} is not auto, always or off")),
+        }
+    }
+}
+
+/// Whether a GPU stream's threads (its filler, planning, loader and copy threads) keep off the CPUs
+/// that service their device's interrupts (`--avoid-irq-cpus`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InterruptCpus {
+    /// Keep off them when other CPUs are allowed (the default: on the H100 test machine a filler on
+    /// the interrupt CPU ran an epoch three times slower).
+    Avoid,
+    /// Run anywhere the process may.
+    Share,
+}
+
+/// What every GPU backend of the daemon is built with. Some of these are fields of the pipeline's
+/// own limits, which the daemon sets from here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSettings {
+    /// Most page-cache bytes registered for the devices at once (the one copy of this budget).
+    pub registered: RegistrationBudget,
+    /// When GPUs read rows of raw blocks in place from registered page cache.
+    pub zero_copy: ZeroCopyMode,
+    /// Device memory per GPU stream for shards copied ahead of need (0: none).
+    pub device_shard_bytes: u64,
+    /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget.
+    pub loader_copy_threads: usize,
+    /// Rounds a GPU stream queues on the device at once.
+    pub rounds_in_flight: usize,
+    /// How long a GPU stream's filler polls a round for completion before it sleeps.
+    pub filler_spin: Duration,
+    /// Largest output of a gather piece made of consecutive rows, in bytes.
+    pub gather_piece_bytes: u64,
+    /// Gather launches a round read in place may take with its piece table in the launch
+    /// parameters (0: never).
+    pub inline_gather_tables: usize,
+    /// Most consecutive small batches of a resident stream one round gathers.
+    pub batch_group_max: usize,
+    /// Threads per GPU stream planning rows ahead of the filler; 0: the pipeline's choice from the
+    /// host's CPU count.
+    pub plan_threads: usize,
+    /// How long device memory kept between a device's streams may stay idle before it is freed.
+    pub device_pool_idle_release: Duration,
+    /// Whether GPU streams' threads keep off their device's interrupt CPUs.
+    pub interrupt_cpus: InterruptCpus,
+    /// Directory of the compiled-kernel cache; none: kernels are compiled at every start.
+    pub kernel_cache_dir: Option<PathBuf>,
+}
+
+impl GpuSettings {
+    /// Every default, with the registration budget derived from this host (for tools and
+    /// benchmarks that build a GPU backend without a configuration).
+    pub fn node_defaults() -> GpuSettings {
+        ConfigLayer::default()
+            .resolve_gpu()
+            .expect("the defaults are valid")
+    }
+
+    /// The defaults under the process's `GPUFEED_*` variables, as the daemon would read them (for
+    /// benchmarks that build a GPU backend in process and are tuned like the daemon).
+    pub fn from_environment() -> Result<GpuSettings, ConfigError> {
+        ConfigLayer::from_env(|key| std::env::var(key).ok())?.resolve_gpu()
     }
 }
 
@@ -712,14 +1133,8 @@ pub struct Settings {
     pub pack_threads: usize,
     /// Most raw bytes per second each pack job packs.
     pub pack_bytes_per_s_max: Option<u64>,
-    /// Most page-cache bytes registered for the devices at once.
-    pub registered: RegistrationBudget,
-    /// When GPUs read rows of raw blocks in place from registered page cache.
-    pub zero_copy: ZeroCopy,
-    /// Device memory per GPU stream for shards copied ahead of need (0: none).
-    pub device_shard_bytes: u64,
-    /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget.
-    pub loader_copy_threads: usize,
+    /// What every GPU backend is built with.
+    pub gpu: GpuSettings,
     /// Bounds on the control API's connections.
     pub http_connections: HttpConnections,
 }
@@ -808,6 +1223,15 @@ mod tests {
             "100",
             "5",
             "3",
+            "4",
+            "10",
+            "64",
+            "0",
+            "1",
+            "6",
+            "600",
+            "off",
+            "/cache",
         ];
         let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
         let layer = env(&pairs);
@@ -909,7 +1333,7 @@ mod tests {
         ])
         .resolve(0)
         .unwrap();
-        assert_eq!(off.registered.bytes_max, 0);
+        assert_eq!(off.gpu.registered.bytes_max, 0);
     }
 
     #[test]
@@ -924,10 +1348,206 @@ mod tests {
         let budget = file("data_root = \"/r\"\nregistered_memory_max = \"2G\"\n")
             .resolve(0)
             .unwrap()
+            .gpu
             .registered;
         assert_eq!(budget.bytes_max, 2 << 30);
         assert_eq!(budget.source, BudgetSource::Configured);
         let uids = env(&[("GPUFEED_ALLOW_UIDS", "1000, 1001")]);
         assert_eq!(uids.allow_uids, Some(vec![1000, 1001]));
+    }
+
+    /// Regression: a number too large for its setting (`GPUFEED_HTTP_IDLE_TIMEOUT_S=99999999999`)
+    /// was reported as "not a whole number", in every numeric variable and byte count alike.
+    #[test]
+    fn numbers_too_large_say_so_in_every_source() {
+        for key in [
+            "GPUFEED_HTTP_IDLE_TIMEOUT_S",
+            "GPUFEED_SESSIONS_MAX",
+            "GPUFEED_PLAN_THREADS",
+        ] {
+            let map: HashMap<&str, &str> = [(key, "99999999999")].into();
+            let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.starts_with(key) && error.contains("too large"),
+                "{error}"
+            );
+        }
+        let map: HashMap<&str, &str> = [("GPUFEED_SLOT_MEMORY_MAX", "99999999999999999999")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("too large"), "{error}");
+        let map: HashMap<&str, &str> = [("GPUFEED_ALLOW_UIDS", "1000,99999999999")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("too large"), "{error}");
+        let map: HashMap<&str, &str> = [("GPUFEED_JOBS_MAX", "-3")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("negative"), "{error}");
+        let map: HashMap<&str, &str> = [("GPUFEED_JOBS_MAX", "two")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not a whole number"), "{error}");
+        let error =
+            ConfigLayer::from_toml_str(Path::new("c.toml"), "http_idle_timeout_s = 99999999999\n")
+                .unwrap_err()
+                .to_string();
+        assert!(
+            error.contains("c.toml") && error.contains("too large"),
+            "{error}"
+        );
+        let error = ConfigLayer::from_toml_str(Path::new("c.toml"), "slot_memory_max = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("negative"), "{error}");
+        // In range for the type but not for the setting: the setting's bounds are named.
+        let error = env(&[
+            ("GPUFEED_DATA_ROOT", "/r"),
+            ("GPUFEED_HTTP_IDLE_TIMEOUT_S", "4000000000"),
+        ])
+        .resolve(0)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            error.starts_with("--http-idle-timeout") && error.contains("1..=86400"),
+            "{error}"
+        );
+    }
+
+    /// Regression: `slot_memory_max = "0"` was accepted, and the daemon started though no stream
+    /// could ever open (every stream was refused for want of slot memory).
+    #[test]
+    fn slot_memory_too_small_for_any_stream_is_refused() {
+        for text in ["slot_memory_max = \"0\"", "slot_memory_max = 4095"] {
+            let error = file(&format!("data_root = \"/r\"\n{text}\n"))
+                .resolve(0)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.starts_with("--slot-memory-max") && error.contains("no stream could open"),
+                "{error}"
+            );
+        }
+        let smallest = file("data_root = \"/r\"\nslot_memory_max = \"4K\"\n")
+            .resolve(0)
+            .unwrap();
+        assert_eq!(smallest.slot_memory_bytes_max, SLOT_MEMORY_BYTES_MAX_MIN);
+    }
+
+    /// The GPU tuning settings, once read by the pipeline from the environment where they were
+    /// used, are settings like the others: their defaults, a value from each source, and a value out
+    /// of bounds named by its flag.
+    #[test]
+    fn gpu_tuning_settings_have_defaults_bounds_and_every_source() {
+        let defaults = GpuSettings::node_defaults();
+        assert_eq!(defaults.rounds_in_flight, 3);
+        assert_eq!(defaults.filler_spin, Duration::ZERO);
+        assert_eq!(defaults.gather_piece_bytes, 16 << 10);
+        assert_eq!(defaults.inline_gather_tables, 2);
+        assert_eq!(defaults.batch_group_max, 16);
+        assert_eq!(defaults.plan_threads, 0);
+        assert_eq!(defaults.device_pool_idle_release, Duration::from_secs(30));
+        assert_eq!(defaults.interrupt_cpus, InterruptCpus::Avoid);
+        assert_eq!(defaults.zero_copy, ZeroCopyMode::Auto);
+        assert_eq!(defaults.device_shard_bytes, DEVICE_SHARD_BYTES_DEFAULT);
+
+        let from_file = file(
+            "data_root = \"/r\"\nrounds_in_flight = 5\nfiller_spin_us = 20\ngather_piece_kib = 64\n\
+             inline_gather_tables = 0\nbatch_group_max = 1\nplan_threads = 6\n\
+             device_pool_idle_s = 600\navoid_irq_cpus = false\ncache_dir = \"/kernels\"\n",
+        );
+        let from_env = env(&[
+            ("GPUFEED_ROUNDS_IN_FLIGHT", "4"),
+            ("GPUFEED_AVOID_IRQ_CPUS", "1"),
+        ]);
+        let gpu = from_env.over(from_file).resolve(0).unwrap().gpu;
+        assert_eq!(gpu.rounds_in_flight, 4);
+        assert_eq!(gpu.filler_spin, Duration::from_micros(20));
+        assert_eq!(gpu.gather_piece_bytes, 64 << 10);
+        assert_eq!(gpu.inline_gather_tables, 0);
+        assert_eq!(gpu.batch_group_max, 1);
+        assert_eq!(gpu.plan_threads, 6);
+        assert_eq!(gpu.device_pool_idle_release, Duration::from_secs(600));
+        assert_eq!(gpu.interrupt_cpus, InterruptCpus::Avoid);
+        assert_eq!(gpu.kernel_cache_dir, Some(PathBuf::from("/kernels")));
+
+        let cases: &[(&str, &str, &str)] = &[
+            ("GPUFEED_ROUNDS_IN_FLIGHT", "1", "--rounds-in-flight"),
+            ("GPUFEED_ROUNDS_IN_FLIGHT", "9", "--rounds-in-flight"),
+            ("GPUFEED_FILLER_SPIN_US", "1001", "--filler-spin-us"),
+            ("GPUFEED_GATHER_PIECE_KIB", "3", "--gather-piece-kib"),
+            ("GPUFEED_GATHER_PIECE_KIB", "1025", "--gather-piece-kib"),
+            (
+                "GPUFEED_INLINE_GATHER_TABLES",
+                "9",
+                "--inline-gather-tables",
+            ),
+            ("GPUFEED_BATCH_GROUP_MAX", "0", "--batch-group-max"),
+            ("GPUFEED_BATCH_GROUP_MAX", "17", "--batch-group-max"),
+            ("GPUFEED_PLAN_THREADS", "33", "--plan-threads"),
+            ("GPUFEED_DEVICE_POOL_IDLE_S", "0", "--device-pool-idle-s"),
+            (
+                "GPUFEED_DEVICE_POOL_IDLE_S",
+                "86401",
+                "--device-pool-idle-s",
+            ),
+            ("GPUFEED_LOADER_COPY_THREADS", "17", "--loader-copy-threads"),
+        ];
+        for (key, value, flag) in cases {
+            let error = env(&[("GPUFEED_DATA_ROOT", "/r"), (key, value)])
+                .resolve(0)
+                .unwrap_err()
+                .to_string();
+            assert!(error.starts_with(flag), "{key}={value}: {error}");
+        }
+        let map: HashMap<&str, &str> = [("GPUFEED_AVOID_IRQ_CPUS", "sometimes")].into();
+        let error = ConfigLayer::from_env(|k| map.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.starts_with("GPUFEED_AVOID_IRQ_CPUS"), "{error}");
+        let off = env(&[("GPUFEED_DATA_ROOT", "/r"), ("GPUFEED_AVOID_IRQ_CPUS", "0")])
+            .resolve(0)
+            .unwrap();
+        assert_eq!(off.gpu.interrupt_cpus, InterruptCpus::Share);
+    }
+
+    #[test]
+    fn the_kernel_cache_defaults_under_xdg_cache_home_then_home() {
+        let lookup = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| std::ffi::OsString::from(v))
+            }
+        };
+        assert_eq!(
+            kernel_cache_dir_default(lookup(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")])),
+            Some(PathBuf::from("/x/gpufeed/kernels"))
+        );
+        assert_eq!(
+            kernel_cache_dir_default(lookup(&[("XDG_CACHE_HOME", ""), ("HOME", "/h")])),
+            Some(PathBuf::from("/h/.cache/gpufeed/kernels"))
+        );
+        assert_eq!(kernel_cache_dir_default(lookup(&[])), None);
+    }
+
+    /// The configuration sits below the pipeline: it defines the defaults, bounds and enums it
+    /// needs, and the daemon converts them (it once imported the pipeline's constants and its
+    /// zero-copy enum).
+    #[test]
+    fn the_configuration_imports_nothing_from_the_pipeline() {
+        let upward = concat!("crate::", "pipeline");
+        let offenders: Vec<&str> = include_str!("config.rs")
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("//") && line.contains(upward))
+            .collect();
+        assert!(offenders.is_empty(), "{offenders:?}");
     }
 }

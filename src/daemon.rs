@@ -19,7 +19,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::api::{self, ApiOptions, Control, Metrics, StartupError};
-use crate::config::{HttpListen, RegistrationBudget, Settings};
+use crate::config::{GpuSettings, HttpListen, RegistrationBudget, Settings, ZeroCopyMode};
+use crate::device::probe::portable_registration_works;
 use crate::device::{CacheDir, Device, DeviceError};
 use crate::ipc::{Server, ServerConfig};
 use crate::kernels::Kernels;
@@ -219,17 +220,11 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
     }
     let mut backends = Vec::with_capacity(ordinals.len());
     for ordinal in ordinals {
-        let gpu = open_gpu_backend(
-            ordinal,
-            settings.engine,
-            settings.registered,
-            settings.zero_copy,
-            settings.device_shard_bytes,
-            settings.loader_copy_threads,
-        )
-        .map_err(|source| DaemonError::Gpu {
-            request: DeviceRequest::Cuda(ordinal),
-            source,
+        let gpu = open_gpu_backend(ordinal, settings.engine, &settings.gpu).map_err(|source| {
+            DaemonError::Gpu {
+                request: DeviceRequest::Cuda(ordinal),
+                source,
+            }
         })?;
         tracing::info!(
             "GPU backend on cuda:{ordinal} ({}); read path choice {:?}",
@@ -238,7 +233,7 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
         );
         backends.push(gpu);
     }
-    share_registrations(&mut backends, settings.registered);
+    share_registrations(&mut backends, settings.gpu.registered);
     Ok(backends.into_iter().map(Arc::new).collect())
 }
 
@@ -247,7 +242,7 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
 /// registry serves them all within the whole `registered` budget, so a page registered for one
 /// device's stream is read by the others without being locked again. Otherwise each device keeps its
 /// own registry, with an equal share of the budget.
-fn share_registrations(backends: &mut [GpuBackend], registered: crate::config::RegistrationBudget) {
+fn share_registrations(backends: &mut [GpuBackend], registered: RegistrationBudget) {
     let names: Vec<String> = backends
         .iter()
         .map(|b| format!("cuda:{}", b.ordinal))
@@ -276,7 +271,6 @@ fn share_registrations(backends: &mut [GpuBackend], registered: crate::config::R
     let count = backends.len() as u64;
     let share = registered.bytes_max / count / registered.window_bytes * registered.window_bytes;
     for backend in backends.iter_mut() {
-        backend.reader_limits.registered_bytes_max = share as usize;
         backend.windows = Arc::new(PageCacheWindows::new(
             &backend.device,
             registered.window_bytes as usize,
@@ -288,74 +282,6 @@ fn share_registrations(backends: &mut [GpuBackend], registered: crate::config::R
         names.join(", "),
         shareable.err().unwrap_or_default()
     );
-}
-
-/// Whether one registration serves every device of `devices`, tried on this machine with a small
-/// buffer: every device reads registered memory at its host address, a registration made with the
-/// first device's context maps at that address in every other device's context, and the last
-/// device's context can unregister it. `Err` says which step failed.
-fn portable_registration_works(devices: &[&Device]) -> Result<(), String> {
-    if let Some(device) = devices
-        .iter()
-        .find(|d| !d.properties().host_pointer_for_registered_memory)
-    {
-        return Err(format!(
-            "cuda:{} reads registered memory at another address than the host's",
-            device.properties().ordinal
-        ));
-    }
-    const PROBE_BYTES: usize = 2 << 20;
-    let probe =
-        memmap2::MmapMut::map_anon(PROBE_BYTES).map_err(|e| format!("probe buffer: {e}"))?;
-    let host = probe.as_ptr();
-    let bind = |device: &Device| device.bind().map_err(|e| e.to_string());
-    bind(devices[0])?;
-    // SAFETY: a live, page-aligned anonymous mapping, unregistered below before it is unmapped; the
-    // first device's context is current.
-    let first = unsafe { crate::device::ffi::mem_host_register_read_only(host, PROBE_BYTES) }
-        .map_err(|e| format!("registering a probe buffer: {e}"))?;
-    let mut outcome = if first == host as u64 {
-        Ok(())
-    } else {
-        Err("the first device maps registered memory at another address".to_string())
-    };
-    for device in &devices[1..] {
-        if outcome.is_err() {
-            break;
-        }
-        outcome = bind(device).and_then(|()| {
-            // SAFETY: registered portable above; this device's context is current.
-            let mapped = unsafe {
-                crate::device::ffi::mem_host_device_pointer(host as *mut std::ffi::c_void)
-            };
-            match mapped {
-                Ok(ptr) if ptr == host as u64 => Ok(()),
-                Ok(_) => Err(format!(
-                    "cuda:{} maps a portable registration at another address",
-                    device.properties().ordinal
-                )),
-                Err(e) => Err(format!(
-                    "cuda:{} does not see a portable registration: {e}",
-                    device.properties().ordinal
-                )),
-            }
-        });
-    }
-    let last = devices[devices.len() - 1];
-    let unregistered = bind(last).and_then(|()| {
-        // SAFETY: registered above; nothing reads it; a context is current.
-        unsafe { crate::device::ffi::mem_host_unregister(host) }.map_err(|e| e.to_string())
-    });
-    if let Err(reason) = unregistered {
-        // Undo it from the context that made it, and do not share.
-        let _ = bind(devices[0]);
-        // SAFETY: as above.
-        let _ = unsafe { crate::device::ffi::mem_host_unregister(host) };
-        outcome = outcome.and(Err(format!(
-            "another device's context cannot unregister a portable registration: {reason}"
-        )));
-    }
-    outcome
 }
 
 /// The GPU backend `--device` asks for: none for `cpu`; device N for `cuda:N` (or an error saying
@@ -374,14 +300,7 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, Daem
         DeviceRequest::Auto => 0,
         DeviceRequest::Cuda(ordinal) => ordinal,
     };
-    match open_gpu_backend(
-        ordinal,
-        settings.engine,
-        settings.registered,
-        settings.zero_copy,
-        settings.device_shard_bytes,
-        settings.loader_copy_threads,
-    ) {
+    match open_gpu_backend(ordinal, settings.engine, &settings.gpu) {
         Ok(gpu) => {
             tracing::info!(
                 "GPU backend on cuda:{ordinal} ({}); read path choice {:?}",
@@ -398,38 +317,39 @@ pub fn open_backend(settings: &Settings) -> Result<Option<Arc<GpuBackend>>, Daem
     }
 }
 
-/// Composes the GPU backend on CUDA device `ordinal`: opens the device, loads (compiling if needed)
-/// the kernels, and sets up the page-cache windows shared by every stream within the `registered`
-/// budget, with node defaults for the other bounds. Fails with [`DeviceError::Unavailable`] where
+/// Composes the GPU backend on CUDA device `ordinal` with the configured `gpu` settings: opens the
+/// device, loads (compiling if needed, cached in `gpu.kernel_cache_dir`) the kernels, and sets up
+/// the page-cache windows shared by every stream within the `gpu.registered` budget, with node
+/// defaults for the bounds that are not settings. Fails with [`DeviceError::Unavailable`] where
 /// CUDA cannot be used, on which a caller asking for `auto` falls back to the CPU backend.
 pub fn open_gpu_backend(
     ordinal: u32,
     engine: EngineMode,
-    registered: RegistrationBudget,
-    zero_copy: ZeroCopy,
-    device_shard_bytes: u64,
-    loader_copy_threads: usize,
+    gpu: &GpuSettings,
 ) -> Result<GpuBackend, DeviceError> {
     let device = Device::open(ordinal as usize)?;
-    let kernels = Kernels::load(&device, CacheDir::FromEnvironment)?;
+    let cache = gpu
+        .kernel_cache_dir
+        .clone()
+        .map_or(CacheDir::Disabled, CacheDir::At);
+    let kernels = Kernels::load(&device, cache)?;
     for (kernel, origin) in &kernels.origins {
         tracing::info!("kernel {kernel}: {origin:?}");
     }
-    let reader_limits = GpuReaderLimits {
-        window_bytes: registered.window_bytes as usize,
-        registered_bytes_max: registered.bytes_max as usize,
-        ..GpuReaderLimits::node_defaults()
-    };
+    let registered = gpu.registered;
     tracing::info!(
-        "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {zero_copy:?}",
+        "page-cache registration budget {} bytes ({}), windows of {} bytes, zero-copy {}",
         registered.bytes_max,
         registered.source.name(),
-        registered.window_bytes
+        registered.window_bytes,
+        gpu.zero_copy.name()
     );
+    // The one registration budget: the windows' registry holds it, and every reader of the
+    // device reads through that registry.
     let windows = Arc::new(PageCacheWindows::new(
         &device,
-        reader_limits.window_bytes,
-        reader_limits.registered_bytes_max,
+        registered.window_bytes as usize,
+        registered.bytes_max as usize,
     ));
     let numa = device.numa_placement();
     match &numa {
@@ -444,12 +364,7 @@ pub fn open_gpu_backend(
             "cuda:{ordinal}: one NUMA node (or the device's is unknown): threads are not bound"
         ),
     }
-    let stream_limits = GpuStreamLimits {
-        zero_copy,
-        device_shard_bytes,
-        loader_copy_threads,
-        ..GpuStreamLimits::node_defaults()
-    };
+    let stream_limits = stream_limits(gpu);
     Ok(GpuBackend {
         numa,
         windows,
@@ -467,10 +382,30 @@ pub fn open_gpu_backend(
             stream_limits.device_shard_bytes as usize,
             ordinal,
         )),
-        reader_limits,
+        reader_limits: GpuReaderLimits::node_defaults(),
         choice: PathChoice::from_mode(engine),
         stream_limits,
     })
+}
+
+/// The pipeline's limits of a GPU stream under the configured `gpu` settings: the settings the
+/// pipeline has fields for, over its node defaults. (`gpu.gather_piece_bytes`, `plan_threads`,
+/// `device_pool_idle_release` and `interrupt_cpus` are not fields of these limits.)
+fn stream_limits(gpu: &GpuSettings) -> GpuStreamLimits {
+    GpuStreamLimits {
+        zero_copy: match gpu.zero_copy {
+            ZeroCopyMode::Off => ZeroCopy::Off,
+            ZeroCopyMode::Auto => ZeroCopy::Auto,
+            ZeroCopyMode::Always => ZeroCopy::Always,
+        },
+        device_shard_bytes: gpu.device_shard_bytes,
+        loader_copy_threads: gpu.loader_copy_threads,
+        rounds_in_flight: gpu.rounds_in_flight,
+        wait_spin: gpu.filler_spin,
+        inline_gather_launches: gpu.inline_gather_tables,
+        batch_group_max: gpu.batch_group_max,
+        ..GpuStreamLimits::node_defaults()
+    }
 }
 
 async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), DaemonError> {
@@ -816,6 +751,37 @@ impl Signals {
 mod tests {
     use super::*;
     use crate::config::HttpConnections;
+
+    /// The configuration's defaults and bounds of the pipeline's settings are the pipeline's own
+    /// (the configuration does not import them, so that it stays below the pipeline).
+    #[test]
+    fn configured_gpu_defaults_are_the_pipelines() {
+        use crate::config as c;
+        use crate::pipeline::gpu as p;
+        let limits = stream_limits(&GpuSettings::node_defaults());
+        let node = GpuStreamLimits::node_defaults();
+        assert_eq!(limits.rounds_in_flight, node.rounds_in_flight);
+        assert_eq!(limits.wait_spin, node.wait_spin);
+        assert_eq!(limits.inline_gather_launches, node.inline_gather_launches);
+        assert_eq!(limits.batch_group_max, node.batch_group_max);
+        assert_eq!(limits.zero_copy, node.zero_copy);
+        assert_eq!(limits.device_shard_bytes, p::DEVICE_SHARD_BYTES_DEFAULT);
+        assert_eq!(limits.loader_copy_threads, p::LOADER_COPY_THREADS_DEFAULT);
+        assert_eq!(
+            c::LOADER_COPY_THREADS_MAX as usize,
+            p::LOADER_COPY_THREADS_MAX
+        );
+        assert_eq!(c::ROUNDS_IN_FLIGHT_MAX as usize, p::ROUNDS_IN_FLIGHT_MAX);
+        assert_eq!(
+            c::INLINE_GATHER_TABLES_MAX as usize,
+            p::INLINE_GATHER_LAUNCHES_MAX
+        );
+        assert_eq!(c::BATCH_GROUP_MAX_MAX as usize, p::BATCH_GROUP_MAX);
+        assert_eq!(
+            u128::from(c::FILLER_SPIN_US_MAX),
+            p::WAIT_SPIN_MAX.as_micros()
+        );
+    }
 
     #[test]
     fn http_connections_keep_three_quarters_of_the_descriptors_for_consumers() {

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gpufeed::config::{ByteCount, ConfigLayer};
+use gpufeed::config::{ByteCount, ConfigLayer, Switch};
 use gpufeed::daemon::DeviceRequest;
 use gpufeed::demo::DemoOptions;
 use gpufeed::format::Dataset;
@@ -195,7 +195,8 @@ struct ServeArgs {
     /// Most concurrent consumer sessions. Default: 64.
     #[arg(long)]
     sessions_max: Option<u32>,
-    /// Most bytes of slot memory over all streams (suffixes K, M, G are binary). Default: 8G.
+    /// Most bytes of slot memory over all streams (at least 4K, one slot; suffixes K, M, G are
+    /// binary). Default: 8G.
     #[arg(long, value_parser = parse_byte_count)]
     slot_memory_max: Option<ByteCount>,
     /// The control API's address, IP:PORT (port 0 picks a free one, printed as `gpufeed: http on
@@ -207,7 +208,7 @@ struct ServeArgs {
     /// GPUFEED_API_TOKEN or the file: flags are visible to other users in the process list.
     #[arg(long, value_name = "TOKEN")]
     api_token: Option<String>,
-    /// Largest request body the control API accepts (suffixes K, M). Default: 1M.
+    /// Largest request body the control API accepts (1K to 64M; suffixes K, M). Default: 1M.
     #[arg(long, value_parser = parse_byte_count)]
     body_limit: Option<ByteCount>,
     /// Most pack jobs running at once. Default: 2.
@@ -231,7 +232,8 @@ struct ServeArgs {
     /// the page-cache path off (suffixes K, M, G). Default: half the RAM, within RLIMIT_MEMLOCK.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     registered_memory_max: Option<ByteCount>,
-    /// Size of one registered page-cache window (a multiple of 4096; suffixes K, M, G). Default: 256M.
+    /// Size of one registered page-cache window (a multiple of 4096, 64K to 4G; suffixes K, M, G).
+    /// Default: 64M.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     registered_window: Option<ByteCount>,
     /// When GPUs read rows of raw (uncompressed) blocks straight from registered page cache instead
@@ -252,19 +254,61 @@ struct ServeArgs {
     /// 25-31 GB/s registering, and 12 threads 36.1: worth it on a host with cores to spare.
     #[arg(long, value_name = "N")]
     loader_copy_threads: Option<u32>,
+    /// Rounds a GPU stream queues on the device at once (2 to 8); a consumer needs at least one slot
+    /// more (prefetch) for the extra rounds to matter. Default: 3.
+    #[arg(long, value_name = "N")]
+    rounds_in_flight: Option<u32>,
+    /// Microseconds a GPU stream's filler polls a round for completion before it sleeps until the
+    /// driver wakes it (0 to 1000): batches are handed on sooner, for a host core. Default: 0.
+    #[arg(long, value_name = "MICROSECONDS")]
+    filler_spin_us: Option<u32>,
+    /// Largest output of one gather piece made of consecutive rows, in KiB (4 to 1024; never less
+    /// than one row): smaller pieces spread a batch read in dataset order over more thread blocks.
+    /// Default: 16.
+    #[arg(long, value_name = "KIB")]
+    gather_piece_kib: Option<u32>,
+    /// Gather launches a round read in place may take with its piece table in the launches'
+    /// parameters instead of in pinned host memory (0 to 8; 0: never; needs a CUDA 12.1 driver).
+    /// Default: 2.
+    #[arg(long, value_name = "N")]
+    inline_gather_tables: Option<u32>,
+    /// Most consecutive small batches of a resident GPU stream one round gathers into their slots,
+    /// within 4 MiB of output (1 to 16; 1: a round per batch). Default: 16.
+    #[arg(long, value_name = "N")]
+    batch_group_max: Option<u32>,
+    /// Threads per GPU stream planning the rows of the next batches ahead of the filler when the
+    /// dataset is read in place (0 to 32; 0: 12 or the CPU count, the fewer). Default: 0.
+    #[arg(long, value_name = "N")]
+    plan_threads: Option<u32>,
+    /// Seconds device memory kept between a device's streams (shard slots, block caches, region
+    /// tables) may stay idle before it is freed (1 to 86400). Default: 30.
+    #[arg(long, value_name = "SECONDS")]
+    device_pool_idle_s: Option<u32>,
+    /// Whether a GPU stream's threads keep off the CPUs that service the device's interrupts, when
+    /// other CPUs are allowed to them: on or off. Default: on.
+    #[arg(long, value_name = "on|off", value_parser = parse_switch)]
+    avoid_irq_cpus: Option<Switch>,
+    /// Directory of the compiled-kernel cache. Default: $XDG_CACHE_HOME/gpufeed/kernels, else
+    /// ~/.cache/gpufeed/kernels (no disk cache when neither HOME nor XDG_CACHE_HOME is set).
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
     /// Most control API connections served at once (further ones wait to be accepted), so that idle
     /// clients cannot take the descriptors consumers need; never more than a quarter of the open
     /// descriptor limit. Default: 256.
     #[arg(long, value_name = "N")]
     http_connections_max: Option<u32>,
     /// Seconds a control API connection may take to send a request's headers, or its body, and may
-    /// stay idle between requests, before the daemon closes it. Default: 30.
+    /// stay idle between requests, before the daemon closes it (1 to 86400). Default: 30.
     #[arg(long = "http-idle-timeout", value_name = "SECONDS")]
     http_idle_timeout_s: Option<u32>,
 }
 
 fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
     gpufeed::config::parse_byte_count(text).map(ByteCount)
+}
+
+fn parse_switch(text: &str) -> Result<Switch, String> {
+    text.parse()
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -558,6 +602,15 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         loader_copy_threads: args.loader_copy_threads,
         http_connections_max: args.http_connections_max,
         http_idle_timeout_s: args.http_idle_timeout_s,
+        rounds_in_flight: args.rounds_in_flight,
+        filler_spin_us: args.filler_spin_us,
+        gather_piece_kib: args.gather_piece_kib,
+        inline_gather_tables: args.inline_gather_tables,
+        batch_group_max: args.batch_group_max,
+        plan_threads: args.plan_threads,
+        device_pool_idle_s: args.device_pool_idle_s,
+        avoid_irq_cpus: args.avoid_irq_cpus,
+        cache_dir: args.cache_dir,
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {

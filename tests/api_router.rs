@@ -47,10 +47,13 @@ fn options(root: &Path) -> ApiOptions {
         slot_memory_bytes_max: 1 << 30,
         device: "cpu".to_string(),
         engine: EngineMode::Auto,
-        registered: gpufeed::config::registered_bytes_max_default(),
-        zero_copy: gpufeed::pipeline::gpu::ZeroCopy::Auto,
-        device_shard_bytes: gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
-        loader_copy_threads: gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
+        gpu: gpufeed::config::GpuSettings::node_defaults(),
+        socket_path: root.join("gpufeed.sock"),
+        allowed_uids: vec![1000],
+        http_connections: gpufeed::config::HttpConnections {
+            connections_max: 16,
+            idle_timeout: Duration::from_secs(30),
+        },
     }
 }
 
@@ -641,12 +644,33 @@ async fn a_dataset_whose_files_vanished_is_reported_missing() {
     assert_eq!(status["serving"]["zero_copy"], "auto");
     assert_eq!(
         status["serving"]["device_shard_memory"],
-        gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT
+        gpufeed::config::DEVICE_SHARD_BYTES_DEFAULT
     );
     assert_eq!(
         status["serving"]["loader_copy_threads"],
-        gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT
+        gpufeed::config::LOADER_COPY_THREADS_DEFAULT
     );
+    // So are the GPU tuning settings, once read by the pipeline from the environment unseen, and
+    // the settings of the socket, the API and pack jobs.
+    let gpu = gpufeed::config::GpuSettings::node_defaults();
+    let serving = &status["serving"];
+    assert_eq!(serving["rounds_in_flight"], gpu.rounds_in_flight);
+    assert_eq!(serving["filler_spin_us"], 0);
+    assert_eq!(serving["gather_piece_kib"], gpu.gather_piece_bytes >> 10);
+    assert_eq!(serving["inline_gather_tables"], gpu.inline_gather_tables);
+    assert_eq!(serving["batch_group_max"], gpu.batch_group_max);
+    assert_eq!(serving["plan_threads"], 0);
+    assert_eq!(serving["device_pool_idle_s"], 30);
+    assert_eq!(serving["avoid_irq_cpus"], true);
+    let control = &status["control"];
+    assert_eq!(control["allowed_uids"], json!([1000]));
+    assert_eq!(control["api_token_set"], false);
+    assert_eq!(control["body_limit_bytes"], 64 << 10);
+    assert_eq!(control["http_connections_max"], 16);
+    assert_eq!(control["http_idle_timeout_s"], 30);
+    assert_eq!(control["job_records_max"], 16);
+    assert_eq!(control["pack_threads"], 1);
+    assert_eq!(control["pack_rate_max"], Value::Null);
 
     // A restart lists it as missing, with the reason, and serves the rest.
     drop(app);

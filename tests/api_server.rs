@@ -535,3 +535,118 @@ fn cancelling_a_rate_limited_pack_in_its_last_step_cancels_it() {
     let job = get(address, &format!("/v1/jobs/{id}"), None).json();
     assert_eq!(job["state"], "cancelled", "{job}");
 }
+
+/// Regression: requests whose head the HTTP layer cannot parse (a `Content-Length` too large for a
+/// number, a repeated one, more headers than allowed) were answered 400 or 431 with an empty body,
+/// unlike every other error of the API, which has a JSON body with a stable `code`.
+#[test]
+fn unparsable_request_heads_get_json_errors() {
+    let root = scratch();
+    let daemon = start(serve_command(root.path(), &[]), &logs(root.path()));
+    let address = daemon.address();
+    request(
+        address,
+        "POST",
+        "/v1/datasets",
+        &[("Content-Length", "99999999999999999999999")],
+        None,
+    )
+    .assert_error(400, "bad_request");
+    request(
+        address,
+        "POST",
+        "/v1/datasets",
+        &[("Content-Length", "2"), ("Content-Length", "3")],
+        None,
+    )
+    .assert_error(400, "bad_request");
+    let names: Vec<String> = (0..120).map(|i| format!("X-Header-{i}")).collect();
+    let many: Vec<(&str, &str)> = names.iter().map(|name| (name.as_str(), "1")).collect();
+    let reply = request(address, "GET", "/healthz", &many, None);
+    reply.assert_error(431, "headers_too_large");
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    // The API goes on answering.
+    assert_eq!(get(address, "/healthz", None).status, 200);
+}
+
+/// Regression: `serve --help` said `--registered-window` defaults to 256M; the code uses 64M. Every
+/// default the help states for a setting with a plain default is checked against the code's.
+#[test]
+fn serve_help_states_the_defaults_the_code_uses() {
+    use gpufeed::config as c;
+    let output = common::gpufeed(["serve", "--help"]);
+    let help = common::assert_succeeds(&output);
+    // Each option's entry: from its line (`  -x, --flag` or `      --flag`) to the next option's.
+    let mut entries: Vec<String> = Vec::new();
+    for line in help.lines() {
+        if line.trim_start().starts_with('-') && line.len() - line.trim_start().len() <= 6 {
+            entries.push(String::new());
+        }
+        if let Some(entry) = entries.last_mut() {
+            entry.push(' ');
+            entry.push_str(line.trim());
+        }
+    }
+    let mib = |bytes: u64| format!("{}M", bytes >> 20);
+    let gib = |bytes: u64| format!("{}G", bytes >> 30);
+    let expected: Vec<(&str, String)> = vec![
+        ("--sessions-max", c::SESSIONS_MAX_DEFAULT.to_string()),
+        ("--slot-memory-max", gib(c::SLOT_MEMORY_BYTES_MAX_DEFAULT)),
+        ("--http <ADDR>", c::HTTP_ADDR_DEFAULT.to_string()),
+        ("--body-limit", mib(c::BODY_BYTES_MAX_DEFAULT)),
+        ("--jobs-max", c::JOBS_RUNNING_MAX_DEFAULT.to_string()),
+        ("--jobs-queued-max", c::JOBS_QUEUED_MAX_DEFAULT.to_string()),
+        ("--job-records-max", c::JOB_RECORDS_MAX_DEFAULT.to_string()),
+        (
+            "--registered-window",
+            mib(c::REGISTERED_WINDOW_BYTES_DEFAULT),
+        ),
+        ("--device-shard-memory", gib(c::DEVICE_SHARD_BYTES_DEFAULT)),
+        (
+            "--loader-copy-threads",
+            c::LOADER_COPY_THREADS_DEFAULT.to_string(),
+        ),
+        (
+            "--rounds-in-flight",
+            c::ROUNDS_IN_FLIGHT_DEFAULT.to_string(),
+        ),
+        ("--filler-spin-us", c::FILLER_SPIN_US_DEFAULT.to_string()),
+        (
+            "--gather-piece-kib",
+            c::GATHER_PIECE_KIB_DEFAULT.to_string(),
+        ),
+        (
+            "--inline-gather-tables",
+            c::INLINE_GATHER_TABLES_DEFAULT.to_string(),
+        ),
+        ("--batch-group-max", c::BATCH_GROUP_MAX_DEFAULT.to_string()),
+        ("--plan-threads", c::PLAN_THREADS_AUTOMATIC.to_string()),
+        (
+            "--device-pool-idle-s",
+            c::DEVICE_POOL_IDLE_S_DEFAULT.to_string(),
+        ),
+        (
+            "--http-connections-max",
+            c::HTTP_CONNECTIONS_MAX_DEFAULT.to_string(),
+        ),
+        (
+            "--http-idle-timeout",
+            c::HTTP_IDLE_TIMEOUT_S_DEFAULT.to_string(),
+        ),
+    ];
+    for (flag, default) in expected {
+        let text = entries
+            .iter()
+            .find(|entry| entry.contains(&format!("{flag} ")))
+            .unwrap_or_else(|| panic!("{flag} is not in the help: {help}"));
+        let stated = text
+            .split("Default: ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{flag} states no default: {text}"))
+            .split([' ', ','])
+            .next()
+            .unwrap()
+            .trim_end_matches('.');
+        assert_eq!(stated, default, "{flag}: {text}");
+    }
+}

@@ -15,10 +15,18 @@ use std::time::Instant;
 
 use gpufeed::device::{Device, DeviceBuffer};
 use gpufeed::storage::gpu::{GpuReader, GpuReaderLimits, PathChoice, ReadPath};
+use gpufeed::storage::windows::PageCacheWindows;
 use gpufeed::storage::{DirectIo, Extent, FileId, FileTable};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+
+/// A reader of `device` with node defaults and its own page-cache windows: 64 MiB windows within
+/// an 8 GiB registration budget (the daemon's come from its configuration).
+fn reader_with_test_budget(device: &Device) -> GpuReader {
+    let windows = std::sync::Arc::new(PageCacheWindows::new(device, 64 << 20, 8 << 30));
+    GpuReader::with_windows(device, GpuReaderLimits::node_defaults(), windows).unwrap()
+}
 
 fn device() -> Device {
     Device::open(0).expect("the GPU tests need CUDA device 0")
@@ -130,7 +138,7 @@ fn every_path_reads_a_multi_gib_file_bit_exactly_cold_and_warm() {
     let mut files = FileTable::new(1);
     files.open(&path, DirectIo::Prefer).unwrap();
     let buffer = DeviceBuffer::new(&device, len as usize).unwrap();
-    let mut reader = GpuReader::new(&device, GpuReaderLimits::node_defaults()).unwrap();
+    let mut reader = reader_with_test_budget(&device);
     eprintln!("cold path: {}", reader.cold_path_reason);
     let mut paths = vec![ReadPath::PageCache, ReadPath::Bounce];
     if reader.cufile_available() {
@@ -185,7 +193,7 @@ fn auto_sends_resident_extents_to_the_page_cache_and_cold_ones_elsewhere() {
     files.open(&path, DirectIo::Prefer).unwrap();
     let buffer = DeviceBuffer::new(&device, len as usize).unwrap();
     poison(&buffer, len);
-    let mut reader = GpuReader::new(&device, GpuReaderLimits::node_defaults()).unwrap();
+    let mut reader = reader_with_test_budget(&device);
     // First half warm, second half cold.
     drop_from_page_cache(&path);
     let half = (len / 2) / 4096 * 4096;
@@ -244,7 +252,7 @@ fn cufile_falls_back_per_file_when_registration_fails() {
     files.open(&path, DirectIo::Prefer).unwrap();
     let buffer = DeviceBuffer::new(&device, len as usize).unwrap();
     poison(&buffer, len);
-    let mut reader = GpuReader::new(&device, GpuReaderLimits::node_defaults()).unwrap();
+    let mut reader = reader_with_test_budget(&device);
     if !reader.cufile_available() {
         say_skipped(
             "cufile_falls_back_per_file_when_registration_fails",

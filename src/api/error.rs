@@ -22,7 +22,8 @@ pub struct ErrorBody {
     /// A stable machine-readable code: `bad_request`, `invalid_json`, `unsupported_media_type`,
     /// `unauthorized`, `path_outside_root`, `path_not_found`, `not_found`, `method_not_allowed`,
     /// `conflict`, `in_use`, `dataset_unavailable`, `payload_too_large`, `invalid_dataset`,
-    /// `invalid_input`, `too_many_requests`, `shutting_down`, `internal`.
+    /// `invalid_input`, `too_many_requests`, `shutting_down`, `internal`, and for requests whose
+    /// head cannot be parsed `bad_request`, `uri_too_long` and `headers_too_large`.
     pub code: String,
     /// What went wrong, for people.
     pub message: String,

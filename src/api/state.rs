@@ -80,14 +80,15 @@ pub struct ApiOptions {
     pub device: String,
     /// The configured engine, for status.
     pub engine: EngineMode,
-    /// The page-cache registration budget, for status.
-    pub registered: crate::config::RegistrationBudget,
-    /// The zero-copy policy, for status.
-    pub zero_copy: crate::pipeline::gpu::ZeroCopy,
-    /// Device memory per GPU stream for shards copied ahead, for status.
-    pub device_shard_bytes: u64,
-    /// Copy threads per GPU stream beyond the registration budget, for status.
-    pub loader_copy_threads: usize,
+    /// What the GPU backends are built with (the registration budget and the pipeline's tuning),
+    /// for status.
+    pub gpu: crate::config::GpuSettings,
+    /// The consumers' socket, for status.
+    pub socket_path: PathBuf,
+    /// Uids allowed on the socket, for status.
+    pub allowed_uids: Vec<u32>,
+    /// The control API's configured connection bounds, for status.
+    pub http_connections: crate::config::HttpConnections,
 }
 
 impl ApiOptions {
@@ -116,10 +117,10 @@ impl ApiOptions {
             slot_memory_bytes_max: settings.slot_memory_bytes_max,
             device: settings.device.clone(),
             engine: settings.engine,
-            registered: settings.registered,
-            zero_copy: settings.zero_copy,
-            device_shard_bytes: settings.device_shard_bytes,
-            loader_copy_threads: settings.loader_copy_threads,
+            gpu: settings.gpu.clone(),
+            socket_path: settings.socket_path.clone(),
+            allowed_uids: settings.allowed_uids.clone(),
+            http_connections: settings.http_connections,
         }
     }
 }

@@ -18,13 +18,11 @@ use super::blocking;
 use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
 use super::error::ErrorBody;
-pub use super::platform::{Availability, DeviceView, EngineView, Platform};
+pub use super::platform::{probe_platform, Availability, DeviceView, EngineView, Platform};
 use super::state::Control;
 use crate::catalog::JobState;
-use crate::device::Device;
+use crate::config::InterruptCpus;
 use crate::metrics::{self, Snapshot};
-use crate::storage::cufile::{libcufile_present, nvidia_fs_loaded};
-use crate::storage::UringQueue;
 
 /// What the daemon serves with.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
@@ -54,6 +52,51 @@ pub struct Serving {
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget
     /// (`--loader-copy-threads`; 0: windows registered for their copy).
     pub loader_copy_threads: u32,
+    /// Rounds a GPU stream queues on the device at once (`--rounds-in-flight`).
+    pub rounds_in_flight: u32,
+    /// Microseconds a GPU stream's filler polls a round before it sleeps (`--filler-spin-us`).
+    pub filler_spin_us: u64,
+    /// Largest output of a gather piece of consecutive rows, in KiB (`--gather-piece-kib`).
+    pub gather_piece_kib: u64,
+    /// Gather launches a round read in place may take with its piece table in the launch
+    /// parameters (`--inline-gather-tables`; 0: never).
+    pub inline_gather_tables: u32,
+    /// Most consecutive small batches one round gathers (`--batch-group-max`).
+    pub batch_group_max: u32,
+    /// Planning threads per GPU stream (`--plan-threads`; 0: 12 or the CPU count, the fewer).
+    pub plan_threads: u32,
+    /// Seconds idle device memory is kept between streams (`--device-pool-idle-s`).
+    pub device_pool_idle_s: u64,
+    /// Whether GPU streams' threads keep off their device's interrupt CPUs (`--avoid-irq-cpus`).
+    pub avoid_irq_cpus: bool,
+    /// The compiled-kernel cache (`--cache-dir`); `null`: none, kernels are compiled at start.
+    pub kernel_cache_dir: Option<String>,
+}
+
+/// The settings of the socket server, the control API and pack jobs that `serving` and `pools` do
+/// not show (the token never is).
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct ControlSettings {
+    /// The consumers' Unix socket (`--socket`).
+    pub socket: String,
+    /// Uids allowed on the socket (`--allow-uid`).
+    pub allowed_uids: Vec<u32>,
+    /// Whether a token guards the API (`--api-token`; the token itself is not shown).
+    pub api_token_set: bool,
+    /// Largest request body (`--body-limit`).
+    pub body_limit_bytes: u64,
+    /// Most control API connections served at once, as configured (`--http-connections-max`; the
+    /// daemon serves at most a quarter of its open descriptor limit).
+    pub http_connections_max: u64,
+    /// Seconds a connection may take to send a request's headers or body, or stay idle
+    /// (`--http-idle-timeout`).
+    pub http_idle_timeout_s: u64,
+    /// Most job records kept (`--job-records-max`).
+    pub job_records_max: u64,
+    /// Threads compressing blocks in each pack job (`--pack-threads`).
+    pub pack_threads: u64,
+    /// Most raw bytes per second each pack job packs (`--pack-rate-max`); `null`: unlimited.
+    pub pack_rate_max: Option<u64>,
 }
 
 /// One CUDA device the daemon serves: what its streams hold and have done.
@@ -117,6 +160,8 @@ pub struct StatusView {
     pub data_root: String,
     /// What the daemon serves with.
     pub serving: Serving,
+    /// The other settings.
+    pub control: ControlSettings,
     /// What the machine offers.
     pub platform: Platform,
     /// Pools and their use.
@@ -134,127 +179,6 @@ pub struct StatusView {
 pub struct Health {
     /// `ok`.
     pub status: String,
-}
-
-/// Probes the machine: the CUDA driver and devices, io_uring, libcufile and nvidia-fs. Blocks (the
-/// driver's initialization takes a while) and never panics without a GPU.
-pub fn probe_platform() -> Platform {
-    let mut devices = Vec::new();
-    let cuda = match Device::count() {
-        Ok(0) => Availability {
-            available: false,
-            reason: "the CUDA driver loads but sees no device".to_string(),
-        },
-        Ok(count) => {
-            let mut failures = Vec::new();
-            for ordinal in 0..count {
-                match Device::open(ordinal) {
-                    Ok(device) => {
-                        let p = device.properties();
-                        devices.push(DeviceView {
-                            device: format!("cuda:{ordinal}"),
-                            name: p.name.clone(),
-                            memory_bytes: p.memory_bytes,
-                            compute_capability: format!(
-                                "{}.{}",
-                                p.compute_capability.0, p.compute_capability.1
-                            ),
-                            multiprocessors: p.multiprocessors,
-                            exportable_memory: p.exportable_memory,
-                            pci_address: p.pci_address.clone(),
-                            numa_node: device.numa_placement().map(|n| n.node),
-                        });
-                    }
-                    Err(error) => failures.push(format!("cuda:{ordinal}: {error}")),
-                }
-            }
-            Availability {
-                available: !devices.is_empty(),
-                reason: if failures.is_empty() {
-                    format!("the CUDA driver sees {count} device(s)")
-                } else {
-                    format!("some devices did not open: {}", failures.join("; "))
-                },
-            }
-        }
-        Err(error) => Availability {
-            available: false,
-            reason: error.to_string(),
-        },
-    };
-    let uring = match UringQueue::new(1) {
-        Ok(_) => Availability {
-            available: true,
-            reason: "io_uring set up a queue".to_string(),
-        },
-        Err(error) => Availability {
-            available: false,
-            reason: format!("io_uring_setup failed: {error}"),
-        },
-    };
-    let mut engines = vec![
-        EngineView {
-            device: "host".to_string(),
-            engine: "io_uring".to_string(),
-            available: uring.available,
-            reason: uring.reason.clone(),
-        },
-        EngineView {
-            device: "host".to_string(),
-            engine: "pread".to_string(),
-            available: true,
-            reason: "positional reads work everywhere (the fallback where io_uring is not)"
-                .to_string(),
-        },
-    ];
-    if !devices.is_empty() {
-        let libcufile = libcufile_present();
-        let nvidia_fs = nvidia_fs_loaded();
-        for device in &devices {
-            let (available, reason) = match (libcufile, nvidia_fs) {
-                (false, _) => (false, "libcufile cannot be loaded".to_string()),
-                (true, false) => (
-                    false,
-                    "the nvidia-fs kernel driver is not loaded: cuFile would run in compatibility \
-                     mode, a POSIX bounce-buffer path that io_uring bounce beats"
-                        .to_string(),
-                ),
-                (true, true) => (
-                    true,
-                    "libcufile loads and nvidia-fs is loaded (the cuFile driver itself is opened \
-                     by the GPU backend, not by this probe)"
-                        .to_string(),
-                ),
-            };
-            engines.push(EngineView {
-                device: device.device.clone(),
-                engine: "cufile".to_string(),
-                available,
-                reason,
-            });
-            engines.push(EngineView {
-                device: device.device.clone(),
-                engine: "uring_bounce".to_string(),
-                available: uring.available,
-                reason: format!(
-                    "io_uring into pinned host buffers, then copies: {}",
-                    uring.reason
-                ),
-            });
-            engines.push(EngineView {
-                device: device.device.clone(),
-                engine: "page_cache_copy".to_string(),
-                available: true,
-                reason: "copies from registered page-cache windows need only the driver"
-                    .to_string(),
-            });
-        }
-    }
-    Platform {
-        cuda,
-        devices,
-        engines,
-    }
 }
 
 /// The daemon's devices, read paths, pools, version and uptime.
@@ -287,6 +211,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
     let counts = control.metrics.serving();
     let limits = control.jobs.limits();
     let options = &control.options;
+    let gpu = &options.gpu;
     Json(StatusView {
         version: env!("CARGO_PKG_VERSION").to_string(),
         uptime_seconds: snapshot.uptime_seconds,
@@ -303,13 +228,36 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 device: options.device.clone(),
                 engine: options.engine.to_string(),
                 note,
-                registered_memory_max: options.registered.bytes_max,
-                registered_memory_source: options.registered.source.name().to_string(),
-                registered_window_bytes: options.registered.window_bytes,
-                zero_copy: options.zero_copy.name().to_string(),
-                device_shard_memory: options.device_shard_bytes,
-                loader_copy_threads: options.loader_copy_threads as u32,
+                registered_memory_max: gpu.registered.bytes_max,
+                registered_memory_source: gpu.registered.source.name().to_string(),
+                registered_window_bytes: gpu.registered.window_bytes,
+                zero_copy: gpu.zero_copy.name().to_string(),
+                device_shard_memory: gpu.device_shard_bytes,
+                loader_copy_threads: gpu.loader_copy_threads as u32,
+                rounds_in_flight: gpu.rounds_in_flight as u32,
+                filler_spin_us: gpu.filler_spin.as_micros() as u64,
+                gather_piece_kib: gpu.gather_piece_bytes >> 10,
+                inline_gather_tables: gpu.inline_gather_tables as u32,
+                batch_group_max: gpu.batch_group_max as u32,
+                plan_threads: gpu.plan_threads as u32,
+                device_pool_idle_s: gpu.device_pool_idle_release.as_secs(),
+                avoid_irq_cpus: gpu.interrupt_cpus == InterruptCpus::Avoid,
+                kernel_cache_dir: gpu
+                    .kernel_cache_dir
+                    .as_ref()
+                    .map(|dir| dir.display().to_string()),
             }
+        },
+        control: ControlSettings {
+            socket: options.socket_path.display().to_string(),
+            allowed_uids: options.allowed_uids.clone(),
+            api_token_set: options.auth.token.is_some(),
+            body_limit_bytes: options.body_bytes_max as u64,
+            http_connections_max: options.http_connections.connections_max as u64,
+            http_idle_timeout_s: options.http_connections.idle_timeout.as_secs(),
+            job_records_max: u64::from(limits.records_max),
+            pack_threads: options.pack_threads as u64,
+            pack_rate_max: options.pack_bytes_per_s_max,
         },
         platform,
         pools: Pools {

@@ -18,6 +18,7 @@ pub mod ffi;
 mod memory;
 mod module;
 pub mod numa;
+pub mod probe;
 mod stream;
 
 use std::collections::HashMap;
@@ -31,8 +32,8 @@ pub use memory::{
     MappedHost, PinnedBuffer, PoolBuffer, POOL_ALIGN_BYTES,
 };
 pub use module::{
-    cache_dir_from_env, cache_file_name, compile, CacheDir, CompileOptions, CompiledImage, Kernel,
-    KernelSource, Module, ModuleOrigin, Target,
+    cache_file_name, compile, CacheDir, CompileOptions, CompiledImage, Kernel, KernelSource,
+    Module, ModuleOrigin, Target,
 };
 pub use stream::{time_on_stream, Event, EventTiming, Graph, Stream};
 

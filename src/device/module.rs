@@ -26,12 +26,10 @@ pub struct KernelSource {
     pub source: &'static str,
 }
 
-/// Where compiled images are cached on disk.
+/// Where compiled images are cached on disk (the daemon's `--cache-dir`, resolved with its default
+/// in `config`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheDir {
-    /// `$GPUFEED_CACHE_DIR`, else `$XDG_CACHE_HOME/gpufeed/kernels`, else `~/.cache/gpufeed/kernels`
-    /// (no disk cache when none of these is set).
-    FromEnvironment,
     /// This directory.
     At(PathBuf),
     /// No disk cache.
@@ -167,18 +165,6 @@ pub fn compile(
         }),
         Err(ffi::NvrtcFailure::Call(e)) => Err(e.into()),
     }
-}
-
-/// The disk cache directory the environment names, if any (see [`CacheDir::FromEnvironment`]).
-pub fn cache_dir_from_env() -> Option<PathBuf> {
-    let var = |name: &str| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("GPUFEED_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("gpufeed").join("kernels")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("gpufeed").join("kernels")))
 }
 
 /// The cache file name of `source` compiled with `options` for `target` by NVRTC `nvrtc_version`:
@@ -372,7 +358,6 @@ impl Device {
             return Ok((Arc::clone(module), ModuleOrigin::Memory));
         }
         let cache_dir = match &options.cache {
-            CacheDir::FromEnvironment => cache_dir_from_env(),
             CacheDir::At(dir) => Some(dir.clone()),
             CacheDir::Disabled => None,
         };

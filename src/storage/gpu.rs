@@ -78,10 +78,6 @@ pub struct GpuReaderLimits {
     pub bounce_buffers: usize,
     /// Reads in flight in the io_uring engine.
     pub queue_depth: usize,
-    /// Size of a registered page-cache window.
-    pub window_bytes: usize,
-    /// Most bytes registered at once over all windows.
-    pub registered_bytes_max: usize,
     /// Fraction of an extent's pages that must be resident for the page-cache path.
     pub resident_fraction_min: f64,
     /// Threads issuing cuFile reads for one extent.
@@ -89,15 +85,13 @@ pub struct GpuReaderLimits {
 }
 
 impl GpuReaderLimits {
-    /// Defaults for a GPU node: three 16 MiB bounce buffers, 64 MiB windows, 8 GiB registered, 8 cuFile
-    /// threads.
+    /// Defaults for a GPU node: three 16 MiB bounce buffers, 8 cuFile threads. (The page-cache
+    /// windows' size and registration budget are the [`PageCacheWindows`]' a reader is given.)
     pub fn node_defaults() -> GpuReaderLimits {
         GpuReaderLimits {
             bounce_buffer_bytes: 16 << 20,
             bounce_buffers: 3,
             queue_depth: 64,
-            window_bytes: 64 << 20,
-            registered_bytes_max: 8 << 30,
             resident_fraction_min: 0.95,
             cufile_threads: super::cufile::CUFILE_THREADS_DEFAULT,
         }
@@ -224,18 +218,8 @@ impl GpuReader {
     /// Sets up the paths for `device`: creates the copy stream and probes cuFile (used for cold reads
     /// only where the nvidia-fs driver is present, unless `cufile` is forced by the caller's
     /// [`PathChoice`]); the bounce buffers, their events and the io_uring engine are made by the first
-    /// read that needs them.
-    pub fn new(device: &Device, limits: GpuReaderLimits) -> Result<GpuReader, GpuReadError> {
-        let windows = Arc::new(PageCacheWindows::new(
-            device,
-            limits.window_bytes,
-            limits.registered_bytes_max,
-        ));
-        GpuReader::with_windows(device, limits, windows)
-    }
-
-    /// As [`GpuReader::new`], with page-cache windows shared with the device's other readers (their
-    /// geometry and bound are the registry's, not `limits`').
+    /// read that needs them. Page-cache reads go through `windows`, shared with the device's other
+    /// readers: their geometry and registration budget are the registry's.
     pub fn with_windows(
         device: &Device,
         limits: GpuReaderLimits,
@@ -243,7 +227,6 @@ impl GpuReader {
     ) -> Result<GpuReader, GpuReadError> {
         assert!(limits.bounce_buffers >= 2, "at least two bounce buffers");
         assert!(limits.bounce_buffer_bytes % IO_ALIGN_BYTES as usize == 0);
-        assert!(limits.window_bytes % IO_ALIGN_BYTES as usize == 0 && limits.window_bytes > 0);
         let stream = Stream::new(device)?;
         let done = Event::new_blocking(device)?;
         let opened = super::cufile::CuFileReader::open(device).map(|mut reader| {

@@ -12,8 +12,8 @@
 //! A window keeps the mapping it lies in alive, so a shard removed from disk while registered keeps its
 //! pages until the window is evicted (bounded like every other window). Registered pages are locked:
 //! the kernel cannot reclaim them under memory pressure, and `echo 3 > /proc/sys/vm/drop_caches` does
-//! not drop them (a cold-read measurement needs a fresh daemon). The bound
-//! (`GpuReaderLimits::registered_bytes_max`, 8 GiB by default) is what the daemon may hold locked.
+//! not drop them (a cold-read measurement needs a fresh daemon). The bound (the registry's
+//! `registered_bytes_max`, the daemon's `--registered-memory-max`) is what the daemon may hold locked.
 
 use std::collections::HashMap;
 use std::fs::File;
