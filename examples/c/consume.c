@@ -2,7 +2,9 @@
  * prints the first batch's fields, and at the end the batches, bytes, an FNV-1a checksum of every
  * host byte delivered (in order) and the rate.
  *
- *   cc -I ffi/include examples/c/consume.c target/release/libgpufeed_ffi.a -lpthread -ldl -lm -o consume
+ *   cargo build --release -p gpufeed-ffi
+ *   cc -std=c11 -D_POSIX_C_SOURCE=200809L -I ffi/include examples/c/consume.c \
+ *       target/release/libgpufeed_ffi.a -lpthread -ldl -lm -lrt -o consume
  *   ./consume /run/gpufeed/gpufeed.sock tokens 4096 [field]
  */
 #include <stdint.h>

@@ -1,4 +1,4 @@
-"""Trains a small classifier on gpufeed batches, on one GPU or under torchrun.
+"""Trains a small classifier on gpufeed batches: on one GPU, under torchrun, or on the CPU.
 
     # once: a synthetic dataset (features x: fp16 [N, 64], labels y: int32 [N]) under a data root
     python examples/python/train_torch.py make-data /data/gpufeed-toy
@@ -8,10 +8,15 @@
     # two ranks (two GPUs, or two ranks on one GPU with --same-gpu)
     torchrun --nproc-per-node 2 examples/python/train_torch.py train --socket /tmp/gpufeed.sock \\
         --dataset gpufeed-toy
+    # no GPU: batches in host memory (a daemon started with --device cpu serves them; so does a
+    # GPU daemon), the model on the CPU; torchrun works here too
+    python examples/python/train_torch.py train --socket /tmp/gpufeed.sock --dataset gpufeed-toy \\
+        --device cpu
 
 Each rank reads its own part of every step (rank and world size from torch.distributed), the
-features arrive as fp32 on the rank's GPU without a copy, and a checkpoint of the data position is
-written with the model every --checkpoint-every steps (resume with --resume).
+features arrive as fp32 on the rank's GPU (or in host memory with --device cpu) without a copy, and a
+checkpoint of the data position is written with the model every --checkpoint-every steps (resume
+with --resume).
 """
 
 import argparse
@@ -45,22 +50,25 @@ def train(args) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_cpu = args.device == "cpu"
     gpu = 0 if args.same_gpu else local_rank
-    torch.cuda.set_device(gpu)
+    if not on_cpu:
+        torch.cuda.set_device(gpu)
     if world > 1:
-        # gloo when several ranks share one GPU (NCCL refuses that), NCCL otherwise.
-        dist.init_process_group("gloo" if args.same_gpu else "nccl")
+        # gloo on the CPU and when several ranks share one GPU (NCCL refuses that), NCCL otherwise.
+        dist.init_process_group("gloo" if on_cpu or args.same_gpu else "nccl")
     rank = dist.get_rank() if world > 1 else 0
-    device = torch.device(f"cuda:{gpu}")
+    device = torch.device("cpu" if on_cpu else f"cuda:{gpu}")
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 10)).to(device)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=None if args.same_gpu else [gpu])
+            model, device_ids=None if on_cpu or args.same_gpu else [gpu])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The daemon places the batches: "cpu" asks for host memory, which any daemon serves.
     data = GpufeedDataset(args.socket, args.dataset, args.batch_size,
                           fields={"x": "f32", "y": None}, shuffle="window", window_shards=2,
-                          seed=1, device=f"cuda:{gpu}")
+                          seed=1, device=str(device))
     if args.resume and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
@@ -103,6 +111,9 @@ def main() -> None:
     run.add_argument("--resume", action="store_true")
     run.add_argument("--same-gpu", action="store_true",
                      help="put every rank on GPU 0 (a machine with one GPU)")
+    run.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                     help="cuda: each rank on its GPU (cuda:LOCAL_RANK); cpu: batches in host "
+                          "memory and the model on the CPU, no GPU needed")
     args = parser.parse_args()
     if args.command == "make-data":
         make_data(args.out, args.samples, args.gpufeed)
