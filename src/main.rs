@@ -566,7 +566,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
             .map(PathBuf::from)
     });
     let file = match &config_file {
-        Some(path) => ConfigLayer::from_toml_file(path)?,
+        Some(path) => read_config_file(path)?,
         None => ConfigLayer::default(),
     };
     let settings = flags
@@ -574,6 +574,28 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         .resolve(nix::unistd::getuid().as_raw())?;
     gpufeed::daemon::run(settings)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes a configuration file may hold: a few dozen settings fit in a few KiB.
+const CONFIG_FILE_BYTES_MAX: u64 = 1 << 20;
+
+/// Reads the configuration file at `path`: only a regular file (a FIFO would block the start until
+/// a writer came, and `/dev/zero` would be read forever), of at most [`CONFIG_FILE_BYTES_MAX`].
+fn read_config_file(path: &Path) -> Result<ConfigLayer> {
+    use std::io::Read;
+    let file = gpufeed::format::open_regular(path)
+        .with_context(|| format!("configuration file {}", path.display()))?;
+    let mut text = String::new();
+    file.take(CONFIG_FILE_BYTES_MAX + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("reading configuration file {}", path.display()))?;
+    if text.len() as u64 > CONFIG_FILE_BYTES_MAX {
+        anyhow::bail!(
+            "configuration file {}: larger than {CONFIG_FILE_BYTES_MAX} bytes: refusing to read it",
+            path.display()
+        );
+    }
+    Ok(ConfigLayer::from_toml_str(path, &text)?)
 }
 
 /// The policy a `--force` flag asks for.

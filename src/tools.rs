@@ -643,32 +643,22 @@ pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact_at(&mut header, 8).map_err(io)?;
-    let header: serde_json::Map<String, Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
-    let mut arrays = Vec::with_capacity(header.len());
-    for (name, info) in header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let file_dtype = info
-            .get("dtype")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad(format!("tensor '{name}' has no dtype")))?;
-        let shape = info
-            .get("shape")
-            .and_then(Value::as_array)
-            .and_then(|dims| dims.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-            .ok_or_else(|| bad(format!("tensor '{name}' has no valid shape")))?;
+    // The checks `pack` applies to the header, so that a file listed is a file whose tensors can be
+    // packed (the format refuses the whole file when one tensor breaks its rules).
+    let tensors = crate::input::safetensors::check_header(path, &header, metadata.len())?;
+    let mut arrays = Vec::with_capacity(tensors.len());
+    for tensor in tensors {
         // safetensors spells dtypes in capitals (F32, BF16); gpufeed's names are the same in lower case.
+        let file_dtype = tensor.dtype.to_string();
         let (dtype, dtype_supported) = match file_dtype.to_ascii_lowercase().parse::<DType>() {
             Ok(dtype) => (dtype.name().to_string(), true),
-            Err(_) => (file_dtype.to_string(), false),
+            Err(_) => (file_dtype, false),
         };
         arrays.push(InputArray {
-            name: Some(name),
+            name: Some(tensor.name),
             dtype,
             dtype_supported,
-            shape,
+            shape: tensor.shape,
         });
     }
     arrays.sort_by(|a, b| a.name.cmp(&b.name));

@@ -22,6 +22,7 @@ pub mod engine;
 pub mod fault;
 pub mod files;
 pub mod gpu;
+pub mod mapped;
 pub mod queue;
 pub mod residency;
 pub mod windows;
