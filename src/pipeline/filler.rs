@@ -10,7 +10,7 @@ use std::io;
 use std::sync::Arc;
 use std::thread;
 
-use super::assemble::{Assembler, FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
+use super::cpu::{Assembler, FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
 use super::gpu::{GpuAssembler, GpuStreamLimits};
 use crate::device::{Device, DeviceRegion, Event};
 use crate::kernels::Kernels;

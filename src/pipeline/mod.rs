@@ -1,16 +1,16 @@
 //! The batch pipeline: which samples each rank gets, in which order ([`order`]), how batches are
-//! assembled into slots ([`assemble`] on the CPU, [`gpu`] on the device), and the filler thread that
+//! assembled into slots ([`cpu`] on the CPU, [`gpu`] on the device), and the filler thread that
 //! drives a stream's assembler and switches between the two backends ([`filler`]).
 //!
 //! *Invariant*: the pipeline knows nothing of the wire format; a stream arrives as a
 //! [`StreamRequest`], converted from the consumer's request by `ipc`.
 
-pub mod assemble;
+pub mod cpu;
 pub mod filler;
 pub mod gpu;
 pub mod order;
 
-pub use assemble::{
+pub use cpu::{
     Assembler, CorruptPolicy, FieldPlan, FieldSelection, FillError, FillReport, Placement,
     PlacementRuns, PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,
 };

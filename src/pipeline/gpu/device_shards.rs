@@ -27,7 +27,7 @@ use super::shard_loader::{LoadJob, ShardLoader};
 use super::shard_pool::ShardSlotPool;
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::kernels::GatherRegion;
-use crate::pipeline::assemble::FillError;
+use crate::pipeline::cpu::FillError;
 use crate::pipeline::order::EpochOrder;
 
 /// One slot of device memory holding (or receiving) a copy of one shard.
