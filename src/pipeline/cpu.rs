@@ -14,6 +14,7 @@ use super::stream_plan::{
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::metrics::{Metrics, ReadPath};
+use crate::storage::mapped::MappedFile;
 use crate::storage::residency::ResidencyMap;
 use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
@@ -63,8 +64,13 @@ pub struct Assembler {
     metrics: Arc<Metrics>,
     read_path: ReadPath,
     /// Read-only maps of the shards, made on first use, for raw blocks read in place, with the
-    /// shard's residency map.
-    maps: Vec<Option<(memmap2::Mmap, ResidencyMap)>>,
+    /// shard's residency map. A shard truncated while mapped reads zeros instead of killing the
+    /// daemon (see [`MappedFile`]); `fill` checks the maps it read before it returns the slot.
+    maps: Vec<Option<(MappedFile, ResidencyMap)>>,
+    /// The shards read in place by the batch being filled, each once (`in_place_stamp` holds the
+    /// batch that last added a shard).
+    in_place_shards: Vec<u32>,
+    in_place_stamp: Vec<u64>,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
@@ -111,6 +117,8 @@ impl Assembler {
             read_path,
             sample: Vec::new(),
             maps: (0..plan_shards).map(|_| None).collect(),
+            in_place_shards: Vec::new(),
+            in_place_stamp: vec![0; plan_shards],
         })
     }
 
@@ -147,9 +155,10 @@ impl Assembler {
                 }
             }
         }
+        self.in_place_shards.clear();
         for (key, used) in sparse {
             let dense = used as f64 >= self.entry(&key).raw_bytes as f64 * IN_PLACE_COVERAGE_MAX;
-            if !self.map_in_place(&key, dense) {
+            if !self.map_in_place(&key, dense)? {
                 missing.push(key);
             }
         }
@@ -193,8 +202,9 @@ impl Assembler {
                             let (map, _) =
                                 self.maps[shard].as_ref().expect("mapped in map_in_place");
                             let at = entry.stored_offset as usize;
-                            self.sample
-                                .extend_from_slice(&map[at + from as usize..at + to as usize]);
+                            self.sample.extend_from_slice(
+                                &map.bytes()[at + from as usize..at + to as usize],
+                            );
                             in_place_bytes += to - from;
                         }
                     }
@@ -222,6 +232,11 @@ impl Assembler {
                     }
                 }
             }
+        }
+        // Before the slot is handed on: if a shard read in place was truncated or rewritten
+        // meanwhile, rows of this batch may hold zeros or another file's bytes.
+        for index in 0..self.in_place_shards.len() {
+            self.check_in_place(self.in_place_shards[index] as usize)?;
         }
         if in_place_bytes > 0 {
             self.metrics
@@ -253,7 +268,7 @@ impl Assembler {
                 continue;
             };
             let at = entry.stored_offset + placement.start.saturating_sub(entry.raw_offset);
-            if let Some(byte) = map.get(at as usize) {
+            if let Some(byte) = map.bytes().get(at as usize) {
                 prefetch(byte);
             }
         }
@@ -265,21 +280,37 @@ impl Assembler {
             .field_blocks(key.field as usize)[key.block as usize]
     }
 
+    /// Fails, naming the shard, if shard `shard`'s map was read beyond the end of the file or the
+    /// file's length or modification time changed since it was mapped (`cp` or `rsync --inplace` over
+    /// a served dataset): what was read from it may be zeros or another version's bytes.
+    fn check_in_place(&self, shard: usize) -> Result<(), StorageError> {
+        let Some((map, _)) = self.maps[shard].as_ref() else {
+            return Ok(());
+        };
+        map.check(self.files.get(FileId(shard as u32)).file())
+            .map_err(|reason| StorageError::Changed {
+                path: self.plan.dataset.shards[shard].path.clone(),
+                reason,
+            })
+    }
+
     /// Prepares raw block `key` to be read in place from its shard's memory map (`dense`: the batch
-    /// uses most of it, so only if its pages are cached): maps the shard if needed and verifies the block's checksum unless a reader of the dataset has (a corrupt block
-    /// goes into the cache as such, for the rows that read it). False when the shard cannot be mapped:
-    /// read the block whole instead, as when a dense block is not cached.
-    fn map_in_place(&mut self, key: &BlockKey, dense: bool) -> bool {
+    /// uses most of it, so only if its pages are cached): maps the shard if needed and verifies the
+    /// block's checksum unless a reader of the dataset has (a corrupt block goes into the cache as
+    /// such, for the rows that read it). False when the shard cannot be mapped: read the block whole
+    /// instead, as when a dense block is not cached. Fails if the shard changed under its map.
+    fn map_in_place(&mut self, key: &BlockKey, dense: bool) -> Result<bool, StorageError> {
         let shard = key.shard as usize;
         if self.maps[shard].is_none() {
             let file = self.files.get(FileId(key.shard)).file();
-            // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset
-            // exists; datasets are replaced by renaming a new directory into place, never in place.
-            let map = unsafe { memmap2::Mmap::map(file) };
-            match (map, ResidencyMap::new(file)) {
+            match (MappedFile::map(file), ResidencyMap::new(file)) {
                 (Ok(map), Ok(residency)) => self.maps[shard] = Some((map, residency)),
-                _ => return false,
+                _ => return Ok(false),
             }
+        }
+        if self.in_place_stamp[shard] != self.batch_stamp {
+            self.in_place_stamp[shard] = self.batch_stamp;
+            self.in_place_shards.push(key.shard);
         }
         let entry = self.entry(key);
         if dense {
@@ -288,19 +319,19 @@ impl Assembler {
                 .resident_fraction(entry.stored_offset as usize, entry.stored_bytes as usize)
                 .is_ok_and(|f| f >= IN_PLACE_RESIDENT_MIN);
             if !cached {
-                return false;
+                return Ok(false);
             }
         }
         let verified = &self.plan.dataset.verified;
         if verified.contains(shard, key.field as usize, key.block) {
-            return true;
+            return Ok(true);
         }
         let (map, _) = self.maps[shard].as_ref().expect("mapped above");
         let at = entry.stored_offset as usize;
         if at + entry.stored_bytes as usize > map.len() {
-            return false;
+            return Ok(false);
         }
-        let stored = &map[at..at + entry.stored_bytes as usize];
+        let stored = &map.bytes()[at..at + entry.stored_bytes as usize];
         let shard_ref = &self.plan.dataset.shards[shard];
         let checked = decode::check_block(stored, &entry, || BlockRef {
             shard: shard_ref.path.clone(),
@@ -319,12 +350,15 @@ impl Assembler {
                     .insert(shard, key.field as usize, key.block);
             }
             Err(error) => {
+                // A block that reads wrong because its shard was cut under the map is not corrupt
+                // on disk: say what happened instead.
+                self.check_in_place(shard)?;
                 self.metrics.add_corrupt_blocks(1);
                 let bad = CachedBlock::Corrupt(Arc::new(CorruptBlock::from(error)));
                 self.cache.insert(*key, (self.batch_stamp, bad));
             }
         }
-        true
+        Ok(true)
     }
 
     /// Reads and decodes `keys` into the cache.
