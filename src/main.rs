@@ -499,15 +499,15 @@ fn run_list_inputs(files: &[PathBuf]) -> Result<ExitCode> {
         for array in &listing.arrays {
             let shape: Vec<String> = array.shape.iter().map(u64::to_string).collect();
             let name = array.name.as_deref().unwrap_or("");
+            let note = match (&array.problem, array.dtype_supported) {
+                (_, false) => "  (gpufeed cannot pack this dtype)".to_string(),
+                (Some(problem), true) => format!("  (gpufeed cannot pack this: {problem})"),
+                (None, true) => String::new(),
+            };
             let line = format!(
-                "  {name:name_width$}  {:dtype_width$}  [{}]{}",
+                "  {name:name_width$}  {:dtype_width$}  [{}]{note}",
                 array.dtype,
                 shape.join(", "),
-                if array.dtype_supported {
-                    ""
-                } else {
-                    "  (gpufeed cannot pack this dtype)"
-                }
             );
             text.push('\n');
             text.push_str(line.trim_end());

@@ -535,6 +535,9 @@ pub struct InputArray {
     pub dtype: String,
     /// Whether gpufeed can pack this element type.
     pub dtype_supported: bool,
+    /// Why `pack` refuses this array as a field though its dtype is supported (a 0-d tensor, a 0 in
+    /// its per-sample shape); `None` when it can be packed.
+    pub problem: Option<String>,
     /// The full shape, samples first.
     pub shape: Vec<u64>,
 }
@@ -618,6 +621,8 @@ pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
                 name: None,
                 dtype: source.dtype.name().to_string(),
                 dtype_supported: true,
+                // `open_npy_field` refused the file already if its array cannot be a field.
+                problem: None,
                 shape,
             }],
         });
@@ -654,10 +659,19 @@ pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
             Ok(dtype) => (dtype.name().to_string(), true),
             Err(_) => (file_dtype, false),
         };
+        // The rules `pack` applies to the tensor it is asked for (`split_shape` in the input module).
+        let problem = match tensor.shape.split_first() {
+            None => Some("a 0-d tensor has no axis 0 to take samples along".to_string()),
+            Some((_, sample_shape)) if sample_shape.contains(&0) => {
+                Some("its per-sample shape contains 0: every sample would be empty".to_string())
+            }
+            Some(_) => None,
+        };
         arrays.push(InputArray {
             name: Some(tensor.name),
             dtype,
             dtype_supported,
+            problem,
             shape: tensor.shape,
         });
     }
@@ -698,6 +712,8 @@ impl InputArray {
         };
         if !self.dtype_supported {
             text.push_str(" (gpufeed cannot pack this dtype)");
+        } else if let Some(problem) = &self.problem {
+            text.push_str(&format!(" (gpufeed cannot pack this: {problem})"));
         }
         text
     }

@@ -215,3 +215,34 @@ fn list_inputs_and_pack_refuse_a_header_pack_cannot_use_naming_the_tensor() {
         assert_line_with(&packed, &expected);
     }
 }
+
+/// Regression test (issue 42, item 8): `list-inputs` listed a 0-d tensor and one with a 0 in its
+/// per-sample shape like any other, and `pack` then refused them. It now says why beside each.
+#[test]
+fn list_inputs_says_why_a_tensor_cannot_be_a_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = raw_safetensors(
+        &tmp.path().join("m.safetensors"),
+        r#"{"empty":{"dtype":"U8","shape":[3,0],"data_offsets":[0,0]},"ok":{"dtype":"U8","shape":[2,2],"data_offsets":[0,4]},"scalar":{"dtype":"U8","shape":[],"data_offsets":[4,5]}}"#,
+        5,
+    );
+    let out = assert_succeeds(&gpufeed([
+        std::ffi::OsStr::new("list-inputs"),
+        file.as_os_str(),
+    ]));
+    assert_line_with(&out, &["scalar", "cannot pack this", "0-d"]);
+    assert_line_with(&out, &["empty", "cannot pack this", "contains 0"]);
+    let ok = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("ok"))
+        .unwrap();
+    assert!(!ok.contains("cannot"), "{out}");
+    for (tensor, why) in [("scalar", "0-d"), ("empty", "contains 0")] {
+        let field = format!("f={}:{tensor}", file.display());
+        let packed = assert_fails(&pack_field(&tmp.path().join(tensor), &field));
+        assert!(
+            packed.contains(why) || packed.contains("axis 0"),
+            "{packed}"
+        );
+    }
+}
