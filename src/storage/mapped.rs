@@ -468,6 +468,52 @@ mod tests {
         );
     }
 
+    /// A real crash stays a crash: a SIGBUS at an address no registered map holds (here a plain map
+    /// of a truncated file) still kills the process, with SIGBUS.
+    #[test]
+    fn a_fault_outside_registered_maps_still_kills_the_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, file) = file_of(&dir, "plain", 64 << 10);
+        let registered = MappedFile::map(&file).unwrap();
+        // SAFETY: a read-only map, read only by the child below, which is meant to die of it.
+        let plain = unsafe { Mmap::map(&file) }.unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        // SAFETY: the child only sets a resource limit, reads memory and exits, all async-signal-safe
+        // (it runs no code of the test harness's other threads).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            let no_core = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: setrlimit reads the struct we own; then a volatile read of a live mapping (the
+            // fault is the point) and _exit, which never returns.
+            unsafe {
+                libc::setrlimit(libc::RLIMIT_CORE, &no_core);
+                let byte = std::ptr::read_volatile(plain.as_ptr().add(32 << 10));
+                libc::_exit(10 + i32::from(byte != 0));
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waitpid on our own child, writing into `status`, which we own.
+        let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(waited, pid);
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS,
+            "the child did not die of SIGBUS: status {status:#x}"
+        );
+        assert!(
+            !registered.faulted(),
+            "the fault was not in the registered map"
+        );
+    }
+
     /// Slots are given back when maps drop, so maps beyond the table's size over time are fine, and
     /// another mapping's slot is never found for an address outside every live range.
     #[test]
