@@ -543,15 +543,15 @@ fn run_list_inputs(files: &[PathBuf]) -> Result<ExitCode> {
         for array in &listing.arrays {
             let shape: Vec<String> = array.shape.iter().map(u64::to_string).collect();
             let name = array.name.as_deref().unwrap_or("");
+            let note = match (&array.problem, array.dtype_supported) {
+                (_, false) => "  (gpufeed cannot pack this dtype)".to_string(),
+                (Some(problem), true) => format!("  (gpufeed cannot pack this: {problem})"),
+                (None, true) => String::new(),
+            };
             let line = format!(
-                "  {name:name_width$}  {:dtype_width$}  [{}]{}",
+                "  {name:name_width$}  {:dtype_width$}  [{}]{note}",
                 array.dtype,
                 shape.join(", "),
-                if array.dtype_supported {
-                    ""
-                } else {
-                    "  (gpufeed cannot pack this dtype)"
-                }
             );
             text.push('\n');
             text.push_str(line.trim_end());
@@ -619,7 +619,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
             .map(PathBuf::from)
     });
     let file = match &config_file {
-        Some(path) => ConfigLayer::from_toml_file(path)?,
+        Some(path) => read_config_file(path)?,
         None => ConfigLayer::default(),
     };
     let settings = flags
@@ -627,6 +627,28 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         .resolve(nix::unistd::getuid().as_raw())?;
     gpufeed::daemon::run(settings)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes a configuration file may hold: a few dozen settings fit in a few KiB.
+const CONFIG_FILE_BYTES_MAX: u64 = 1 << 20;
+
+/// Reads the configuration file at `path`: only a regular file (a FIFO would block the start until
+/// a writer came, and `/dev/zero` would be read forever), of at most [`CONFIG_FILE_BYTES_MAX`].
+fn read_config_file(path: &Path) -> Result<ConfigLayer> {
+    use std::io::Read;
+    let file = gpufeed::format::open_regular(path)
+        .with_context(|| format!("configuration file {}", path.display()))?;
+    let mut text = String::new();
+    file.take(CONFIG_FILE_BYTES_MAX + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("reading configuration file {}", path.display()))?;
+    if text.len() as u64 > CONFIG_FILE_BYTES_MAX {
+        anyhow::bail!(
+            "configuration file {}: larger than {CONFIG_FILE_BYTES_MAX} bytes: refusing to read it",
+            path.display()
+        );
+    }
+    Ok(ConfigLayer::from_toml_str(path, &text)?)
 }
 
 /// The policy a `--force` flag asks for.

@@ -161,6 +161,10 @@ pub enum PackError {
     /// The observer cancelled the pack.
     #[error("pack cancelled")]
     Cancelled,
+    /// An input could not be read as it was when the pack started (it changed while it was
+    /// packed); the error names the file.
+    #[error(transparent)]
+    Input(#[from] crate::input::InputError),
 }
 
 /// One block after encoding.
@@ -630,7 +634,7 @@ fn write_shard(
             let first = raw_offset / sample_bytes;
             let last = step_end.div_ceil(sample_bytes);
             raw.clear();
-            field.copy_samples(first_sample + first, last - first, &mut raw);
+            field.copy_samples(first_sample + first, last - first, &mut raw)?;
             let skip = (raw_offset - first * sample_bytes) as usize;
             let step_raw = &raw[skip..skip + (step_end - raw_offset) as usize];
             let pieces: Vec<&[u8]> = step_raw.chunks(chunk as usize).collect();

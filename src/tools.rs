@@ -535,6 +535,9 @@ pub struct InputArray {
     pub dtype: String,
     /// Whether gpufeed can pack this element type.
     pub dtype_supported: bool,
+    /// Why `pack` refuses this array as a field though its dtype is supported (a 0-d tensor, a 0 in
+    /// its per-sample shape); `None` when it can be packed.
+    pub problem: Option<String>,
     /// The full shape, samples first.
     pub shape: Vec<u64>,
 }
@@ -618,6 +621,8 @@ pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
                 name: None,
                 dtype: source.dtype.name().to_string(),
                 dtype_supported: true,
+                // `open_npy_field` refused the file already if its array cannot be a field.
+                problem: None,
                 shape,
             }],
         });
@@ -643,32 +648,31 @@ pub fn list_input(path: &Path) -> Result<InputListing, ListInputError> {
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact_at(&mut header, 8).map_err(io)?;
-    let header: serde_json::Map<String, Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
-    let mut arrays = Vec::with_capacity(header.len());
-    for (name, info) in header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let file_dtype = info
-            .get("dtype")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad(format!("tensor '{name}' has no dtype")))?;
-        let shape = info
-            .get("shape")
-            .and_then(Value::as_array)
-            .and_then(|dims| dims.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-            .ok_or_else(|| bad(format!("tensor '{name}' has no valid shape")))?;
+    // The checks `pack` applies to the header, so that a file listed is a file whose tensors can be
+    // packed (the format refuses the whole file when one tensor breaks its rules).
+    let tensors = crate::input::safetensors::check_header(path, &header, metadata.len())?;
+    let mut arrays = Vec::with_capacity(tensors.len());
+    for tensor in tensors {
         // safetensors spells dtypes in capitals (F32, BF16); gpufeed's names are the same in lower case.
+        let file_dtype = tensor.dtype.to_string();
         let (dtype, dtype_supported) = match file_dtype.to_ascii_lowercase().parse::<DType>() {
             Ok(dtype) => (dtype.name().to_string(), true),
-            Err(_) => (file_dtype.to_string(), false),
+            Err(_) => (file_dtype, false),
+        };
+        // The rules `pack` applies to the tensor it is asked for (`split_shape` in the input module).
+        let problem = match tensor.shape.split_first() {
+            None => Some("a 0-d tensor has no axis 0 to take samples along".to_string()),
+            Some((_, sample_shape)) if sample_shape.contains(&0) => {
+                Some("its per-sample shape contains 0: every sample would be empty".to_string())
+            }
+            Some(_) => None,
         };
         arrays.push(InputArray {
-            name: Some(name),
+            name: Some(tensor.name),
             dtype,
             dtype_supported,
-            shape,
+            problem,
+            shape: tensor.shape,
         });
     }
     arrays.sort_by(|a, b| a.name.cmp(&b.name));
@@ -708,6 +712,8 @@ impl InputArray {
         };
         if !self.dtype_supported {
             text.push_str(" (gpufeed cannot pack this dtype)");
+        } else if let Some(problem) = &self.problem {
+            text.push_str(&format!(" (gpufeed cannot pack this: {problem})"));
         }
         text
     }

@@ -275,3 +275,71 @@ fn replace_with_fifo_new(path: &Path) {
     )
     .unwrap();
 }
+
+/// Regression test (issue 42, item 6): `gpufeed pack` blocked forever on a FIFO given as a `.npy`
+/// input or as the file of `--field NAME=FILE:TENSOR` (opening a FIFO waits for a writer), though
+/// `list-inputs` and `POST /v1/datasets` refused it. Pack inputs are now opened the way dataset files
+/// are: anything but a regular file is refused, naming it.
+#[test]
+fn pack_refuses_a_fifo_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let npy = tmp.path().join("ids.npy");
+    replace_with_fifo_new(&npy);
+    let tensors = tmp.path().join("fifo.safetensors");
+    replace_with_fifo_new(&tensors);
+    let out = tmp.path().join("ds");
+    let field_npy = format!("a={}", npy.display());
+    let field_tensor = format!("a={}:x", tensors.display());
+    for field in [&field_npy, &field_tensor] {
+        let output = run_bounded(&[
+            "pack".as_ref(),
+            "--quiet".as_ref(),
+            "--out".as_ref(),
+            out.as_os_str(),
+            "--field".as_ref(),
+            field.as_ref(),
+        ]);
+        let err = common::assert_fails(&output);
+        let fifo = if field.contains("safetensors") {
+            &tensors
+        } else {
+            &npy
+        };
+        common::assert_line_with(&err, &[&fifo.display().to_string(), "not a regular file"]);
+        assert!(!out.exists());
+    }
+}
+
+/// Regression test (issue 42, item 6): `serve --config FIFO` waited forever for a writer, and
+/// `--config /dev/zero` read zeros until memory ran out. The configuration file must now be a
+/// regular file of at most 1 MiB; either is refused naming it before the daemon starts.
+#[test]
+fn serve_refuses_a_fifo_or_device_or_huge_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("gpufeed.toml");
+    replace_with_fifo_new(&fifo);
+    let huge = tmp.path().join("huge.toml");
+    std::fs::write(&huge, vec![b'#'; (1 << 20) + 1]).unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    for config in [fifo.as_path(), Path::new("/dev/zero"), huge.as_path()] {
+        let output = run_bounded(&[
+            "serve".as_ref(),
+            "--data-root".as_ref(),
+            data.as_os_str(),
+            "--device".as_ref(),
+            "cpu".as_ref(),
+            "--http".as_ref(),
+            "off".as_ref(),
+            "--config".as_ref(),
+            config.as_os_str(),
+        ]);
+        let err = common::assert_fails(&output);
+        let why = if config == huge.as_path() {
+            "larger than"
+        } else {
+            "not a regular file"
+        };
+        common::assert_line_with(&err, &[&config.display().to_string(), why]);
+    }
+}

@@ -140,3 +140,109 @@ fn list_input_reads_headers_only_and_refuses_non_files() {
     let error = tools::list_input(tmp.path()).unwrap_err();
     assert!(error.to_string().contains("not a regular file"), "{error}");
 }
+
+/// Writes a safetensors file with the JSON header `header` (as written, duplicates and all) and
+/// `data_bytes` data bytes.
+fn raw_safetensors(path: &Path, header: &str, data_bytes: usize) -> PathBuf {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend(std::iter::repeat_n(7u8, data_bytes));
+    fs::write(path, bytes).unwrap();
+    path.to_path_buf()
+}
+
+/// Regression test (issue 42, item 8): a safetensors header naming a tensor twice packed silently
+/// (the `safetensors` crate keeps the last entry), and `list-inputs` listed tensors that `pack` then
+/// refused (overlapping, reversed or out-of-range offsets, shapes whose size overflows) without
+/// saying so. Both now refuse such a file with the same reason, naming the tensor (or the key).
+#[test]
+fn list_inputs_and_pack_refuse_a_header_pack_cannot_use_naming_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, usize, &[&str]); 6] = [
+        (
+            "duplicate",
+            r#"{"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"x":{"dtype":"U8","shape":[2,2],"data_offsets":[0,4]}}"#,
+            4,
+            &["\"x\" twice"],
+        ),
+        (
+            "overlap",
+            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}"#,
+            6,
+            &["tensor \"b\"", "overlap tensor \"a\""],
+        ),
+        (
+            "reversed",
+            r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
+            4,
+            &["tensor \"a\"", "reversed"],
+        ),
+        (
+            "beyond",
+            r#"{"a":{"dtype":"U8","shape":[64],"data_offsets":[0,64]}}"#,
+            8,
+            &["truncated", "the header implies"],
+        ),
+        (
+            "overflow",
+            r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}}"#,
+            8,
+            &["tensor \"a\"", "overflows"],
+        ),
+        (
+            "gap",
+            r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}"#,
+            6,
+            &["tensor \"b\"", "back to back"],
+        ),
+    ];
+    for (name, header, data_bytes, needles) in cases {
+        let file = raw_safetensors(
+            &tmp.path().join(format!("{name}.safetensors")),
+            header,
+            data_bytes,
+        );
+        let listed = assert_fails(&gpufeed([
+            std::ffi::OsStr::new("list-inputs"),
+            file.as_os_str(),
+        ]));
+        let mut expected = vec![file.to_str().unwrap()];
+        expected.extend_from_slice(needles);
+        assert_line_with(&listed, &expected);
+        let tensor = if name == "duplicate" { "x" } else { "a" };
+        let field = format!("f={}:{tensor}", file.display());
+        let packed = assert_fails(&pack_field(&tmp.path().join(name), &field));
+        assert_line_with(&packed, &expected);
+    }
+}
+
+/// Regression test (issue 42, item 8): `list-inputs` listed a 0-d tensor and one with a 0 in its
+/// per-sample shape like any other, and `pack` then refused them. It now says why beside each.
+#[test]
+fn list_inputs_says_why_a_tensor_cannot_be_a_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = raw_safetensors(
+        &tmp.path().join("m.safetensors"),
+        r#"{"empty":{"dtype":"U8","shape":[3,0],"data_offsets":[0,0]},"ok":{"dtype":"U8","shape":[2,2],"data_offsets":[0,4]},"scalar":{"dtype":"U8","shape":[],"data_offsets":[4,5]}}"#,
+        5,
+    );
+    let out = assert_succeeds(&gpufeed([
+        std::ffi::OsStr::new("list-inputs"),
+        file.as_os_str(),
+    ]));
+    assert_line_with(&out, &["scalar", "cannot pack this", "0-d"]);
+    assert_line_with(&out, &["empty", "cannot pack this", "contains 0"]);
+    let ok = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("ok"))
+        .unwrap();
+    assert!(!ok.contains("cannot"), "{out}");
+    for (tensor, why) in [("scalar", "0-d"), ("empty", "contains 0")] {
+        let field = format!("f={}:{tensor}", file.display());
+        let packed = assert_fails(&pack_field(&tmp.path().join(tensor), &field));
+        assert!(
+            packed.contains(why) || packed.contains("axis 0"),
+            "{packed}"
+        );
+    }
+}

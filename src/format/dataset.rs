@@ -294,12 +294,14 @@ impl Shard {
                 actual_bytes: 0,
             });
         }
-        // SAFETY: the mapping is read-only and private to this call. gpufeed never writes a shard after
-        // its manifest exists; another process truncating the file while we parse would fault (SIGBUS),
-        // which is the documented risk of memory-mapping shared files. Only the metadata prefix is
-        // touched, so the payload is never paged in here.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let metadata = parse_shard_metadata(&path, &map, file_bytes)?;
+        // Only the metadata prefix is touched, so the payload is never paged in here. A shard
+        // truncated while it is parsed reads zeros past its new end instead of killing the process
+        // (see `MappedFile`); the check after parsing then reports it rather than what was parsed.
+        let map = crate::storage::mapped::MappedFile::map(&file).map_err(io)?;
+        let metadata = parse_shard_metadata(&path, map.bytes(), file_bytes);
+        map.check(&file)
+            .map_err(|reason| io(std::io::Error::other(reason.to_string())))?;
+        let metadata = metadata?;
         let mismatch = |what: String| FormatError::ManifestMismatch {
             path: path.clone(),
             what,

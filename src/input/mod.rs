@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use gpufeed_proto::DType;
-use memmap2::Mmap;
+
+use crate::storage::mapped::{MapChange, MappedFile};
 
 pub use self::npy::{write_npy, NpyHeader, NpyWriter};
 pub use self::safetensors::open_safetensors_field;
@@ -171,6 +172,24 @@ pub enum InputError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The safetensors header names a key twice (the `safetensors` crate would keep the last).
+    #[error("{}: the safetensors header gives {key:?} twice: which one is meant is ambiguous, so the file is refused", path.display())]
+    DuplicateKey {
+        /// The file at fault.
+        path: PathBuf,
+        /// The key given twice.
+        key: String,
+    },
+    /// A tensor of the safetensors header breaks a rule of the format, which refuses the whole file.
+    #[error("{}: tensor {tensor:?}: {reason}; a safetensors file with such a tensor cannot be packed", path.display())]
+    BadTensor {
+        /// The file at fault.
+        path: PathBuf,
+        /// The tensor at fault.
+        tensor: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The safetensors file has no tensor of that name.
     #[error("{}: no tensor named {tensor:?}; available: {}", path.display(), list_names(available, *omitted))]
     TensorNotFound {
@@ -206,6 +225,15 @@ pub enum InputError {
         /// The field's name (there is no file to name).
         name: String,
     },
+    /// The file changed while it was read (truncated, or saved again, during a pack): what was read
+    /// of it cannot be trusted.
+    #[error("{}: {reason}; the pack stops rather than pack what was read of it", path.display())]
+    Changed {
+        /// The file at fault.
+        path: PathBuf,
+        /// How it changed.
+        reason: MapChange,
+    },
     /// An `.npy` writer was given more or fewer data bytes than its shape holds.
     #[error("{}: writing .npy: the shape holds {expected_bytes} data bytes but {written_bytes} were written", path.display())]
     WriteSize {
@@ -233,15 +261,33 @@ fn list_names(names: &[String], omitted: usize) -> String {
 /// The bytes behind a [`SourcePart`]: a read-only file mapping, or an owned buffer for fields
 /// built in memory (tests, demo data), so both kinds go through one copy path.
 enum Backing {
-    Mapped(Mmap),
+    /// The file's mapping, with the file itself, to tell whether it changed since it was mapped.
+    Mapped {
+        map: MappedFile,
+        file: File,
+    },
     Owned(Vec<u8>),
 }
 
 impl Backing {
     fn bytes(&self) -> &[u8] {
         match self {
-            Backing::Mapped(map) => map,
+            Backing::Mapped { map, .. } => map.bytes(),
             Backing::Owned(vec) => vec,
+        }
+    }
+
+    /// Fails, naming `path`, if the mapped file changed since it was mapped: then bytes read from
+    /// the mapping may be zeros (where the file was cut) or another version's.
+    fn check(&self, path: &Path) -> Result<(), InputError> {
+        match self {
+            Backing::Mapped { map, file } => {
+                map.check(file).map_err(|reason| InputError::Changed {
+                    path: path.to_path_buf(),
+                    reason,
+                })
+            }
+            Backing::Owned(_) => Ok(()),
         }
     }
 }
@@ -250,25 +296,25 @@ impl fmt::Debug for Backing {
     // Printing the contents of a multi-gigabyte mapping would be useless; the length is enough.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Backing::Mapped(map) => write!(f, "Mapped({} bytes)", map.len()),
+            Backing::Mapped { map, .. } => write!(f, "Mapped({} bytes)", map.len()),
             Backing::Owned(vec) => write!(f, "Owned({} bytes)", vec.len()),
         }
     }
 }
 
-/// Memory-maps `path` read-only.
+/// Memory-maps `path` read-only, refusing what is not a regular file (opening a FIFO would block
+/// until a writer comes, and a device such as `/dev/zero` has no end).
+///
+/// The mapping is a [`MappedFile`]: if the file shrinks while it is packed (saved again, or
+/// truncated), reading it does not kill the process; [`FieldSource::copy_samples`] fails instead.
 fn map_file(path: &Path) -> Result<Arc<Backing>, InputError> {
     let io = |source| InputError::Io {
         path: path.to_path_buf(),
         source,
     };
-    let file = File::open(path).map_err(io)?;
-    // SAFETY: the mapping is read-only and we never hand out `&mut`. The remaining hazard is
-    // another process truncating or rewriting the file while it is mapped, which can change the
-    // bytes under us or raise SIGBUS. Pack inputs are documented as immutable for the duration of
-    // a pack, and reading them into memory instead would defeat packing datasets larger than RAM.
-    let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-    Ok(Arc::new(Backing::Mapped(map)))
+    let file = crate::format::open_regular(path).map_err(io)?;
+    let map = MappedFile::map(&file).map_err(io)?;
+    Ok(Arc::new(Backing::Mapped { map, file }))
 }
 
 /// One contiguous piece of a field's samples: a memory-mapped file region (or an owned buffer)
@@ -307,6 +353,11 @@ impl SourcePart {
             data_offset,
             samples,
         })
+    }
+
+    /// Fails if the file behind this part changed since it was opened (see [`Backing::check`]).
+    fn check(&self) -> Result<(), InputError> {
+        self.backing.check(&self.path)
     }
 
     /// The bytes of samples `[start, start + count)` of this part. The range must be within
@@ -362,7 +413,7 @@ impl FieldSource {
     pub fn paths(&self) -> Vec<&Path> {
         self.parts
             .iter()
-            .filter(|p| matches!(*p.backing, Backing::Mapped(_)))
+            .filter(|p| matches!(*p.backing, Backing::Mapped { .. }))
             .map(|p| p.path.as_path())
             .collect()
     }
@@ -370,10 +421,19 @@ impl FieldSource {
     /// Appends the bytes of samples `[start, start + count)` to `out`; the range may cross part
     /// boundaries.
     ///
+    /// Fails, naming the file, if a file read changed since it was opened (it was truncated or
+    /// saved again during the pack): the bytes appended are then not the file's and must not be
+    /// used.
+    ///
     /// # Panics
     ///
     /// Only on a programmer error: if the range extends past [`FieldSource::sample_count`].
-    pub fn copy_samples(&self, start: u64, count: u64, out: &mut Vec<u8>) {
+    pub fn copy_samples(
+        &self,
+        start: u64,
+        count: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), InputError> {
         let total = self.sample_count();
         assert!(
             start.checked_add(count).is_some_and(|end| end <= total),
@@ -395,9 +455,13 @@ impl FieldSource {
             }
             let take = remaining.min(part.samples - start);
             out.extend_from_slice(part.sample_range(sample_bytes, start, take));
+            // After the copy: a read beyond the end of a file cut meanwhile has read zeros, which
+            // this catches before the caller uses them.
+            part.check()?;
             remaining -= take;
             start = 0;
         }
+        Ok(())
     }
 
     /// Builds a field from in-memory bytes (tests, the demo generator). The bytes are written
@@ -531,10 +595,10 @@ mod tests {
         assert_eq!(field.total_bytes(), 24);
         assert!(field.paths().is_empty(), "an in-memory field reads no file");
         let mut out = Vec::new();
-        field.copy_samples(1, 2, &mut out);
+        field.copy_samples(1, 2, &mut out).unwrap();
         assert_eq!(out, bytes[6..18]);
         out.clear();
-        field.copy_samples(4, 0, &mut out);
+        field.copy_samples(4, 0, &mut out).unwrap();
         assert!(out.is_empty());
 
         let empty = FieldSource::from_bytes("e", DType::F64, vec![], Vec::new()).unwrap();

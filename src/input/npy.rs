@@ -282,7 +282,11 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<NpyHeader, InputError> 
 pub(super) fn open(path: &Path) -> Result<(NpyHeader, Arc<Backing>), InputError> {
     let backing = map_file(path)?;
     let bytes = backing.bytes();
-    let header = parse_header(path, bytes)?;
+    let header = parse_header(path, bytes);
+    // The header was read from the mapping: if the file was cut meanwhile, what was read may be
+    // zeros, and the error to report is that.
+    backing.check(path)?;
+    let header = header?;
     let expected = header
         .data_bytes()
         .and_then(|n| n.checked_add(header.data_offset as u64))
@@ -907,7 +911,9 @@ mod tests {
 
     fn all_bytes(field: &FieldSource) -> Vec<u8> {
         let mut out = Vec::new();
-        field.copy_samples(0, field.sample_count(), &mut out);
+        field
+            .copy_samples(0, field.sample_count(), &mut out)
+            .unwrap();
         out
     }
 
@@ -1056,7 +1062,7 @@ mod tests {
         for start in 0..=7u64 {
             for count in 0..=(7 - start) {
                 let mut out = vec![0xAA];
-                field.copy_samples(start, count, &mut out);
+                field.copy_samples(start, count, &mut out).unwrap();
                 assert_eq!(out[0], 0xAA, "copy_samples must append");
                 let range = start as usize * 4..(start + count) as usize * 4;
                 assert_eq!(&out[1..], &all[range], "start {start} count {count}");
@@ -1068,7 +1074,7 @@ mod tests {
     #[should_panic(expected = "past the 3 samples")]
     fn copy_past_the_end_panics() {
         let field = FieldSource::from_bytes("f", DType::U8, vec![], vec![1, 2, 3]).unwrap();
-        field.copy_samples(2, 2, &mut Vec::new());
+        let _ = field.copy_samples(2, 2, &mut Vec::new());
     }
 
     #[test]

@@ -31,8 +31,19 @@ pub fn open_safetensors_field(
     let backing = map_file(path)?;
     let bytes = backing.bytes();
     check_header_fits(path, bytes)?;
-    let (header_len, metadata) =
-        SafeTensors::read_metadata(bytes).map_err(|e| metadata_error(path, bytes, e))?;
+    // Our checks first: they refuse what the crate refuses, naming the tensor at fault, and also a
+    // name given twice, which the crate takes silently (the last one wins).
+    let checked = match header_of(bytes) {
+        Some(header) => check_header(path, header, bytes.len() as u64).map(drop),
+        None => Ok(()),
+    };
+    let read = checked.and_then(|()| {
+        SafeTensors::read_metadata(bytes).map_err(|e| metadata_error(path, bytes, e))
+    });
+    // The header was read from the mapping: if the file was cut meanwhile, what was read may be
+    // zeros, and the error to report is that.
+    backing.check(path)?;
+    let (header_len, metadata) = read?;
     let Some(info) = metadata.info(tensor) else {
         let mut names: Vec<String> = metadata.tensors().into_keys().collect();
         names.sort();
@@ -66,6 +77,254 @@ pub fn open_safetensors_field(
         sample_shape,
         parts: vec![part],
     })
+}
+
+/// The JSON header of a safetensors file whose header length is within the crate's limit and whose
+/// header fits the file (see [`check_header_fits`]); `None` otherwise.
+fn header_of(bytes: &[u8]) -> Option<&[u8]> {
+    let mut len = [0u8; LEN_PREFIX];
+    len.copy_from_slice(bytes.get(..LEN_PREFIX)?);
+    let header_len = u64::from_le_bytes(len);
+    if header_len > MAX_HEADER_LEN {
+        return None;
+    }
+    bytes.get(LEN_PREFIX..LEN_PREFIX + header_len as usize)
+}
+
+/// A tensor of a safetensors header that [`check_header`] found packable as far as the format goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeaderTensor {
+    /// The tensor's name.
+    pub name: String,
+    /// Its element type, as the format names it.
+    pub dtype: Dtype,
+    /// Its full shape.
+    pub shape: Vec<u64>,
+    /// Its bytes in the data section (after the header): begin, end.
+    pub data_offsets: (u64, u64),
+}
+
+/// Checks the JSON `header` of a safetensors file of `file_bytes` bytes by the rules the format
+/// sets (those the `safetensors` crate applies when a tensor is packed) and one more, and returns its
+/// tensors sorted by name. Each failure names the tensor at fault: a key given twice (at any
+/// level; the crate would keep the last silently), a dtype the format does not know, a shape whose
+/// byte size overflows or is not a whole number of bytes, data offsets reversed or not matching the
+/// shape, tensors that overlap or leave bytes between them, and offsets beyond the file's end
+/// ([`InputError::Truncated`]) or short of it ([`InputError::TrailingBytes`]). The crate refuses the
+/// whole file for any of these, so the file is refused, not the tensor.
+pub fn check_header(
+    path: &Path,
+    header: &[u8],
+    file_bytes: u64,
+) -> Result<Vec<HeaderTensor>, InputError> {
+    use serde::de::DeserializeSeed;
+    let data_start = LEN_PREFIX as u64 + header.len() as u64;
+    let data_bytes = file_bytes.saturating_sub(data_start);
+    let duplicate = std::cell::RefCell::new(None);
+    let mut deserializer = serde_json::Deserializer::from_slice(header);
+    let parsed = UniqueKeys {
+        duplicate: &duplicate,
+    }
+    .deserialize(&mut deserializer)
+    .and_then(|value| deserializer.end().map(|()| value));
+    if let Some(key) = duplicate.into_inner() {
+        return Err(InputError::DuplicateKey {
+            path: path.to_path_buf(),
+            key,
+        });
+    }
+    let bad_file = |reason: String| InputError::Safetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let serde_json::Value::Object(entries) = parsed.map_err(|e| bad_file(e.to_string()))? else {
+        return Err(bad_file("the header is not a JSON object".to_string()));
+    };
+    let mut tensors = Vec::with_capacity(entries.len());
+    for (name, info) in &entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = |reason: String| InputError::BadTensor {
+            path: path.to_path_buf(),
+            tensor: name.clone(),
+            reason,
+        };
+        let dtype_name = info
+            .get("dtype")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| bad("no dtype".to_string()))?;
+        let dtype: Dtype = serde_json::from_value(serde_json::Value::from(dtype_name))
+            .map_err(|_| bad(format!("dtype {dtype_name:?} is not a safetensors dtype")))?;
+        let shape = info
+            .get("shape")
+            .and_then(serde_json::Value::as_array)
+            .and_then(|dims| {
+                dims.iter()
+                    .map(serde_json::Value::as_u64)
+                    .collect::<Option<Vec<u64>>>()
+            })
+            .ok_or_else(|| bad("no valid shape (a list of whole numbers)".to_string()))?;
+        let (begin, end) = match info
+            .get("data_offsets")
+            .and_then(serde_json::Value::as_array)
+            .map(|o| o.iter().map(serde_json::Value::as_u64).collect::<Vec<_>>())
+            .as_deref()
+        {
+            Some(&[Some(begin), Some(end)]) => (begin, end),
+            _ => return Err(bad("no valid data_offsets (two whole numbers)".to_string())),
+        };
+        if begin > end {
+            return Err(bad(format!(
+                "data_offsets [{begin}, {end}] are reversed (the tensor would end before it begins)"
+            )));
+        }
+        let bits = shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d))
+            .filter(|&n| usize::try_from(n).is_ok())
+            .and_then(|n| n.checked_mul(dtype.bitsize() as u64))
+            .ok_or_else(|| {
+                bad(format!(
+                    "shape {shape:?} of {dtype} overflows: its size does not fit in 64 bits"
+                ))
+            })?;
+        if bits % 8 != 0 {
+            return Err(bad(format!(
+                "shape {shape:?} of {dtype} is not a whole number of bytes"
+            )));
+        }
+        if end - begin != bits / 8 {
+            return Err(bad(format!(
+                "data_offsets [{begin}, {end}] hold {} bytes but shape {shape:?} of {dtype} is {} bytes",
+                end - begin,
+                bits / 8
+            )));
+        }
+        tensors.push(HeaderTensor {
+            name: name.clone(),
+            dtype,
+            shape,
+            data_offsets: (begin, end),
+        });
+    }
+    let mut by_offset: Vec<&HeaderTensor> = tensors.iter().collect();
+    by_offset.sort_by_key(|t| (t.data_offsets, t.name.as_str()));
+    let mut covered = 0u64;
+    let mut previous: Option<&HeaderTensor> = None;
+    for tensor in by_offset {
+        let (begin, end) = tensor.data_offsets;
+        let bad = |reason: String| InputError::BadTensor {
+            path: path.to_path_buf(),
+            tensor: tensor.name.clone(),
+            reason,
+        };
+        if begin < covered {
+            let other = previous.expect("something covers bytes before this tensor");
+            return Err(bad(format!(
+                "its bytes {begin}..{end} overlap tensor {:?} (bytes {}..{})",
+                other.name, other.data_offsets.0, other.data_offsets.1
+            )));
+        }
+        if begin > covered {
+            return Err(bad(format!(
+                "it starts at byte {begin} of the data section but the tensors before it end at \
+                 {covered}: the format requires tensors to lie back to back"
+            )));
+        }
+        covered = end;
+        previous = Some(tensor);
+    }
+    if covered > data_bytes {
+        return Err(InputError::Truncated {
+            path: path.to_path_buf(),
+            expected_bytes: data_start.saturating_add(covered),
+            actual_bytes: file_bytes,
+        });
+    }
+    if covered < data_bytes {
+        return Err(InputError::TrailingBytes {
+            path: path.to_path_buf(),
+            expected_bytes: data_start + covered,
+            actual_bytes: file_bytes,
+        });
+    }
+    Ok(tensors)
+}
+
+/// Deserialises JSON into a [`serde_json::Value`] like `serde_json` does, except that a key given
+/// twice in one object is an error (recorded in `duplicate`) instead of the last one winning.
+#[derive(Clone, Copy)]
+struct UniqueKeys<'a> {
+    duplicate: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueKeys<'_> {
+    type Value = serde_json::Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeys<'_> {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut values = Vec::new();
+        while let Some(value) = seq.next_element_seed(self)? {
+            values.push(value);
+        }
+        Ok(serde_json::Value::Array(values))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut object = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if object.contains_key(&key) {
+                *self.duplicate.borrow_mut() = Some(key.clone());
+                return Err(serde::de::Error::custom(format!("key {key:?} given twice")));
+            }
+            let value = map.next_value_seed(self)?;
+            object.insert(key, value);
+        }
+        Ok(serde_json::Value::Object(object))
+    }
 }
 
 /// Reports a file cut short inside its header as [`InputError::Truncated`]; the crate would only
@@ -199,7 +458,9 @@ mod tests {
 
     fn all_bytes(field: &FieldSource) -> Vec<u8> {
         let mut out = Vec::new();
-        field.copy_samples(0, field.sample_count(), &mut out);
+        field
+            .copy_samples(0, field.sample_count(), &mut out)
+            .unwrap();
         out
     }
 
@@ -224,7 +485,7 @@ mod tests {
         assert_eq!(field.sample_bytes(), 12);
         assert_eq!(all_bytes(&field), b);
         let mut out = Vec::new();
-        field.copy_samples(1, 2, &mut out);
+        field.copy_samples(1, 2, &mut out).unwrap();
         assert_eq!(out, b[12..36]);
         assert_eq!(field.paths(), vec![path.as_path()]);
 

@@ -22,6 +22,7 @@ pub mod engine;
 pub mod fault;
 pub mod files;
 pub mod gpu;
+pub mod mapped;
 pub mod queue;
 pub mod residency;
 pub mod windows;
@@ -159,6 +160,15 @@ pub enum StorageError {
     /// A previous queue failure left the engine unusable.
     #[error("the I/O engine failed earlier and was stopped")]
     EngineBroken,
+    /// A file changed while it was read through a memory map (truncated or rewritten in place, as
+    /// `cp` or `rsync --inplace` over a served dataset does): what was read from it is not served.
+    #[error("{path}: {reason}; nothing read from it since is served")]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// How it changed.
+        reason: mapped::MapChange,
+    },
     /// The requested engine is not available here.
     #[error("engine {mode} unavailable: {reason}")]
     Unavailable {

@@ -118,7 +118,9 @@ pub struct NpyData {
 pub fn read_npy(path: &Path) -> NpyData {
     let field = input::open_npy_field("x", &[path.to_path_buf()]).expect("valid .npy");
     let mut bytes = Vec::new();
-    field.copy_samples(0, field.sample_count(), &mut bytes);
+    field
+        .copy_samples(0, field.sample_count(), &mut bytes)
+        .unwrap();
     let mut shape = vec![field.sample_count()];
     shape.extend_from_slice(&field.sample_shape);
     NpyData {

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use crate::pipeline::CorruptPolicy;
+use crate::storage::mapped::MappedFile;
 use foldhash::{HashMap, HashMapExt};
-use memmap2::Mmap;
 
 use super::device_shards::{DeviceShards, ShardWindows};
 use super::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, REGIONS_MAX};
@@ -26,7 +26,7 @@ use crate::format::Codec;
 use crate::kernels::{
     resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
 };
-use crate::pipeline::assemble::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
 use crate::storage::windows::{PageCacheWindows, WindowId};
 use crate::storage::{FileId, FileTable};
 
@@ -763,11 +763,11 @@ fn verify_blocks(
                 as u64
         })
         .sum();
-    let mut maps: Vec<Option<Mmap>> = Vec::with_capacity(plan.dataset.shards.len());
+    let mut maps: Vec<Option<MappedFile>> = Vec::with_capacity(plan.dataset.shards.len());
     for index in 0..plan.dataset.shards.len() {
         let file = files.get(FileId(index as u32)).file();
-        // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset exists.
-        maps.push(unsafe { Mmap::map(file) }.ok());
+        // A shard truncated while it is verified reads zeros there (see `MappedFile`).
+        maps.push(MappedFile::map(file).ok());
     }
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -806,7 +806,7 @@ fn verify_blocks(
 /// Checks one block's stored bytes in its shard's map against its table checksum.
 fn check_in_map(
     plan: &StreamPlan,
-    maps: &[Option<Mmap>],
+    maps: &[Option<MappedFile>],
     key: BlockKey,
 ) -> Result<(), Arc<CorruptBlock>> {
     let shard = &plan.dataset.shards[key.shard as usize];
@@ -819,9 +819,8 @@ fn check_in_map(
     };
     let start = entry.stored_offset as usize;
     let end = start + entry.stored_bytes as usize;
-    let stored = maps[key.shard as usize]
-        .as_ref()
-        .and_then(|map| map.get(start..end));
+    let map = maps[key.shard as usize].as_ref();
+    let stored = map.and_then(|map| map.bytes().get(start..end));
     let Some(stored) = stored else {
         let error = decode::BlockError::Io {
             at: at(),
@@ -832,7 +831,17 @@ fn check_in_map(
         };
         return Err(Arc::new(CorruptBlock::from(error)));
     };
-    decode::check_block(stored, &entry, at).map_err(|e| Arc::new(CorruptBlock::from(e)))
+    let checked = decode::check_block(stored, &entry, at);
+    // A read that reached past the end of a shard truncated meanwhile read zeros: the block is not
+    // verified, whatever its checksum said.
+    if map.is_some_and(MappedFile::faulted) {
+        let error = decode::BlockError::Io {
+            at: at(),
+            source: std::io::Error::other("the shard was truncated while it was verified"),
+        };
+        return Err(Arc::new(CorruptBlock::from(error)));
+    }
+    checked.map_err(|e| Arc::new(CorruptBlock::from(e)))
 }
 
 /// The largest output of a piece merged from consecutive rows of a field whose rows deliver

@@ -40,11 +40,11 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use memmap2::Mmap;
+use crate::storage::mapped::MappedFile;
 
 use super::copy_helpers::{stop_all, Claims, CopyHelper, HelperStats, ShardCopy};
 use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
-use crate::pipeline::assemble::FillError;
+use crate::pipeline::stream_plan::FillError;
 use crate::storage::windows::{CopySource, PageCacheWindows};
 
 /// Registered windows a loader keeps pinned for copies in flight.
@@ -304,7 +304,7 @@ struct Worker {
     windows: Arc<PageCacheWindows>,
     files: Vec<Arc<File>>,
     /// Per shard, a read-only map for copies from pageable memory (made when first needed).
-    maps: Vec<Option<Mmap>>,
+    maps: Vec<Option<MappedFile>>,
     fraction_min: f64,
     /// Windows held for copies in flight, oldest first, with the event recorded after each copy.
     pinned: VecDeque<(Event, CopySource)>,
@@ -714,22 +714,22 @@ impl Worker {
             self.maps.resize_with(self.files.len(), || None);
         }
         if self.maps[job.shard].is_none() {
-            // SAFETY: a read-only map of a shard, which gpufeed never modifies once its dataset
-            // exists.
-            let map = unsafe { Mmap::map(&*self.files[job.shard]) }.map_err(|source| {
-                DeviceError::Os {
+            // A shard truncated while it is copied reads zeros there, and the copy then fails
+            // (see `MappedFile`).
+            let map =
+                MappedFile::map(&self.files[job.shard]).map_err(|source| DeviceError::Os {
                     what: "mapping a shard",
                     source,
-                }
-            })?;
+                })?;
             self.maps[job.shard] = Some(map);
         }
         let map = self.maps[job.shard].as_ref().expect("mapped above");
         // Not in the page cache, most likely: ask the kernel to read this window and the next one
         // ahead in large reads rather than fault them in page by page during the copy.
         let ahead = (map.len() - at as usize).min(2 * bytes);
-        let _ = map.advise_range(memmap2::Advice::WillNeed, at as usize, ahead);
+        map.advise_will_need(at as usize, ahead);
         let source = map
+            .bytes()
             .get(at as usize..at as usize + bytes)
             .ok_or_else(|| DeviceError::Os {
                 what: "copying a shard",
@@ -748,6 +748,13 @@ impl Worker {
                 stream.raw(),
             )
         }?;
+        // The driver read the source during the call: if the shard was cut or rewritten meanwhile,
+        // the copy holds zeros or other bytes, and the rounds must not read it.
+        map.check(&self.files[job.shard])
+            .map_err(|reason| DeviceError::Os {
+                what: "copying a shard",
+                source: std::io::Error::other(reason.to_string()),
+            })?;
         Ok(())
     }
 
