@@ -520,6 +520,17 @@ fn named_paths(code: &str, children: &[String]) -> Vec<NamedPath> {
         rest = &rest[(end + 1).min(rest.len())..];
     }
     rest_of_code.push_str(rest);
+    // A name a file re-exports and also uses in its own code is a dependency of that code.
+    let used_reexports: Vec<NamedPath> = found
+        .iter()
+        .filter(|p| p.reexport && p.bound != "*" && names_word(&rest_of_code, &p.bound))
+        .map(|p| NamedPath {
+            segments: p.segments.clone(),
+            bound: p.bound.clone(),
+            reexport: false,
+        })
+        .collect();
+    found.extend(used_reexports);
     let starts: Vec<&str> = ["crate", "super", "self"]
         .into_iter()
         .chain(children.iter().map(String::as_str))
@@ -549,6 +560,16 @@ fn named_paths(code: &str, children: &[String]) -> Vec<NamedPath> {
         }
     }
     found
+}
+
+/// Whether `code` names `word` on its own (not as part of a longer name or path).
+fn names_word(code: &str, word: &str) -> bool {
+    let is_ident = |c: char| c.is_alphanumeric() || c == '_';
+    code.match_indices(word).any(|(at, _)| {
+        let before = code[..at].chars().next_back();
+        let after = code[at + word.len()..].chars().next();
+        !before.is_some_and(|c| is_ident(c) || c == ':') && !after.is_some_and(is_ident)
+    })
 }
 
 /// Where the next `use` declaration in `code` starts (its visibility included) and where its tree
@@ -728,8 +749,8 @@ fn module_cycles(src: &Path) -> Vec<String> {
 /// No two modules import each other: each pair of children of a module has one direction, and a
 /// module's own file (`mod.rs`, `lib.rs`) and a child are not imported both ways, so that a file can
 /// be read (and changed) knowing only what it imports. A child module counts with everything it
-/// holds; a `pub use` re-export is the module's door, not a dependency of its code, and a name
-/// re-exported from a child leads to that child. Checked on every `use` tree and every `crate::`,
+/// holds; a `pub use` re-export is the module's door, not a dependency of its code unless that code
+/// uses the name, and a name re-exported from a child leads to that child. Checked on every `use` tree and every `crate::`,
 /// `super::`, `self::` and child-module path outside tests, in every crate of the workspace.
 #[test]
 fn no_two_modules_import_each_other() {
@@ -737,13 +758,32 @@ fn no_two_modules_import_each_other() {
         .iter()
         .flat_map(|src| module_cycles(&root().join(src)))
         .collect();
-    assert_none("no two modules import each other", cycles);
+    let pair = |cycle: &str| cycle.split(" (").next().unwrap_or(cycle).to_string();
+    let allowed = |cycle: &String| CYCLES_ALLOWED.iter().any(|(p, _)| *p == pair(cycle));
+    assert_none(
+        "no two modules import each other",
+        cycles.iter().filter(|c| !allowed(c)).cloned().collect(),
+    );
+    for (allowed_pair, _) in CYCLES_ALLOWED {
+        assert!(
+            cycles.iter().any(|c| pair(c) == *allowed_pair),
+            "{allowed_pair} no longer import each other: take the pair off CYCLES_ALLOWED"
+        );
+    }
 }
+
+/// Module pairs that still import each other, with the reason; each must still be a cycle, so the
+/// list only shrinks.
+const CYCLES_ALLOWED: &[(&str, &str)] = &[(
+    "device::(own file) <-> device::module",
+    "`Device` holds the in-memory module cache that `module.rs` fills and `module.rs` builds on \
+     `Device`; the cache leaves `Device` when the device layer is next reorganised",
+)];
 
 /// The cycle check sees what the sibling-only check it replaced missed: a `mod.rs` and its child
 /// importing each other (one through a `use` group, the other through a path in the code), and two
 /// sibling modules of which one is a directory; it follows a re-export to the child that defines the
-/// item and does not count the re-export itself.
+/// item, and counts the re-export only where the parent's own code uses the name.
 #[test]
 fn the_cycle_check_sees_parents_children_and_directories() {
     let dir = tempfile::tempdir().unwrap();
@@ -779,13 +819,20 @@ fn the_cycle_check_sees_parents_children_and_directories() {
             "b <-> c".to_string()
         ]
     );
-    // The re-export alone, with the child naming only its own items, is no cycle.
+    // A re-export the parent's own code does not use is no dependency of it.
     write(
         "a/mod.rs",
         "mod child;\npub use child::Thing;\npub struct Shared;\n",
     );
     write("c.rs", "pub struct C;\n");
     assert_eq!(module_cycles(src), Vec::<String>::new());
+    // A re-export the parent's code uses is one.
+    write(
+        "a/mod.rs",
+        "mod child;\npub use child::Thing;\npub struct Shared;\nfn f() -> Thing { todo!() }\n",
+    );
+    assert_eq!(module_cycles(src).len(), 1);
+    // The child naming only its own item through the parent's re-export is no cycle.
     write("a/child.rs", "use super::Thing;\n");
     assert_eq!(module_cycles(src), Vec::<String>::new());
 }

@@ -376,6 +376,17 @@ impl PageCacheWindows {
         Ok(WindowCopy::Queued)
     }
 
+    /// The key of `file` and the index and first byte of the window that holds `len` bytes at
+    /// `offset`; `None` when the file has no key, the range is empty or it crosses a window
+    /// boundary (what [`Self::map`] and [`Self::map_for_copy`] then leave to staging).
+    fn window_of(&self, file: &File, offset: u64, len: usize) -> Option<(FileKey, u64, usize)> {
+        let key = FileKey::of(file).ok()?;
+        let index = offset / self.window_bytes as u64;
+        let start = index as usize * self.window_bytes;
+        (len != 0 && offset as usize + len <= start + self.window_bytes)
+            .then_some((key, index, start))
+    }
+
     /// Maps `len` bytes at `offset` of `file` for a kernel to read straight from host memory: the
     /// range's window is registered (if its pages are resident, per `fraction_min` of `mincore`, or
     /// it is registered already) and pinned until [`Self::record_reads`] for `reader`. `None` when the
@@ -388,15 +399,9 @@ impl PageCacheWindows {
         len: usize,
         fraction_min: f64,
     ) -> Result<Option<MappedRange>, DeviceError> {
-        let Ok(key) = FileKey::of(file) else {
+        let Some((key, index, window_start)) = self.window_of(file, offset, len) else {
             return Ok(None);
         };
-        let window_bytes = self.window_bytes;
-        let index = offset / window_bytes as u64;
-        let window_start = index as usize * window_bytes;
-        if offset as usize + len > window_start + window_bytes || len == 0 {
-            return Ok(None);
-        }
         let mut registry = self.lock();
         if registry.refused.contains_key(&key) {
             return Ok(None);
@@ -525,15 +530,9 @@ impl PageCacheWindows {
         keep_free: usize,
         transient_ok: bool,
     ) -> Result<Option<CopySource>, DeviceError> {
-        let Ok(key) = FileKey::of(file) else {
+        let Some((key, index, start)) = self.window_of(file, offset, len) else {
             return Ok(None);
         };
-        let window_bytes = self.window_bytes;
-        let index = offset / window_bytes as u64;
-        let start = index as usize * window_bytes;
-        if offset as usize + len > start + window_bytes || len == 0 {
-            return Ok(None);
-        }
         let mut registry = self.lock();
         let Some(mapped) = Self::mapped(&mut registry, key, file) else {
             return Ok(None);
