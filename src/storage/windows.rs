@@ -362,15 +362,7 @@ impl PageCacheWindows {
                     stream.raw(),
                 )
             }?;
-            let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
-                Some(i) => &window.copies_done[i].1,
-                None => {
-                    let event = Event::new(stream.device(), EventTiming::Disabled)?;
-                    window.copies_done.push((reader, event));
-                    &window.copies_done.last().expect("just pushed").1
-                }
-            };
-            event.record(stream)?;
+            window.record_copy_done(reader, stream)?;
             done += piece;
         }
         Ok(WindowCopy::Queued)
@@ -464,15 +456,7 @@ impl PageCacheWindows {
                 continue;
             };
             window.pins -= 1;
-            let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
-                Some(i) => &window.copies_done[i].1,
-                None => {
-                    let event = Event::new(stream.device(), EventTiming::Disabled)?;
-                    window.copies_done.push((reader, event));
-                    &window.copies_done.last().expect("just pushed").1
-                }
-            };
-            event.record(stream)?;
+            window.record_copy_done(reader, stream)?;
         }
         Ok(())
     }
@@ -814,6 +798,20 @@ impl Shared {
 }
 
 impl Window {
+    /// Records on `stream` that `reader`'s copies from this window so far are queued: its event,
+    /// made on its first copy, is recorded again.
+    fn record_copy_done(&mut self, reader: u64, stream: &Stream) -> Result<(), DeviceError> {
+        let event = match self.copies_done.iter().position(|(r, _)| *r == reader) {
+            Some(i) => &self.copies_done[i].1,
+            None => {
+                let event = Event::new(stream.device(), EventTiming::Disabled)?;
+                self.copies_done.push((reader, event));
+                &self.copies_done.last().expect("just pushed").1
+            }
+        };
+        event.record(stream)
+    }
+
     fn new(
         file: FileKey,
         index: u64,
