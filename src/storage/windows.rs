@@ -402,13 +402,13 @@ impl PageCacheWindows {
             .windows
             .iter()
             .any(|w| w.file == key && w.index == index);
-        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+        // A range beyond the end of the mapping is staged instead, like any other refusal.
+        let Some(mapped) = Self::mapped(&mut registry, key, file)
+            .filter(|mapped| offset as usize + len <= mapped.map.len())
+        else {
             return Ok(None);
         };
         let file_len = mapped.map.len();
-        if offset as usize + len > file_len {
-            return Ok(None);
-        }
         let window_len = self.registered_len(window_start, file_len);
         if !known
             && !mapped
@@ -427,13 +427,7 @@ impl PageCacheWindows {
         };
         let window = &mut registry.windows[slot];
         window.pins += 1;
-        Ok(Some(MappedRange {
-            window: WindowId { file: key, index },
-            window_device_ptr: window.device_ptr,
-            window_host_addr: window.ptr as usize,
-            window_bytes: window.bytes as u64,
-            offset_in_window: offset - window_start as u64,
-        }))
+        Ok(Some(window.range(offset - window_start as u64)))
     }
 
     /// Records on `stream` (reader `reader`'s) that the kernels reading `windows` directly have been
@@ -518,13 +512,13 @@ impl PageCacheWindows {
             return Ok(None);
         };
         let mut registry = self.lock();
-        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+        // A range beyond the end of the mapping is staged instead, like any other refusal.
+        let Some(mapped) = Self::mapped(&mut registry, key, file)
+            .filter(|mapped| offset as usize + len <= mapped.map.len())
+        else {
             return Ok(None);
         };
         let file_len = mapped.map.len();
-        if offset as usize + len > file_len {
-            return Ok(None);
-        }
         // Being registered by the register-ahead worker: wait for it.
         while registry.registering.contains(&(key, index)) {
             registry = self
@@ -574,13 +568,7 @@ impl PageCacheWindows {
         window.pins += 1;
         window.last_use = clock;
         Ok(Some(CopySource {
-            range: MappedRange {
-                window: WindowId { file: key, index },
-                window_device_ptr: window.device_ptr,
-                window_host_addr: window.ptr as usize,
-                window_bytes: window.bytes as u64,
-                offset_in_window: offset - start as u64,
-            },
+            range: window.range(offset - start as u64),
             transient: window.transient,
         }))
     }
@@ -798,6 +786,20 @@ impl Shared {
 }
 
 impl Window {
+    /// The range at `offset_in_window` of this window.
+    fn range(&self, offset_in_window: u64) -> MappedRange {
+        MappedRange {
+            window: WindowId {
+                file: self.file,
+                index: self.index,
+            },
+            window_device_ptr: self.device_ptr,
+            window_host_addr: self.ptr as usize,
+            window_bytes: self.bytes as u64,
+            offset_in_window,
+        }
+    }
+
     /// Records on `stream` that `reader`'s copies from this window so far are queued: its event,
     /// made on its first copy, is recorded again.
     fn record_copy_done(&mut self, reader: u64, stream: &Stream) -> Result<(), DeviceError> {
