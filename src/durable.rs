@@ -9,6 +9,7 @@
 
 use std::fs::{self, File};
 use std::io::{self, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 /// An I/O error and the file or directory it happened on.
@@ -106,19 +107,21 @@ impl WriterLock {
     /// Locks the directory `dir`; fails if another writer holds it.
     pub fn take(dir: &Path) -> Result<WriterLock, PathError> {
         let directory = File::open(dir).map_err(on(dir))?;
-        match directory.try_lock() {
-            Ok(()) => Ok(WriterLock {
-                _directory: directory,
-            }),
-            Err(fs::TryLockError::WouldBlock) => Err(PathError {
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        if unsafe { libc::flock(directory.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let source = io::Error::last_os_error();
+            return Err(PathError {
                 path: dir.to_path_buf(),
-                source: io::Error::new(io::ErrorKind::WouldBlock, "locked by another writer"),
-            }),
-            Err(fs::TryLockError::Error(source)) => Err(PathError {
-                path: dir.to_path_buf(),
-                source,
-            }),
+                source: if source.kind() == io::ErrorKind::WouldBlock {
+                    io::Error::new(io::ErrorKind::WouldBlock, "locked by another writer")
+                } else {
+                    source
+                },
+            });
         }
+        Ok(WriterLock {
+            _directory: directory,
+        })
     }
 }
 
