@@ -32,12 +32,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
+
+use crate::durable::{self, write_atomically};
 
 /// The catalog's file name in the data root.
 pub const CATALOG_FILE_NAME: &str = ".gpufeed-catalog.json";
@@ -50,8 +52,19 @@ pub const CATALOG_VERSION: u32 = 1;
 /// Largest catalog file read (64 MiB): far beyond any real catalog, small enough to hold in memory.
 pub const CATALOG_BYTES_MAX: u64 = 64 << 20;
 
-/// Prefix of the temporary files a catalog write goes through.
-const TEMP_PREFIX: &str = ".gpufeed-catalog.json.tmp-";
+/// What the names of the temporary files a catalog write goes through start with, once their
+/// leading dots are left out ([`durable::write_atomically`] writes `..gpufeed-catalog.json.tmp-PID-N`;
+/// earlier builds wrote `.gpufeed-catalog.json.tmp-PID`).
+const TEMP_STEM: &str = "gpufeed-catalog.json.tmp-";
+
+impl From<durable::PathError> for CatalogError {
+    fn from(error: durable::PathError) -> CatalogError {
+        CatalogError::Io {
+            path: error.path,
+            source: error.source,
+        }
+    }
+}
 
 /// The catalog could not be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -248,7 +261,6 @@ impl CatalogData {
 /// The open catalog of one data root: its content in memory and the lock on the root.
 pub struct Catalog {
     path: PathBuf,
-    root: PathBuf,
     data: Mutex<CatalogData>,
     // Held for the catalog's life: the flock is released when the file closes.
     _lock: File,
@@ -304,7 +316,6 @@ impl Catalog {
         };
         Ok(Catalog {
             path,
-            root: root.to_path_buf(),
             data: Mutex::new(data),
             _lock: lock,
         })
@@ -336,7 +347,7 @@ impl Catalog {
         let mut data = self.lock();
         let mut next = data.clone();
         let value = change(&mut next)?;
-        write_atomically(&self.root, &self.path, &next.to_json())?;
+        write_atomically(&self.path, &next.to_json()).map_err(CatalogError::from)?;
         *data = next;
         Ok(value)
     }
@@ -344,35 +355,12 @@ impl Catalog {
     /// Writes the content again (at shutdown, so that the file is known to be complete).
     pub fn flush(&self) -> Result<(), CatalogError> {
         let data = self.lock();
-        write_atomically(&self.root, &self.path, &data.to_json())
+        Ok(write_atomically(&self.path, &data.to_json())?)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, CatalogData> {
         self.data.lock().expect("catalog lock poisoned")
     }
-}
-
-/// Writes `bytes` to `path` so that a crash leaves the old file or the new one: a synced temporary
-/// file in `dir`, renamed over `path`, then the directory synced.
-fn write_atomically(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), CatalogError> {
-    let temp = dir.join(format!("{TEMP_PREFIX}{}", std::process::id()));
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| CatalogError::Io { path, source }
-    };
-    let result = (|| {
-        let mut file = File::create(&temp).map_err(io(&temp))?;
-        file.write_all(bytes).map_err(io(&temp))?;
-        file.sync_all().map_err(io(&temp))?;
-        fs::rename(&temp, path).map_err(io(path))
-    })();
-    if let Err(error) = result {
-        let _ = fs::remove_file(&temp);
-        return Err(error);
-    }
-    File::open(dir)
-        .and_then(|dir| dir.sync_all())
-        .map_err(io(dir))
 }
 
 fn remove_temporaries(root: &Path) -> Result<(), CatalogError> {
@@ -381,7 +369,9 @@ fn remove_temporaries(root: &Path) -> Result<(), CatalogError> {
         source,
     })?;
     for entry in entries.filter_map(Result::ok) {
-        if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.trim_start_matches('.').starts_with(TEMP_STEM) {
             let path = entry.path();
             tracing::warn!(
                 "removing {}, left by a catalog write that did not finish",
@@ -475,7 +465,7 @@ mod tests {
         drop(catalog);
         // A crash between writing the temporary file and the rename: half a new catalog beside the
         // old one.
-        let temp = root.path().join(format!("{TEMP_PREFIX}99999"));
+        let temp = root.path().join(format!("..{TEMP_STEM}99999-1"));
         fs::write(&temp, b"{\"format\": \"gpufeed-cat").unwrap();
         let reopened = Catalog::open(root.path()).unwrap();
         assert!(reopened.snapshot().datasets.contains_key("old"));

@@ -583,13 +583,20 @@ async fn open_control(
     let (control, notes) = {
         let registry = Arc::clone(registry);
         let metrics = Arc::clone(metrics);
-        tokio::task::spawn_blocking(move || Control::open(options, registry, metrics))
-            .await
-            .map_err(DaemonError::CatalogTask)?
-            .map_err(|source| DaemonError::DataRoot {
-                path: settings.data_root.clone(),
-                source,
-            })?
+        let data_root = settings.data_root.clone();
+        tokio::task::spawn_blocking(move || {
+            let opened = Control::open(options, registry, metrics)?;
+            // Once the data root is this daemon's (its catalog locked): the staging that packers
+            // killed mid-pack left there (API jobs pack there); a live packer's is locked and stays.
+            crate::pack::remove_stale_staging(&data_root);
+            Ok(opened)
+        })
+        .await
+        .map_err(DaemonError::CatalogTask)?
+        .map_err(|source| DaemonError::DataRoot {
+            path: settings.data_root.clone(),
+            source,
+        })?
     };
     for note in &notes {
         tracing::warn!("{note}");

@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod decode;
 pub mod demo;
 pub mod device;
+pub mod durable;
 pub mod format;
 pub mod input;
 pub mod ipc;

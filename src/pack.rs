@@ -2,8 +2,14 @@
 //!
 //! Writing is atomic at the directory level: everything is written into a hidden staging directory next
 //! to the destination, fsynced, and renamed into place last. An interrupted pack leaves at most a
-//! `.NAME.partial-*` directory behind, never a manifest at the destination, and an existing dataset is
-//! replaced only when asked.
+//! `.NAME.partial-PID-N` directory behind, never a manifest at the destination, and an existing
+//! dataset is replaced only when asked. The packer holds a lock on its staging directory while it
+//! runs; the next pack into the same directory, and the daemon at start for its data root, remove
+//! the staging that dead packers left ([`remove_stale_staging`]).
+//!
+//! The directory that is to hold `--out` must exist: a pack does not create it, so that a mistyped
+//! path is an error naming the missing directory rather than a dataset of many gigabytes written
+//! somewhere unexpected.
 
 use std::fs::{self, File};
 use std::io::{self, Seek, SeekFrom, Write};
@@ -12,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::decode::shuffle;
+use crate::durable::{self, WriterLock};
 use crate::format::{
     self, checksum, encode_shard_metadata, payload_offset, BlockEntry, Codec, Field, Filter,
     Manifest, ManifestField, ManifestShard, BLOCK_BYTES_MAX, BLOCK_BYTES_MIN, FIELDS_MAX,
@@ -150,6 +157,14 @@ pub enum PackError {
         /// What is there instead and why it is not a dataset.
         reason: String,
     },
+    /// The directory that is to hold the destination does not exist (a pack does not create it).
+    #[error("{}: the directory {} does not exist; create it first (a pack creates only the dataset directory itself)", path.display(), directory.display())]
+    MissingDirectory {
+        /// The destination.
+        path: PathBuf,
+        /// The directory that is missing: the destination's parent.
+        directory: PathBuf,
+    },
     /// A file could not be written.
     #[error("{path}: {source}")]
     Io {
@@ -165,6 +180,15 @@ pub enum PackError {
     /// packed); the error names the file.
     #[error(transparent)]
     Input(#[from] crate::input::InputError),
+}
+
+impl From<durable::PathError> for PackError {
+    fn from(error: durable::PathError) -> PackError {
+        PackError::Io {
+            path: error.path,
+            source: error.source,
+        }
+    }
 }
 
 /// One block after encoding.
@@ -360,11 +384,17 @@ pub fn pack(
     // Checked before any work so that a refusal costs nothing; `commit` checks again, since the
     // destination may change while the pack runs.
     check_destination(out, options.on_existing)?;
-    let staging = staging_dir(out, "partial")?;
-    fs::create_dir(&staging).map_err(|source| PackError::Io {
-        path: staging.clone(),
-        source,
-    })?;
+    remove_stale_staging(durable::parent_dir(out));
+    let staging = staging_dir(out, STAGING_KIND)?;
+    fs::create_dir(&staging).map_err(durable::on(&staging))?;
+    // Held until the pack ends: a concurrent pack's cleaning never takes a live pack's staging.
+    let _lock = match WriterLock::take(&staging) {
+        Ok(lock) => lock,
+        Err(error) => {
+            let _ = fs::remove_dir_all(&staging);
+            return Err(error.into());
+        }
+    };
     let result = write_dataset(
         &staging,
         fields,
@@ -479,6 +509,22 @@ fn examine_destination(out: &Path) -> Result<Destination, PackError> {
 
 /// Fails unless a pack may write to `out` under `on_existing`; returns what is there.
 fn check_destination(out: &Path, on_existing: OnExisting) -> Result<Destination, PackError> {
+    let directory = durable::parent_dir(out);
+    match fs::metadata(directory) {
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            return Err(PackError::MissingDirectory {
+                path: out.to_path_buf(),
+                directory: directory.to_path_buf(),
+            })
+        }
+        Ok(metadata) if !metadata.is_dir() => {
+            return Err(PackError::Io {
+                path: directory.to_path_buf(),
+                source: io::Error::new(io::ErrorKind::NotADirectory, "not a directory"),
+            })
+        }
+        _ => {}
+    }
     let destination = examine_destination(out)?;
     match (&destination, on_existing) {
         (Destination::Absent | Destination::EmptyDir, _)
@@ -494,23 +540,21 @@ fn check_destination(out: &Path, on_existing: OnExisting) -> Result<Destination,
     }
 }
 
+/// The kind in the name of a pack's staging directory, `.NAME.partial-PID-N`.
+const STAGING_KIND: &str = "partial";
+
+/// Removes from `dir` the staging directories of packs whose packer died (see
+/// [`durable::remove_stale`]: never one whose packer still runs) and returns them. Run by every
+/// pack for its destination's directory and by the daemon at start for its data root.
+pub fn remove_stale_staging(dir: &Path) -> Vec<PathBuf> {
+    durable::remove_stale(dir, STAGING_KIND)
+}
+
+/// A hidden name beside `out`: `.NAME.KIND-PID-N`.
 fn staging_dir(out: &Path, kind: &str) -> Result<PathBuf, PackError> {
-    let name = out.file_name().ok_or_else(|| {
+    durable::hidden_beside(out, kind).ok_or_else(|| {
         PackError::Invalid(format!("{}: not a usable directory name", out.display()))
-    })?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    Ok(parent.join(format!(
-        ".{}.{kind}-{}-{nanos}",
-        name.to_string_lossy(),
-        std::process::id()
-    )))
+    })
 }
 
 fn write_dataset(
@@ -560,8 +604,8 @@ fn write_dataset(
         shards: manifest_shards,
     };
     let manifest_path = staging.join(MANIFEST_FILE_NAME);
-    write_synced(&manifest_path, manifest.to_json().as_bytes())?;
-    sync_dir(staging)?;
+    durable::write_synced(&manifest_path, manifest.to_json().as_bytes())?;
+    durable::sync_dir(staging)?;
     Ok(PackSummary {
         dir: staging.to_path_buf(),
         sample_count,
@@ -739,36 +783,12 @@ fn encode_parallel(
         .collect()
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), PackError> {
-    let io = |source| PackError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut file = File::create(path).map_err(io)?;
-    file.write_all(bytes).map_err(io)?;
-    file.sync_all().map_err(io)
-}
-
-fn sync_dir(path: &Path) -> Result<(), PackError> {
-    File::open(path)
-        .and_then(|dir| dir.sync_all())
-        .map_err(|source| PackError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
-}
-
 /// Moves the finished staging directory to `out`, replacing an existing one if asked.
 fn commit(staging: &Path, out: &Path, on_existing: OnExisting) -> Result<(), PackError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| PackError::Io { path, source }
-    };
-    let parent = staging.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut retired = None;
     if check_destination(out, on_existing)? == Destination::Dataset {
         let old = staging_dir(out, "old")?;
-        fs::rename(out, &old).map_err(io(out))?;
+        fs::rename(out, &old).map_err(durable::on(out))?;
         retired = Some(old);
     }
     // rename(2) replaces an empty directory atomically and fails on a non-empty one, so a concurrent
@@ -777,11 +797,11 @@ fn commit(staging: &Path, out: &Path, on_existing: OnExisting) -> Result<(), Pac
         if let Some(old) = &retired {
             let _ = fs::rename(old, out);
         }
-        return Err(io(out)(source));
+        return Err(durable::on(out)(source).into());
     }
-    sync_dir(&parent)?;
+    durable::sync_dir(durable::parent_dir(out))?;
     if let Some(old) = retired {
-        fs::remove_dir_all(&old).map_err(io(&old))?;
+        fs::remove_dir_all(&old).map_err(durable::on(&old))?;
     }
     Ok(())
 }

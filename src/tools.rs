@@ -12,6 +12,7 @@ use gpufeed_proto::DType;
 use serde_json::{json, Value};
 
 use crate::decode::{self, BlockError, BlockRef, ConvertError};
+use crate::durable;
 use crate::format::{Codec, Dataset, Filter, FormatError, Manifest, Shard};
 use crate::input::{npy, InputError};
 use crate::pack::OnExisting;
@@ -442,21 +443,12 @@ fn check_output(out: &Path, on_existing: OnExisting) -> Result<(), UnpackError> 
     }
 }
 
-/// A hidden name in `out`'s directory for the file being written.
+/// A hidden name in `out`'s directory for the file being written (`.NAME.partial-PID-N`).
 fn temporary_beside(out: &Path) -> Result<PathBuf, UnpackError> {
-    let name = out.file_name().ok_or_else(|| UnpackError::Io {
+    durable::hidden_beside(out, "partial").ok_or_else(|| UnpackError::Io {
         path: out.to_path_buf(),
         source: io::Error::new(io::ErrorKind::InvalidInput, "not a file name"),
-    })?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    Ok(out.with_file_name(format!(
-        ".{}.partial-{}-{nanos}",
-        name.to_string_lossy(),
-        std::process::id()
-    )))
+    })
 }
 
 /// Names `out` instead of the temporary file in an I/O error, since that is the path the user gave.
@@ -502,16 +494,10 @@ fn install_output(
             }
         },
     }
-    let parent = match out.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    File::open(parent)
-        .and_then(|dir| dir.sync_all())
-        .map_err(|source| UnpackError::Io {
-            path: parent.to_path_buf(),
-            source,
-        })
+    durable::sync_dir(durable::parent_dir(out)).map_err(|error| UnpackError::Io {
+        path: error.path,
+        source: error.source,
+    })
 }
 
 /// Bytes of a safetensors header `list_input` reads at most (the `safetensors` crate's own limit).

@@ -328,6 +328,87 @@ fn failed_pack_leaves_no_manifest_and_no_staging_directory() {
     assert_eq!(hidden_entries(tmp.path()), Vec::<String>::new());
 }
 
+/// Regression: `gpufeed pack --out DIR/name` with no `DIR` failed with the staging path it could not
+/// create (`DIR/.name.partial-22260-…: No such file or directory`), which names neither the missing
+/// directory nor what to do. A pack does not create the directory (a mistyped path would otherwise
+/// hold a dataset somewhere unexpected); the error says which directory is missing.
+#[test]
+fn a_pack_into_a_missing_directory_names_the_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = write_npy(&tmp.path().join("x.npy"), DType::U8, &[4, 2], &[1; 8]);
+    let missing = tmp.path().join("missing").join("deeper");
+    let out = missing.join("ds");
+    let err = assert_fails(&pack_cli(args!["--out", &out, &input]));
+    assert_line_with(
+        &err,
+        &[
+            &out.display().to_string(),
+            &format!("the directory {} does not exist", missing.display()),
+        ],
+    );
+    assert!(!err.contains(".partial"), "{err}");
+    assert!(!missing.exists());
+}
+
+/// A process id that no process has: a child's, once it has exited and been waited for.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+/// Regression: a `kill -9` of `gpufeed pack` left its `.NAME.partial-PID-N` staging directory beside
+/// `--out` for ever (84 MB in one trial), through later packs and daemon starts. The next pack into
+/// the directory removes the staging of packers that are gone, and only theirs: a directory whose
+/// process lives (this test's) stays, so does one whose lock is held (a packer in another PID
+/// namespace, or a reused PID), and a file of that name (`unpack`'s, which carries no lock).
+#[test]
+fn a_pack_removes_the_staging_of_dead_packers_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = write_npy(&tmp.path().join("x.npy"), DType::U8, &[4, 2], &[1; 8]);
+    let dead = dead_pid();
+    let staging =
+        |name: &str, pid: u32, n: u32| tmp.path().join(format!(".{name}.partial-{pid}-{n}"));
+    let stale = staging("ds", dead, 1);
+    fs::create_dir(&stale).unwrap();
+    fs::write(stale.join("shard-000000.gfs"), [0; 4096]).unwrap();
+    let locked = staging("other", dead, 2);
+    fs::create_dir(&locked).unwrap();
+    let _held = gpufeed::durable::WriterLock::take(&locked).unwrap();
+    let alive = staging("ds", std::process::id(), 3);
+    fs::create_dir(&alive).unwrap();
+    let unpacking = staging("y.npy", dead, 4);
+    fs::write(&unpacking, [0; 16]).unwrap();
+
+    assert_succeeds(&pack_cli(args!["--out", tmp.path().join("ds"), &input]));
+    assert!(!stale.exists(), "the dead packer's staging is removed");
+    for kept in [&locked, &alive, &unpacking] {
+        assert!(kept.exists(), "{} was removed", kept.display());
+    }
+}
+
+/// Regression (as above): the daemon removes dead packers' staging from its data root at start,
+/// where its pack jobs write; a live packer's (locked) stays.
+#[test]
+fn the_daemon_removes_dead_packers_staging_from_its_data_root_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    fs::create_dir(&root).unwrap();
+    let dead = dead_pid();
+    let stale = root.join(format!(".ds.partial-{dead}-1"));
+    fs::create_dir(&stale).unwrap();
+    let locked = root.join(format!(".ds.partial-{dead}-2"));
+    fs::create_dir(&locked).unwrap();
+    let _held = gpufeed::durable::WriterLock::take(&locked).unwrap();
+    let daemon = common::daemon::start(
+        common::daemon::serve_command(&root, &[]),
+        &tmp.path().join("logs"),
+    );
+    assert!(!stale.exists(), "{}", daemon.log());
+    assert!(locked.exists());
+}
+
 /// Cancels a pack once `after` progress reports have arrived.
 struct CancelAfter {
     reports: AtomicUsize,

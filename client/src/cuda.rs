@@ -134,28 +134,17 @@ unsafe impl Send for DeviceSlots {}
 unsafe impl Sync for DeviceSlots {}
 
 impl DeviceSlots {
-    /// Maps `fd` (the exported allocation of every slot of `layout`, already checked by the layout
-    /// rules) on CUDA device `ordinal` and opens the slots' events. Everything made is released again
+    /// Maps `fd` (the exported allocation of every slot of `layout`, `ring_bytes` long, already
+    /// checked by the layout rules) on CUDA device `ordinal` and opens the slots' events. Everything made is released again
     /// if a step fails.
     pub(crate) fn import(
         ordinal: u32,
         layout: &StreamLayout,
+        ring_bytes: usize,
         fd: OwnedFd,
     ) -> Result<DeviceSlots, CudaError> {
         assert_eq!(layout.slot_events.len(), layout.slot_count as usize);
-        probe_driver()?;
-        // SAFETY: plain driver calls with valid out-pointers.
-        let (device, context) = unsafe {
-            check("cuInit", cu::cuInit(0))?;
-            let mut device: cu::CUdevice = 0;
-            check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal as i32))?;
-            let mut context: cu::CUcontext = std::ptr::null_mut();
-            check(
-                "cuDevicePrimaryCtxRetain",
-                cu::cuDevicePrimaryCtxRetain(&mut context, device),
-            )?;
-            (device, context)
-        };
+        let (device, context) = retain_primary(ordinal)?;
         let mut slots = DeviceSlots {
             device,
             context,
@@ -183,8 +172,8 @@ impl DeviceSlots {
             )
         })?;
         let stride = layout.slot_stride as usize;
-        let mapped_bytes = crate::consumer::ring_memory_bytes(layout)
-            .and_then(|bytes| bytes.checked_next_multiple_of(granularity.max(1)))
+        let mapped_bytes = ring_bytes
+            .checked_next_multiple_of(granularity.max(1))
             .ok_or_else(|| {
                 CudaError(format!(
                     "{} slots {stride} bytes apart do not fit in the address space",
@@ -441,6 +430,13 @@ unsafe impl Send for PrimaryContext {}
 
 /// Initializes the driver and retains device `ordinal`'s primary context (see [`PrimaryContext`]).
 pub fn retain_primary_context(ordinal: u32) -> Result<PrimaryContext, CudaError> {
+    let (device, _context) = retain_primary(ordinal)?;
+    Ok(PrimaryContext { device })
+}
+
+/// Initializes the driver and retains device `ordinal`'s primary context: the device and the
+/// context, which the caller releases with `cuDevicePrimaryCtxRelease_v2(device)` when done.
+fn retain_primary(ordinal: u32) -> Result<(cu::CUdevice, cu::CUcontext), CudaError> {
     probe_driver()?;
     // SAFETY: plain driver calls with valid out-pointers.
     unsafe {
@@ -452,7 +448,7 @@ pub fn retain_primary_context(ordinal: u32) -> Result<PrimaryContext, CudaError>
             "cuDevicePrimaryCtxRetain",
             cu::cuDevicePrimaryCtxRetain(&mut context, device),
         )?;
-        Ok(PrimaryContext { device })
+        Ok((device, context))
     }
 }
 

@@ -9,7 +9,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::blocking;
+use super::error::blocking;
 use super::error::{ApiError, ApiJson, ApiPath, ApiQuery, ErrorBody};
 use super::jobs::{self, JobView, PackSource};
 use super::state::{rfc3339, unix_now, Control, DatasetState};

@@ -241,3 +241,13 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
 fn query_rejection(rejection: QueryRejection) -> ApiError {
     ApiError::bad_request(rejection.body_text())
 }
+
+/// Runs `work` on a blocking thread; a panic in it is a 500. (Here rather than in the module's root,
+/// which routes to the handlers that call it: the handlers' files do not import back up.)
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|error| ApiError::internal(format!("a blocking task failed: {error}")))
+}

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify};
 use utoipa::{IntoParams, ToSchema};
 
-use super::blocking;
+use super::error::blocking;
 use super::error::{ApiError, ApiPath, ApiQuery, ErrorBody};
 use super::job_table::{JobObserver, LiveJob, StopReason};
 use super::state::{remove_staging, rfc3339, unix_now, Control, Reservation};

@@ -42,6 +42,7 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::OpenApi;
 
 pub use crate::metrics::Metrics;
+use error::blocking;
 pub use error::{ApiError, ErrorBody};
 pub use state::{ApiOptions, AuthPolicy, AuthScope, Control, StartupError};
 
@@ -210,15 +211,6 @@ pub fn router(control: Arc<Control>) -> Router {
             auth::observe,
         ))
         .with_state(control)
-}
-
-/// Runs `work` on a blocking thread; a panic in it is a 500.
-pub(crate) async fn blocking<T: Send + 'static>(
-    work: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|error| ApiError::internal(format!("a blocking task failed: {error}")))
 }
 
 /// What [`shutdown`] did.

@@ -14,9 +14,9 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::blocking;
 use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
+use super::error::blocking;
 use super::error::ErrorBody;
 pub use super::platform::{probe_platform, Availability, DeviceView, EngineView, Platform};
 use super::state::Control;

@@ -9,13 +9,13 @@
 
 use std::ffi::{c_void, CString};
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 
 use super::{ffi, nvrtc_ready, Device, DeviceError, Stream};
+use crate::durable;
 
 /// A kernel source file, embedded in the binary.
 #[derive(Clone, Copy, Debug)]
@@ -189,29 +189,12 @@ pub fn cache_file_name(
     )
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same directory, renamed into place.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{nanos}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("image"),
-        std::process::id()
-    ));
-    let written = (|| {
-        let mut file = fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    written
+/// Writes `bytes` to the cache file `path` atomically ([`durable::write_atomically`]: written aside,
+/// synced, renamed into place, the directory synced), creating the cache directory first.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), durable::PathError> {
+    let dir = durable::parent_dir(path);
+    fs::create_dir_all(dir).map_err(durable::on(dir))?;
+    durable::write_atomically(path, bytes)
 }
 
 /// Where a module came from.
@@ -397,7 +380,7 @@ impl Device {
         let cached_at = match cache_path {
             Some(path) => write_atomically(&path, &image)
                 .map(|()| path.clone())
-                .map_err(|e| format!("writing {}: {e}", path.display())),
+                .map_err(|e| format!("writing {e}")),
             None => Err("no cache directory".to_owned()),
         };
         Ok((module, ModuleOrigin::Compiled { cached_at }))

@@ -19,8 +19,135 @@ use gpufeed_proto::DType;
 
 use crate::storage::mapped::{MapChange, MappedFile};
 
-pub use self::npy::{write_npy, NpyHeader, NpyWriter};
+pub use self::npy::{open_npy_field, write_npy, NpyHeader, NpyWriter};
 pub use self::safetensors::open_safetensors_field;
+
+/// Largest `.npy` header we parse. numpy itself refuses headers over 10 000 bytes by default; a real
+/// header is ~128 bytes, so anything near this limit is corrupt and not worth the memory.
+const MAX_HEADER_LEN: usize = 1 << 20;
+
+/// Deepest nesting of tuples/lists/dicts we follow in a `.npy` header, so a hostile header cannot
+/// overflow the stack of the recursive-descent parser.
+const MAX_NESTING: usize = 32;
+
+/// What is wrong with a `.npy` header's text (the file is named by [`InputError::BadHeader`]). Here
+/// beside [`InputError`] rather than in [`npy`], which builds on this module and is not imported back.
+#[derive(Debug, thiserror::Error)]
+pub enum NpyHeaderError {
+    /// The header length field exceeds the bound.
+    #[error("header length {0} exceeds the {MAX_HEADER_LEN}-byte limit")]
+    TooLong(usize),
+    /// A version 3.0 header is not UTF-8.
+    #[error("version 3.0 header is not UTF-8: {0}")]
+    NotUtf8(std::str::Utf8Error),
+    /// A required key is absent.
+    #[error("missing key '{key}' in {header}")]
+    MissingKey {
+        /// The key.
+        key: &'static str,
+        /// The header text.
+        header: String,
+    },
+    /// `'fortran_order'` is not a boolean.
+    #[error("'fortran_order' is {0}, not True or False")]
+    FortranOrderNotBool(String),
+    /// `'shape'` is not a tuple or list.
+    #[error("'shape' is {0}, not a tuple")]
+    ShapeNotTuple(String),
+    /// A dimension is negative.
+    #[error("negative dimension {dimension} in shape {shape}")]
+    NegativeDimension {
+        /// The dimension.
+        dimension: i128,
+        /// The shape, as written.
+        shape: String,
+    },
+    /// A dimension does not fit 64 bits.
+    #[error("dimension {dimension} in shape {shape} is too large")]
+    DimensionTooLarge {
+        /// The dimension.
+        dimension: i128,
+        /// The shape, as written.
+        shape: String,
+    },
+    /// A dimension is not an integer.
+    #[error("dimension {dimension} in shape {shape} is not an integer")]
+    DimensionNotInteger {
+        /// The dimension, as written.
+        dimension: String,
+        /// The shape, as written.
+        shape: String,
+    },
+    /// The header is not one dict.
+    #[error("header is not a dict: {0}")]
+    NotADict(String),
+    /// Text follows the header dict.
+    #[error("unexpected text after the header dict at offset {0}")]
+    TrailingText(usize),
+    /// A key of the header dict is not a string.
+    #[error("header key {0} is not a string")]
+    KeyNotString(String),
+    /// A key appears twice.
+    #[error("duplicate header key '{0}'")]
+    DuplicateKey(String),
+    /// Literals nest deeper than the bound.
+    #[error("nesting deeper than {MAX_NESTING} levels")]
+    TooDeep,
+    /// A bare name other than True, False, None or a string prefix.
+    #[error("unexpected name {name:?} at offset {offset}")]
+    UnexpectedName {
+        /// The name.
+        name: String,
+        /// Where it starts.
+        offset: usize,
+    },
+    /// A character that starts no literal.
+    #[error("unexpected {found} at offset {offset}")]
+    Unexpected {
+        /// The character, or the end of the header.
+        found: String,
+        /// Where.
+        offset: usize,
+    },
+    /// A tuple or list item is followed by neither a comma nor the closing bracket.
+    #[error("expected ',' or {close:?} at offset {offset}, found {found}")]
+    ExpectedSeparator {
+        /// The closing bracket.
+        close: char,
+        /// Where.
+        offset: usize,
+        /// What was there instead.
+        found: String,
+    },
+    /// A dict key is not followed by a colon.
+    #[error("expected ':' after key {key}, found {found}")]
+    ExpectedColon {
+        /// The key, as written.
+        key: String,
+        /// What was there instead.
+        found: String,
+    },
+    /// A dict entry is followed by neither a comma nor `}`.
+    #[error("expected ',' or '}}' at offset {offset}, found {found}")]
+    ExpectedDictSeparator {
+        /// Where.
+        offset: usize,
+        /// What was there instead.
+        found: String,
+    },
+    /// The header ends where a string should start.
+    #[error("expected a string at end of header")]
+    StringAtEnd,
+    /// A string has no closing quote.
+    #[error("unterminated string starting at offset {0}")]
+    UnterminatedString(usize),
+    /// An integer does not fit 128 bits.
+    #[error("integer at offset {0} is too large")]
+    IntegerTooLarge(usize),
+    /// A sign without digits.
+    #[error("expected digits at offset {0}")]
+    ExpectedDigits(usize),
+}
 
 /// Errors reading pack inputs (and writing `.npy` outputs); every variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +183,7 @@ pub enum InputError {
         /// The file at fault.
         path: PathBuf,
         /// What is wrong with it.
-        reason: npy::NpyHeaderError,
+        reason: NpyHeaderError,
     },
     /// The array is stored in Fortran (column-major) order.
     #[error(
@@ -519,66 +646,6 @@ fn split_shape(path: &Path, shape: &[u64]) -> Result<(u64, Vec<u64>), InputError
         });
     }
     Ok((samples, sample_shape.to_vec()))
-}
-
-/// Opens `.npy` files and concatenates them along axis 0 into one field. All must share dtype
-/// and per-sample shape (dims 1..); an error names the first file that differs. A file with 0
-/// samples is allowed and contributes nothing.
-pub fn open_npy_field(name: &str, paths: &[PathBuf]) -> Result<FieldSource, InputError> {
-    // The first file sets the dtype and per-sample shape every later file must match.
-    let mut first: Option<(&Path, DType, Vec<u64>)> = None;
-    let mut parts = Vec::with_capacity(paths.len());
-    for path in paths {
-        let (header, backing) = npy::open(path)?;
-        let (samples, sample_shape) = split_shape(path, &header.shape)?;
-        match &first {
-            Some((first_path, dtype, shape)) => {
-                if header.dtype != *dtype {
-                    return Err(InputError::DtypeMismatch {
-                        path: path.clone(),
-                        expected: *dtype,
-                        found: header.dtype,
-                        first: first_path.to_path_buf(),
-                    });
-                }
-                if sample_shape != *shape {
-                    return Err(InputError::ShapeMismatch {
-                        path: path.clone(),
-                        expected: shape.clone(),
-                        found: sample_shape,
-                        first: first_path.to_path_buf(),
-                    });
-                }
-            }
-            None => first = Some((path.as_path(), header.dtype, sample_shape.clone())),
-        }
-        // `npy::open` checked the data fits the file, but a file with 0 samples says nothing
-        // about the size of one sample, which may still overflow.
-        let sample_bytes = checked_sample_bytes(header.dtype, &sample_shape).ok_or_else(|| {
-            InputError::ShapeOverflow {
-                path: path.clone(),
-                shape: header.shape.clone(),
-            }
-        })?;
-        parts.push(SourcePart::new(
-            path,
-            backing,
-            header.data_offset,
-            samples,
-            sample_bytes,
-        )?);
-    }
-    let Some((_, dtype, sample_shape)) = first else {
-        return Err(InputError::NoFiles {
-            name: name.to_string(),
-        });
-    };
-    Ok(FieldSource {
-        name: name.to_string(),
-        dtype,
-        sample_shape,
-        parts,
-    })
 }
 
 #[cfg(test)]

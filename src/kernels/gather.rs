@@ -9,6 +9,8 @@ use crate::device::{
     ModuleOrigin, Stream,
 };
 
+use super::launch::check_table;
+
 /// The kernel source.
 pub const GATHER_SOURCE: KernelSource = KernelSource {
     name: "gather",
@@ -418,14 +420,7 @@ unsafe fn prepare_outcome(
     outcome: &dyn DeviceMemory,
     zeroed: bool,
 ) -> Result<(), DeviceError> {
-    if outcome.len() < GATHER_OUTCOME_BYTES {
-        return Err(DeviceError::OutOfBounds {
-            what: "gather outcome",
-            offset: 0,
-            bytes: GATHER_OUTCOME_BYTES as u64,
-            capacity: outcome.len() as u64,
-        });
-    }
+    check_table("gather outcome", outcome, 1, GATHER_OUTCOME_BYTES)?;
     if !zeroed {
         // SAFETY: the caller's contract.
         unsafe { fill_async(stream, outcome, 0, GATHER_OUTCOME_BYTES, 0) }?;
@@ -683,15 +678,12 @@ impl Gatherer {
             sources.len() <= GATHER_SOURCES_MAX,
             "at most {GATHER_SOURCES_MAX} gather sources"
         );
-        let table_bytes = piece_count as u64 * GATHER_PIECE_BYTES as u64;
-        if table_bytes > pieces.len() as u64 {
-            return Err(DeviceError::OutOfBounds {
-                what: "gather piece table",
-                offset: 0,
-                bytes: table_bytes,
-                capacity: pieces.len() as u64,
-            });
-        }
+        check_table(
+            "gather piece table",
+            pieces,
+            piece_count,
+            GATHER_PIECE_BYTES,
+        )?;
         // SAFETY: the outcome is the caller's, as for the launch.
         unsafe { prepare_outcome(stream, outcome, outcome_zeroed) }?;
         if piece_count == 0 {

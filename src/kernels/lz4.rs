@@ -3,10 +3,11 @@
 use std::ffi::c_void;
 
 use crate::device::{
-    CacheDir, CompileOptions, Device, DeviceError, DeviceMemory, Kernel, KernelSource,
-    ModuleOrigin, Stream,
+    CacheDir, Device, DeviceError, DeviceMemory, Kernel, KernelSource, ModuleOrigin, Stream,
 };
 use crate::format::{BlockEntry, Codec, Filter};
+
+use super::launch::{check_table, load_kernel};
 
 /// The kernel source.
 pub const LZ4_SOURCE: KernelSource = KernelSource {
@@ -319,12 +320,13 @@ impl Lz4Decoder {
             (1..=32).contains(&config.warps_per_block),
             "1 to 32 warps per block"
         );
-        let options = CompileOptions {
-            defines: config.defines(),
+        let (kernel, origin) = load_kernel(
+            device,
+            &LZ4_SOURCE,
+            config.defines(),
             cache,
-        };
-        let (module, origin) = device.load_module(&LZ4_SOURCE, &options)?;
-        let kernel = module.kernel(device, config.sequences.entry_point())?;
+            config.sequences.entry_point(),
+        )?;
         Ok((
             Lz4Decoder {
                 kernel,
@@ -363,24 +365,8 @@ impl Lz4Decoder {
         dst: &dyn DeviceMemory,
         outcomes: &dyn DeviceMemory,
     ) -> Result<(), DeviceError> {
-        let table_bytes = job_count as u64 * LZ4_JOB_BYTES as u64;
-        if table_bytes > jobs.len() as u64 {
-            return Err(DeviceError::OutOfBounds {
-                what: "LZ4 job table",
-                offset: 0,
-                bytes: table_bytes,
-                capacity: jobs.len() as u64,
-            });
-        }
-        let outcome_bytes = job_count as u64 * LZ4_OUTCOME_BYTES as u64;
-        if outcome_bytes > outcomes.len() as u64 {
-            return Err(DeviceError::OutOfBounds {
-                what: "LZ4 outcome table",
-                offset: 0,
-                bytes: outcome_bytes,
-                capacity: outcomes.len() as u64,
-            });
-        }
+        check_table("LZ4 job table", jobs, job_count, LZ4_JOB_BYTES)?;
+        check_table("LZ4 outcome table", outcomes, job_count, LZ4_OUTCOME_BYTES)?;
         let (src_start, dst_start) = (src.device_ptr(), dst.device_ptr());
         assert!(
             src_start + src.len() as u64 <= dst_start || dst_start + dst.len() as u64 <= src_start,

@@ -16,6 +16,7 @@
 //! outcome and never touches memory outside those extents.
 
 mod gather;
+mod launch;
 mod lz4;
 #[doc(hidden)]
 pub mod reference;
@@ -36,9 +37,7 @@ pub use xxh3::{
     XXH3_OUTCOME_BYTES, XXH3_SOURCE,
 };
 
-use crate::device::{
-    CacheDir, CompileOptions, Device, DeviceError, Kernel, KernelSource, ModuleOrigin,
-};
+use crate::device::{CacheDir, Device, DeviceError, ModuleOrigin};
 
 /// Every kernel, loaded for one device.
 pub struct Kernels {
@@ -69,18 +68,4 @@ impl Kernels {
             ],
         })
     }
-}
-
-/// Loads `source` for `device`, compiled with NVRTC and `defines` unless `cache` (or the device's
-/// module cache) holds it, and returns its entry point `entry` with where the module came from.
-fn load_kernel(
-    device: &Device,
-    source: &KernelSource,
-    defines: Vec<(String, String)>,
-    cache: CacheDir,
-    entry: &str,
-) -> Result<(Kernel, ModuleOrigin), DeviceError> {
-    let options = CompileOptions { defines, cache };
-    let (module, origin) = device.load_module(source, &options)?;
-    Ok((module.kernel(device, entry)?, origin))
 }

@@ -12,6 +12,8 @@ use crate::device::{
 };
 use crate::format::BlockEntry;
 
+use super::launch::{check_table, load_kernel};
+
 /// The kernel source.
 pub const XXH3_SOURCE: KernelSource = KernelSource {
     name: "xxh3",
@@ -179,7 +181,7 @@ impl ChecksumVerifier {
             (1..=8).contains(&config.blocks_per_step),
             "1 to 8 input blocks per step"
         );
-        let (kernel, origin) = super::load_kernel(
+        let (kernel, origin) = load_kernel(
             device,
             &XXH3_SOURCE,
             config.defines(),
@@ -224,24 +226,13 @@ impl ChecksumVerifier {
         src: &dyn DeviceMemory,
         outcomes: &dyn DeviceMemory,
     ) -> Result<(), DeviceError> {
-        let table_bytes = job_count as u64 * XXH3_JOB_BYTES as u64;
-        if table_bytes > jobs.len() as u64 {
-            return Err(DeviceError::OutOfBounds {
-                what: "xxh3 job table",
-                offset: 0,
-                bytes: table_bytes,
-                capacity: jobs.len() as u64,
-            });
-        }
-        let outcome_bytes = job_count as u64 * XXH3_OUTCOME_BYTES as u64;
-        if outcome_bytes > outcomes.len() as u64 {
-            return Err(DeviceError::OutOfBounds {
-                what: "xxh3 outcome table",
-                offset: 0,
-                bytes: outcome_bytes,
-                capacity: outcomes.len() as u64,
-            });
-        }
+        check_table("xxh3 job table", jobs, job_count, XXH3_JOB_BYTES)?;
+        check_table(
+            "xxh3 outcome table",
+            outcomes,
+            job_count,
+            XXH3_OUTCOME_BYTES,
+        )?;
         if job_count == 0 {
             return Ok(());
         }

@@ -11,7 +11,8 @@ use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
-use super::files::{FileId, FileTable};
+use super::files::FileTable;
+use super::FileId;
 use super::{Extent, ReadError, ReadErrorKind};
 use crate::device::{Device, DeviceMemory};
 

@@ -5,11 +5,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use super::StorageError;
-
-/// Identifies an open file within a [`FileTable`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct FileId(pub u32);
+use super::{FileId, StorageError};
 
 /// How a file's reads bypass the page cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -33,12 +33,17 @@ use std::str::FromStr;
 
 pub use buffer::AlignedBuffer;
 pub use engine::{EngineLimits, ReadEngine};
-pub use files::{DirectIo, FileId, FileTable};
+pub use files::{DirectIo, FileTable};
 pub use queue::{AnyQueue, Completion, PreadQueue, ReadOp, ReadQueue, UringQueue, QUEUE_DEPTH_MAX};
 
 /// Alignment O_DIRECT requires of file offsets, lengths and buffer addresses on the file systems
 /// gpufeed targets.
 pub const IO_ALIGN_BYTES: u64 = 4096;
+
+/// Identifies an open file within a [`FileTable`]. (Here rather than in `files.rs`: [`Extent`] names
+/// it, and `files.rs` builds on this file.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileId(pub u32);
 
 /// One read: `len` bytes at `offset` of `file`, into the destination at `dest_offset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -362,18 +362,21 @@ impl PageCacheWindows {
                     stream.raw(),
                 )
             }?;
-            let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
-                Some(i) => &window.copies_done[i].1,
-                None => {
-                    let event = Event::new(stream.device(), EventTiming::Disabled)?;
-                    window.copies_done.push((reader, event));
-                    &window.copies_done.last().expect("just pushed").1
-                }
-            };
-            event.record(stream)?;
+            window.record_copy_done(reader, stream)?;
             done += piece;
         }
         Ok(WindowCopy::Queued)
+    }
+
+    /// The key of `file` and the index and first byte of the window that holds `len` bytes at
+    /// `offset`; `None` when the file has no key, the range is empty or it crosses a window
+    /// boundary (what [`Self::map`] and [`Self::map_for_copy`] then leave to staging).
+    fn window_of(&self, file: &File, offset: u64, len: usize) -> Option<(FileKey, u64, usize)> {
+        let key = FileKey::of(file).ok()?;
+        let index = offset / self.window_bytes as u64;
+        let start = index as usize * self.window_bytes;
+        (len != 0 && offset as usize + len <= start + self.window_bytes)
+            .then_some((key, index, start))
     }
 
     /// Maps `len` bytes at `offset` of `file` for a kernel to read straight from host memory: the
@@ -388,15 +391,9 @@ impl PageCacheWindows {
         len: usize,
         fraction_min: f64,
     ) -> Result<Option<MappedRange>, DeviceError> {
-        let Ok(key) = FileKey::of(file) else {
+        let Some((key, index, window_start)) = self.window_of(file, offset, len) else {
             return Ok(None);
         };
-        let window_bytes = self.window_bytes;
-        let index = offset / window_bytes as u64;
-        let window_start = index as usize * window_bytes;
-        if offset as usize + len > window_start + window_bytes || len == 0 {
-            return Ok(None);
-        }
         let mut registry = self.lock();
         if registry.refused.contains_key(&key) {
             return Ok(None);
@@ -405,13 +402,13 @@ impl PageCacheWindows {
             .windows
             .iter()
             .any(|w| w.file == key && w.index == index);
-        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+        // A range beyond the end of the mapping is staged instead, like any other refusal.
+        let Some(mapped) = Self::mapped(&mut registry, key, file)
+            .filter(|mapped| offset as usize + len <= mapped.map.len())
+        else {
             return Ok(None);
         };
         let file_len = mapped.map.len();
-        if offset as usize + len > file_len {
-            return Ok(None);
-        }
         let window_len = self.registered_len(window_start, file_len);
         if !known
             && !mapped
@@ -430,13 +427,7 @@ impl PageCacheWindows {
         };
         let window = &mut registry.windows[slot];
         window.pins += 1;
-        Ok(Some(MappedRange {
-            window: WindowId { file: key, index },
-            window_device_ptr: window.device_ptr,
-            window_host_addr: window.ptr as usize,
-            window_bytes: window.bytes as u64,
-            offset_in_window: offset - window_start as u64,
-        }))
+        Ok(Some(window.range(offset - window_start as u64)))
     }
 
     /// Records on `stream` (reader `reader`'s) that the kernels reading `windows` directly have been
@@ -459,15 +450,7 @@ impl PageCacheWindows {
                 continue;
             };
             window.pins -= 1;
-            let event = match window.copies_done.iter().position(|(r, _)| *r == reader) {
-                Some(i) => &window.copies_done[i].1,
-                None => {
-                    let event = Event::new(stream.device(), EventTiming::Disabled)?;
-                    window.copies_done.push((reader, event));
-                    &window.copies_done.last().expect("just pushed").1
-                }
-            };
-            event.record(stream)?;
+            window.record_copy_done(reader, stream)?;
         }
         Ok(())
     }
@@ -525,23 +508,17 @@ impl PageCacheWindows {
         keep_free: usize,
         transient_ok: bool,
     ) -> Result<Option<CopySource>, DeviceError> {
-        let Ok(key) = FileKey::of(file) else {
+        let Some((key, index, start)) = self.window_of(file, offset, len) else {
             return Ok(None);
         };
-        let window_bytes = self.window_bytes;
-        let index = offset / window_bytes as u64;
-        let start = index as usize * window_bytes;
-        if offset as usize + len > start + window_bytes || len == 0 {
-            return Ok(None);
-        }
         let mut registry = self.lock();
-        let Some(mapped) = Self::mapped(&mut registry, key, file) else {
+        // A range beyond the end of the mapping is staged instead, like any other refusal.
+        let Some(mapped) = Self::mapped(&mut registry, key, file)
+            .filter(|mapped| offset as usize + len <= mapped.map.len())
+        else {
             return Ok(None);
         };
         let file_len = mapped.map.len();
-        if offset as usize + len > file_len {
-            return Ok(None);
-        }
         // Being registered by the register-ahead worker: wait for it.
         while registry.registering.contains(&(key, index)) {
             registry = self
@@ -591,13 +568,7 @@ impl PageCacheWindows {
         window.pins += 1;
         window.last_use = clock;
         Ok(Some(CopySource {
-            range: MappedRange {
-                window: WindowId { file: key, index },
-                window_device_ptr: window.device_ptr,
-                window_host_addr: window.ptr as usize,
-                window_bytes: window.bytes as u64,
-                offset_in_window: offset - start as u64,
-            },
+            range: window.range(offset - start as u64),
             transient: window.transient,
         }))
     }
@@ -815,6 +786,34 @@ impl Shared {
 }
 
 impl Window {
+    /// The range at `offset_in_window` of this window.
+    fn range(&self, offset_in_window: u64) -> MappedRange {
+        MappedRange {
+            window: WindowId {
+                file: self.file,
+                index: self.index,
+            },
+            window_device_ptr: self.device_ptr,
+            window_host_addr: self.ptr as usize,
+            window_bytes: self.bytes as u64,
+            offset_in_window,
+        }
+    }
+
+    /// Records on `stream` that `reader`'s copies from this window so far are queued: its event,
+    /// made on its first copy, is recorded again.
+    fn record_copy_done(&mut self, reader: u64, stream: &Stream) -> Result<(), DeviceError> {
+        let event = match self.copies_done.iter().position(|(r, _)| *r == reader) {
+            Some(i) => &self.copies_done[i].1,
+            None => {
+                let event = Event::new(stream.device(), EventTiming::Disabled)?;
+                self.copies_done.push((reader, event));
+                &self.copies_done.last().expect("just pushed").1
+            }
+        };
+        event.record(stream)
+    }
+
     fn new(
         file: FileKey,
         index: u64,

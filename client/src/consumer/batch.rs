@@ -1,6 +1,14 @@
 //! A batch: a lease on one slot, its fields read in place.
 
-use super::*;
+use std::net::Shutdown;
+use std::sync::Arc;
+
+use super::error::ClientError;
+use super::layout::extent_bytes;
+use super::slots::{Outbox, SlotMemory, Slots};
+
+use crate::dtype::DType;
+use crate::protocol::BatchInfo;
 
 /// A batch: a lease on one filled slot. Its fields are read in place; dropping it releases the slot.
 #[derive(Debug)]

@@ -1,6 +1,20 @@
 //! Checks of what the daemon says a stream's memory is, before anything is mapped or read.
 
-use super::*;
+use std::fs::File;
+use std::os::fd::OwnedFd;
+
+use gpufeed_proto::spec::FIELD_OFFSET_ALIGN_BYTES;
+use memmap2::MmapOptions;
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+
+use super::error::ClientError;
+use super::slots::HostSlots;
+
+use crate::dtype::DType;
+use crate::protocol::{
+    Device, FieldLayout, StreamLayout, StreamSpec, Tail, BATCH_NDIM_MAX, SLOTS_MAX,
+    SLOT_STRIDE_ALIGN_BYTES, STREAM_OPENED_DESCRIPTORS,
+};
 
 /// Product of `dims` times `element_bytes`, `None` on overflow.
 pub(super) fn extent_bytes(dims: &[u64], element_bytes: usize) -> Option<u64> {
@@ -10,7 +24,7 @@ pub(super) fn extent_bytes(dims: &[u64], element_bytes: usize) -> Option<u64> {
 
 /// Bytes of the memory that holds every slot of `layout` (`slot_count` × `slot_stride`), `None` when
 /// that does not fit in the address space.
-pub(crate) fn ring_memory_bytes(layout: &StreamLayout) -> Option<usize> {
+pub(super) fn ring_memory_bytes(layout: &StreamLayout) -> Option<usize> {
     usize::try_from(layout.slot_stride)
         .ok()?
         .checked_mul(layout.slot_count as usize)

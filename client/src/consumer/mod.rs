@@ -32,139 +32,39 @@
 //! # }
 //! ```
 
-use std::fs::File;
-use std::net::Shutdown;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 
-use memmap2::{Mmap, MmapOptions};
-use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use ring::ConsumerRing;
 
-use gpufeed_proto::spec::{StreamState, FIELD_OFFSET_ALIGN_BYTES};
-
-use crate::dtype::DType;
-use crate::protocol::{
-    Backend, BatchInfo, DaemonStatus, Device, ErrorCode, FieldLayout, Message, StreamLayout,
-    StreamSpec, Tail, BATCH_NDIM_MAX, PROTOCOL_VERSION, SLOTS_MAX, SLOT_STRIDE_ALIGN_BYTES,
-    STREAM_OPENED_DESCRIPTORS,
-};
-use crate::transport::{self, TransportError};
+use crate::protocol::{Backend, DaemonStatus, Device, Message, StreamSpec, SLOTS_MAX};
+use crate::transport;
 
 mod ahead;
 mod batch;
+mod error;
 mod layout;
 mod pacing;
 mod ring;
+mod slots;
 mod stream;
 #[cfg(test)]
 mod tests;
 
 pub use ahead::OpeningStream;
 pub use batch::{Batch, FieldData, FieldView};
-pub(crate) use layout::ring_memory_bytes;
+pub use error::ClientError;
+use error::{recv_plain, unexpected};
 use layout::*;
+use slots::{Outbox, OutboxInner, SlotMemory, Slots};
 use stream::*;
 pub use stream::{OpenPhases, Stream};
 
 // The held-slot set is a 64-bit mask.
 const _: () = assert!(SLOTS_MAX <= 64);
-
-/// An error of the consumer API.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The daemon's socket could not be connected.
-    #[error("cannot connect to the gpufeed daemon at {}: {source}", path.display())]
-    Connect {
-        /// The socket path.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A frame could not be sent or received, or the daemon closed the connection.
-    #[error("{0}")]
-    Transport(#[from] TransportError),
-    /// The daemon sent an `Error` frame; the session is over.
-    #[error("the daemon ended the session with {code:?}: {message}")]
-    Daemon {
-        /// The stable error code.
-        code: ErrorCode,
-        /// The daemon's description.
-        message: String,
-    },
-    /// The daemon speaks another version of the consumer protocol; nothing was exchanged.
-    #[error(
-        "the daemon speaks gpufeed consumer protocol version {daemon} and this client \
-         (gpufeed-client {}) speaks version {PROTOCOL_VERSION}: use a client library of the \
-         daemon's release",
-        env!("CARGO_PKG_VERSION")
-    )]
-    VersionMismatch {
-        /// The daemon's protocol version.
-        daemon: u16,
-    },
-    /// The daemon sent a message that is out of place or describes memory it did not provide (wrong
-    /// descriptor count, slot out of range, a field beyond its slot...). The client ends the session.
-    #[error("the daemon broke the protocol: {0}")]
-    Protocol(String),
-    /// The stream spec breaks a protocol bound or asks for something this client cannot do; nothing was
-    /// sent.
-    #[error("invalid stream spec: {0}")]
-    InvalidSpec(String),
-    /// Every slot of the stream is held by batches (or arrays exported from them) that this consumer
-    /// has not released, so the daemon has nowhere to put the next batch: waiting would never end.
-    /// Release a batch (drop it, or copy the data out of exported arrays) and ask again; the
-    /// session goes on.
-    #[error(
-        "all {slots} slots of the stream are held by this consumer: release a batch (or copy the \
-         data out of arrays taken from it) before asking for the next one"
-    )]
-    AllSlotsHeld {
-        /// The stream's slot count.
-        slots: u32,
-    },
-    /// An earlier error ended the session; no further requests are possible.
-    #[error("the session already ended: {0}")]
-    Ended(String),
-    /// A local system call failed (inspecting or mapping a slot, duplicating the socket).
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    /// A CUDA driver call failed (mapping a device slot, waiting on or recording its events).
-    #[error("CUDA: {0}")]
-    Cuda(#[from] crate::cuda::CudaError),
-}
-
-/// Receives a frame that must not carry descriptors.
-fn recv_plain(socket: &UnixStream) -> Result<Message, ClientError> {
-    let (message, fds) = match transport::recv(socket) {
-        Ok(received) => received,
-        Err(TransportError::Decode(crate::protocol::DecodeError::Version { found })) => {
-            return Err(ClientError::VersionMismatch { daemon: found })
-        }
-        Err(error) => return Err(error.into()),
-    };
-    if !fds.is_empty() {
-        return Err(ClientError::Protocol(format!(
-            "{} descriptors attached to a {} frame (only StreamOpened carries descriptors)",
-            fds.len(),
-            message.name()
-        )));
-    }
-    Ok(message)
-}
-
-/// An unexpected reply: the daemon's own error if it sent one, else a protocol violation.
-fn unexpected(message: Message, waiting_for: &str) -> ClientError {
-    match message {
-        Message::Error { code, message } => ClientError::Daemon { code, message },
-        other => {
-            ClientError::Protocol(format!("expected {waiting_for}, received {}", other.name()))
-        }
-    }
-}
 
 /// Checks what the encoder would otherwise panic on, and what the daemon would refuse on the spec
 /// alone, before anything is sent.
@@ -283,7 +183,10 @@ impl Client {
         let slots = match layout.device {
             Device::Cpu => Slots::Host(map_slots(&layout, slots_fd)?),
             Device::Cuda(ordinal) => Slots::Device(crate::cuda::DeviceSlots::import(
-                ordinal, &layout, slots_fd,
+                ordinal,
+                &layout,
+                ring_memory_bytes(&layout).expect("checked by check_layout"),
+                slots_fd,
             )?),
         };
         let open_phases = OpenPhases {

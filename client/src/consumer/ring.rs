@@ -5,9 +5,11 @@ use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 
 use gpufeed_proto::ring::{Doorbell, RingView};
-use memmap2::MmapMut;
+use memmap2::{MmapMut, MmapOptions};
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use std::fs::File;
 
-use super::*;
+use super::error::ClientError;
 
 /// The mapped ring and its doorbells.
 #[derive(Debug)]

@@ -1,13 +1,20 @@
 //! The client against a scripted fake daemon on the other end of a socket pair.
 
 use super::*;
+use crate::dtype::DType;
 use crate::protocol::{
-    BatchField, CorruptPolicy, FieldRequest, Shuffle, FRAME_BYTES_MAX, FRAME_HEADER_BYTES,
-    STREAM_FIELDS_MAX, STRING_BYTES_MAX,
+    BatchField, BatchInfo, CorruptPolicy, ErrorCode, FieldLayout, FieldRequest, Shuffle,
+    StreamLayout, Tail, BATCH_NDIM_MAX, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, STREAM_FIELDS_MAX,
+    STRING_BYTES_MAX,
 };
+use crate::transport::TransportError;
+use gpufeed_proto::spec::StreamState;
 use gpufeed_proto::spec::{OPEN_STREAM_FIXED_BYTES, PREFETCH_DEFAULT};
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
+
 use std::thread::JoinHandle;
 use std::time::Duration;
 
