@@ -464,7 +464,7 @@ impl Filler {
                     if quarter == 2 {
                         if let Backend::Gpu { assembler, .. } = &filler.backend {
                             times.three_quarters =
-                                Some((assembler.timings, times.free_wait_s, times.deliver_s));
+                                Some((assembler.timings(), times.free_wait_s, times.deliver_s));
                         }
                     }
                 }
@@ -483,7 +483,7 @@ impl Filler {
         times: &LoopTimes,
     ) {
         if let Backend::Gpu { assembler, .. } = &self.backend {
-            let t = assembler.timings;
+            let t = assembler.timings();
             // The filler thread's own CPU time and involuntary context switches over the stream:
             // whether a slow stream's host work was slow on the core or kept off it.
             let usage = thread_usage().since(usage_at_start);

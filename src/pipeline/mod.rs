@@ -18,7 +18,7 @@ pub use filler::{
     StreamBackend, DELIVER_AT_ONCE_MAX,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
-pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};
+pub use order::{EpochOrder, Permutation, RankPlan, ShuffleKind, ShuffleMode, Tail};
 pub use stream_plan::{
     CorruptPolicy, FieldPlan, FieldSelection, FillError, FillReport, Placement, PlacementRuns,
     PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,

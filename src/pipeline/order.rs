@@ -51,6 +51,19 @@ pub enum ShuffleMode {
     Full,
 }
 
+/// The kind of an epoch's order, without its parameters: what the GPU backend plans its reads by
+/// (which shards the next batches draw from, whether consecutive rows read consecutive samples).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShuffleKind {
+    /// Dataset order: the next batches draw from the rest of the dataset, in order.
+    None,
+    /// A window shuffle: the next batches draw from the current window's shards, then the next
+    /// window's.
+    Window,
+    /// A full shuffle: every batch may draw from anywhere in the dataset.
+    Full,
+}
+
 /// What happens to the samples that do not fill a whole step at the end of an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tail {
@@ -216,6 +229,15 @@ impl EpochOrder {
     /// Samples in the epoch.
     pub fn len(&self) -> u64 {
         self.sample_count
+    }
+
+    /// The kind of shuffle the order is, for the code that plans reads by it.
+    pub fn shuffle_kind(&self) -> ShuffleKind {
+        match self.kind {
+            OrderKind::Identity => ShuffleKind::None,
+            OrderKind::Windows(_) => ShuffleKind::Window,
+            OrderKind::Full(_) => ShuffleKind::Full,
+        }
     }
 
     /// Whether the order is the dataset's own (no shuffle).

@@ -87,7 +87,7 @@ impl<B: Pooled> ShardSlotPool<B> {
     /// at most [`STREAM_BUFFERS_MAX`] stream buffers besides), freeing what stays idle for
     /// [`IDLE_RELEASE`] or for `GPUFEED_DEVICE_POOL_IDLE_S` seconds (1 to 86 400) when that is set.
     pub fn new(bytes_max: usize, ordinal: u32) -> ShardSlotPool<B> {
-        let idle_release = super::env_tuning("GPUFEED_DEVICE_POOL_IDLE_S", 1, 86_400)
+        let idle_release = super::limits::env_tuning("GPUFEED_DEVICE_POOL_IDLE_S", 1, 86_400)
             .map_or(IDLE_RELEASE, Duration::from_secs);
         Self::with_idle_release(bytes_max, ordinal, idle_release)
     }

@@ -36,9 +36,6 @@ pub(super) const CHUNK_BYTES: usize = 1 << 20;
 /// Pinned buffers per copy thread: one being read into while the others upload.
 const BUFFERS: usize = 4;
 
-/// The most copy threads a loader may have.
-pub(crate) const COPY_THREADS_MAX: usize = 16;
-
 /// Which bytes of a shard are not yet taken: `front..back`. The loader takes the rest of a window
 /// from the front, a copy thread one unit (a pinned buffer's worth, within one window) from the back:
 /// fine enough that the threads finish a shard together.
