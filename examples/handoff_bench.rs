@@ -131,8 +131,12 @@ fn main() -> Result<()> {
     // The pipeline alone runs on this thread: while it runs, off the device's interrupt CPUs, like
     // the daemon's fillers and the consumer (unless GPUFEED_AVOID_IRQ_CPUS=0, as for the fillers).
     // Only then: the in-process daemon's threads and the consumer process choose for themselves.
+    let interrupt_cpus = match std::env::var("GPUFEED_AVOID_IRQ_CPUS") {
+        Ok(value) if value.trim() == "0" => gpufeed::pipeline::InterruptCpus::Allow,
+        _ => gpufeed::pipeline::InterruptCpus::Avoid,
+    };
     if let Device::Cuda(ordinal) = device {
-        if gpufeed::pipeline::filler::avoid_irq_cpus() {
+        if interrupt_cpus == gpufeed::pipeline::InterruptCpus::Avoid {
             match gpufeed_client::cuda::pci_address(ordinal) {
                 Ok(address) => {
                     let _ = PIPELINE_AVOIDS.set(gpufeed_client::affinity::interrupt_cpus(&address));
@@ -145,14 +149,18 @@ fn main() -> Result<()> {
         }
     }
     let backend = match device {
-        Device::Cuda(ordinal) => Some(Arc::new(gpufeed::daemon::open_gpu_backend(
-            ordinal,
-            gpufeed::storage::EngineMode::Auto,
-            gpufeed::config::registered_bytes_max_default(),
-            gpufeed::pipeline::gpu::ZeroCopy::Auto,
-            gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
-            gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
-        )?)),
+        Device::Cuda(ordinal) => {
+            let mut backend = gpufeed::daemon::open_gpu_backend(
+                ordinal,
+                gpufeed::storage::EngineMode::Auto,
+                gpufeed::config::registered_bytes_max_default(),
+                gpufeed::pipeline::gpu::ZeroCopy::Auto,
+                gpufeed::pipeline::gpu::DEVICE_SHARD_BYTES_DEFAULT,
+                gpufeed::pipeline::gpu::LOADER_COPY_THREADS_DEFAULT,
+            )?;
+            backend.interrupt_cpus = interrupt_cpus;
+            Some(Arc::new(backend))
+        }
         Device::Cpu => None,
     };
     let temp = tempfile::tempdir()?;

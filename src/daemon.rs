@@ -452,6 +452,7 @@ pub fn open_gpu_backend(
     };
     Ok(GpuBackend {
         numa,
+        interrupt_cpus: crate::pipeline::INTERRUPT_CPUS_DEFAULT,
         windows,
         device,
         ordinal,
@@ -466,6 +467,7 @@ pub fn open_gpu_backend(
         shard_pool: Arc::new(ShardSlotPool::new(
             stream_limits.device_shard_bytes as usize,
             ordinal,
+            crate::pipeline::gpu::DEVICE_POOL_IDLE_RELEASE_DEFAULT,
         )),
         reader_limits,
         choice: PathChoice::from_mode(engine),

@@ -14,8 +14,8 @@ pub mod stream_plan;
 
 pub use cpu::Assembler;
 pub use filler::{
-    BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff, SlotMemory,
-    StreamBackend, DELIVER_AT_ONCE_MAX,
+    BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff,
+    InterruptCpus, SlotMemory, StreamBackend, DELIVER_AT_ONCE_MAX, INTERRUPT_CPUS_DEFAULT,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleKind, ShuffleMode, Tail};

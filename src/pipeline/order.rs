@@ -465,4 +465,25 @@ mod tests {
         let full = EpochOrder::new(&shards, 7, 1, ShuffleMode::Full);
         assert!(full.samples_ahead(0, 8).is_none());
     }
+
+    /// The GPU backend plans by `shuffle_kind`, which stands for the order's own tests it used to
+    /// make: dataset order is the identity, only a full shuffle has no samples ahead.
+    #[test]
+    fn shuffle_kind_names_the_mode_as_the_order_behaves() {
+        let shards = [40u64, 25, 60, 33];
+        for (mode, kind) in [
+            (ShuffleMode::None, ShuffleKind::None),
+            (ShuffleMode::Window { shards: 2 }, ShuffleKind::Window),
+            (ShuffleMode::Full, ShuffleKind::Full),
+        ] {
+            let order = EpochOrder::new(&shards, 7, 1, mode);
+            assert_eq!(order.shuffle_kind(), kind, "{mode:?}");
+            assert_eq!(order.is_identity(), kind == ShuffleKind::None, "{mode:?}");
+            assert_eq!(
+                order.samples_ahead(0, 1).is_none(),
+                kind == ShuffleKind::Full,
+                "{mode:?}"
+            );
+        }
+    }
 }

@@ -175,6 +175,7 @@ impl GpuAssembler {
                 inline_pieces_max,
                 group_batches_max,
                 group_pieces_max,
+                limits.plan_threads,
             )),
             None => GpuAssembler::Staged(StagedAssembler {
                 engine,
@@ -186,6 +187,7 @@ impl GpuAssembler {
                 zero_copy: limits.zero_copy,
                 lz4_read_ahead,
                 round_stamp: 0,
+                gather_piece_out_bytes: limits.gather_piece_out_bytes,
             }),
         })
     }

@@ -2,38 +2,47 @@
 //! ([`GpuStreamLimits`], with its defaults and bounds), the zero-copy policy ([`ZeroCopy`]), and where
 //! a stream's fill time goes ([`GpuFillTimings`]).
 
+/// The default [`GpuStreamLimits::rounds_in_flight`].
+pub const ROUNDS_IN_FLIGHT_DEFAULT: usize = 3;
+/// Fewest [`GpuStreamLimits::rounds_in_flight`]: one round queued while the host plans the next.
+pub const ROUNDS_IN_FLIGHT_MIN: usize = 2;
 /// Most sets of round buffers a stream may ask for (see [`GpuStreamLimits::rounds_in_flight`]).
 pub const ROUNDS_IN_FLIGHT_MAX: usize = 8;
 
 /// The default [`GpuStreamLimits::inline_gather_launches`]: a dataset-order round of up to 8 MiB out
 /// in 16 KiB pieces.
 pub const INLINE_GATHER_LAUNCHES_DEFAULT: usize = 2;
-/// Most [`GpuStreamLimits::inline_gather_launches`].
+/// Most [`GpuStreamLimits::inline_gather_launches`] (the fewest is 0: never inline).
 pub const INLINE_GATHER_LAUNCHES_MAX: usize = 8;
 
+/// The default [`GpuStreamLimits::batch_group_max`]: the most.
+pub const BATCH_GROUP_DEFAULT: usize = BATCH_GROUP_MAX;
+/// Fewest [`GpuStreamLimits::batch_group_max`]: a round per batch.
+pub const BATCH_GROUP_MIN: usize = 1;
 /// Most batches one round of a resident stream gathers (see [`GpuStreamLimits::batch_group_max`]).
 pub const BATCH_GROUP_MAX: usize = 16;
 
-/// Output bytes a group of small batches gathered by one round stays within: batches of at least
+/// The default [`GpuStreamLimits::wait_spin`]: none, the filler sleeps at once.
+pub const WAIT_SPIN_DEFAULT: std::time::Duration = std::time::Duration::ZERO;
 /// Longest spin of [`GpuStreamLimits::wait_spin`].
 pub const WAIT_SPIN_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// Default largest output of a gather piece made by merging adjacent samples (see
-/// [`merged_piece_out_bytes`]).
-const MERGED_PIECE_OUT_BYTES_DEFAULT: u64 = 16 << 10;
-
-/// Largest output of a gather piece made by merging adjacent samples: small enough that a batch of
+/// The default [`GpuStreamLimits::gather_piece_out_bytes`]: small enough that a batch of
 /// consecutive samples spreads over many thread blocks. A thread block converts one piece at a time,
 /// and on the H100 a piece of 64 KiB took one block about 20 µs: a batch of 1024 rows of 2 KiB in
 /// dataset order (64 such pieces, so 64 of the 132 multiprocessors busy) took 22 µs of gather, a
-/// third of the round. 16 KiB by default; `GPUFEED_GATHER_PIECE_KIB` (4 to 1024) sets it.
-pub(crate) fn merged_piece_out_bytes() -> u64 {
-    static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        env_tuning("GPUFEED_GATHER_PIECE_KIB", 4, 1024)
-            .map_or(MERGED_PIECE_OUT_BYTES_DEFAULT, |kib| kib << 10)
-    })
-}
+/// third of the round.
+pub const GATHER_PIECE_OUT_BYTES_DEFAULT: u64 = 16 << 10;
+/// Smallest [`GpuStreamLimits::gather_piece_out_bytes`].
+pub const GATHER_PIECE_OUT_BYTES_MIN: u64 = 4 << 10;
+/// Largest [`GpuStreamLimits::gather_piece_out_bytes`].
+pub const GATHER_PIECE_OUT_BYTES_MAX: u64 = 1 << 20;
+
+/// The default [`GpuStreamLimits::plan_threads`]: 0, chosen by the stream (twelve, at most the
+/// host's CPU count).
+pub const PLAN_THREADS_DEFAULT: usize = 0;
+/// Most [`GpuStreamLimits::plan_threads`].
+pub const PLAN_THREADS_MAX: usize = 32;
 
 /// Device memory of one GPU stream, all allocated when the stream opens.
 #[derive(Clone, Copy, Debug)]
@@ -68,13 +77,20 @@ pub struct GpuStreamLimits {
     /// pieces pass their piece table in the gather's launch parameters, every piece's region
     /// resolved on the host, instead of the kernel reading the piece and region tables from pinned
     /// memory (over a link the shard copies keep busy); needs a driver taking 32 KiB of parameters
-    /// (CUDA 12.1). 0: never. `GPUFEED_INLINE_GATHER_TABLES` (0 to [`INLINE_GATHER_LAUNCHES_MAX`]).
+    /// (CUDA 12.1). 0: never; at most [`INLINE_GATHER_LAUNCHES_MAX`].
     pub inline_gather_launches: usize,
     /// Most consecutive small batches of a resident stream one round gathers into their slots (one
     /// launch and one completion for the group instead of one each), within 4 MiB of output and one
-    /// launch's inline pieces; 1: a round per batch. `GPUFEED_BATCH_GROUP_MAX` (1 to
+    /// launch's inline pieces; 1: a round per batch (at most
     /// [`BATCH_GROUP_MAX`]).
     pub batch_group_max: usize,
+    /// Largest output of a gather piece made by merging adjacent samples
+    /// ([`GATHER_PIECE_OUT_BYTES_MIN`] to [`GATHER_PIECE_OUT_BYTES_MAX`]; see
+    /// [`GATHER_PIECE_OUT_BYTES_DEFAULT`]).
+    pub gather_piece_out_bytes: u64,
+    /// Threads planning a resident stream's steps ahead of its filler (1 to [`PLAN_THREADS_MAX`]);
+    /// 0: twelve, at most the host's CPU count.
+    pub plan_threads: usize,
 }
 
 /// When the gather kernel reads rows of raw blocks straight from page-cache memory registered and
@@ -137,44 +153,15 @@ impl GpuStreamLimits {
             cache_bytes: 256 << 20,
             scratch_bytes: 64 << 20,
             pieces_max: 64 << 10,
-            rounds_in_flight: env_tuning(
-                "GPUFEED_ROUNDS_IN_FLIGHT",
-                2,
-                ROUNDS_IN_FLIGHT_MAX as u64,
-            )
-            .map_or(3, |n| n as usize),
+            rounds_in_flight: ROUNDS_IN_FLIGHT_DEFAULT,
             zero_copy: ZeroCopy::Auto,
             device_shard_bytes: DEVICE_SHARD_BYTES_DEFAULT,
             loader_copy_threads: LOADER_COPY_THREADS_DEFAULT,
-            wait_spin: std::time::Duration::from_micros(
-                env_tuning(
-                    "GPUFEED_FILLER_SPIN_US",
-                    0,
-                    WAIT_SPIN_MAX.as_micros() as u64,
-                )
-                .unwrap_or(0),
-            ),
-            inline_gather_launches: env_tuning(
-                "GPUFEED_INLINE_GATHER_TABLES",
-                0,
-                INLINE_GATHER_LAUNCHES_MAX as u64,
-            )
-            .map_or(INLINE_GATHER_LAUNCHES_DEFAULT, |n| n as usize),
-            batch_group_max: env_tuning("GPUFEED_BATCH_GROUP_MAX", 1, BATCH_GROUP_MAX as u64)
-                .map_or(BATCH_GROUP_MAX, |n| n as usize),
-        }
-    }
-}
-
-/// A tuning variable of the environment, when it is set to a whole number from `min` to `max`
-/// (anything else is ignored with a warning).
-pub(in crate::pipeline::gpu) fn env_tuning(name: &str, min: u64, max: u64) -> Option<u64> {
-    let value = std::env::var(name).ok()?;
-    match value.trim().parse::<u64>() {
-        Ok(n) if (min..=max).contains(&n) => Some(n),
-        _ => {
-            tracing::warn!("{name}={value:?} ignored: not a whole number from {min} to {max}");
-            None
+            wait_spin: WAIT_SPIN_DEFAULT,
+            inline_gather_launches: INLINE_GATHER_LAUNCHES_DEFAULT,
+            batch_group_max: BATCH_GROUP_DEFAULT,
+            gather_piece_out_bytes: GATHER_PIECE_OUT_BYTES_DEFAULT,
+            plan_threads: PLAN_THREADS_DEFAULT,
         }
     }
 }
@@ -207,4 +194,36 @@ pub struct GpuFillTimings {
     /// Waiting for the loader of a stream beyond the registration budget to queue the copy of a
     /// shard a round reads.
     pub copy_wait_s: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Configuration refuses values outside the bounds exported here: the defaults must lie
+    /// within them.
+    #[test]
+    fn node_defaults_lie_within_the_bounds() {
+        let limits = GpuStreamLimits::node_defaults();
+        assert_eq!(limits.rounds_in_flight, ROUNDS_IN_FLIGHT_DEFAULT);
+        assert!((ROUNDS_IN_FLIGHT_MIN..=ROUNDS_IN_FLIGHT_MAX).contains(&limits.rounds_in_flight));
+        assert_eq!(limits.wait_spin, WAIT_SPIN_DEFAULT);
+        assert!(limits.wait_spin <= WAIT_SPIN_MAX);
+        assert_eq!(
+            limits.inline_gather_launches,
+            INLINE_GATHER_LAUNCHES_DEFAULT
+        );
+        assert!(limits.inline_gather_launches <= INLINE_GATHER_LAUNCHES_MAX);
+        assert_eq!(limits.batch_group_max, BATCH_GROUP_DEFAULT);
+        assert!((BATCH_GROUP_MIN..=BATCH_GROUP_MAX).contains(&limits.batch_group_max));
+        assert_eq!(
+            limits.gather_piece_out_bytes,
+            GATHER_PIECE_OUT_BYTES_DEFAULT
+        );
+        assert!((GATHER_PIECE_OUT_BYTES_MIN..=GATHER_PIECE_OUT_BYTES_MAX)
+            .contains(&limits.gather_piece_out_bytes));
+        assert_eq!(limits.plan_threads, PLAN_THREADS_DEFAULT);
+        assert!(limits.plan_threads <= PLAN_THREADS_MAX);
+        assert!(limits.loader_copy_threads <= LOADER_COPY_THREADS_MAX);
+    }
 }

@@ -39,18 +39,22 @@ pub struct ResidentAssembler {
     pub(in crate::pipeline::gpu) group_batches_max: usize,
     /// Most pieces in `group`: one launch's.
     group_pieces_max: usize,
+    /// Planning threads (see [`crate::pipeline::gpu::GpuStreamLimits::plan_threads`]).
+    plan_threads: usize,
 }
 
 impl ResidentAssembler {
     /// The assembler of a resident stream over `engine`: rounds pass at most `inline_pieces_max`
-    /// pieces in their launch parameters, and gather groups of at most `group_batches_max`
-    /// batches and `group_pieces_max` pieces.
+    /// pieces in their launch parameters, gather groups of at most `group_batches_max` batches and
+    /// `group_pieces_max` pieces, and plan on `plan_threads` threads (0: as many as the planner
+    /// chooses).
     pub(in crate::pipeline::gpu) fn new(
         engine: RoundEngine,
         resident: Resident,
         inline_pieces_max: usize,
         group_batches_max: usize,
         group_pieces_max: usize,
+        plan_threads: usize,
     ) -> ResidentAssembler {
         ResidentAssembler {
             engine,
@@ -60,6 +64,7 @@ impl ResidentAssembler {
             group: None,
             group_batches_max,
             group_pieces_max,
+            plan_threads,
         }
     }
 }
@@ -208,6 +213,7 @@ impl ResidentAssembler {
                 step,
                 rows_per_round,
                 self.group_batches_max,
+                self.plan_threads,
             ));
         }
         let planner = resident.planner.as_mut().expect("started above");

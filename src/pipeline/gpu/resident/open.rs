@@ -267,6 +267,7 @@ impl Resident {
                 table_len,
                 window_bytes,
                 corrupt,
+                limits.gather_piece_out_bytes,
             )),
         })))
     }
@@ -369,6 +370,7 @@ impl Resident {
                 table_len,
                 window_bytes,
                 corrupt,
+                limits.gather_piece_out_bytes,
             )),
         }))
     }

@@ -8,34 +8,27 @@ use foldhash::HashMap;
 
 use crate::format::Codec;
 use crate::kernels::{GatherOp, GatherPlan, GatherRegion, GATHER_SOURCES_MAX};
+use crate::pipeline::gpu::limits::PLAN_THREADS_MAX;
 use crate::pipeline::order::ShuffleKind;
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, CorruptPolicy, FillError, StreamPlan};
 
-/// Threads planning a resident stream's steps ahead of the filler (at most the host's CPU count),
-/// unless `GPUFEED_PLAN_THREADS` (1 to [`PLAN_WORKERS_MAX`]) says otherwise. A window shuffle of 4096
-/// rows of 2 KiB keeps six threads about half busy (0.54 to 0.62 s of planning per 8 GiB epoch of
-/// 0.19 s on the H100 test machine), and they can fall behind in its last window, when no copies
-/// pace the filler: on one machine (read-path run 44) the window shuffle made 0.886x of the in-order
-/// rate with 6 threads and 0.906x with 12.
+/// Threads planning a resident stream's steps ahead of the filler when its limits leave the choice
+/// to it (at most the host's CPU count). A window shuffle of 4096 rows of 2 KiB keeps six threads
+/// about half busy, and they can fall behind in its last window, when no copies pace the filler;
+/// twelve kept up better.
 const PLAN_WORKERS: usize = 12;
 
-/// The most planning threads per stream.
-const PLAN_WORKERS_MAX: usize = 32;
-
-/// Planning threads per resident stream: `GPUFEED_PLAN_THREADS` if set to 1 to [`PLAN_WORKERS_MAX`],
+/// Planning threads per resident stream: `plan_threads` (see
+/// [`crate::pipeline::gpu::GpuStreamLimits::plan_threads`]) if not 0, at most [`PLAN_THREADS_MAX`];
 /// else [`PLAN_WORKERS`] or the CPU count, the fewer.
-fn plan_workers() -> usize {
-    static WORKERS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *WORKERS.get_or_init(|| {
-        crate::pipeline::gpu::limits::env_tuning("GPUFEED_PLAN_THREADS", 1, PLAN_WORKERS_MAX as u64)
-            .map_or_else(
-                || {
-                    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-                    PLAN_WORKERS.min(cpus.max(2))
-                },
-                |n| n as usize,
-            )
-    })
+fn plan_workers(plan_threads: usize) -> usize {
+    if plan_threads > 0 {
+        return plan_threads.min(PLAN_THREADS_MAX);
+    }
+    // The host's CPU count, read once.
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    PLAN_WORKERS.min(cpus.max(2))
 }
 
 /// Steps each planning thread plans ahead of the filler: with 3, a window shuffle's filler waited
@@ -74,17 +67,18 @@ pub(super) struct Planner {
 
 impl Planner {
     /// Starts planning from `first_step`, `rows_per_round` rows a round, in chunks of `chunk`
-    /// steps.
+    /// steps, on `plan_threads` threads (0: as many as [`plan_workers`] chooses).
     pub(super) fn start(
         plan: Arc<StreamPlan>,
         geometry: Arc<RowGeometry>,
         first_step: u64,
         rows_per_round: usize,
         chunk: usize,
+        plan_threads: usize,
     ) -> Planner {
         let chunk = chunk.max(1) as u64;
         let chunks = plan.steps.saturating_sub(first_step).div_ceil(chunk);
-        let workers = plan_workers().min(chunks.max(1) as usize);
+        let workers = plan_workers(plan_threads).min(chunks.max(1) as usize);
         let mut receivers = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
         let busy_ns = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -212,6 +206,9 @@ pub(super) struct RowGeometry {
     /// file, and its blocks' raw size, when its blocks lie back to back in raw order (the packer's
     /// layout for raw blocks of a page-multiple size), so that a row's file offset is one addition.
     linear: Vec<Vec<Option<(u64, u64)>>>,
+    /// Largest output of a piece merged from consecutive rows (see
+    /// [`crate::pipeline::gpu::GpuStreamLimits::gather_piece_out_bytes`]).
+    gather_piece_out_bytes: u64,
 }
 
 /// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
@@ -238,6 +235,7 @@ impl RowGeometry {
         region_count: usize,
         window_bytes: u64,
         corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
+        gather_piece_out_bytes: u64,
     ) -> RowGeometry {
         RowGeometry {
             first_region,
@@ -245,6 +243,7 @@ impl RowGeometry {
             region_count,
             window_bytes,
             corrupt,
+            gather_piece_out_bytes,
             linear: plan
                 .dataset
                 .shards
@@ -261,11 +260,11 @@ impl RowGeometry {
 }
 
 /// The largest output of a piece merged from consecutive rows of a field whose rows deliver
-/// `sample_bytes_out` each: [`crate::pipeline::gpu::limits::merged_piece_out_bytes`], but never less than one row, so that
-/// rows merged never make more pieces than the same rows one by one (the round's table is sized for
-/// that).
-fn merged_out_bytes_max(sample_bytes_out: usize) -> u64 {
-    crate::pipeline::gpu::limits::merged_piece_out_bytes().max(sample_bytes_out as u64)
+/// `sample_bytes_out` each: the geometry's `gather_piece_out_bytes`, but never less than one row, so
+/// that rows merged never make more pieces than the same rows one by one (the round's table is sized
+/// for that).
+fn merged_out_bytes_max(geometry: &RowGeometry, sample_bytes_out: usize) -> u64 {
+    geometry.gather_piece_out_bytes.max(sample_bytes_out as u64)
 }
 
 /// Adds pieces reading file bytes `span` of shard `shard` in place to slot offset `out_at`, split
@@ -416,7 +415,7 @@ fn run_pieces(
         let out_at = (field.offset + row * field.sample_bytes_out) as u64;
         // Pieces as merging rows one by one would make them, so that a batch spreads over many
         // thread blocks.
-        let merged_max = merged_out_bytes_max(field.sample_bytes_out);
+        let merged_max = merged_out_bytes_max(geometry, field.sample_bytes_out);
         let chunk = (merged_max / op.out_bytes()).max(1) * op.in_bytes();
         let (mut at, mut out_at) = (at, out_at);
         while at < stop {
@@ -450,7 +449,7 @@ fn row_pieces(
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
-        let merged_max = merged_out_bytes_max(field.sample_bytes_out);
+        let merged_max = merged_out_bytes_max(resident, field.sample_bytes_out);
         if let Some((base, size)) = resident.linear[shard][index] {
             if !resident.corrupt.is_empty() {
                 for block in (start / size)..=((end - 1) / size) {
@@ -500,4 +499,19 @@ fn row_pieces(
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream's `plan_threads` is taken as given up to the bound; 0 leaves the count to the
+    /// host: twelve at most, and at least two.
+    #[test]
+    fn plan_threads_are_the_limit_s_or_the_host_s_choice() {
+        assert_eq!(plan_workers(1), 1);
+        assert_eq!(plan_workers(20), 20);
+        assert_eq!(plan_workers(PLAN_THREADS_MAX + 5), PLAN_THREADS_MAX);
+        assert!((2..=PLAN_WORKERS).contains(&plan_workers(0)));
+    }
 }

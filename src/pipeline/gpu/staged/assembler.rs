@@ -30,6 +30,9 @@ pub struct StagedAssembler {
     /// LZ4 blocks read ahead after a cache miss (see [`super::plan::cache_bytes`]); 0: none.
     pub(in crate::pipeline::gpu) lz4_read_ahead: u32,
     pub(in crate::pipeline::gpu) round_stamp: u64,
+    /// Largest output of a gather piece merged from adjacent samples (see
+    /// [`crate::pipeline::gpu::GpuStreamLimits::gather_piece_out_bytes`]).
+    pub(in crate::pipeline::gpu) gather_piece_out_bytes: u64,
 }
 
 impl StagedAssembler {

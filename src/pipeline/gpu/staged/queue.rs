@@ -17,7 +17,6 @@ use crate::kernels::{
 };
 use crate::metrics::ReadPath as MetricsPath;
 use crate::pipeline::gpu::engine::buffers::{upload_table, DeviceRange, PendingRound};
-use crate::pipeline::gpu::limits::merged_piece_out_bytes;
 use crate::pipeline::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, PlacementRuns,
 };
@@ -579,7 +578,7 @@ impl StagedAssembler {
                 elements,
                 op,
                 1.0,
-                merged_piece_out_bytes(),
+                self.gather_piece_out_bytes,
             );
         }
         replaced.extend(corrupt.iter().map(|(i, _)| first_row + i));
