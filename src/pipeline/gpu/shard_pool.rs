@@ -3,16 +3,16 @@
 //!
 //! A resident stream in dataset order or a window shuffle copies shards ahead into slots of device
 //! memory (`device_shards`): 9 slots of 512 MiB by default. Allocating them when each stream opened
-//! and freeing them when it closed made every epoch after a consumer's first about 10 ms (6 %)
-//! longer on the H100 test machine (`docs/benchmarks/read-path-2026-11-25.md`, run 70): allocating
-//! and freeing device memory waits on the device work already queued, and a training process's next
+//! and freeing them when it closed made every epoch after a consumer's first longer by a few percent
+//! on the H100 test machine: allocating and freeing device memory waits on the device work already
+//! queued, and a training process's next
 //! epoch is opened while its current one runs. So a closing stream hands its slots here once its
 //! work on them is done, and the next stream that copies shards of the same size takes them.
 //!
 //! The same holds for the stream's other device buffers. Freeing one (`cuMemFree`) may wait until
 //! the whole device is idle, and other threads' driver calls wait with it: when a consumer's epoch
 //! closed, the next epoch's stream, opened ahead, delivered its first batch and then none until
-//! every shard copy it had queued was done (49 ms in a window shuffle, 87 in dataset order; run 74).
+//! every shard copy it had queued was done (tens of milliseconds).
 //! In a window shuffle the link then idled while the first window was served. So a closing stream
 //! hands its block cache and region table here too ([`KeptBuffer`]), and the next stream takes
 //! buffers of the same size.

@@ -32,9 +32,9 @@ impl RoundEngine {
         // done within microseconds, and a sleeping filler wakes tens of microseconds late.
         if !self.wait_spin.is_zero() {
             while waited.elapsed() < self.wait_spin && !done.is_complete()? {
-                // A query every few microseconds, not back to back (in read-path run 49, polling
-                // with back-to-back queries came with a slower first window in a window shuffle;
-                // run 50 saw the same with spaced queries, so the cause is not known).
+                // A query every few microseconds, not back to back: polling with back-to-back
+                // queries came with a slower first window in a window shuffle (so did spaced
+                // queries once, so the cause is not known).
                 let paused = Instant::now();
                 while paused.elapsed() < WAIT_SPIN_QUERY_INTERVAL {
                     std::hint::spin_loop();

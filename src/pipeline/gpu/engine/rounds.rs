@@ -117,8 +117,8 @@ impl RoundEngine {
     /// the slot is written again, unless that use is known done on the host: a consumer that
     /// recorded nothing, or whose work completed, costs the device no wait. (The consumer records
     /// the event before it publishes the release, so the query sees that record; a wait queued on
-    /// the device would wait for the same one. Skipping the wait gave a consumer 2-5 % at batches of
-    /// 256 and 1024 rows: `docs/benchmarks/handoff-2026-11-24.md`, run 25.)
+    /// the device would wait for the same one. Skipping the wait gave a consumer a few percent at
+    /// batches of 256 and 1024 rows.)
     pub(in crate::pipeline::gpu) fn wait_released(
         &mut self,
         released: &Event,

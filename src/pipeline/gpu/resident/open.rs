@@ -431,9 +431,9 @@ const WARM_THREADS_MAX: usize = 8;
 /// Before a full shuffle of a dataset within the registration budget that is not in the page cache:
 /// reads its shards whole, in sequence, on a few threads, so that the stream then reads every row
 /// in place from the cache. A full shuffle draws every batch from anywhere in the dataset: read row
-/// by row from the disk it would go at the disk's random-read pace (on the H100 test machine 0.18
-/// GB/s of 4 KiB reads at queue depth 64, against 1.7 GB/s read in sequence), and staging a block
-/// per row reads 40 bytes per byte. Skipped when the dataset would not fit in half the memory the
+/// by row from the disk it would go at the disk's random-read pace (on the H100 test machine a tenth
+/// of its sequential rate, with 4 KiB reads at queue depth 64), and staging a block per row reads 40
+/// bytes per byte. Skipped when the dataset would not fit in half the memory the
 /// host has available (it would not stay cached). The bytes read count as read.
 fn warm_for_full_shuffle(
     plan: &StreamPlan,
