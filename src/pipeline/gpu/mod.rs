@@ -1,7 +1,8 @@
 //! Batch assembly on the GPU backend: blocks are read into device memory (page-cache DMA, the io_uring
-//! bounce path or cuFile, per [`GpuReader`]), verified (xxh3 kernel), LZ4 blocks are decoded by the
-//! LZ4 kernel into a device block cache, and the gather kernel converts every sample of the batch, in
-//! the stream's order, into the slot, which is exportable device memory that the consumer maps.
+//! bounce path or cuFile, per [`GpuReader`](crate::storage::gpu::GpuReader)), verified (xxh3
+//! kernel), LZ4 blocks are decoded by the LZ4 kernel into a device block cache, and the gather
+//! kernel converts every sample of the batch, in the stream's order, into the slot, which is
+//! exportable device memory that the consumer maps.
 //!
 //! A batch is built in one or more *rounds*. A round reads the blocks its rows need into a staging
 //! buffer (raw blocks) or decodes them into the block cache (LZ4 blocks, kept for later batches), then
