@@ -129,10 +129,11 @@ fn main() -> Result<()> {
         },
     };
     // The pipeline alone runs on this thread: while it runs, off the device's interrupt CPUs, like
-    // the daemon's fillers and the consumer (unless GPUFEED_AVOID_IRQ_CPUS=0, as for the fillers).
+    // the daemon's fillers and the consumer (unless --avoid-irq-cpus off / GPUFEED_AVOID_IRQ_CPUS=off, as for the fillers).
     // Only then: the in-process daemon's threads and the consumer process choose for themselves.
+    let gpu_settings = gpufeed::config::GpuSettings::from_environment()?;
     if let Device::Cuda(ordinal) = device {
-        if gpufeed::pipeline::filler::avoid_irq_cpus() {
+        if gpu_settings.interrupt_cpus == gpufeed::config::InterruptCpus::Avoid {
             match gpufeed_client::cuda::pci_address(ordinal) {
                 Ok(address) => {
                     let _ = PIPELINE_AVOIDS.set(gpufeed_client::affinity::interrupt_cpus(&address));
@@ -148,7 +149,7 @@ fn main() -> Result<()> {
         Device::Cuda(ordinal) => Some(Arc::new(gpufeed::daemon::open_gpu_backend(
             ordinal,
             gpufeed::storage::EngineMode::Auto,
-            &gpufeed::config::GpuSettings::from_environment()?,
+            &gpu_settings,
         )?)),
         Device::Cpu => None,
     };

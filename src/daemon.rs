@@ -367,6 +367,7 @@ pub fn open_gpu_backend(
     let stream_limits = stream_limits(gpu);
     Ok(GpuBackend {
         numa,
+        interrupt_cpus: interrupt_cpus(gpu.interrupt_cpus),
         windows,
         device,
         ordinal,
@@ -381,6 +382,7 @@ pub fn open_gpu_backend(
         shard_pool: Arc::new(ShardSlotPool::new(
             stream_limits.device_shard_bytes as usize,
             ordinal,
+            gpu.device_pool_idle_release,
         )),
         reader_limits: GpuReaderLimits::node_defaults(),
         choice: PathChoice::from_mode(engine),
@@ -388,10 +390,18 @@ pub fn open_gpu_backend(
     })
 }
 
-/// The pipeline's limits of a GPU stream under the configured `gpu` settings: the settings the
-/// pipeline has fields for, over its node defaults. (`gpu.gather_piece_bytes`, `plan_threads`,
-/// `device_pool_idle_release` and `interrupt_cpus` are not fields of these limits.)
-fn stream_limits(gpu: &GpuSettings) -> GpuStreamLimits {
+/// Whether the fillers keep off the device's interrupt CPUs, as configured.
+fn interrupt_cpus(setting: crate::config::InterruptCpus) -> crate::pipeline::InterruptCpus {
+    match setting {
+        crate::config::InterruptCpus::Avoid => crate::pipeline::InterruptCpus::Avoid,
+        crate::config::InterruptCpus::Share => crate::pipeline::InterruptCpus::Allow,
+    }
+}
+
+/// The pipeline's limits of a GPU stream under the configured `gpu` settings, over its node
+/// defaults for the bounds that are not settings. (`gpu.device_pool_idle_release` and
+/// `gpu.interrupt_cpus` are the device's, not a stream's: [`open_gpu_backend`] passes them.)
+pub fn stream_limits(gpu: &GpuSettings) -> GpuStreamLimits {
     GpuStreamLimits {
         zero_copy: match gpu.zero_copy {
             ZeroCopyMode::Off => ZeroCopy::Off,
@@ -404,6 +414,8 @@ fn stream_limits(gpu: &GpuSettings) -> GpuStreamLimits {
         wait_spin: gpu.filler_spin,
         inline_gather_launches: gpu.inline_gather_tables,
         batch_group_max: gpu.batch_group_max,
+        gather_piece_out_bytes: gpu.gather_piece_bytes,
+        plan_threads: gpu.plan_threads,
         ..GpuStreamLimits::node_defaults()
     }
 }
@@ -772,6 +784,17 @@ mod tests {
         assert_eq!(limits.inline_gather_launches, node.inline_gather_launches);
         assert_eq!(limits.batch_group_max, node.batch_group_max);
         assert_eq!(limits.zero_copy, node.zero_copy);
+        assert_eq!(limits.gather_piece_out_bytes, node.gather_piece_out_bytes);
+        assert_eq!(limits.plan_threads, node.plan_threads);
+        let gpu = GpuSettings::node_defaults();
+        assert_eq!(
+            gpu.device_pool_idle_release,
+            p::DEVICE_POOL_IDLE_RELEASE_DEFAULT
+        );
+        assert_eq!(
+            interrupt_cpus(gpu.interrupt_cpus),
+            crate::pipeline::INTERRUPT_CPUS_DEFAULT
+        );
         assert_eq!(limits.device_shard_bytes, p::DEVICE_SHARD_BYTES_DEFAULT);
         assert_eq!(limits.loader_copy_threads, p::LOADER_COPY_THREADS_DEFAULT);
         assert_eq!(

@@ -91,5 +91,5 @@ pub fn gpu_pipeline_alone(
         assembler.complete(None)?;
     }
     assembler.stream().synchronize()?;
-    Ok((started.elapsed().as_secs_f64(), assembler.timings))
+    Ok((started.elapsed().as_secs_f64(), assembler.timings()))
 }

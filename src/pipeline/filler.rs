@@ -45,6 +45,9 @@ pub struct GpuBackend {
     /// The device's NUMA node and its CPUs, where the host has several: its streams' threads and
     /// pinned buffers are placed there.
     pub numa: Option<crate::device::numa::NumaPlacement>,
+    /// Whether its streams' fillers (and the threads they start) keep off the CPUs that service the
+    /// device's interrupts.
+    pub interrupt_cpus: InterruptCpus,
 }
 
 /// The backend that fills one stream.
@@ -231,6 +234,8 @@ pub struct Filler {
     /// GPU streams: the device's PCI address, to keep the filler thread off the CPUs that service
     /// its interrupts.
     pci_address: Option<String>,
+    /// Whether the filler thread keeps off those CPUs (GPU streams).
+    interrupt_cpus: InterruptCpus,
     /// GPU streams: the device's ordinal and the device bytes the pipeline holds, for the
     /// per-device figures.
     device: Option<(u32, u64)>,
@@ -268,13 +273,14 @@ impl Filler {
         metrics: Arc<Metrics>,
     ) -> Result<Filler, FillerError> {
         let steps = plan.steps;
-        let (numa, ordinal, pci_address) = match backend {
+        let (numa, ordinal, pci_address, interrupt_cpus) = match backend {
             StreamBackend::Gpu(gpu) => (
                 gpu.numa.clone(),
                 Some(gpu.ordinal),
                 Some(gpu.device.properties().pci_address.clone()).filter(|a| !a.is_empty()),
+                gpu.interrupt_cpus,
             ),
-            StreamBackend::Cpu => (None, None, None),
+            StreamBackend::Cpu => (None, None, None, INTERRUPT_CPUS_DEFAULT),
         };
         let backend = match backend {
             StreamBackend::Cpu => {
@@ -292,7 +298,7 @@ impl Filler {
                 // belong on the device's node.
                 // Off the CPUs that service the device's interrupts too, like the filler thread.
                 let avoid = match &pci_address {
-                    Some(address) if avoid_irq_cpus() => {
+                    Some(address) if interrupt_cpus == InterruptCpus::Avoid => {
                         gpufeed_proto::affinity::interrupt_cpus(address)
                     }
                     _ => Vec::new(),
@@ -334,6 +340,7 @@ impl Filler {
             backend,
             numa,
             pci_address,
+            interrupt_cpus,
             device,
             metrics,
         })
@@ -355,7 +362,11 @@ impl Filler {
                         tracing::warn!("filler: binding to NUMA node {}: {error}", numa.node);
                     }
                 }
-                if let Some(address) = self.pci_address.as_deref().filter(|_| avoid_irq_cpus()) {
+                if let Some(address) = self
+                    .pci_address
+                    .as_deref()
+                    .filter(|_| self.interrupt_cpus == InterruptCpus::Avoid)
+                {
                     // Read again: the stream's set-up may have taken a while, and a CPU's share
                     // may have changed (irqbalance).
                     let avoid = gpufeed_proto::affinity::interrupt_cpus(address);
@@ -464,7 +475,7 @@ impl Filler {
                     if quarter == 2 {
                         if let Backend::Gpu { assembler, .. } = &filler.backend {
                             times.three_quarters =
-                                Some((assembler.timings, times.free_wait_s, times.deliver_s));
+                                Some((assembler.timings(), times.free_wait_s, times.deliver_s));
                         }
                     }
                 }
@@ -483,7 +494,7 @@ impl Filler {
         times: &LoopTimes,
     ) {
         if let Backend::Gpu { assembler, .. } = &self.backend {
-            let t = assembler.timings;
+            let t = assembler.timings();
             // The filler thread's own CPU time and involuntary context switches over the stream:
             // whether a slow stream's host work was slow on the core or kept off it.
             let usage = thread_usage().since(usage_at_start);
@@ -611,11 +622,39 @@ impl Filler {
 }
 
 /// Whether GPU fillers (and the planning threads they start) keep off the CPUs that service their
-/// device's interrupts (`gpufeed_proto::affinity`): yes unless `GPUFEED_AVOID_IRQ_CPUS=0` (read once).
-/// On the H100 test machine a filler on the interrupt CPU ran an epoch three times slower.
-pub fn avoid_irq_cpus() -> bool {
-    static AVOID: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVOID.get_or_init(|| std::env::var("GPUFEED_AVOID_IRQ_CPUS").map_or(true, |v| v.trim() != "0"))
+/// device's interrupts (`gpufeed_proto::affinity`). On the H100 test machine a filler on the
+/// interrupt CPU ran an epoch three times slower.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InterruptCpus {
+    /// Keep off them (the default, [`INTERRUPT_CPUS_DEFAULT`]).
+    Avoid,
+    /// Run anywhere the process may.
+    Allow,
+}
+
+/// The default [`GpuBackend::interrupt_cpus`].
+pub const INTERRUPT_CPUS_DEFAULT: InterruptCpus = InterruptCpus::Avoid;
+
+impl InterruptCpus {
+    /// The name used in configuration and status.
+    pub fn name(self) -> &'static str {
+        match self {
+            InterruptCpus::Avoid => "avoid",
+            InterruptCpus::Allow => "allow",
+        }
+    }
+}
+
+impl std::str::FromStr for InterruptCpus {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<InterruptCpus, String> {
+        match text {
+            "avoid" => Ok(InterruptCpus::Avoid),
+            "allow" => Ok(InterruptCpus::Allow),
+            other => Err(format!("{other:?} is not avoid or allow")),
+        }
+    }
 }
 
 /// CPU time and context switches of the calling thread so far (`getrusage(RUSAGE_THREAD)`).

@@ -14,11 +14,11 @@ pub mod stream_plan;
 
 pub use cpu::Assembler;
 pub use filler::{
-    BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff, SlotMemory,
-    StreamBackend, DELIVER_AT_ONCE_MAX,
+    BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff,
+    InterruptCpus, SlotMemory, StreamBackend, DELIVER_AT_ONCE_MAX, INTERRUPT_CPUS_DEFAULT,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
-pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};
+pub use order::{EpochOrder, Permutation, RankPlan, ShuffleKind, ShuffleMode, Tail};
 pub use stream_plan::{
     CorruptPolicy, FieldPlan, FieldSelection, FillError, FillReport, Placement, PlacementRuns,
     PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,

@@ -51,6 +51,19 @@ pub enum ShuffleMode {
     Full,
 }
 
+/// The kind of an epoch's order, without its parameters: what the GPU backend plans its reads by
+/// (which shards the next batches draw from, whether consecutive rows read consecutive samples).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShuffleKind {
+    /// Dataset order: the next batches draw from the rest of the dataset, in order.
+    None,
+    /// A window shuffle: the next batches draw from the current window's shards, then the next
+    /// window's.
+    Window,
+    /// A full shuffle: every batch may draw from anywhere in the dataset.
+    Full,
+}
+
 /// What happens to the samples that do not fill a whole step at the end of an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tail {
@@ -216,6 +229,15 @@ impl EpochOrder {
     /// Samples in the epoch.
     pub fn len(&self) -> u64 {
         self.sample_count
+    }
+
+    /// The kind of shuffle the order is, for the code that plans reads by it.
+    pub fn shuffle_kind(&self) -> ShuffleKind {
+        match self.kind {
+            OrderKind::Identity => ShuffleKind::None,
+            OrderKind::Windows(_) => ShuffleKind::Window,
+            OrderKind::Full(_) => ShuffleKind::Full,
+        }
     }
 
     /// Whether the order is the dataset's own (no shuffle).
@@ -442,5 +464,26 @@ mod tests {
         }
         let full = EpochOrder::new(&shards, 7, 1, ShuffleMode::Full);
         assert!(full.samples_ahead(0, 8).is_none());
+    }
+
+    /// The GPU backend plans by `shuffle_kind`, which stands for the order's own tests it used to
+    /// make: dataset order is the identity, only a full shuffle has no samples ahead.
+    #[test]
+    fn shuffle_kind_names_the_mode_as_the_order_behaves() {
+        let shards = [40u64, 25, 60, 33];
+        for (mode, kind) in [
+            (ShuffleMode::None, ShuffleKind::None),
+            (ShuffleMode::Window { shards: 2 }, ShuffleKind::Window),
+            (ShuffleMode::Full, ShuffleKind::Full),
+        ] {
+            let order = EpochOrder::new(&shards, 7, 1, mode);
+            assert_eq!(order.shuffle_kind(), kind, "{mode:?}");
+            assert_eq!(order.is_identity(), kind == ShuffleKind::None, "{mode:?}");
+            assert_eq!(
+                order.samples_ahead(0, 1).is_none(),
+                kind == ShuffleKind::Full,
+                "{mode:?}"
+            );
+        }
     }
 }

@@ -3,16 +3,16 @@
 //!
 //! A resident stream in dataset order or a window shuffle copies shards ahead into slots of device
 //! memory (`device_shards`): 9 slots of 512 MiB by default. Allocating them when each stream opened
-//! and freeing them when it closed made every epoch after a consumer's first about 10 ms (6 %)
-//! longer on the H100 test machine (`docs/benchmarks/read-path-2026-11-25.md`, run 70): allocating
-//! and freeing device memory waits on the device work already queued, and a training process's next
+//! and freeing them when it closed made every epoch after a consumer's first longer by a few percent
+//! on the H100 test machine: allocating and freeing device memory waits on the device work already
+//! queued, and a training process's next
 //! epoch is opened while its current one runs. So a closing stream hands its slots here once its
 //! work on them is done, and the next stream that copies shards of the same size takes them.
 //!
 //! The same holds for the stream's other device buffers. Freeing one (`cuMemFree`) may wait until
 //! the whole device is idle, and other threads' driver calls wait with it: when a consumer's epoch
 //! closed, the next epoch's stream, opened ahead, delivered its first batch and then none until
-//! every shard copy it had queued was done (49 ms in a window shuffle, 87 in dataset order; run 74).
+//! every shard copy it had queued was done (tens of milliseconds).
 //! In a window shuffle the link then idled while the first window was served. So a closing stream
 //! hands its block cache and region table here too ([`KeptBuffer`]), and the next stream takes
 //! buffers of the same size.
@@ -21,7 +21,7 @@
 //! [`STREAM_BUFFERS_MAX`] stream buffers. A stream opened ahead while another still runs allocates
 //! its own; from then on the two streams of a consumer alternate through the pool. Slots of another
 //! size (another dataset's) give way to a stream that needs new ones. Memory idle for
-//! [`IDLE_RELEASE`] is freed by the pool's thread, so a daemon nobody reads from gives it back to
+//! the idle release time is freed by the pool's thread, so a daemon nobody reads from gives it back to
 //! the training processes on the device. A stream whose opening fails short of device memory, when
 //! the pool held memory, frees all of it and opens once more; a stream short of memory for its
 //! slots frees it before taking fewer slots. Idle stream buffers of another size stay until then or
@@ -34,8 +34,12 @@ use std::time::{Duration, Instant};
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory};
 use crate::metrics::Metrics;
 
-/// How long a buffer may stay idle before it is freed.
-pub const IDLE_RELEASE: Duration = Duration::from_secs(30);
+/// The default time a buffer may stay idle before it is freed (see [`ShardSlotPool::new`]).
+pub const DEVICE_POOL_IDLE_RELEASE_DEFAULT: Duration = Duration::from_secs(30);
+/// Shortest idle release time.
+pub const DEVICE_POOL_IDLE_RELEASE_MIN: Duration = Duration::from_secs(1);
+/// Longest idle release time: a day.
+pub const DEVICE_POOL_IDLE_RELEASE_MAX: Duration = Duration::from_secs(86_400);
 
 /// Most stream buffers kept idle: the block caches and region tables of two streams.
 pub const STREAM_BUFFERS_MAX: usize = 4;
@@ -76,7 +80,7 @@ struct Shared<B> {
     /// Started on the first slot handed back.
     releaser: OnceLock<()>,
     bytes_max: usize,
-    /// How long a buffer may stay idle ([`IDLE_RELEASE`]).
+    /// How long a buffer may stay idle (the idle release time).
     idle_release: Duration,
     ordinal: u32,
     metrics: OnceLock<Arc<Metrics>>,
@@ -85,14 +89,9 @@ struct Shared<B> {
 impl<B: Pooled> ShardSlotPool<B> {
     /// An empty pool of device `ordinal` keeping at most `bytes_max` idle bytes of shard slots (and
     /// at most [`STREAM_BUFFERS_MAX`] stream buffers besides), freeing what stays idle for
-    /// [`IDLE_RELEASE`] or for `GPUFEED_DEVICE_POOL_IDLE_S` seconds (1 to 86 400) when that is set.
-    pub fn new(bytes_max: usize, ordinal: u32) -> ShardSlotPool<B> {
-        let idle_release = super::env_tuning("GPUFEED_DEVICE_POOL_IDLE_S", 1, 86_400)
-            .map_or(IDLE_RELEASE, Duration::from_secs);
-        Self::with_idle_release(bytes_max, ordinal, idle_release)
-    }
-
-    fn with_idle_release(bytes_max: usize, ordinal: u32, idle_release: Duration) -> Self {
+    /// `idle_release` ([`DEVICE_POOL_IDLE_RELEASE_DEFAULT`] by default, from [`DEVICE_POOL_IDLE_RELEASE_MIN`] to
+    /// [`DEVICE_POOL_IDLE_RELEASE_MAX`]).
+    pub fn new(bytes_max: usize, ordinal: u32, idle_release: Duration) -> ShardSlotPool<B> {
         ShardSlotPool {
             shared: Arc::new(Shared {
                 idle: Mutex::new(Vec::new()),
@@ -328,7 +327,7 @@ impl<B: Pooled> Shared<B> {
         }
     }
 
-    /// The pool's thread: frees slots idle for [`IDLE_RELEASE`], sleeping until the oldest is due
+    /// The pool's thread: frees slots idle for the idle release time, sleeping until the oldest is due
     /// (or until slots come back, when there are none).
     fn release_idle(&self) {
         let mut idle = self.lock();
@@ -395,7 +394,7 @@ mod tests {
 
     /// A pool reporting to a fresh `Metrics`, as the daemon's does.
     fn pool(bytes_max: usize, idle_release: Duration) -> (ShardSlotPool<Fake>, Arc<Metrics>) {
-        let pool = ShardSlotPool::<Fake>::with_idle_release(bytes_max, 0, idle_release);
+        let pool = ShardSlotPool::<Fake>::new(bytes_max, 0, idle_release);
         let metrics = Arc::new(Metrics::new());
         metrics.serve_device(0);
         pool.report_to(&metrics);
@@ -405,7 +404,7 @@ mod tests {
     #[test]
     fn slots_are_kept_up_to_the_bound_and_taken_by_size() {
         let freed = Arc::new(AtomicUsize::new(0));
-        let (pool, metrics) = pool(300, IDLE_RELEASE);
+        let (pool, metrics) = pool(300, DEVICE_POOL_IDLE_RELEASE_DEFAULT);
         pool.put(fakes(&freed, &[100, 100, 100, 100]));
         assert_eq!(pool.idle_bytes(), 300);
         assert_eq!(
@@ -429,7 +428,7 @@ mod tests {
     #[test]
     fn stream_buffers_are_bounded_apart_from_slots_and_stay_on_a_miss() {
         let freed = Arc::new(AtomicUsize::new(0));
-        let (pool, metrics) = pool(100, IDLE_RELEASE);
+        let (pool, metrics) = pool(100, DEVICE_POOL_IDLE_RELEASE_DEFAULT);
         pool.put(fakes(&freed, &[100]));
         for size in [10, 20, 30, 40, 50] {
             pool.put_of(Use::Stream, fakes(&freed, &[size]));

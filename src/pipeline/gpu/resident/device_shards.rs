@@ -24,10 +24,10 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::shard_loader::{LoadJob, ShardLoader};
-use super::shard_pool::ShardSlotPool;
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::kernels::GatherRegion;
-use crate::pipeline::order::EpochOrder;
+use crate::pipeline::gpu::shard_pool::ShardSlotPool;
+use crate::pipeline::order::{EpochOrder, ShuffleKind};
 use crate::pipeline::stream_plan::FillError;
 
 /// One slot of device memory holding (or receiving) a copy of one shard.
@@ -128,7 +128,7 @@ impl DeviceShards {
         slots_min: usize,
         pool: &Arc<ShardSlotPool>,
     ) -> Result<Option<DeviceShards>, DeviceError> {
-        if order.samples_ahead(0, 1).is_none() || shards.len() < 2 {
+        if order.shuffle_kind() == ShuffleKind::Full || shards.len() < 2 {
             return Ok(None);
         }
         let shard_bytes_max = shards

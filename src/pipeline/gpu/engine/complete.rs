@@ -5,25 +5,26 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::pipeline::CorruptPolicy;
 use foldhash::{HashMap, HashMapExt};
 
-use super::round::{DeviceRange, PendingRound};
-use super::GpuAssembler;
+use super::buffers::{DeviceRange, PendingRound};
+use super::rounds::RoundEngine;
 use crate::format::Codec;
 use crate::kernels::{
     GatherOutcome, Lz4Outcome, Lz4Status, Xxh3Outcome, Xxh3Status, GATHER_OUTCOME_BYTES,
     LZ4_OUTCOME_BYTES, XXH3_OUTCOME_BYTES,
 };
-use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, CorruptReason, FillError};
+use crate::pipeline::stream_plan::{
+    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError,
+};
 
 /// Time between two completion queries while the filler polls a round (see
-/// [`super::GpuStreamLimits::wait_spin`]).
+/// [`crate::pipeline::gpu::GpuStreamLimits::wait_spin`]).
 const WAIT_SPIN_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_micros(5);
 
-impl GpuAssembler {
+impl RoundEngine {
     /// Waits for the oldest queued round and acts on its outcomes.
-    pub(super) fn complete_round(&mut self) -> Result<(), FillError> {
+    pub(in crate::pipeline::gpu) fn complete_round(&mut self) -> Result<(), FillError> {
         let round = self.rounds.pop_front().expect("a round is queued");
         let waited = Instant::now();
         let done = &self.buffers[round.buffers].done;
@@ -31,9 +32,9 @@ impl GpuAssembler {
         // done within microseconds, and a sleeping filler wakes tens of microseconds late.
         if !self.wait_spin.is_zero() {
             while waited.elapsed() < self.wait_spin && !done.is_complete()? {
-                // A query every few microseconds, not back to back (in read-path run 49, polling
-                // with back-to-back queries came with a slower first window in a window shuffle;
-                // run 50 saw the same with spaced queries, so the cause is not known).
+                // A query every few microseconds, not back to back: polling with back-to-back
+                // queries came with a slower first window in a window shuffle (so did spaced
+                // queries once, so the cause is not known).
                 let paused = Instant::now();
                 while paused.elapsed() < WAIT_SPIN_QUERY_INTERVAL {
                     std::hint::spin_loop();

@@ -5,14 +5,18 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::cache::CacheEntry;
-use super::round::{staged_bytes, GatherRun, Round, REGIONS_MAX};
-use super::{GpuAssembler, ZeroCopy, ZERO_COPY_COVERAGE_MAX};
+use super::assembler::StagedAssembler;
+use super::queue::{staged_bytes, GatherRun, Round};
 use crate::device::DeviceMemory;
 use crate::format::{BlockEntry, Codec, Filter};
 use crate::kernels::{GatherOp, GatherRegion};
+use crate::pipeline::gpu::engine::buffers::REGIONS_MAX;
+use crate::pipeline::gpu::engine::cache::CacheEntry;
+use crate::pipeline::gpu::engine::rounds::block_key;
+use crate::pipeline::gpu::limits::ZeroCopy;
+use crate::pipeline::order::ShuffleKind;
 use crate::pipeline::stream_plan::{
-    BlockKey, CorruptBlock, FieldPlan, FillError, Placement, PlacementRuns, StreamPlan,
+    BlockKey, FieldPlan, FillError, Placement, PlacementRuns, StreamPlan,
 };
 use crate::storage::windows::MappedRange;
 use crate::storage::IO_ALIGN_BYTES;
@@ -40,7 +44,7 @@ struct RunDemand {
 
 /// Largest staged size of any block of the stream's fields (stored bytes rounded up to whole pages)
 /// and largest decoded size, over the whole dataset.
-pub(super) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
+pub(in crate::pipeline::gpu) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
     let align = IO_ALIGN_BYTES;
     let mut staged = align;
     let mut raw = align;
@@ -65,12 +69,12 @@ pub(super) fn block_sizes_max(plan: &StreamPlan) -> (u64, u64) {
 /// holds the window, every block of the window's shards is decoded once during the window, so the
 /// blocks after a miss are read with it (one read instead of one per block) and decoded in the same
 /// launch.
-pub(super) fn cache_bytes(
+pub(in crate::pipeline::gpu) fn cache_bytes(
     plan: &StreamPlan,
     cache_bytes: u64,
     device_shard_bytes: u64,
 ) -> (u64, u32) {
-    let windowed = !plan.order.is_identity() && plan.order.samples_ahead(0, 1).is_some();
+    let windowed = plan.order.shuffle_kind() == ShuffleKind::Window;
     let lz4 = plan.dataset.shards.iter().any(|shard| {
         plan.fields.iter().any(|field| {
             shard
@@ -112,30 +116,24 @@ pub(super) fn cache_bytes(
     )
 }
 
+/// Share of a raw block's bytes below which [`ZeroCopy::Auto`] reads the rows in place.
+const ZERO_COPY_COVERAGE_MAX: f64 = 0.5;
+
 /// LZ4 blocks read ahead after a block the cache misses, when the cache holds the window (see
 /// [`cache_bytes`]): 16 blocks of 64 KiB decoded, 1 MiB, a few hundred KiB read.
 const LZ4_READ_AHEAD_BLOCKS: u32 = 16;
 
-/// The key of block `block` of `field` in the shard of `placement`.
-fn block_key(placement: &Placement, field: &FieldPlan, block: u32) -> BlockKey {
-    BlockKey {
-        shard: placement.shard as u32,
-        field: field.field_index as u32,
-        block,
-    }
-}
-
-impl GpuAssembler {
+impl StagedAssembler {
     /// Chooses the runs of the next round, starting at run `first`, and where their blocks go. LZ4
     /// blocks get their cache entries here (the entry is known to later rounds at once).
-    pub(super) fn plan_round(
+    pub(in crate::pipeline::gpu) fn plan_round(
         &mut self,
         batch: &PlacementRuns,
         first: usize,
     ) -> Result<Round, FillError> {
         self.round_stamp += 1;
         let stamp = self.round_stamp;
-        let plan = Arc::clone(&self.plan);
+        let plan = Arc::clone(&self.engine.plan);
         let fields = &plan.fields;
         let mut round = Round {
             runs: first..first,
@@ -189,7 +187,7 @@ impl GpuAssembler {
         demand.staging = round.staging_used;
         demand.scratch = round.scratch_used;
         demand.pieces = 0;
-        for (field, placement) in self.plan.fields.iter().zip(placements) {
+        for (field, placement) in self.engine.plan.fields.iter().zip(placements) {
             // GatherPlan::push splits a piece at GATHER_PIECE_OUT_BYTES_MAX output bytes, so a run
             // gathered whole takes at most one piece per block plus one per such span; if its rows
             // are gathered one by one (a corrupt block), each row takes one piece per block it
@@ -219,6 +217,7 @@ impl GpuAssembler {
         let misses: Vec<BlockKey> = demand.decoded.iter().map(|&(key, ..)| key).collect();
         for miss in misses {
             let Some(field) = self
+                .engine
                 .plan
                 .fields
                 .iter()
@@ -226,7 +225,7 @@ impl GpuAssembler {
             else {
                 continue;
             };
-            let blocks = self.plan.dataset.shards[miss.shard as usize]
+            let blocks = self.engine.plan.dataset.shards[miss.shard as usize]
                 .metadata
                 .field_blocks(field.field_index)
                 .len() as u32;
@@ -236,9 +235,9 @@ impl GpuAssembler {
                 .min(blocks - 1);
             for block in miss.block + 1..=last {
                 let key = BlockKey { block, ..miss };
-                let entry = *self.entry(&key);
+                let entry = *self.engine.entry(&key);
                 if entry.codec != Codec::Lz4
-                    || self.block_cache.get(&key).is_some()
+                    || self.engine.block_cache.get(&key).is_some()
                     || demand.decoded.iter().any(|(k, ..)| *k == key)
                 {
                     break;
@@ -283,8 +282,8 @@ impl GpuAssembler {
         stamp: u64,
         demand: &mut RunDemand,
     ) {
-        let entry = *self.entry(&key);
-        match (entry.codec, self.block_cache.get(&key)) {
+        let entry = *self.engine.entry(&key);
+        match (entry.codec, self.engine.block_cache.get(&key)) {
             (Codec::Raw, _) => {
                 if round.staged.contains_key(&key)
                     || round.mapped.contains_key(&key)
@@ -341,7 +340,7 @@ impl GpuAssembler {
         entry: &BlockEntry,
         demand: &mut RunDemand,
     ) -> Option<(usize, u64)> {
-        let windows = self.reader.windows();
+        let windows = self.engine.reader.windows();
         let window_bytes = windows.window_bytes();
         let index = entry.stored_offset / window_bytes;
         let offset = entry.stored_offset - index * window_bytes;
@@ -358,8 +357,12 @@ impl GpuAssembler {
         if round.regions.len() + demand.regions.len() >= REGIONS_MAX {
             return None;
         }
-        let file = self.files.get(crate::storage::FileId(key.shard)).file();
-        let fraction = self.reader.resident_fraction_min();
+        let file = self
+            .engine
+            .files
+            .get(crate::storage::FileId(key.shard))
+            .file();
+        let fraction = self.engine.reader.resident_fraction_min();
         // A device error here leaves the block to the staging path, which reports it if it persists.
         let mapped = windows
             .map(
@@ -381,7 +384,7 @@ impl GpuAssembler {
             return;
         }
         let windows: Vec<_> = demand.regions.iter().map(|(_, m)| m.window).collect();
-        self.reader.windows().unpin(&windows);
+        self.engine.reader.windows().unpin(&windows);
     }
 
     /// Whether `round` still fits its buffers with the run of `demand` added.
@@ -395,21 +398,21 @@ impl GpuAssembler {
             + demand.decoded.len()
             + round.mapped.len()
             + demand.mapped.len();
-        demand.staging <= self.buffers[0].staging.len() as u64
+        demand.staging <= self.engine.buffers[0].staging.len() as u64
             && demand.scratch <= self.scratch_bytes
-            && round.pieces + demand.pieces <= self.pieces_max
+            && round.pieces + demand.pieces <= self.engine.pieces_max
             && jobs_needed <= self.jobs_max
-            && entries_needed <= self.block_cache.entries as usize
+            && entries_needed <= self.engine.block_cache.entries as usize
     }
 
     /// The error for a batch whose sample at `sample` alone overflows a round.
     fn round_too_small(&self, sample: usize) -> FillError {
         FillError::RoundTooSmall {
             sample,
-            staging_bytes: self.buffers[0].staging.len(),
+            staging_bytes: self.engine.buffers[0].staging.len(),
             scratch_bytes: self.scratch_bytes,
-            pieces_max: self.pieces_max,
-            cache_entries: self.block_cache.entries,
+            pieces_max: self.engine.pieces_max,
+            cache_entries: self.engine.block_cache.entries,
             entry_bytes: self.entry_bytes,
         }
     }
@@ -418,7 +421,7 @@ impl GpuAssembler {
     /// it) and its new LZ4 blocks get cache entries.
     fn commit_run(&mut self, round: &mut Round, demand: &RunDemand, stamp: u64) {
         for &(key, _) in &demand.pins {
-            self.block_cache.pin(key, stamp);
+            self.engine.block_cache.pin(key, stamp);
             round.pinned += 1;
         }
         for &(key, at) in &demand.staged {
@@ -436,7 +439,7 @@ impl GpuAssembler {
             round.mapped.insert(key, (region, offset));
         }
         for &(key, at, scratch_at) in &demand.decoded {
-            let index = self.block_cache.insert(key, stamp);
+            let index = self.engine.block_cache.insert(key, stamp);
             round.pinned += 1;
             round.decode.push((key, at, index, scratch_at));
         }
@@ -448,7 +451,7 @@ impl GpuAssembler {
     /// Appends the pieces that copy raw bytes `range` of `field` (a run's, or one of its rows') from
     /// the blocks of `placement` that overlap it to slot offset `out_at`. Every block is usable: raw
     /// blocks are in this round's staging, LZ4 blocks decoded in the cache.
-    pub(super) fn range_pieces(
+    pub(in crate::pipeline::gpu) fn range_pieces(
         &self,
         round: &Round,
         field: &FieldPlan,
@@ -462,7 +465,7 @@ impl GpuAssembler {
         let mut out_at = out_at;
         for block in placement.blocks.clone() {
             let key = block_key(placement, field, block);
-            let entry = self.entry(&key);
+            let entry = self.engine.entry(&key);
             let block_end = entry.raw_offset + entry.raw_bytes as u64;
             if block_end <= range.start || entry.raw_offset >= range.end {
                 continue;
@@ -472,7 +475,7 @@ impl GpuAssembler {
                     Some(&(region, offset)) => (GatherRegion::source_index(region), offset),
                     None => (1u16, round.staged[&key]),
                 },
-                Codec::Lz4 => match self.block_cache.get(&key) {
+                Codec::Lz4 => match self.engine.block_cache.get(&key) {
                     Some(CacheEntry::Decoded { index, .. }) => {
                         (0u16, *index as u64 * self.entry_bytes)
                     }
@@ -485,39 +488,5 @@ impl GpuAssembler {
             pieces.push((source, base + from, out_at, elements, op));
             out_at += elements * op.out_bytes();
         }
-    }
-
-    /// The rows of a run (`rows` rows, `placements` one per field) that read a block `corrupt_of`
-    /// names, as (row within the run, what is wrong), in row order.
-    pub(super) fn corrupt_rows(
-        &self,
-        placements: &[Placement],
-        rows: usize,
-        corrupt_of: impl Fn(&BlockKey) -> Option<Arc<CorruptBlock>>,
-    ) -> Vec<(usize, Arc<CorruptBlock>)> {
-        let mut found: Vec<(usize, Arc<CorruptBlock>)> = Vec::new();
-        for (field, placement) in self.plan.fields.iter().zip(placements) {
-            let width = field.sample_bytes_in as u64;
-            for block in placement.blocks.clone() {
-                let key = block_key(placement, field, block);
-                let Some(bad) = corrupt_of(&key) else {
-                    continue;
-                };
-                let entry = self.entry(&key);
-                let from = placement.start.max(entry.raw_offset) - placement.start;
-                let to =
-                    placement.end.min(entry.raw_offset + entry.raw_bytes as u64) - placement.start;
-                if to <= from {
-                    continue;
-                }
-                for i in (from / width) as usize..=((to - 1) / width) as usize {
-                    if i < rows && !found.iter().any(|(row, _)| *row == i) {
-                        found.push((i, Arc::clone(&bad)));
-                    }
-                }
-            }
-        }
-        found.sort_unstable_by_key(|(row, _)| *row);
-        found
     }
 }

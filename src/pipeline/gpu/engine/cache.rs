@@ -10,7 +10,7 @@ use crate::pipeline::stream_plan::{BlockKey, CorruptBlock};
 
 /// A decoded LZ4 block in the cache, or the reason a block is unusable.
 #[derive(Clone)]
-pub(super) enum CacheEntry {
+pub(in crate::pipeline::gpu) enum CacheEntry {
     /// In cache entry `index`; `stamp` is the round that last used it. Its decode may still be in
     /// flight (stream order makes it visible to later rounds) and its checks pending until the round
     /// that decoded it completes.
@@ -26,20 +26,20 @@ pub(super) enum CacheEntry {
 /// used first; a block used again is queued again, and an item whose round is no longer its block's
 /// last use is skipped when it comes up. A window shuffle uses thousands of cached blocks per round,
 /// so using a block costs a map update and a push, not an ordered-set removal and insertion.
-pub(super) struct BlockCache {
+pub(in crate::pipeline::gpu) struct BlockCache {
     blocks: HashMap<BlockKey, CacheEntry>,
     /// (round that used the block, block), in the order of use: rounds never decrease.
     lru: VecDeque<(u64, BlockKey)>,
     free_entries: Vec<u32>,
     /// Entries in the cache.
-    pub(super) entries: u32,
+    pub(in crate::pipeline::gpu) entries: u32,
     /// Count of cached blocks found corrupt so far.
-    pub(super) corrupt_marks: u64,
+    pub(in crate::pipeline::gpu) corrupt_marks: u64,
 }
 
 impl BlockCache {
     /// An empty cache of `entries` entries.
-    pub(super) fn new(entries: u32) -> BlockCache {
+    pub(in crate::pipeline::gpu) fn new(entries: u32) -> BlockCache {
         BlockCache {
             blocks: HashMap::new(),
             lru: VecDeque::new(),
@@ -50,12 +50,12 @@ impl BlockCache {
     }
 
     /// What the cache knows of `key`.
-    pub(super) fn get(&self, key: &BlockKey) -> Option<&CacheEntry> {
+    pub(in crate::pipeline::gpu) fn get(&self, key: &BlockKey) -> Option<&CacheEntry> {
         self.blocks.get(key)
     }
 
     /// Why `key` is unusable, if it is known to be.
-    pub(super) fn corrupt(&self, key: &BlockKey) -> Option<&Arc<CorruptBlock>> {
+    pub(in crate::pipeline::gpu) fn corrupt(&self, key: &BlockKey) -> Option<&Arc<CorruptBlock>> {
         match self.blocks.get(key) {
             Some(CacheEntry::Corrupt(bad)) => Some(bad),
             _ => None,
@@ -64,7 +64,7 @@ impl BlockCache {
 
     /// Marks the decoded block `key` as used by round `stamp` (the latest round): that round will
     /// not evict it.
-    pub(super) fn pin(&mut self, key: BlockKey, stamp: u64) {
+    pub(in crate::pipeline::gpu) fn pin(&mut self, key: BlockKey, stamp: u64) {
         if let Some(CacheEntry::Decoded { stamp: s, .. }) = self.blocks.get_mut(&key) {
             *s = stamp;
             self.queue(stamp, key);
@@ -72,7 +72,7 @@ impl BlockCache {
     }
 
     /// Gives the new block `key` of round `stamp` a cache entry and returns its index.
-    pub(super) fn insert(&mut self, key: BlockKey, stamp: u64) -> u32 {
+    pub(in crate::pipeline::gpu) fn insert(&mut self, key: BlockKey, stamp: u64) -> u32 {
         let index = self.take_entry(stamp);
         self.blocks
             .insert(key, CacheEntry::Decoded { index, stamp });
@@ -125,7 +125,7 @@ impl BlockCache {
     /// Records that an LZ4 block is unusable, releasing its cache entry if it still holds the block.
     /// Returns false, and records nothing, if the block was evicted and decoded again into another
     /// entry since: the round that did so reports on its own copy.
-    pub(super) fn mark_corrupt(
+    pub(in crate::pipeline::gpu) fn mark_corrupt(
         &mut self,
         key: BlockKey,
         entry_index: u32,

@@ -1,9 +1,8 @@
 //! Copies of shard windows through pinned buffers, for a loader beyond the registration budget.
 //!
 //! Registering each window for its copy is bound by the driver's register and unregister calls
-//! (near 26 GB/s at best on the H100 test machine; they are serialised across threads, and
-//! unregistering waits for the device's queued work, so copy threads beside a registering loader
-//! gained nothing there). A copy helper needs no registration: it reads a window with `pread` into
+//! (they are serialised across threads, and unregistering waits for the device's queued work, so
+//! copy threads beside a registering loader gained nothing on the H100 test machine). A copy helper needs no registration: it reads a window with `pread` into
 //! one of its pinned buffers (a memory copy by the kernel from the page cache, or a disk read when
 //! the window is not cached) and queues the upload on its own stream while it reads the next.
 //! The loader thread has a helper of its own and `copy_threads - 1` helper threads beside it: they
@@ -13,14 +12,12 @@
 //! left, until they meet, so none waits for another and each moves what its pace allows: the copy
 //! engines move one shard from registered windows while the threads read the next.
 //!
-//! Measured on the H100 test machine (8 GiB of shards, budget a third of it, dataset order, batch
-//! 4096; `docs/benchmarks/read-path-2026-11-25.md`, runs 83–91): 36.1–40.2 GB/s with 8 threads
-//! (5.7–6.3 daemon cores), 35.6 with 10 and 36.1 with 12, against 25–31 registering each window
-//! (the default, about 1.2 cores) and 53 within the budget. The loader registering windows for its
-//! own share beside the threads made 27 GB/s (run 88): registering holds up the threads' driver
-//! calls. A bare probe of the same machine (threads reading the page cache into 1 MiB pinned
-//! buffers and uploading them) moved 39.5 GB/s on 8 threads and 45 on 12. `loader_copy_threads` is
-//! 0 by default: the threads are for hosts with cores to spare, or where registering is refused.
+//! On the H100 test machine (a dataset three times the registration budget, in dataset order) eight
+//! threads moved about a third more than registering each window (the default), but on about six
+//! host cores against one, and ten or twelve threads no more than eight; the loader registering
+//! windows for its own share beside the threads held up their driver calls, and gained nothing.
+//! The figures are in `docs/benchmarks`. `loader_copy_threads` is 0 by default: the threads are for
+//! hosts with cores to spare, or where registering is refused.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -30,14 +27,11 @@ use crate::device::{Device, DeviceError, Event, EventTiming, PinnedBuffer, Strea
 
 /// Bytes of one pinned buffer (one read, one upload). Small buffers stay in the host's caches
 /// between the read that fills them and the upload that reads them: on the H100 test machine 1 MiB
-/// buffers moved 39.5 GB/s on 8 threads where 8 MiB ones moved 26 to 28 (probe, 2026-11-26).
+/// buffers moved about half again as much as 8 MiB ones on 8 threads.
 pub(super) const CHUNK_BYTES: usize = 1 << 20;
 
 /// Pinned buffers per copy thread: one being read into while the others upload.
 const BUFFERS: usize = 4;
-
-/// The most copy threads a loader may have.
-pub(crate) const COPY_THREADS_MAX: usize = 16;
 
 /// Which bytes of a shard are not yet taken: `front..back`. The loader takes the rest of a window
 /// from the front, a copy thread one unit (a pinned buffer's worth, within one window) from the back:

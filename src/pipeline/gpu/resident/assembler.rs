@@ -1,0 +1,472 @@
+//! The resident assembler: a stream whose blocks are all raw and whose shards are read in place
+//! from registered page-cache windows or from device copies (see [`super::open`]). Each batch's rows
+//! come planned from the planning threads ([`super::planner`]); small batches are gathered several
+//! to a round ([`super::group`]).
+
+use std::sync::Arc;
+
+use super::device_shards::DeviceShards;
+use super::group::BatchGroup;
+use super::open::Resident;
+use super::planner::{PlannedRows, PlannedStep, Planner};
+use crate::device::{DeviceMemory, DeviceRegion, Event};
+use crate::kernels::{resolve_inline, GatherRegion, GATHER_OUTCOME_BYTES};
+use crate::pipeline::gpu::engine::buffers::{
+    upload_table, DeviceRange, HostLayout, PendingBatch, PendingRound, RoundBuffers,
+};
+use crate::pipeline::gpu::engine::rounds::RoundEngine;
+use crate::pipeline::stream_plan::{FillError, FillReport, PlacementRuns};
+
+/// Most pieces one row adds (a row of a field split across two blocks and two windows at worst, per
+/// field, with GatherPlan's own split of long pieces).
+const ROW_PIECES_MAX_PER_FIELD: usize = 4;
+
+/// Fills device slots of a resident stream: every row gathered in place (see [`super::open`]).
+pub struct ResidentAssembler {
+    pub(in crate::pipeline::gpu) engine: RoundEngine,
+    /// The stream's mapped windows, region table, device shard copies and planning threads.
+    pub(in crate::pipeline::gpu) resident: Resident,
+    /// Pieces a round may pass in its launches' parameters: see
+    /// [`crate::pipeline::gpu::GpuStreamLimits::inline_gather_launches`] (0 where the gatherer
+    /// cannot).
+    inline_pieces_max: usize,
+    /// A round's piece table with its regions resolved (kept for its capacity).
+    inline_table: Vec<u8>,
+    /// Small batches planned and not queued yet, gathered together by one round (see
+    /// [`crate::pipeline::gpu::GpuStreamLimits::batch_group_max`]).
+    group: Option<BatchGroup>,
+    /// Most batches in `group` (1: no groups).
+    pub(in crate::pipeline::gpu) group_batches_max: usize,
+    /// Most pieces in `group`: one launch's.
+    group_pieces_max: usize,
+    /// Planning threads (see [`crate::pipeline::gpu::GpuStreamLimits::plan_threads`]).
+    plan_threads: usize,
+}
+
+impl ResidentAssembler {
+    /// The assembler of a resident stream over `engine`: rounds pass at most `inline_pieces_max`
+    /// pieces in their launch parameters, gather groups of at most `group_batches_max` batches and
+    /// `group_pieces_max` pieces, and plan on `plan_threads` threads (0: as many as the planner
+    /// chooses).
+    pub(in crate::pipeline::gpu) fn new(
+        engine: RoundEngine,
+        resident: Resident,
+        inline_pieces_max: usize,
+        group_batches_max: usize,
+        group_pieces_max: usize,
+        plan_threads: usize,
+    ) -> ResidentAssembler {
+        ResidentAssembler {
+            engine,
+            resident,
+            inline_pieces_max,
+            inline_table: Vec::new(),
+            group: None,
+            group_batches_max,
+            group_pieces_max,
+            plan_threads,
+        }
+    }
+}
+
+/// Puts a round's piece table where its gather kernel reads it: the round's pinned buffer when
+/// shards are copied ahead (`copying`), device memory (uploaded on `stream`) otherwise.
+fn place_piece_table(
+    stream: &crate::device::Stream,
+    buffers: &mut RoundBuffers,
+    layout: HostLayout,
+    table: &[u8],
+    copying: bool,
+) -> Result<(), FillError> {
+    if copying {
+        buffers.host.as_mut_slice()[layout.pieces..layout.pieces + table.len()]
+            .copy_from_slice(table);
+        return Ok(());
+    }
+    upload_table(
+        stream,
+        &mut buffers.host,
+        layout.pieces,
+        &buffers.pieces,
+        table,
+    )
+}
+
+/// The shards a round reading `region_bytes` bytes of each region reads (each once, in order of
+/// their first region), and the regions it reads.
+fn shards_read(device_shards: &DeviceShards, region_bytes: &[u64]) -> (Vec<usize>, Vec<usize>) {
+    let mut needed: Vec<usize> = Vec::new();
+    let mut regions_read: Vec<usize> = Vec::new();
+    for (region, &bytes) in region_bytes.iter().enumerate() {
+        if bytes == 0 {
+            continue;
+        }
+        regions_read.push(region);
+        let shard = device_shards.shard_of_region(region);
+        if !needed.contains(&shard) {
+            needed.push(shard);
+        }
+    }
+    (needed, regions_read)
+}
+
+/// Bytes of `region_bytes` a round reads in place from host memory: those of the regions its table
+/// `table` still points at their registered windows (`host_regions`), not at a device copy.
+fn bytes_read_in_place(
+    region_bytes: &[u64],
+    table: &[GatherRegion],
+    host_regions: &[GatherRegion],
+) -> u64 {
+    region_bytes
+        .iter()
+        .enumerate()
+        .filter(|&(region, _)| table[region].ptr == host_regions[region].ptr)
+        .map(|(_, bytes)| bytes)
+        .sum()
+}
+
+impl ResidentAssembler {
+    /// Queues stream step `step` into `slot` (see [`crate::pipeline::GpuAssembler::submit`]): every
+    /// row gathered in place, planned by arithmetic on the planning threads ahead of the filler, in
+    /// rounds of at most `pieces_max` pieces.
+    pub(in crate::pipeline::gpu) fn submit(
+        &mut self,
+        step: u64,
+        slot: &DeviceRegion,
+        released: &Event,
+        ready: Option<&Event>,
+    ) -> Result<(), FillError> {
+        let planned = self.planned_step(step)?;
+        self.engine
+            .batches
+            .push_back(PendingBatch::new(step, slot, planned.rows));
+        let mut rounds = planned.rounds?;
+        // A small batch of one round with no rows to zero joins the group of batches waiting to be
+        // gathered together, if it can; a batch that cannot queues the group first.
+        let joins = self.group_batches_max > 1
+            && rounds.len() == 1
+            && rounds[0].replaced.is_empty()
+            && rounds[0].pieces > 0;
+        let device_shards = self.resident.device_shards.as_ref();
+        if self.group.as_ref().is_some_and(|group| {
+            !joins
+                || !group.accepts(step, slot, rounds[0].pieces, self.group_pieces_max)
+                || device_shards
+                    .is_some_and(|d| !d.fit_one_round(&group.region_bytes, &rounds[0].region_bytes))
+        }) {
+            self.flush_group()?;
+        }
+        // The slot's last use by the consumer, waited for before the batch's first write is queued
+        // (after the group it did not join, which does not write this slot).
+        self.engine.wait_released(released)?;
+        // Shards are read ahead from the first batch of a group on: a later batch's read-ahead
+        // could give the slots of shards the group reads to shards further on before the group's
+        // round records its reads.
+        if self.group.is_none() {
+            if let (Some(device_shards), Some(first)) =
+                (self.resident.device_shards.as_mut(), planned.first_position)
+            {
+                device_shards.read_ahead(&self.engine.plan.order, first)?;
+            }
+        }
+        if joins {
+            let rows = rounds.pop().expect("one round");
+            let region_count = rows.region_bytes.len();
+            let group = self
+                .group
+                .get_or_insert_with(|| BatchGroup::new(step, slot, region_count));
+            group.add(step, slot, rows);
+            if group.len() == self.group_batches_max
+                || group.pieces * (group.len() + 1) > self.group_pieces_max * group.len()
+            {
+                self.flush_group()?;
+            }
+            return Ok(());
+        }
+        for rows in rounds {
+            self.queue_resident_round(step..step + 1, rows, slot)?;
+        }
+        // No record of `ready` here: every write to the slot is queued before the completion event
+        // of its batch's last round, which [`Self::complete`] waits for on the host before the batch
+        // is handed out, so a consumer's query of `ready` (an earlier record, complete) is right.
+        // Work queued on the slot after that (zeroing rows of blocks found corrupt) records `ready`
+        // again there. One driver call less per batch: at 256 rows, a batch every 20 µs.
+        let _ = ready;
+        Ok(())
+    }
+
+    /// The planned rows of `step`, from the planning thread (started, or started again, at `step`
+    /// when it is not the step planned next).
+    fn planned_step(&mut self, step: u64) -> Result<PlannedStep, FillError> {
+        let rows_per_round = (self.engine.pieces_max
+            / (self.engine.plan.fields.len() * ROW_PIECES_MAX_PER_FIELD))
+            .max(1);
+        let resident = &mut self.resident;
+        if resident
+            .planner
+            .as_ref()
+            .is_none_or(|p| p.next_step != step)
+        {
+            resident.planner = Some(Planner::start(
+                Arc::clone(&self.engine.plan),
+                Arc::clone(&resident.geometry),
+                step,
+                rows_per_round,
+                self.group_batches_max,
+                self.plan_threads,
+            ));
+        }
+        let planner = resident.planner.as_mut().expect("started above");
+        // Timed (and the planning threads' figure read) only when a chunk of plans is received:
+        // the other steps of a chunk are taken from memory, and the clock reads and the read of the
+        // threads' shared counter would cost more than taking them.
+        if !planner.taken.is_empty() {
+            return planner.next();
+        }
+        let waited = std::time::Instant::now();
+        let planned = planner.next();
+        self.engine.timings.plan_s += waited.elapsed().as_secs_f64();
+        self.engine.timings.planning_threads_s = planner.busy_s();
+        planned
+    }
+
+    /// Counts a round just queued on its batches (`steps`), and its `replaced` rows on the first.
+    fn count_round(&mut self, steps: &std::ops::Range<u64>, replaced: usize) {
+        // The round's batches: the last submitted, or all but the last (a group queued as the
+        // batch that could not join it was submitted).
+        for batch in self
+            .engine
+            .batches
+            .iter_mut()
+            .rev()
+            .take((steps.end - steps.start) as usize + 1)
+        {
+            if !steps.contains(&batch.step) {
+                continue;
+            }
+            batch.rounds_left += 1;
+            if batch.step == steps.start {
+                batch.replaced += replaced as u32;
+            }
+        }
+    }
+
+    /// Queues the group of small batches waiting to be gathered, if any, as one round.
+    fn flush_group(&mut self) -> Result<(), FillError> {
+        let Some(group) = self.group.take() else {
+            return Ok(());
+        };
+        if group.len() > 1 {
+            self.engine.timings.batches_grouped += group.len() as u64;
+        }
+        // The slots lie in ascending order in the ring's one allocation; the round writes the span
+        // from the first to the end of the last, each piece into its own batch's slot.
+        let span = DeviceRange {
+            ptr: group.base,
+            bytes: (group.end - group.base) as usize,
+        };
+        let rows = PlannedRows {
+            table: group.table,
+            pieces: group.pieces,
+            region_bytes: group.region_bytes,
+            replaced: Vec::new(),
+        };
+        self.queue_resident_round(group.steps, rows, &span)
+    }
+
+    /// Queues one round of a resident stream, for one batch or a group of consecutive ones
+    /// (`steps`) whose slots `slot` spans: its pieces, the zeroing of its corrupt rows (a batch's
+    /// own round only), and the gather outcome's download.
+    fn queue_resident_round(
+        &mut self,
+        steps: std::ops::Range<u64>,
+        planned: PlannedRows,
+        slot: &dyn DeviceMemory,
+    ) -> Result<(), FillError> {
+        if self.engine.rounds.len() == self.engine.buffers.len() {
+            self.engine.complete_round()?;
+        }
+        let index = self.engine.next_buffers;
+        self.engine.next_buffers = (self.engine.next_buffers + 1) % self.engine.buffers.len();
+        let queued = std::time::Instant::now();
+        let count = planned.pieces;
+        if count > 0 {
+            let resident = &mut self.resident;
+            // The shards the round reads.
+            let mut needed: Vec<usize> = Vec::new();
+            if let Some(device_shards) = resident.device_shards.as_mut() {
+                let regions_read;
+                (needed, regions_read) = shards_read(device_shards, &planned.region_bytes);
+                self.engine.timings.copy_wait_s +=
+                    device_shards.prepare_round(&needed, &regions_read, &self.engine.stream)?;
+            }
+            // The region table, pointed at the device copies the round may read. Small piece
+            // tables go in the launch's parameters with every piece's region resolved from it.
+            // Otherwise, when shards are copied ahead, the piece table (and the region table,
+            // when some shards are read from their device copies) are written to the round's
+            // pinned buffer and read by the kernel from there: an upload could wait behind the
+            // shard copies on the copy engines. Without copies the piece table is uploaded.
+            let mut table = std::mem::take(&mut resident.round_regions);
+            table.clone_from(&resident.host_regions);
+            let copying = resident.device_shards.is_some();
+            let on_device = resident
+                .device_shards
+                .as_ref()
+                .is_some_and(|d| d.redirect(&mut table));
+            let inline = count <= self.inline_pieces_max
+                && resolve_inline(&planned.table, &table, &mut self.inline_table);
+            let layout = self.engine.layout;
+            let buffers = &mut self.engine.buffers[index];
+            // The region table's encoding, for the kernel that reads it (inline pieces carry
+            // addresses).
+            let mut encoded_regions = std::mem::take(&mut resident.round_regions_encoded);
+            encoded_regions.clear();
+            if !inline {
+                place_piece_table(
+                    &self.engine.stream,
+                    buffers,
+                    layout,
+                    &planned.table,
+                    copying,
+                )?;
+                GatherRegion::encode_into(&table, &mut encoded_regions);
+            }
+            // The gather writes its outcome straight into the round's pinned buffer (mapped for
+            // the device), zeroed here: no memset before the launch and no download after it,
+            // two fewer operations on the stream per round.
+            buffers.host.as_mut_slice()
+                [layout.gather_outcome..layout.gather_outcome + GATHER_OUTCOME_BYTES]
+                .fill(0);
+            if on_device && !inline {
+                buffers.host.as_mut_slice()[layout.regions..layout.regions + encoded_regions.len()]
+                    .copy_from_slice(&encoded_regions);
+            }
+            self.engine.timings.rounds_from_device_copies += u64::from(on_device);
+            self.engine.timings.rounds_inline += u64::from(inline);
+            let buffers = &self.engine.buffers[index];
+            let mapped_pieces = buffers.host.mapped(layout.pieces, planned.table.len());
+            let pieces: &dyn DeviceMemory = if copying {
+                &mapped_pieces
+            } else {
+                &buffers.pieces
+            };
+            let mapped_regions = buffers.host.mapped(layout.regions, encoded_regions.len());
+            let mapped_outcome = buffers
+                .host
+                .mapped(layout.gather_outcome, GATHER_OUTCOME_BYTES);
+            let regions: &dyn DeviceMemory = if on_device {
+                &mapped_regions
+            } else {
+                &resident.regions
+            };
+            // SAFETY: the piece table, region table and outcome (zeroed above) belong to this
+            // round (its pinned buffer is written again only after the host waited for the round);
+            // the windows the regions name stay mapped and pinned for the stream's life, and the
+            // device copies they name are complete and are not overwritten before this round is
+            // done (the copy stream waits for the event recorded below); the slot is this filler's
+            // (its release event was waited on) and overlaps no source.
+            //
+            // Inline, the pieces address the same windows and device copies (resolve_inline checked
+            // each extent against its region).
+            unsafe {
+                if inline {
+                    self.engine.kernels.gather.gather_inline_async(
+                        &self.engine.stream,
+                        &self.inline_table,
+                        slot,
+                        (&mapped_outcome, true),
+                    )
+                } else {
+                    self.engine.kernels.gather.gather_regions_async(
+                        &self.engine.stream,
+                        pieces,
+                        count as u32,
+                        &[&self.engine.cache, &buffers.staging],
+                        Some((regions, resident.region_count)),
+                        slot,
+                        (&mapped_outcome, true),
+                    )
+                }
+            }?;
+            let mut host_bytes =
+                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions);
+            if let Some(device_shards) = resident.device_shards.as_mut() {
+                device_shards.record_reads(&self.engine.stream, &needed)?;
+                // Bytes copied ahead are read bytes when they are queued.
+                host_bytes += std::mem::take(&mut device_shards.copied_bytes);
+            }
+            self.engine
+                .metrics
+                .add_read_bytes(crate::metrics::ReadPath::PageCache, host_bytes);
+            resident.round_regions = table;
+            resident.round_regions_encoded = encoded_regions;
+        }
+        for &row in &planned.replaced {
+            self.engine.zero_row(slot, row)?;
+        }
+        // Nothing to download: the gather's outcome is in the pinned buffer already.
+        self.engine.queue_downloads(index, 0, 0, false)?;
+        self.engine.timings.gather_s += queued.elapsed().as_secs_f64();
+        self.engine.timings.rounds += 1;
+        self.count_round(&steps, planned.replaced.len());
+        self.engine.rounds.push_back(PendingRound {
+            buffers: index,
+            steps,
+            runs: 0..0,
+            placements: Arc::new(PlacementRuns {
+                runs: Vec::new(),
+                placements: Vec::new(),
+            }),
+            checks: Vec::new(),
+            check_windows: Vec::new(),
+            decoded: Vec::new(),
+            replaced: planned.replaced,
+            corrupt_marks: self.engine.block_cache.corrupt_marks,
+            gathered: count > 0,
+        });
+        Ok(())
+    }
+
+    /// Waits for the oldest submitted batch and returns its step and report (see
+    /// [`crate::pipeline::GpuAssembler::complete`]).
+    pub(in crate::pipeline::gpu) fn complete(
+        &mut self,
+        ready: Option<&Event>,
+    ) -> Result<(u64, FillReport), FillError> {
+        let oldest = self
+            .engine
+            .batches
+            .front()
+            .expect("a batch was submitted")
+            .step;
+        // The group of batches waiting for more is queued now if the oldest batch is in it. (Not
+        // otherwise: a filler completing a batch for each one it submits would queue every group
+        // with one batch.)
+        if self.group.as_ref().is_some_and(|g| g.contains(oldest)) {
+            self.flush_group()?;
+        }
+        self.engine.complete(ready)
+    }
+
+    /// Whether the oldest batch submitted is complete already: all its rounds were waited for, and
+    /// it is in no group still waiting to be queued.
+    pub(in crate::pipeline::gpu) fn oldest_complete(&self) -> bool {
+        self.engine.batches.front().is_some_and(|b| {
+            b.rounds_left == 0 && !self.group.as_ref().is_some_and(|g| g.contains(b.step))
+        })
+    }
+
+    /// Device memory this stream holds besides its slots, in bytes.
+    pub(in crate::pipeline::gpu) fn device_bytes(&self) -> usize {
+        self.engine.device_bytes() + self.resident.device_bytes()
+    }
+}
+
+impl Drop for ResidentAssembler {
+    fn drop(&mut self) {
+        let resident = &mut self.resident;
+        if !self.engine.close(|| resident.release()) {
+            resident.discard_buffers();
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! The resident assembler ([`assembler`]): a stream whose blocks are all raw, read in place from
+//! page-cache windows mapped for its life or from shards copied ahead into device memory
+//! ([`device_shards`], by a loader thread beyond the registration budget: [`shard_loader`],
+//! [`copy_helpers`]). [`open`] decides whether a stream qualifies and maps its windows;
+//! [`planner`] plans its rows on threads of their own; [`group`] gathers small batches together.
+
+pub(in crate::pipeline::gpu) mod assembler;
+mod copy_helpers;
+mod device_shards;
+mod group;
+pub(in crate::pipeline::gpu) mod open;
+mod planner;
+mod shard_loader;

@@ -1,0 +1,629 @@
+//! Resident streams: when every block of a stream's fields is stored raw and the whole dataset lies in
+//! page cache that can be registered within the budget, every window of every shard is mapped for the
+//! device when the stream opens and stays mapped (pinned) for the stream's life. Each row of a batch is
+//! then one gather piece read in place over PCIe, planned by arithmetic (sample, shard, block, window)
+//! with no per-round lookups, and the region table is uploaded once. The order of the rows does not
+//! matter: a full shuffle costs what dataset order costs.
+//!
+//! Every raw block is verified once, when the stream opens, unless a stream of the dataset has done so
+//! before (the dataset's record of verified blocks); blocks found corrupt then are known to every
+//! batch, whose rows that read them are zeroed (policy `replace`) or end the stream (policy `fail`)
+//! before their batch is handed off.
+
+use std::sync::Arc;
+
+use foldhash::{HashMap, HashMapExt};
+
+use super::device_shards::{DeviceShards, ShardWindows};
+use super::planner::{Planner, RowGeometry};
+use crate::decode::{self, BlockRef};
+use crate::format::Codec;
+use crate::kernels::GatherRegion;
+use crate::pipeline::gpu::engine::buffers::REGIONS_MAX;
+use crate::pipeline::gpu::limits::{GpuStreamLimits, ZeroCopy};
+use crate::pipeline::gpu::shard_pool::{KeptBuffer, ShardSlotPool};
+use crate::pipeline::order::ShuffleKind;
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, StreamPlan};
+use crate::storage::mapped::MappedFile;
+use crate::storage::windows::{PageCacheWindows, WindowId};
+use crate::storage::{FileId, FileTable};
+
+/// Threads verifying a dataset's blocks when a resident stream opens.
+const VERIFY_THREADS_MAX: usize = 8;
+
+/// The mapped windows and region table of a resident stream.
+pub(in crate::pipeline::gpu) struct Resident {
+    /// The region table on the device (one region per window, shards in order).
+    pub(super) regions: KeptBuffer,
+    pub(super) region_count: u32,
+    /// The same table on the host, for rounds that read some shards from their device copies.
+    pub(super) host_regions: Vec<GatherRegion>,
+    /// A round's region table (`host_regions`, redirected to the device copies it may read), kept
+    /// for its capacity: no allocation per round.
+    pub(super) round_regions: Vec<GatherRegion>,
+    /// The round's region table encoded for the device, kept likewise.
+    pub(super) round_regions_encoded: Vec<u8>,
+    /// Shards copied ahead into device memory, in dataset order and window shuffles.
+    pub(super) device_shards: Option<DeviceShards>,
+    /// Windows pinned for the stream's life.
+    pub(super) windows: PinnedWindows,
+    /// Where rows are read from, shared by the planning threads.
+    pub(super) geometry: Arc<RowGeometry>,
+    /// Plans the rows of the next steps on a thread of its own, ahead of the filler.
+    pub(super) planner: Option<Planner>,
+}
+
+/// Windows that [`PageCacheWindows::map`] pinned for a stream, unpinned when dropped: when the
+/// stream is released, and on every error path of its opening (a pinned window is never evicted, so
+/// a leaked pin would keep part of the registration budget from later streams).
+pub(super) struct PinnedWindows {
+    registry: Arc<PageCacheWindows>,
+    ids: Vec<WindowId>,
+}
+
+impl PinnedWindows {
+    fn new(registry: &Arc<PageCacheWindows>) -> PinnedWindows {
+        PinnedWindows {
+            registry: Arc::clone(registry),
+            ids: Vec::new(),
+        }
+    }
+
+    /// Unpins the windows now (no queued work may read them any more).
+    fn unpin(&mut self) {
+        self.registry.unpin(&std::mem::take(&mut self.ids));
+    }
+}
+
+impl Drop for PinnedWindows {
+    fn drop(&mut self) {
+        self.unpin();
+    }
+}
+
+/// What [`Resident::open_mapped`] made of a stream within the registration budget.
+// Returned once per stream opening, at once taken apart.
+#[allow(clippy::large_enum_variant)]
+enum Mapping {
+    /// The stream reads in place from windows mapped for its life (`Some`), or stages its blocks
+    /// (`None`).
+    Done(Option<Resident>),
+    /// A window is not in the page cache in a shuffled order: the stream reads streamed.
+    NotCached,
+}
+
+impl Resident {
+    /// Maps every window of every shard of `plan` for the device, if the stream qualifies: every block
+    /// of its fields raw, the policy not `off` (and `always`, or a shuffled order), and every window
+    /// resident and within the budget. `None` otherwise (the windows mapped so far are released).
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::pipeline::gpu) fn open(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        limits: &GpuStreamLimits,
+        fraction_min: f64,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::DeviceMetrics,
+        shard_pool: &Arc<ShardSlotPool>,
+    ) -> Result<Option<Resident>, FillError> {
+        let shuffle = plan.order.shuffle_kind();
+        let wanted = match limits.zero_copy {
+            ZeroCopy::Off => false,
+            ZeroCopy::Always => true,
+            // In dataset order whole blocks are staged at the copy engines' rate, unless the
+            // shards can be copied ahead into device memory (checked once the windows are mapped).
+            ZeroCopy::Auto => shuffle != ShuffleKind::None || limits.device_shard_bytes > 0,
+        };
+        if !wanted || !fields_all_raw(plan) {
+            return Ok(None);
+        }
+        let file_bytes = shard_file_bytes(plan, files)?;
+        let total: u64 = file_bytes.iter().sum();
+        if total <= windows.registered_bytes_max() as u64 {
+            let mapped = Self::open_mapped(
+                plan,
+                files,
+                windows,
+                limits,
+                fraction_min,
+                device,
+                metrics,
+                &file_bytes,
+                shard_pool,
+            )?;
+            if let Mapping::Done(resident) = mapped {
+                return Ok(resident);
+            }
+        }
+        Self::open_streamed(
+            plan,
+            files,
+            windows,
+            limits,
+            fraction_min,
+            device,
+            metrics,
+            &file_bytes,
+            shard_pool,
+        )
+    }
+
+    /// [`Self::open`] for a dataset within the registration budget: maps every window of every
+    /// shard and keeps it mapped. [`Mapping::NotCached`] when a window is not in the page cache (or
+    /// not registrable now) in a shuffled order, which the stream then reads streamed.
+    #[allow(clippy::too_many_arguments)]
+    fn open_mapped(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        limits: &GpuStreamLimits,
+        fraction_min: f64,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::DeviceMetrics,
+        file_bytes: &[u64],
+        shard_pool: &Arc<ShardSlotPool>,
+    ) -> Result<Mapping, FillError> {
+        let shuffle = plan.order.shuffle_kind();
+        if shuffle == ShuffleKind::Full {
+            warm_for_full_shuffle(plan, files, windows, fraction_min, file_bytes, metrics);
+        }
+        let started = std::time::Instant::now();
+        let window_bytes = windows.window_bytes();
+        let mut mapped = PinnedWindows::new(windows);
+        let mut table: Vec<GatherRegion> = Vec::new();
+        let mut first_region = Vec::with_capacity(plan.dataset.shards.len());
+        let mut shard_windows = Vec::with_capacity(plan.dataset.shards.len());
+        for (index, &bytes) in file_bytes.iter().enumerate() {
+            first_region.push(table.len() as u32);
+            shard_windows.push(ShardWindows {
+                windows: Vec::new(),
+                first_region: table.len(),
+            });
+            let file = files.get(FileId(index as u32)).file();
+            let mut start = 0u64;
+            while start < bytes {
+                let len = window_bytes.min(bytes - start);
+                match windows.map(file, start, len as usize, fraction_min)? {
+                    Some(range) => {
+                        mapped.ids.push(range.window);
+                        shard_windows[index]
+                            .windows
+                            .push((range.window_host_addr, range.window_bytes));
+                        table.push(GatherRegion {
+                            ptr: range.window_device_ptr,
+                            bytes: range.window_bytes,
+                        });
+                    }
+                    None => {
+                        mapped.unpin();
+                        // A window not in the page cache (or not registrable now): a window shuffle
+                        // still reads each shard whole, in sequence, into device memory (the
+                        // loader reads what is not cached from the file); dataset order stages
+                        // blocks at the disk's pace instead.
+                        if shuffle == ShuffleKind::None {
+                            return Ok(Mapping::Done(None));
+                        }
+                        return Ok(Mapping::NotCached);
+                    }
+                }
+                start += window_bytes;
+            }
+        }
+        let map_s = started.elapsed().as_secs_f64();
+        let shard_first_samples = shard_first_samples(plan);
+        // Rounds that read device copies upload their own region table (at most REGIONS_MAX).
+        let device_shards = if table.len() <= REGIONS_MAX {
+            DeviceShards::new(
+                device,
+                &plan.order,
+                shard_windows,
+                shard_first_samples.clone(),
+                window_bytes,
+                limits.device_shard_bytes,
+                2,
+                shard_pool,
+            )?
+        } else {
+            None
+        };
+        if limits.zero_copy == ZeroCopy::Auto
+            && shuffle == ShuffleKind::None
+            && device_shards.is_none()
+        {
+            mapped.unpin();
+            return Ok(Mapping::Done(None));
+        }
+        let slots_s = started.elapsed().as_secs_f64() - map_s;
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        // Verifying reads each block whole once per dataset: counted as read, like any other read.
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        // Written synchronously, before any kernel of the stream can read it.
+        let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
+        let table_len = table.len();
+        tracing::info!(
+            "stream reads {} shards in place from {} registered windows ({} corrupt blocks); \
+             windows mapped in {:.1} ms, device shard slots {:.1} ms, then verified in {:.1} ms",
+            plan.dataset.shards.len(),
+            table.len(),
+            corrupt.len(),
+            map_s * 1e3,
+            slots_s * 1e3,
+            (started.elapsed().as_secs_f64() - map_s - slots_s) * 1e3
+        );
+        Ok(Mapping::Done(Some(Resident {
+            regions,
+            region_count: table.len() as u32,
+            host_regions: table,
+            round_regions: Vec::new(),
+            round_regions_encoded: Vec::new(),
+            device_shards,
+            windows: mapped,
+            planner: None,
+            geometry: Arc::new(RowGeometry::new(
+                plan,
+                first_region,
+                shard_first_samples,
+                table_len,
+                window_bytes,
+                corrupt,
+                limits.gather_piece_out_bytes,
+            )),
+        })))
+    }
+
+    /// [`Self::open`] for a dataset larger than the registration budget (or, in a window shuffle, not
+    /// in the page cache): no window stays registered;
+    /// in dataset order or a window shuffle, a loader thread copies the shards the stream reads next
+    /// into device slots through windows registered only for their copies, and every row is read
+    /// from a device copy. `None` (the stream stages blocks instead) in a full shuffle, with more
+    /// windows than a round's region table holds, or when the device shard memory cannot hold the
+    /// shards one batch draws from and one more.
+    #[allow(clippy::too_many_arguments)]
+    fn open_streamed(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        limits: &GpuStreamLimits,
+        fraction_min: f64,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::DeviceMetrics,
+        file_bytes: &[u64],
+        shard_pool: &Arc<ShardSlotPool>,
+    ) -> Result<Option<Resident>, FillError> {
+        let window_bytes = windows.window_bytes();
+        let mut table: Vec<GatherRegion> = Vec::new();
+        let mut first_region = Vec::with_capacity(file_bytes.len());
+        let mut shard_windows = Vec::with_capacity(file_bytes.len());
+        for &bytes in file_bytes {
+            first_region.push(table.len() as u32);
+            let mut shard = ShardWindows {
+                windows: Vec::new(),
+                first_region: table.len(),
+            };
+            let mut start = 0u64;
+            while start < bytes {
+                let len = window_bytes.min(bytes - start);
+                shard.windows.push((0, len));
+                // Pointed at the shard's device slot by each round that reads it.
+                table.push(GatherRegion { ptr: 0, bytes: len });
+                start += window_bytes;
+            }
+            shard_windows.push(shard);
+        }
+        let shard_first_samples = shard_first_samples(plan);
+        let Some(needed) = plan
+            .order
+            .shards_per_span_max(plan.rank.batch_size as u64, &shard_first_samples)
+        else {
+            return Ok(None);
+        };
+        if table.len() > REGIONS_MAX {
+            return Ok(None);
+        }
+        let slots_min = (needed + 1).min(file_bytes.len());
+        let Some(mut device_shards) = DeviceShards::new(
+            device,
+            &plan.order,
+            shard_windows,
+            shard_first_samples.clone(),
+            window_bytes,
+            limits.device_shard_bytes,
+            slots_min,
+            shard_pool,
+        )?
+        else {
+            return Ok(None);
+        };
+        let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
+        device_shards.start_loader(
+            device,
+            windows,
+            paths,
+            fraction_min,
+            limits.loader_copy_threads,
+        )?;
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
+        tracing::info!(
+            "stream copies {} shards ({} windows) through the registration budget into device \
+             memory ({} corrupt blocks)",
+            plan.dataset.shards.len(),
+            table.len(),
+            corrupt.len()
+        );
+        let table_len = table.len();
+        Ok(Some(Resident {
+            regions,
+            region_count: table_len as u32,
+            host_regions: table,
+            round_regions: Vec::new(),
+            round_regions_encoded: Vec::new(),
+            device_shards: Some(device_shards),
+            windows: PinnedWindows::new(windows),
+            planner: None,
+            geometry: Arc::new(RowGeometry::new(
+                plan,
+                first_region,
+                shard_first_samples,
+                table_len,
+                window_bytes,
+                corrupt,
+                limits.gather_piece_out_bytes,
+            )),
+        }))
+    }
+
+    /// Unpins the windows once the stream's work is done (the caller synchronised its compute
+    /// stream; the copies ahead are waited for here).
+    pub(in crate::pipeline::gpu) fn release(&mut self) {
+        if let Some(device_shards) = &mut self.device_shards {
+            let _ = device_shards.synchronize();
+        }
+        self.windows.unpin();
+    }
+
+    /// Frees the stream's region table when it is dropped instead of keeping it for the next
+    /// stream: for when the stream's work on the device could not be confirmed done.
+    pub(in crate::pipeline::gpu) fn discard_buffers(&mut self) {
+        self.regions.discard();
+    }
+
+    /// Device memory held for shard copies.
+    pub(in crate::pipeline::gpu) fn device_bytes(&self) -> usize {
+        self.device_shards.as_ref().map_or(0, |d| d.device_bytes())
+    }
+}
+
+/// Whether every block of the plan's fields is stored raw.
+fn fields_all_raw(plan: &StreamPlan) -> bool {
+    plan.dataset.shards.iter().all(|shard| {
+        plan.fields.iter().all(|field| {
+            shard
+                .metadata
+                .field_blocks(field.field_index)
+                .iter()
+                .all(|b| b.codec == Codec::Raw)
+        })
+    })
+}
+
+/// The size of each shard file of the plan's dataset.
+fn shard_file_bytes(plan: &StreamPlan, files: &FileTable) -> Result<Vec<u64>, FillError> {
+    let mut file_bytes = Vec::with_capacity(plan.dataset.shards.len());
+    for (index, shard) in plan.dataset.shards.iter().enumerate() {
+        let file = files.get(FileId(index as u32)).file();
+        let bytes = file.metadata().map_err(|source| {
+            FillError::Storage(crate::storage::StorageError::Open {
+                path: shard.path.clone(),
+                source,
+            })
+        })?;
+        file_bytes.push(bytes.len());
+    }
+    Ok(file_bytes)
+}
+
+/// Threads reading shards into the page cache before a full shuffle (see [`warm_for_full_shuffle`]).
+const WARM_THREADS_MAX: usize = 8;
+
+/// Before a full shuffle of a dataset within the registration budget that is not in the page cache:
+/// reads its shards whole, in sequence, on a few threads, so that the stream then reads every row
+/// in place from the cache. A full shuffle draws every batch from anywhere in the dataset: read row
+/// by row from the disk it would go at the disk's random-read pace (on the H100 test machine a tenth
+/// of its sequential rate, with 4 KiB reads at queue depth 64), and staging a block per row reads 40
+/// bytes per byte. Skipped when the dataset would not fit in half the memory the
+/// host has available (it would not stay cached). The bytes read count as read.
+fn warm_for_full_shuffle(
+    plan: &StreamPlan,
+    files: &FileTable,
+    windows: &PageCacheWindows,
+    fraction_min: f64,
+    file_bytes: &[u64],
+    metrics: &crate::metrics::DeviceMetrics,
+) {
+    let cold: Vec<usize> = (0..file_bytes.len())
+        .filter(|&i| {
+            let file = files.get(FileId(i as u32)).file();
+            !windows.resident(file, 0, file_bytes[i] as usize, fraction_min)
+        })
+        .collect();
+    if cold.is_empty() {
+        return;
+    }
+    let cold_bytes: u64 = cold.iter().map(|&i| file_bytes[i]).sum();
+    if cold_bytes > crate::storage::residency::available_memory_bytes().unwrap_or(0) / 2 {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = cold.len().min(WARM_THREADS_MAX);
+    let read: u64 = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut read = 0u64;
+                    let mut buffer = vec![0u8; 8 << 20];
+                    loop {
+                        let at = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&shard) = cold.get(at) else {
+                            return read;
+                        };
+                        // A plain open: the table's handles may bypass the page cache (O_DIRECT).
+                        let Ok(mut file) = std::fs::File::open(&plan.dataset.shards[shard].path)
+                        else {
+                            continue;
+                        };
+                        while let Ok(n) = std::io::Read::read(&mut file, &mut buffer) {
+                            if n == 0 {
+                                break;
+                            }
+                            read += n as u64;
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a page-cache warming thread panicked"))
+            .sum()
+    });
+    metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, read);
+    tracing::info!(
+        "full shuffle: read {} shards ({} bytes) into the page cache first, in {:.2} s",
+        cold.len(),
+        read,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// The first sample of each shard of the plan's dataset, and the sample count after the last.
+fn shard_first_samples(plan: &StreamPlan) -> Vec<u64> {
+    let mut first_sample = 0u64;
+    let mut firsts: Vec<u64> = plan
+        .dataset
+        .manifest
+        .shards
+        .iter()
+        .map(|shard| {
+            let first = first_sample;
+            first_sample += shard.sample_count;
+            first
+        })
+        .collect();
+    firsts.push(first_sample);
+    firsts
+}
+
+/// Verifies the checksum of every block of the stream's fields that no reader of the dataset has
+/// verified yet, from the page cache, on several threads; returns the corrupt ones and the bytes
+/// read.
+#[allow(clippy::type_complexity)]
+fn verify_blocks(
+    plan: &StreamPlan,
+    files: &FileTable,
+) -> Result<(HashMap<BlockKey, Arc<CorruptBlock>>, u64), FillError> {
+    let verified = &plan.dataset.verified;
+    let mut work: Vec<(usize, usize, u32)> = Vec::new();
+    for (shard_index, shard) in plan.dataset.shards.iter().enumerate() {
+        for field in &plan.fields {
+            let blocks = shard.metadata.field_blocks(field.field_index);
+            for block in 0..blocks.len() as u32 {
+                if !verified.contains(shard_index, field.field_index, block) {
+                    work.push((shard_index, field.field_index, block));
+                }
+            }
+        }
+    }
+    if work.is_empty() {
+        return Ok((HashMap::new(), 0));
+    }
+    let bytes: u64 = work
+        .iter()
+        .map(|&(shard, field, block)| {
+            plan.dataset.shards[shard].metadata.field_blocks(field)[block as usize].stored_bytes
+                as u64
+        })
+        .sum();
+    let mut maps: Vec<Option<MappedFile>> = Vec::with_capacity(plan.dataset.shards.len());
+    for index in 0..plan.dataset.shards.len() {
+        let file = files.get(FileId(index as u32)).file();
+        // A shard truncated while it is verified reads zeros there (see `MappedFile`).
+        maps.push(MappedFile::map(file).ok());
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, VERIFY_THREADS_MAX);
+    let chunk = work.len().div_ceil(threads);
+    let found: Vec<(BlockKey, Arc<CorruptBlock>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .chunks(chunk)
+            .map(|part| {
+                let maps = &maps;
+                scope.spawn(move || {
+                    let mut bad = Vec::new();
+                    for &(shard, field, block) in part {
+                        let key = BlockKey {
+                            shard: shard as u32,
+                            field: field as u32,
+                            block,
+                        };
+                        match check_in_map(plan, maps, key) {
+                            Ok(()) => verified.insert(shard, field, block),
+                            Err(corrupt) => bad.push((key, corrupt)),
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a verify thread panicked"))
+            .collect()
+    });
+    Ok((found.into_iter().collect(), bytes))
+}
+
+/// Checks one block's stored bytes in its shard's map against its table checksum.
+fn check_in_map(
+    plan: &StreamPlan,
+    maps: &[Option<MappedFile>],
+    key: BlockKey,
+) -> Result<(), Arc<CorruptBlock>> {
+    let shard = &plan.dataset.shards[key.shard as usize];
+    let entry = shard.metadata.field_blocks(key.field as usize)[key.block as usize];
+    let at = || BlockRef {
+        shard: shard.path.clone(),
+        field: shard.metadata.fields[key.field as usize].name.clone(),
+        block: key.block,
+        stored_offset: entry.stored_offset,
+    };
+    let start = entry.stored_offset as usize;
+    let end = start + entry.stored_bytes as usize;
+    let map = maps[key.shard as usize].as_ref();
+    let stored = map.and_then(|map| map.bytes().get(start..end));
+    let Some(stored) = stored else {
+        let error = decode::BlockError::Io {
+            at: at(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the block lies beyond the end of its shard file",
+            ),
+        };
+        return Err(Arc::new(CorruptBlock::from(error)));
+    };
+    let checked = decode::check_block(stored, &entry, at);
+    // A read that reached past the end of a shard truncated meanwhile read zeros: the block is not
+    // verified, whatever its checksum said.
+    if map.is_some_and(MappedFile::faulted) {
+        let error = decode::BlockError::Io {
+            at: at(),
+            source: std::io::Error::other("the shard was truncated while it was verified"),
+        };
+        return Err(Arc::new(CorruptBlock::from(error)));
+    }
+    checked.map_err(|e| Arc::new(CorruptBlock::from(e)))
+}

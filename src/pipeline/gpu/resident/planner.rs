@@ -1,0 +1,517 @@
+//! Planning a resident stream's rows: each row of a batch is one gather piece (or a few) read in
+//! place, planned by arithmetic (sample, shard, block, window) on threads of their own ahead of the
+//! filler ([`Planner`]).
+
+use std::sync::Arc;
+
+use foldhash::HashMap;
+
+use crate::format::Codec;
+use crate::kernels::{GatherOp, GatherPlan, GatherRegion, GATHER_SOURCES_MAX};
+use crate::pipeline::gpu::limits::PLAN_THREADS_MAX;
+use crate::pipeline::order::ShuffleKind;
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, CorruptPolicy, FillError, StreamPlan};
+
+/// Threads planning a resident stream's steps ahead of the filler when its limits leave the choice
+/// to it (at most the host's CPU count). A window shuffle of 4096 rows of 2 KiB keeps six threads
+/// about half busy, and they can fall behind in its last window, when no copies pace the filler;
+/// twelve kept up better.
+const PLAN_WORKERS: usize = 12;
+
+/// Planning threads per resident stream: `plan_threads` (see
+/// [`crate::pipeline::gpu::GpuStreamLimits::plan_threads`]) if not 0, at most [`PLAN_THREADS_MAX`];
+/// else [`PLAN_WORKERS`] or the CPU count, the fewer.
+fn plan_workers(plan_threads: usize) -> usize {
+    if plan_threads > 0 {
+        return plan_threads.min(PLAN_THREADS_MAX);
+    }
+    // The host's CPU count, read once.
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    PLAN_WORKERS.min(cpus.max(2))
+}
+
+/// Steps each planning thread plans ahead of the filler: with 3, a window shuffle's filler waited
+/// 27 to 119 ms an epoch (8 GiB, batch 4096) for plans on the H100 test machine, with 16 it waits 3 to
+/// 6 ms (a planned step of 4096 rows holds about 100 KiB).
+const STEPS_PLANNED_AHEAD: usize = 16;
+
+/// One step's rows, planned in rounds.
+pub(super) struct PlannedStep {
+    pub(super) step: u64,
+    /// Global order position of the step's first row (where the shards to read ahead start).
+    pub(super) first_position: Option<u64>,
+    pub(super) rows: usize,
+    pub(super) rounds: Result<Vec<PlannedRows>, FillError>,
+}
+
+/// Threads planning the rows of a resident stream's steps ahead of the filler, so that host
+/// planning overlaps the device's work on earlier steps instead of adding to it. The steps go in
+/// chunks of `chunk` consecutive steps (one for large batches; a group's worth for small ones, so
+/// that the filler takes a message, and wakes a planning thread, once a group rather than once a
+/// batch); worker `k` of `n` plans chunks `k`, `k + n`, ..., each on its own (threads are started
+/// once per stream, not per batch: starting them per batch cost more than the planning).
+pub(super) struct Planner {
+    /// One channel per worker; chunk `c` (steps `first + c * chunk ..`) comes from
+    /// `receivers[c % n]`.
+    receivers: Vec<std::sync::mpsc::Receiver<Vec<PlannedStep>>>,
+    first_step: u64,
+    pub(super) next_step: u64,
+    chunk: u64,
+    /// The rest of the chunk being taken, in step order.
+    pub(super) taken: std::collections::VecDeque<PlannedStep>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// Nanoseconds spent planning, summed over the threads.
+    busy_ns: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Planner {
+    /// Starts planning from `first_step`, `rows_per_round` rows a round, in chunks of `chunk`
+    /// steps, on `plan_threads` threads (0: as many as [`plan_workers`] chooses).
+    pub(super) fn start(
+        plan: Arc<StreamPlan>,
+        geometry: Arc<RowGeometry>,
+        first_step: u64,
+        rows_per_round: usize,
+        chunk: usize,
+        plan_threads: usize,
+    ) -> Planner {
+        let chunk = chunk.max(1) as u64;
+        let chunks = plan.steps.saturating_sub(first_step).div_ceil(chunk);
+        let workers = plan_workers(plan_threads).min(chunks.max(1) as usize);
+        let mut receivers = Vec::with_capacity(workers);
+        let mut threads = Vec::with_capacity(workers);
+        let busy_ns = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        for worker in 0..workers {
+            let (sender, receiver) =
+                std::sync::mpsc::sync_channel((STEPS_PLANNED_AHEAD / chunk as usize).max(2));
+            let (plan, geometry) = (Arc::clone(&plan), Arc::clone(&geometry));
+            let busy_ns = Arc::clone(&busy_ns);
+            let thread = std::thread::Builder::new()
+                .name(format!("gpufeed-plan-{worker}"))
+                .spawn(move || {
+                    for index in (worker as u64..chunks).step_by(workers) {
+                        let first = first_step + index * chunk;
+                        let steps = first..(first + chunk).min(plan.steps);
+                        let mut planned = Vec::with_capacity(chunk as usize);
+                        let mut failed = false;
+                        for step in steps {
+                            let started = std::time::Instant::now();
+                            let positions: Vec<u64> = plan
+                                .rank
+                                .batch_positions(plan.order.len(), plan.start_cursor, step)
+                                .collect();
+                            let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
+                            busy_ns.fetch_add(
+                                started.elapsed().as_nanos() as u64,
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
+                            failed = rounds.is_err();
+                            planned.push(PlannedStep {
+                                step,
+                                first_position: positions.first().copied(),
+                                rows: positions.len(),
+                                rounds,
+                            });
+                            if failed {
+                                break;
+                            }
+                        }
+                        // The filler stopped listening (the stream ended): stop planning.
+                        if sender.send(planned).is_err() || failed {
+                            break;
+                        }
+                    }
+                })
+                .expect("spawning a planning thread");
+            receivers.push(receiver);
+            threads.push(thread);
+        }
+        Planner {
+            receivers,
+            first_step,
+            next_step: first_step,
+            chunk,
+            taken: std::collections::VecDeque::new(),
+            threads,
+            busy_ns,
+        }
+    }
+
+    /// Seconds the planning threads spent planning, summed over the threads.
+    pub(super) fn busy_s(&self) -> f64 {
+        self.busy_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// The planned rows of the next step.
+    pub(super) fn next(&mut self) -> Result<PlannedStep, FillError> {
+        let step = self.next_step;
+        if self.taken.is_empty() {
+            let index = (step - self.first_step) / self.chunk;
+            let worker = (index % self.receivers.len() as u64) as usize;
+            self.taken = self.receivers[worker]
+                .recv()
+                .map_err(|_| FillError::PlannerStopped { step })?
+                .into();
+        }
+        let planned = self
+            .taken
+            .pop_front()
+            .ok_or(FillError::PlannerStopped { step })?;
+        debug_assert_eq!(planned.step, step);
+        self.next_step += 1;
+        Ok(planned)
+    }
+}
+
+/// Plans the rows `positions` of one step in rounds of `rows_per_round` rows.
+fn plan_step(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows_per_round: usize,
+) -> Result<Vec<PlannedRows>, FillError> {
+    let mut rounds = Vec::new();
+    let mut first = 0;
+    while first < positions.len() {
+        let end = (first + rows_per_round).min(positions.len());
+        rounds.push(plan_chunk(plan, geometry, positions, first..end)?);
+        first = end;
+    }
+    Ok(rounds)
+}
+
+impl Drop for Planner {
+    fn drop(&mut self) {
+        // Closing the channels ends each thread after the step it is planning.
+        self.receivers.clear();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// What planning a row needs besides the stream plan.
+pub(super) struct RowGeometry {
+    /// Region index of each shard's first window.
+    first_region: Vec<u32>,
+    /// First sample of each shard, and the sample count after the last.
+    shard_first_samples: Vec<u64>,
+    /// Regions in the stream's table.
+    region_count: usize,
+    window_bytes: u64,
+    /// Raw blocks found corrupt when the stream opened.
+    corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
+    /// Per shard, per stream field (in plan order): where the field's raw bytes start in the shard
+    /// file, and its blocks' raw size, when its blocks lie back to back in raw order (the packer's
+    /// layout for raw blocks of a page-multiple size), so that a row's file offset is one addition.
+    linear: Vec<Vec<Option<(u64, u64)>>>,
+    /// Largest output of a piece merged from consecutive rows (see
+    /// [`crate::pipeline::gpu::GpuStreamLimits::gather_piece_out_bytes`]).
+    gather_piece_out_bytes: u64,
+}
+
+/// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
+fn linear_layout(blocks: &[crate::format::BlockEntry]) -> Option<(u64, u64)> {
+    let first = blocks.first()?;
+    let size = first.raw_bytes as u64;
+    let base = first.stored_offset;
+    let linear = blocks.iter().enumerate().all(|(i, b)| {
+        let last = i + 1 == blocks.len();
+        b.codec == Codec::Raw
+            && b.raw_offset == i as u64 * size
+            && b.stored_offset == base + i as u64 * size
+            && b.stored_bytes == b.raw_bytes
+            && (last || b.raw_bytes as u64 == size)
+    });
+    (linear && first.raw_offset == 0 && size > 0).then_some((base, size))
+}
+
+impl RowGeometry {
+    pub(super) fn new(
+        plan: &StreamPlan,
+        first_region: Vec<u32>,
+        shard_first_samples: Vec<u64>,
+        region_count: usize,
+        window_bytes: u64,
+        corrupt: HashMap<BlockKey, Arc<CorruptBlock>>,
+        gather_piece_out_bytes: u64,
+    ) -> RowGeometry {
+        RowGeometry {
+            first_region,
+            shard_first_samples,
+            region_count,
+            window_bytes,
+            corrupt,
+            gather_piece_out_bytes,
+            linear: plan
+                .dataset
+                .shards
+                .iter()
+                .map(|shard| {
+                    plan.fields
+                        .iter()
+                        .map(|f| linear_layout(shard.metadata.field_blocks(f.field_index)))
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The largest output of a piece merged from consecutive rows of a field whose rows deliver
+/// `sample_bytes_out` each: the geometry's `gather_piece_out_bytes`, but never less than one row, so
+/// that rows merged never make more pieces than the same rows one by one (the round's table is sized
+/// for that).
+fn merged_out_bytes_max(geometry: &RowGeometry, sample_bytes_out: usize) -> u64 {
+    geometry.gather_piece_out_bytes.max(sample_bytes_out as u64)
+}
+
+/// Adds pieces reading file bytes `span` of shard `shard` in place to slot offset `out_at`, split
+/// at window edges (windows are registered separately, so their device addresses are not
+/// contiguous) and merged with the previous piece up to `merged_out_bytes_max`; returns the slot
+/// offset after them.
+fn push_in_place(
+    gather: &mut GatherPlan,
+    resident: &RowGeometry,
+    shard: usize,
+    span: std::ops::Range<u64>,
+    mut out_at: u64,
+    op: GatherOp,
+    merged_out_bytes_max: u64,
+) -> u64 {
+    let (mut at, stop) = (span.start, span.end);
+    while at < stop {
+        let window = at / resident.window_bytes;
+        let piece_end = stop.min((window + 1) * resident.window_bytes);
+        let region = resident.first_region[shard] as usize + window as usize;
+        let elements = (piece_end - at) / op.in_bytes();
+        gather.push_merged(
+            GatherRegion::source_index(region),
+            at - window * resident.window_bytes,
+            out_at,
+            elements,
+            op,
+            1.0,
+            merged_out_bytes_max,
+        );
+        out_at += elements * op.out_bytes();
+        at = piece_end;
+    }
+    out_at
+}
+
+/// The rows of one round, planned: the encoded piece table, its piece count, the bytes the pieces
+/// read, and the rows to zero.
+#[derive(Default)]
+pub(super) struct PlannedRows {
+    pub(super) table: Vec<u8>,
+    pub(super) pieces: usize,
+    /// Bytes the pieces read, per region of the stream's table.
+    pub(super) region_bytes: Vec<u64>,
+    pub(super) replaced: Vec<usize>,
+}
+
+/// Plans rows `rows` on the calling thread.
+fn plan_chunk(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    rows: std::ops::Range<usize>,
+) -> Result<PlannedRows, FillError> {
+    let mut gather = GatherPlan::with_capacity(rows.len() * plan.fields.len());
+    let mut replaced = Vec::new();
+    let mut row = rows.start;
+    while row < rows.end {
+        let sample = plan.order.sample_at(positions[row]);
+        let run = consecutive_rows(plan, geometry, positions, row, rows.end, sample);
+        if run > 1 && run_pieces(plan, geometry, sample, run, row, &mut gather) {
+            row += run;
+            continue;
+        }
+        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather) {
+            if plan.on_corrupt == CorruptPolicy::Fail {
+                return Err(bad.to_error());
+            }
+            replaced.push(row);
+        }
+        row += 1;
+    }
+    let mut region_bytes = vec![0u64; geometry.region_count];
+    for piece in gather.pieces() {
+        let region = piece.source as usize - GATHER_SOURCES_MAX;
+        region_bytes[region] += piece.elements as u64 * piece.op.in_bytes();
+    }
+    Ok(PlannedRows {
+        table: gather.encode(),
+        pieces: gather.pieces().len(),
+        region_bytes,
+        replaced,
+    })
+}
+
+/// How many rows from `row` (sample `sample`) on read consecutive samples of one shard: in dataset
+/// order, most of a batch; otherwise 1 (shuffled orders are planned row by row).
+fn consecutive_rows(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    positions: &[u64],
+    row: usize,
+    end: usize,
+    sample: u64,
+) -> usize {
+    if plan.order.shuffle_kind() != ShuffleKind::None {
+        return 1;
+    }
+    let starts = &geometry.shard_first_samples;
+    let shard = starts.partition_point(|&s| s <= sample) - 1;
+    let shard_end = starts[shard + 1];
+    let mut run = 1;
+    while row + run < end
+        && positions[row + run] == positions[row] + run as u64
+        && sample + (run as u64) < shard_end
+    {
+        run += 1;
+    }
+    run
+}
+
+/// Adds the pieces of `rows` rows from `row` on, reading samples `sample..sample + rows` of one
+/// shard, when every field lies back to back in the shard (see [`RowGeometry::linear`]) and no
+/// block they read is corrupt; returns false, having added nothing, otherwise (the rows are then
+/// planned one by one).
+fn run_pieces(
+    plan: &StreamPlan,
+    geometry: &RowGeometry,
+    sample: u64,
+    rows: usize,
+    row: usize,
+    gather: &mut GatherPlan,
+) -> bool {
+    let mut spans = Vec::with_capacity(plan.fields.len());
+    for (index, field) in plan.fields.iter().enumerate() {
+        let (shard, start, end) = plan.locate(sample, field.field_index);
+        let Some((base, size)) = geometry.linear[shard][index] else {
+            return false;
+        };
+        let stop = start + (end - start) * rows as u64;
+        if !geometry.corrupt.is_empty() {
+            for block in (start / size)..=((stop - 1) / size) {
+                let key = BlockKey {
+                    shard: shard as u32,
+                    field: field.field_index as u32,
+                    block: block as u32,
+                };
+                if geometry.corrupt.contains_key(&key) {
+                    return false;
+                }
+            }
+        }
+        spans.push((shard, base + start, base + stop));
+    }
+    for (field, (shard, at, stop)) in plan.fields.iter().zip(spans) {
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        // Pieces as merging rows one by one would make them, so that a batch spreads over many
+        // thread blocks.
+        let merged_max = merged_out_bytes_max(geometry, field.sample_bytes_out);
+        let chunk = (merged_max / op.out_bytes()).max(1) * op.in_bytes();
+        let (mut at, mut out_at) = (at, out_at);
+        while at < stop {
+            let piece_stop = stop.min(at + chunk);
+            out_at = push_in_place(
+                gather,
+                geometry,
+                shard,
+                at..piece_stop,
+                out_at,
+                op,
+                merged_max,
+            );
+            at = piece_stop;
+        }
+    }
+    true
+}
+
+/// Adds the pieces of one row (sample `sample` at row `row` of the slot) to `gather`; returns the
+/// corrupt block it reads, if any (then it adds nothing).
+fn row_pieces(
+    plan: &StreamPlan,
+    resident: &RowGeometry,
+    sample: u64,
+    row: usize,
+    gather: &mut GatherPlan,
+) -> Option<Arc<CorruptBlock>> {
+    for (index, field) in plan.fields.iter().enumerate() {
+        let (shard, start, end) = plan.locate(sample, field.field_index);
+        let op = GatherOp::for_dtypes(field.stored, field.out)
+            .expect("conversions are validated when the stream is planned");
+        let mut out_at = (field.offset + row * field.sample_bytes_out) as u64;
+        let merged_max = merged_out_bytes_max(resident, field.sample_bytes_out);
+        if let Some((base, size)) = resident.linear[shard][index] {
+            if !resident.corrupt.is_empty() {
+                for block in (start / size)..=((end - 1) / size) {
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block: block as u32,
+                    };
+                    if let Some(bad) = resident.corrupt.get(&key) {
+                        return Some(Arc::clone(bad));
+                    }
+                }
+            }
+            push_in_place(
+                gather,
+                resident,
+                shard,
+                base + start..base + end,
+                out_at,
+                op,
+                merged_max,
+            );
+            continue;
+        }
+        let blocks = plan.dataset.shards[shard]
+            .metadata
+            .field_blocks(field.field_index);
+        for block in plan.blocks_for(shard, field.field_index, start, end) {
+            let key = BlockKey {
+                shard: shard as u32,
+                field: field.field_index as u32,
+                block,
+            };
+            if !resident.corrupt.is_empty() {
+                if let Some(bad) = resident.corrupt.get(&key) {
+                    // Pieces already added for the row are overwritten by its zeros, which are
+                    // queued after the gather.
+                    return Some(Arc::clone(bad));
+                }
+            }
+            let entry = &blocks[block as usize];
+            let from = start.max(entry.raw_offset) - entry.raw_offset;
+            let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
+            // Raw blocks store the raw bytes.
+            let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
+            out_at = push_in_place(gather, resident, shard, at..stop, out_at, op, merged_max);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream's `plan_threads` is taken as given up to the bound; 0 leaves the count to the
+    /// host: twelve at most, and at least two.
+    #[test]
+    fn plan_threads_are_the_limit_s_or_the_host_s_choice() {
+        assert_eq!(plan_workers(1), 1);
+        assert_eq!(plan_workers(20), 20);
+        assert_eq!(plan_workers(PLAN_THREADS_MAX + 5), PLAN_THREADS_MAX);
+        assert!((2..=PLAN_WORKERS).contains(&plan_workers(0)));
+    }
+}
