@@ -112,18 +112,6 @@ def test_every_dtype_has_its_numpy_name():
     assert dtype_name("bfloat16", "x") == "bf16" and dtype_name(None, "x") is None
 
 
-def test_torch_dtypes_map_to_gpufeed_names():
-    torch = pytest.importorskip("torch", reason="torch is not installed here")
-    from gpufeed._dtypes import dtype_name
-
-    assert dtype_name(torch.bfloat16, "x") == "bf16"
-    assert dtype_name(torch.half, "x") == "f16"
-    assert dtype_name(torch.long, "x") == "i64"
-    assert dtype_name(torch.uint8, "x") == "u8"
-    with pytest.raises(ValueError, match="torch.complex64"):
-        dtype_name(torch.complex64, "x")
-
-
 @pytest.mark.parametrize("dtype", ["float", "f8", np.complex64, np.dtype(">f4"), float, 32],
                          ids=repr)
 def test_an_unknown_dtype_is_refused_naming_its_field(daemon, dtype):
