@@ -383,16 +383,20 @@ impl Client {
 
     /// Closes the client and every stream it opened that is still open (batches still held stay
     /// valid until released). Idempotent.
-    fn close(&self) {
+    fn close(&self, py: Python<'_>) {
         let (first, streams) = {
             let mut state = self.lock();
             state.closed = true;
             (state.first.take(), std::mem::take(&mut state.streams))
         };
         drop(first);
-        for stream in streams.iter().filter_map(Weak::upgrade) {
-            stream.lock().unwrap_or_else(PoisonError::into_inner).take();
-        }
+        // Without the GIL: a thread waiting in `__next__` holds its stream's lock until its batch
+        // comes, and needs the GIL to return.
+        py.allow_threads(|| {
+            for stream in streams.iter().filter_map(Weak::upgrade) {
+                stream.lock().unwrap_or_else(PoisonError::into_inner).take();
+            }
+        });
     }
 
     fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -401,8 +405,8 @@ impl Client {
 
     /// Closes the client (and its streams) on leaving a `with` block.
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        self.close(py);
     }
 }
 
@@ -602,20 +606,27 @@ impl Stream {
     }
 
     /// Ends the stream; batches still held stay valid until released.
-    fn close(&self) {
-        self.inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+    fn close(&self, py: Python<'_>) {
+        // Without the GIL, as in `Client.close`.
+        py.allow_threads(|| {
+            drop(
+                self.inner
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take(),
+            )
+        });
     }
 
     /// True once the stream was closed (by `close()`, its `with` block or its client's `close()`).
     #[getter]
-    fn closed(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_none()
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.allow_threads(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_none()
+        })
     }
 
     fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -624,8 +635,8 @@ impl Stream {
 
     /// Closes the stream on leaving a `with` block.
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        self.close(py);
     }
 }
 
