@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! gpufeed consume --socket /run/gpufeed/gpufeed.sock \
-//!     --dataset demo --batch-size 256 --shuffle window --rank 0 --world 1 --dump out.npy
+//!     --dataset demo --batch-size 256 --shuffle window --rank 0 --world-size 1 --dump out.npy
 //! ```
 //!
 //! It prints one JSON line on stdout when done:
@@ -80,8 +80,8 @@ pub struct Args {
     /// This rank.
     #[arg(long, default_value_t = 0)]
     rank: u32,
-    /// Ranks consuming the epoch together.
-    #[arg(long, default_value_t = 1)]
+    /// Ranks consuming the epoch together (`--world` is its old name, still accepted).
+    #[arg(long = "world-size", alias = "world", default_value_t = 1)]
     world: u32,
     /// Start at this step of the epoch (cursor = step × world × batch size).
     #[arg(long, conflicts_with = "resume_cursor")]
@@ -714,7 +714,7 @@ mod tests {
             "8",
             "--rank",
             "2",
-            "--world",
+            "--world-size",
             "4",
             "--start-step",
             "10",
@@ -734,6 +734,12 @@ mod tests {
         assert_eq!(spec.shuffle, Shuffle::Window(8));
         assert_eq!((spec.rank, spec.world_size), (2, 4));
         assert_eq!(spec.start_cursor, 10 * 4 * 32);
+        let old_name = parse(&["--rank", "1", "--world", "3"]).unwrap();
+        assert_eq!(
+            build_spec(&old_name, &[]).world_size,
+            3,
+            "--world stays an alias"
+        );
         assert_eq!(
             (spec.tail, spec.prefetch, spec.on_corrupt),
             (Tail::Pad, 6, CorruptPolicy::Replace)

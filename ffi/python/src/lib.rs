@@ -7,14 +7,14 @@
 //! work queued on that stream.
 
 use std::ffi::{c_void, CStr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use gpufeed_client::protocol::{CorruptPolicy, Device, FieldRequest, Shuffle, StreamSpec, Tail};
 use gpufeed_client::spec::{resume_mismatch, ShuffleName};
 use gpufeed_client::{ClientError, DType, FieldData, StreamState};
-use pyo3::exceptions::{PyBufferError, PyStopIteration, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyDeprecationWarning, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyDict, PyTuple};
+use pyo3::types::{PyCapsule, PyDict, PyIterator, PyList, PyMapping, PyTuple};
 
 /// DLPack device types.
 const DL_CPU: i32 = 1;
@@ -167,24 +167,113 @@ fn to_py(py: Python<'_>, error: ClientError) -> PyErr {
     }
 }
 
+/// The socket path when `Client()` is given none: `GPUFEED_SOCKET`, else the daemon's own default
+/// for `GPUFEED_DATA_ROOT` (`DATA_ROOT/gpufeed.sock`), else [`SOCKET_DEFAULT`]; with where it came
+/// from, for the error when nothing listens there.
+fn default_socket() -> (String, String) {
+    let set = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+    if let Some(socket) = set("GPUFEED_SOCKET") {
+        return (socket, "from GPUFEED_SOCKET".to_string());
+    }
+    if let Some(root) = set("GPUFEED_DATA_ROOT") {
+        let socket = std::path::Path::new(&root).join("gpufeed.sock");
+        return (
+            socket.to_string_lossy().into_owned(),
+            "from GPUFEED_DATA_ROOT; GPUFEED_SOCKET is unset".to_string(),
+        );
+    }
+    (
+        SOCKET_DEFAULT.to_string(),
+        "the default; GPUFEED_SOCKET and GPUFEED_DATA_ROOT are unset".to_string(),
+    )
+}
+
+/// The socket path used when neither the caller nor the environment names one.
+const SOCKET_DEFAULT: &str = "/run/gpufeed.sock";
+
+/// A stream's client half, shared by the Python `Stream` and the `Client` that opened it (weakly),
+/// so that `Client.close()` can end it.
+type StreamCell = Mutex<Option<gpufeed_client::Stream>>;
+
+/// What `Client.close()` ends.
+struct ClientState {
+    /// The connection made by the constructor, used by the first stream.
+    first: Option<gpufeed_client::Client>,
+    /// The streams opened, to close with the client. Entries of streams already gone are dropped at
+    /// each open, so the list is bounded by the streams alive at once (which the daemon bounds by its
+    /// session limit).
+    streams: Vec<Weak<StreamCell>>,
+    closed: bool,
+}
+
 /// A connection to the daemon. Each stream it opens is a session of its own.
 #[pyclass(module = "gpufeed._gpufeed")]
 struct Client {
     socket: String,
-    /// The connection made by the constructor, used by the first stream.
-    first: Mutex<Option<gpufeed_client::Client>>,
+    state: Mutex<ClientState>,
+}
+
+impl Client {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ClientState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// `world_size`, or its deprecated alias `world` (with a `DeprecationWarning`), else 1.
+fn resolve_world_size(
+    py: Python<'_>,
+    world_size: Option<u32>,
+    world: Option<u32>,
+) -> PyResult<u32> {
+    let Some(world) = world else {
+        return Ok(world_size.unwrap_or(1));
+    };
+    if world_size.is_some() {
+        return Err(PyValueError::new_err(
+            "give world_size only: world is its deprecated alias, and both were given",
+        ));
+    }
+    PyErr::warn(
+        py,
+        &py.get_type::<PyDeprecationWarning>(),
+        c"open_stream(world=...) is deprecated and will be removed in the next release: use world_size=",
+        1,
+    )?;
+    Ok(world)
 }
 
 #[pymethods]
 impl Client {
+    /// Connects to the daemon at `socket`, or where `GPUFEED_SOCKET` says when it is None (then
+    /// `$GPUFEED_DATA_ROOT/gpufeed.sock`, then `/run/gpufeed.sock`).
     #[new]
-    fn new(py: Python<'_>, socket: String) -> PyResult<Client> {
+    #[pyo3(signature = (socket=None))]
+    fn new(py: Python<'_>, socket: Option<String>) -> PyResult<Client> {
+        let (socket, origin) = match socket {
+            Some(socket) => (socket, None),
+            None => {
+                let (socket, origin) = default_socket();
+                (socket, Some(origin))
+            }
+        };
         let client = py
             .allow_threads(|| gpufeed_client::Client::connect(&socket))
-            .map_err(|e| to_py(py, e))?;
+            .map_err(|error| match (&error, origin) {
+                (ClientError::Connect { .. }, Some(origin)) => raise(
+                    py,
+                    "ConnectError",
+                    format!("{error} (no socket was given: {socket:?} is {origin})"),
+                    None,
+                ),
+                _ => to_py(py, error),
+            })?;
         Ok(Client {
             socket,
-            first: Mutex::new(Some(client)),
+            state: Mutex::new(ClientState {
+                first: Some(client),
+                streams: Vec::new(),
+                closed: false,
+            }),
         })
     }
 
@@ -194,10 +283,17 @@ impl Client {
         &self.socket
     }
 
+    /// True once `close()` ran.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// Opens a stream (a session of its own) of `dataset` in batches of `batch_size` samples.
     #[pyo3(signature = (
         dataset, batch_size, *, fields=None, device="cpu", shuffle=None, window_shards=4,
-        seed=None, epoch=None, rank=0, world=1, tail="drop", start_step=None, state=None,
-        on_corrupt="fail", prefetch=4
+        seed=None, epoch=None, rank=0, world_size=None, tail="drop", start_step=None, state=None,
+        on_corrupt="fail", prefetch=4, world=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn open_stream(
@@ -212,15 +308,16 @@ impl Client {
         seed: Option<u64>,
         epoch: Option<u64>,
         rank: u32,
-        world: u32,
+        world_size: Option<u32>,
         tail: &str,
         start_step: Option<u64>,
         state: Option<Bound<'_, PyDict>>,
         on_corrupt: &str,
         prefetch: u32,
+        world: Option<u32>,
     ) -> PyResult<Stream> {
         let mut spec = StreamSpec::new(dataset, batch_size);
-        spec.fields = field_requests(fields)?;
+        spec.fields = field_requests(py, fields)?;
         spec.device = parse_device(device)?;
         // Unset (None): dataset order, seed 0, epoch 0, or the resume state's values.
         if let Some(shuffle) = shuffle {
@@ -229,7 +326,7 @@ impl Client {
         spec.seed = seed.unwrap_or(spec.seed);
         spec.epoch = epoch.unwrap_or(spec.epoch);
         spec.rank = rank;
-        spec.world_size = world;
+        spec.world_size = resolve_world_size(py, world_size, world)?;
         spec.tail = match tail {
             "drop" => Tail::Drop,
             "pad" => Tail::Pad,
@@ -280,11 +377,13 @@ impl Client {
         } else if let Some(step) = start_step {
             spec.start_at_step(step);
         }
-        let first = self
-            .first
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let first = {
+            let mut state = self.lock();
+            if state.closed {
+                return Err(PyValueError::new_err("the client is closed"));
+            }
+            state.first.take()
+        };
         let socket = self.socket.clone();
         let stream = py
             .allow_threads(move || {
@@ -295,24 +394,67 @@ impl Client {
                 client.open_stream(spec)
             })
             .map_err(|e| to_py(py, e))?;
-        Ok(Stream {
-            inner: Mutex::new(Some(stream)),
-        })
+        let cell = Arc::new(Mutex::new(Some(stream)));
+        let mut state = self.lock();
+        if state.closed {
+            // Closed by another thread while this stream opened (without the GIL): the stream goes
+            // with the client.
+            return Err(PyValueError::new_err(
+                "the client was closed while the stream opened",
+            ));
+        }
+        state.streams.retain(|stream| stream.strong_count() > 0);
+        state.streams.push(Arc::downgrade(&cell));
+        Ok(Stream { inner: cell })
+    }
+
+    /// Closes the client and every stream it opened that is still open (batches still held stay
+    /// valid until released). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let (first, streams) = {
+            let mut state = self.lock();
+            state.closed = true;
+            (state.first.take(), std::mem::take(&mut state.streams))
+        };
+        drop(first);
+        // Without the GIL: a thread waiting in `__next__` holds its stream's lock until its batch
+        // comes, and needs the GIL to return.
+        py.allow_threads(|| {
+            for stream in streams.iter().filter_map(Weak::upgrade) {
+                stream.lock().unwrap_or_else(PoisonError::into_inner).take();
+            }
+        });
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// Closes the client (and its streams) on leaving a `with` block.
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        self.close(py);
     }
 }
 
 /// The requested fields: `None` (every field, stored dtype), a list of names, or a dict of name to
 /// dtype name (or `None`).
-fn field_requests(fields: Option<Bound<'_, PyAny>>) -> PyResult<Vec<FieldRequest>> {
+fn field_requests(py: Python<'_>, fields: Option<Bound<'_, PyAny>>) -> PyResult<Vec<FieldRequest>> {
     let Some(fields) = fields else {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
-    if let Ok(dict) = fields.downcast::<PyDict>() {
-        for (name, dtype) in dict.iter() {
-            let dtype: Option<String> = dtype.extract()?;
+    if let Ok(mapping) = fields.downcast::<PyMapping>() {
+        // The dtype may be a gpufeed name ("f32"), a NumPy or PyTorch name ("float32"), or a NumPy or
+        // PyTorch type (np.float32, torch.float32): gpufeed._dtypes maps each to gpufeed's name.
+        let dtype_name = py.import("gpufeed._dtypes")?.getattr("dtype_name")?;
+        for item in mapping.items()?.iter() {
+            let (name, dtype): (String, Bound<'_, PyAny>) = item.extract()?;
+            let dtype: Option<String> = dtype_name
+                .call1((dtype, format!("fields[{name:?}]")))?
+                .extract()?;
             out.push(FieldRequest {
-                name: name.extract()?,
+                name,
                 dtype: dtype.map(|d| parse_dtype(&d)).transpose()?,
             });
         }
@@ -394,7 +536,7 @@ fn parse_state(state: &Bound<'_, PyDict>) -> PyResult<StreamState> {
 /// An open stream: iterates over the epoch's batches for this rank.
 #[pyclass(module = "gpufeed._gpufeed")]
 struct Stream {
-    inner: Mutex<Option<gpufeed_client::Stream>>,
+    inner: Arc<StreamCell>,
 }
 
 impl Stream {
@@ -456,6 +598,12 @@ impl Stream {
         self.with(|s| Ok(s.layout().steps))
     }
 
+    /// Samples in the epoch (the dataset's), over all ranks.
+    #[getter]
+    fn epoch_samples(&self) -> PyResult<u64> {
+        self.with(|s| Ok(s.layout().epoch_samples))
+    }
+
     /// Slots the daemon fills ahead of the consumer.
     #[getter]
     fn slot_count(&self) -> PyResult<u32> {
@@ -485,16 +633,43 @@ impl Stream {
     }
 
     /// Ends the stream; batches still held stay valid until released.
-    fn close(&self) {
-        self.inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+    fn close(&self, py: Python<'_>) {
+        // Without the GIL, as in `Client.close`.
+        py.allow_threads(|| {
+            drop(
+                self.inner
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take(),
+            )
+        });
+    }
+
+    /// True once the stream was closed (by `close()`, its `with` block or its client's `close()`).
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.allow_threads(|| {
+            self.inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_none()
+        })
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// Closes the stream on leaving a `with` block.
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        self.close(py);
     }
 }
 
-/// One batch: a lease on a slot. `batch[name]` is a field.
-#[pyclass(module = "gpufeed._gpufeed")]
+/// One batch: a lease on a slot, and a mapping of field name to [`Field`] (`batch[name]`, `for name
+/// in batch`, `items()`), registered as a `collections.abc.Mapping` by the package.
+#[pyclass(module = "gpufeed._gpufeed", mapping)]
 struct Batch {
     lease: Arc<Lease>,
     /// CUDA ordinal of device batches.
@@ -549,12 +724,53 @@ impl Batch {
         self.cursor_after
     }
 
+    /// The field names, in slot order (a list).
     fn keys(&self) -> Vec<String> {
         self.names.clone()
     }
 
-    fn __contains__(&self, name: &str) -> bool {
-        self.names.iter().any(|n| n == name)
+    /// The fields, in slot order (a list).
+    fn values(&self) -> PyResult<Vec<Field>> {
+        self.names
+            .iter()
+            .map(|name| self.__getitem__(name))
+            .collect()
+    }
+
+    /// `(name, field)` pairs, in slot order (a list).
+    fn items(&self) -> PyResult<Vec<(String, Field)>> {
+        self.names
+            .iter()
+            .map(|name| Ok((name.clone(), self.__getitem__(name)?)))
+            .collect()
+    }
+
+    /// `batch[name]`, or `default` when the batch has no such field.
+    #[pyo3(signature = (name, default=None))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        name: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let known = name
+            .extract::<String>()
+            .ok()
+            .filter(|name| self.names.contains(name));
+        match known {
+            Some(name) => Ok(Bound::new(py, self.__getitem__(&name)?)?.into_any()),
+            None => Ok(default.unwrap_or_else(|| py.None().into_bound(py))),
+        }
+    }
+
+    /// Iterates over the field names.
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        PyList::new(py, &self.names)?.try_iter()
+    }
+
+    fn __contains__(&self, name: &Bound<'_, PyAny>) -> bool {
+        name.extract::<String>()
+            .is_ok_and(|name| self.names.contains(&name))
     }
 
     fn __len__(&self) -> usize {

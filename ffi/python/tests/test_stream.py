@@ -71,7 +71,8 @@ def test_resume_from_state_dict_at_the_same_and_another_world_size(daemon):
     over the ranks)."""
     client = gpufeed.Client(daemon.socket)
     whole, _ = collect(client.open_stream("toy", batch_size=50, shuffle="full", seed=9))
-    streams = [client.open_stream("toy", batch_size=50, shuffle="full", seed=9, rank=r, world=2)
+    streams = [client.open_stream("toy", batch_size=50, shuffle="full", seed=9, rank=r,
+                                  world_size=2)
                for r in range(2)]
     before = []
     for stream in streams:
@@ -85,7 +86,7 @@ def test_resume_from_state_dict_at_the_same_and_another_world_size(daemon):
     assert set(np.concatenate(before).tolist()) == set(whole[:400].tolist())
     resumed, _ = collect(client.open_stream("toy", batch_size=50, state=state))
     np.testing.assert_array_equal(resumed, whole[400:])
-    after = [collect(client.open_stream("toy", batch_size=50, rank=r, world=4, state=state))[0]
+    after = [collect(client.open_stream("toy", batch_size=50, rank=r, world_size=4, state=state))[0]
              for r in range(4)]
     served = np.concatenate(after)
     assert len(served) == 600 and set(served.tolist()) == set(whole[400:].tolist())
@@ -138,7 +139,7 @@ def test_errors_carry_the_daemons_codes(daemon, tmp_path):
         client.open_stream("no-such-dataset", batch_size=10)
     assert raised.value.code == "UnknownDataset"
     with pytest.raises(gpufeed.InvalidSpecError):
-        client.open_stream("toy", batch_size=10, rank=2, world=2)
+        client.open_stream("toy", batch_size=10, rank=2, world_size=2)
     with pytest.raises(ValueError):
         client.open_stream("toy", batch_size=10, shuffle="sideways")
     with pytest.raises(gpufeed.DaemonError) as raised:

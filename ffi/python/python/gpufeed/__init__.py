@@ -2,12 +2,14 @@
 CuPy and NumPy through DLPack.
 
     import gpufeed
-    client = gpufeed.Client("/run/gpufeed/gpufeed.sock")
-    for batch in client.open_stream("tokens", batch_size=4096, device="cuda:0", shuffle="window"):
-        ids = torch.from_dlpack(batch["ids"])
+    with gpufeed.Client("/run/gpufeed.sock") as client:   # or Client(): $GPUFEED_SOCKET
+        for batch in client.open_stream("tokens", batch_size=4096, device="cuda:0", shuffle="window"):
+            ids = torch.from_dlpack(batch["ids"])
 
 See docs/PYTHON.md for the API, the lifetime of batches and CUDA stream ordering.
 """
+
+from collections.abc import Mapping as _Mapping
 
 from gpufeed._gpufeed import (
     Batch,
@@ -27,6 +29,10 @@ from gpufeed.errors import (
     ProtocolError,
     SessionError,
 )
+
+# A batch is a read-only mapping of field name to Field: isinstance(batch, Mapping) holds, and code
+# that takes a Mapping takes a batch.
+_Mapping.register(Batch)
 
 __all__ = [
     "AllSlotsHeldError",

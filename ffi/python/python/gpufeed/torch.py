@@ -4,9 +4,10 @@ with ``state_dict()`` / ``load_state_dict()`` (the torchdata ``StatefulDataLoade
 formed, so no DataLoader worker processes are needed: iterate the dataset directly, or wrap it with
 :func:`loader` (``batch_size=None``, ``num_workers=0``).
 
-Rank and world size come from ``torch.distributed`` when it is initialised, else from the ``RANK`` and
-``WORLD_SIZE`` environment variables (``torchrun`` sets both); the device is ``cuda:LOCAL_RANK`` when
-CUDA is available, else the CPU.
+Rank and world size are read each time the dataset is iterated (so a dataset made before
+``torch.distributed.init_process_group`` sees the group): from ``torch.distributed`` when it is
+initialised, else from the ``RANK`` and ``WORLD_SIZE`` environment variables (``torchrun`` sets both),
+unless given. The device is ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU.
 """
 
 import os
@@ -16,6 +17,7 @@ import torch
 import torch.utils.data
 
 import gpufeed
+from gpufeed._dtypes import normalize_fields
 
 
 def _rank_and_world() -> "tuple[int, int]":
@@ -36,15 +38,24 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
     Each tensor aliases the daemon's slot (zero-copy); it is ready for work on the current CUDA
     stream, and the slot is reused once the tensors of the batch are gone and the work queued on that
     stream before then is done. Keep a tensor beyond the next few steps by cloning it.
+
+    ``socket`` None: ``$GPUFEED_SOCKET`` (see :class:`gpufeed.Client`). ``fields`` takes dtypes as
+    gpufeed names (``"f32"``), NumPy or PyTorch names (``"float32"``) or types (``torch.float32``).
+    ``rank`` and ``world_size`` None: read from ``torch.distributed`` or the environment each time the
+    dataset is iterated. Iterate it in the main process (``num_workers=0``): the batches are formed
+    by the daemon already, and a worker process would read the whole epoch again.
+
+    After each batch, :attr:`step` is its step in the epoch and :attr:`replaced` its samples that
+    were zero-filled because their block was corrupt (``on_corrupt="replace"``).
     """
 
     def __init__(
         self,
-        socket: str,
+        socket: Optional[str],
         dataset: str,
         batch_size: int,
         *,
-        fields: Union[None, Sequence[str], Mapping[str, Optional[str]]] = None,
+        fields: Union[None, Sequence[str], Mapping[str, Any]] = None,
         shuffle: str = "none",
         window_shards: int = 4,
         seed: int = 0,
@@ -57,23 +68,49 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         prefetch: int = 4,
     ):
         super().__init__()
-        found_rank, found_world = _rank_and_world()
         self.socket = socket
         self.dataset = dataset
         self.batch_size = batch_size
-        self.fields = fields
+        # Dtypes as gpufeed's names: an unknown one fails here, naming its field.
+        self.fields = normalize_fields(fields)
         self.shuffle = shuffle
         self.window_shards = window_shards
         self.seed = seed
         self.epoch = epoch
-        self.rank = found_rank if rank is None else rank
-        self.world_size = found_world if world_size is None else world_size
+        self._rank = rank
+        self._world_size = world_size
         self.device = device or _default_device()
         self.tail = tail
         self.on_corrupt = on_corrupt
         self.prefetch = prefetch
+        #: The step in its epoch of the last batch yielded (None before the first).
+        self.step: Optional[int] = None
+        #: Samples of the last batch yielded that were zero-filled for a corrupt block.
+        self.replaced: int = 0
         self._stream: Optional[gpufeed.Stream] = None
         self._resume: Optional[Dict[str, Any]] = None
+        # Samples per epoch of each dataset name streamed (for __len__): a property of the dataset,
+        # the same in every epoch and order.
+        self._epoch_samples: Dict[str, int] = {}
+
+    @property
+    def rank(self) -> int:
+        """This rank: as given, else ``torch.distributed``'s or ``RANK`` (read now)."""
+        return _rank_and_world()[0] if self._rank is None else self._rank
+
+    @rank.setter
+    def rank(self, rank: Optional[int]) -> None:
+        self._rank = rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks reading the epoch together: as given, else ``torch.distributed``'s or
+        ``WORLD_SIZE`` (read now)."""
+        return _rank_and_world()[1] if self._world_size is None else self._world_size
+
+    @world_size.setter
+    def world_size(self, world_size: Optional[int]) -> None:
+        self._world_size = world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Serves ``epoch`` next (a new order for shuffled streams)."""
@@ -81,31 +118,81 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         self._resume = None
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError(
+                "GpufeedDataset was iterated in a DataLoader worker process: use num_workers=0 "
+                "(gpufeed.torch.loader(dataset), or DataLoader(dataset, batch_size=None, "
+                "num_workers=0)). The daemon forms the batches on the device already; each worker "
+                "would read the whole epoch again.")
+        # Rank and world size now, not at construction: init_process_group may have run since.
+        common = dict(fields=self.fields, device=self.device, rank=self.rank,
+                      world_size=self.world_size, tail=self.tail, on_corrupt=self.on_corrupt,
+                      prefetch=self.prefetch)
         client = gpufeed.Client(self.socket)
-        common = dict(fields=self.fields, device=self.device, rank=self.rank, world=self.world_size,
-                      tail=self.tail, on_corrupt=self.on_corrupt, prefetch=self.prefetch)
-        if self._resume is not None:
-            stream = client.open_stream(self.dataset, self.batch_size, state=self._resume,
-                                        **common)
-        else:
-            stream = client.open_stream(self.dataset, self.batch_size, shuffle=self.shuffle,
-                                        window_shards=self.window_shards, seed=self.seed,
-                                        epoch=self.epoch, **common)
-        self._stream = stream
-        if self.device.startswith("cuda"):
-            device = torch.device(self.device)
-            stream.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
         try:
+            if self._resume is not None:
+                stream = client.open_stream(self.dataset, self.batch_size,
+                                            state=self._resume, **common)
+            else:
+                stream = client.open_stream(self.dataset, self.batch_size, shuffle=self.shuffle,
+                                            window_shards=self.window_shards, seed=self.seed,
+                                            epoch=self.epoch, **common)
+        except BaseException:
+            client.close()
+            raise
+        return self._batches(client, stream)
+
+    def _batches(self, client: gpufeed.Client,
+                 stream: gpufeed.Stream) -> Iterator[Dict[str, torch.Tensor]]:
+        self._stream = stream
+        self._epoch_samples[self.dataset] = stream.epoch_samples
+        try:
+            if self.device.startswith("cuda"):
+                device = torch.device(self.device)
+                stream.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
             for batch in stream:
+                self.step = batch.step
+                self.replaced = batch.replaced
                 # torch.from_dlpack passes the current stream to __dlpack__: it waits for the batch
                 # on the device, and the slot is released after the work queued on it.
-                yield {name: torch.from_dlpack(batch[name]) for name in batch.keys()}
+                yield {name: torch.from_dlpack(field) for name, field in batch.items()}
                 del batch
             self._resume = None
             self.epoch += 1
         finally:
             self._stream = None
             stream.close()
+            client.close()
+
+    def __len__(self) -> int:
+        """Batches one iteration yields on this rank: the epoch's (from the checkpoint's cursor
+        after :meth:`load_state_dict`), per the ``tail`` rule: ``"drop"`` leaves out the samples
+        that do not fill a step of ``batch_size`` × ``world_size``, ``"pad"`` fills that step.
+        While an iteration runs, that iteration's.
+
+        The first call before any iteration opens a stream to learn the epoch's sample count."""
+        if self._stream is not None:
+            return self._stream.steps
+        dataset = self.dataset
+        samples = self._epoch_samples.get(dataset)
+        if samples is None:
+            samples = self._epoch_samples[dataset] = self._probe_epoch_samples(dataset)
+        cursor = self._resume["cursor"] if self._resume else 0
+        left = max(samples - cursor, 0)
+        step_samples = self.world_size * self.batch_size
+        if self.tail == "pad":
+            return -(-left // step_samples)
+        return left // step_samples
+
+    def _probe_epoch_samples(self, dataset: str) -> int:
+        """The epoch's sample count, from a stream opened for it and closed at once: one field, one
+        sample per batch, in host memory (the least the daemon fills)."""
+        fields = self.fields
+        if fields:
+            fields = [next(iter(fields))]
+        with gpufeed.Client(self.socket) as client:
+            with client.open_stream(dataset, 1, fields=fields, device="cpu", prefetch=1) as stream:
+                return stream.epoch_samples
 
     def state_dict(self) -> Dict[str, Any]:
         """Where the epoch stands: resumable at this or another world size."""
