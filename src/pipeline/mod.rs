@@ -6,6 +6,7 @@
 //! [`StreamRequest`], converted from the consumer's request by `ipc`.
 
 pub mod assemble;
+pub mod block_cache;
 pub mod filler;
 pub mod gpu;
 pub mod order;
