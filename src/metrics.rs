@@ -417,12 +417,22 @@ impl Metrics {
         self.read_bytes[path as usize].fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Bytes read by `path`.
+    pub fn read_bytes_of(&self, path: ReadPath) -> u64 {
+        self.read_bytes[path as usize].load(Ordering::Relaxed)
+    }
+
     /// Bytes read so far over every path (for read amplification: bytes read per byte stored).
     pub fn read_bytes_total(&self) -> u64 {
         self.read_bytes
             .iter()
             .map(|bytes| bytes.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// Seconds spent decoding blocks so far.
+    pub fn decode_seconds(&self) -> f64 {
+        self.decode_ns.load(Ordering::Relaxed) as f64 / 1e9
     }
 
     /// Adds time spent decoding blocks.

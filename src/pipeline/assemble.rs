@@ -10,6 +10,7 @@ use std::sync::Arc;
 use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
 use gpufeed_proto::DType;
 
+use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
 use crate::device::DeviceError;
@@ -539,13 +540,6 @@ pub(crate) struct BlockKey {
     pub(crate) block: u32,
 }
 
-/// A decoded block, or the reason it could not be decoded.
-#[derive(Clone)]
-enum CachedBlock {
-    Decoded(Arc<Vec<u8>>),
-    Corrupt(Arc<CorruptBlock>),
-}
-
 /// What filling one slot produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FillReport {
@@ -718,10 +712,15 @@ pub struct Assembler {
     engine: ReadEngine<AnyQueue>,
     /// Why io_uring is not used, when it is not.
     pub engine_note: Option<String>,
-    cache: HashMap<BlockKey, (u64, CachedBlock)>,
-    cache_bytes: usize,
-    cache_bytes_max: usize,
-    batch_stamp: u64,
+    /// The daemon's decoded-block cache, shared with its other host streams.
+    cache: CacheHandle,
+    /// The blocks the part of the batch being filled reads: taken from the cache or decoded for it,
+    /// held until the part is gathered (so the cache cannot free them under it). Raw blocks read in
+    /// place are absent.
+    part: HashMap<BlockKey, CachedBlock>,
+    /// Decoded bytes one part of a batch may read at most (one row's blocks at least): the working
+    /// set the stream reserves beside its slots.
+    working_set_bytes: u64,
     staging: AlignedBuffer,
     scratch: Vec<u8>,
     decode_threads: usize,
@@ -742,12 +741,53 @@ const IN_PLACE_COVERAGE_MAX: f64 = 0.5;
 /// Fraction of a dense block's pages that must be cached for it to be read in place.
 const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
 
+/// Decoded bytes a host stream of `plan` reads at once at most, which it reserves beside its slots:
+/// the blocks of one part of a batch (see [`Assembler::fill`]), at least the blocks one row may
+/// touch in every field.
+pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
+    let row: u64 = plan
+        .fields
+        .iter()
+        .map(|field| {
+            let block = plan
+                .dataset
+                .shards
+                .iter()
+                .filter_map(|s| s.metadata.field_blocks(field.field_index).first())
+                .map(|b| u64::from(b.raw_bytes))
+                .max()
+                .unwrap_or(0);
+            // A row spans its bytes' worth of blocks, plus one at each end.
+            (field.sample_bytes_in as u64)
+                .div_ceil(block.max(1))
+                .saturating_add(2)
+                * block
+        })
+        .sum();
+    block_cache::working_set_bytes(row)
+}
+
 impl Assembler {
-    /// Opens the dataset's shards and sets up the engine.
+    /// Opens the dataset's shards and sets up the engine, with a decoded-block cache of the stream's
+    /// own of `limits.cache_bytes_max` bytes (benchmarks and tools; the daemon shares one cache
+    /// between its streams, [`Assembler::with_cache`]).
     pub fn new(
         plan: Arc<StreamPlan>,
         limits: &StreamLimits,
         metrics: Arc<Metrics>,
+    ) -> Result<Assembler, StorageError> {
+        let cache = BlockCache::new(limits.cache_bytes_max as u64, Arc::clone(&metrics));
+        Assembler::with_cache(plan, limits, metrics, &cache)
+    }
+
+    /// Opens the dataset's shards and sets up the engine; decoded blocks go to `cache`, shared with
+    /// the other streams using it. The stream's working set ([`working_set_bytes`]) should be
+    /// reserved in the cache's budget (the socket server reserves it with the slots).
+    pub fn with_cache(
+        plan: Arc<StreamPlan>,
+        limits: &StreamLimits,
+        metrics: Arc<Metrics>,
+        cache: &Arc<BlockCache>,
     ) -> Result<Assembler, StorageError> {
         let mut files = FileTable::new(plan.dataset.shards.len());
         for shard in &plan.dataset.shards {
@@ -761,15 +801,15 @@ impl Assembler {
         };
         metrics.set_read_queue_depth(limits.queue_depth as u64);
         let engine = ReadEngine::new(queue, EngineLimits::node_defaults());
+        let working_set_bytes = working_set_bytes(&plan);
         Ok(Assembler {
+            cache: cache.open(&plan.dataset),
+            part: HashMap::new(),
+            working_set_bytes,
             plan,
             files,
             engine,
             engine_note,
-            cache: HashMap::new(),
-            cache_bytes: 0,
-            cache_bytes_max: limits.cache_bytes_max,
-            batch_stamp: 0,
             staging: AlignedBuffer::new(1 << 20),
             scratch: Vec::new(),
             decode_threads: limits.decode_threads,
@@ -781,53 +821,123 @@ impl Assembler {
     }
 
     /// Fills `slot` with stream step `step`.
+    ///
+    /// The batch is filled in parts, in row order: each part is as many rows as the blocks they read
+    /// fit in the stream's working set (one row at least). A part's blocks are taken from the shared
+    /// cache, or read and decoded once and offered to it, and held until the part is gathered; so a
+    /// stream never holds more decoded bytes than its working set beyond what the cache keeps, however
+    /// many blocks a shuffled batch touches.
     pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
-        self.batch_stamp += 1;
         let plan = Arc::clone(&self.plan);
         // Where every (sample, field) of the batch lives, row by row, located once for both passes.
         let placements = plan.placements(step);
-        let sample_count = placements.len() / plan.fields.len();
-        // The blocks the batch needs that are not decoded yet; raw blocks the batch uses little of
-        // are read in place instead (see IN_PLACE_COVERAGE_MAX).
+        let width = plan.fields.len();
+        let sample_count = placements.len() / width;
+        let mut replaced = 0u32;
+        let mut part_blocks: HashMap<BlockKey, u64> = HashMap::new();
+        let mut first = 0;
+        while first < sample_count {
+            // The part's rows, and the bytes of each raw block they use (for the in-place choice).
+            part_blocks.clear();
+            let mut part_bytes = 0u64;
+            let mut end = first;
+            while end < sample_count {
+                let row = &placements[end * width..(end + 1) * width];
+                let mut row_bytes = 0u64;
+                for (placement, field) in row.iter().zip(&plan.fields) {
+                    for block in placement.blocks.clone() {
+                        let key = BlockKey {
+                            shard: placement.shard as u32,
+                            field: field.field_index as u32,
+                            block,
+                        };
+                        if !part_blocks.contains_key(&key) {
+                            row_bytes += u64::from(self.entry(&key).raw_bytes);
+                        }
+                    }
+                }
+                if end > first && part_bytes + row_bytes > self.working_set_bytes {
+                    break;
+                }
+                part_bytes += row_bytes;
+                for (placement, field) in row.iter().zip(&plan.fields) {
+                    for block in placement.blocks.clone() {
+                        let key = BlockKey {
+                            shard: placement.shard as u32,
+                            field: field.field_index as u32,
+                            block,
+                        };
+                        let entry = self.entry(&key);
+                        let block_end = entry.raw_offset + entry.raw_bytes as u64;
+                        let used =
+                            placement.end.min(block_end) - placement.start.max(entry.raw_offset);
+                        *part_blocks.entry(key).or_default() += used;
+                    }
+                }
+                end += 1;
+            }
+            self.prepare_part(&part_blocks)?;
+            let filled = self.gather(&placements, first..end, slot);
+            // The part's blocks are released whatever happened: the cache may evict them now.
+            self.part.clear();
+            replaced += filled?;
+            first = end;
+        }
+        Ok(FillReport {
+            samples: sample_count as u32,
+            replaced,
+        })
+    }
+
+    /// Takes the blocks of a part (with the raw bytes the part uses of each) from the cache, or reads
+    /// them in place, or reads and decodes them, into `self.part`.
+    fn prepare_part(&mut self, blocks: &HashMap<BlockKey, u64>) -> Result<(), StorageError> {
         let mut missing: Vec<BlockKey> = Vec::new();
-        let mut sparse: HashMap<BlockKey, u64> = HashMap::new();
-        for (placement, field) in placements.iter().zip(plan.fields.iter().cycle()) {
-            for block in placement.blocks.clone() {
-                let key = BlockKey {
-                    shard: placement.shard as u32,
-                    field: field.field_index as u32,
-                    block,
-                };
-                if let Some((stamp, _)) = self.cache.get_mut(&key) {
-                    *stamp = self.batch_stamp;
-                    continue;
-                }
-                let entry = self.entry(&key);
-                if entry.codec == Codec::Raw {
-                    let block_end = entry.raw_offset + entry.raw_bytes as u64;
-                    let used = placement.end.min(block_end) - placement.start.max(entry.raw_offset);
-                    *sparse.entry(key).or_default() += used;
+        let mut sparse: Vec<(BlockKey, u64)> = Vec::new();
+        for (&key, &used) in blocks {
+            let entry = self.entry(&key);
+            let shared = self.cache.key(key.shard, key.field, key.block);
+            if entry.codec == Codec::Raw {
+                // Raw blocks are mostly read in place: look the cache up without counting a miss.
+                if let Some(cached) = self.cache.cache().peek(&shared) {
+                    self.part.insert(key, cached);
                 } else {
-                    missing.push(key);
+                    sparse.push((key, used));
                 }
+            } else if let Some(cached) = self.cache.cache().get(&shared) {
+                self.part.insert(key, cached);
+            } else {
+                missing.push(key);
             }
         }
         for (key, used) in sparse {
+            // A raw block the part uses little of is read in place (see IN_PLACE_COVERAGE_MAX).
             let dense = used as f64 >= self.entry(&key).raw_bytes as f64 * IN_PLACE_COVERAGE_MAX;
             if !self.map_in_place(&key, dense) {
+                self.cache.cache().record(false);
                 missing.push(key);
             }
         }
         missing.sort_unstable();
-        missing.dedup();
-        self.load(&missing)?;
+        self.load(&missing)
+    }
 
+    /// Gathers rows `rows` of the batch (`placements`: every row's, in row order) into `slot` from
+    /// the part's blocks and the shards' maps; the samples replaced by zeros.
+    fn gather(
+        &mut self,
+        placements: &[Placement],
+        rows: std::ops::Range<usize>,
+        slot: &mut [u8],
+    ) -> Result<u32, FillError> {
+        let plan = Arc::clone(&self.plan);
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
         let mut in_place_bytes = 0u64;
         let width = plan.fields.len();
-        for (row, row_placements) in placements.chunks_exact(width).enumerate() {
+        for row in rows {
+            let row_placements = &placements[row * width..(row + 1) * width];
             let ahead = (row + PREFETCH_ROWS_AHEAD) * width;
             if let Some(ahead) = placements.get(ahead..ahead + width) {
                 self.prefetch_in_place(ahead);
@@ -847,10 +957,10 @@ impl Assembler {
                         .field_blocks(field.field_index)[block_index as usize];
                     let from = start.max(entry.raw_offset) - entry.raw_offset;
                     let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
-                    match self.cache.get(&key).map(|(_, cached)| cached) {
+                    match self.part.get(&key) {
                         Some(CachedBlock::Decoded(bytes)) => {
                             self.sample
-                                .extend_from_slice(&bytes[from as usize..to as usize]);
+                                .extend_from_slice(&bytes.bytes()[from as usize..to as usize]);
                         }
                         Some(CachedBlock::Corrupt(bad)) => corrupt = Some(Arc::clone(bad)),
                         None => {
@@ -894,11 +1004,7 @@ impl Assembler {
                 .add_read_bytes(ReadPath::PageCache, in_place_bytes);
         }
         self.metrics.add_gather_time(gather_started.elapsed());
-        self.evict();
-        Ok(FillReport {
-            samples: sample_count as u32,
-            replaced,
-        })
+        Ok(replaced)
     }
 
     /// Asks the CPU to start loading the first bytes each field of a later row reads in place from
@@ -987,7 +1093,7 @@ impl Assembler {
             Err(error) => {
                 self.metrics.add_corrupt_blocks(1);
                 let bad = CachedBlock::Corrupt(Arc::new(CorruptBlock::from(error)));
-                self.cache.insert(*key, (self.batch_stamp, bad));
+                self.offer(*key, bad);
             }
         }
         true
@@ -1049,6 +1155,7 @@ impl Assembler {
                 .map(|((key, extent), result)| (key, extent, result))
                 .collect();
             let plan = &self.plan;
+            let metrics = &self.metrics;
             let staging = self.staging.as_slice();
             let decode_one = |(key, extent, result): &(
                 BlockKey,
@@ -1082,7 +1189,10 @@ impl Assembler {
                             &mut raw,
                             at,
                         ) {
-                            Ok(()) => CachedBlock::Decoded(Arc::new(raw)),
+                            Ok(()) => CachedBlock::Decoded(Arc::new(DecodedBlock::new(
+                                raw,
+                                Arc::clone(metrics),
+                            ))),
                             Err(error) => CachedBlock::Corrupt(Arc::new(error.into())),
                         }
                     }
@@ -1125,37 +1235,21 @@ impl Assembler {
                 .filter(|c| matches!(c, CachedBlock::Corrupt(_)))
                 .count();
             self.metrics.add_corrupt_blocks(corrupt as u64);
-            for ((key, _, _), cached) in jobs.iter().zip(decoded) {
-                if let CachedBlock::Decoded(bytes) = &cached {
-                    self.cache_bytes += bytes.len();
-                }
-                self.cache.insert(*key, (self.batch_stamp, cached));
+            let keys: Vec<BlockKey> = jobs.iter().map(|(key, _, _)| *key).collect();
+            drop(jobs);
+            for (key, cached) in keys.into_iter().zip(decoded) {
+                self.offer(key, cached);
             }
             start = end;
         }
         Ok(())
     }
 
-    /// Drops the least recently used blocks not needed by the current batch until the cache fits.
-    fn evict(&mut self) {
-        if self.cache_bytes <= self.cache_bytes_max {
-            return;
-        }
-        let mut entries: Vec<(u64, BlockKey)> = self
-            .cache
-            .iter()
-            .filter(|(_, (stamp, _))| *stamp != self.batch_stamp)
-            .map(|(key, (stamp, _))| (*stamp, *key))
-            .collect();
-        entries.sort_unstable_by_key(|&(stamp, key)| (stamp, key.shard, key.field, key.block));
-        for (_, key) in entries {
-            if self.cache_bytes <= self.cache_bytes_max {
-                break;
-            }
-            if let Some((_, CachedBlock::Decoded(bytes))) = self.cache.remove(&key) {
-                self.cache_bytes -= bytes.len();
-            }
-        }
+    /// Holds `block` for the part being filled and offers it to the shared cache.
+    fn offer(&mut self, key: BlockKey, block: CachedBlock) {
+        let shared = self.cache.key(key.shard, key.field, key.block);
+        self.cache.cache().insert(shared, block.clone());
+        self.part.insert(key, block);
     }
 }
 

@@ -299,23 +299,34 @@ impl BlockCache {
 
     /// The block under `key`, counting a hit or a miss.
     pub fn get(&self, key: &CacheKey) -> Option<CachedBlock> {
-        let found = {
-            let mut shard = self.lock_shard(key);
-            match shard.index.get(key).copied() {
-                Some(at) => {
-                    let entry = &mut shard.entries[at];
-                    entry.referenced = true;
-                    Some(entry.block.clone())
-                }
-                None => None,
-            }
-        };
-        let counters = self.metrics.block_cache();
-        match found {
-            Some(_) => counters.hits.fetch_add(1, Ordering::Relaxed),
-            None => counters.misses.fetch_add(1, Ordering::Relaxed),
-        };
+        let found = self.peek(key);
+        if found.is_none() {
+            self.record(false);
+        }
         found
+    }
+
+    /// The block under `key`, counting a hit if found and nothing otherwise (for a block that may
+    /// be read another way, such as a raw block read in place: [`BlockCache::record`] counts the
+    /// miss if it is decoded after all).
+    pub fn peek(&self, key: &CacheKey) -> Option<CachedBlock> {
+        let mut shard = self.lock_shard(key);
+        let at = shard.index.get(key).copied()?;
+        let entry = &mut shard.entries[at];
+        entry.referenced = true;
+        let block = entry.block.clone();
+        drop(shard);
+        self.record(true);
+        Some(block)
+    }
+
+    /// Counts a look-up that found its block (`hit`) or did not.
+    pub fn record(&self, hit: bool) {
+        let counters = self.metrics.block_cache();
+        match hit {
+            true => counters.hits.fetch_add(1, Ordering::Relaxed),
+            false => counters.misses.fetch_add(1, Ordering::Relaxed),
+        };
     }
 
     /// Bytes the cache may keep now: the budget less what open streams reserved.
