@@ -24,8 +24,8 @@ use super::convert::daemon_status;
 use super::ring::HandoffRing;
 use super::slots::{Lease, SlotRing};
 use crate::metrics::{Metrics, SlotLease};
-use crate::pipeline::assemble::working_set_bytes;
 use crate::pipeline::block_cache::BlockCache;
+use crate::pipeline::cpu::working_set_bytes;
 use crate::pipeline::{
     Ended, FillError, Filled, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
     StreamLimits, StreamPlan, StreamRequest,

@@ -41,7 +41,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::assemble::CorruptBlock;
+use super::stream_plan::CorruptBlock;
 use crate::metrics::Metrics;
 
 /// Lock shards of the cache: enough that streams filling at once rarely wait on one another.

@@ -10,9 +10,10 @@ use std::io;
 use std::sync::Arc;
 use std::thread;
 
-use super::assemble::{Assembler, FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
 use super::block_cache::BlockCache;
+use super::cpu::Assembler;
 use super::gpu::{GpuAssembler, GpuStreamLimits};
+use super::stream_plan::{FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
 use crate::device::{Device, DeviceRegion, Event};
 use crate::kernels::Kernels;
 use crate::metrics::Metrics;

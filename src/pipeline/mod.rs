@@ -1,23 +1,26 @@
-//! The batch pipeline: which samples each rank gets, in which order ([`order`]), how batches are
-//! assembled into slots ([`assemble`] on the CPU, [`gpu`] on the device), and the filler thread that
-//! drives a stream's assembler and switches between the two backends ([`filler`]).
+//! The batch pipeline: what a stream is ([`stream_plan`]), which samples each rank gets, in which
+//! order ([`order`]), how batches are assembled into slots ([`cpu`] on the CPU, [`gpu`] on the
+//! device), and the filler thread that drives a stream's assembler and switches between the two
+//! backends ([`filler`]).
 //!
 //! *Invariant*: the pipeline knows nothing of the wire format; a stream arrives as a
 //! [`StreamRequest`], converted from the consumer's request by `ipc`.
 
-pub mod assemble;
 pub mod block_cache;
+pub mod cpu;
 pub mod filler;
 pub mod gpu;
 pub mod order;
+pub mod stream_plan;
 
-pub use assemble::{
-    Assembler, CorruptPolicy, FieldPlan, FieldSelection, FillError, FillReport, Placement,
-    PlacementRuns, PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,
-};
+pub use cpu::Assembler;
 pub use filler::{
     BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff, SlotMemory,
     StreamBackend, DELIVER_AT_ONCE_MAX,
 };
 pub use gpu::{GpuAssembler, GpuFillTimings, GpuStreamLimits};
 pub use order::{EpochOrder, Permutation, RankPlan, ShuffleMode, Tail};
+pub use stream_plan::{
+    CorruptPolicy, FieldPlan, FieldSelection, FillError, FillReport, Placement, PlacementRuns,
+    PlanError, StreamDevice, StreamLimits, StreamPlan, StreamRequest,
+};

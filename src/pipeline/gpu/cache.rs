@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use foldhash::{HashMap, HashMapExt};
 
-use crate::pipeline::assemble::{BlockKey, CorruptBlock};
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock};
 
 /// A decoded LZ4 block in the cache, or the reason a block is unusable.
 #[derive(Clone)]
@@ -187,7 +187,7 @@ mod tests {
                 block: 3,
                 stored_offset: 4096,
             },
-            reason: crate::pipeline::assemble::CorruptReason::Checksum {
+            reason: crate::pipeline::stream_plan::CorruptReason::Checksum {
                 expected: 1,
                 computed: 2,
             },

@@ -15,7 +15,7 @@ use crate::kernels::{
     GatherOutcome, Lz4Outcome, Lz4Status, Xxh3Outcome, Xxh3Status, GATHER_OUTCOME_BYTES,
     LZ4_OUTCOME_BYTES, XXH3_OUTCOME_BYTES,
 };
-use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError};
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, CorruptReason, FillError};
 
 /// Time between two completion queries while the filler polls a round (see
 /// [`super::GpuStreamLimits::wait_spin`]).

@@ -27,8 +27,8 @@ use super::shard_loader::{LoadJob, ShardLoader};
 use super::shard_pool::ShardSlotPool;
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::kernels::GatherRegion;
-use crate::pipeline::assemble::FillError;
 use crate::pipeline::order::EpochOrder;
+use crate::pipeline::stream_plan::FillError;
 
 /// One slot of device memory holding (or receiving) a copy of one shard.
 struct ShardSlot {

@@ -46,7 +46,7 @@ pub use self::round::RoundBufferPool;
 use self::round::{HostLayout, PendingBatch, PendingRound, RoundBuffers, RoundShape};
 use self::shard_pool::KeptBuffer;
 pub use self::shard_pool::ShardSlotPool;
-use super::assemble::{BlockKey, FillError, FillReport, StreamPlan};
+use super::stream_plan::{BlockKey, FillError, FillReport, StreamPlan};
 use crate::decode::BlockRef;
 use crate::device::{DeviceMemory, DeviceRegion, Event, Stream};
 use crate::format::BlockEntry;

@@ -11,7 +11,7 @@ use super::{GpuAssembler, ZeroCopy, ZERO_COPY_COVERAGE_MAX};
 use crate::device::DeviceMemory;
 use crate::format::{BlockEntry, Codec, Filter};
 use crate::kernels::{GatherOp, GatherRegion};
-use crate::pipeline::assemble::{
+use crate::pipeline::stream_plan::{
     BlockKey, CorruptBlock, FieldPlan, FillError, Placement, PlacementRuns, StreamPlan,
 };
 use crate::storage::windows::MappedRange;

@@ -26,7 +26,7 @@ use crate::format::Codec;
 use crate::kernels::{
     resolve_inline, GatherOp, GatherPlan, GatherRegion, GATHER_OUTCOME_BYTES, GATHER_SOURCES_MAX,
 };
-use crate::pipeline::assemble::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, PlacementRuns, StreamPlan};
 use crate::storage::windows::{PageCacheWindows, WindowId};
 use crate::storage::{FileId, FileTable};
 

@@ -21,7 +21,9 @@ use crate::kernels::{
     XXH3_OUTCOME_BYTES,
 };
 use crate::metrics::ReadPath as MetricsPath;
-use crate::pipeline::assemble::{BlockKey, CorruptBlock, CorruptReason, FillError, PlacementRuns};
+use crate::pipeline::stream_plan::{
+    BlockKey, CorruptBlock, CorruptReason, FillError, PlacementRuns,
+};
 use crate::storage::gpu::ReadPath;
 use crate::storage::windows::WindowId;
 use crate::storage::{Extent, FileId, IO_ALIGN_BYTES};

@@ -44,7 +44,7 @@ use memmap2::Mmap;
 
 use super::copy_helpers::{stop_all, Claims, CopyHelper, HelperStats, ShardCopy};
 use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
-use crate::pipeline::assemble::FillError;
+use crate::pipeline::stream_plan::FillError;
 use crate::storage::windows::{CopySource, PageCacheWindows};
 
 /// Registered windows a loader keeps pinned for copies in flight.

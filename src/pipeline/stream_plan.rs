@@ -1,0 +1,709 @@
+//! What a stream is, shared by both backends: the request ([`StreamRequest`]) validated into a plan
+//! ([`StreamPlan`]: order, rank share, field geometry in the slot), the bounds every stream obeys
+//! ([`StreamLimits`]), where a sample's bytes live ([`Placement`], [`PlacementRuns`]), and what filling
+//! a slot reports or fails with ([`FillReport`], [`FillError`], [`CorruptBlock`]).
+//!
+//! The CPU backend (`pipeline::cpu`) and the GPU backend (`pipeline::gpu`) both fill slots from one
+//! plan; nothing here reads a block.
+
+use std::sync::Arc;
+
+use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
+use gpufeed_proto::DType;
+
+use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
+use crate::decode::{self, BlockRef};
+use crate::device::DeviceError;
+use crate::format::Dataset;
+use crate::kernels::Lz4Status;
+use crate::storage::gpu::GpuReadError;
+use crate::storage::StorageError;
+
+/// Bounds applied to every stream.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamLimits {
+    /// Largest batch size.
+    pub batch_size_max: u32,
+    /// Largest world size.
+    pub world_size_max: u32,
+    /// Largest slot in bytes.
+    pub slot_bytes_max: u64,
+    /// Decoded blocks kept per stream, in bytes (a batch that needs more still decodes, then the cache
+    /// shrinks back).
+    pub cache_bytes_max: usize,
+    /// Reads in flight per stream.
+    pub queue_depth: usize,
+    /// Threads decoding the blocks of one batch on the CPU backend.
+    pub decode_threads: usize,
+    /// Slot bytes a stream of small batches gets in flight: a stream has `prefetch` slots, or more,
+    /// up to `PREFETCH_MAX` (64), while they fit in this many bytes, so that a consumer of small batches is
+    /// not held up by a round trip per few kilobytes.
+    pub ring_bytes: u64,
+}
+
+/// The default [`StreamLimits::ring_bytes`]: 32 MiB, 64 slots of batches up to 512 KiB, 16 of 2 MiB.
+pub const RING_BYTES_DEFAULT: u64 = 32 << 20;
+
+/// Slots of a stream: the requested `prefetch`, raised while `slot_bytes` more still fit in
+/// `ring_bytes`, at most [`spec::PREFETCH_MAX`] and no more than the stream's `steps` (a slot that
+/// could never be filled is memory for nothing).
+pub fn slot_count(prefetch: u32, slot_bytes: usize, ring_bytes: u64, steps: u64) -> u32 {
+    let by_bytes = (ring_bytes / slot_bytes.max(1) as u64)
+        .min(u64::from(spec::PREFETCH_MAX))
+        .min(steps) as u32;
+    prefetch.max(by_bytes)
+}
+
+impl StreamLimits {
+    /// Bounds suited to a training node: batches up to 1 Mi samples and 1 GiB a slot.
+    pub fn node_defaults() -> StreamLimits {
+        StreamLimits {
+            batch_size_max: 1 << 20,
+            world_size_max: 1 << 16,
+            slot_bytes_max: 1 << 30,
+            cache_bytes_max: 256 << 20,
+            queue_depth: 64,
+            decode_threads: std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(8),
+            ring_bytes: RING_BYTES_DEFAULT,
+        }
+    }
+}
+
+/// What a stream asks for, in the pipeline's terms. The socket server converts the consumer's wire
+/// request into it (`ipc`), so that the pipeline knows nothing of the wire format.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamRequest {
+    /// The fields to deliver, in slot order; empty for every field of the dataset in its order.
+    pub fields: Vec<FieldSelection>,
+    /// Samples per batch.
+    pub batch_size: u32,
+    /// Ranks sharing the epoch.
+    pub world_size: u32,
+    /// This stream's rank.
+    pub rank: u32,
+    /// Seed of the epoch's order.
+    pub seed: u64,
+    /// The epoch.
+    pub epoch: u64,
+    /// Position in the global order to start at (resume).
+    pub start_cursor: u64,
+    /// The order of the epoch.
+    pub shuffle: ShuffleMode,
+    /// What happens to the samples that do not fill a last step.
+    pub tail: Tail,
+    /// Slots in the stream's ring: how many batches may be filled ahead of the consumer.
+    pub prefetch: u32,
+    /// What to do with a sample whose block is corrupt.
+    pub on_corrupt: CorruptPolicy,
+    /// Where the slots live.
+    pub device: StreamDevice,
+}
+
+/// One field a stream asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldSelection {
+    /// The field's name in the dataset.
+    pub name: String,
+    /// The dtype to deliver; `None` for the stored one.
+    pub dtype: Option<DType>,
+}
+
+/// What to do with a sample whose block turns out corrupt while a stream is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CorruptPolicy {
+    /// End the stream with an error naming the block.
+    Fail,
+    /// Deliver an all-zero sample instead, counted in the batch's report.
+    Replace,
+}
+
+/// Where a stream's slots live, which decides the backend that fills them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamDevice {
+    /// Host memory, filled by the CPU backend.
+    Host,
+    /// Memory of this CUDA device, filled by the GPU backend.
+    Cuda(u32),
+}
+
+/// A stream request that cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The request breaks a rule or a bound; the message names the field of the request.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl PlanError {
+    fn spec(error: spec::SpecError) -> PlanError {
+        PlanError::Invalid(error.0)
+    }
+}
+
+/// Where one field goes in a slot.
+#[derive(Clone, Debug)]
+pub struct FieldPlan {
+    /// Index of the field in the dataset.
+    pub field_index: usize,
+    /// Field name.
+    pub name: String,
+    /// Stored dtype.
+    pub stored: DType,
+    /// Delivered dtype.
+    pub out: DType,
+    /// Per-sample shape.
+    pub sample_shape: Vec<u64>,
+    /// Stored bytes per sample.
+    pub sample_bytes_in: usize,
+    /// Delivered bytes per sample.
+    pub sample_bytes_out: usize,
+    /// Offset of the field's batch within a slot.
+    pub offset: usize,
+}
+
+/// Everything a stream needs to produce its batches: validated request, order, geometry.
+#[derive(Debug)]
+pub struct StreamPlan {
+    /// The dataset.
+    pub dataset: Arc<Dataset>,
+    /// The epoch.
+    pub epoch: u64,
+    /// Global order of the epoch.
+    pub order: EpochOrder,
+    /// This rank's share.
+    pub rank: RankPlan,
+    /// Start position in the global order.
+    pub start_cursor: u64,
+    /// Batches this stream will produce.
+    pub steps: u64,
+    /// Fields in slot order.
+    pub fields: Vec<FieldPlan>,
+    /// Bytes of one slot.
+    pub slot_bytes: usize,
+    /// Slots in the stream's ring.
+    pub slot_count: u32,
+    /// What to do with corrupt blocks.
+    pub on_corrupt: CorruptPolicy,
+}
+
+impl StreamPlan {
+    /// Validates `spec` against `dataset` and `limits`.
+    pub fn new(
+        dataset: Arc<Dataset>,
+        spec: &StreamRequest,
+        limits: &StreamLimits,
+    ) -> Result<StreamPlan, PlanError> {
+        let invalid = |s: String| Err(PlanError::Invalid(s));
+        // The spec's own rules (shared with the client and the socket server), then the daemon's
+        // limits.
+        spec::check_batch_size(spec.batch_size).map_err(PlanError::spec)?;
+        spec::check_rank(spec.rank, spec.world_size).map_err(PlanError::spec)?;
+        spec::check_prefetch(spec.prefetch).map_err(PlanError::spec)?;
+        if let ShuffleMode::Window { shards } = spec.shuffle {
+            spec::check_window_shards(shards).map_err(PlanError::spec)?;
+        }
+        if spec.batch_size > limits.batch_size_max {
+            return invalid(format!(
+                "batch_size {} is above the daemon's limit of {}",
+                spec.batch_size, limits.batch_size_max
+            ));
+        }
+        if spec.world_size > limits.world_size_max {
+            return invalid(format!(
+                "world_size {} is above the daemon's limit of {}",
+                spec.world_size, limits.world_size_max
+            ));
+        }
+        let manifest = &dataset.manifest;
+        let sample_count = manifest.sample_count;
+        if spec.start_cursor > sample_count {
+            return invalid(format!(
+                "start cursor {} is past the epoch's {sample_count} samples",
+                spec.start_cursor
+            ));
+        }
+        let mode = spec.shuffle;
+        let requested: Vec<(usize, Option<DType>)> = if spec.fields.is_empty() {
+            (0..manifest.fields.len()).map(|i| (i, None)).collect()
+        } else {
+            let mut out = Vec::with_capacity(spec.fields.len());
+            for request in &spec.fields {
+                let Some(index) = dataset.field_index(&request.name) else {
+                    let names: Vec<&str> =
+                        manifest.fields.iter().map(|f| f.name.as_str()).collect();
+                    return invalid(format!(
+                        "dataset '{}' has no field '{}' (fields: {})",
+                        manifest.name,
+                        request.name,
+                        names.join(", ")
+                    ));
+                };
+                if out.iter().any(|&(i, _)| i == index) {
+                    return invalid(format!("field '{}' is requested twice", request.name));
+                }
+                out.push((index, request.dtype));
+            }
+            out
+        };
+        let mut fields = Vec::with_capacity(requested.len());
+        let mut offset = 0u64;
+        for (index, dtype) in requested {
+            let field = &manifest.fields[index];
+            let out = dtype.unwrap_or(field.dtype);
+            if !decode::convert_supported(field.dtype, out) {
+                return invalid(format!(
+                    "field '{}': cannot convert {} to {out}",
+                    field.name, field.dtype
+                ));
+            }
+            let elements: u64 = field.shape.iter().product();
+            let sample_bytes_out = elements * out.size_bytes() as u64;
+            let batch_bytes = sample_bytes_out * spec.batch_size as u64;
+            fields.push(FieldPlan {
+                field_index: index,
+                name: field.name.clone(),
+                stored: field.dtype,
+                out,
+                sample_shape: field.shape.clone(),
+                sample_bytes_in: field.sample_bytes() as usize,
+                sample_bytes_out: sample_bytes_out as usize,
+                offset: offset as usize,
+            });
+            offset = (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES)
+                * FIELD_OFFSET_ALIGN_BYTES;
+            if offset > limits.slot_bytes_max {
+                return invalid(format!(
+                    "a batch of {} samples needs more than the {}-byte slot limit",
+                    spec.batch_size, limits.slot_bytes_max
+                ));
+            }
+        }
+        let rank = RankPlan {
+            world_size: spec.world_size,
+            rank: spec.rank,
+            batch_size: spec.batch_size,
+            tail: spec.tail,
+        };
+        if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
+            // Nothing would be served: say so rather than end the epoch at once, silently.
+            return invalid(format!(
+                "batch_size {} x world_size {} is more than the dataset's {sample_count} samples: \
+                 with tail drop no batch would be served (lower the batch size, or use tail pad)",
+                spec.batch_size, spec.world_size
+            ));
+        }
+        let shard_samples: Vec<u64> = manifest.shards.iter().map(|s| s.sample_count).collect();
+        let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, mode);
+        let steps = rank.steps_from(sample_count, spec.start_cursor);
+        Ok(StreamPlan {
+            epoch: spec.epoch,
+            steps,
+            order,
+            rank,
+            start_cursor: spec.start_cursor,
+            fields,
+            slot_bytes: offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
+            slot_count: slot_count(
+                spec.prefetch,
+                offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
+                limits.ring_bytes,
+                steps,
+            ),
+            on_corrupt: spec.on_corrupt,
+            dataset,
+        })
+    }
+
+    /// The global-order cursor once step `step` (counted from the stream's start) is consumed.
+    pub fn cursor_after(&self, step: u64) -> u64 {
+        (self.start_cursor + (step + 1) * self.rank.step_samples()).min(self.order.len())
+    }
+
+    /// The epoch step number of stream step `step`.
+    pub fn epoch_step(&self, step: u64) -> u64 {
+        self.start_cursor / self.rank.step_samples() + step
+    }
+
+    /// The samples of stream step `step` for this rank.
+    pub fn batch_samples(&self, step: u64) -> impl Iterator<Item = u64> + '_ {
+        self.rank
+            .batch_positions(self.order.len(), self.start_cursor, step)
+            .map(|position| self.order.sample_at(position))
+    }
+
+    /// Where every (sample, field) of stream step `step` lives, row by row (`fields.len()` entries
+    /// per sample, in field order).
+    pub fn placements(&self, step: u64) -> Vec<Placement> {
+        let samples: Vec<u64> = self.batch_samples(step).collect();
+        samples
+            .iter()
+            .flat_map(|&sample| self.fields.iter().map(move |field| (sample, field)))
+            .map(|(sample, field)| {
+                let (shard, start, end) = self.locate(sample, field.field_index);
+                let blocks = self.blocks_for(shard, field.field_index, start, end);
+                Placement {
+                    shard,
+                    start,
+                    end,
+                    blocks,
+                }
+            })
+            .collect()
+    }
+
+    /// The rows of stream step `step` grouped into runs: consecutive rows whose samples are consecutive
+    /// in one shard, at most `run_out_bytes_max` delivered bytes per field (at least one row). A run's
+    /// bytes are contiguous in each field's stream and in the slot, so it is read, checked and gathered
+    /// like one large sample. Without shuffling a batch is a few runs; fully shuffled, one run per row.
+    pub fn placement_runs(&self, step: u64, run_out_bytes_max: usize) -> PlacementRuns {
+        let widest = self
+            .fields
+            .iter()
+            .map(|f| f.sample_bytes_out)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let rows_max = (run_out_bytes_max / widest).max(1);
+        let shards = &self.dataset.manifest.shards;
+        // (first row, rows, first sample, shard)
+        let mut spans: Vec<(usize, usize, u64, usize)> = Vec::new();
+        for (row, sample) in self.batch_samples(step).enumerate() {
+            if let Some(last) = spans.last_mut() {
+                let shard = &shards[last.3];
+                if sample == last.2 + last.1 as u64
+                    && sample < shard.first_sample + shard.sample_count
+                    && last.1 < rows_max
+                {
+                    last.1 += 1;
+                    continue;
+                }
+            }
+            let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
+            spans.push((row, 1, sample, shard));
+        }
+        let mut hints: Vec<(usize, u32)> = vec![(usize::MAX, 0); self.fields.len()];
+        let mut placements = Vec::with_capacity(spans.len() * self.fields.len());
+        for &(_, rows, sample, _) in &spans {
+            for (field, hint) in self.fields.iter().zip(hints.iter_mut()) {
+                let (shard, start, end) = self.locate(sample, field.field_index);
+                let end = end + (rows as u64 - 1) * (end - start);
+                let blocks = self.blocks_for_hinted(shard, field.field_index, start, end, hint);
+                placements.push(Placement {
+                    shard,
+                    start,
+                    end,
+                    blocks,
+                });
+            }
+        }
+        PlacementRuns {
+            runs: spans
+                .iter()
+                .map(|&(first, rows, ..)| (first, rows))
+                .collect(),
+            placements,
+        }
+    }
+
+    /// As [`Self::blocks_for`], trying first the block where the previous range of the same field
+    /// ended (`hint`: shard and block), which is where consecutive ranges usually start.
+    fn blocks_for_hinted(
+        &self,
+        shard: usize,
+        field: usize,
+        start: u64,
+        end: u64,
+        hint: &mut (usize, u32),
+    ) -> std::ops::Range<u32> {
+        let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
+        let covers = |i: usize| {
+            blocks
+                .get(i)
+                .is_some_and(|b| b.raw_offset <= start && start < b.raw_offset + b.raw_bytes as u64)
+        };
+        let first = if hint.0 == shard && covers(hint.1 as usize) {
+            hint.1 as usize
+        } else if hint.0 == shard && covers(hint.1 as usize + 1) {
+            hint.1 as usize + 1
+        } else {
+            return {
+                let range = self.blocks_for(shard, field, start, end);
+                *hint = (shard, range.end.saturating_sub(1));
+                range
+            };
+        };
+        let mut last = first;
+        while last < blocks.len() && blocks[last].raw_offset < end {
+            last += 1;
+        }
+        *hint = (shard, (last.max(first + 1) - 1) as u32);
+        first as u32..last as u32
+    }
+
+    /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
+    /// stream in that shard.
+    pub(crate) fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
+        let shards = &self.dataset.manifest.shards;
+        let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
+        let local = sample - shards[shard].first_sample;
+        let sample_bytes = self.dataset.manifest.fields[field].sample_bytes();
+        (shard, local * sample_bytes, (local + 1) * sample_bytes)
+    }
+
+    /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
+    pub(crate) fn blocks_for(
+        &self,
+        shard: usize,
+        field: usize,
+        start: u64,
+        end: u64,
+    ) -> std::ops::Range<u32> {
+        let blocks = self.dataset.shards[shard].metadata.field_blocks(field);
+        // Blocks of a field hold the same raw size but the last, so the first block is found by a
+        // division: one look-up instead of a binary search whose steps miss the cache when rows are
+        // shuffled over a large block table.
+        if let Some(size) = blocks
+            .first()
+            .map(|b| b.raw_bytes as u64)
+            .filter(|&s| s > 0)
+        {
+            let guess = (start / size) as usize;
+            if blocks
+                .get(guess)
+                .is_some_and(|b| b.raw_offset <= start && start < b.raw_offset + b.raw_bytes as u64)
+            {
+                let mut last = guess + 1;
+                while last < blocks.len() && blocks[last].raw_offset < end {
+                    last += 1;
+                }
+                return guess as u32..last as u32;
+            }
+        }
+        let first = blocks.partition_point(|b| b.raw_offset + b.raw_bytes as u64 <= start);
+        let last = blocks.partition_point(|b| b.raw_offset < end);
+        first as u32..last as u32
+    }
+}
+
+/// A batch's rows grouped into runs (see [`StreamPlan::placement_runs`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlacementRuns {
+    /// First row and number of rows of each run, in row order.
+    pub runs: Vec<(usize, usize)>,
+    /// Per run, one placement per field (in field order) covering all of the run's rows.
+    pub placements: Vec<Placement>,
+}
+
+/// Where one field of one sample lives: its shard, its raw byte range in the field's stream there, and
+/// the blocks (indices within the field) that hold the range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Shard index.
+    pub shard: usize,
+    /// First raw byte of the sample in the field's stream.
+    pub start: u64,
+    /// One past the last raw byte.
+    pub end: u64,
+    /// The blocks overlapping `start..end`.
+    pub blocks: std::ops::Range<u32>,
+}
+
+/// Identifies a block: shard, field and block index within the field (ordered by file position).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct BlockKey {
+    pub(crate) shard: u32,
+    pub(crate) field: u32,
+    pub(crate) block: u32,
+}
+
+/// What filling one slot produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FillReport {
+    /// Samples in the batch.
+    pub samples: u32,
+    /// Samples zero-filled because a block was corrupt.
+    pub replaced: u32,
+}
+
+/// Why a block is unusable. Built only when a block is found bad, so the hot path carries none.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CorruptReason {
+    /// The stored bytes do not hash to the checksum in the block table.
+    #[error("checksum mismatch (table says {expected:016x}, payload hashes to {computed:016x})")]
+    Checksum {
+        /// Checksum from the block table.
+        expected: u64,
+        /// Checksum of the bytes read.
+        computed: u64,
+    },
+    /// The LZ4 kernel refused the payload (GPU backend).
+    #[error("LZ4 block does not decode ({status} after {produced} bytes)")]
+    Lz4Kernel {
+        /// The kernel's status.
+        status: Lz4Status,
+        /// Bytes decoded before the fault.
+        produced: u32,
+    },
+    /// The CPU LZ4 decoder refused the payload.
+    #[error("corrupt LZ4 block: {0}")]
+    Lz4(String),
+    /// The payload decoded to fewer bytes than the table says.
+    #[error("decoded to {produced} bytes, the table says {expected}")]
+    Size {
+        /// `raw_bytes` from the table.
+        expected: u32,
+        /// Bytes the decoder produced.
+        produced: usize,
+    },
+    /// The payload could not be read; the read error's message.
+    #[error("{0}")]
+    Unreadable(String),
+}
+
+/// A block found unusable, and why.
+#[derive(Clone, Debug)]
+pub struct CorruptBlock {
+    /// The block: shard, field and block index.
+    pub block: BlockRef,
+    /// What is wrong with it.
+    pub reason: CorruptReason,
+}
+
+impl CorruptBlock {
+    /// The error that ends a stream whose policy is to fail on this block.
+    pub fn to_error(&self) -> FillError {
+        FillError::Corrupt {
+            block: self.block.clone(),
+            reason: self.reason.clone(),
+        }
+    }
+}
+
+impl From<decode::BlockError> for CorruptBlock {
+    fn from(error: decode::BlockError) -> CorruptBlock {
+        let block = error.block().clone();
+        let reason = match error {
+            decode::BlockError::Checksum {
+                expected, computed, ..
+            } => CorruptReason::Checksum { expected, computed },
+            decode::BlockError::Lz4 { reason, .. } => CorruptReason::Lz4(reason),
+            decode::BlockError::Size {
+                expected, produced, ..
+            } => CorruptReason::Size { expected, produced },
+            decode::BlockError::Io { source, .. } => {
+                CorruptReason::Unreadable(format!("read failed: {source}"))
+            }
+        };
+        CorruptBlock { block, reason }
+    }
+}
+
+/// A batch could not be filled.
+#[derive(Debug, thiserror::Error)]
+pub enum FillError {
+    /// A block is corrupt and the policy is to fail.
+    #[error("{block}: {reason}")]
+    Corrupt {
+        /// The block: shard, field and block index.
+        block: BlockRef,
+        /// What is wrong with it.
+        reason: CorruptReason,
+    },
+    /// The storage engine failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// A device operation failed (GPU backend).
+    #[error("{0}")]
+    Device(#[from] DeviceError),
+    /// The GPU reader failed as a whole (not one block).
+    #[error("{0}")]
+    Read(#[from] GpuReadError),
+    /// One sample needs more device memory than a round of the GPU backend has.
+    #[error(
+        "sample {sample} of the batch needs more device memory than one round has (staging \
+         {staging_bytes} bytes, scratch {scratch_bytes} bytes, {pieces_max} gather pieces, \
+         {cache_entries} cache entries of {entry_bytes} bytes): raise the GPU stream limits"
+    )]
+    RoundTooSmall {
+        /// The sample's position in the batch.
+        sample: usize,
+        /// Staging buffer of a round.
+        staging_bytes: usize,
+        /// Shuffle scratch.
+        scratch_bytes: u64,
+        /// Gather pieces of a round.
+        pieces_max: usize,
+        /// Entries of the block cache.
+        cache_entries: u32,
+        /// Bytes of one cache entry.
+        entry_bytes: u64,
+    },
+    /// The gather kernel refused pieces of its table: a bug in the batch plan, not bad data.
+    #[error("the gather kernel refused {pieces} pieces (last {last}): a bug in the batch plan")]
+    GatherRefused {
+        /// Pieces refused.
+        pieces: u32,
+        /// Index of the last piece refused.
+        last: u32,
+    },
+    /// Copying a shard into device memory ahead of the rows that read it failed (a stream whose
+    /// dataset is larger than the registration budget).
+    #[error("copying {} into device memory: {source}", shard.display())]
+    ShardCopy {
+        /// The shard.
+        shard: std::path::PathBuf,
+        /// Why.
+        source: std::sync::Arc<std::io::Error>,
+    },
+    /// A stream's rows need more shards on the device at once than its device shard memory holds.
+    #[error(
+        "a round of this stream reads {needed} shards but the stream's device shard memory holds          {slots}: raise --device-shard-memory"
+    )]
+    ShardSlotsTooFew {
+        /// Shards one round reads.
+        needed: usize,
+        /// Slots the stream has.
+        slots: usize,
+    },
+    /// The thread planning a resident stream's rows stopped before this step (it panicked).
+    #[error("the planning thread stopped before step {step}: a bug in the batch plan")]
+    PlannerStopped {
+        /// The step that was not planned.
+        step: u64,
+    },
+}
+
+impl FillError {
+    /// Whether the device ran out of memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, FillError::Device(DeviceError::Driver(error)) if error.is_out_of_memory())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Consumers read these texts: they say what is wrong in words, not as Rust debug output.
+    #[test]
+    fn lz4_kernel_faults_are_told_in_words() {
+        for status in [
+            Lz4Status::InputOverrun,
+            Lz4Status::OutputOverrun,
+            Lz4Status::BadOffset,
+            Lz4Status::SizeMismatch,
+            Lz4Status::BadJob,
+            Lz4Status::Unknown(9),
+        ] {
+            let text = CorruptReason::Lz4Kernel {
+                status,
+                produced: 7,
+            }
+            .to_string();
+            assert!(!text.contains(&format!("{status:?}")), "{text}");
+            assert!(text.contains("after 7 bytes"), "{text}");
+        }
+    }
+}
