@@ -756,7 +756,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             "gpufeed_host_stream_memory_budget_bytes",
             "gauge",
             "Host memory for streams: slots, working sets and the decoded-block cache",
-            cache.budget_bytes,
+            snapshot.slot_bytes_max,
         ),
         (
             "gpufeed_block_cache_hits_total",

@@ -48,8 +48,9 @@ use crate::metrics::Metrics;
 const LOCK_SHARDS: usize = 16;
 
 /// Working set a host stream reserves beside its slots at least: the decoded blocks of the part of a
-/// batch it fills at once. 8 MiB holds 128 blocks of 64 KiB, enough for the decode threads to share.
-pub const WORKING_SET_BYTES_MIN: u64 = 8 << 20;
+/// batch it fills at once. 4 MiB holds 64 blocks of 64 KiB, enough for the decode threads to share
+/// (a thread takes 4 blocks at least), and 200 streams reserve 800 MiB of the budget for it.
+pub const WORKING_SET_BYTES_MIN: u64 = 4 << 20;
 
 /// Identifies a cached block: the dataset (see [`BlockCache::open`]), shard, field and block index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
