@@ -10,7 +10,8 @@
 //! The dataset is generated and packed into a temporary directory: an embedding-like fp16[512] field
 //! (1 KiB a row, incompressible: stored raw) in 4 shards, delivered as f32. Each configuration runs
 //! `--runs` times, each run on a fresh assembler (nothing kept from the previous run but the page
-//! cache, warmed by one untimed epoch first); one JSON line per run, then the medians.
+//! cache, warmed by one untimed epoch first), the orders taking turns run by run (so that a change of
+//! the machine's load weighs on every order alike); one JSON line per run, then the medians.
 //!
 //! `--data tokens` packs int32 token rows instead (`--row-tokens` a row, zipf-distributed ids that
 //! LZ4 with the byte shuffle stores about 2.5x smaller) and delivers them as stored; the decoded-block
@@ -176,13 +177,17 @@ fn main() -> Result<()> {
         warm.read,
         warm.read as f64 / (warm.delivered / input_divisor(tokens)) as f64
     );
-    for (name, shuffle) in modes {
-        if !args.orders.iter().any(|o| o == name) {
-            continue;
-        }
-        let mut rates = Vec::new();
-        let mut amplification = Vec::new();
-        for run in 0..args.runs {
+    let modes: Vec<(&str, Shuffle)> = modes
+        .into_iter()
+        .filter(|(name, _)| args.orders.iter().any(|o| o == name))
+        .collect();
+    // Runs interleave the orders (none, window, full, none, ...), so that a machine whose load
+    // changes over the minutes weighs on every order alike and the ratios stay fair.
+    let mut rates = vec![Vec::new(); modes.len()];
+    let mut amplification = vec![Vec::new(); modes.len()];
+    for run in 0..args.runs {
+        for (index, &(name, shuffle)) in modes.iter().enumerate() {
+            let (rates, amplification) = (&mut rates[index], &mut amplification[index]);
             let e = epoch(&dataset, &args, shuffle, &limits)?;
             let (seconds, delivered, read) = (e.seconds, e.delivered, e.read);
             let input_bytes = delivered / input_divisor(tokens);
@@ -213,7 +218,12 @@ fn main() -> Result<()> {
                 read as f64 / input_bytes as f64
             });
         }
-        medians.push((name, median(&mut rates), median(&mut amplification)));
+    }
+    for ((name, _), (rates, amplification)) in modes
+        .iter()
+        .zip(rates.iter_mut().zip(amplification.iter_mut()))
+    {
+        medians.push((*name, median(rates), median(amplification)));
     }
     if args.row_probe {
         row_probe(&dataset, &args)?;

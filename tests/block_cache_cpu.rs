@@ -147,9 +147,9 @@ fn what_is_kept_stays_within_the_budget_while_many_streams_fill() {
     let metrics = Arc::new(Metrics::new());
     let budget = 512 << 10;
     let cache = BlockCache::new(budget, Arc::clone(&metrics));
-    let streams = 6;
+    let streams = 6u64;
     std::thread::scope(|scope| {
-        for stream in 0..streams {
+        for stream in 0..streams as usize {
             let (dataset, source, name) = if stream % 3 == 2 {
                 (&two, &source_two, "two")
             } else {
