@@ -505,6 +505,42 @@ impl RunningStream {
     }
 }
 
+/// Reserves the host memory a stream of `plan` on `backend` holds in the daemon's budget (its slots,
+/// and a host stream's decoded-block working set beside them) and shrinks the shared block cache to
+/// what the reservations leave: the bytes reserved, or the error refusing the stream.
+fn reserve_stream_memory(
+    shared: &Shared,
+    plan: &StreamPlan,
+    backend: StreamBackend<'_>,
+) -> Result<u64, (ErrorCode, String)> {
+    // A host stream reserves the decoded blocks it may hold beyond the shared cache beside its slots:
+    // the slots, the working sets and the cache share one budget.
+    let working_set = match backend {
+        StreamBackend::Cpu => working_set_bytes(plan),
+        StreamBackend::Gpu(_) => 0,
+    };
+    let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
+        .saturating_mul(u64::from(plan.slot_count))
+        .saturating_add(working_set);
+    if !shared
+        .config
+        .metrics
+        .reserve_slot_bytes(ring_bytes, shared.config.slot_memory_bytes_max)
+    {
+        return Err((
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{ring_bytes} bytes of slots (and {working_set} of them the stream's decoded-block \
+                 working set) would exceed the daemon's {}-byte slot memory limit",
+                shared.config.slot_memory_bytes_max
+            ),
+        ));
+    }
+    // The cache keeps what the open streams' reservations leave.
+    shared.block_cache.shrink_to_capacity();
+    Ok(ring_bytes)
+}
+
 fn open_stream(
     shared: &Arc<Shared>,
     writer: &Arc<Mutex<UnixStream>>,
@@ -533,28 +569,8 @@ fn open_stream(
         StreamPlan::new(dataset, &request, limits)
             .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
     );
-    // A host stream reserves the decoded blocks it may hold beyond the shared cache beside its slots:
-    // the slots, the working sets and the cache share one budget.
-    let working_set = match backend {
-        StreamBackend::Cpu => working_set_bytes(&plan),
-        StreamBackend::Gpu(_) => 0,
-    };
-    let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
-        .saturating_mul(u64::from(plan.slot_count))
-        .saturating_add(working_set);
+    let ring_bytes = reserve_stream_memory(shared, &plan, backend)?;
     let metrics = &shared.config.metrics;
-    if !metrics.reserve_slot_bytes(ring_bytes, shared.config.slot_memory_bytes_max) {
-        return Err((
-            ErrorCode::ResourceExhausted,
-            format!(
-                "{ring_bytes} bytes of slots (and {working_set} of them the stream's decoded-block \
-                 working set) would exceed the daemon's {}-byte slot memory limit",
-                shared.config.slot_memory_bytes_max
-            ),
-        ));
-    }
-    // The cache keeps what the open streams' reservations leave.
-    shared.block_cache.shrink_to_capacity();
     let undo = |code, message: String| {
         metrics.unreserve_slot_bytes(ring_bytes);
         (code, message)

@@ -460,6 +460,57 @@ impl Assembler {
         Some(extent.len as u64)
     }
 
+    /// Reads `extents` into the staging buffer: from the page cache where all their pages are cached,
+    /// with the engine otherwise. One result per extent.
+    fn read_extents(
+        &mut self,
+        extents: &[Extent],
+    ) -> Result<Vec<Result<(), crate::storage::ReadError>>, StorageError> {
+        // Blocks whose pages are cached are copied from the page cache (a buffered read): the
+        // engine would read them from the disk again with O_DIRECT, once per miss of the block
+        // cache, where a shuffled order over a dataset larger than the cache misses often.
+        let mut results: Vec<Option<Result<(), crate::storage::ReadError>>> =
+            (0..extents.len()).map(|_| None).collect();
+        let mut page_cache_bytes = 0u64;
+        for (extent, result) in extents.iter().zip(results.iter_mut()) {
+            if let Some(bytes) = self.read_cached(extent) {
+                *result = Some(Ok(()));
+                page_cache_bytes += bytes;
+            }
+        }
+        let cold: Vec<Extent> = extents
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_none())
+            .map(|(e, _)| *e)
+            .collect();
+        if !cold.is_empty() {
+            let cold_results = self
+                .engine
+                .read(&self.files, &cold, self.staging.as_mut_slice())?;
+            let read_bytes: usize = cold
+                .iter()
+                .zip(&cold_results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(e, _)| e.len)
+                .sum();
+            self.metrics
+                .add_read_bytes(self.read_path, read_bytes as u64);
+            let mut cold_results = cold_results.into_iter();
+            for result in results.iter_mut().filter(|r| r.is_none()) {
+                *result = cold_results.next();
+            }
+        }
+        if page_cache_bytes > 0 {
+            self.metrics
+                .add_read_bytes(ReadPath::PageCache, page_cache_bytes);
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every extent read one way or the other"))
+            .collect())
+    }
+
     /// Reads and decodes `keys` into the cache.
     fn load(&mut self, keys: &[BlockKey]) -> Result<(), StorageError> {
         let align = IO_ALIGN_BYTES as usize;
@@ -493,49 +544,7 @@ impl Assembler {
                 dest += len;
                 end += 1;
             }
-            // Blocks whose pages are cached are copied from the page cache (a buffered read): the
-            // engine would read them from the disk again with O_DIRECT, once per miss of the block
-            // cache, where a shuffled order over a dataset larger than the cache misses often.
-            let mut results: Vec<Option<Result<(), crate::storage::ReadError>>> =
-                (0..extents.len()).map(|_| None).collect();
-            let mut page_cache_bytes = 0u64;
-            for (extent, result) in extents.iter().zip(results.iter_mut()) {
-                if let Some(bytes) = self.read_cached(extent) {
-                    *result = Some(Ok(()));
-                    page_cache_bytes += bytes;
-                }
-            }
-            let cold: Vec<Extent> = extents
-                .iter()
-                .zip(&results)
-                .filter(|(_, r)| r.is_none())
-                .map(|(e, _)| *e)
-                .collect();
-            if !cold.is_empty() {
-                let cold_results =
-                    self.engine
-                        .read(&self.files, &cold, self.staging.as_mut_slice())?;
-                let read_bytes: usize = cold
-                    .iter()
-                    .zip(&cold_results)
-                    .filter(|(_, r)| r.is_ok())
-                    .map(|(e, _)| e.len)
-                    .sum();
-                self.metrics
-                    .add_read_bytes(self.read_path, read_bytes as u64);
-                let mut cold_results = cold_results.into_iter();
-                for result in results.iter_mut().filter(|r| r.is_none()) {
-                    *result = cold_results.next();
-                }
-            }
-            if page_cache_bytes > 0 {
-                self.metrics
-                    .add_read_bytes(ReadPath::PageCache, page_cache_bytes);
-            }
-            let results: Vec<Result<(), crate::storage::ReadError>> = results
-                .into_iter()
-                .map(|r| r.expect("every extent read one way or the other"))
-                .collect();
+            let results = self.read_extents(&extents)?;
             let decode_started = std::time::Instant::now();
             // Decode the blocks of this read on up to `decode_threads` threads: decoding, not
             // reading, is the CPU backend's bottleneck.
