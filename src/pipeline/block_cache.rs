@@ -33,9 +33,10 @@
 //!
 //! # Closing
 //!
-//! When the last stream of a dataset closes, its blocks are dropped and the allocator is asked to
-//! return freed memory to the system (mimalloc keeps freed pages of exited threads' heaps
-//! otherwise: the daemon's RSS stayed gigabytes above its baseline after every stream had closed).
+//! When the last stream of a dataset closes, its blocks are dropped; when any stream closes, the
+//! allocator is asked to return freed memory to the system (mimalloc keeps the freed pages of exited
+//! threads' heaps otherwise: the daemon's RSS stayed gigabytes above its baseline after every stream
+//! had closed; in `examples/rss_probe.rs`, 871 MiB after 200 streams closed without it, 29 MiB with).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -261,8 +262,12 @@ impl BlockCache {
         };
         if last {
             self.drop_dataset(dataset);
-            release_free_memory();
         }
+        // On every close, not only the last of a dataset: the closing stream's filler thread is
+        // about to exit, and the pages its heap freed (working sets, evicted blocks) would stay
+        // with the process otherwise (20 streams: 391 MiB resident after closing without this,
+        // 22 MiB with it).
+        release_free_memory();
     }
 
     /// Drops every entry of `dataset` (entries in use stay alive with their users, counted as held).
