@@ -36,7 +36,7 @@
 //! When the last stream of a dataset closes, its blocks are dropped; when any stream closes, the
 //! allocator is asked to return freed memory to the system (mimalloc keeps the freed pages of exited
 //! threads' heaps otherwise: the daemon's RSS stayed gigabytes above its baseline after every stream
-//! had closed; in `examples/rss_probe.rs`, 871 MiB after 200 streams closed without it, 29 MiB with).
+//! had closed; measured in `docs/benchmarks/cpu-block-cache-2026-11-28.md`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -265,8 +265,7 @@ impl BlockCache {
         }
         // On every close, not only the last of a dataset: the closing stream's filler thread is
         // about to exit, and the pages its heap freed (working sets, evicted blocks) would stay
-        // with the process otherwise (20 streams: 391 MiB resident after closing without this,
-        // 22 MiB with it).
+        // with the process otherwise.
         release_free_memory();
     }
 
@@ -373,8 +372,8 @@ impl BlockCache {
         }
         let at = shard.entries.len();
         // Inserted referenced, as a page loaded under CLOCK: an entry inserted unreferenced is the
-        // hand's first victim, before its second use, which made a window shuffle whose window fits
-        // the cache decode each block 2.6 times instead of once.
+        // hand's first victim, before its second use, and a window shuffle whose window fits the
+        // cache then decoded blocks more than once.
         shard.entries.push(Entry {
             key,
             block,
