@@ -10,7 +10,20 @@
 //! The dataset is generated and packed into a temporary directory: an embedding-like fp16[512] field
 //! (1 KiB a row, incompressible: stored raw) in 4 shards, delivered as f32. Each configuration runs
 //! `--runs` times, each run on a fresh assembler (nothing kept from the previous run but the page
-//! cache, warmed by one untimed epoch first); one JSON line per run, then the medians.
+//! cache, warmed by one untimed epoch first), the orders taking turns run by run (so that a change of
+//! the machine's load weighs on every order alike); one JSON line per run, then the medians.
+//!
+//! `--data tokens` packs int32 token rows instead (`--row-tokens` a row, zipf-distributed ids that
+//! LZ4 with the byte shuffle stores about 2.5x smaller) and delivers them as stored; the decoded-block
+//! cache is the daemon's shared one (`pipeline::block_cache`), `--cache-bytes` large (a quarter of
+//! the decoded dataset unless given). Each line then also says the bytes read from the shard files
+//! by the read engine (`disk_read_bytes`, O_DIRECT where the file system allows it) and from their
+//! page cache in place (`page_cache_read_bytes`), per byte stored, and the cache's hits, misses and
+//! evictions:
+//!
+//! ```text
+//! cargo run --release --example order_bench -- --data tokens --samples 131072 --samples-per-shard 8192
+//! ```
 //!
 //! `--row-probe` adds the machine's own ceiling for the shuffled orders: the rows of one window's
 //! shards copied and converted to f32 by a bare loop (no planning, no block lookups; the same
@@ -26,7 +39,7 @@ use anyhow::Result;
 use clap::Parser;
 use gpufeed::format::Dataset;
 use gpufeed::input::FieldSource;
-use gpufeed::metrics::Metrics;
+use gpufeed::metrics::{Metrics, ReadPath};
 use gpufeed::pack::{self, CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
 use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan, StreamRequest};
 use gpufeed::synth;
@@ -54,24 +67,72 @@ struct Args {
     /// Also measure the bare row copy in file order and in a random order (see above).
     #[arg(long)]
     row_probe: bool,
+    /// The data: `embedding` (fp16 rows, stored raw) or `tokens` (int32 rows, LZ4).
+    #[arg(long, default_value = "embedding")]
+    data: String,
+    /// Tokens per row with `--data tokens`.
+    #[arg(long, default_value_t = 2048)]
+    row_tokens: u64,
+    /// Samples per shard (default: a quarter of the samples).
+    #[arg(long)]
+    samples_per_shard: Option<u64>,
+    /// Raw bytes per block.
+    #[arg(long, default_value_t = 64 << 10)]
+    block_bytes: u32,
+    /// Bytes the decoded-block cache may keep (default: the stream limit's 256 MiB with `embedding`,
+    /// a quarter of the decoded dataset with `tokens`).
+    #[arg(long)]
+    cache_bytes: Option<u64>,
 }
 
 const ROW_ELEMENTS: u64 = 512;
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dir = tempfile::tempdir()?;
-    let fields = vec![FieldSource::from_bytes(
-        "embedding",
-        DType::F16,
-        vec![ROW_ELEMENTS],
-        synth::embedding_f16((args.samples * ROW_ELEMENTS) as usize, 1),
-    )?];
+    let tokens = args.data == "tokens";
+    // Under the working directory: /tmp may be a memory file system, where O_DIRECT reads fail.
+    let dir = tempfile::tempdir_in(".")?;
+    let fields = if tokens {
+        // Generated in parallel: a billion zipf draws on one core take half a minute.
+        let total = (args.samples * args.row_tokens) as usize;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = total.div_ceil(threads);
+        let parts: Vec<Vec<u8>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let count = per.min(total.saturating_sub(t * per));
+                    scope.spawn(move || synth::zipf_tokens_i32(count, 1 + t as u64))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        vec![FieldSource::from_bytes(
+            "tokens",
+            DType::I32,
+            vec![args.row_tokens],
+            parts.concat(),
+        )?]
+    } else {
+        vec![FieldSource::from_bytes(
+            "embedding",
+            DType::F16,
+            vec![ROW_ELEMENTS],
+            synth::embedding_f16((args.samples * ROW_ELEMENTS) as usize, 1),
+        )?]
+    };
+    let decoded_bytes: u64 = fields.iter().map(|f| f.total_bytes()).sum();
     let options = PackOptions {
         name: "order".into(),
-        block_bytes: 64 << 10,
-        samples_per_shard: Some(args.samples.div_ceil(4)),
-        codec: CodecChoice::Auto,
+        block_bytes: args.block_bytes,
+        samples_per_shard: Some(
+            args.samples_per_shard
+                .unwrap_or_else(|| args.samples.div_ceil(4)),
+        ),
+        codec: if tokens {
+            CodecChoice::Lz4
+        } else {
+            CodecChoice::Auto
+        },
         shuffle: ShuffleChoice::Auto,
         on_existing: OnExisting::Refuse,
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -92,8 +153,14 @@ fn main() -> Result<()> {
             .count();
         (raw + raw_here, all + field.len())
     });
-    println!("{{\"dataset_bytes_stored\":{stored_bytes},\"blocks\":{blocks},\"raw_blocks\":{raw_blocks}}}");
-    let limits = StreamLimits::node_defaults();
+    let mut limits = StreamLimits::node_defaults();
+    let cache_bytes = args.cache_bytes.unwrap_or(if tokens {
+        decoded_bytes / 4
+    } else {
+        limits.cache_bytes_max as u64
+    });
+    limits.cache_bytes_max = cache_bytes as usize;
+    println!("{{\"data\":\"{}\",\"dataset_bytes_stored\":{stored_bytes},\"dataset_bytes_decoded\":{decoded_bytes},\"blocks\":{blocks},\"raw_blocks\":{raw_blocks},\"shards\":{},\"cache_bytes\":{cache_bytes},\"block_bytes\":{}}}", args.data, dataset.shards.len(), args.block_bytes);
     let modes = [
         ("none", Shuffle::None),
         ("window", Shuffle::Window(args.window_shards)),
@@ -102,31 +169,61 @@ fn main() -> Result<()> {
     let mut medians = Vec::new();
     // One epoch warms the page cache (and the dataset's record of verified blocks): reported, not
     // counted in the medians.
-    let (seconds, delivered, read) = epoch(&dataset, &args, Shuffle::None, &limits)?;
+    let warm = epoch(&dataset, &args, Shuffle::None, &limits)?;
     println!(
-        "{{\"warm_up\":\"none\",\"seconds\":{seconds:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3}}}",
-        read as f64 / (delivered / 2) as f64
+        "{{\"warm_up\":\"none\",\"seconds\":{:.4},\"delivered_bytes\":{},\"read_bytes\":{},\"read_per_input_byte\":{:.3}}}",
+        warm.seconds,
+        warm.delivered,
+        warm.read,
+        warm.read as f64 / (warm.delivered / input_divisor(tokens)) as f64
     );
-    for (name, shuffle) in modes {
-        if !args.orders.iter().any(|o| o == name) {
-            continue;
-        }
-        let mut rates = Vec::new();
-        let mut amplification = Vec::new();
-        for run in 0..args.runs {
-            let (seconds, delivered, read) = epoch(&dataset, &args, shuffle, &limits)?;
-            let input_bytes = delivered / 2;
+    let modes: Vec<(&str, Shuffle)> = modes
+        .into_iter()
+        .filter(|(name, _)| args.orders.iter().any(|o| o == name))
+        .collect();
+    // Runs interleave the orders (none, window, full, none, ...), so that a machine whose load
+    // changes over the minutes weighs on every order alike and the ratios stay fair.
+    let mut rates = vec![Vec::new(); modes.len()];
+    let mut amplification = vec![Vec::new(); modes.len()];
+    for run in 0..args.runs {
+        for (index, &(name, shuffle)) in modes.iter().enumerate() {
+            let (rates, amplification) = (&mut rates[index], &mut amplification[index]);
+            let e = epoch(&dataset, &args, shuffle, &limits)?;
+            let (seconds, delivered, read) = (e.seconds, e.delivered, e.read);
+            let input_bytes = delivered / input_divisor(tokens);
             let rate = input_bytes as f64 / seconds / 1e9;
+            let rate_key = if tokens {
+                "gb_per_s_i32"
+            } else {
+                "gb_per_s_fp16_in"
+            };
             println!(
-                "{{\"order\":\"{name}\",\"run\":{run},\"batch_size\":{},\"samples\":{},\"stored_bytes\":{stored_bytes},\"seconds\":{seconds:.4},\"gb_per_s_fp16_in\":{rate:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3}}}",
+                "{{\"order\":\"{name}\",\"run\":{run},\"batch_size\":{},\"samples\":{},\"stored_bytes\":{stored_bytes},\"seconds\":{seconds:.4},\"{rate_key}\":{rate:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3},\"disk_read_bytes\":{},\"page_cache_read_bytes\":{},\"disk_read_per_stored_byte\":{:.3},\"decode_seconds\":{:.4},\"cache_hits\":{},\"cache_misses\":{},\"cache_evictions\":{},\"cache_kept_bytes_end\":{}}}",
                 args.batch_size,
                 args.samples,
-                read as f64 / input_bytes as f64
+                read as f64 / input_bytes as f64,
+                e.disk,
+                e.page_cache,
+                e.disk as f64 / stored_bytes as f64,
+                e.decode_seconds,
+                e.cache.hits,
+                e.cache.misses,
+                e.cache.evictions,
+                e.cache.kept_bytes,
             );
             rates.push(rate);
-            amplification.push(read as f64 / input_bytes as f64);
+            amplification.push(if tokens {
+                e.disk as f64 / stored_bytes as f64
+            } else {
+                read as f64 / input_bytes as f64
+            });
         }
-        medians.push((name, median(&mut rates), median(&mut amplification)));
+    }
+    for ((name, _), (rates, amplification)) in modes
+        .iter()
+        .zip(rates.iter_mut().zip(amplification.iter_mut()))
+    {
+        medians.push((*name, median(rates), median(amplification)));
     }
     if args.row_probe {
         row_probe(&dataset, &args)?;
@@ -136,26 +233,63 @@ fn main() -> Result<()> {
     };
     for (name, rate, amplification) in &medians {
         println!(
-            "{{\"summary\":\"{name}\",\"median_gb_per_s_fp16_in\":{rate:.4},\"vs_in_order\":{:.3},\"median_read_per_input_byte\":{amplification:.3}}}",
-            rate / in_order
+            "{{\"summary\":\"{name}\",\"median_gb_per_s_{}\":{rate:.4},\"vs_in_order\":{:.3},\"median_{}\":{amplification:.3}}}",
+            if tokens { "i32" } else { "fp16_in" },
+            rate / in_order,
+            if tokens {
+                "disk_read_per_stored_byte"
+            } else {
+                "read_per_input_byte"
+            },
         );
     }
     Ok(())
 }
 
-/// Fills one epoch with a fresh assembler: (seconds, delivered bytes, bytes read).
+/// Delivered bytes per input byte: fp16 embeddings are delivered as f32, tokens as stored.
+fn input_divisor(tokens: bool) -> u64 {
+    if tokens {
+        1
+    } else {
+        2
+    }
+}
+
+/// What one epoch did.
+struct Epoch {
+    seconds: f64,
+    delivered: u64,
+    /// Bytes read over every path.
+    read: u64,
+    /// Bytes the read engine read from the shard files.
+    disk: u64,
+    /// Bytes copied or decoded in place from the shards' page cache.
+    page_cache: u64,
+    decode_seconds: f64,
+    cache: gpufeed::metrics::BlockCacheCounts,
+}
+
+/// Fills one epoch with a fresh assembler and a fresh decoded-block cache of
+/// `limits.cache_bytes_max`.
 fn epoch(
     dataset: &Arc<Dataset>,
     args: &Args,
     shuffle: Shuffle,
     limits: &StreamLimits,
-) -> Result<(f64, u64, u64)> {
+) -> Result<Epoch> {
     let mut spec = StreamSpec::new("order", args.batch_size);
     spec.shuffle = shuffle;
     spec.seed = 7;
-    spec.fields = vec![FieldRequest {
-        name: "embedding".into(),
-        dtype: Some(DType::F32),
+    spec.fields = vec![if args.data == "tokens" {
+        FieldRequest {
+            name: "tokens".into(),
+            dtype: None,
+        }
+    } else {
+        FieldRequest {
+            name: "embedding".into(),
+            dtype: Some(DType::F32),
+        }
     }];
     let metrics = Arc::new(Metrics::new());
     let started = Instant::now();
@@ -171,7 +305,17 @@ fn epoch(
     }
     let seconds = started.elapsed().as_secs_f64();
     let delivered = plan.slot_bytes as u64 * plan.steps;
-    Ok((seconds, delivered, metrics.read_bytes_total()))
+    let cache = metrics.block_cache().snapshot();
+    drop(assembler);
+    Ok(Epoch {
+        seconds,
+        delivered,
+        read: metrics.read_bytes_total(),
+        disk: metrics.read_bytes_of(ReadPath::Uring) + metrics.read_bytes_of(ReadPath::Pread),
+        page_cache: metrics.read_bytes_of(ReadPath::PageCache),
+        decode_seconds: metrics.decode_seconds(),
+        cache,
+    })
 }
 
 /// The bare row copy over the first `--window-shards` shards' maps: `--runs` passes in file order

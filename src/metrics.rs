@@ -122,6 +122,70 @@ pub struct Metrics {
     shard_slots_idle_bytes: AtomicU64,
     /// Per CUDA device (by ordinal, below [`DEVICES_MAX`]).
     devices: [DeviceLedger; DEVICES_MAX],
+    block_cache: BlockCacheCounters,
+}
+
+/// The CPU backend's shared decoded-block cache (`pipeline::block_cache`), as counters.
+#[derive(Default)]
+pub struct BlockCacheCounters {
+    /// Bytes of decoded blocks alive: kept in the cache or used by a stream.
+    pub held_bytes: AtomicU64,
+    /// Bytes kept in the cache.
+    pub kept_bytes: AtomicU64,
+    /// Host memory for streams: slots, working sets and the cache (`--slot-memory-max`).
+    pub budget_bytes: AtomicU64,
+    /// Look-ups that found their block.
+    pub hits: AtomicU64,
+    /// Look-ups that did not.
+    pub misses: AtomicU64,
+    /// Blocks evicted to make room.
+    pub evictions: AtomicU64,
+    /// Decoded blocks not kept because every kept block was in use.
+    pub refused: AtomicU64,
+}
+
+/// A snapshot of [`BlockCacheCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BlockCacheCounts {
+    /// Bytes of decoded blocks alive: kept in the cache or used by a stream.
+    pub held_bytes: u64,
+    /// Bytes kept in the cache.
+    pub kept_bytes: u64,
+    /// Host memory for streams: slots, working sets and the cache.
+    pub budget_bytes: u64,
+    /// Look-ups that found their block.
+    pub hits: u64,
+    /// Look-ups that did not.
+    pub misses: u64,
+    /// Blocks evicted to make room.
+    pub evictions: u64,
+    /// Decoded blocks not kept because every kept block was in use.
+    pub refused: u64,
+}
+
+impl BlockCacheCounters {
+    /// `delta` bytes of decoded blocks came alive (or, negative, were freed).
+    pub fn held_changed(&self, delta: i64) {
+        add_signed(&self.held_bytes, delta);
+    }
+
+    /// The budget the cache works within.
+    pub fn set_budget(&self, bytes: u64) {
+        self.budget_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> BlockCacheCounts {
+        BlockCacheCounts {
+            held_bytes: self.held_bytes.load(Ordering::Relaxed),
+            kept_bytes: self.kept_bytes.load(Ordering::Relaxed),
+            budget_bytes: self.budget_bytes.load(Ordering::Relaxed),
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// CUDA devices the per-device figures cover (ordinals 0 to 15).
@@ -255,7 +319,13 @@ impl Metrics {
             round_buffers_idle_bytes: AtomicU64::new(0),
             shard_slots_idle_bytes: AtomicU64::new(0),
             devices: Default::default(),
+            block_cache: BlockCacheCounters::default(),
         }
+    }
+
+    /// The CPU backend's decoded-block cache counters.
+    pub fn block_cache(&self) -> &BlockCacheCounters {
+        &self.block_cache
     }
 
     fn device(&self, ordinal: u32) -> Option<&DeviceLedger> {
@@ -347,12 +417,22 @@ impl Metrics {
         self.read_bytes[path as usize].fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Bytes read by `path`.
+    pub fn read_bytes_of(&self, path: ReadPath) -> u64 {
+        self.read_bytes[path as usize].load(Ordering::Relaxed)
+    }
+
     /// Bytes read so far over every path (for read amplification: bytes read per byte stored).
     pub fn read_bytes_total(&self) -> u64 {
         self.read_bytes
             .iter()
             .map(|bytes| bytes.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// Seconds spent decoding blocks so far.
+    pub fn decode_seconds(&self) -> f64 {
+        self.decode_ns.load(Ordering::Relaxed) as f64 / 1e9
     }
 
     /// Adds time spent decoding blocks.
@@ -658,6 +738,54 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         "Device bytes of shard slots (shards copied ahead) and stream buffers (block cache, region table) kept for the next stream",
         &one(metrics.shard_slots_idle_bytes()),
     );
+    let cache = metrics.block_cache().snapshot();
+    let cache_families: [(&str, &str, &str, u64); 7] = [
+        (
+            "gpufeed_block_cache_held_bytes",
+            "gauge",
+            "Bytes of decoded blocks alive on the CPU backend: kept in the shared cache or used by a stream",
+            cache.held_bytes,
+        ),
+        (
+            "gpufeed_block_cache_kept_bytes",
+            "gauge",
+            "Bytes of decoded blocks kept in the CPU backend's shared cache",
+            cache.kept_bytes,
+        ),
+        (
+            "gpufeed_host_stream_memory_budget_bytes",
+            "gauge",
+            "Host memory for streams: slots, working sets and the decoded-block cache",
+            snapshot.slot_bytes_max,
+        ),
+        (
+            "gpufeed_block_cache_hits_total",
+            "counter",
+            "Decoded-block cache look-ups that found their block",
+            cache.hits,
+        ),
+        (
+            "gpufeed_block_cache_misses_total",
+            "counter",
+            "Decoded-block cache look-ups that did not",
+            cache.misses,
+        ),
+        (
+            "gpufeed_block_cache_evictions_total",
+            "counter",
+            "Decoded blocks evicted from the cache to make room",
+            cache.evictions,
+        ),
+        (
+            "gpufeed_block_cache_refused_total",
+            "counter",
+            "Decoded blocks not kept because every kept block was in use",
+            cache.refused,
+        ),
+    ];
+    for (name, kind, help, value) in cache_families {
+        family(name, kind, help, &one(value));
+    }
     family(
         "gpufeed_slot_bytes_max",
         "gauge",

@@ -1053,6 +1053,9 @@ async fn status_and_metrics_report_what_exists() {
     assert_eq!(status["pools"]["socket_server"], true);
     assert_eq!(status["pools"]["sessions_max"], 8);
     assert_eq!(status["pools"]["slot_bytes_max"], 1u64 << 30);
+    assert_eq!(status["host_memory"]["budget_bytes"], 1u64 << 30);
+    assert_eq!(status["host_memory"]["block_cache_kept_bytes"], 0);
+    assert_eq!(status["host_memory"]["block_cache_hits"], 0);
     assert_eq!(status["datasets"], 1);
     let engines = status["platform"]["engines"].as_array().unwrap();
     let uring = engines
@@ -1083,6 +1086,9 @@ async fn status_and_metrics_report_what_exists() {
         "gpufeed_handoff_latency_seconds_bucket{le=\"+Inf\"} 0\n",
         "gpufeed_corrupt_blocks_total 0\n",
         "gpufeed_decode_seconds_total 0\n",
+        "gpufeed_host_stream_memory_budget_bytes 1073741824\n",
+        "gpufeed_block_cache_kept_bytes 0\n",
+        "gpufeed_block_cache_misses_total 0\n",
     ] {
         assert!(text.contains(series), "no {series:?} in:\n{text}");
     }

@@ -149,6 +149,27 @@ pub struct Pools {
     pub jobs_active_max: u64,
 }
 
+/// Host memory the daemon holds for streams, within one budget (`--slot-memory-max`): batch slots
+/// and each host stream's working set first, the CPU backend's shared decoded-block cache in what
+/// they leave.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct HostMemory {
+    /// The budget, bytes.
+    pub budget_bytes: u64,
+    /// Bytes reserved by open streams: slots, and host streams' working sets.
+    pub reserved_bytes: u64,
+    /// Bytes of decoded blocks alive: kept in the cache, or used by a stream beyond it.
+    pub block_cache_held_bytes: u64,
+    /// Bytes of decoded blocks kept in the cache (at most the budget less the reserved bytes).
+    pub block_cache_kept_bytes: u64,
+    /// Look-ups of the cache that found their block.
+    pub block_cache_hits: u64,
+    /// Look-ups that did not (the block was read and decoded).
+    pub block_cache_misses: u64,
+    /// Blocks evicted to make room.
+    pub block_cache_evictions: u64,
+}
+
 /// `GET /v1/status`.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct StatusView {
@@ -166,6 +187,9 @@ pub struct StatusView {
     pub platform: Platform,
     /// Pools and their use.
     pub pools: Pools,
+    /// Host memory held for streams, within one budget: slots, and the CPU backend's shared
+    /// decoded-block cache.
+    pub host_memory: HostMemory,
     /// Per CUDA device served (empty on the CPU backend).
     pub devices: Vec<DeviceServing>,
     /// Datasets in the catalog.
@@ -272,6 +296,18 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
             jobs_running_max: u64::from(limits.running_max),
             jobs_active: u64::from(control.jobs.active_count()),
             jobs_active_max: u64::from(limits.running_max + limits.queued_max),
+        },
+        host_memory: {
+            let cache = control.metrics.block_cache().snapshot();
+            HostMemory {
+                budget_bytes: snapshot.slot_bytes_max,
+                reserved_bytes: counts.slot_bytes_allocated,
+                block_cache_held_bytes: cache.held_bytes,
+                block_cache_kept_bytes: cache.kept_bytes,
+                block_cache_hits: cache.hits,
+                block_cache_misses: cache.misses,
+                block_cache_evictions: cache.evictions,
+            }
         },
         devices: control
             .metrics

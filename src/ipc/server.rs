@@ -24,6 +24,8 @@ use super::convert::daemon_status;
 use super::ring::HandoffRing;
 use super::slots::{Lease, SlotRing};
 use crate::metrics::{Metrics, SlotLease};
+use crate::pipeline::block_cache::BlockCache;
+use crate::pipeline::cpu::working_set_bytes;
 use crate::pipeline::{
     Ended, FillError, Filled, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
     StreamLimits, StreamPlan, StreamRequest,
@@ -62,6 +64,9 @@ struct Shared {
     config: ServerConfig,
     registry: Arc<Registry>,
     next_session: AtomicU64,
+    /// The decoded-block cache of the host streams, within the slot memory budget less what open
+    /// streams reserved.
+    block_cache: Arc<BlockCache>,
 }
 
 /// A bound socket, ready to serve.
@@ -105,6 +110,10 @@ impl Server {
             listener,
             stopping: Arc::new(AtomicBool::new(false)),
             shared: Arc::new(Shared {
+                block_cache: BlockCache::new(
+                    config.slot_memory_bytes_max,
+                    Arc::clone(&config.metrics),
+                ),
                 config,
                 registry,
                 next_session: AtomicU64::new(1),
@@ -509,6 +518,42 @@ impl RunningStream {
     }
 }
 
+/// Reserves the host memory a stream of `plan` on `backend` holds in the daemon's budget (its slots,
+/// and a host stream's decoded-block working set beside them) and shrinks the shared block cache to
+/// what the reservations leave: the bytes reserved, or the error refusing the stream.
+fn reserve_stream_memory(
+    shared: &Shared,
+    plan: &StreamPlan,
+    backend: StreamBackend<'_>,
+) -> Result<u64, (ErrorCode, String)> {
+    // A host stream reserves the decoded blocks it may hold beyond the shared cache beside its slots:
+    // the slots, the working sets and the cache share one budget.
+    let working_set = match backend {
+        StreamBackend::Cpu => working_set_bytes(plan),
+        StreamBackend::Gpu(_) => 0,
+    };
+    let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
+        .saturating_mul(u64::from(plan.slot_count))
+        .saturating_add(working_set);
+    if !shared
+        .config
+        .metrics
+        .reserve_slot_bytes(ring_bytes, shared.config.slot_memory_bytes_max)
+    {
+        return Err((
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{ring_bytes} bytes of slots (and {working_set} of them the stream's decoded-block \
+                 working set) would exceed the daemon's {}-byte slot memory limit",
+                shared.config.slot_memory_bytes_max
+            ),
+        ));
+    }
+    // The cache keeps what the open streams' reservations leave.
+    shared.block_cache.shrink_to_capacity();
+    Ok(ring_bytes)
+}
+
 fn open_stream(
     shared: &Arc<Shared>,
     writer: &Arc<Mutex<UnixStream>>,
@@ -537,18 +582,8 @@ fn open_stream(
         StreamPlan::new(dataset, &request, limits)
             .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
     );
-    let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
-        .saturating_mul(u64::from(plan.slot_count));
+    let ring_bytes = reserve_stream_memory(shared, &plan, backend)?;
     let metrics = &shared.config.metrics;
-    if !metrics.reserve_slot_bytes(ring_bytes, shared.config.slot_memory_bytes_max) {
-        return Err((
-            ErrorCode::ResourceExhausted,
-            format!(
-                "{ring_bytes} bytes of slots would exceed the daemon's {}-byte slot memory limit",
-                shared.config.slot_memory_bytes_max
-            ),
-        ));
-    }
     let undo = |code, message: String| {
         metrics.unreserve_slot_bytes(ring_bytes);
         (code, message)
@@ -577,14 +612,20 @@ fn open_stream(
         )
     })?);
     let slots_made = started.elapsed();
-    let filler =
-        Filler::new(Arc::clone(&plan), backend, limits, Arc::clone(metrics)).map_err(|error| {
-            let code = match error {
-                FillerError::Storage(_) => ErrorCode::Internal,
-                FillerError::DeviceReads(_) | FillerError::Gpu(_) => ErrorCode::ResourceExhausted,
-            };
-            undo(code, error.to_string())
-        })?;
+    let filler = Filler::new(
+        Arc::clone(&plan),
+        backend,
+        limits,
+        Arc::clone(metrics),
+        &shared.block_cache,
+    )
+    .map_err(|error| {
+        let code = match error {
+            FillerError::Storage(_) => ErrorCode::Internal,
+            FillerError::DeviceReads(_) | FillerError::Gpu(_) => ErrorCode::ResourceExhausted,
+        };
+        undo(code, error.to_string())
+    })?;
     tracing::info!(
         "stream of '{}' set up in {:.1} ms: {} slots of {} bytes {:.1} ms, pipeline {:.1} ms",
         spec.dataset,

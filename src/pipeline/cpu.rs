@@ -7,6 +7,7 @@
 use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
+use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
 use super::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
     StreamLimits, StreamPlan,
@@ -38,13 +39,6 @@ fn prefetch(byte: &u8) {
     let _ = byte;
 }
 
-/// A decoded block, or the reason it could not be decoded.
-#[derive(Clone)]
-enum CachedBlock {
-    Decoded(Arc<Vec<u8>>),
-    Corrupt(Arc<CorruptBlock>),
-}
-
 /// Fills slots on the CPU: reads blocks with the storage engine, decodes them with the CPU path and
 /// gathers samples into the slot in the stream's order.
 pub struct Assembler {
@@ -53,10 +47,15 @@ pub struct Assembler {
     engine: ReadEngine<AnyQueue>,
     /// Why io_uring is not used, when it is not.
     pub engine_note: Option<String>,
-    cache: HashMap<BlockKey, (u64, CachedBlock)>,
-    cache_bytes: usize,
-    cache_bytes_max: usize,
-    batch_stamp: u64,
+    /// The daemon's decoded-block cache, shared with its other host streams.
+    cache: CacheHandle,
+    /// The blocks the part of the batch being filled reads: taken from the cache or decoded for it,
+    /// held until the part is gathered (so the cache cannot free them under it). Raw blocks read in
+    /// place are absent.
+    part: HashMap<BlockKey, CachedBlock>,
+    /// Decoded bytes one part of a batch may read at most (one row's blocks at least): the working
+    /// set the stream reserves beside its slots.
+    working_set_bytes: u64,
     staging: AlignedBuffer,
     scratch: Vec<u8>,
     decode_threads: usize,
@@ -65,12 +64,17 @@ pub struct Assembler {
     read_path: ReadPath,
     /// Read-only maps of the shards, made on first use, for raw blocks read in place, with the
     /// shard's residency map. A shard truncated while mapped reads zeros instead of killing the
-    /// daemon (see [`MappedFile`]); `fill` checks the maps it read before it returns the slot.
+    /// daemon (see [`MappedFile`]); each part of a batch checks the maps it read before the slot is
+    /// returned.
     maps: Vec<Option<(MappedFile, ResidencyMap)>>,
-    /// The shards read in place by the batch being filled, each once (`in_place_stamp` holds the
-    /// batch that last added a shard).
+    /// The shards read in place by the part of the batch being filled, each once (`in_place_stamp`
+    /// holds the part that last added a shard, `in_place_part` the part being filled).
     in_place_shards: Vec<u32>,
     in_place_stamp: Vec<u64>,
+    in_place_part: u64,
+    /// The shards opened for buffered reads, made on first use, with their residency maps: coded
+    /// blocks whose pages are cached are copied from there instead of read with O_DIRECT.
+    buffered: Vec<Option<(std::fs::File, ResidencyMap)>>,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
@@ -82,12 +86,53 @@ const IN_PLACE_COVERAGE_MAX: f64 = 0.5;
 /// Fraction of a dense block's pages that must be cached for it to be read in place.
 const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
 
+/// Decoded bytes a host stream of `plan` reads at once at most, which it reserves beside its slots:
+/// the blocks of one part of a batch (see [`Assembler::fill`]), at least the blocks one row may
+/// touch in every field.
+pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
+    let row: u64 = plan
+        .fields
+        .iter()
+        .map(|field| {
+            let block = plan
+                .dataset
+                .shards
+                .iter()
+                .filter_map(|s| s.metadata.field_blocks(field.field_index).first())
+                .map(|b| u64::from(b.raw_bytes))
+                .max()
+                .unwrap_or(0);
+            // A row spans its bytes' worth of blocks, plus one at each end.
+            (field.sample_bytes_in as u64)
+                .div_ceil(block.max(1))
+                .saturating_add(2)
+                * block
+        })
+        .sum();
+    block_cache::working_set_bytes(row)
+}
+
 impl Assembler {
-    /// Opens the dataset's shards and sets up the engine.
+    /// Opens the dataset's shards and sets up the engine, with a decoded-block cache of the stream's
+    /// own of `limits.cache_bytes_max` bytes (benchmarks and tools; the daemon shares one cache
+    /// between its streams, [`Assembler::with_cache`]).
     pub fn new(
         plan: Arc<StreamPlan>,
         limits: &StreamLimits,
         metrics: Arc<Metrics>,
+    ) -> Result<Assembler, StorageError> {
+        let cache = BlockCache::new(limits.cache_bytes_max as u64, Arc::clone(&metrics));
+        Assembler::with_cache(plan, limits, metrics, &cache)
+    }
+
+    /// Opens the dataset's shards and sets up the engine; decoded blocks go to `cache`, shared with
+    /// the other streams using it. The stream's working set ([`working_set_bytes`]) should be
+    /// reserved in the cache's budget (the socket server reserves it with the slots).
+    pub fn with_cache(
+        plan: Arc<StreamPlan>,
+        limits: &StreamLimits,
+        metrics: Arc<Metrics>,
+        cache: &Arc<BlockCache>,
     ) -> Result<Assembler, StorageError> {
         let mut files = FileTable::new(plan.dataset.shards.len());
         for shard in &plan.dataset.shards {
@@ -101,15 +146,15 @@ impl Assembler {
         };
         metrics.set_read_queue_depth(limits.queue_depth as u64);
         let engine = ReadEngine::new(queue, EngineLimits::node_defaults());
+        let working_set_bytes = working_set_bytes(&plan);
         Ok(Assembler {
+            cache: cache.open(&plan.dataset),
+            part: HashMap::new(),
+            working_set_bytes,
             plan,
             files,
             engine,
             engine_note,
-            cache: HashMap::new(),
-            cache_bytes: 0,
-            cache_bytes_max: limits.cache_bytes_max,
-            batch_stamp: 0,
             staging: AlignedBuffer::new(1 << 20),
             scratch: Vec::new(),
             decode_threads: limits.decode_threads,
@@ -119,58 +164,131 @@ impl Assembler {
             maps: (0..plan_shards).map(|_| None).collect(),
             in_place_shards: Vec::new(),
             in_place_stamp: vec![0; plan_shards],
+            in_place_part: 0,
+            buffered: (0..plan_shards).map(|_| None).collect(),
         })
     }
 
     /// Fills `slot` with stream step `step`.
+    ///
+    /// The batch is filled in parts, in row order: each part is as many rows as the blocks they read
+    /// fit in the stream's working set (one row at least). A part's blocks are taken from the shared
+    /// cache, or read and decoded once and offered to it, and held until the part is gathered; so a
+    /// stream never holds more decoded bytes than its working set beyond what the cache keeps, however
+    /// many blocks a shuffled batch touches.
     pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
-        self.batch_stamp += 1;
         let plan = Arc::clone(&self.plan);
         // Where every (sample, field) of the batch lives, row by row, located once for both passes.
         let placements = plan.placements(step);
-        let sample_count = placements.len() / plan.fields.len();
-        // The blocks the batch needs that are not decoded yet; raw blocks the batch uses little of
-        // are read in place instead (see IN_PLACE_COVERAGE_MAX).
+        let width = plan.fields.len();
+        let sample_count = placements.len() / width;
+        let mut replaced = 0u32;
+        let mut part_blocks: HashMap<BlockKey, u64> = HashMap::new();
+        let mut first = 0;
+        while first < sample_count {
+            // The part's rows, and the bytes of each raw block they use (for the in-place choice).
+            part_blocks.clear();
+            let mut part_bytes = 0u64;
+            let mut end = first;
+            while end < sample_count {
+                let row = &placements[end * width..(end + 1) * width];
+                let mut row_bytes = 0u64;
+                for (placement, field) in row.iter().zip(&plan.fields) {
+                    for block in placement.blocks.clone() {
+                        let key = BlockKey {
+                            shard: placement.shard as u32,
+                            field: field.field_index as u32,
+                            block,
+                        };
+                        if !part_blocks.contains_key(&key) {
+                            row_bytes += u64::from(self.entry(&key).raw_bytes);
+                        }
+                    }
+                }
+                if end > first && part_bytes + row_bytes > self.working_set_bytes {
+                    break;
+                }
+                part_bytes += row_bytes;
+                for (placement, field) in row.iter().zip(&plan.fields) {
+                    for block in placement.blocks.clone() {
+                        let key = BlockKey {
+                            shard: placement.shard as u32,
+                            field: field.field_index as u32,
+                            block,
+                        };
+                        let entry = self.entry(&key);
+                        let block_end = entry.raw_offset + entry.raw_bytes as u64;
+                        let used =
+                            placement.end.min(block_end) - placement.start.max(entry.raw_offset);
+                        *part_blocks.entry(key).or_default() += used;
+                    }
+                }
+                end += 1;
+            }
+            self.prepare_part(&part_blocks)?;
+            let filled = self.gather(&placements, first..end, slot);
+            // The part's blocks are released whatever happened: the cache may evict them now.
+            self.part.clear();
+            replaced += filled?;
+            first = end;
+        }
+        Ok(FillReport {
+            samples: sample_count as u32,
+            replaced,
+        })
+    }
+
+    /// Takes the blocks of a part (with the raw bytes the part uses of each) from the cache, or reads
+    /// them in place, or reads and decodes them, into `self.part`.
+    fn prepare_part(&mut self, blocks: &HashMap<BlockKey, u64>) -> Result<(), StorageError> {
         let mut missing: Vec<BlockKey> = Vec::new();
-        let mut sparse: HashMap<BlockKey, u64> = HashMap::new();
-        for (placement, field) in placements.iter().zip(plan.fields.iter().cycle()) {
-            for block in placement.blocks.clone() {
-                let key = BlockKey {
-                    shard: placement.shard as u32,
-                    field: field.field_index as u32,
-                    block,
-                };
-                if let Some((stamp, _)) = self.cache.get_mut(&key) {
-                    *stamp = self.batch_stamp;
-                    continue;
-                }
-                let entry = self.entry(&key);
-                if entry.codec == Codec::Raw {
-                    let block_end = entry.raw_offset + entry.raw_bytes as u64;
-                    let used = placement.end.min(block_end) - placement.start.max(entry.raw_offset);
-                    *sparse.entry(key).or_default() += used;
+        let mut sparse: Vec<(BlockKey, u64)> = Vec::new();
+        for (&key, &used) in blocks {
+            let entry = self.entry(&key);
+            let shared = self.cache.key(key.shard, key.field, key.block);
+            if entry.codec == Codec::Raw {
+                // Raw blocks are mostly read in place: look the cache up without counting a miss.
+                if let Some(cached) = self.cache.cache().peek(&shared) {
+                    self.part.insert(key, cached);
                 } else {
-                    missing.push(key);
+                    sparse.push((key, used));
                 }
+            } else if let Some(cached) = self.cache.cache().get(&shared) {
+                self.part.insert(key, cached);
+            } else {
+                missing.push(key);
             }
         }
         self.in_place_shards.clear();
+        self.in_place_part += 1;
         for (key, used) in sparse {
+            // A raw block the part uses little of is read in place (see IN_PLACE_COVERAGE_MAX).
             let dense = used as f64 >= self.entry(&key).raw_bytes as f64 * IN_PLACE_COVERAGE_MAX;
             if !self.map_in_place(&key, dense)? {
+                self.cache.cache().record(false);
                 missing.push(key);
             }
         }
         missing.sort_unstable();
-        missing.dedup();
-        self.load(&missing)?;
+        self.load(&missing)
+    }
 
+    /// Gathers rows `rows` of the batch (`placements`: every row's, in row order) into `slot` from
+    /// the part's blocks and the shards' maps; the samples replaced by zeros.
+    fn gather(
+        &mut self,
+        placements: &[Placement],
+        rows: std::ops::Range<usize>,
+        slot: &mut [u8],
+    ) -> Result<u32, FillError> {
+        let plan = Arc::clone(&self.plan);
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
         let mut in_place_bytes = 0u64;
         let width = plan.fields.len();
-        for (row, row_placements) in placements.chunks_exact(width).enumerate() {
+        for row in rows {
+            let row_placements = &placements[row * width..(row + 1) * width];
             let ahead = (row + PREFETCH_ROWS_AHEAD) * width;
             if let Some(ahead) = placements.get(ahead..ahead + width) {
                 self.prefetch_in_place(ahead);
@@ -190,10 +308,10 @@ impl Assembler {
                         .field_blocks(field.field_index)[block_index as usize];
                     let from = start.max(entry.raw_offset) - entry.raw_offset;
                     let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
-                    match self.cache.get(&key).map(|(_, cached)| cached) {
+                    match self.part.get(&key) {
                         Some(CachedBlock::Decoded(bytes)) => {
                             self.sample
-                                .extend_from_slice(&bytes[from as usize..to as usize]);
+                                .extend_from_slice(&bytes.bytes()[from as usize..to as usize]);
                         }
                         Some(CachedBlock::Corrupt(bad)) => corrupt = Some(Arc::clone(bad)),
                         None => {
@@ -243,11 +361,7 @@ impl Assembler {
                 .add_read_bytes(ReadPath::PageCache, in_place_bytes);
         }
         self.metrics.add_gather_time(gather_started.elapsed());
-        self.evict();
-        Ok(FillReport {
-            samples: sample_count as u32,
-            replaced,
-        })
+        Ok(replaced)
     }
 
     /// Asks the CPU to start loading the first bytes each field of a later row reads in place from
@@ -308,8 +422,8 @@ impl Assembler {
                 _ => return Ok(false),
             }
         }
-        if self.in_place_stamp[shard] != self.batch_stamp {
-            self.in_place_stamp[shard] = self.batch_stamp;
+        if self.in_place_stamp[shard] != self.in_place_part {
+            self.in_place_stamp[shard] = self.in_place_part;
             self.in_place_shards.push(key.shard);
         }
         let entry = self.entry(key);
@@ -355,10 +469,84 @@ impl Assembler {
                 self.check_in_place(shard)?;
                 self.metrics.add_corrupt_blocks(1);
                 let bad = CachedBlock::Corrupt(Arc::new(CorruptBlock::from(error)));
-                self.cache.insert(*key, (self.batch_stamp, bad));
+                self.offer(*key, bad);
             }
         }
         Ok(true)
+    }
+
+    /// Copies `extent` into the staging buffer from the page cache when all its pages are cached (a
+    /// buffered read of the shard, so that a shard cut short under it is a read error, not a fault):
+    /// the bytes copied, or none to read it with the engine.
+    fn read_cached(&mut self, extent: &Extent) -> Option<u64> {
+        use std::os::unix::fs::FileExt;
+        let shard = extent.file.0 as usize;
+        if self.buffered[shard].is_none() {
+            let file = std::fs::File::open(&self.plan.dataset.shards[shard].path).ok()?;
+            let residency = ResidencyMap::new(&file).ok()?;
+            self.buffered[shard] = Some((file, residency));
+        }
+        let (file, residency) = self.buffered[shard].as_ref()?;
+        let resident = residency
+            .resident_fraction(extent.offset as usize, extent.len)
+            .ok()?;
+        if resident < 1.0 {
+            return None;
+        }
+        let dest = &mut self.staging.as_mut_slice()[extent.dest_offset..][..extent.len];
+        file.read_exact_at(dest, extent.offset).ok()?;
+        Some(extent.len as u64)
+    }
+
+    /// Reads `extents` into the staging buffer: from the page cache where all their pages are cached,
+    /// with the engine otherwise. One result per extent.
+    fn read_extents(
+        &mut self,
+        extents: &[Extent],
+    ) -> Result<Vec<Result<(), crate::storage::ReadError>>, StorageError> {
+        // Blocks whose pages are cached are copied from the page cache (a buffered read): the
+        // engine would read them from the disk again with O_DIRECT, once per miss of the block
+        // cache, where a shuffled order over a dataset larger than the cache misses often.
+        let mut results: Vec<Option<Result<(), crate::storage::ReadError>>> =
+            (0..extents.len()).map(|_| None).collect();
+        let mut page_cache_bytes = 0u64;
+        for (extent, result) in extents.iter().zip(results.iter_mut()) {
+            if let Some(bytes) = self.read_cached(extent) {
+                *result = Some(Ok(()));
+                page_cache_bytes += bytes;
+            }
+        }
+        let cold: Vec<Extent> = extents
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_none())
+            .map(|(e, _)| *e)
+            .collect();
+        if !cold.is_empty() {
+            let cold_results = self
+                .engine
+                .read(&self.files, &cold, self.staging.as_mut_slice())?;
+            let read_bytes: usize = cold
+                .iter()
+                .zip(&cold_results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(e, _)| e.len)
+                .sum();
+            self.metrics
+                .add_read_bytes(self.read_path, read_bytes as u64);
+            let mut cold_results = cold_results.into_iter();
+            for result in results.iter_mut().filter(|r| r.is_none()) {
+                *result = cold_results.next();
+            }
+        }
+        if page_cache_bytes > 0 {
+            self.metrics
+                .add_read_bytes(ReadPath::PageCache, page_cache_bytes);
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every extent read one way or the other"))
+            .collect())
     }
 
     /// Reads and decodes `keys` into the cache.
@@ -394,17 +582,7 @@ impl Assembler {
                 dest += len;
                 end += 1;
             }
-            let results = self
-                .engine
-                .read(&self.files, &extents, self.staging.as_mut_slice())?;
-            let read_bytes: usize = extents
-                .iter()
-                .zip(&results)
-                .filter(|(_, r)| r.is_ok())
-                .map(|(e, _)| e.len)
-                .sum();
-            self.metrics
-                .add_read_bytes(self.read_path, read_bytes as u64);
+            let results = self.read_extents(&extents)?;
             let decode_started = std::time::Instant::now();
             // Decode the blocks of this read on up to `decode_threads` threads: decoding, not
             // reading, is the CPU backend's bottleneck.
@@ -417,6 +595,7 @@ impl Assembler {
                 .map(|((key, extent), result)| (key, extent, result))
                 .collect();
             let plan = &self.plan;
+            let metrics = &self.metrics;
             let staging = self.staging.as_slice();
             let decode_one = |(key, extent, result): &(
                 BlockKey,
@@ -450,7 +629,10 @@ impl Assembler {
                             &mut raw,
                             at,
                         ) {
-                            Ok(()) => CachedBlock::Decoded(Arc::new(raw)),
+                            Ok(()) => CachedBlock::Decoded(Arc::new(DecodedBlock::new(
+                                raw,
+                                Arc::clone(metrics),
+                            ))),
                             Err(error) => CachedBlock::Corrupt(Arc::new(error.into())),
                         }
                     }
@@ -493,36 +675,20 @@ impl Assembler {
                 .filter(|c| matches!(c, CachedBlock::Corrupt(_)))
                 .count();
             self.metrics.add_corrupt_blocks(corrupt as u64);
-            for ((key, _, _), cached) in jobs.iter().zip(decoded) {
-                if let CachedBlock::Decoded(bytes) = &cached {
-                    self.cache_bytes += bytes.len();
-                }
-                self.cache.insert(*key, (self.batch_stamp, cached));
+            let keys: Vec<BlockKey> = jobs.iter().map(|(key, _, _)| *key).collect();
+            drop(jobs);
+            for (key, cached) in keys.into_iter().zip(decoded) {
+                self.offer(key, cached);
             }
             start = end;
         }
         Ok(())
     }
 
-    /// Drops the least recently used blocks not needed by the current batch until the cache fits.
-    fn evict(&mut self) {
-        if self.cache_bytes <= self.cache_bytes_max {
-            return;
-        }
-        let mut entries: Vec<(u64, BlockKey)> = self
-            .cache
-            .iter()
-            .filter(|(_, (stamp, _))| *stamp != self.batch_stamp)
-            .map(|(key, (stamp, _))| (*stamp, *key))
-            .collect();
-        entries.sort_unstable_by_key(|&(stamp, key)| (stamp, key.shard, key.field, key.block));
-        for (_, key) in entries {
-            if self.cache_bytes <= self.cache_bytes_max {
-                break;
-            }
-            if let Some((_, CachedBlock::Decoded(bytes))) = self.cache.remove(&key) {
-                self.cache_bytes -= bytes.len();
-            }
-        }
+    /// Holds `block` for the part being filled and offers it to the shared cache.
+    fn offer(&mut self, key: BlockKey, block: CachedBlock) {
+        let shared = self.cache.key(key.shard, key.field, key.block);
+        self.cache.cache().insert(shared, block.clone());
+        self.part.insert(key, block);
     }
 }

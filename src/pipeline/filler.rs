@@ -10,6 +10,7 @@ use std::io;
 use std::sync::Arc;
 use std::thread;
 
+use super::block_cache::BlockCache;
 use super::cpu::Assembler;
 use super::gpu::{GpuAssembler, GpuStreamLimits};
 use super::stream_plan::{FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
@@ -265,12 +266,14 @@ enum Backend {
 }
 
 impl Filler {
-    /// Sets up the assembler of `plan` on `backend`.
+    /// Sets up the assembler of `plan` on `backend`; a host stream's decoded blocks go to
+    /// `block_cache`, shared by the daemon's host streams.
     pub fn new(
         plan: Arc<StreamPlan>,
         backend: StreamBackend<'_>,
         limits: &StreamLimits,
         metrics: Arc<Metrics>,
+        block_cache: &Arc<BlockCache>,
     ) -> Result<Filler, FillerError> {
         let steps = plan.steps;
         let (numa, ordinal, pci_address, interrupt_cpus) = match backend {
@@ -284,7 +287,8 @@ impl Filler {
         };
         let backend = match backend {
             StreamBackend::Cpu => {
-                let assembler = Assembler::new(plan, limits, Arc::clone(&metrics))?;
+                let assembler =
+                    Assembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)?;
                 if let Some(note) = &assembler.engine_note {
                     tracing::warn!("{note}");
                 }

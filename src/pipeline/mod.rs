@@ -6,6 +6,7 @@
 //! *Invariant*: the pipeline knows nothing of the wire format; a stream arrives as a
 //! [`StreamRequest`], converted from the consumer's request by `ipc`.
 
+pub mod block_cache;
 pub mod cpu;
 pub mod filler;
 pub mod gpu;

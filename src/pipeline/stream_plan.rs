@@ -28,8 +28,9 @@ pub struct StreamLimits {
     pub world_size_max: u32,
     /// Largest slot in bytes.
     pub slot_bytes_max: u64,
-    /// Decoded blocks kept per stream, in bytes (a batch that needs more still decodes, then the cache
-    /// shrinks back).
+    /// Decoded blocks kept by a CPU assembler made with a cache of its own (`Assembler::new`:
+    /// benchmarks and tools), in bytes. The daemon's host streams share one cache within
+    /// `--slot-memory-max` instead (`pipeline::block_cache`).
     pub cache_bytes_max: usize,
     /// Reads in flight per stream.
     pub queue_depth: usize,
