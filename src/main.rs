@@ -151,8 +151,9 @@ struct PackArgs {
     /// file's dtype: a Megatron-LM indexed dataset (PREFIX.bin or PREFIX.idx; adds field `doc_start`,
     /// u8 [N], 1 where a document starts), a flat .bin of token ids (give --token-dtype), or a 1-D
     /// .npy. Tokens left over after the last whole sequence are dropped and their count printed.
+    /// Repeat --tokens to pack several files of one dtype as one dataset; each is cut on its own.
     #[arg(long, value_name = "PATH", requires = "seq_len", conflicts_with_all = ["fields", "paths"])]
-    tokens: Option<PathBuf>,
+    tokens: Vec<PathBuf>,
     /// Tokens per sequence for --tokens.
     #[arg(long, value_name = "N")]
     seq_len: Option<u64>,
@@ -509,22 +510,25 @@ fn run(command: Command) -> Result<ExitCode> {
 }
 
 fn run_pack(args: PackArgs) -> Result<ExitCode> {
-    let fields = match &args.tokens {
-        Some(path) => {
-            let input =
-                input::tokens::open_tokens(path, args.token_dtype.map(TokenDtypeArg::dtype))?;
-            let seq_len = args.seq_len.context("--tokens needs --seq-len")?;
-            let cut = input.cut(seq_len)?;
-            eprintln!(
-                "{}: {} tokens cut into {} sequences of {seq_len}; {} remainder tokens dropped",
-                path.display(),
-                input.tokens,
-                cut.sequences,
-                cut.dropped_tokens
-            );
-            cut.fields
-        }
-        None => open_fields(&args.fields, &args.paths)?,
+    let fields = if args.tokens.is_empty() {
+        open_fields(&args.fields, &args.paths)?
+    } else {
+        let dtype = args.token_dtype.map(TokenDtypeArg::dtype);
+        let inputs = args
+            .tokens
+            .iter()
+            .map(|path| input::tokens::open_tokens(path, dtype))
+            .collect::<Result<Vec<_>, _>>()?;
+        let seq_len = args.seq_len.context("--tokens needs --seq-len")?;
+        let cut = input::tokens::cut_all(&inputs, seq_len)?;
+        eprintln!(
+            "{} tokens from {} file(s) cut into {} sequences of {seq_len}; {} remainder tokens dropped",
+            inputs.iter().map(|i| i.tokens).sum::<u64>(),
+            inputs.len(),
+            cut.sequences,
+            cut.dropped_tokens
+        );
+        cut.fields
     };
     let name = match args.name {
         Some(name) => name,

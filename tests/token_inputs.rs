@@ -12,7 +12,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use common::{assert_fails, assert_succeeds, gpufeed, read_npy, stdout};
-use gpufeed::input::tokens::{open_tokens, TokenFormat};
+use gpufeed::input::tokens::{cut_all, open_tokens, TokenFormat};
 use gpufeed::input::FieldSource;
 use gpufeed_client::DType;
 
@@ -171,7 +171,9 @@ fn pack_and_list_inputs_take_a_megatron_dataset() {
     assert_succeeds(&output);
     let text = common::stderr(&output);
     assert!(
-        text.contains("18 tokens cut into 4 sequences of 4; 2 remainder tokens dropped"),
+        text.contains(
+            "18 tokens from 1 file(s) cut into 4 sequences of 4; 2 remainder tokens dropped"
+        ),
         "{text}"
     );
     let unpacked = tmp.path().join("t.npy");
@@ -450,4 +452,48 @@ fn malformed_megatron_indexes_are_refused_naming_the_index_and_record() {
             stdout(&listed)
         );
     }
+}
+
+#[test]
+fn several_token_files_pack_as_one_dataset_each_cut_on_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 18 tokens (starts 0, 5, 12) and 9 tokens (starts 0, 2): at --seq-len 4, 4 + 2 sequences,
+    // 2 + 1 tokens dropped, and no sequence spans the two files.
+    let a = Megatron::new(&[5, 3, 4, 6], &[1, 2, 0, 1]);
+    let b = Megatron::new(&[2, 7], &[1, 1]);
+    let inputs = [
+        open_tokens(&a.write(tmp.path(), "a"), None).unwrap(),
+        open_tokens(&b.write(tmp.path(), "b"), None).unwrap(),
+    ];
+    let cut = cut_all(&inputs, 4).unwrap();
+    assert_eq!((cut.sequences, cut.dropped_tokens), (6, 3));
+    let tokens: Vec<u8> = (0..16i32).chain(0..8).flat_map(i32::to_le_bytes).collect();
+    assert_eq!(all_bytes(&cut.fields[0]), tokens);
+    let mut starts = vec![0u8; 24];
+    for at in [0, 5, 12, 16, 18] {
+        starts[at] = 1;
+    }
+    assert_eq!(all_bytes(&cut.fields[1]), starts);
+
+    // A flat file has no document boundaries to pack beside a Megatron dataset's.
+    let flat = tmp.path().join("flat.bin");
+    fs::write(&flat, [0u8; 64]).unwrap();
+    let mixed = [
+        open_tokens(&tmp.path().join("a.bin"), None).unwrap(),
+        open_tokens(&flat, Some(DType::I32)).unwrap(),
+    ];
+    let error = cut_all(&mixed, 4).unwrap_err().to_string();
+    assert!(
+        error.contains("flat.bin") && error.contains("document boundaries"),
+        "{error}"
+    );
+    let other_dtype = [
+        open_tokens(&tmp.path().join("a.bin"), None).unwrap(),
+        open_tokens(&flat, Some(DType::U16)).unwrap(),
+    ];
+    let error = cut_all(&other_dtype, 4).unwrap_err().to_string();
+    assert!(
+        error.contains("flat.bin") && error.contains("dtype u16"),
+        "{error}"
+    );
 }

@@ -2,7 +2,7 @@
 //! (`PREFIX.bin` + `PREFIX.idx`), flat token arrays (a headerless `.bin` of `uint16` or `uint32`
 //! ids, the dtype given by the caller, as nanoGPT writes them) and 1-D `.npy` arrays.
 //!
-//! The tokens of the input are read as one stream (for a Megatron dataset, its sequences back to
+//! The tokens of an input are read as one stream (for a Megatron dataset, its sequences back to
 //! back in index order) and cut into `floor(tokens / seq_len)` samples of field `tokens`, shape
 //! `[seq_len]`, in the input's dtype; the `tokens % seq_len` remainder tokens at the end, which do
 //! not fill a sequence, are dropped and reported ([`TokenCut::dropped_tokens`]). A Megatron input
@@ -11,6 +11,8 @@
 //! document indices), 0 elsewhere. Like the token ids it lines up with, it says where attention
 //! must not cross and where position ids restart, and it stores in almost nothing (LZ4 shrinks
 //! runs of zeros). It is computed from the index as blocks are packed, not held in memory.
+//! Several inputs of one dtype pack as one dataset ([`cut_all`]): each is cut on its own, so a
+//! sequence never spans two files, and each file's remainder is dropped.
 //!
 //! The `.idx` layout (version 1, all little-endian), as Megatron-LM's `_IndexWriter` writes it:
 //!
@@ -433,19 +435,12 @@ impl TokenInput {
     /// Cuts the token stream into sequences of `seq_len` tokens: field `tokens` (and `doc_start` for
     /// a Megatron input), dropping the remainder.
     pub fn cut(&self, seq_len: u64) -> Result<TokenCut, InputError> {
-        if seq_len == 0 {
-            return Err(bad(&self.path, "--seq-len must be at least 1"));
-        }
+        cut_all(std::slice::from_ref(self), seq_len)
+    }
+
+    /// [`TokenInput::cut`] of this input alone, which may give no sequence.
+    fn cut_one(&self, seq_len: u64) -> Result<TokenCut, InputError> {
         let sequences = self.tokens / seq_len;
-        if sequences == 0 {
-            return Err(bad(
-                &self.path,
-                format!(
-                    "{} tokens are fewer than one sequence of --seq-len {seq_len}",
-                    self.tokens
-                ),
-            ));
-        }
         let width = self.dtype.size_bytes();
         let sample_bytes = usize::try_from(seq_len)
             .ok()
@@ -537,6 +532,71 @@ impl TokenInput {
         }
         text
     }
+}
+
+/// Cuts several token inputs into one dataset's fields: each input is cut on its own (a sequence
+/// never spans two files, and each file's remainder is dropped), and their sequences follow one
+/// another in the order given. The inputs must share a dtype and all be Megatron datasets (with
+/// `doc_start`) or none; an error names the first file that differs.
+pub fn cut_all(inputs: &[TokenInput], seq_len: u64) -> Result<TokenCut, InputError> {
+    let Some(first) = inputs.first() else {
+        return Err(InputError::NoFiles {
+            name: TOKENS_FIELD.into(),
+        });
+    };
+    if seq_len == 0 {
+        return Err(bad(&first.path, "--seq-len must be at least 1"));
+    }
+    let mut total = first.cut_one(seq_len)?;
+    for input in &inputs[1..] {
+        if input.dtype != first.dtype {
+            return Err(InputError::DtypeMismatch {
+                path: input.path.clone(),
+                expected: first.dtype,
+                found: input.dtype,
+                first: first.path.clone(),
+            });
+        }
+        if input.index.is_some() != first.index.is_some() {
+            let megatron = |i: &TokenInput| {
+                if i.index.is_some() {
+                    "a Megatron dataset (with document boundaries)"
+                } else {
+                    "a token array without document boundaries"
+                }
+            };
+            return Err(bad(
+                &input.path,
+                format!(
+                    "is {}, but {} is {}; token files packed together must all have document boundaries or none",
+                    megatron(input),
+                    first.path.display(),
+                    megatron(first)
+                ),
+            ));
+        }
+        let cut = input.cut_one(seq_len)?;
+        for (field, more) in total.fields.iter_mut().zip(cut.fields) {
+            field.parts.extend(more.parts);
+        }
+        total.sequences += cut.sequences;
+        total.dropped_tokens += cut.dropped_tokens;
+    }
+    if total.sequences == 0 {
+        let tokens: u64 = inputs.iter().map(|i| i.tokens).sum();
+        return Err(bad(
+            &first.path,
+            format!(
+                "{tokens} tokens{} are fewer than one sequence of --seq-len {seq_len}",
+                if inputs.len() > 1 {
+                    " (over all files, each cut on its own)"
+                } else {
+                    ""
+                }
+            ),
+        ));
+    }
+    Ok(total)
 }
 
 /// The `doc_start` field's bytes, computed from a checked Megatron index: byte `t` is 1 if a
