@@ -330,7 +330,7 @@ pub fn field_codec(field: &FieldSource, options: &PackOptions) -> Result<CodecCh
         stored_sum += encoded.stored.len() as u64;
     }
     Ok(
-        if stored_sum <= raw_sum - raw_sum / MIN_SAVING_DIVISOR as u64 {
+        if raw_sum > 0 && stored_sum <= raw_sum - raw_sum / MIN_SAVING_DIVISOR as u64 {
             CodecChoice::Lz4
         } else {
             CodecChoice::Raw
