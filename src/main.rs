@@ -35,7 +35,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Pack NumPy (.npy) or safetensors inputs into a dataset directory of shards.
+    /// Pack NumPy (.npy), safetensors or token-file (--tokens) inputs into a dataset directory of shards.
     ///
     /// Positional .npy files are concatenated along axis 0 into one field named `data`. Each --field
     /// adds a named field; every field must have the same number of samples (the length of axis 0).
