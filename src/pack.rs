@@ -26,10 +26,22 @@ use crate::format::{
 };
 use crate::input::FieldSource;
 
-/// A block is stored LZ4-compressed only if that saves at least `1 / MIN_SAVING_DIVISOR` of its raw
-/// bytes (12.5 %). Below that the GPU would spend decode work to save almost no I/O, so the block is
-/// stored raw and costs nothing to decode.
-pub const MIN_SAVING_DIVISOR: u32 = 8;
+/// `--codec auto` stores a field LZ4 only if its sampled blocks compress to at most half their raw
+/// bytes (`stored ≤ raw − raw / MIN_SAVING_DIVISOR`, a ratio of about 2 or more); otherwise the whole
+/// field is stored raw. Why 2: a read that moves compressed bytes over the link and decodes them
+/// before the next read delivers `1 / (1 / (r · L) + 1 / D)` raw-equivalent bytes per second for a
+/// ratio `r`, link rate `L` and decode rate `D`; it beats raw (`L`) only when `D ≥ L · r / (r − 1)`.
+/// At the 55 GB/s PCIe link (and a page cache that reads at that rate) `r = 1.26` needs a decoder
+/// at 4.8 L, 267 GB/s, far past any LZ4 decoder; `r = 2` needs 2 L, 110 GB/s, the rate the GPU LZ4
+/// path is built to reach, and a decode overlapped with the transfer needs only `L`. On a cold disk
+/// (1.2–2.1 GB/s) any `r > 1` pays, and `r ≥ 2` at least doubles it. Below 2 the certain loss on warm
+/// reads outweighs the gain on cold ones.
+pub const MIN_SAVING_DIVISOR: u32 = 2;
+
+/// Blocks of a field that `--codec auto` compresses to decide the field's codec: spread evenly over
+/// the field's whole byte stream, so the decision is deterministic and costs at most this many
+/// block compressions (two each with `--byte-shuffle auto`), whatever the dataset's size.
+pub const AUTO_SAMPLE_BLOCKS: u64 = 16;
 
 /// Raw bytes per shard the packer aims for when `samples_per_shard` is not given (256 MiB): large enough
 /// for long sequential reads, small enough to spread over readers and to re-pack cheaply.
@@ -42,7 +54,9 @@ const BLOCKS_PER_STEP: usize = 256;
 /// Which codec the packer uses for each block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CodecChoice {
-    /// LZ4 where it saves at least 12.5 % of a block, raw otherwise.
+    /// Per field: LZ4 for every block of a field whose sampled blocks ([`AUTO_SAMPLE_BLOCKS`])
+    /// compress at least about 2x (see [`MIN_SAVING_DIVISOR`]), raw for every block otherwise. For
+    /// one block alone ([`encode_block`]), the same rule over that block.
     Auto,
     /// LZ4 for every block, even when it does not shrink it (for testing decoders).
     Lz4,
@@ -261,8 +275,8 @@ pub fn encode_block(
 /// Bytes of a block probed before deciding whether to compress it shuffled in full.
 const SHUFFLE_PROBE_BYTES: usize = 16 << 10;
 
-/// Whether the shuffled first [`SHUFFLE_PROBE_BYTES`] of `raw` compress by at least 1/16 (half the
-/// threshold a whole block must meet, since a short probe gives LZ4 less history to match against).
+/// Whether the shuffled first [`SHUFFLE_PROBE_BYTES`] of `raw` save at least 1/4 (half the saving a
+/// whole block must show, since a short probe gives LZ4 less history to match against).
 fn shuffled_probe_saves(raw: &[u8], element_bytes: usize) -> bool {
     let len = raw.len().min(SHUFFLE_PROBE_BYTES) / element_bytes * element_bytes;
     if len == raw.len() || len == 0 {
@@ -272,7 +286,56 @@ fn shuffled_probe_saves(raw: &[u8], element_bytes: usize) -> bool {
     let mut shuffled = vec![0u8; len];
     shuffle(&raw[..len], element_bytes, &mut shuffled);
     let compressed = lz4_flex::block::compress(&shuffled);
-    compressed.len() < len - len / 16
+    compressed.len() < len - len / (2 * MIN_SAVING_DIVISOR as usize)
+}
+
+/// The codec every block of `field` is stored with: `options.codec` itself for `lz4` and `raw`; for
+/// `auto`, [`CodecChoice::Lz4`] if the field's [`AUTO_SAMPLE_BLOCKS`] sampled blocks, each
+/// compressed as the pack would (plain or byte-shuffled per `options.shuffle`), together store in at
+/// most `raw − raw / MIN_SAVING_DIVISOR` bytes, and [`CodecChoice::Raw`] otherwise.
+///
+/// The blocks sampled are those the field's byte stream would be cut into in one shard: block `j`
+/// covers bytes `[j · c, min((j + 1) · c, total))` for the field's block size `c` ([`chunk_bytes`]),
+/// and the ones taken are `j = floor(i · n / k)` for `i` in `0..k`, with `n` the field's block count
+/// and `k = min(AUTO_SAMPLE_BLOCKS, n)`. Deciding once per field rather than per block keeps a field
+/// from being a mix of raw and LZ4 blocks, whose reads would pay for decode without the saving.
+pub fn field_codec(field: &FieldSource, options: &PackOptions) -> Result<CodecChoice, PackError> {
+    if options.codec != CodecChoice::Auto {
+        return Ok(options.codec);
+    }
+    let sample_bytes = field.sample_bytes() as u64;
+    let total = field.total_bytes();
+    let chunk = chunk_bytes(sample_bytes, options.block_bytes);
+    let blocks = total.div_ceil(chunk);
+    let taken = AUTO_SAMPLE_BLOCKS.min(blocks);
+    let (mut raw_sum, mut stored_sum) = (0u64, 0u64);
+    let mut raw = Vec::new();
+    for i in 0..taken {
+        let j = (i as u128 * blocks as u128 / taken as u128) as u64;
+        let begin = j * chunk;
+        let end = (begin + chunk).min(total);
+        let first = begin / sample_bytes;
+        let last = end.div_ceil(sample_bytes);
+        raw.clear();
+        field.copy_samples(first, last - first, &mut raw)?;
+        let skip = (begin - first * sample_bytes) as usize;
+        let block = &raw[skip..skip + (end - begin) as usize];
+        let encoded = encode_block(
+            block,
+            field.dtype.size_bytes(),
+            CodecChoice::Lz4,
+            options.shuffle,
+        );
+        raw_sum += block.len() as u64;
+        stored_sum += encoded.stored.len() as u64;
+    }
+    Ok(
+        if raw_sum > 0 && stored_sum <= raw_sum - raw_sum / MIN_SAVING_DIVISOR as u64 {
+            CodecChoice::Lz4
+        } else {
+            CodecChoice::Raw
+        },
+    )
 }
 
 /// Raw bytes per block for a field: whole samples when a sample fits in a block, so that most samples
@@ -384,6 +447,10 @@ pub fn pack(
     // Checked before any work so that a refusal costs nothing; `commit` checks again, since the
     // destination may change while the pack runs.
     check_destination(out, options.on_existing)?;
+    let codecs = fields
+        .iter()
+        .map(|field| field_codec(field, options))
+        .collect::<Result<Vec<_>, _>>()?;
     remove_stale_staging(durable::parent_dir(out));
     let staging = staging_dir(out, STAGING_KIND)?;
     fs::create_dir(&staging).map_err(durable::on(&staging))?;
@@ -398,6 +465,7 @@ pub fn pack(
     let result = write_dataset(
         &staging,
         fields,
+        &codecs,
         options,
         sample_count,
         samples_per_shard,
@@ -560,6 +628,7 @@ fn staging_dir(out: &Path, kind: &str) -> Result<PathBuf, PackError> {
 fn write_dataset(
     staging: &Path,
     fields: &[FieldSource],
+    codecs: &[CodecChoice],
     options: &PackOptions,
     sample_count: u64,
     samples_per_shard: u64,
@@ -578,7 +647,15 @@ fn write_dataset(
         let count = samples_per_shard.min(sample_count - first_sample);
         let file = format!("shard-{:06}.gfs", manifest_shards.len());
         let path = staging.join(&file);
-        let written = write_shard(&path, fields, options, first_sample, count, &mut progress)?;
+        let written = write_shard(
+            &path,
+            fields,
+            codecs,
+            options,
+            first_sample,
+            count,
+            &mut progress,
+        )?;
         stored_bytes += written.stored_bytes;
         manifest_shards.push(ManifestShard {
             file,
@@ -629,6 +706,7 @@ struct WrittenShard {
 fn write_shard(
     path: &Path,
     fields: &[FieldSource],
+    codecs: &[CodecChoice],
     options: &PackOptions,
     first_sample: u64,
     sample_count: u64,
@@ -682,7 +760,12 @@ fn write_shard(
             let skip = (raw_offset - first * sample_bytes) as usize;
             let step_raw = &raw[skip..skip + (step_end - raw_offset) as usize];
             let pieces: Vec<&[u8]> = step_raw.chunks(chunk as usize).collect();
-            let encoded = encode_parallel(&pieces, field.dtype.size_bytes(), options);
+            let encoded = encode_parallel(
+                &pieces,
+                field.dtype.size_bytes(),
+                codecs[field_index],
+                options,
+            );
             for (piece, block) in pieces.iter().zip(encoded) {
                 writer.write_all(&block.stored).map_err(io)?;
                 let padded = format::align_up(block.stored.len() as u64);
@@ -751,13 +834,14 @@ fn write_zeros(writer: &mut impl Write, mut count: u64) -> io::Result<()> {
 fn encode_parallel(
     pieces: &[&[u8]],
     element_bytes: usize,
+    codec: CodecChoice,
     options: &PackOptions,
 ) -> Vec<EncodedBlock> {
     let threads = options.threads.min(pieces.len()).max(1);
     if threads == 1 {
         return pieces
             .iter()
-            .map(|p| encode_block(p, element_bytes, options.codec, options.shuffle))
+            .map(|p| encode_block(p, element_bytes, codec, options.shuffle))
             .collect();
     }
     let next = AtomicUsize::new(0);
@@ -769,8 +853,7 @@ fn encode_parallel(
                 if index >= pieces.len() {
                     break;
                 }
-                let block =
-                    encode_block(pieces[index], element_bytes, options.codec, options.shuffle);
+                let block = encode_block(pieces[index], element_bytes, codec, options.shuffle);
                 results.lock().expect("no panics while holding the lock")[index] = Some(block);
             });
         }

@@ -2,7 +2,10 @@
 //! (`tests/interop/read_shards.py`: `struct` for the tables, the `xxhash` package for the xxh3-64
 //! checksums, the reference C LZ4 through the `lz4` package, NumPy for the byte shuffle), and `.npy`
 //! files written by `gpufeed unpack` are loaded by NumPy itself (`tests/interop/check_unpack.py`) and
-//! compared with the inputs, which NumPy wrote too (`tests/interop/make_inputs.py`). Nothing here uses
+//! compared with the inputs, which NumPy wrote too (`tests/interop/make_inputs.py`). Token files
+//! (a Megatron-LM `.bin`/`.idx` pair, a flat `.bin`, a 1-D `.npy`) are written by
+//! `tests/interop/token_files.py` in those tools' layouts, packed with `--tokens`, unpacked, and
+//! compared with the script's own reading of the files (`.idx` parsed with `struct` and NumPy). Nothing here uses
 //! gpufeed's own reader, so a bug that is symmetric between gpufeed's writer and reader shows up.
 //!
 //! The tests need `python3` with the packages of `tests/requirements.txt`. When they are missing the
@@ -440,5 +443,97 @@ fn unpacked_npy_loads_in_numpy() {
             let output = run_ok(check);
             eprint!("{}", String::from_utf8_lossy(&output.stdout));
         }
+    }
+}
+
+/// Token inputs round-trip exactly: each is written by `token_files.py`, packed with `--tokens` in
+/// small blocks over several shards, unpacked, and compared by the script with its own reading of
+/// the file, remainder dropped; for a Megatron dataset `doc_start` too.
+#[test]
+fn token_files_pack_exactly_as_numpy_reads_them() {
+    if !python_ready("token_files_pack_exactly_as_numpy_reads_them") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let script = "token_files.py";
+    // (what to write, its dtype, the file to pack, --token-dtype, --seq-len)
+    let cases: [(&str, &str, &str, Option<&str>, u64); 5] = [
+        ("write-megatron", "int32", "m32", None, 100),
+        ("write-megatron", "uint16", "m16", None, 37),
+        ("write-flat", "uint16", "flat16.bin", Some("u16"), 64),
+        ("write-flat", "uint32", "flat32.bin", Some("u32"), 50),
+        ("write-npy", "int32", "tokens.npy", None, 128),
+    ];
+    for (index, (write, dtype, file, token_dtype, seq_len)) in cases.into_iter().enumerate() {
+        let target = tmp.path().join(file);
+        let mut writer = python(script);
+        writer
+            .arg(write)
+            .arg(&target)
+            .args([dtype, &index.to_string()]);
+        run_ok(writer);
+        let megatron = write == "write-megatron";
+        let source = if megatron {
+            target.with_extension("bin")
+        } else {
+            target.clone()
+        };
+        let dataset = tmp.path().join(format!("dataset-{index}"));
+        let mut pack = gpufeed("pack");
+        pack.arg("--out")
+            .arg(&dataset)
+            .arg("--tokens")
+            .arg(&source)
+            .args(["--seq-len", &seq_len.to_string()])
+            .args(["--block-bytes", "4K", "--samples-per-shard", "7"]);
+        if let Some(token_dtype) = token_dtype {
+            pack.args(["--token-dtype", token_dtype]);
+        }
+        let packed = run_ok(pack);
+        let packed_text = String::from_utf8_lossy(&packed.stderr).into_owned();
+        let mut check = python(script);
+        check.arg("check").arg(&source).arg(seq_len.to_string());
+        let tokens = tmp.path().join(format!("tokens-{index}.npy"));
+        run_ok({
+            let mut unpack = gpufeed("unpack");
+            unpack
+                .arg(&dataset)
+                .args(["--field", "tokens", "--out"])
+                .arg(&tokens);
+            unpack
+        });
+        check.arg(&tokens);
+        if let Some(token_dtype) = token_dtype {
+            check.args([
+                "--dtype",
+                if token_dtype == "u16" {
+                    "uint16"
+                } else {
+                    "uint32"
+                },
+            ]);
+        }
+        if megatron {
+            let starts = tmp.path().join(format!("doc-start-{index}.npy"));
+            let mut unpack = gpufeed("unpack");
+            unpack
+                .arg(&dataset)
+                .args(["--field", "doc_start", "--out"])
+                .arg(&starts);
+            run_ok(unpack);
+            check.arg("--doc-start").arg(&starts);
+        }
+        let checked = String::from_utf8_lossy(&run_ok(check).stdout).into_owned();
+        let words: Vec<&str> = checked.split_whitespace().collect();
+        assert_eq!(words.first(), Some(&"ok"), "{file}: {checked}");
+        // The pack reported the same sequences and dropped tokens as NumPy's reading gives.
+        let reported = format!(
+            "into {} sequences of {seq_len}; {} remainder tokens dropped",
+            words[1], words[2]
+        );
+        assert!(
+            packed_text.contains(&reported),
+            "{file}: {packed_text} lacks {reported:?}"
+        );
     }
 }

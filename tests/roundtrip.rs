@@ -220,16 +220,10 @@ fn check_codec_policy(
                     CodecChoice::Raw => prop_assert_eq!(block.codec, Codec::Raw, "{}", place),
                     CodecChoice::Lz4 => prop_assert_eq!(block.codec, Codec::Lz4, "{}", place),
                     CodecChoice::Auto => {
-                        if block.codec == Codec::Lz4 {
-                            // Auto keeps LZ4 only where it saves at least 12.5 %.
-                            prop_assert!(
-                                block.stored_bytes <= block.raw_bytes - block.raw_bytes / 8,
-                                "{}: lz4 {} of {} bytes",
-                                place,
-                                block.stored_bytes,
-                                block.raw_bytes
-                            );
-                        }
+                        // Auto decides per field: every block of a field has the codec of the
+                        // field's first block, in every shard.
+                        let first = dataset.shards[0].metadata.field_blocks(field_index)[0].codec;
+                        prop_assert_eq!(block.codec, first, "{} (auto mixed codecs)", place);
                     }
                 }
                 if block.codec == Codec::Raw {
@@ -443,8 +437,9 @@ fn auto_codec_stores_random_fp16_raw_and_small_int32_as_lz4() {
     let emb: Vec<u8> = (0..samples * 64)
         .flat_map(|_| f16::from_f32(rng.sample(normal)).to_bits().to_le_bytes())
         .collect();
-    // Token-like int32: ids below 50 000, so the two high bytes are (nearly) constant.
-    let tokens = common::i32_bytes((samples * 16) as usize, |_| rng.gen_range(0..50_000));
+    // Token-like int32: Zipf-distributed ids, about 2.5x byte-shuffled. (Ids drawn uniformly below
+    // 50 000 compress under 2x, which auto now stores raw: only the two high bytes repeat.)
+    let tokens = gpufeed::synth::zipf_tokens_i32((samples * 16) as usize, 7);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("auto");
     let options = common::options("auto", 65536, Some(1500));
@@ -468,7 +463,7 @@ fn auto_codec_stores_random_fp16_raw_and_small_int32_as_lz4() {
     assert!(blocks >= 3, "{summary}");
     assert_eq!(raw, 0, "{summary}");
     assert_eq!(lz4 + shuffled, blocks, "{summary}");
-    assert!(summary["fields"][1]["ratio"].as_f64().unwrap() > 1.15);
+    assert!(summary["fields"][1]["ratio"].as_f64().unwrap() >= 2.0);
 }
 
 /// Packs all 65 536 bit patterns of a 16-bit float dtype as 256 samples of 256 elements.

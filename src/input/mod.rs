@@ -1,4 +1,4 @@
-//! Readers of pack inputs (NumPy `.npy` and safetensors), and the `.npy` writer used by `unpack`.
+//! Readers of pack inputs (NumPy `.npy`, safetensors, and token files: [`tokens`]), and the `.npy` writer used by `unpack`.
 //!
 //! A pack input is turned into a [`FieldSource`]: a dtype, a per-sample shape and a list of
 //! memory-mapped file regions whose concatenation along axis 0 is the field's samples. Nothing is
@@ -9,6 +9,7 @@
 
 pub mod npy;
 pub mod safetensors;
+pub mod tokens;
 
 use std::fmt;
 use std::fs::File;
@@ -361,6 +362,15 @@ pub enum InputError {
         /// How it changed.
         reason: MapChange,
     },
+    /// A token input (a Megatron `.bin`/`.idx` pair, a flat token `.bin`, a 1-D `.npy`) is malformed
+    /// or cannot be cut as asked; `reason` names the record at fault where there is one.
+    #[error("{}: {reason}", path.display())]
+    Tokens {
+        /// The file at fault (the `.idx` for a bad index).
+        path: PathBuf,
+        /// What is wrong, naming the record (sequence or document index) at fault.
+        reason: String,
+    },
     /// An `.npy` writer was given more or fewer data bytes than its shape holds.
     #[error("{}: writing .npy: the shape holds {expected_bytes} data bytes but {written_bytes} were written", path.display())]
     WriteSize {
@@ -394,13 +404,40 @@ enum Backing {
         file: File,
     },
     Owned(Vec<u8>),
+    /// Bytes computed from a file on demand rather than stored: the `doc_start` field of a
+    /// Megatron input, one byte per token, would otherwise cost a byte of memory per token.
+    DocStarts(tokens::DocStarts),
 }
 
 impl Backing {
+    /// The stored bytes of a file mapping or an owned buffer, for the readers that parse them.
+    ///
+    /// # Panics
+    ///
+    /// On a generated backing, which has no stored bytes: readers only parse the files they map.
     fn bytes(&self) -> &[u8] {
         match self {
             Backing::Mapped { map, .. } => map.bytes(),
             Backing::Owned(vec) => vec,
+            Backing::DocStarts(_) => unreachable!("a generated backing is never parsed"),
+        }
+    }
+
+    /// Length of the backing's byte stream.
+    fn len(&self) -> usize {
+        match self {
+            Backing::Mapped { .. } | Backing::Owned(_) => self.bytes().len(),
+            Backing::DocStarts(starts) => starts.len(),
+        }
+    }
+
+    /// Appends bytes `[begin, end)` of the backing's byte stream to `out`.
+    fn append(&self, begin: usize, end: usize, out: &mut Vec<u8>) {
+        match self {
+            Backing::Mapped { .. } | Backing::Owned(_) => {
+                out.extend_from_slice(&self.bytes()[begin..end])
+            }
+            Backing::DocStarts(starts) => starts.append(begin, end, out),
         }
     }
 
@@ -415,6 +452,7 @@ impl Backing {
                 })
             }
             Backing::Owned(_) => Ok(()),
+            Backing::DocStarts(starts) => starts.check(),
         }
     }
 }
@@ -425,6 +463,7 @@ impl fmt::Debug for Backing {
         match self {
             Backing::Mapped { map, .. } => write!(f, "Mapped({} bytes)", map.len()),
             Backing::Owned(vec) => write!(f, "Owned({} bytes)", vec.len()),
+            Backing::DocStarts(starts) => write!(f, "DocStarts({} bytes)", starts.len()),
         }
     }
 }
@@ -465,7 +504,7 @@ impl SourcePart {
         samples: u64,
         sample_bytes: usize,
     ) -> Result<SourcePart, InputError> {
-        let len = backing.bytes().len() as u64;
+        let len = backing.len() as u64;
         let needed = (samples as u128) * (sample_bytes as u128) + data_offset as u128;
         if needed > len as u128 {
             return Err(InputError::Truncated {
@@ -487,14 +526,14 @@ impl SourcePart {
         self.backing.check(&self.path)
     }
 
-    /// The bytes of samples `[start, start + count)` of this part. The range must be within
-    /// `self.samples`, which the caller guarantees.
-    fn sample_range(&self, sample_bytes: usize, start: u64, count: u64) -> &[u8] {
+    /// Appends the bytes of samples `[start, start + count)` of this part to `out`. The range must
+    /// be within `self.samples`, which the caller guarantees.
+    fn append_samples(&self, sample_bytes: usize, start: u64, count: u64, out: &mut Vec<u8>) {
         // Cannot overflow or go out of bounds: `new` checked that all samples fit in the buffer,
         // whose length is a usize.
         let begin = self.data_offset + start as usize * sample_bytes;
         let end = begin + count as usize * sample_bytes;
-        &self.backing.bytes()[begin..end]
+        self.backing.append(begin, end, out);
     }
 }
 
@@ -540,7 +579,7 @@ impl FieldSource {
     pub fn paths(&self) -> Vec<&Path> {
         self.parts
             .iter()
-            .filter(|p| matches!(*p.backing, Backing::Mapped { .. }))
+            .filter(|p| matches!(*p.backing, Backing::Mapped { .. } | Backing::DocStarts(_)))
             .map(|p| p.path.as_path())
             .collect()
     }
@@ -581,7 +620,7 @@ impl FieldSource {
                 continue;
             }
             let take = remaining.min(part.samples - start);
-            out.extend_from_slice(part.sample_range(sample_bytes, start, take));
+            part.append_samples(sample_bytes, start, take, out);
             // After the copy: a read beyond the end of a file cut meanwhile has read zeros, which
             // this catches before the caller uses them.
             part.check()?;
