@@ -95,7 +95,9 @@ enum Command {
     /// Start the daemon: register every dataset under --data-root and serve batches to consumers
     /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
     ///
-    /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections.
+    /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections. Under
+    /// a service manager ($NOTIFY_SOCKET set, as systemd's Type=notify does) it also sends READY=1
+    /// then, STOPPING=1 on SIGTERM, and watchdog pings when $WATCHDOG_USEC is set (docs/DEPLOY.md).
     Serve(Box<ServeArgs>),
     /// Consume one epoch of batches from a running daemon (as a training process would, through
     /// the client crate) and print a JSON summary: batches, samples, bytes, seconds, the cursor to

@@ -282,3 +282,44 @@ fn is_setting(line: &str) -> bool {
         !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
     })
 }
+
+/// `deploy/gpufeed.service` is a unit systemd accepts (`systemd-analyze verify`, with `ExecStart`
+/// pointed at the binary under test, which must exist for the check). Where systemd-analyze is not
+/// installed the test says so and checks nothing.
+#[test]
+fn the_example_unit_verifies() {
+    let unit = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/gpufeed.service"),
+    )
+    .unwrap();
+    assert!(
+        unit.contains("\nType=notify\n"),
+        "the unit is not Type=notify"
+    );
+    assert!(unit.contains("\nWatchdogSec="), "the unit sets no watchdog");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gpufeed.service");
+    std::fs::write(
+        &path,
+        unit.replace("/usr/local/bin/gpufeed", env!("CARGO_BIN_EXE_gpufeed")),
+    )
+    .unwrap();
+    let output = match Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+    {
+        Ok(output) => output,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("SKIPPED the_example_unit_verifies: systemd-analyze is not installed");
+            return;
+        }
+        Err(error) => panic!("systemd-analyze: {error}"),
+    };
+    assert!(
+        output.status.success() && output.stderr.is_empty(),
+        "systemd-analyze verify: {:?}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
