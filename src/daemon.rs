@@ -24,6 +24,7 @@ use crate::device::probe::portable_registration_works;
 use crate::device::{CacheDir, Device, DeviceError};
 use crate::ipc::{Server, ServerConfig};
 use crate::kernels::Kernels;
+use crate::notify::{next_watchdog_tick, ServiceNotifier};
 use crate::pipeline::gpu::{RoundBufferPool, ShardSlotPool, ZeroCopy, ROUNDS_IN_FLIGHT_MAX};
 use crate::pipeline::{GpuBackend, GpuStreamLimits, StreamLimits};
 use crate::registry::Registry;
@@ -111,6 +112,9 @@ pub enum DaemonError {
     /// The socket server's thread ended without a result.
     #[error("the socket server's thread ended")]
     SocketThreadEnded,
+    /// The service manager's variables (`NOTIFY_SOCKET`, `WATCHDOG_USEC`) could not be used.
+    #[error("the service manager's notification socket")]
+    Notify(#[from] crate::notify::NotifyError),
     /// Shutdown could not write the catalog or stop the jobs.
     #[error("shutting down: {0}")]
     Shutdown(String),
@@ -122,7 +126,12 @@ pub enum DaemonError {
 /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections, so that
 /// supervisors and tests can wait for readiness without polling, then `gpufeed: http on ADDR` (the
 /// bound address, so port 0 can be used) once the control API listens.
+///
+/// Under a service manager (`$NOTIFY_SOCKET` set) it also sends `READY=1` once both listen,
+/// `STOPPING=1` when shutdown begins and, with `$WATCHDOG_USEC`, watchdog pings (see
+/// [`crate::notify`]).
 pub fn run(settings: Settings) -> Result<(), DaemonError> {
+    let notifier = crate::notify::ServiceNotifier::from_environment()?;
     let gpus = open_backends(&settings)?;
     if gpus.is_empty() && settings.engine == EngineMode::CuFile {
         return Err(DaemonError::CuFileWithoutGpu);
@@ -136,7 +145,7 @@ pub fn run(settings: Settings) -> Result<(), DaemonError> {
             what: "starting the control API's runtime",
             source,
         })?;
-    let result = runtime.block_on(serve(settings, gpus));
+    let result = runtime.block_on(serve(settings, gpus, &notifier));
     // Blocking tasks still running (a verification) must not hold the exit up.
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
@@ -420,7 +429,11 @@ pub fn stream_limits(gpu: &GpuSettings) -> GpuStreamLimits {
     }
 }
 
-async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), DaemonError> {
+async fn serve(
+    settings: Settings,
+    gpus: Vec<Arc<GpuBackend>>,
+    notifier: &ServiceNotifier,
+) -> Result<(), DaemonError> {
     // Installed before anything is announced, so that a signal sent as soon as the readiness line
     // is read already finds the handlers.
     let mut signals = Signals::install()?;
@@ -473,16 +486,25 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
         None => None,
     };
 
-    let outcome = tokio::select! {
-        signal = signals.recv() => Ok(signal),
-        failed = socket_failure => Err(match failed {
-            Ok(Ok(())) => DaemonError::SocketStopped,
-            Ok(Err(error)) => DaemonError::SocketFailed(error),
-            Err(_) => DaemonError::SocketThreadEnded,
-        }),
-    };
-    if let Ok(signal) = &outcome {
-        tracing::info!("{signal}: shutting down");
+    notifier.ready(&format!(
+        "serving {} dataset(s) on {}",
+        names.len(),
+        settings.socket_path.display()
+    ));
+    let outcome = wait_for_stop(
+        &mut signals,
+        socket_failure,
+        &socket_thread,
+        http_task.as_ref(),
+        notifier,
+    )
+    .await;
+    match &outcome {
+        Ok(signal) => {
+            tracing::info!("{signal}: shutting down");
+            notifier.stopping(&format!("{signal}: shutting down"));
+        }
+        Err(error) => notifier.stopping(&format!("{error}: shutting down")),
     }
 
     let _ = stop_http.send(true);
@@ -522,6 +544,37 @@ async fn serve(settings: Settings, gpus: Vec<Arc<GpuBackend>>) -> Result<(), Dae
         }
     }
     outcome.map(|_| ())
+}
+
+/// Waits for SIGTERM or SIGINT (returns its name) or for the socket server to stop (returns why),
+/// pinging the service manager's watchdog meanwhile. The pings come from this task, the one that
+/// would notice the socket server's end, and only while the socket server's thread and the control
+/// API's task run: a daemon whose loops died, or whose runtime is stuck, stops pinging and the
+/// manager restarts it.
+async fn wait_for_stop(
+    signals: &mut Signals,
+    mut socket_failure: tokio::sync::oneshot::Receiver<std::io::Result<()>>,
+    socket_thread: &std::thread::JoinHandle<()>,
+    http_task: Option<&tokio::task::JoinHandle<()>>,
+    notifier: &ServiceNotifier,
+) -> Result<&'static str, DaemonError> {
+    let mut watchdog = notifier.watchdog_interval().map(tokio::time::interval);
+    loop {
+        tokio::select! {
+            signal = signals.recv() => return Ok(signal),
+            failed = &mut socket_failure => return Err(match failed {
+                Ok(Ok(())) => DaemonError::SocketStopped,
+                Ok(Err(error)) => DaemonError::SocketFailed(error),
+                Err(_) => DaemonError::SocketThreadEnded,
+            }),
+            () = next_watchdog_tick(&mut watchdog) => {
+                let http_alive = http_task.is_none_or(|task| !task.is_finished());
+                if http_alive && !socket_thread.is_finished() {
+                    notifier.watchdog();
+                }
+            }
+        }
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard one: every consumer session holds its socket

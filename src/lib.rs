@@ -15,6 +15,7 @@ pub mod input;
 pub mod ipc;
 pub mod kernels;
 pub mod metrics;
+pub mod notify;
 pub mod pack;
 pub mod pipeline;
 pub mod registry;

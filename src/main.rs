@@ -105,7 +105,9 @@ enum Command {
     /// Start the daemon: register every dataset under --data-root and serve batches to consumers
     /// over a Unix socket (see docs/PROTOCOL.md and the gpufeed-client crate).
     ///
-    /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections.
+    /// Prints `gpufeed: serving N dataset(s) on SOCKET` on stdout once it accepts connections. Under
+    /// a service manager ($NOTIFY_SOCKET set, as systemd's Type=notify does) it also sends READY=1
+    /// then, STOPPING=1 on SIGTERM, and watchdog pings when $WATCHDOG_USEC is set (docs/DEPLOY.md).
     Serve(Box<ServeArgs>),
     /// Consume one epoch of batches from a running daemon (as a training process would, through
     /// the client crate) and print a JSON summary: batches, samples, bytes, seconds, the cursor to
@@ -195,6 +197,11 @@ struct PackArgs {
 /// environment, which wins over the file.
 #[derive(clap::Args)]
 struct ServeArgs {
+    /// How log lines on standard error are written: text (for people) or json (one JSON object per
+    /// line, for log collectors) [env: GPUFEED_LOG_FORMAT]. Which lines: GPUFEED_LOG (an
+    /// env-filter such as `info` or `gpufeed=debug`). Default: text.
+    #[arg(long, value_enum, value_name = "text|json")]
+    log_format: Option<LogFormat>,
     /// A TOML configuration file [env: GPUFEED_CONFIG].
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
@@ -337,6 +344,18 @@ fn parse_byte_count(text: &str) -> Result<ByteCount, String> {
 fn parse_switch(text: &str) -> Result<Switch, String> {
     text.parse()
 }
+
+/// The form of the daemon's log lines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines (coloured on a terminal).
+    Text,
+    /// One JSON object per line: timestamp, level, target and the event's fields.
+    Json,
+}
+
+/// The environment variable choosing the log format when `--log-format` is not given.
+const LOG_FORMAT_ENV_VAR: &str = "GPUFEED_LOG_FORMAT";
 
 #[derive(Clone, Copy, ValueEnum)]
 enum CodecArg {
@@ -646,20 +665,41 @@ fn run_list_inputs(
     })
 }
 
+/// The log format `--log-format` asks for, else `GPUFEED_LOG_FORMAT`, else text.
+fn log_format(flag: Option<LogFormat>) -> Result<LogFormat> {
+    if let Some(format) = flag {
+        return Ok(format);
+    }
+    match std::env::var(LOG_FORMAT_ENV_VAR) {
+        Ok(text) if !text.is_empty() => LogFormat::from_str(&text, true)
+            .map_err(|_| anyhow::anyhow!("{LOG_FORMAT_ENV_VAR}={text:?}: expected text or json")),
+        _ => Ok(LogFormat::Text),
+    }
+}
+
+/// Sends the daemon's log to standard error in `format`, filtered by `GPUFEED_LOG` (default `info`).
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPUFEED_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        // No colour in JSON: escape codes would end up inside the collected strings.
+        LogFormat::Json => builder.json().with_ansi(false).init(),
+        // Colour only for a terminal, and never with NO_COLOR set (https://no-color.org): a log
+        // file or a journal gets plain text.
+        LogFormat::Text => builder
+            .with_ansi(
+                std::io::IsTerminal::is_terminal(&std::io::stderr())
+                    && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+            )
+            .init(),
+    }
+}
+
 fn run_serve(args: ServeArgs) -> Result<ExitCode> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GPUFEED_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only for a terminal, and never with NO_COLOR set (https://no-color.org): a log file
-        // or a journal gets plain text.
-        .with_ansi(
-            std::io::IsTerminal::is_terminal(&std::io::stderr())
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
-        )
-        .init();
+    init_logging(log_format(args.log_format)?);
     let flags = ConfigLayer {
         data_root: args.data_root,
         socket: args.socket,

@@ -23,6 +23,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuDeviceGet",
     "cuDeviceGetPCIBusId",
+    "cuDeviceGetUuid_v2",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
@@ -450,6 +451,27 @@ fn retain_primary(ordinal: u32) -> Result<(cu::CUdevice, cu::CUcontext), CudaErr
         )?;
         Ok((device, context))
     }
+}
+
+/// The UUID of this process's CUDA device `ordinal` (`cuDeviceGetUuid_v2`): the same physical GPU has
+/// the same UUID in the daemon, whatever either process's `CUDA_VISIBLE_DEVICES`, so the daemon
+/// serves the consumer's `cuda:N` on the right GPU
+/// (<https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html>).
+pub fn device_uuid(ordinal: u32) -> Result<[u8; 16], CudaError> {
+    probe_driver()?;
+    // SAFETY: CUuuid is 16 plain bytes; all-zero is a valid value for the driver to overwrite.
+    let mut uuid: cu::CUuuid = unsafe { MaybeUninit::zeroed().assume_init() };
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        check("cuInit", cu::cuInit(0))?;
+        let mut device: cu::CUdevice = 0;
+        check("cuDeviceGet", cu::cuDeviceGet(&mut device, ordinal as i32))?;
+        check(
+            "cuDeviceGetUuid_v2",
+            cu::cuDeviceGetUuid_v2(&mut uuid, device),
+        )?;
+    }
+    Ok(uuid.bytes.map(|b| b as u8))
 }
 
 /// The PCI address of device `ordinal` as sysfs names it (`dddd:bb:dd.f`, lower case).

@@ -59,6 +59,53 @@ pub enum Device {
     Cuda(u32),
 }
 
+/// Bytes of a device UUID on the wire (`OpenStream.device_uuid`).
+pub const DEVICE_UUID_BYTES: usize = 16;
+
+/// A physical GPU's UUID as the CUDA driver reports it (`cuDeviceGetUuid_v2`): the same GPU has the
+/// same UUID in every process, whatever each process's `CUDA_VISIBLE_DEVICES`, while its ordinal
+/// may differ. Shown as `nvidia-smi -L` shows it: `GPU-` and 32 hex digits in groups of 8-4-4-4-12.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DeviceUuid(pub [u8; DEVICE_UUID_BYTES]);
+
+impl std::fmt::Display for DeviceUuid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GPU-")?;
+        for (i, byte) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                f.write_str("-")?;
+            }
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for DeviceUuid {
+    type Err = String;
+
+    /// Parses `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (the `GPU-` prefix and the dashes are
+    /// optional; hex digits of either case).
+    fn from_str(text: &str) -> Result<DeviceUuid, String> {
+        let digits: String = text
+            .trim()
+            .trim_start_matches("GPU-")
+            .chars()
+            .filter(|c| *c != '-')
+            .collect();
+        let bad =
+            || format!("{text:?} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)");
+        if digits.len() != 2 * DEVICE_UUID_BYTES || !digits.is_ascii() {
+            return Err(bad());
+        }
+        let mut bytes = [0u8; DEVICE_UUID_BYTES];
+        for (i, byte) in bytes.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&digits[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(DeviceUuid(bytes))
+    }
+}
+
 /// How an epoch's samples are ordered (see the daemon's `pipeline::order`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Shuffle {
@@ -127,6 +174,11 @@ pub struct StreamSpec {
     pub on_corrupt: CorruptPolicy,
     /// Where slots live.
     pub device: Device,
+    /// With `device` = `Cuda(n)`: the UUID of the GPU the consumer calls `cuda:n`, so that the daemon
+    /// serves that physical GPU whatever its own ordinal for it. The client library fills it from
+    /// its driver when it is `None`; a request without it means the daemon's ordinal `n`, as before
+    /// the field existed. Must be `None` for host memory.
+    pub device_uuid: Option<DeviceUuid>,
 }
 
 /// Where one field sits in every slot of a stream.
@@ -616,6 +668,10 @@ impl Message {
                     CorruptPolicy::Replace => 1,
                 });
                 w.u32(device_marker(spec.device));
+                // Optional and last: a request without it is the earlier layout, byte for byte.
+                if let Some(uuid) = spec.device_uuid {
+                    w.0.extend_from_slice(&uuid.0);
+                }
             }
             Message::StreamOpened(layout) => {
                 w.u32(layout.slot_count);
@@ -786,6 +842,14 @@ impl Message {
                     u32::MAX => Device::Cpu,
                     ordinal => Device::Cuda(ordinal),
                 };
+                let device_uuid = if r.at == r.bytes.len() {
+                    None
+                } else if device == Device::Cpu {
+                    return r.fail("a device UUID is given for a host-memory stream");
+                } else {
+                    let bytes = r.take(DEVICE_UUID_BYTES)?;
+                    Some(DeviceUuid(bytes.try_into().expect("16 bytes")))
+                };
                 Message::OpenStream(StreamSpec {
                     dataset,
                     fields,
@@ -800,6 +864,7 @@ impl Message {
                     prefetch,
                     on_corrupt,
                     device,
+                    device_uuid,
                 })
             }
             KIND_STREAM_OPENED => {
@@ -879,6 +944,84 @@ impl Message {
 mod tests {
     use super::*;
 
+    /// An `OpenStream` on a CUDA device, with the device's UUID when `uuid` is given.
+    fn cuda_request(uuid: Option<DeviceUuid>) -> StreamSpec {
+        let mut spec = StreamSpec::new("tokens", 32);
+        spec.device = Device::Cuda(0);
+        spec.device_uuid = uuid;
+        spec
+    }
+
+    const UUID: DeviceUuid = DeviceUuid([
+        0x5e, 0x1f, 0x0a, 0x42, 0x9b, 0x3c, 0x11, 0xee, 0x80, 0x01, 0xa0, 0x36, 0x9f, 0x12, 0x34,
+        0x56,
+    ]);
+
+    #[test]
+    fn a_device_uuid_travels_as_16_bytes_after_the_device() {
+        let without = Message::OpenStream(cuda_request(None)).encode();
+        let with = Message::OpenStream(cuda_request(Some(UUID))).encode();
+        assert_eq!(with.len(), without.len() + DEVICE_UUID_BYTES);
+        // Everything before the UUID is the earlier layout, the frame's length field aside.
+        assert_eq!(with[4..without.len()], without[4..]);
+        assert_eq!(with[without.len()..], UUID.0);
+        assert_eq!(
+            u32::from_le_bytes(with[..4].try_into().unwrap()) as usize,
+            with.len() - 4
+        );
+        for frame in [&with, &without] {
+            let Message::OpenStream(decoded) = Message::decode(&frame[4..]).unwrap() else {
+                panic!("not an OpenStream");
+            };
+            assert_eq!(decoded.device_uuid, (frame == &with).then_some(UUID));
+        }
+        assert_eq!(
+            crate::spec::open_stream_frame_bytes(&cuda_request(Some(UUID))),
+            with.len()
+        );
+    }
+
+    #[test]
+    fn a_device_uuid_is_refused_for_host_memory_and_when_cut_short() {
+        let mut host = cuda_request(Some(UUID));
+        host.device = Device::Cpu;
+        let frame = Message::OpenStream(host.clone()).encode();
+        let error = Message::decode(&frame[4..]).unwrap_err().to_string();
+        assert!(error.contains("host-memory stream"), "{error}");
+        assert!(host.validate().unwrap_err().to_string().contains("UUID"));
+
+        let whole = Message::OpenStream(cuda_request(Some(UUID))).encode();
+        for cut in [1, 8, 15] {
+            let mut short = whole[..whole.len() - cut].to_vec();
+            let length = (short.len() - 4) as u32;
+            short[..4].copy_from_slice(&length.to_le_bytes());
+            assert!(Message::decode(&short[4..]).is_err(), "cut {cut}");
+        }
+        let mut long = whole.clone();
+        long.push(0);
+        let length = (long.len() - 4) as u32;
+        long[..4].copy_from_slice(&length.to_le_bytes());
+        let error = Message::decode(&long[4..]).unwrap_err().to_string();
+        assert!(error.contains("trailing"), "{error}");
+    }
+
+    #[test]
+    fn a_device_uuid_prints_and_parses_as_nvidia_smi_shows_it() {
+        let text = UUID.to_string();
+        assert_eq!(text, "GPU-5e1f0a42-9b3c-11ee-8001-a0369f123456");
+        assert_eq!(text.parse::<DeviceUuid>().unwrap(), UUID);
+        assert_eq!(
+            "5E1F0A429B3C11EE8001A0369F123456"
+                .parse::<DeviceUuid>()
+                .unwrap(),
+            UUID
+        );
+        assert!("GPU-5e1f".parse::<DeviceUuid>().is_err());
+        assert!("GPU-5e1f0a42-9b3c-11ee-8001-a0369f1234zz"
+            .parse::<DeviceUuid>()
+            .is_err());
+    }
+
     fn samples() -> Vec<Message> {
         vec![
             Message::Hello {
@@ -912,7 +1055,9 @@ mod tests {
                 prefetch: 4,
                 on_corrupt: CorruptPolicy::Replace,
                 device: Device::Cuda(0),
+                device_uuid: None,
             }),
+            Message::OpenStream(cuda_request(Some(UUID))),
             Message::StreamOpened(StreamLayout {
                 slot_count: 4,
                 slot_bytes: 1 << 20,
@@ -981,12 +1126,29 @@ mod tests {
         }
     }
 
+    /// Every truncation is malformed but one: an `OpenStream` cut just before its optional device
+    /// UUID is the same request without it.
     #[test]
     fn every_truncation_and_extension_is_rejected() {
         for message in samples() {
             let frame = message.encode();
+            let without_uuid = match &message {
+                Message::OpenStream(spec) if spec.device_uuid.is_some() => {
+                    Some(Message::OpenStream(StreamSpec {
+                        device_uuid: None,
+                        ..spec.clone()
+                    }))
+                }
+                _ => None,
+            };
             for cut in 4..frame.len() - 4 {
-                assert!(Message::decode(&frame[4..4 + cut]).is_err());
+                match Message::decode(&frame[4..4 + cut]) {
+                    Err(_) => {}
+                    Ok(decoded) => {
+                        assert_eq!(cut, frame.len() - 4 - DEVICE_UUID_BYTES);
+                        assert_eq!(Some(decoded), without_uuid);
+                    }
+                }
             }
             let mut longer = frame[4..].to_vec();
             longer.push(0);

@@ -6,8 +6,8 @@
 
 use crate::protocol::{CorruptPolicy, Tail};
 use crate::protocol::{
-    Device, Shuffle, StreamSpec, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, SLOTS_MAX, STREAM_FIELDS_MAX,
-    STRING_BYTES_MAX,
+    Device, Shuffle, StreamSpec, DEVICE_UUID_BYTES, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, SLOTS_MAX,
+    STREAM_FIELDS_MAX, STRING_BYTES_MAX,
 };
 
 /// Default number of slots a stream asks the daemon to fill ahead of the consumer.
@@ -74,7 +74,12 @@ pub fn open_stream_frame_bytes(spec: &StreamSpec) -> usize {
         .iter()
         .map(|field| 2 + field.name.len() + 1)
         .sum();
-    FRAME_HEADER_BYTES + 2 + spec.dataset.len() + 2 + OPEN_STREAM_FIXED_BYTES + fields
+    let uuid = if spec.device_uuid.is_some() {
+        DEVICE_UUID_BYTES
+    } else {
+        0
+    };
+    FRAME_HEADER_BYTES + 2 + spec.dataset.len() + 2 + OPEN_STREAM_FIXED_BYTES + fields + uuid
 }
 
 impl StreamSpec {
@@ -96,6 +101,7 @@ impl StreamSpec {
             prefetch: PREFETCH_DEFAULT,
             on_corrupt: CorruptPolicy::Fail,
             device: Device::Cpu,
+            device_uuid: None,
         }
     }
 
@@ -178,6 +184,12 @@ impl StreamSpec {
         check_prefetch(self.prefetch)?;
         if let Shuffle::Window(shards) = self.shuffle {
             check_window_shards(shards)?;
+        }
+        if self.device == Device::Cpu && self.device_uuid.is_some() {
+            return Err(SpecError(
+                "a device UUID names a GPU: it is given only for a stream on a CUDA device"
+                    .to_string(),
+            ));
         }
         if self.device == Device::Cuda(u32::MAX) {
             return Err(SpecError(

@@ -5,7 +5,7 @@
 
 use std::ptr::NonNull;
 
-use gpufeed_proto::protocol::{Backend, Message};
+use gpufeed_proto::protocol::{Backend, Device, DeviceUuid, Message, StreamSpec};
 use gpufeed_proto::ring::{
     decode_batch, decode_header, decode_release, encode_batch, encode_release, ring_bytes,
     RingBatch, RingView,
@@ -65,6 +65,16 @@ fn the_documented_frames_are_the_encoders() {
             daemon_version: "0.1.0".to_string(),
         }],
         vec![Message::EndOfEpoch { epoch: 0, steps: 2 }, Message::Close],
+        vec![Message::OpenStream({
+            let mut spec = StreamSpec::new("d", 8);
+            spec.device = Device::Cuda(0);
+            spec.device_uuid = Some(
+                "GPU-5e1f0a42-9b3c-11ee-8001-a0369f123456"
+                    .parse::<DeviceUuid>()
+                    .unwrap(),
+            );
+            spec
+        })],
     ];
     let documented = example_blocks("## Examples");
     assert_eq!(documented.len(), messages.len(), "example blocks");

@@ -38,6 +38,9 @@ pub struct DeviceView {
     pub exportable_memory: bool,
     /// The device's PCI address (`dddd:bb:dd.0`).
     pub pci_address: String,
+    /// The device's UUID as `nvidia-smi -L` shows it (`GPU-…`), the same in every process whatever
+    /// its `CUDA_VISIBLE_DEVICES`; `null` when the driver could not say.
+    pub uuid: Option<String>,
     /// The host NUMA node the device is attached to, on a host with several (the daemon binds the
     /// threads of its streams there); `null` on a host with one or when unknown.
     pub numa_node: Option<u32>,
@@ -91,6 +94,9 @@ pub fn probe_platform() -> Platform {
                 multiprocessors: p.multiprocessors,
                 exportable_memory: p.exportable_memory,
                 pci_address: p.pci_address,
+                uuid: p
+                    .uuid
+                    .map(|bytes| gpufeed_proto::protocol::DeviceUuid(bytes).to_string()),
                 numa_node: probed.numa_node,
             }
         })

@@ -102,8 +102,13 @@ pub struct ControlSettings {
 /// One CUDA device the daemon serves: what its streams hold and have done.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct DeviceServing {
-    /// `cuda:N`.
+    /// `cuda:N`: the daemon's ordinal (a consumer's own `cuda:N` may be another GPU).
     pub device: String,
+    /// The GPU's UUID (`GPU-…`, as `nvidia-smi -L` shows it): consumers are served on the GPU whose
+    /// UUID matches their device's; `null` when the driver could not say.
+    pub uuid: Option<String>,
+    /// The GPU's PCI bus id (`dddd:bb:dd.0`); empty when unknown.
+    pub pci_bus_id: String,
     /// Streams open on it.
     pub streams: u64,
     /// Device memory of those streams' pipelines (staging, block cache, tables, shards copied
@@ -236,6 +241,28 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
     let limits = control.jobs.limits();
     let options = &control.options;
     let gpu = &options.gpu;
+    let devices: Vec<DeviceServing> = control
+        .metrics
+        .devices()
+        .into_iter()
+        .map(|d| {
+            let device = format!("cuda:{}", d.ordinal);
+            // The probe opened the same ordinals in this process: its view names the device.
+            let probed = platform.devices.iter().find(|p| p.device == device);
+            DeviceServing {
+                uuid: probed.and_then(|p| p.uuid.clone()),
+                pci_bus_id: probed.map(|p| p.pci_address.clone()).unwrap_or_default(),
+                device,
+                streams: d.streams,
+                stream_device_bytes: d.stream_device_bytes,
+                round_buffers_idle_bytes: d.round_buffers_idle_bytes,
+                shard_slots_idle_bytes: d.shard_slots_idle_bytes,
+                batches: d.batches,
+                samples: d.samples,
+                read_bytes: d.read_bytes,
+            }
+        })
+        .collect();
     Json(StatusView {
         version: env!("CARGO_PKG_VERSION").to_string(),
         uptime_seconds: snapshot.uptime_seconds,
@@ -309,21 +336,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 block_cache_evictions: cache.evictions,
             }
         },
-        devices: control
-            .metrics
-            .devices()
-            .into_iter()
-            .map(|d| DeviceServing {
-                device: format!("cuda:{}", d.ordinal),
-                streams: d.streams,
-                stream_device_bytes: d.stream_device_bytes,
-                round_buffers_idle_bytes: d.round_buffers_idle_bytes,
-                shard_slots_idle_bytes: d.shard_slots_idle_bytes,
-                batches: d.batches,
-                samples: d.samples,
-                read_bytes: d.read_bytes,
-            })
-            .collect(),
+        devices,
         datasets: snapshot.datasets.iter().map(|(_, n)| n).sum(),
         datasets_unavailable: snapshot
             .datasets

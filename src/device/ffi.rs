@@ -116,6 +116,7 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetName",
+    "cuDeviceGetUuid_v2",
     "cuDeviceGetAttribute",
     "cuDeviceTotalMem_v2",
     "cuDevicePrimaryCtxRetain",
@@ -291,6 +292,18 @@ pub fn device_name(device: cu::CUdevice) -> DriverResult<String> {
     Ok(unsafe { CStr::from_ptr(name.as_ptr()) }
         .to_string_lossy()
         .into_owned())
+}
+
+/// `cuDeviceGetUuid_v2`: the device's 16-byte UUID, the same in every process whatever its
+/// `CUDA_VISIBLE_DEVICES` (<https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html>).
+pub fn device_uuid(device: cu::CUdevice) -> DriverResult<[u8; 16]> {
+    // SAFETY: CUuuid is 16 plain bytes; all-zero is a valid value for the driver to overwrite.
+    let mut uuid: cu::CUuuid = unsafe { std::mem::zeroed() };
+    // SAFETY: writes one CUuuid.
+    check("cuDeviceGetUuid_v2", unsafe {
+        cu::cuDeviceGetUuid_v2(&mut uuid, device)
+    })?;
+    Ok(uuid.bytes.map(|b| b as u8))
 }
 
 /// `cuDeviceGetAttribute`.

@@ -166,6 +166,9 @@ pub struct DeviceProperties {
     pub host_pointer_for_registered_memory: bool,
     /// The device's PCI address as sysfs names it (`dddd:bb:dd.0`); empty when unknown.
     pub pci_address: String,
+    /// The device's UUID (`cuDeviceGetUuid_v2`): how consumers whose `CUDA_VISIBLE_DEVICES` differ
+    /// from the daemon's name the same physical GPU. `None` when the driver could not say.
+    pub uuid: Option<[u8; 16]>,
 }
 
 pub(crate) struct DeviceInner {
@@ -250,6 +253,7 @@ impl Device {
                 exportable_memory: false,
                 host_pointer_for_registered_memory: false,
                 pci_address: String::new(),
+                uuid: None,
             },
             modules: Mutex::new(HashMap::new()),
         };
@@ -285,6 +289,7 @@ impl Device {
                 }
                 _ => String::new(),
             },
+            uuid: ffi::device_uuid(device).ok(),
         };
         Ok(Device {
             inner: Arc::new(inner),

@@ -6,6 +6,7 @@
 //! request reaches the pipeline converted into its own types ([`convert`]).
 
 pub mod convert;
+pub mod devices;
 pub mod ring;
 pub mod server;
 pub mod slots;

@@ -564,8 +564,9 @@ fn open_stream(
     spec.validate()
         .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
     let request = StreamRequest::from(&spec);
-    let backend = StreamBackend::select(request.device, &shared.config.gpus)
-        .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
+    // By the device's UUID where the consumer sent it (its ordinal may not be ours).
+    let backend = super::devices::stream_backend(&spec, &shared.config.gpus)
+        .map_err(|message| (ErrorCode::BadRequest, message))?;
     let dataset = shared.registry.get(&spec.dataset).ok_or_else(|| {
         (
             ErrorCode::UnknownDataset,

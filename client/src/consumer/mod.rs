@@ -40,7 +40,9 @@ use std::sync::{Arc, Mutex};
 
 use ring::ConsumerRing;
 
-use crate::protocol::{Backend, DaemonStatus, Device, Message, StreamSpec, SLOTS_MAX};
+use crate::protocol::{
+    Backend, DaemonStatus, Device, DeviceUuid, ErrorCode, Message, StreamSpec, SLOTS_MAX,
+};
 use crate::transport;
 
 mod ahead;
@@ -153,8 +155,15 @@ impl Client {
     ///
     /// The spec is checked locally first ([`ClientError::InvalidSpec`]); the daemon checks the rest
     /// (dataset and field names, dtype conversions, resource bounds) and answers with an error code.
-    pub fn open_stream(self, spec: StreamSpec) -> Result<Stream, ClientError> {
+    ///
+    /// On a CUDA device, the device's UUID is sent with its ordinal (unless `spec.device_uuid`
+    /// names one already): `cuda:N` means this process's device N, and the daemon serves that
+    /// physical GPU whatever its own `CUDA_VISIBLE_DEVICES`.
+    pub fn open_stream(self, mut spec: StreamSpec) -> Result<Stream, ClientError> {
         check_spec(&spec)?;
+        if let (Device::Cuda(ordinal), None) = (spec.device, spec.device_uuid) {
+            spec.device_uuid = Some(DeviceUuid(crate::cuda::device_uuid(ordinal)?));
+        }
         let asked = std::time::Instant::now();
         transport::send(&self.socket, &Message::OpenStream(spec.clone()), &[])?;
         let (message, fds) = transport::recv(&self.socket)?;
@@ -169,7 +178,7 @@ impl Client {
                         other.name()
                     )));
                 }
-                return Err(unexpected(other, "StreamOpened"));
+                return Err(older_daemon_hint(unexpected(other, "StreamOpened"), &spec));
             }
         };
         check_layout(&spec, &layout, fds.len())?;
@@ -220,5 +229,25 @@ impl Client {
             }),
             outbox: Arc::new(outbox),
         })
+    }
+}
+
+/// `error` with a hint when it is a daemon's refusal of the device UUID that ends `spec`'s request:
+/// a daemon from before the field existed reads it as trailing bytes of a malformed frame.
+fn older_daemon_hint(error: ClientError, spec: &StreamSpec) -> ClientError {
+    match error {
+        ClientError::Daemon {
+            code: ErrorCode::BadFrame,
+            message,
+        } if spec.device_uuid.is_some() && message.contains("trailing bytes") => {
+            ClientError::Daemon {
+                code: ErrorCode::BadFrame,
+                message: format!(
+                    "{message} (the daemon predates devices named by UUID in OpenStream: upgrade \
+                     it to this client's release)"
+                ),
+            }
+        }
+        other => other,
     }
 }
