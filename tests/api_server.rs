@@ -363,8 +363,10 @@ fn sessions_are_listed_and_closed_through_the_api() {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
+    // Blocks whose pages are cached are read from the page cache, the others by the read engine.
     let read = value(&metrics, "gpufeed_read_bytes_total{engine=\"io_uring\"}")
-        + value(&metrics, "gpufeed_read_bytes_total{engine=\"pread\"}");
+        + value(&metrics, "gpufeed_read_bytes_total{engine=\"pread\"}")
+        + value(&metrics, "gpufeed_read_bytes_total{engine=\"page_cache\"}");
     assert!(read > 0.0, "{metrics}");
     // Slot rings are sized in bytes: small batches get more slots than the prefetch depth, and every
     // one of them may be published to the consumer.

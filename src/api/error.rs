@@ -16,6 +16,12 @@ use utoipa::ToSchema;
 use super::confine::ConfineError;
 use crate::catalog::CatalogError;
 
+/// A request's body did not arrive in full within the deadline (the HTTP server's body deadline
+/// fails the body with it; the JSON extractor's rejection is answered 408).
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within {} s of its headers", .0.as_secs_f64())]
+pub struct BodyTimedOut(pub(crate) std::time::Duration);
+
 /// The body of every error response.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, ToSchema)]
 pub struct ErrorBody {
@@ -144,10 +150,10 @@ impl From<JsonRejection> for ApiError {
 }
 
 /// The body deadline that made reading the body fail, if that is why (see `api::serve`).
-fn body_timed_out(rejection: &JsonRejection) -> Option<&super::serve::BodyTimedOut> {
+fn body_timed_out(rejection: &JsonRejection) -> Option<&BodyTimedOut> {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
     while let Some(error) = source {
-        if let Some(timed_out) = error.downcast_ref::<super::serve::BodyTimedOut>() {
+        if let Some(timed_out) = error.downcast_ref::<BodyTimedOut>() {
             return Some(timed_out);
         }
         source = error.source();

@@ -27,6 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+use super::error::{BodyTimedOut, ErrorBody};
 use crate::config::HttpConnections;
 
 /// Pause after an accept error that is not about one connection (out of descriptors, say), so that
@@ -115,11 +116,6 @@ impl BodyDeadline {
         }
     }
 }
-
-/// A request's body did not arrive in full within the deadline.
-#[derive(Debug, thiserror::Error)]
-#[error("the request body did not arrive within {} s of its headers", .0.as_secs_f64())]
-pub struct BodyTimedOut(Duration);
 
 impl HttpBody for BodyDeadline {
     type Data = Bytes;
@@ -273,7 +269,7 @@ fn hyper_error_response(buf: &[u8]) -> Option<(usize, Vec<u8>)> {
     if !empty {
         return None;
     }
-    let body = serde_json::to_vec(&super::ErrorBody {
+    let body = serde_json::to_vec(&ErrorBody {
         code: code.to_string(),
         message: message.to_string(),
     })

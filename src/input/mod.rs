@@ -406,7 +406,17 @@ enum Backing {
     Owned(Vec<u8>),
     /// Bytes computed from a file on demand rather than stored: the `doc_start` field of a
     /// Megatron input, one byte per token, would otherwise cost a byte of memory per token.
-    DocStarts(tokens::DocStarts),
+    Generated(Box<dyn GeneratedBytes>),
+}
+
+/// A byte stream computed on demand from a file (see [`Backing::Generated`]).
+trait GeneratedBytes: Send + Sync {
+    /// Length of the byte stream.
+    fn len(&self) -> usize;
+    /// Appends bytes `[begin, end)` of the stream to `out`.
+    fn append(&self, begin: usize, end: usize, out: &mut Vec<u8>);
+    /// Fails, naming the file it computes from, if that file changed since it was opened.
+    fn check(&self) -> Result<(), InputError>;
 }
 
 impl Backing {
@@ -419,7 +429,7 @@ impl Backing {
         match self {
             Backing::Mapped { map, .. } => map.bytes(),
             Backing::Owned(vec) => vec,
-            Backing::DocStarts(_) => unreachable!("a generated backing is never parsed"),
+            Backing::Generated(_) => unreachable!("a generated backing is never parsed"),
         }
     }
 
@@ -427,7 +437,7 @@ impl Backing {
     fn len(&self) -> usize {
         match self {
             Backing::Mapped { .. } | Backing::Owned(_) => self.bytes().len(),
-            Backing::DocStarts(starts) => starts.len(),
+            Backing::Generated(generated) => generated.len(),
         }
     }
 
@@ -437,7 +447,7 @@ impl Backing {
             Backing::Mapped { .. } | Backing::Owned(_) => {
                 out.extend_from_slice(&self.bytes()[begin..end])
             }
-            Backing::DocStarts(starts) => starts.append(begin, end, out),
+            Backing::Generated(generated) => generated.append(begin, end, out),
         }
     }
 
@@ -452,7 +462,7 @@ impl Backing {
                 })
             }
             Backing::Owned(_) => Ok(()),
-            Backing::DocStarts(starts) => starts.check(),
+            Backing::Generated(generated) => generated.check(),
         }
     }
 }
@@ -463,7 +473,7 @@ impl fmt::Debug for Backing {
         match self {
             Backing::Mapped { map, .. } => write!(f, "Mapped({} bytes)", map.len()),
             Backing::Owned(vec) => write!(f, "Owned({} bytes)", vec.len()),
-            Backing::DocStarts(starts) => write!(f, "DocStarts({} bytes)", starts.len()),
+            Backing::Generated(generated) => write!(f, "Generated({} bytes)", generated.len()),
         }
     }
 }
@@ -579,7 +589,7 @@ impl FieldSource {
     pub fn paths(&self) -> Vec<&Path> {
         self.parts
             .iter()
-            .filter(|p| matches!(*p.backing, Backing::Mapped { .. } | Backing::DocStarts(_)))
+            .filter(|p| matches!(*p.backing, Backing::Mapped { .. } | Backing::Generated(_)))
             .map(|p| p.path.as_path())
             .collect()
     }

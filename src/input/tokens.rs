@@ -40,7 +40,9 @@ use std::sync::Arc;
 
 use gpufeed_proto::DType;
 
-use super::{map_file, open_npy_field, Backing, FieldSource, InputError, SourcePart};
+use super::{
+    map_file, open_npy_field, Backing, FieldSource, GeneratedBytes, InputError, SourcePart,
+};
 
 /// The magic that starts a Megatron-LM `.idx` file.
 pub const MEGATRON_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
@@ -369,6 +371,37 @@ fn open_megatron(
             ),
         ));
     }
+    check_documents(idx, bytes, documents_at, document_entries, sequences)?;
+    Ok(TokenInput {
+        path: bin.to_path_buf(),
+        format: TokenFormat::Megatron {
+            index: idx.to_path_buf(),
+            sequences,
+            documents: document_entries - 1,
+        },
+        dtype,
+        tokens: bin_len / width,
+        data,
+        data_offset: 0,
+        index: Some(IndexLayout {
+            backing: index_backing,
+            sequences,
+            document_entries,
+            pointers_at,
+            documents_at,
+        }),
+    })
+}
+
+/// Checks a Megatron index's document indices (at byte `documents_at` of `bytes`, `document_entries`
+/// of them): 0 first, never decreasing, within the `sequences`, ending at the sequence count.
+fn check_documents(
+    idx: &Path,
+    bytes: &[u8],
+    documents_at: usize,
+    document_entries: u64,
+    sequences: u64,
+) -> Result<(), InputError> {
     if document_entries == 0 {
         return Err(bad(
             idx,
@@ -410,25 +443,7 @@ fn open_megatron(
             ),
         ));
     }
-    Ok(TokenInput {
-        path: bin.to_path_buf(),
-        format: TokenFormat::Megatron {
-            index: idx.to_path_buf(),
-            sequences,
-            documents: document_entries - 1,
-        },
-        dtype,
-        tokens: bin_len / width,
-        data,
-        data_offset: 0,
-        index: Some(IndexLayout {
-            backing: index_backing,
-            sequences,
-            document_entries,
-            pointers_at,
-            documents_at,
-        }),
-    })
+    Ok(())
 }
 
 impl TokenInput {
@@ -473,7 +488,7 @@ impl TokenInput {
                 sample_shape: vec![seq_len],
                 parts: vec![SourcePart::new(
                     index,
-                    Arc::new(Backing::DocStarts(starts)),
+                    Arc::new(Backing::Generated(Box::new(starts))),
                     0,
                     sequences,
                     seq_len as usize,
@@ -602,7 +617,7 @@ pub fn cut_all(inputs: &[TokenInput], seq_len: u64) -> Result<TokenCut, InputErr
 /// The `doc_start` field's bytes, computed from a checked Megatron index: byte `t` is 1 if a
 /// non-empty document starts at token `t` of the stream, else 0. Its length is the tokens kept.
 #[derive(Debug)]
-pub(super) struct DocStarts {
+struct DocStarts {
     path: PathBuf,
     layout: IndexLayout,
     width: u64,
@@ -611,10 +626,6 @@ pub(super) struct DocStarts {
 }
 
 impl DocStarts {
-    pub(super) fn len(&self) -> usize {
-        self.kept_tokens as usize
-    }
-
     /// Token at which document index `j` starts (the stream's end for an index equal to the
     /// sequence count); non-decreasing in `j`, since the index was checked.
     fn start(&self, bytes: &[u8], j: u64) -> u64 {
@@ -624,9 +635,15 @@ impl DocStarts {
         }
         read_i64(bytes, self.layout.pointers_at + 8 * sequence as usize) as u64 / self.width
     }
+}
+
+impl GeneratedBytes for DocStarts {
+    fn len(&self) -> usize {
+        self.kept_tokens as usize
+    }
 
     /// Appends bytes `[begin, end)` of the field's byte stream (one byte per token) to `out`.
-    pub(super) fn append(&self, begin: usize, end: usize, out: &mut Vec<u8>) {
+    fn append(&self, begin: usize, end: usize, out: &mut Vec<u8>) {
         let bytes = self.layout.backing.bytes();
         let (begin, end) = (begin as u64, end as u64);
         let base = out.len();
@@ -653,7 +670,7 @@ impl DocStarts {
     }
 
     /// Fails, naming the index, if it changed since it was opened.
-    pub(super) fn check(&self) -> Result<(), InputError> {
+    fn check(&self) -> Result<(), InputError> {
         self.layout.backing.check(&self.path)
     }
 }
