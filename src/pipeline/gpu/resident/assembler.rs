@@ -143,9 +143,11 @@ impl ResidentAssembler {
         let mut rounds = planned.rounds?;
         // A small batch of one round with no rows to zero joins the group of batches waiting to be
         // gathered together, if it can; a batch that cannot queues the group first.
+        // (Rows copied into a round's staging are placed for that round alone.)
         let joins = self.group_batches_max > 1
             && rounds.len() == 1
             && rounds[0].replaced.is_empty()
+            && rounds[0].copies.is_empty()
             && rounds[0].pieces > 0;
         let device_shards = self.resident.device_shards.as_ref();
         if self.group.as_ref().is_some_and(|group| {
@@ -270,6 +272,7 @@ impl ResidentAssembler {
             pieces: group.pieces,
             region_bytes: group.region_bytes,
             replaced: Vec::new(),
+            copies: Vec::new(),
         };
         self.queue_resident_round(group.steps, rows, &span)
     }
@@ -280,7 +283,7 @@ impl ResidentAssembler {
     fn queue_resident_round(
         &mut self,
         steps: std::ops::Range<u64>,
-        planned: PlannedRows,
+        mut planned: PlannedRows,
         slot: &dyn DeviceMemory,
     ) -> Result<(), FillError> {
         if self.engine.rounds.len() == self.engine.buffers.len() {
@@ -290,6 +293,7 @@ impl ResidentAssembler {
         self.engine.next_buffers = (self.engine.next_buffers + 1) % self.engine.buffers.len();
         let queued = std::time::Instant::now();
         let count = planned.pieces;
+        let mut copied_bytes = 0u64;
         if count > 0 {
             let resident = &mut self.resident;
             // The shards the round reads.
@@ -309,10 +313,60 @@ impl ResidentAssembler {
             let mut table = std::mem::take(&mut resident.round_regions);
             table.clone_from(&resident.host_regions);
             let copying = resident.device_shards.is_some();
-            let on_device = resident
+            let redirected = resident
                 .device_shards
                 .as_ref()
                 .is_some_and(|d| d.redirect(&mut table));
+            // Rows copied by host threads: into the round's pinned row buffer, then uploaded into
+            // its staging, which the region table names for this round only (so the kernel reads
+            // that table from the round's pinned buffer, or inline).
+            let copy_started = std::time::Instant::now();
+            let staged = match (resident.row_copies.as_mut(), planned.copies.is_empty()) {
+                (Some(copier), false) => {
+                    let staging_region = resident
+                        .geometry
+                        .staging_region()
+                        .expect("a stream with row copies has a staging region");
+                    let used = planned
+                        .copies
+                        .iter()
+                        .map(|c| c.staging_offset + c.bytes as u64)
+                        .max()
+                        .unwrap_or(0);
+                    let staging = &self.engine.buffers[index].staging;
+                    assert!(
+                        table[staging_region].bytes <= staging.len() as u64,
+                        "a round's row staging lies within its staging buffer"
+                    );
+                    // The round that used round buffers `index` (its pinned row buffer and its
+                    // staging) last has completed: the host waited for its `done` event, recorded
+                    // after its upload and its gather, before these buffers were taken again.
+                    copied_bytes = copier.copy_round(index, std::mem::take(&mut planned.copies))?;
+                    let source = copier.buffer(index);
+                    // SAFETY: the source is this round's pinned row buffer, complete (every copy
+                    // thread's part is done) and written again only after the host has waited
+                    // for this round's `done` event, which is recorded on the same stream after
+                    // this upload; `used` lies within it (the planner placed every row within
+                    // the staging capacity, which the pinned buffer has). The destination is this
+                    // round's staging buffer (checked above to hold the capacity), which no other
+                    // work reads or writes until this round is done, and which this round's
+                    // gather, queued after the upload on the same stream, reads.
+                    unsafe {
+                        crate::device::ffi::memcpy_htod_async(
+                            staging.device_ptr(),
+                            source.as_slice().as_ptr(),
+                            used as usize,
+                            self.engine.stream.raw(),
+                        )
+                    }
+                    .map_err(crate::device::DeviceError::from)?;
+                    table[staging_region].ptr = staging.device_ptr();
+                    true
+                }
+                _ => false,
+            };
+            self.engine.timings.read_s += copy_started.elapsed().as_secs_f64();
+            let on_device = redirected || staged;
             let inline = count <= self.inline_pieces_max
                 && resolve_inline(&planned.table, &table, &mut self.inline_table);
             let layout = self.engine.layout;
@@ -388,8 +442,10 @@ impl ResidentAssembler {
                     )
                 }
             }?;
+            // Bytes copied by host threads are read bytes too (from the page cache).
             let mut host_bytes =
-                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions);
+                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions)
+                    + copied_bytes;
             if let Some(device_shards) = resident.device_shards.as_mut() {
                 device_shards.record_reads(&self.engine.stream, &needed)?;
                 // Bytes copied ahead are read bytes when they are queued.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use foldhash::HashMap;
 
+use super::row_copies::{staging_place, RowCopy};
 use crate::format::Codec;
 use crate::kernels::{GatherOp, GatherPlan, GatherRegion, GATHER_SOURCES_MAX};
 use crate::pipeline::gpu::limits::PLAN_THREADS_MAX;
@@ -175,8 +176,10 @@ fn plan_step(
     let mut first = 0;
     while first < positions.len() {
         let end = (first + rows_per_round).min(positions.len());
-        rounds.push(plan_chunk(plan, geometry, positions, first..end)?);
-        first = end;
+        // A round whose rows are copied may end sooner: when its staging is full.
+        let (rows, planned_end) = plan_chunk(plan, geometry, positions, first..end)?;
+        rounds.push(rows);
+        first = planned_end;
     }
     Ok(rounds)
 }
@@ -209,6 +212,29 @@ pub(super) struct RowGeometry {
     /// Largest output of a piece merged from consecutive rows (see
     /// [`crate::pipeline::gpu::GpuStreamLimits::gather_piece_out_bytes`]).
     gather_piece_out_bytes: u64,
+    /// A full shuffle beyond the registration budget: the regions whose rows are copied by host
+    /// threads into the round's staging (see `row_copies`).
+    row_staging: Option<RowStaging>,
+}
+
+/// Which rows of a stream are copied into a round's staging, and where it is (see `row_copies`).
+#[derive(Clone, Debug)]
+pub(super) struct RowStaging {
+    /// Per region of the stream's table: whether its rows are copied (no window registered).
+    pub(super) copied: Vec<bool>,
+    /// The region a round's staging is in the stream's table (its address set per round).
+    pub(super) region: usize,
+    /// Bytes of a round's staging.
+    pub(super) capacity: u64,
+    /// The most staging bytes one row takes (see `row_copies::row_staging_bytes_max`).
+    pub(super) row_bytes_max: u64,
+}
+
+/// The rows a round being planned copies, and the staging bytes they use.
+#[derive(Default)]
+struct RoundCopies {
+    copies: Vec<RowCopy>,
+    used: u64,
 }
 
 /// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
@@ -244,6 +270,7 @@ impl RowGeometry {
             window_bytes,
             corrupt,
             gather_piece_out_bytes,
+            row_staging: None,
             linear: plan
                 .dataset
                 .shards
@@ -256,6 +283,20 @@ impl RowGeometry {
                 })
                 .collect(),
         }
+    }
+
+    /// The region of a round's staging, when rows are copied into it (see [`RowStaging`]).
+    pub(super) fn staging_region(&self) -> Option<usize> {
+        self.row_staging.as_ref().map(|staging| staging.region)
+    }
+
+    /// The same geometry with the rows of the regions `staging.copied` names copied into a
+    /// round's staging.
+    pub(super) fn with_row_staging(mut self, staging: RowStaging) -> RowGeometry {
+        assert_eq!(staging.copied.len(), self.region_count);
+        assert!(staging.row_bytes_max <= staging.capacity);
+        self.row_staging = Some(staging);
+        self
     }
 }
 
@@ -270,10 +311,13 @@ fn merged_out_bytes_max(geometry: &RowGeometry, sample_bytes_out: usize) -> u64 
 /// Adds pieces reading file bytes `span` of shard `shard` in place to slot offset `out_at`, split
 /// at window edges (windows are registered separately, so their device addresses are not
 /// contiguous) and merged with the previous piece up to `merged_out_bytes_max`; returns the slot
-/// offset after them.
+/// offset after them. A piece of a window whose rows are copied (see [`RowStaging`]) reads the
+/// round's staging instead, where its bytes are placed after the round's last copy.
+#[allow(clippy::too_many_arguments)]
 fn push_in_place(
     gather: &mut GatherPlan,
     resident: &RowGeometry,
+    copies: &mut RoundCopies,
     shard: usize,
     span: std::ops::Range<u64>,
     mut out_at: u64,
@@ -286,9 +330,25 @@ fn push_in_place(
         let piece_end = stop.min((window + 1) * resident.window_bytes);
         let region = resident.first_region[shard] as usize + window as usize;
         let elements = (piece_end - at) / op.in_bytes();
+        let (source, offset) = match &resident.row_staging {
+            Some(staging) if staging.copied[region] => {
+                let bytes = elements * op.in_bytes();
+                let placed = staging_place(copies.used, bytes, staging.capacity)
+                    .expect("plan_chunk ends a round before its staging cannot hold a row");
+                copies.copies.push(RowCopy {
+                    shard: shard as u32,
+                    file_offset: at,
+                    bytes: bytes as u32,
+                    staging_offset: placed,
+                });
+                copies.used = placed + bytes;
+                (staging.region, placed)
+            }
+            _ => (region, at - window * resident.window_bytes),
+        };
         gather.push_merged(
-            GatherRegion::source_index(region),
-            at - window * resident.window_bytes,
+            GatherRegion::source_index(source),
+            offset,
             out_at,
             elements,
             op,
@@ -302,7 +362,7 @@ fn push_in_place(
 }
 
 /// The rows of one round, planned: the encoded piece table, its piece count, the bytes the pieces
-/// read, and the rows to zero.
+/// read, the rows to zero, and the rows' bytes to copy into the round's staging first.
 #[derive(Default)]
 pub(super) struct PlannedRows {
     pub(super) table: Vec<u8>,
@@ -310,26 +370,39 @@ pub(super) struct PlannedRows {
     /// Bytes the pieces read, per region of the stream's table.
     pub(super) region_bytes: Vec<u64>,
     pub(super) replaced: Vec<usize>,
+    /// Bytes of rows copied into the round's staging by host threads (see `row_copies`).
+    pub(super) copies: Vec<RowCopy>,
 }
 
-/// Plans rows `rows` on the calling thread.
+/// Plans rows `rows` on the calling thread, or the first of them whose copies the round's
+/// staging holds (at least one row); returns them and the row after the last planned.
 fn plan_chunk(
     plan: &StreamPlan,
     geometry: &RowGeometry,
     positions: &[u64],
     rows: std::ops::Range<usize>,
-) -> Result<PlannedRows, FillError> {
+) -> Result<(PlannedRows, usize), FillError> {
     let mut gather = GatherPlan::with_capacity(rows.len() * plan.fields.len());
     let mut replaced = Vec::new();
+    let mut copies = RoundCopies::default();
     let mut row = rows.start;
     while row < rows.end {
+        if let Some(staging) = &geometry.row_staging {
+            // Room for this row's copies at worst, or the round ends here.
+            if row > rows.start && copies.used + staging.row_bytes_max > staging.capacity {
+                break;
+            }
+        }
         let sample = plan.order.sample_at(positions[row]);
         let run = consecutive_rows(plan, geometry, positions, row, rows.end, sample);
-        if run > 1 && run_pieces(plan, geometry, sample, run, row, &mut gather) {
+        if run > 1
+            && geometry.row_staging.is_none()
+            && run_pieces(plan, geometry, sample, run, row, &mut gather, &mut copies)
+        {
             row += run;
             continue;
         }
-        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather) {
+        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather, &mut copies) {
             if plan.on_corrupt == CorruptPolicy::Fail {
                 return Err(bad.to_error());
             }
@@ -342,12 +415,16 @@ fn plan_chunk(
         let region = piece.source as usize - GATHER_SOURCES_MAX;
         region_bytes[region] += piece.elements as u64 * piece.op.in_bytes();
     }
-    Ok(PlannedRows {
-        table: gather.encode(),
-        pieces: gather.pieces().len(),
-        region_bytes,
-        replaced,
-    })
+    Ok((
+        PlannedRows {
+            table: gather.encode(),
+            pieces: gather.pieces().len(),
+            region_bytes,
+            replaced,
+            copies: copies.copies,
+        },
+        row,
+    ))
 }
 
 /// How many rows from `row` (sample `sample`) on read consecutive samples of one shard: in dataset
@@ -387,6 +464,7 @@ fn run_pieces(
     rows: usize,
     row: usize,
     gather: &mut GatherPlan,
+    copies: &mut RoundCopies,
 ) -> bool {
     let mut spans = Vec::with_capacity(plan.fields.len());
     for (index, field) in plan.fields.iter().enumerate() {
@@ -423,6 +501,7 @@ fn run_pieces(
             out_at = push_in_place(
                 gather,
                 geometry,
+                copies,
                 shard,
                 at..piece_stop,
                 out_at,
@@ -443,6 +522,7 @@ fn row_pieces(
     sample: u64,
     row: usize,
     gather: &mut GatherPlan,
+    copies: &mut RoundCopies,
 ) -> Option<Arc<CorruptBlock>> {
     for (index, field) in plan.fields.iter().enumerate() {
         let (shard, start, end) = plan.locate(sample, field.field_index);
@@ -466,6 +546,7 @@ fn row_pieces(
             push_in_place(
                 gather,
                 resident,
+                copies,
                 shard,
                 base + start..base + end,
                 out_at,
@@ -495,7 +576,16 @@ fn row_pieces(
             let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
             // Raw blocks store the raw bytes.
             let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
-            out_at = push_in_place(gather, resident, shard, at..stop, out_at, op, merged_max);
+            out_at = push_in_place(
+                gather,
+                resident,
+                copies,
+                shard,
+                at..stop,
+                out_at,
+                op,
+                merged_max,
+            );
         }
     }
     None
