@@ -425,7 +425,21 @@ impl Resident {
         // A round's staging: the device staging buffer of each set of round buffers holds at
         // least `staging_bytes`.
         let capacity = limits.staging_bytes.min(ROW_STAGING_BYTES_MAX) as u64;
-        let row_bytes_max = row_staging_bytes_max(plan.fields.iter().map(|f| f.sample_bytes_in));
+        let row_bytes_max = row_staging_bytes_max(
+            plan.fields.iter().map(|field| {
+                let block_bytes_min = plan
+                    .dataset
+                    .shards
+                    .iter()
+                    .flat_map(|shard| shard.metadata.field_blocks(field.field_index))
+                    .map(|block| block.raw_bytes as u64)
+                    .filter(|&bytes| bytes > 0)
+                    .min()
+                    .unwrap_or(1);
+                (field.sample_bytes_in, block_bytes_min)
+            }),
+            window_bytes,
+        );
         let windows_count: u64 = file_bytes.iter().map(|b| b.div_ceil(window_bytes)).sum();
         // One more region: the round's staging.
         if row_bytes_max > capacity || windows_count as usize + 1 > REGIONS_MAX {

@@ -65,11 +65,21 @@ pub(super) fn staging_place(used: u64, bytes: u64, capacity: u64) -> Option<u64>
     (at.checked_add(bytes)? <= capacity).then_some(at)
 }
 
-/// The most staging bytes one row of fields of `sample_bytes` bytes each may take: each field's
-/// bytes, split at most once at a window edge, each piece aligned.
-pub(super) fn row_staging_bytes_max(sample_bytes: impl Iterator<Item = usize>) -> u64 {
-    sample_bytes
-        .map(|bytes| bytes as u64 + 2 * ROW_STAGING_ALIGN)
+/// The most staging bytes one row may take, given each field's bytes per row and the smallest
+/// raw block of the field (`(sample_bytes, block_bytes_min)`), in windows of `window_bytes`: each
+/// piece of a field's row starts aligned, and a row's bytes are cut into pieces at every block edge
+/// and every window edge they cross (at most one more of each than their bytes over the size).
+pub(super) fn row_staging_bytes_max(
+    fields: impl Iterator<Item = (usize, u64)>,
+    window_bytes: u64,
+) -> u64 {
+    fields
+        .map(|(bytes, block_bytes_min)| {
+            let bytes = bytes as u64;
+            let pieces =
+                1 + (bytes / block_bytes_min.max(1) + 1) + (bytes / window_bytes.max(1) + 1);
+            bytes + pieces * ROW_STAGING_ALIGN
+        })
         .sum()
 }
 
@@ -480,8 +490,19 @@ mod tests {
         assert_eq!(staging_place(4096, 1, 4096), None);
         assert_eq!(staging_place(0, u64::MAX, u64::MAX), Some(0));
         assert_eq!(staging_place(1, u64::MAX, u64::MAX), None);
-        // A row of two fields of 2 KiB and 6 bytes, each split at a window edge at worst.
-        assert_eq!(row_staging_bytes_max([2048, 6].into_iter()), 2048 + 6 + 64);
+        // A row of two fields of 2 KiB and 6 bytes in blocks of 64 KiB and 4 KiB, windows of
+        // 64 MiB: a block edge and a window edge at worst in each.
+        let window = 64 << 20;
+        let fields = [(2048, 64 << 10), (6, 4096)];
+        assert_eq!(
+            row_staging_bytes_max(fields.into_iter(), window),
+            2048 + 6 + 2 * 3 * ROW_STAGING_ALIGN
+        );
+        // A row of 10 KiB over blocks of 4 KiB crosses three block edges at most.
+        assert_eq!(
+            row_staging_bytes_max([(10 << 10, 4096)].into_iter(), window),
+            (10 << 10) + 5 * ROW_STAGING_ALIGN
+        );
     }
 
     #[test]
