@@ -604,4 +604,216 @@ mod tests {
         assert_eq!(plan_workers(PLAN_THREADS_MAX + 5), PLAN_THREADS_MAX);
         assert!((2..=PLAN_WORKERS).contains(&plan_workers(0)));
     }
+
+    /// A packed raw dataset of `samples` fp16 rows of 37 elements (74 bytes: rows straddle blocks
+    /// of 4096 and windows of 8192), 120 rows a shard; returns the dataset, the rows' bytes, and a
+    /// full-shuffle plan delivering them as fp32 in batches of 64.
+    fn full_shuffle_plan(dir: &std::path::Path, samples: usize) -> (StreamPlan, Vec<u8>) {
+        use gpufeed_proto::protocol::{FieldRequest, Shuffle, StreamSpec};
+        use gpufeed_proto::DType;
+        let bytes = crate::synth::random_bytes(samples * 74, 11);
+        let field = crate::input::FieldSource::from_bytes("a", DType::F16, vec![37], bytes.clone())
+            .unwrap();
+        let out = dir.join("rows");
+        let options = crate::pack::PackOptions {
+            name: "rows".into(),
+            block_bytes: 4096,
+            samples_per_shard: Some(120),
+            codec: crate::pack::CodecChoice::Raw,
+            shuffle: crate::pack::ShuffleChoice::Auto,
+            on_existing: crate::pack::OnExisting::Refuse,
+            threads: 1,
+        };
+        crate::pack::pack(&out, &[field], &options, &crate::pack::Quiet).unwrap();
+        let dataset = Arc::new(crate::format::Dataset::open(&out).unwrap());
+        let mut spec = StreamSpec::new("rows".to_string(), 64);
+        spec.fields = vec![FieldRequest {
+            name: "a".into(),
+            dtype: Some(DType::F32),
+        }];
+        spec.shuffle = Shuffle::Full;
+        spec.seed = 3;
+        let plan = StreamPlan::new(
+            dataset,
+            &crate::pipeline::StreamRequest::from(&spec),
+            &crate::pipeline::StreamLimits::node_defaults(),
+        )
+        .unwrap();
+        (plan, bytes)
+    }
+
+    /// What the gather kernel makes of `rounds` (a host model: each piece converted by the CPU
+    /// reference from its region: a window of its shard file, or the round's staging, filled from
+    /// the shard files by the round's copies); a piece reading a window `copied` fails the test.
+    fn gather_on_host(
+        rounds: &[PlannedRows],
+        files: &[Vec<u8>],
+        windows: &[(usize, u64, u64)],
+        copied: &[bool],
+        staging_region: usize,
+        slot_bytes: usize,
+    ) -> Vec<u8> {
+        let mut slot = vec![0xEEu8; slot_bytes];
+        for round in rounds {
+            let mut staging = vec![0u8; 1 << 16];
+            for copy in &round.copies {
+                let from = &files[copy.shard as usize][copy.file_offset as usize..];
+                let at = copy.staging_offset as usize;
+                assert_eq!(at as u64 % super::super::row_copies::ROW_STAGING_ALIGN, 0);
+                staging[at..at + copy.bytes as usize].copy_from_slice(&from[..copy.bytes as usize]);
+            }
+            for piece in round.table.chunks_exact(crate::kernels::GATHER_PIECE_BYTES) {
+                let word = |at: usize, n: usize| {
+                    let mut b = [0u8; 8];
+                    b[..n].copy_from_slice(&piece[at..at + n]);
+                    u64::from_le_bytes(b)
+                };
+                let region = word(20, 2) as usize - GATHER_SOURCES_MAX;
+                let source: &[u8] = if region == staging_region {
+                    &staging
+                } else {
+                    assert!(
+                        !copied[region],
+                        "a piece reads window {region}, whose rows are copied"
+                    );
+                    let (shard, start, bytes) = windows[region];
+                    &files[shard][start as usize..(start + bytes) as usize]
+                };
+                let piece = crate::kernels::GatherPiece {
+                    source: 0,
+                    src_offset: word(0, 8),
+                    dst_offset: word(8, 8),
+                    elements: word(16, 4) as u32,
+                    op: GatherOp::ALL[piece[22] as usize],
+                    scale: f32::from_le_bytes(piece[24..28].try_into().unwrap()),
+                };
+                let outcome =
+                    crate::kernels::reference::gather_reference(&[piece], &[source], &mut slot);
+                assert_eq!(outcome.faulted_pieces, 0);
+            }
+        }
+        slot
+    }
+
+    /// A full shuffle whose rows of every other window are copied into a round's staging (a
+    /// staging of 1000 bytes: a batch of 64 rows of 74 bytes takes several rounds) gathers, row for
+    /// row, what reading every row in place gathers, and what the CPU converts from the rows.
+    #[test]
+    fn rows_copied_into_staging_gather_what_rows_read_in_place_gather() {
+        let dir = tempfile::tempdir().unwrap();
+        let samples = 700;
+        let (plan, rows) = full_shuffle_plan(dir.path(), samples);
+        let window_bytes = 8192u64;
+        let files: Vec<Vec<u8>> = plan
+            .dataset
+            .shards
+            .iter()
+            .map(|shard| std::fs::read(&shard.path).unwrap())
+            .collect();
+        let mut first_region = Vec::new();
+        let mut windows = Vec::new();
+        for (shard, file) in files.iter().enumerate() {
+            first_region.push(windows.len() as u32);
+            let mut start = 0u64;
+            while start < file.len() as u64 {
+                windows.push((shard, start, window_bytes.min(file.len() as u64 - start)));
+                start += window_bytes;
+            }
+        }
+        let staging_region = windows.len();
+        let mut copied: Vec<bool> = (0..windows.len()).map(|w| w % 2 == 0).collect();
+        copied.push(false);
+        let mut firsts = vec![0u64];
+        for shard in &plan.dataset.manifest.shards {
+            firsts.push(firsts.last().unwrap() + shard.sample_count);
+        }
+        let geometry = || {
+            RowGeometry::new(
+                &plan,
+                first_region.clone(),
+                firsts.clone(),
+                windows.len() + 1,
+                window_bytes,
+                HashMap::default(),
+                16 << 10,
+            )
+        };
+        let in_place = geometry();
+        let row_bytes_max = super::super::row_copies::row_staging_bytes_max(
+            [(74usize, 4096u64)].into_iter(),
+            window_bytes,
+        );
+        let staged = geometry().with_row_staging(RowStaging {
+            copied: copied.clone(),
+            region: staging_region,
+            capacity: 1000,
+            row_bytes_max,
+        });
+        let mut several_rounds = false;
+        let mut copies = 0usize;
+        for step in 0..plan.steps {
+            let positions: Vec<u64> = plan
+                .rank
+                .batch_positions(plan.order.len(), plan.start_cursor, step)
+                .collect();
+            let expected_rounds = plan_step(&plan, &in_place, &positions, 1 << 20).unwrap();
+            let staged_rounds = plan_step(&plan, &staged, &positions, 1 << 20).unwrap();
+            several_rounds |= staged_rounds.len() > 1;
+            copies += staged_rounds.iter().map(|r| r.copies.len()).sum::<usize>();
+            for round in &staged_rounds {
+                let used = round
+                    .copies
+                    .iter()
+                    .map(|c| c.staging_offset + c.bytes as u64)
+                    .max()
+                    .unwrap_or(0);
+                assert!(used <= 1000, "a round's copies fit its staging");
+                assert_eq!(
+                    round.region_bytes[staging_region],
+                    round.copies.iter().map(|c| c.bytes as u64).sum::<u64>()
+                );
+            }
+            let no_copies = vec![false; windows.len() + 1];
+            let slot = plan.slot_bytes;
+            let read_in_place = gather_on_host(
+                &expected_rounds,
+                &files,
+                &windows,
+                &no_copies,
+                usize::MAX,
+                slot,
+            );
+            let with_copies = gather_on_host(
+                &staged_rounds,
+                &files,
+                &windows,
+                &copied,
+                staging_region,
+                slot,
+            );
+            let mut expected = vec![0u8; positions.len() * 148];
+            for (row, &position) in positions.iter().enumerate() {
+                let sample = plan.order.sample_at(position) as usize;
+                crate::decode::convert(
+                    gpufeed_proto::DType::F16,
+                    &rows[sample * 74..(sample + 1) * 74],
+                    gpufeed_proto::DType::F32,
+                    &mut expected[row * 148..(row + 1) * 148],
+                )
+                .unwrap();
+            }
+            let delivered = positions.len() * 148;
+            assert!(
+                read_in_place[..delivered] == expected[..],
+                "step {step} in place"
+            );
+            assert!(
+                with_copies[..delivered] == expected[..],
+                "step {step} copied"
+            );
+        }
+        assert!(several_rounds, "the staging cut a batch into rounds");
+        // About half the rows lie in windows whose rows are copied.
+        assert!(copies > samples / 4, "{copies} rows copied");
+    }
 }
