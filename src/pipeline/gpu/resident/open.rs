@@ -5,6 +5,10 @@
 //! with no per-round lookups, and the region table is uploaded once. The order of the rows does not
 //! matter: a full shuffle costs what dataset order costs.
 //!
+//! A full shuffle of a dataset larger than the budget keeps the windows the budget has room for
+//! mapped the same way, and the rows of the others are copied by host threads into each round's
+//! staging (`row_copies`): the order still costs nothing, and no window is registered per round.
+//!
 //! Every raw block is verified once, when the stream opens, unless a stream of the dataset has done so
 //! before (the dataset's record of verified blocks); blocks found corrupt then are known to every
 //! batch, whose rows that read them are zeroed (policy `replace`) or end the stream (policy `fail`)
@@ -148,7 +152,9 @@ impl Resident {
                 return Ok(resident);
             }
         }
-        if shuffle == ShuffleKind::Full {
+        // (A full shuffle within the budget whose windows are not all cached or registrable
+        // stages its blocks, as before.)
+        if shuffle == ShuffleKind::Full && total > windows.registered_bytes_max() as u64 {
             return Self::open_row_copies(
                 plan,
                 files,
@@ -402,8 +408,8 @@ impl Resident {
         }))
     }
 
-    /// [`Self::open`] for a full shuffle of a dataset larger than the registration budget (or not
-    /// in the page cache): the windows the budget has room for (less [`WINDOWS_KEPT_FREE`] for
+    /// [`Self::open`] for a full shuffle of a dataset larger than the registration budget: the
+    /// windows the budget has room for (less [`WINDOWS_KEPT_FREE`] for
     /// other readers) are mapped for the stream's life and their rows read in place; the rows of
     /// the others are copied by host threads into each round's staging (see `row_copies`). `None`
     /// (the stream stages blocks instead) when the region table or a round's staging cannot hold

@@ -609,7 +609,8 @@ mod tests {
     /// of 4096 and windows of 8192), 120 rows a shard; returns the dataset, the rows' bytes, and a
     /// full-shuffle plan delivering them as fp32 in batches of 64.
     fn full_shuffle_plan(dir: &std::path::Path, samples: usize) -> (StreamPlan, Vec<u8>) {
-        use gpufeed_proto::protocol::{FieldRequest, Shuffle, StreamSpec};
+        use crate::pipeline::order::{ShuffleMode, Tail};
+        use crate::pipeline::stream_plan::{FieldSelection, StreamDevice, StreamRequest};
         use gpufeed_proto::DType;
         let bytes = crate::synth::random_bytes(samples * 74, 11);
         let field = crate::input::FieldSource::from_bytes("a", DType::F16, vec![37], bytes.clone())
@@ -626,19 +627,25 @@ mod tests {
         };
         crate::pack::pack(&out, &[field], &options, &crate::pack::Quiet).unwrap();
         let dataset = Arc::new(crate::format::Dataset::open(&out).unwrap());
-        let mut spec = StreamSpec::new("rows".to_string(), 64);
-        spec.fields = vec![FieldRequest {
-            name: "a".into(),
-            dtype: Some(DType::F32),
-        }];
-        spec.shuffle = Shuffle::Full;
-        spec.seed = 3;
-        let plan = StreamPlan::new(
-            dataset,
-            &crate::pipeline::StreamRequest::from(&spec),
-            &crate::pipeline::StreamLimits::node_defaults(),
-        )
-        .unwrap();
+        let request = StreamRequest {
+            fields: vec![FieldSelection {
+                name: "a".into(),
+                dtype: Some(DType::F32),
+            }],
+            batch_size: 64,
+            world_size: 1,
+            rank: 0,
+            seed: 3,
+            epoch: 0,
+            start_cursor: 0,
+            shuffle: ShuffleMode::Full,
+            tail: Tail::Drop,
+            prefetch: 2,
+            on_corrupt: CorruptPolicy::Fail,
+            device: StreamDevice::Cuda(0),
+        };
+        let limits = crate::pipeline::StreamLimits::node_defaults();
+        let plan = StreamPlan::new(dataset, &request, &limits).unwrap();
         (plan, bytes)
     }
 
