@@ -409,11 +409,10 @@ impl Resident {
     }
 
     /// [`Self::open`] for a full shuffle of a dataset larger than the registration budget: the
-    /// windows the budget has room for (less [`WINDOWS_KEPT_FREE`] for
-    /// other readers) are mapped for the stream's life and their rows read in place; the rows of
-    /// the others are copied by host threads into each round's staging (see `row_copies`). `None`
-    /// (the stream stages blocks instead) when the region table or a round's staging cannot hold
-    /// them.
+    /// windows the budget has room for (less [`WINDOWS_KEPT_FREE`] for other readers) are mapped
+    /// for the stream's life and their rows read in place; the rows of the others are copied by
+    /// host threads into each round's staging (see `row_copies`). `None` (the stream stages blocks
+    /// instead) when the region table or a round's staging cannot hold them.
     #[allow(clippy::too_many_arguments)]
     fn open_row_copies(
         plan: &StreamPlan,
@@ -509,7 +508,9 @@ impl Resident {
         let copier = RowCopier::new(device, paths, rounds, capacity as usize, threads)?;
         let windows_mapped = mapped.ids.len();
         tracing::info!(
-            "full shuffle beyond the registration budget: rows of {} of {} windows read in place,              the others copied by {} host threads into {} staging buffers of {} KiB ({} corrupt              blocks); windows mapped in {:.1} ms, then verified in {:.1} ms",
+            "full shuffle beyond the registration budget: rows of {} of {} windows read in place, \
+             the others copied by {} host threads into {} staging buffers of {} KiB ({} corrupt \
+             blocks); windows mapped in {:.1} ms, then verified in {:.1} ms",
             windows_mapped,
             windows_count,
             threads,
