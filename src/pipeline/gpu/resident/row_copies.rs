@@ -1,4 +1,4 @@
-//! Rows copied by host threads, for a full shuffle of a dataset larger than the registration budget.
+//! Rows copied by host threads: a full shuffle of a dataset larger than the registration budget.
 //!
 //! Within the budget a full shuffle reads every row in place from windows registered for the
 //! stream's life. Beyond it, no window set stays registered for every row a batch draws: a batch of
