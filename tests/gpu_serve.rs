@@ -453,7 +453,9 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
     // shuffle's two windows of two shards and one more: both orders streamed); for three (in order
     // streamed with slots refilled; the window shuffle stages blocks instead). Each shard spans
     // several windows, which the loader shares with its copy threads (the default two; none: the
-    // loader alone; more threads than a shard has windows).
+    // loader alone; more threads than a shard has windows). The full shuffle reads the rows of the
+    // windows the budget holds in place and copies the others' on as many row copy threads (two;
+    // the default; sixteen).
     for (device_shards, copy_threads) in [("4G", "2"), ("5M", "0"), ("3M", "16")] {
         let flags = [
             "--loader-copy-threads",
@@ -485,6 +487,13 @@ fn zero_copy_reads_are_bit_exact_in_every_order_beyond_the_budget() {
         assert!(
             streamed >= expected,
             "streamed {device_shards}: {streamed} streamed streams, expected {expected}:\n{log}"
+        );
+        // The full shuffle beyond the budget: the rows of windows the budget has no room for are
+        // copied by host threads into each round's staging (once it registered every window per
+        // round, or staged a whole block per row, far below the link's rate).
+        assert!(
+            log.contains("full shuffle beyond the registration budget"),
+            "streamed {device_shards}: the full shuffle did not copy rows:\n{log}"
         );
     }
     // A corrupt raw embedding block read in place: zeroed like the CPU backend does.

@@ -135,7 +135,8 @@ impl GpuAssembler {
         };
         // Small batches of a resident stream are gathered several to a round: at 256 rows of 2 KiB a
         // round per batch left the pipeline bound by the host's launches and completions.
-        let group_batches_max = if resident.is_some() {
+        // (Not when rows are copied into a round's staging: they are placed for one batch.)
+        let group_batches_max = if resident.as_ref().is_some_and(|r| !r.copies_rows()) {
             (BATCH_GROUP_OUT_BYTES / plan.slot_bytes.max(1)).clamp(1, limits.batch_group_max.max(1))
         } else {
             1

@@ -67,7 +67,9 @@ pub struct GpuStreamLimits {
     pub device_shard_bytes: u64,
     /// Threads of a stream's loader that copy windows the registration budget has no room for
     /// through pinned buffers (see `copy_helpers`; about a host core each while they copy); 0:
-    /// such windows are registered for their copy.
+    /// such windows are registered for their copy. In a full shuffle beyond the budget, the
+    /// threads (the filler among them) copying the rows of windows not registered (see
+    /// `row_copies`); 0 there: eight, at most half the host's CPUs.
     pub loader_copy_threads: usize,
     /// How long the filler polls a round for completion before it sleeps until the device wakes it
     /// (at most [`WAIT_SPIN_MAX`]; zero: it sleeps at once). A sleeping filler wakes some tens of

@@ -125,6 +125,65 @@ fn bytes_read_in_place(
         .sum()
 }
 
+/// Copies the rows `planned` places in the round's staging (if any) into the pinned row buffer of
+/// round buffers `index` on the copy threads, queues their upload into the round's staging on the
+/// compute stream, and points the staging region of the round's region table `table` at it.
+/// Returns the bytes copied, or `None` when the round copies no rows.
+fn stage_copied_rows(
+    resident: &mut Resident,
+    engine: &mut RoundEngine,
+    index: usize,
+    planned: &mut PlannedRows,
+    table: &mut [GatherRegion],
+) -> Result<Option<u64>, FillError> {
+    let Some(copier) = resident.row_copies.as_mut() else {
+        return Ok(None);
+    };
+    if planned.copies.is_empty() {
+        return Ok(None);
+    }
+    let staging_region = resident
+        .geometry
+        .staging_region()
+        .expect("a stream with row copies has a staging region");
+    let used = planned
+        .copies
+        .iter()
+        .map(|c| c.staging_offset + c.bytes as u64)
+        .max()
+        .unwrap_or(0);
+    let staging = &engine.buffers[index].staging;
+    assert!(
+        table[staging_region].bytes <= staging.len() as u64,
+        "a round's row staging lies within its staging buffer"
+    );
+    // The round that used round buffers `index` last (its pinned row buffer and its staging) has
+    // completed: the host waited for its `done` event, recorded on the compute stream after its
+    // upload and its gather, before these buffers were taken again.
+    let copy_started = std::time::Instant::now();
+    let copied = copier.copy_round(index, std::mem::take(&mut planned.copies))?;
+    engine.timings.read_s += copy_started.elapsed().as_secs_f64();
+    let source = copier.buffer(index);
+    // SAFETY: the source is this round's pinned row buffer, complete (every copy thread's part is
+    // done) and written again only after the host has waited for this round's `done` event, which
+    // is recorded on the same stream after this upload; `used` lies within it (the planner placed
+    // every row within the staging capacity, which the pinned buffer has). The destination is this
+    // round's staging buffer (checked above to hold the capacity), which no other work reads or
+    // writes until this round is done, and which this round's gather, queued after the upload on
+    // the same stream, reads.
+    unsafe {
+        crate::device::ffi::memcpy_htod_async(
+            staging.device_ptr(),
+            source.as_slice().as_ptr(),
+            used as usize,
+            engine.stream.raw(),
+        )
+    }
+    .map_err(crate::device::DeviceError::from)?;
+    table[staging_region].ptr = staging.device_ptr();
+    Ok(Some(copied))
+}
+
 impl ResidentAssembler {
     /// Queues stream step `step` into `slot` (see [`crate::pipeline::GpuAssembler::submit`]): every
     /// row gathered in place, planned by arithmetic on the planning threads ahead of the filler, in
@@ -143,9 +202,11 @@ impl ResidentAssembler {
         let mut rounds = planned.rounds?;
         // A small batch of one round with no rows to zero joins the group of batches waiting to be
         // gathered together, if it can; a batch that cannot queues the group first.
+        // (Rows copied into a round's staging are placed for that round alone.)
         let joins = self.group_batches_max > 1
             && rounds.len() == 1
             && rounds[0].replaced.is_empty()
+            && rounds[0].copies.is_empty()
             && rounds[0].pieces > 0;
         let device_shards = self.resident.device_shards.as_ref();
         if self.group.as_ref().is_some_and(|group| {
@@ -270,8 +331,20 @@ impl ResidentAssembler {
             pieces: group.pieces,
             region_bytes: group.region_bytes,
             replaced: Vec::new(),
+            copies: Vec::new(),
         };
         self.queue_resident_round(group.steps, rows, &span)
+    }
+
+    /// The round buffers the next round takes, once the round that used them last is complete
+    /// (the host waited for its `done` event): the oldest round in flight when every set is in use.
+    fn next_round_buffers(&mut self) -> Result<usize, FillError> {
+        if self.engine.rounds.len() == self.engine.buffers.len() {
+            self.engine.complete_round()?;
+        }
+        let index = self.engine.next_buffers;
+        self.engine.next_buffers = (self.engine.next_buffers + 1) % self.engine.buffers.len();
+        Ok(index)
     }
 
     /// Queues one round of a resident stream, for one batch or a group of consecutive ones
@@ -280,14 +353,10 @@ impl ResidentAssembler {
     fn queue_resident_round(
         &mut self,
         steps: std::ops::Range<u64>,
-        planned: PlannedRows,
+        mut planned: PlannedRows,
         slot: &dyn DeviceMemory,
     ) -> Result<(), FillError> {
-        if self.engine.rounds.len() == self.engine.buffers.len() {
-            self.engine.complete_round()?;
-        }
-        let index = self.engine.next_buffers;
-        self.engine.next_buffers = (self.engine.next_buffers + 1) % self.engine.buffers.len();
+        let index = self.next_round_buffers()?;
         let queued = std::time::Instant::now();
         let count = planned.pieces;
         if count > 0 {
@@ -303,16 +372,18 @@ impl ResidentAssembler {
             // The region table, pointed at the device copies the round may read. Small piece
             // tables go in the launch's parameters with every piece's region resolved from it.
             // Otherwise, when shards are copied ahead, the piece table (and the region table,
-            // when some shards are read from their device copies) are written to the round's
-            // pinned buffer and read by the kernel from there: an upload could wait behind the
-            // shard copies on the copy engines. Without copies the piece table is uploaded.
+            // when some shards are read from their device copies, or rows from the round's
+            // staging: its region is the round's) are written to the round's pinned buffer and
+            // read by the kernel from there: an upload could wait behind the shard copies on the
+            // copy engines. Without copies the piece table is uploaded.
             let mut table = std::mem::take(&mut resident.round_regions);
             table.clone_from(&resident.host_regions);
-            let copying = resident.device_shards.is_some();
-            let on_device = resident
-                .device_shards
-                .as_ref()
-                .is_some_and(|d| d.redirect(&mut table));
+            let device_shards = resident.device_shards.as_ref();
+            let copying = device_shards.is_some();
+            let redirected = device_shards.is_some_and(|d| d.redirect(&mut table));
+            let staged =
+                stage_copied_rows(resident, &mut self.engine, index, &mut planned, &mut table)?;
+            let on_device = redirected || staged.is_some();
             let inline = count <= self.inline_pieces_max
                 && resolve_inline(&planned.table, &table, &mut self.inline_table);
             let layout = self.engine.layout;
@@ -388,8 +459,10 @@ impl ResidentAssembler {
                     )
                 }
             }?;
+            // Bytes copied by host threads are read bytes too (from the page cache).
             let mut host_bytes =
-                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions);
+                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions)
+                    + staged.unwrap_or(0);
             if let Some(device_shards) = resident.device_shards.as_mut() {
                 device_shards.record_reads(&self.engine.stream, &needed)?;
                 // Bytes copied ahead are read bytes when they are queued.

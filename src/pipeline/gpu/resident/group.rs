@@ -122,6 +122,7 @@ mod tests {
             pieces,
             region_bytes,
             replaced: Vec::new(),
+            copies: Vec::new(),
         }
     }
 

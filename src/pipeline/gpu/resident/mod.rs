@@ -1,8 +1,10 @@
 //! The resident assembler ([`assembler`]): a stream whose blocks are all raw, read in place from
 //! page-cache windows mapped for its life or from shards copied ahead into device memory
 //! ([`device_shards`], by a loader thread beyond the registration budget: [`shard_loader`],
-//! [`copy_helpers`]). [`open`] decides whether a stream qualifies and maps its windows;
-//! [`planner`] plans its rows on threads of their own; [`group`] gathers small batches together.
+//! [`copy_helpers`]), or, in a full shuffle beyond the budget, from rows copied by host threads
+//! into each round's staging ([`row_copies`]). [`open`] decides whether a stream qualifies and
+//! maps its windows; [`planner`] plans its rows on threads of their own; [`group`] gathers small
+//! batches together.
 
 pub(in crate::pipeline::gpu) mod assembler;
 mod copy_helpers;
@@ -10,4 +12,5 @@ mod device_shards;
 mod group;
 pub(in crate::pipeline::gpu) mod open;
 mod planner;
+mod row_copies;
 mod shard_loader;

@@ -5,6 +5,10 @@
 //! with no per-round lookups, and the region table is uploaded once. The order of the rows does not
 //! matter: a full shuffle costs what dataset order costs.
 //!
+//! A full shuffle of a dataset larger than the budget keeps the windows the budget has room for
+//! mapped the same way, and the rows of the others are copied by host threads into each round's
+//! staging (`row_copies`): the order still costs nothing, and no window is registered per round.
+//!
 //! Every raw block is verified once, when the stream opens, unless a stream of the dataset has done so
 //! before (the dataset's record of verified blocks); blocks found corrupt then are known to every
 //! batch, whose rows that read them are zeroed (policy `replace`) or end the stream (policy `fail`)
@@ -15,18 +19,27 @@ use std::sync::Arc;
 use foldhash::{HashMap, HashMapExt};
 
 use super::device_shards::{DeviceShards, ShardWindows};
-use super::planner::{Planner, RowGeometry};
+use super::planner::{Planner, RowGeometry, RowStaging};
+use super::row_copies::{
+    row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
+};
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::kernels::GatherRegion;
 use crate::pipeline::gpu::engine::buffers::REGIONS_MAX;
-use crate::pipeline::gpu::limits::{GpuStreamLimits, ZeroCopy};
+use crate::pipeline::gpu::limits::{
+    GpuStreamLimits, ZeroCopy, ROUNDS_IN_FLIGHT_MAX, ROUNDS_IN_FLIGHT_MIN,
+};
 use crate::pipeline::gpu::shard_pool::{KeptBuffer, ShardSlotPool};
 use crate::pipeline::order::ShuffleKind;
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, StreamPlan};
 use crate::storage::mapped::MappedFile;
 use crate::storage::windows::{PageCacheWindows, WindowId};
 use crate::storage::{FileId, FileTable};
+
+/// Windows of the registration budget a full shuffle beyond it leaves to other readers (see
+/// [`Resident::open_row_copies`]).
+const WINDOWS_KEPT_FREE: u64 = 2;
 
 /// Threads verifying a dataset's blocks when a resident stream opens.
 const VERIFY_THREADS_MAX: usize = 8;
@@ -51,6 +64,9 @@ pub(in crate::pipeline::gpu) struct Resident {
     pub(super) geometry: Arc<RowGeometry>,
     /// Plans the rows of the next steps on a thread of its own, ahead of the filler.
     pub(super) planner: Option<Planner>,
+    /// A full shuffle beyond the registration budget: the threads and pinned buffers that copy
+    /// the rows of windows not registered into each round's staging (see `row_copies`).
+    pub(super) row_copies: Option<RowCopier>,
 }
 
 /// Windows that [`PageCacheWindows::map`] pinned for a stream, unpinned when dropped: when the
@@ -135,6 +151,21 @@ impl Resident {
             if let Mapping::Done(resident) = mapped {
                 return Ok(resident);
             }
+        }
+        // (A full shuffle within the budget whose windows are not all cached or registrable
+        // stages its blocks, as before.)
+        if shuffle == ShuffleKind::Full && total > windows.registered_bytes_max() as u64 {
+            return Self::open_row_copies(
+                plan,
+                files,
+                windows,
+                limits,
+                fraction_min,
+                device,
+                metrics,
+                &file_bytes,
+                shard_pool,
+            );
         }
         Self::open_streamed(
             plan,
@@ -260,6 +291,7 @@ impl Resident {
             device_shards,
             windows: mapped,
             planner: None,
+            row_copies: None,
             geometry: Arc::new(RowGeometry::new(
                 plan,
                 first_region,
@@ -363,6 +395,7 @@ impl Resident {
             device_shards: Some(device_shards),
             windows: PinnedWindows::new(windows),
             planner: None,
+            row_copies: None,
             geometry: Arc::new(RowGeometry::new(
                 plan,
                 first_region,
@@ -372,6 +405,148 @@ impl Resident {
                 corrupt,
                 limits.gather_piece_out_bytes,
             )),
+        }))
+    }
+
+    /// [`Self::open`] for a full shuffle of a dataset larger than the registration budget: the
+    /// windows the budget has room for (less [`WINDOWS_KEPT_FREE`] for other readers) are mapped
+    /// for the stream's life and their rows read in place; the rows of the others are copied by
+    /// host threads into each round's staging (see `row_copies`). `None` (the stream stages blocks
+    /// instead) when the region table or a round's staging cannot hold them.
+    #[allow(clippy::too_many_arguments)]
+    fn open_row_copies(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        limits: &GpuStreamLimits,
+        fraction_min: f64,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::DeviceMetrics,
+        file_bytes: &[u64],
+        shard_pool: &Arc<ShardSlotPool>,
+    ) -> Result<Option<Resident>, FillError> {
+        let started = std::time::Instant::now();
+        let window_bytes = windows.window_bytes();
+        // A round's staging: the device staging buffer of each set of round buffers holds at
+        // least `staging_bytes`.
+        let capacity = limits.staging_bytes.min(ROW_STAGING_BYTES_MAX) as u64;
+        let row_bytes_max = row_staging_bytes_max(
+            plan.fields.iter().map(|field| {
+                let block_bytes_min = plan
+                    .dataset
+                    .shards
+                    .iter()
+                    .flat_map(|shard| shard.metadata.field_blocks(field.field_index))
+                    .map(|block| block.raw_bytes as u64)
+                    .filter(|&bytes| bytes > 0)
+                    .min()
+                    .unwrap_or(1);
+                (field.sample_bytes_in, block_bytes_min)
+            }),
+            window_bytes,
+        );
+        let windows_count: u64 = file_bytes.iter().map(|b| b.div_ceil(window_bytes)).sum();
+        // One more region: the round's staging.
+        if row_bytes_max > capacity || windows_count as usize + 1 > REGIONS_MAX {
+            return Ok(None);
+        }
+        let pinned_max = (windows.registered_bytes_max() as u64)
+            .saturating_sub(WINDOWS_KEPT_FREE * window_bytes);
+        let mut pinned_bytes = 0u64;
+        let mut mapped = PinnedWindows::new(windows);
+        let mut table: Vec<GatherRegion> = Vec::new();
+        let mut copied: Vec<bool> = Vec::new();
+        let mut first_region = Vec::with_capacity(file_bytes.len());
+        for (index, &bytes) in file_bytes.iter().enumerate() {
+            first_region.push(table.len() as u32);
+            let file = files.get(FileId(index as u32)).file();
+            let mut start = 0u64;
+            while start < bytes {
+                let len = window_bytes.min(bytes - start);
+                let range = if pinned_bytes + len <= pinned_max {
+                    windows.map(file, start, len as usize, fraction_min)?
+                } else {
+                    None
+                };
+                match range {
+                    Some(range) => {
+                        mapped.ids.push(range.window);
+                        pinned_bytes += range.window_bytes;
+                        table.push(GatherRegion {
+                            ptr: range.window_device_ptr,
+                            bytes: range.window_bytes,
+                        });
+                        copied.push(false);
+                    }
+                    None => {
+                        // Never read by a kernel: the rows of this window are read from the
+                        // round's staging.
+                        table.push(GatherRegion { ptr: 0, bytes: len });
+                        copied.push(true);
+                    }
+                }
+                start += window_bytes;
+            }
+        }
+        let staging_region = table.len();
+        // Pointed at the round's staging by each round that reads it.
+        table.push(GatherRegion {
+            ptr: 0,
+            bytes: capacity,
+        });
+        copied.push(false);
+        let map_s = started.elapsed().as_secs_f64();
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = row_copy_threads(limits.loader_copy_threads, cpus);
+        let rounds = limits
+            .rounds_in_flight
+            .clamp(ROUNDS_IN_FLIGHT_MIN, ROUNDS_IN_FLIGHT_MAX);
+        let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
+        let copier = RowCopier::new(device, paths, rounds, capacity as usize, threads)?;
+        let windows_mapped = mapped.ids.len();
+        tracing::info!(
+            "full shuffle beyond the registration budget: rows of {} of {} windows read in place, \
+             the others copied by {} host threads into {} staging buffers of {} KiB ({} corrupt \
+             blocks); windows mapped in {:.1} ms, then verified in {:.1} ms",
+            windows_mapped,
+            windows_count,
+            threads,
+            rounds,
+            capacity >> 10,
+            corrupt.len(),
+            map_s * 1e3,
+            (started.elapsed().as_secs_f64() - map_s) * 1e3
+        );
+        let table_len = table.len();
+        let geometry = RowGeometry::new(
+            plan,
+            first_region,
+            shard_first_samples(plan),
+            table_len,
+            window_bytes,
+            corrupt,
+            limits.gather_piece_out_bytes,
+        )
+        .with_row_staging(RowStaging {
+            copied,
+            region: staging_region,
+            capacity,
+            row_bytes_max,
+        });
+        Ok(Some(Resident {
+            regions,
+            region_count: table_len as u32,
+            host_regions: table,
+            round_regions: Vec::new(),
+            round_regions_encoded: Vec::new(),
+            device_shards: None,
+            windows: mapped,
+            planner: None,
+            geometry: Arc::new(geometry),
+            row_copies: Some(copier),
         }))
     }
 
@@ -388,6 +563,12 @@ impl Resident {
     /// stream: for when the stream's work on the device could not be confirmed done.
     pub(in crate::pipeline::gpu) fn discard_buffers(&mut self) {
         self.regions.discard();
+    }
+
+    /// Whether rows of the stream are copied by host threads into each round's staging (a full
+    /// shuffle beyond the registration budget): such rounds serve one batch each.
+    pub(in crate::pipeline::gpu) fn copies_rows(&self) -> bool {
+        self.row_copies.is_some()
     }
 
     /// Device memory held for shard copies.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use foldhash::HashMap;
 
+use super::row_copies::{staging_place, RowCopy};
 use crate::format::Codec;
 use crate::kernels::{GatherOp, GatherPlan, GatherRegion, GATHER_SOURCES_MAX};
 use crate::pipeline::gpu::limits::PLAN_THREADS_MAX;
@@ -175,8 +176,10 @@ fn plan_step(
     let mut first = 0;
     while first < positions.len() {
         let end = (first + rows_per_round).min(positions.len());
-        rounds.push(plan_chunk(plan, geometry, positions, first..end)?);
-        first = end;
+        // A round whose rows are copied may end sooner: when its staging is full.
+        let (rows, planned_end) = plan_chunk(plan, geometry, positions, first..end)?;
+        rounds.push(rows);
+        first = planned_end;
     }
     Ok(rounds)
 }
@@ -209,6 +212,29 @@ pub(super) struct RowGeometry {
     /// Largest output of a piece merged from consecutive rows (see
     /// [`crate::pipeline::gpu::GpuStreamLimits::gather_piece_out_bytes`]).
     gather_piece_out_bytes: u64,
+    /// A full shuffle beyond the registration budget: the regions whose rows are copied by host
+    /// threads into the round's staging (see `row_copies`).
+    row_staging: Option<RowStaging>,
+}
+
+/// Which rows of a stream are copied into a round's staging, and where it is (see `row_copies`).
+#[derive(Clone, Debug)]
+pub(super) struct RowStaging {
+    /// Per region of the stream's table: whether its rows are copied (no window registered).
+    pub(super) copied: Vec<bool>,
+    /// The region a round's staging is in the stream's table (its address set per round).
+    pub(super) region: usize,
+    /// Bytes of a round's staging.
+    pub(super) capacity: u64,
+    /// The most staging bytes one row takes (see `row_copies::row_staging_bytes_max`).
+    pub(super) row_bytes_max: u64,
+}
+
+/// The rows a round being planned copies, and the staging bytes they use.
+#[derive(Default)]
+struct RoundCopies {
+    copies: Vec<RowCopy>,
+    used: u64,
 }
 
 /// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
@@ -244,6 +270,7 @@ impl RowGeometry {
             window_bytes,
             corrupt,
             gather_piece_out_bytes,
+            row_staging: None,
             linear: plan
                 .dataset
                 .shards
@@ -256,6 +283,20 @@ impl RowGeometry {
                 })
                 .collect(),
         }
+    }
+
+    /// The region of a round's staging, when rows are copied into it (see [`RowStaging`]).
+    pub(super) fn staging_region(&self) -> Option<usize> {
+        self.row_staging.as_ref().map(|staging| staging.region)
+    }
+
+    /// The same geometry with the rows of the regions `staging.copied` names copied into a
+    /// round's staging.
+    pub(super) fn with_row_staging(mut self, staging: RowStaging) -> RowGeometry {
+        assert_eq!(staging.copied.len(), self.region_count);
+        assert!(staging.row_bytes_max <= staging.capacity);
+        self.row_staging = Some(staging);
+        self
     }
 }
 
@@ -270,10 +311,13 @@ fn merged_out_bytes_max(geometry: &RowGeometry, sample_bytes_out: usize) -> u64 
 /// Adds pieces reading file bytes `span` of shard `shard` in place to slot offset `out_at`, split
 /// at window edges (windows are registered separately, so their device addresses are not
 /// contiguous) and merged with the previous piece up to `merged_out_bytes_max`; returns the slot
-/// offset after them.
+/// offset after them. A piece of a window whose rows are copied (see [`RowStaging`]) reads the
+/// round's staging instead, where its bytes are placed after the round's last copy.
+#[allow(clippy::too_many_arguments)]
 fn push_in_place(
     gather: &mut GatherPlan,
     resident: &RowGeometry,
+    copies: &mut RoundCopies,
     shard: usize,
     span: std::ops::Range<u64>,
     mut out_at: u64,
@@ -286,9 +330,25 @@ fn push_in_place(
         let piece_end = stop.min((window + 1) * resident.window_bytes);
         let region = resident.first_region[shard] as usize + window as usize;
         let elements = (piece_end - at) / op.in_bytes();
+        let (source, offset) = match &resident.row_staging {
+            Some(staging) if staging.copied[region] => {
+                let bytes = elements * op.in_bytes();
+                let placed = staging_place(copies.used, bytes, staging.capacity)
+                    .expect("plan_chunk ends a round before its staging cannot hold a row");
+                copies.copies.push(RowCopy {
+                    shard: shard as u32,
+                    file_offset: at,
+                    bytes: bytes as u32,
+                    staging_offset: placed,
+                });
+                copies.used = placed + bytes;
+                (staging.region, placed)
+            }
+            _ => (region, at - window * resident.window_bytes),
+        };
         gather.push_merged(
-            GatherRegion::source_index(region),
-            at - window * resident.window_bytes,
+            GatherRegion::source_index(source),
+            offset,
             out_at,
             elements,
             op,
@@ -302,7 +362,7 @@ fn push_in_place(
 }
 
 /// The rows of one round, planned: the encoded piece table, its piece count, the bytes the pieces
-/// read, and the rows to zero.
+/// read, the rows to zero, and the rows' bytes to copy into the round's staging first.
 #[derive(Default)]
 pub(super) struct PlannedRows {
     pub(super) table: Vec<u8>,
@@ -310,26 +370,39 @@ pub(super) struct PlannedRows {
     /// Bytes the pieces read, per region of the stream's table.
     pub(super) region_bytes: Vec<u64>,
     pub(super) replaced: Vec<usize>,
+    /// Bytes of rows copied into the round's staging by host threads (see `row_copies`).
+    pub(super) copies: Vec<RowCopy>,
 }
 
-/// Plans rows `rows` on the calling thread.
+/// Plans rows `rows` on the calling thread, or the first of them whose copies the round's
+/// staging holds (at least one row); returns them and the row after the last planned.
 fn plan_chunk(
     plan: &StreamPlan,
     geometry: &RowGeometry,
     positions: &[u64],
     rows: std::ops::Range<usize>,
-) -> Result<PlannedRows, FillError> {
+) -> Result<(PlannedRows, usize), FillError> {
     let mut gather = GatherPlan::with_capacity(rows.len() * plan.fields.len());
     let mut replaced = Vec::new();
+    let mut copies = RoundCopies::default();
     let mut row = rows.start;
     while row < rows.end {
+        if let Some(staging) = &geometry.row_staging {
+            // Room for this row's copies at worst, or the round ends here.
+            if row > rows.start && copies.used + staging.row_bytes_max > staging.capacity {
+                break;
+            }
+        }
         let sample = plan.order.sample_at(positions[row]);
         let run = consecutive_rows(plan, geometry, positions, row, rows.end, sample);
-        if run > 1 && run_pieces(plan, geometry, sample, run, row, &mut gather) {
+        if run > 1
+            && geometry.row_staging.is_none()
+            && run_pieces(plan, geometry, sample, run, row, &mut gather, &mut copies)
+        {
             row += run;
             continue;
         }
-        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather) {
+        if let Some(bad) = row_pieces(plan, geometry, sample, row, &mut gather, &mut copies) {
             if plan.on_corrupt == CorruptPolicy::Fail {
                 return Err(bad.to_error());
             }
@@ -342,12 +415,16 @@ fn plan_chunk(
         let region = piece.source as usize - GATHER_SOURCES_MAX;
         region_bytes[region] += piece.elements as u64 * piece.op.in_bytes();
     }
-    Ok(PlannedRows {
-        table: gather.encode(),
-        pieces: gather.pieces().len(),
-        region_bytes,
-        replaced,
-    })
+    Ok((
+        PlannedRows {
+            table: gather.encode(),
+            pieces: gather.pieces().len(),
+            region_bytes,
+            replaced,
+            copies: copies.copies,
+        },
+        row,
+    ))
 }
 
 /// How many rows from `row` (sample `sample`) on read consecutive samples of one shard: in dataset
@@ -387,6 +464,7 @@ fn run_pieces(
     rows: usize,
     row: usize,
     gather: &mut GatherPlan,
+    copies: &mut RoundCopies,
 ) -> bool {
     let mut spans = Vec::with_capacity(plan.fields.len());
     for (index, field) in plan.fields.iter().enumerate() {
@@ -423,6 +501,7 @@ fn run_pieces(
             out_at = push_in_place(
                 gather,
                 geometry,
+                copies,
                 shard,
                 at..piece_stop,
                 out_at,
@@ -443,6 +522,7 @@ fn row_pieces(
     sample: u64,
     row: usize,
     gather: &mut GatherPlan,
+    copies: &mut RoundCopies,
 ) -> Option<Arc<CorruptBlock>> {
     for (index, field) in plan.fields.iter().enumerate() {
         let (shard, start, end) = plan.locate(sample, field.field_index);
@@ -466,6 +546,7 @@ fn row_pieces(
             push_in_place(
                 gather,
                 resident,
+                copies,
                 shard,
                 base + start..base + end,
                 out_at,
@@ -495,7 +576,16 @@ fn row_pieces(
             let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
             // Raw blocks store the raw bytes.
             let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
-            out_at = push_in_place(gather, resident, shard, at..stop, out_at, op, merged_max);
+            out_at = push_in_place(
+                gather,
+                resident,
+                copies,
+                shard,
+                at..stop,
+                out_at,
+                op,
+                merged_max,
+            );
         }
     }
     None
@@ -513,5 +603,224 @@ mod tests {
         assert_eq!(plan_workers(20), 20);
         assert_eq!(plan_workers(PLAN_THREADS_MAX + 5), PLAN_THREADS_MAX);
         assert!((2..=PLAN_WORKERS).contains(&plan_workers(0)));
+    }
+
+    /// A packed raw dataset of `samples` fp16 rows of 37 elements (74 bytes: rows straddle blocks
+    /// of 4096 and windows of 8192), 120 rows a shard; returns the dataset, the rows' bytes, and a
+    /// full-shuffle plan delivering them as fp32 in batches of 64.
+    fn full_shuffle_plan(dir: &std::path::Path, samples: usize) -> (StreamPlan, Vec<u8>) {
+        use crate::pipeline::order::{ShuffleMode, Tail};
+        use crate::pipeline::stream_plan::{FieldSelection, StreamDevice, StreamRequest};
+        use gpufeed_proto::DType;
+        let bytes = crate::synth::random_bytes(samples * 74, 11);
+        let field = crate::input::FieldSource::from_bytes("a", DType::F16, vec![37], bytes.clone())
+            .unwrap();
+        let out = dir.join("rows");
+        let options = crate::pack::PackOptions {
+            name: "rows".into(),
+            block_bytes: 4096,
+            samples_per_shard: Some(120),
+            codec: crate::pack::CodecChoice::Raw,
+            shuffle: crate::pack::ShuffleChoice::Auto,
+            on_existing: crate::pack::OnExisting::Refuse,
+            threads: 1,
+        };
+        crate::pack::pack(&out, &[field], &options, &crate::pack::Quiet).unwrap();
+        let dataset = Arc::new(crate::format::Dataset::open(&out).unwrap());
+        let request = StreamRequest {
+            fields: vec![FieldSelection {
+                name: "a".into(),
+                dtype: Some(DType::F32),
+            }],
+            batch_size: 64,
+            world_size: 1,
+            rank: 0,
+            seed: 3,
+            epoch: 0,
+            start_cursor: 0,
+            shuffle: ShuffleMode::Full,
+            tail: Tail::Drop,
+            prefetch: 2,
+            on_corrupt: CorruptPolicy::Fail,
+            device: StreamDevice::Cuda(0),
+        };
+        let limits = crate::pipeline::StreamLimits::node_defaults();
+        let plan = StreamPlan::new(dataset, &request, &limits).unwrap();
+        (plan, bytes)
+    }
+
+    /// What the gather kernel makes of `rounds` (a host model: each piece converted by the CPU
+    /// reference from its region: a window of its shard file, or the round's staging, filled from
+    /// the shard files by the round's copies); a piece reading a window `copied` fails the test.
+    fn gather_on_host(
+        rounds: &[PlannedRows],
+        files: &[Vec<u8>],
+        windows: &[(usize, u64, u64)],
+        copied: &[bool],
+        staging_region: usize,
+        slot_bytes: usize,
+    ) -> Vec<u8> {
+        let mut slot = vec![0xEEu8; slot_bytes];
+        for round in rounds {
+            let mut staging = vec![0u8; 1 << 16];
+            for copy in &round.copies {
+                let from = &files[copy.shard as usize][copy.file_offset as usize..];
+                let at = copy.staging_offset as usize;
+                assert_eq!(at as u64 % super::super::row_copies::ROW_STAGING_ALIGN, 0);
+                staging[at..at + copy.bytes as usize].copy_from_slice(&from[..copy.bytes as usize]);
+            }
+            for piece in round.table.chunks_exact(crate::kernels::GATHER_PIECE_BYTES) {
+                let word = |at: usize, n: usize| {
+                    let mut b = [0u8; 8];
+                    b[..n].copy_from_slice(&piece[at..at + n]);
+                    u64::from_le_bytes(b)
+                };
+                let region = word(20, 2) as usize - GATHER_SOURCES_MAX;
+                let source: &[u8] = if region == staging_region {
+                    &staging
+                } else {
+                    assert!(
+                        !copied[region],
+                        "a piece reads window {region}, whose rows are copied"
+                    );
+                    let (shard, start, bytes) = windows[region];
+                    &files[shard][start as usize..(start + bytes) as usize]
+                };
+                let piece = crate::kernels::GatherPiece {
+                    source: 0,
+                    src_offset: word(0, 8),
+                    dst_offset: word(8, 8),
+                    elements: word(16, 4) as u32,
+                    op: GatherOp::ALL[piece[22] as usize],
+                    scale: f32::from_le_bytes(piece[24..28].try_into().unwrap()),
+                };
+                let outcome =
+                    crate::kernels::reference::gather_reference(&[piece], &[source], &mut slot);
+                assert_eq!(outcome.faulted_pieces, 0);
+            }
+        }
+        slot
+    }
+
+    /// A full shuffle whose rows of every other window are copied into a round's staging (a
+    /// staging of 1000 bytes: a batch of 64 rows of 74 bytes takes several rounds) gathers, row for
+    /// row, what reading every row in place gathers, and what the CPU converts from the rows.
+    #[test]
+    fn rows_copied_into_staging_gather_what_rows_read_in_place_gather() {
+        let dir = tempfile::tempdir().unwrap();
+        let samples = 700;
+        let (plan, rows) = full_shuffle_plan(dir.path(), samples);
+        let window_bytes = 8192u64;
+        let files: Vec<Vec<u8>> = plan
+            .dataset
+            .shards
+            .iter()
+            .map(|shard| std::fs::read(&shard.path).unwrap())
+            .collect();
+        let mut first_region = Vec::new();
+        let mut windows = Vec::new();
+        for (shard, file) in files.iter().enumerate() {
+            first_region.push(windows.len() as u32);
+            let mut start = 0u64;
+            while start < file.len() as u64 {
+                windows.push((shard, start, window_bytes.min(file.len() as u64 - start)));
+                start += window_bytes;
+            }
+        }
+        let staging_region = windows.len();
+        let mut copied: Vec<bool> = (0..windows.len()).map(|w| w % 2 == 0).collect();
+        copied.push(false);
+        let mut firsts = vec![0u64];
+        for shard in &plan.dataset.manifest.shards {
+            firsts.push(firsts.last().unwrap() + shard.sample_count);
+        }
+        let geometry = || {
+            RowGeometry::new(
+                &plan,
+                first_region.clone(),
+                firsts.clone(),
+                windows.len() + 1,
+                window_bytes,
+                HashMap::default(),
+                16 << 10,
+            )
+        };
+        let in_place = geometry();
+        let row_bytes_max = super::super::row_copies::row_staging_bytes_max(
+            [(74usize, 4096u64)].into_iter(),
+            window_bytes,
+        );
+        let staged = geometry().with_row_staging(RowStaging {
+            copied: copied.clone(),
+            region: staging_region,
+            capacity: 1000,
+            row_bytes_max,
+        });
+        let mut several_rounds = false;
+        let mut copies = 0usize;
+        for step in 0..plan.steps {
+            let positions: Vec<u64> = plan
+                .rank
+                .batch_positions(plan.order.len(), plan.start_cursor, step)
+                .collect();
+            let expected_rounds = plan_step(&plan, &in_place, &positions, 1 << 20).unwrap();
+            let staged_rounds = plan_step(&plan, &staged, &positions, 1 << 20).unwrap();
+            several_rounds |= staged_rounds.len() > 1;
+            copies += staged_rounds.iter().map(|r| r.copies.len()).sum::<usize>();
+            for round in &staged_rounds {
+                let used = round
+                    .copies
+                    .iter()
+                    .map(|c| c.staging_offset + c.bytes as u64)
+                    .max()
+                    .unwrap_or(0);
+                assert!(used <= 1000, "a round's copies fit its staging");
+                assert_eq!(
+                    round.region_bytes[staging_region],
+                    round.copies.iter().map(|c| c.bytes as u64).sum::<u64>()
+                );
+            }
+            let no_copies = vec![false; windows.len() + 1];
+            let slot = plan.slot_bytes;
+            let read_in_place = gather_on_host(
+                &expected_rounds,
+                &files,
+                &windows,
+                &no_copies,
+                usize::MAX,
+                slot,
+            );
+            let with_copies = gather_on_host(
+                &staged_rounds,
+                &files,
+                &windows,
+                &copied,
+                staging_region,
+                slot,
+            );
+            let mut expected = vec![0u8; positions.len() * 148];
+            for (row, &position) in positions.iter().enumerate() {
+                let sample = plan.order.sample_at(position) as usize;
+                crate::decode::convert(
+                    gpufeed_proto::DType::F16,
+                    &rows[sample * 74..(sample + 1) * 74],
+                    gpufeed_proto::DType::F32,
+                    &mut expected[row * 148..(row + 1) * 148],
+                )
+                .unwrap();
+            }
+            let delivered = positions.len() * 148;
+            assert!(
+                read_in_place[..delivered] == expected[..],
+                "step {step} in place"
+            );
+            assert!(
+                with_copies[..delivered] == expected[..],
+                "step {step} copied"
+            );
+        }
+        assert!(several_rounds, "the staging cut a batch into rounds");
+        // About half the rows lie in windows whose rows are copied.
+        assert!(copies > samples / 4, "{copies} rows copied");
     }
 }
