@@ -119,7 +119,12 @@ fn two_devices_a_consumer_cuda0_under_visible_devices_1_is_served_by_the_second(
         )],
         &common::options("ids", 64 << 10, Some(2048)),
     );
-    let mut command = Command::new(env!("CARGO_BIN_EXE_gpufeed"));
+    // `GPUFEED_BIN` where the test binary runs away from its build tree (the GPU machine).
+    let daemon_bin = std::env::var_os("GPUFEED_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_gpufeed")),
+        PathBuf::from,
+    );
+    let mut command = Command::new(daemon_bin);
     command
         .args(["serve", "--data-root"])
         .arg(&data)
