@@ -142,11 +142,14 @@ struct PackArgs {
     /// Dataset name recorded in the manifest (default: the last component of --out).
     #[arg(long)]
     name: Option<String>,
-    /// A named field: NAME=FILE.npy, or NAME=FILE.safetensors:TENSOR. Repeat a NAME with more .npy
-    /// files to concatenate them along axis 0.
+    /// A named field: NAME=FILE.npy, NAME=FILE.safetensors:TENSOR, or NAME=FILE.parquet:COLUMN (also
+    /// .arrow, .arrows, .feather: Arrow IPC files and streams; a primitive or fixed-size list
+    /// column, without nulls). Repeat a NAME with more .npy, Parquet or Arrow files to concatenate
+    /// them along axis 0.
     #[arg(long = "field", value_name = "NAME=PATH")]
     fields: Vec<String>,
-    /// .npy files concatenated along axis 0 into one field named `data`.
+    /// .npy files concatenated along axis 0 into one field named `data`; or Parquet/Arrow IPC files
+    /// (same columns) packed whole, each column a field of its name.
     #[arg(value_name = "PATH")]
     paths: Vec<PathBuf>,
     /// A token file cut into sequences of --seq-len tokens, packed as field `tokens` [N] in the
@@ -530,7 +533,7 @@ fn run(command: Command) -> Result<ExitCode> {
 
 fn run_pack(args: PackArgs) -> Result<ExitCode> {
     let fields = if args.tokens.is_empty() {
-        open_fields(&args.fields, &args.paths)?
+        open_fields(&args.fields, &args.paths, &args.out)?
     } else {
         let dtype = args.token_dtype.map(TokenDtypeArg::dtype);
         let inputs = args
@@ -600,6 +603,16 @@ fn run_list_inputs(
 ) -> Result<ExitCode> {
     let mut failed = false;
     for path in files {
+        if input::arrow::is_table_path(path) {
+            match input::arrow::describe_table(path) {
+                Ok(listing) => print_stdout(&listing.describe(path))?,
+                Err(error) => {
+                    eprintln!("error: {error}");
+                    failed = true;
+                }
+            }
+            continue;
+        }
         let as_tokens = input::tokens::is_token_path(path)
             || (seq_len.is_some() && path.extension().is_some_and(|e| e == "npy"));
         if as_tokens {
@@ -786,7 +799,54 @@ fn default_threads() -> usize {
 }
 
 /// Turns `--field` arguments and positional paths into field sources, in the order given.
-fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSource>> {
+fn open_fields(field_args: &[String], paths: &[PathBuf], out: &Path) -> Result<Vec<FieldSource>> {
+    // Parquet and Arrow IPC inputs are decoded into scratch files beside the output (the disk that
+    // receives the dataset), unlinked from the start.
+    let scratch = match out.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let tables = paths
+        .iter()
+        .filter(|p| input::arrow::is_table_path(p))
+        .count();
+    let table_fields = field_args.iter().any(|arg| {
+        arg.split_once('=').is_some_and(|(_, spec)| {
+            spec.rsplit_once(':')
+                .is_some_and(|(file, _)| input::arrow::is_table_path(Path::new(file)))
+                || input::arrow::is_table_path(Path::new(spec))
+        })
+    });
+    if tables > 0 || table_fields {
+        if tables != paths.len() || (tables > 0 && !field_args.is_empty()) {
+            bail!(
+                "Parquet/Arrow inputs are packed either whole (every column, files given as paths) \
+                 or by --field NAME=FILE:COLUMN, and not mixed with .npy or safetensors inputs"
+            );
+        }
+        if tables > 0 {
+            return Ok(input::arrow::open_table_dataset(paths, scratch)?);
+        }
+        let mut requests = Vec::new();
+        for arg in field_args {
+            let parsed = arg.split_once('=').and_then(|(name, spec)| {
+                let (file, column) = spec.rsplit_once(':')?;
+                input::arrow::is_table_path(Path::new(file)).then(|| input::arrow::ColumnRequest {
+                    field: name.to_string(),
+                    path: PathBuf::from(file),
+                    column: column.to_string(),
+                })
+            });
+            match parsed {
+                Some(request) => requests.push(request),
+                None => bail!(
+                    "--field {arg:?}: with Parquet/Arrow inputs every --field is NAME=FILE:COLUMN \
+                     (`gpufeed list-inputs FILE` lists the columns)"
+                ),
+            }
+        }
+        return Ok(input::arrow::open_table_fields(&requests, scratch)?);
+    }
     let mut npy_fields: Vec<(String, Vec<PathBuf>)> = Vec::new();
     let mut order: Vec<(String, Option<(PathBuf, String)>)> = Vec::new();
     if !paths.is_empty() {
