@@ -833,4 +833,67 @@ mod tests {
             kind => panic!("a list column became {kind:?}"),
         }
     }
+
+    /// A Parquet file whose metadata lies, its row group claiming 50 rows more than its pages
+    /// hold (the file's own count agreeing with the lie), is refused naming the file rather than
+    /// packed short or padded.
+    #[test]
+    fn a_row_group_claiming_more_rows_than_its_pages_hold_is_refused() {
+        use arrow_array::{ArrayRef, Int64Array};
+        use parquet::arrow::ArrowWriter;
+        use parquet::file::metadata::{
+            ParquetMetaDataBuilder, ParquetMetaDataReader, ParquetMetaDataWriter,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let honest = dir.path().join("honest.parquet");
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..100));
+        let batch = RecordBatch::try_from_iter([("x", values)]).unwrap();
+        let mut writer =
+            ArrowWriter::try_new(File::create(&honest).unwrap(), batch.schema(), None).unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+        let bytes = std::fs::read(&honest).unwrap();
+        let metadata = ParquetMetaDataReader::new()
+            .parse_and_finish(&File::open(&honest).unwrap())
+            .unwrap();
+        let mut builder = ParquetMetaDataBuilder::new_from_metadata(metadata);
+        let groups = builder
+            .take_row_groups()
+            .into_iter()
+            .map(|group| {
+                let rows = group.num_rows();
+                group
+                    .into_builder()
+                    .set_num_rows(rows + 50)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let lying = builder.set_row_groups(groups).build();
+        let footer =
+            u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+        let mut out = bytes[..bytes.len() - 8 - footer as usize].to_vec();
+        ParquetMetaDataWriter::new(&mut out, &lying)
+            .finish()
+            .unwrap();
+        let path = dir.path().join("lying.parquet");
+        std::fs::write(&path, &out).unwrap();
+        assert_eq!(
+            describe_table(&path).unwrap().rows,
+            150,
+            "the footer does lie"
+        );
+        let request = ColumnRequest {
+            field: "x".into(),
+            path: path.clone(),
+            column: "x".into(),
+        };
+        let error = open_table_fields(&[request], dir.path()).unwrap_err();
+        let text = error.to_string();
+        assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
+        assert!(
+            text.ends_with("the footer says 150 rows but the row groups hold 100"),
+            "{text}"
+        );
+    }
 }
