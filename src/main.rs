@@ -532,8 +532,15 @@ fn run(command: Command) -> Result<ExitCode> {
 }
 
 fn run_pack(args: PackArgs) -> Result<ExitCode> {
+    // Timed from before the inputs are opened: Parquet and Arrow inputs are decoded then.
+    let started = Instant::now();
     let fields = if args.tokens.is_empty() {
-        open_fields(&args.fields, &args.paths, &args.out)?
+        open_fields(
+            &args.fields,
+            &args.paths,
+            &args.out,
+            args.threads.unwrap_or_else(default_threads),
+        )?
     } else {
         let dtype = args.token_dtype.map(TokenDtypeArg::dtype);
         let inputs = args
@@ -578,7 +585,6 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
         threads: args.threads.unwrap_or_else(default_threads),
     };
     let bar = Bar::new(args.quiet, "pack");
-    let started = Instant::now();
     let summary = pack::pack(&args.out, &fields, &options, &bar)?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
@@ -799,7 +805,12 @@ fn default_threads() -> usize {
 }
 
 /// Turns `--field` arguments and positional paths into field sources, in the order given.
-fn open_fields(field_args: &[String], paths: &[PathBuf], out: &Path) -> Result<Vec<FieldSource>> {
+fn open_fields(
+    field_args: &[String],
+    paths: &[PathBuf],
+    out: &Path,
+    threads: usize,
+) -> Result<Vec<FieldSource>> {
     // Parquet and Arrow IPC inputs are decoded into scratch files beside the output (the disk that
     // receives the dataset), unlinked from the start.
     let scratch = match out.parent() {
@@ -825,7 +836,7 @@ fn open_fields(field_args: &[String], paths: &[PathBuf], out: &Path) -> Result<V
             );
         }
         if tables > 0 {
-            return Ok(input::arrow::open_table_dataset(paths, scratch)?);
+            return Ok(input::arrow::open_table_dataset(paths, scratch, threads)?);
         }
         let mut requests = Vec::new();
         for arg in field_args {
@@ -845,7 +856,9 @@ fn open_fields(field_args: &[String], paths: &[PathBuf], out: &Path) -> Result<V
                 ),
             }
         }
-        return Ok(input::arrow::open_table_fields(&requests, scratch)?);
+        return Ok(input::arrow::open_table_fields(
+            &requests, scratch, threads,
+        )?);
     }
     let mut npy_fields: Vec<(String, Vec<PathBuf>)> = Vec::new();
     let mut order: Vec<(String, Option<(PathBuf, String)>)> = Vec::new();

@@ -594,17 +594,21 @@ fn table_files_pack_exactly_as_pyarrow_reads_them() {
         assert!(listed.contains(needle), "{listed} lacks {needle:?}");
     }
     let all = ["emb", "img", "label", "w", "flag"];
-    let cases: [(&[&str], &[&str]); 3] = [
-        (&["a.parquet", "b.parquet"], &all),
-        (&["a.arrow", "b.parquet"], &all),
-        (&["hf/data-00000-of-00001.arrow"], &["emb", "label"]),
+    // (files, fields, --threads): Parquet files are decoded row group by row group on several
+    // threads, and in order on one.
+    let cases: [(&[&str], &[&str], &str); 4] = [
+        (&["a.parquet", "b.parquet"], &all, "3"),
+        (&["a.parquet", "b.parquet"], &all, "1"),
+        (&["a.arrow", "b.parquet"], &all, "2"),
+        (&["hf/data-00000-of-00001.arrow"], &["emb", "label"], "2"),
     ];
-    for (index, (files, fields)) in cases.into_iter().enumerate() {
+    for (index, (files, fields, threads)) in cases.into_iter().enumerate() {
         let dataset = tmp.path().join(format!("dataset-{index}"));
         let mut pack = gpufeed("pack");
         pack.arg("--out")
             .arg(&dataset)
-            .args(["--block-bytes", "4K", "--samples-per-shard", "333"]);
+            .args(["--block-bytes", "4K", "--samples-per-shard", "333"])
+            .args(["--threads", threads]);
         if fields.len() == all.len() {
             pack.args(files.iter().map(|f| inputs.join(f)));
         } else {

@@ -15,7 +15,7 @@
 //! Parquet files whose footer disagrees with the rows their row groups hold.
 
 use std::fs::File;
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, BufWriter, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -403,7 +403,9 @@ impl<'a> BatchReader<'a> {
     }
 
     fn next_batch(&mut self) -> Result<Option<RecordBatch>, InputError> {
-        match self.batches.next() {
+        let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.batches.next()))
+            .map_err(|_| table_error(self.path, "the reader panicked on malformed data"))?;
+        match next {
             None => Ok(None),
             Some(Ok(batch)) => Ok(Some(batch)),
             Some(Err(e)) => Err(table_error(
@@ -499,6 +501,7 @@ struct Scratch {
 pub fn open_table_fields(
     requests: &[ColumnRequest],
     scratch_dir: &Path,
+    threads: usize,
 ) -> Result<Vec<FieldSource>, InputError> {
     // Fields in first-mention order.
     let mut fields: Vec<Scratch> = Vec::new();
@@ -619,7 +622,15 @@ pub fn open_table_fields(
             row_bytes += field.sample_bytes;
         }
         let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
-        read_file(path, format, columns, &names, row_bytes, &mut fields)?;
+        read_file(
+            path,
+            format,
+            columns,
+            &names,
+            row_bytes,
+            &mut fields,
+            threads,
+        )?;
     }
     fields.into_iter().map(finish).collect()
 }
@@ -632,7 +643,11 @@ fn read_file(
     names: &[String],
     row_bytes: usize,
     fields: &mut [Scratch],
+    threads: usize,
 ) -> Result<(), InputError> {
+    if format == TableFormat::Parquet && threads > 1 {
+        return read_parquet_parallel(path, columns, names, row_bytes, fields, threads);
+    }
     let mut reader = BatchReader::open(path, format, Some(names), Some(row_bytes))?;
     let starts: Vec<u64> = columns.iter().map(|(i, _)| fields[*i].written).collect();
     let mut rows = 0u64;
@@ -655,15 +670,7 @@ fn read_file(
             let array = batch
                 .column_by_name(column)
                 .expect("the projection keeps every column asked for");
-            if let Some(row) = first_null(array.as_ref()) {
-                return Err(table_error(
-                    path,
-                    format!(
-                        "column '{column}', row {}: null; gpufeed packs no nulls (fill or drop them first)",
-                        rows + row as u64
-                    ),
-                ));
-            }
+            check_nulls(path, column, rows, array.as_ref())?;
             let field = &mut fields[*index];
             write_values(array.as_ref(), &mut field.writer, &mut bytes)
                 .map_err(io_error(Path::new("(scratch file)")))?;
@@ -683,6 +690,190 @@ fn read_file(
         fields[*index]
             .pieces
             .push((path.to_path_buf(), start, rows));
+    }
+    Ok(())
+}
+
+/// The error for a Parquet reader that panicked on a malformed row group: the pack stops, naming
+/// the file, rather than the process.
+fn reader_panicked(path: &Path, first_row: u64) -> InputError {
+    table_error(
+        path,
+        format!("the Parquet reader panicked on malformed data (row group from row {first_row})"),
+    )
+}
+
+/// Fails, naming the row, if `array` (rows from `first_row` of the file on) holds a null.
+fn check_nulls(
+    path: &Path,
+    column: &str,
+    first_row: u64,
+    array: &dyn Array,
+) -> Result<(), InputError> {
+    match first_null(array) {
+        None => Ok(()),
+        Some(row) => Err(table_error(
+            path,
+            format!(
+                "column '{column}', row {}: null; gpufeed packs no nulls (fill or drop them first)",
+                first_row + row as u64
+            ),
+        )),
+    }
+}
+
+/// [`read_file`] for a Parquet file on `threads` threads, row group by row group: each row group's
+/// rows land at the place its footer's row counts give them in the scratch files (written with
+/// `pwrite`), and a row group holding other than its count is refused. Memory: about
+/// [`BATCH_BYTES_TARGET`] of decoded rows over all threads, plus the pages each thread decodes.
+fn read_parquet_parallel(
+    path: &Path,
+    columns: &[(usize, String)],
+    names: &[String],
+    row_bytes: usize,
+    fields: &mut [Scratch],
+    threads: usize,
+) -> Result<(), InputError> {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    let file = crate::format::open_regular(path).map_err(io_error(path))?;
+    let bad = |e: &dyn std::fmt::Display| table_error(path, format!("reading Parquet: {e}"));
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(file.try_clone().map_err(io_error(path))?)
+            .map_err(|e| bad(&e))?;
+    let schema = builder.schema().clone();
+    let footer_rows = builder.metadata().file_metadata().num_rows();
+    let group_rows: Vec<u64> = builder
+        .metadata()
+        .row_groups()
+        .iter()
+        .map(|g| u64::try_from(g.num_rows()).unwrap_or(u64::MAX))
+        .collect();
+    let rows: u64 = group_rows.iter().sum();
+    if footer_rows < 0 || footer_rows as u64 != rows {
+        return Err(table_error(
+            path,
+            format!("the footer says {footer_rows} rows but its row groups say {rows}"),
+        ));
+    }
+    let mask = ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names));
+    let batch_rows = (BATCH_BYTES_TARGET / threads / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
+    let mut group_starts = Vec::with_capacity(group_rows.len());
+    let mut at = 0u64;
+    for &count in &group_rows {
+        group_starts.push(at);
+        at += count;
+    }
+    // Flushed, so that the positional writes below and the writers' later appends agree.
+    let mut targets = Vec::with_capacity(columns.len());
+    for (index, column) in columns {
+        let field = &mut fields[*index];
+        field
+            .writer
+            .flush()
+            .map_err(io_error(Path::new("(scratch file)")))?;
+        targets.push((column.as_str(), field.written, field.sample_bytes as u64));
+    }
+    let next = AtomicUsize::new(0);
+    // The lowest row group that failed: later ones are not started, earlier ones still run, so
+    // the error reported is the first in the file whatever the threads' timing.
+    let failed_at = AtomicUsize::new(usize::MAX);
+    let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
+    let scratch_files: Vec<&File> = columns
+        .iter()
+        .map(|(index, _)| fields[*index].writer.get_ref())
+        .collect();
+    let decode_group = |group: usize| -> Result<(), InputError> {
+        // Opened again, not cloned: a clone shares the file position the reader seeks.
+        let file = crate::format::open_regular(path).map_err(io_error(path))?;
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+            .map_err(|e| bad(&e))?
+            .with_projection(mask.clone())
+            .with_row_groups(vec![group])
+            .with_batch_size(batch_rows)
+            .build()
+            .map_err(|e| bad(&e))?;
+        let mut read = 0u64;
+        let mut bytes = Vec::new();
+        let mut values = Vec::new();
+        for batch in reader {
+            let first_row = group_starts[group] + read;
+            let batch = batch.map_err(|e| {
+                table_error(
+                    path,
+                    format!(
+                        "reading a record batch: {e} (row group {group}, after row {first_row}: \
+                         is the file truncated or corrupt?)"
+                    ),
+                )
+            })?;
+            if read + batch.num_rows() as u64 > group_rows[group] {
+                // More rows than the footer gives the group: counted for the error, not written
+                // (they would overwrite the next group's rows).
+                read += batch.num_rows() as u64;
+                continue;
+            }
+            for ((column, base, sample_bytes), scratch) in targets.iter().zip(&scratch_files) {
+                let array = batch
+                    .column_by_name(column)
+                    .expect("the projection keeps every column asked for");
+                check_nulls(path, column, first_row, array.as_ref())?;
+                values.clear();
+                write_values(array.as_ref(), &mut values, &mut bytes)
+                    .and_then(|()| scratch.write_all_at(&values, base + first_row * sample_bytes))
+                    .map_err(io_error(Path::new("(scratch file)")))?;
+            }
+            read += batch.num_rows() as u64;
+        }
+        if read != group_rows[group] {
+            return Err(table_error(
+                path,
+                format!(
+                    "row group {group}: the footer says {} rows but the row group holds {read}",
+                    group_rows[group]
+                ),
+            ));
+        }
+        Ok(())
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(group_rows.len()) {
+            scope.spawn(|| loop {
+                let group = next.fetch_add(1, Ordering::Relaxed);
+                if group >= group_rows.len() || group > failed_at.load(Ordering::Relaxed) {
+                    break;
+                }
+                let decoded =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode_group(group)))
+                        .unwrap_or_else(|_| Err(reader_panicked(path, group_starts[group])));
+                if let Err(error) = decoded {
+                    failed_at.fetch_min(group, Ordering::Relaxed);
+                    errors
+                        .lock()
+                        .expect("no panics while holding the lock")
+                        .push((group, error));
+                }
+            });
+        }
+    });
+    let mut errors = errors
+        .into_inner()
+        .expect("no panics while holding the lock");
+    errors.sort_by_key(|(group, _)| *group);
+    if let Some((_, error)) = errors.into_iter().next() {
+        return Err(error);
+    }
+    for (index, _) in columns {
+        let field = &mut fields[*index];
+        let start = field.written;
+        field.written += rows * field.sample_bytes as u64;
+        field
+            .writer
+            .seek(io::SeekFrom::Start(field.written))
+            .map_err(io_error(Path::new("(scratch file)")))?;
+        field.pieces.push((path.to_path_buf(), start, rows));
     }
     Ok(())
 }
@@ -727,6 +918,7 @@ fn finish(scratch: Scratch) -> Result<FieldSource, InputError> {
 pub fn open_table_dataset(
     paths: &[PathBuf],
     scratch_dir: &Path,
+    threads: usize,
 ) -> Result<Vec<FieldSource>, InputError> {
     let Some(first_path) = paths.first() else {
         return Err(InputError::NoFiles {
@@ -795,7 +987,7 @@ pub fn open_table_dataset(
             })
         })
         .collect();
-    open_table_fields(&requests, scratch_dir)
+    open_table_fields(&requests, scratch_dir, threads)
 }
 
 /// The (name, type) of each column of a table file.
@@ -888,12 +1080,19 @@ mod tests {
             path: path.clone(),
             column: "x".into(),
         };
-        let error = open_table_fields(&[request], dir.path()).unwrap_err();
-        let text = error.to_string();
-        assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
-        assert!(
-            text.ends_with("the footer says 150 rows but the row groups hold 100"),
-            "{text}"
-        );
+        // One thread reads the file in order; several read row group by row group.
+        for (threads, ending) in [
+            (1, "the footer says 150 rows but the row groups hold 100"),
+            (
+                4,
+                "row group 0: the footer says 150 rows but the row group holds 100",
+            ),
+        ] {
+            let error =
+                open_table_fields(std::slice::from_ref(&request), dir.path(), threads).unwrap_err();
+            let text = error.to_string();
+            assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
+            assert!(text.ends_with(ending), "{threads} threads: {text}");
+        }
     }
 }
