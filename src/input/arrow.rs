@@ -865,6 +865,17 @@ fn read_parquet_parallel(
     if let Some((_, error)) = errors.into_iter().next() {
         return Err(error);
     }
+    append_written(path, columns, fields, rows)
+}
+
+/// Records `rows` rows of `path` written in place after each field's end, and moves the field's
+/// writer past them.
+fn append_written(
+    path: &Path,
+    columns: &[(usize, String)],
+    fields: &mut [Scratch],
+    rows: u64,
+) -> Result<(), InputError> {
     for (index, _) in columns {
         let field = &mut fields[*index];
         let start = field.written;
