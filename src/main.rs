@@ -35,9 +35,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Pack NumPy (.npy), safetensors or token-file (--tokens) inputs into a dataset directory of shards.
+    /// Pack NumPy (.npy), safetensors, Parquet/Arrow IPC or token-file (--tokens) inputs into a dataset
+    /// directory of shards.
     ///
-    /// Positional .npy files are concatenated along axis 0 into one field named `data`. Each --field
+    /// Positional .npy files are concatenated along axis 0 into one field named `data`; positional
+    /// Parquet or Arrow IPC files are packed as one dataset, each column a field. Each --field
     /// adds a named field; every field must have the same number of samples (the length of axis 0).
     /// The dataset appears at --out only once it is complete: an interrupted pack leaves no manifest.
     Pack(PackArgs),
@@ -82,11 +84,16 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
-    /// List the arrays of .npy and safetensors input files: each tensor's name, dtype and shape
-    /// (samples first), as `pack --field NAME=FILE.safetensors:TENSOR` needs them.
+    /// List the arrays of .npy, safetensors, Parquet and Arrow IPC input files: each tensor's or
+    /// column's name, dtype and shape (samples first), as `pack --field` needs them.
     ///
     /// The format is recognised from each file's first bytes; only headers are read. Exits 1 if a
     /// file could not be listed (after listing the others).
+    ///
+    /// Parquet and Arrow IPC files (.parquet, .pq, .arrow, .arrows, .ipc, .feather) are listed with
+    /// their row count and, per column, its Arrow type and the field it packs as, or why it cannot
+    /// (a variable-length column, a type with no gpufeed dtype); an IPC stream is read through to
+    /// count its rows.
     ///
     /// Token files (a Megatron PREFIX.bin or PREFIX.idx, a flat token .bin with --token-dtype, a
     /// .npy with --seq-len) are described as `pack --tokens` reads them: tokens, documents, dtype,
