@@ -35,9 +35,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Pack NumPy (.npy), safetensors or token-file (--tokens) inputs into a dataset directory of shards.
+    /// Pack NumPy (.npy), safetensors, Parquet/Arrow IPC or token-file (--tokens) inputs into a dataset
+    /// directory of shards.
     ///
-    /// Positional .npy files are concatenated along axis 0 into one field named `data`. Each --field
+    /// Positional .npy files are concatenated along axis 0 into one field named `data`; positional
+    /// Parquet or Arrow IPC files are packed as one dataset, each column a field. Each --field
     /// adds a named field; every field must have the same number of samples (the length of axis 0).
     /// The dataset appears at --out only once it is complete: an interrupted pack leaves no manifest.
     Pack(PackArgs),
@@ -82,11 +84,16 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
-    /// List the arrays of .npy and safetensors input files: each tensor's name, dtype and shape
-    /// (samples first), as `pack --field NAME=FILE.safetensors:TENSOR` needs them.
+    /// List the arrays of .npy, safetensors, Parquet and Arrow IPC input files: each tensor's or
+    /// column's name, dtype and shape (samples first), as `pack --field` needs them.
     ///
     /// The format is recognised from each file's first bytes; only headers are read. Exits 1 if a
     /// file could not be listed (after listing the others).
+    ///
+    /// Parquet and Arrow IPC files (.parquet, .pq, .arrow, .arrows, .ipc, .feather) are listed with
+    /// their row count and, per column, its Arrow type and the field it packs as, or why it cannot
+    /// (a variable-length column, a type with no gpufeed dtype); an IPC stream is read through to
+    /// count its rows.
     ///
     /// Token files (a Megatron PREFIX.bin or PREFIX.idx, a flat token .bin with --token-dtype, a
     /// .npy with --seq-len) are described as `pack --tokens` reads them: tokens, documents, dtype,
@@ -142,11 +149,14 @@ struct PackArgs {
     /// Dataset name recorded in the manifest (default: the last component of --out).
     #[arg(long)]
     name: Option<String>,
-    /// A named field: NAME=FILE.npy, or NAME=FILE.safetensors:TENSOR. Repeat a NAME with more .npy
-    /// files to concatenate them along axis 0.
+    /// A named field: NAME=FILE.npy, NAME=FILE.safetensors:TENSOR, or NAME=FILE.parquet:COLUMN (also
+    /// .arrow, .arrows, .feather: Arrow IPC files and streams; a primitive or fixed-size list
+    /// column, without nulls). Repeat a NAME with more .npy, Parquet or Arrow files to concatenate
+    /// them along axis 0.
     #[arg(long = "field", value_name = "NAME=PATH")]
     fields: Vec<String>,
-    /// .npy files concatenated along axis 0 into one field named `data`.
+    /// .npy files concatenated along axis 0 into one field named `data`; or Parquet/Arrow IPC files
+    /// (same columns) packed whole, each column a field of its name.
     #[arg(value_name = "PATH")]
     paths: Vec<PathBuf>,
     /// A token file cut into sequences of --seq-len tokens, packed as field `tokens` [N] in the
@@ -529,8 +539,15 @@ fn run(command: Command) -> Result<ExitCode> {
 }
 
 fn run_pack(args: PackArgs) -> Result<ExitCode> {
+    // Timed from before the inputs are opened: Parquet and Arrow inputs are decoded then.
+    let started = Instant::now();
     let fields = if args.tokens.is_empty() {
-        open_fields(&args.fields, &args.paths)?
+        open_fields(
+            &args.fields,
+            &args.paths,
+            &args.out,
+            args.threads.unwrap_or_else(default_threads),
+        )?
     } else {
         let dtype = args.token_dtype.map(TokenDtypeArg::dtype);
         let inputs = args
@@ -575,7 +592,6 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
         threads: args.threads.unwrap_or_else(default_threads),
     };
     let bar = Bar::new(args.quiet, "pack");
-    let started = Instant::now();
     let summary = pack::pack(&args.out, &fields, &options, &bar)?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
@@ -600,6 +616,16 @@ fn run_list_inputs(
 ) -> Result<ExitCode> {
     let mut failed = false;
     for path in files {
+        if input::arrow::is_table_path(path) {
+            match input::arrow::describe_table(path) {
+                Ok(listing) => print_stdout(&listing.describe(path))?,
+                Err(error) => {
+                    eprintln!("error: {error}");
+                    failed = true;
+                }
+            }
+            continue;
+        }
         let as_tokens = input::tokens::is_token_path(path)
             || (seq_len.is_some() && path.extension().is_some_and(|e| e == "npy"));
         if as_tokens {
@@ -786,7 +812,61 @@ fn default_threads() -> usize {
 }
 
 /// Turns `--field` arguments and positional paths into field sources, in the order given.
-fn open_fields(field_args: &[String], paths: &[PathBuf]) -> Result<Vec<FieldSource>> {
+fn open_fields(
+    field_args: &[String],
+    paths: &[PathBuf],
+    out: &Path,
+    threads: usize,
+) -> Result<Vec<FieldSource>> {
+    // Parquet and Arrow IPC inputs are decoded into scratch files beside the output (the disk that
+    // receives the dataset), unlinked from the start.
+    let scratch = match out.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let tables = paths
+        .iter()
+        .filter(|p| input::arrow::is_table_path(p))
+        .count();
+    let table_fields = field_args.iter().any(|arg| {
+        arg.split_once('=').is_some_and(|(_, spec)| {
+            spec.rsplit_once(':')
+                .is_some_and(|(file, _)| input::arrow::is_table_path(Path::new(file)))
+                || input::arrow::is_table_path(Path::new(spec))
+        })
+    });
+    if tables > 0 || table_fields {
+        if tables != paths.len() || (tables > 0 && !field_args.is_empty()) {
+            bail!(
+                "Parquet/Arrow inputs are packed either whole (every column, files given as paths) \
+                 or by --field NAME=FILE:COLUMN, and not mixed with .npy or safetensors inputs"
+            );
+        }
+        if tables > 0 {
+            return Ok(input::arrow::open_table_dataset(paths, scratch, threads)?);
+        }
+        let mut requests = Vec::new();
+        for arg in field_args {
+            let parsed = arg.split_once('=').and_then(|(name, spec)| {
+                let (file, column) = spec.rsplit_once(':')?;
+                input::arrow::is_table_path(Path::new(file)).then(|| input::arrow::ColumnRequest {
+                    field: name.to_string(),
+                    path: PathBuf::from(file),
+                    column: column.to_string(),
+                })
+            });
+            match parsed {
+                Some(request) => requests.push(request),
+                None => bail!(
+                    "--field {arg:?}: with Parquet/Arrow inputs every --field is NAME=FILE:COLUMN \
+                     (`gpufeed list-inputs FILE` lists the columns)"
+                ),
+            }
+        }
+        return Ok(input::arrow::open_table_fields(
+            &requests, scratch, threads,
+        )?);
+    }
     let mut npy_fields: Vec<(String, Vec<PathBuf>)> = Vec::new();
     let mut order: Vec<(String, Option<(PathBuf, String)>)> = Vec::new();
     if !paths.is_empty() {

@@ -5,7 +5,9 @@
 //! compared with the inputs, which NumPy wrote too (`tests/interop/make_inputs.py`). Token files
 //! (a Megatron-LM `.bin`/`.idx` pair, a flat `.bin`, a 1-D `.npy`) are written by
 //! `tests/interop/token_files.py` in those tools' layouts, packed with `--tokens`, unpacked, and
-//! compared with the script's own reading of the files (`.idx` parsed with `struct` and NumPy). Nothing here uses
+//! compared with the script's own reading of the files (`.idx` parsed with `struct` and NumPy).
+//! Parquet files and Arrow IPC files and streams are written by pyarrow
+//! (`tests/interop/table_files.py`), packed, unpacked, and compared with pyarrow's reading. Nothing here uses
 //! gpufeed's own reader, so a bug that is symmetric between gpufeed's writer and reader shows up.
 //!
 //! The tests need `python3` with the packages of `tests/requirements.txt`. When they are missing the
@@ -76,7 +78,7 @@ fn missing_modules(python_path: Option<&std::path::Path>) -> Result<Vec<String>,
         "-c",
         "import importlib, sys\n\
          missing = []\n\
-         for name in ('numpy', 'lz4.block', 'xxhash'):\n\
+         for name in ('numpy', 'lz4.block', 'xxhash', 'pyarrow'):\n\
          \x20   try:\n\
          \x20       importlib.import_module(name)\n\
          \x20   except ImportError:\n\
@@ -534,6 +536,210 @@ fn token_files_pack_exactly_as_numpy_reads_them() {
         assert!(
             packed_text.contains(&reported),
             "{file}: {packed_text} lacks {reported:?}"
+        );
+    }
+}
+
+/// Unpacks every field of `dataset` and returns `FIELD=COLUMN=NPY` arguments for
+/// `table_files.py check`, the column named as the field.
+fn unpack_fields(dataset: &Path, fields: &[&str], dir: &Path) -> Vec<String> {
+    fields
+        .iter()
+        .map(|field| {
+            let npy = dir.join(format!(
+                "{}-{field}.npy",
+                dataset.display().to_string().replace('/', "_")
+            ));
+            let mut unpack = gpufeed("unpack");
+            unpack
+                .arg(dataset)
+                .args(["--field", field, "--out"])
+                .arg(&npy);
+            run_ok(unpack);
+            format!("{field}={field}={}", npy.display())
+        })
+        .collect()
+}
+
+/// Parquet (snappy over several row groups, zstd), an Arrow IPC file (lz4) and a Hugging Face
+/// `datasets` cache file (an IPC stream of 1000-row batches) written by pyarrow pack exactly as
+/// pyarrow reads them: scalar columns (int64, float16, bool as u8) and fixed-size lists, nested ones
+/// as 2-D samples; several files as one dataset, in small blocks over several shards.
+#[test]
+fn table_files_pack_exactly_as_pyarrow_reads_them() {
+    if !python_ready("table_files_pack_exactly_as_pyarrow_reads_them") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let inputs = tmp.path().join("in");
+    let mut write = python("table_files.py");
+    write.arg("write").arg(&inputs);
+    run_ok(write);
+    // list-inputs describes each column: its type, the field it packs as, or why it cannot.
+    let listed = run_ok({
+        let mut list = Command::new(GPUFEED);
+        list.arg("list-inputs")
+            .arg(inputs.join("hf/data-00000-of-00001.arrow"))
+            .arg(inputs.join("a.parquet"));
+        list
+    });
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    for needle in [
+        "Arrow IPC stream, 2345 rows, 4 column(s)",
+        "Parquet, 1000 rows, 5 column(s)",
+        "fixed_size_list<fixed_size_list<uint8>[4]>[3]  u8 [3, 4]",
+        "input_ids  list<int32>",
+        "variable-length fields are not supported yet",
+    ] {
+        assert!(listed.contains(needle), "{listed} lacks {needle:?}");
+    }
+    let all = ["emb", "img", "label", "w", "flag"];
+    // (files, fields, --threads): Parquet files are decoded row group by row group on several
+    // threads, and in order on one.
+    let cases: [(&[&str], &[&str], &str); 4] = [
+        (&["a.parquet", "b.parquet"], &all, "3"),
+        (&["a.parquet", "b.parquet"], &all, "1"),
+        (&["a.arrow", "b.parquet"], &all, "2"),
+        (&["hf/data-00000-of-00001.arrow"], &["emb", "label"], "2"),
+    ];
+    for (index, (files, fields, threads)) in cases.into_iter().enumerate() {
+        let dataset = tmp.path().join(format!("dataset-{index}"));
+        let mut pack = gpufeed("pack");
+        pack.arg("--out")
+            .arg(&dataset)
+            .args(["--block-bytes", "4K", "--samples-per-shard", "333"])
+            .args(["--threads", threads]);
+        if fields.len() == all.len() {
+            pack.args(files.iter().map(|f| inputs.join(f)));
+        } else {
+            // The cache file has string and list columns too: the fixed ones are named.
+            for field in fields {
+                for file in files {
+                    pack.arg("--field")
+                        .arg(format!("{field}={}:{field}", inputs.join(file).display()));
+                }
+            }
+        }
+        run_ok(pack);
+        let mut check = python("table_files.py");
+        check.arg("check");
+        check.args(files.iter().map(|f| inputs.join(f)));
+        check.arg("--");
+        check.args(unpack_fields(&dataset, fields, tmp.path()));
+        let checked = String::from_utf8_lossy(&run_ok(check).stdout).into_owned();
+        assert!(checked.starts_with("ok "), "{files:?}: {checked}");
+    }
+}
+
+/// Tables that cannot be packed are refused, naming the file, the column and (for nulls) the row,
+/// and nothing is written: a list column, a string column packed whole, nulls (at the top level and
+/// inside a fixed-size list), files whose column types disagree, and truncated Parquet, IPC file
+/// and IPC stream inputs.
+#[test]
+fn malformed_tables_are_refused_naming_file_column_and_row() {
+    if !python_ready("malformed_tables_are_refused_naming_file_column_and_row") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let inputs = tmp.path().join("in");
+    let mut write = python("table_files.py");
+    write.arg("write").arg(&inputs);
+    run_ok(write);
+    for (source, cut, target) in [
+        ("a.parquet", "100", "cut.parquet"),
+        ("a.arrow", "3000", "cut.arrow"),
+        ("hf/data-00000-of-00001.arrow", "3000", "cut-stream.arrow"),
+    ] {
+        let mut truncate = python("table_files.py");
+        truncate
+            .arg("truncate")
+            .arg(inputs.join(source))
+            .arg(inputs.join(target))
+            .arg(cut);
+        run_ok(truncate);
+    }
+    let path = |name: &str| inputs.join(name).display().to_string();
+    let field = |field: &str, file: &str, column: &str| format!("{field}={}:{column}", path(file));
+    let cases: Vec<(Vec<String>, Vec<String>)> = vec![
+        (
+            vec!["--field".into(), field("ids", "list.parquet", "ids")],
+            vec![
+                path("list.parquet"),
+                "column 'ids'".into(),
+                "variable-length fields are not supported yet".into(),
+            ],
+        ),
+        (
+            vec![path("hf/data-00000-of-00001.arrow")],
+            vec![
+                "column 'text'".into(),
+                "variable-length".into(),
+                "--field".into(),
+            ],
+        ),
+        (
+            vec![path("nulls.parquet")],
+            vec![path("nulls.parquet"), "column 'label', row 13: null".into()],
+        ),
+        (
+            vec![path("inner-null.parquet")],
+            vec![
+                path("inner-null.parquet"),
+                "column 'emb', row 40: null".into(),
+            ],
+        ),
+        (
+            vec![path("a.parquet"), path("other.parquet")],
+            vec![
+                path("other.parquet"),
+                "column 'label' is int32 here but int64".into(),
+            ],
+        ),
+        (
+            vec![
+                "--field".into(),
+                field("l", "a.parquet", "label"),
+                "--field".into(),
+                field("l", "other.parquet", "label"),
+            ],
+            vec![
+                path("other.parquet"),
+                "column 'label'".into(),
+                "field 'l'".into(),
+            ],
+        ),
+        (
+            vec!["--field".into(), field("l", "a.parquet", "nope")],
+            vec![path("a.parquet"), "no column 'nope'".into(), "label".into()],
+        ),
+        (
+            vec![path("cut.parquet")],
+            vec![path("cut.parquet"), "Parquet".into()],
+        ),
+        (
+            vec![path("cut.arrow")],
+            vec![path("cut.arrow"), "footer".into()],
+        ),
+        (
+            vec!["--field".into(), field("l", "cut-stream.arrow", "label")],
+            vec![path("cut-stream.arrow"), "truncated".into()],
+        ),
+    ];
+    for (index, (args, needles)) in cases.into_iter().enumerate() {
+        let dataset = tmp.path().join(format!("refused-{index}"));
+        let mut pack = gpufeed("pack");
+        pack.arg("--out").arg(&dataset).args(&args);
+        let stderr = run_failing(pack);
+        for needle in &needles {
+            assert!(
+                stderr.contains(needle.as_str()),
+                "{args:?}: {stderr:?} lacks {needle:?}"
+            );
+        }
+        assert!(
+            !dataset.exists(),
+            "{args:?}: a refused pack wrote {}",
+            dataset.display()
         );
     }
 }

@@ -9,7 +9,7 @@ cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 venv="$root/target/python-venv"
 python3 -m venv "$venv"
-PIP_ROOT_USER_ACTION=ignore "$venv/bin/pip" install --quiet --disable-pip-version-check numpy pytest
+PIP_ROOT_USER_ACTION=ignore "$venv/bin/pip" install --quiet --disable-pip-version-check numpy pytest pyarrow
 PIP_ROOT_USER_ACTION=ignore "$venv/bin/pip" install --quiet --disable-pip-version-check .
 GPUFEED_BIN="${GPUFEED_BIN:-$root/${CARGO_TARGET_DIR:-target}/debug/gpufeed}" \
   "$venv/bin/python" -m pytest -q -rs tests

@@ -1,4 +1,5 @@
-//! Readers of pack inputs (NumPy `.npy`, safetensors, and token files: [`tokens`]), and the `.npy` writer used by `unpack`.
+//! Readers of pack inputs (NumPy `.npy`, safetensors, token files: [`tokens`], Parquet and Arrow
+//! IPC: [`arrow`]), and the `.npy` writer used by `unpack`.
 //!
 //! A pack input is turned into a [`FieldSource`]: a dtype, a per-sample shape and a list of
 //! memory-mapped file regions whose concatenation along axis 0 is the field's samples. Nothing is
@@ -7,6 +8,7 @@
 //! Every input is untrusted: headers are validated and every region is bounds-checked against the
 //! file length when it is opened, so [`FieldSource::copy_samples`] can slice without re-checking.
 
+pub mod arrow;
 pub mod npy;
 pub mod safetensors;
 pub mod tokens;
@@ -369,6 +371,15 @@ pub enum InputError {
         /// The file at fault (the `.idx` for a bad index).
         path: PathBuf,
         /// What is wrong, naming the record (sequence or document index) at fault.
+        reason: String,
+    },
+    /// A Parquet or Arrow IPC input is malformed or holds what cannot be packed; `reason` names the
+    /// column (and row) at fault where there is one.
+    #[error("{}: {reason}", path.display())]
+    Table {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong, naming the column and row.
         reason: String,
     },
     /// An `.npy` writer was given more or fewer data bytes than its shape holds.

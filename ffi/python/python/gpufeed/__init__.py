@@ -6,6 +6,8 @@ CuPy and NumPy through DLPack.
         for batch in client.open_stream("tokens", batch_size=4096, device="cuda:0", shuffle="window"):
             ids = torch.from_dlpack(batch["ids"])
 
+    gpufeed.pack("/data/emb", fields={"emb": emb, "label": labels})   # a dataset from NumPy arrays
+
 See docs/PYTHON.md for the API, the lifetime of batches and CUDA stream ordering.
 """
 
@@ -29,6 +31,7 @@ from gpufeed.errors import (
     ProtocolError,
     SessionError,
 )
+from gpufeed._pack import PackError, pack
 
 # A batch is a read-only mapping of field name to Field: isinstance(batch, Mapping) holds, and code
 # that takes a Mapping takes a batch.
@@ -44,9 +47,11 @@ __all__ = [
     "Error",
     "Field",
     "InvalidSpecError",
+    "PackError",
     "ProtocolError",
     "SessionError",
     "Stream",
     "__version__",
     "keep_thread_off_interrupt_cpus",
+    "pack",
 ]

@@ -1,0 +1,105 @@
+"""gpufeed.pack: datasets written from NumPy arrays, streamed iterables and Parquet files, checked
+exactly by unpacking each field with the gpufeed binary and loading it with NumPy; refusals leave
+`out` untouched and no scratch directory behind."""
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import gpufeed
+from conftest import gpufeed_bin
+
+
+@pytest.fixture(autouse=True)
+def binary(monkeypatch):
+    monkeypatch.setenv("GPUFEED_BIN", gpufeed_bin())
+
+
+def unpacked(dataset, field, tmp_path):
+    out = tmp_path / f"unpacked-{os.path.basename(dataset)}-{field}.npy"
+    subprocess.run(
+        [gpufeed_bin(), "unpack", str(dataset), "--field", field, "--out", str(out), "--quiet", "--force"],
+        check=True,
+    )
+    return np.load(out)
+
+
+def no_scratch(tmp_path):
+    return not [p for p in os.listdir(tmp_path) if p.startswith(".gpufeed-pack-")]
+
+
+def test_arrays_and_streamed_iterables_pack_exactly(tmp_path):
+    rng = np.random.default_rng(3)
+    emb = rng.standard_normal((1000, 16)).astype(np.float16)
+    label = rng.integers(0, 1 << 40, 1000)
+    chunks = [rng.integers(0, 255, (n, 2, 3), dtype=np.uint8) for n in (1, 400, 599)]
+
+    def stream():
+        # A generator: only one chunk is alive at a time.
+        yield from chunks
+
+    out = tmp_path / "ds"
+    summary = gpufeed.pack(
+        out,
+        fields={"emb": emb, "label": label, "img": stream()},
+        codec="lz4",
+        block_bytes="4K",
+        samples_per_shard=300,
+    )
+    assert "packed 1000 samples into 4 shard(s)" in summary
+    assert np.array_equal(unpacked(out, "emb", tmp_path), emb)
+    assert np.array_equal(unpacked(out, "label", tmp_path), label)
+    assert np.array_equal(unpacked(out, "img", tmp_path), np.concatenate(chunks))
+    assert no_scratch(tmp_path)
+
+
+def test_existing_dataset_is_kept_without_force_and_replaced_with_it(tmp_path):
+    out = tmp_path / "ds"
+    first = np.arange(10, dtype=np.int32)
+    gpufeed.pack(out, fields={"x": first})
+    with pytest.raises(gpufeed.PackError, match="exists"):
+        gpufeed.pack(out, fields={"x": first + 1})
+    assert np.array_equal(unpacked(out, "x", tmp_path), first)
+    gpufeed.pack(out, fields={"x": first + 1}, force=True, codec="raw")
+    assert np.array_equal(unpacked(out, "x", tmp_path), first + 1)
+    assert no_scratch(tmp_path)
+
+
+def test_refusals_name_the_field_and_leave_nothing(tmp_path):
+    out = tmp_path / "ds"
+    with pytest.raises(gpufeed.PackError, match=r"field 'y', item 1: float32\[3\] per sample"):
+        gpufeed.pack(out, fields={"y": iter([np.zeros((2, 2), np.float32), np.zeros((2, 3), np.float32)])})
+    with pytest.raises(gpufeed.PackError, match="'b'"):
+        gpufeed.pack(out, fields={"a": np.zeros(4, np.int32), "b": np.zeros(5, np.int32)})
+    with pytest.raises(gpufeed.PackError, match="codec"):
+        gpufeed.pack(out, fields={"a": np.zeros(4)}, codec="zip")
+    assert not out.exists()
+    assert no_scratch(tmp_path)
+
+
+def test_from_parquet_packs_every_column_as_pyarrow_reads_it(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(5)
+    emb = rng.standard_normal((500, 4)).astype(np.float32)
+    label = np.arange(500, dtype=np.int64)
+    files = []
+    for index, rows in enumerate([slice(0, 200), slice(200, 500)]):
+        table = pa.table(
+            {
+                "emb": pa.FixedSizeListArray.from_arrays(pa.array(emb[rows].reshape(-1)), 4),
+                "label": pa.array(label[rows]),
+            }
+        )
+        files.append(tmp_path / f"part-{index}.parquet")
+        pq.write_table(table, files[-1], row_group_size=64)
+    out = tmp_path / "ds"
+    gpufeed.pack(out, from_parquet=files)
+    assert np.array_equal(unpacked(out, "emb", tmp_path), emb)
+    assert np.array_equal(unpacked(out, "label", tmp_path), label)
+    listed = pa.table({"ids": pa.array([[1], [2, 3]], pa.list_(pa.int64()))})
+    pq.write_table(listed, tmp_path / "list.parquet")
+    with pytest.raises(gpufeed.PackError, match="column 'ids'.*variable-length fields are not supported yet"):
+        gpufeed.pack(tmp_path / "other", from_parquet=[tmp_path / "list.parquet"])

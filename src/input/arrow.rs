@@ -1,0 +1,1109 @@
+//! Parquet files and Arrow IPC files and streams (the format of a Hugging Face `datasets` cache) as
+//! pack inputs: primitive columns become scalar fields, fixed-size list columns fixed-shape fields
+//! (nested fixed-size lists a shape of several dimensions).
+//!
+//! A pack copies a field's samples range by range and, with `--codec auto`, samples blocks spread
+//! over the whole field first ([`FieldSource::copy_samples`] is random access). Parquet and IPC
+//! data are encoded, so they are decoded once, record batch by record batch, into one scratch file
+//! per field beside the output, which the field then maps like an `.npy`: memory holds one record
+//! batch at a time (Parquet batches are cut to about [`BATCH_BYTES_TARGET`]; an IPC batch is read
+//! as written, so its largest batch bounds the memory), and the scratch files, unlinked from the
+//! start, take the raw size of the fields on the output's disk until the pack ends.
+//!
+//! Refused, naming the file and column (and row): variable-length columns (lists, strings,
+//! binary), types with no gpufeed dtype, null values, files whose columns differ in type, and
+//! Parquet files whose footer disagrees with the rows their row groups hold.
+
+use std::fs::File;
+use std::io::{self, BufWriter, Read, Seek, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, RecordBatch};
+use arrow_schema::{DataType, SchemaRef};
+use gpufeed_proto::DType;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::ProjectionMask;
+
+use super::{checked_sample_bytes, Backing, FieldSource, InputError, SourcePart};
+use crate::storage::mapped::MappedFile;
+
+/// Raw bytes a Parquet record batch is cut to: large enough that per-batch costs vanish, small
+/// enough that memory stays bounded whatever the row groups' size.
+pub const BATCH_BYTES_TARGET: usize = 32 << 20;
+
+/// Rows of a Parquet record batch at most, whatever the row size.
+const BATCH_ROWS_MAX: usize = 1 << 16;
+
+/// Buffer of each scratch file's writer.
+const SCRATCH_BUFFER_BYTES: usize = 1 << 20;
+
+/// The kinds of table file read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableFormat {
+    /// A Parquet file (`PAR1` magic).
+    Parquet,
+    /// An Arrow IPC file (`ARROW1` magic; Feather version 2).
+    IpcFile,
+    /// An Arrow IPC stream, as Hugging Face `datasets` writes its cache files.
+    IpcStream,
+}
+
+impl TableFormat {
+    /// The format's name in messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            TableFormat::Parquet => "Parquet",
+            TableFormat::IpcFile => "Arrow IPC file",
+            TableFormat::IpcStream => "Arrow IPC stream",
+        }
+    }
+}
+
+/// Whether `path` is named like a table input (`.parquet`, `.pq`, `.arrow`, `.arrows`, `.ipc`,
+/// `.feather`).
+pub fn is_table_path(path: &Path) -> bool {
+    path.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+        matches!(
+            e.to_ascii_lowercase().as_str(),
+            "parquet" | "pq" | "arrow" | "arrows" | "ipc" | "feather"
+        )
+    })
+}
+
+fn table_error(path: &Path, reason: impl Into<String>) -> InputError {
+    InputError::Table {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn io_error(path: &Path) -> impl Fn(io::Error) -> InputError + '_ {
+    move |source| InputError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Tells the format of `path` by its first bytes.
+pub fn table_format(path: &Path) -> Result<TableFormat, InputError> {
+    let mut file = crate::format::open_regular(path).map_err(io_error(path))?;
+    let mut head = [0u8; 8];
+    let mut got = 0;
+    while got < head.len() {
+        let n = file.read(&mut head[got..]).map_err(io_error(path))?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    let head = &head[..got];
+    if head.starts_with(b"PAR1") {
+        Ok(TableFormat::Parquet)
+    } else if head.starts_with(b"ARROW1") {
+        Ok(TableFormat::IpcFile)
+    } else if head.starts_with(&[0xff; 4]) {
+        Ok(TableFormat::IpcStream)
+    } else if head.starts_with(b"FEA1") {
+        Err(table_error(
+            path,
+            "Feather version 1 is not supported; save it again as Feather version 2 (Arrow IPC)",
+        ))
+    } else {
+        Err(table_error(
+            path,
+            "neither Parquet (PAR1) nor Arrow IPC (ARROW1 or a stream's 0xFFFFFFFF marker)",
+        ))
+    }
+}
+
+/// What a column can be: a field of a dtype and per-sample shape, or why not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ColumnKind {
+    /// A fixed-shape field.
+    Field {
+        /// The element type.
+        dtype: DType,
+        /// The per-sample shape (empty for a scalar column).
+        shape: Vec<u64>,
+    },
+    /// Why the column cannot be a field.
+    Refused(String),
+}
+
+const VARIABLE: &str = "variable-length fields are not supported yet";
+
+/// What `data_type` can be as a field.
+pub fn column_kind(data_type: &DataType) -> ColumnKind {
+    let dtype = match data_type {
+        DataType::Int8 => DType::I8,
+        DataType::Int16 => DType::I16,
+        DataType::Int32 => DType::I32,
+        DataType::Int64 => DType::I64,
+        DataType::UInt8 => DType::U8,
+        DataType::UInt16 => DType::U16,
+        DataType::UInt32 => DType::U32,
+        DataType::UInt64 => DType::U64,
+        DataType::Float16 => DType::F16,
+        DataType::Float32 => DType::F32,
+        DataType::Float64 => DType::F64,
+        // Bit-packed in Arrow; stored one byte (0 or 1) per value.
+        DataType::Boolean => DType::U8,
+        DataType::FixedSizeList(child, length) => {
+            if *length <= 0 {
+                return ColumnKind::Refused(format!(
+                    "fixed-size lists of {length} values: every sample would be empty"
+                ));
+            }
+            return match column_kind(child.data_type()) {
+                ColumnKind::Field { dtype, mut shape } => {
+                    shape.insert(0, *length as u64);
+                    ColumnKind::Field { dtype, shape }
+                }
+                ColumnKind::Refused(why) => ColumnKind::Refused(format!("its values: {why}")),
+            };
+        }
+        DataType::List(_)
+        | DataType::LargeList(_)
+        | DataType::ListView(_)
+        | DataType::LargeListView(_)
+        | DataType::Map(..) => {
+            return ColumnKind::Refused(format!(
+                "lists of varying length: {VARIABLE} (a fixed-size list packs)"
+            ))
+        }
+        DataType::Utf8
+        | DataType::LargeUtf8
+        | DataType::Utf8View
+        | DataType::Binary
+        | DataType::LargeBinary
+        | DataType::BinaryView => {
+            return ColumnKind::Refused(format!("strings and binaries: {VARIABLE}"))
+        }
+        other => return ColumnKind::Refused(format!("{other} has no gpufeed dtype")),
+    };
+    ColumnKind::Field {
+        dtype,
+        shape: Vec::new(),
+    }
+}
+
+/// An Arrow type as pyarrow spells it, shortly: `int64`, `fixed_size_list<float>[8]`, `list<int32>`.
+pub fn type_name(data_type: &DataType) -> String {
+    match data_type {
+        DataType::FixedSizeList(child, length) => {
+            format!(
+                "fixed_size_list<{}>[{length}]",
+                type_name(child.data_type())
+            )
+        }
+        DataType::List(child) | DataType::ListView(child) => {
+            format!("list<{}>", type_name(child.data_type()))
+        }
+        DataType::LargeList(child) | DataType::LargeListView(child) => {
+            format!("large_list<{}>", type_name(child.data_type()))
+        }
+        DataType::Utf8 | DataType::Utf8View => "string".into(),
+        DataType::LargeUtf8 => "large_string".into(),
+        DataType::Boolean => "bool".into(),
+        other => other.to_string().to_ascii_lowercase(),
+    }
+}
+
+/// One column of a table input, as `list-inputs` shows it.
+#[derive(Clone, Debug)]
+pub struct TableColumn {
+    /// The column's name.
+    pub name: String,
+    /// The Arrow type.
+    pub data_type: DataType,
+    /// What it can be.
+    pub kind: ColumnKind,
+}
+
+/// A table input described: format, rows, columns.
+#[derive(Clone, Debug)]
+pub struct TableListing {
+    /// The format.
+    pub format: TableFormat,
+    /// Rows (Parquet: from the footer; IPC: counted batch by batch).
+    pub rows: u64,
+    /// The columns, in file order.
+    pub columns: Vec<TableColumn>,
+}
+
+impl TableListing {
+    /// Lines for `gpufeed list-inputs`.
+    pub fn describe(&self, path: &Path) -> String {
+        let mut text = format!(
+            "{}: {}, {} rows, {} column(s)",
+            path.display(),
+            self.format.describe(),
+            self.rows,
+            self.columns.len()
+        );
+        let types: Vec<String> = self
+            .columns
+            .iter()
+            .map(|c| type_name(&c.data_type))
+            .collect();
+        let name_width = self.columns.iter().map(|c| c.name.len()).max().unwrap_or(0);
+        let type_width = types.iter().map(String::len).max().unwrap_or(0);
+        for (column, arrow_type) in self.columns.iter().zip(&types) {
+            let what = match &column.kind {
+                ColumnKind::Field { dtype, shape } => {
+                    let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+                    format!("{dtype} [{}]", dims.join(", "))
+                }
+                ColumnKind::Refused(why) => format!("(gpufeed cannot pack this: {why})"),
+            };
+            text.push_str(&format!(
+                "\n  {:name_width$}  {arrow_type:type_width$}  {what}",
+                column.name
+            ));
+        }
+        text
+    }
+}
+
+fn columns_of(schema: &SchemaRef) -> Vec<TableColumn> {
+    schema
+        .fields()
+        .iter()
+        .map(|f| TableColumn {
+            name: f.name().clone(),
+            data_type: f.data_type().clone(),
+            kind: column_kind(f.data_type()),
+        })
+        .collect()
+}
+
+/// Describes a table input without decoding its values (an IPC stream's batches are read to count
+/// its rows).
+pub fn describe_table(path: &Path) -> Result<TableListing, InputError> {
+    let format = table_format(path)?;
+    let mut reader = BatchReader::open(path, format, None, None)?;
+    let columns = columns_of(&reader.schema);
+    let rows = match reader.footer_rows {
+        Some(rows) => rows,
+        None => {
+            let mut rows = 0u64;
+            while let Some(batch) = reader.next_batch()? {
+                rows += batch.num_rows() as u64;
+            }
+            rows
+        }
+    };
+    Ok(TableListing {
+        format,
+        rows,
+        columns,
+    })
+}
+
+/// Record batches of one table file, whichever the format.
+struct BatchReader<'a> {
+    path: &'a Path,
+    schema: SchemaRef,
+    /// Rows the Parquet footer announces (checked against the rows read).
+    footer_rows: Option<u64>,
+    batches: Box<dyn Iterator<Item = Result<RecordBatch, arrow_schema::ArrowError>> + 'a>,
+}
+
+impl<'a> BatchReader<'a> {
+    /// Opens `path`; with `columns`, reads only those (by name; all of them must exist, which the
+    /// caller checked against `schema`). `row_bytes` sizes Parquet batches.
+    fn open(
+        path: &'a Path,
+        format: TableFormat,
+        columns: Option<&[String]>,
+        row_bytes: Option<usize>,
+    ) -> Result<BatchReader<'a>, InputError> {
+        let file = crate::format::open_regular(path).map_err(io_error(path))?;
+        let bad = |e: &dyn std::fmt::Display| {
+            table_error(path, format!("reading {}: {e}", format.describe()))
+        };
+        match format {
+            TableFormat::Parquet => {
+                let builder =
+                    ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| bad(&e))?;
+                let schema = builder.schema().clone();
+                let footer_rows = builder.metadata().file_metadata().num_rows();
+                let group_rows: i64 = builder
+                    .metadata()
+                    .row_groups()
+                    .iter()
+                    .map(|g| g.num_rows())
+                    .sum();
+                if footer_rows != group_rows || footer_rows < 0 {
+                    return Err(table_error(
+                        path,
+                        format!(
+                            "the footer says {footer_rows} rows but its row groups say {group_rows}"
+                        ),
+                    ));
+                }
+                let mut builder = builder;
+                if let Some(columns) = columns {
+                    let roots = indices(&schema, columns);
+                    let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
+                    builder = builder.with_projection(mask);
+                }
+                let rows =
+                    (BATCH_BYTES_TARGET / row_bytes.unwrap_or(1).max(1)).clamp(1, BATCH_ROWS_MAX);
+                let reader = builder.with_batch_size(rows).build().map_err(|e| bad(&e))?;
+                Ok(BatchReader {
+                    path,
+                    schema,
+                    footer_rows: Some(footer_rows as u64),
+                    batches: Box::new(reader),
+                })
+            }
+            TableFormat::IpcFile => {
+                let probe = arrow_ipc::reader::FileReader::try_new_buffered(
+                    file.try_clone().map_err(io_error(path))?,
+                    None,
+                )
+                .map_err(|e| bad(&e))?;
+                let schema = probe.schema();
+                drop(probe);
+                let projection = columns.map(|c| indices(&schema, c));
+                let reader = arrow_ipc::reader::FileReader::try_new_buffered(file, projection)
+                    .map_err(|e| bad(&e))?;
+                Ok(BatchReader {
+                    path,
+                    schema,
+                    footer_rows: None,
+                    batches: Box::new(reader),
+                })
+            }
+            TableFormat::IpcStream => {
+                // The schema is the stream's first message: read it, then open the stream again
+                // with the projection.
+                let probe = arrow_ipc::reader::StreamReader::try_new_buffered(
+                    file.try_clone().map_err(io_error(path))?,
+                    None,
+                )
+                .map_err(|e| bad(&e))?;
+                let schema = probe.schema();
+                drop(probe);
+                let file = crate::format::open_regular(path).map_err(io_error(path))?;
+                let projection = columns.map(|c| indices(&schema, c));
+                let reader = arrow_ipc::reader::StreamReader::try_new_buffered(file, projection)
+                    .map_err(|e| bad(&e))?;
+                Ok(BatchReader {
+                    path,
+                    schema,
+                    footer_rows: None,
+                    batches: Box::new(reader),
+                })
+            }
+        }
+    }
+
+    fn next_batch(&mut self) -> Result<Option<RecordBatch>, InputError> {
+        let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.batches.next()))
+            .map_err(|_| table_error(self.path, "the reader panicked on malformed data"))?;
+        match next {
+            None => Ok(None),
+            Some(Ok(batch)) => Ok(Some(batch)),
+            Some(Err(e)) => Err(table_error(
+                self.path,
+                format!("reading a record batch: {e}"),
+            )),
+        }
+    }
+}
+
+/// Indices of `columns` in `schema`, ascending (as a Parquet projection reads them).
+fn indices(schema: &SchemaRef, columns: &[String]) -> Vec<usize> {
+    let mut indices: Vec<usize> = columns
+        .iter()
+        .filter_map(|c| schema.index_of(c).ok())
+        .collect();
+    indices.sort_unstable();
+    indices.dedup();
+    indices
+}
+
+/// The first row of `array` holding a null (at any depth of a fixed-size list).
+fn first_null(array: &dyn Array) -> Option<usize> {
+    let own = if array.null_count() > 0 {
+        (0..array.len()).find(|&i| array.is_null(i))
+    } else {
+        None
+    };
+    let inner = match array.data_type() {
+        DataType::FixedSizeList(_, length) => {
+            let list = array.as_fixed_size_list();
+            let length = *length as usize;
+            first_null(list.values().slice(0, list.len() * length).as_ref()).map(|i| i / length)
+        }
+        _ => None,
+    };
+    match (own, inner) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Writes the values of `array` (no nulls) to `out` in C order, little-endian.
+fn write_values(array: &dyn Array, out: &mut impl Write, bytes: &mut Vec<u8>) -> io::Result<()> {
+    match array.data_type() {
+        DataType::FixedSizeList(_, length) => {
+            let list = array.as_fixed_size_list();
+            let values = list.values().slice(0, list.len() * *length as usize);
+            write_values(values.as_ref(), out, bytes)
+        }
+        DataType::Boolean => {
+            bytes.clear();
+            bytes.extend(array.as_boolean().values().iter().map(u8::from));
+            out.write_all(bytes)
+        }
+        data_type => {
+            let width = data_type
+                .primitive_width()
+                .expect("column_kind admitted only primitive leaves");
+            let data = array.to_data();
+            let begin = data.offset() * width;
+            let end = begin + data.len() * width;
+            out.write_all(&data.buffers()[0].as_slice()[begin..end])
+        }
+    }
+}
+
+/// A column read into a field: which file column, which field.
+#[derive(Clone, Debug)]
+pub struct ColumnRequest {
+    /// The field's name in the dataset.
+    pub field: String,
+    /// The table file.
+    pub path: PathBuf,
+    /// The column of that file.
+    pub column: String,
+}
+
+struct Scratch {
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    sample_bytes: usize,
+    writer: BufWriter<File>,
+    written: u64,
+    /// (file, first byte, samples) of each file's piece, in concatenation order.
+    pieces: Vec<(PathBuf, u64, u64)>,
+}
+
+/// Reads the columns asked for into fields, decoding each file once (batch by batch) into scratch
+/// files created in `scratch_dir`. A field given several files concatenates them in the order
+/// given; every file of a field must give the column the same type.
+pub fn open_table_fields(
+    requests: &[ColumnRequest],
+    scratch_dir: &Path,
+    threads: usize,
+) -> Result<Vec<FieldSource>, InputError> {
+    // Fields in first-mention order.
+    let mut fields: Vec<Scratch> = Vec::new();
+    // Files in first-mention order, each with the (field, column) pairs read from it.
+    let mut files: Vec<(PathBuf, Vec<(usize, String)>)> = Vec::new();
+    for request in requests {
+        let index = match fields.iter().position(|f| f.name == request.field) {
+            Some(index) => index,
+            None => {
+                fields.push(Scratch {
+                    name: request.field.clone(),
+                    dtype: DType::U8,
+                    shape: Vec::new(),
+                    sample_bytes: 0,
+                    writer: BufWriter::with_capacity(
+                        SCRATCH_BUFFER_BYTES,
+                        tempfile::tempfile_in(scratch_dir).map_err(io_error(scratch_dir))?,
+                    ),
+                    written: 0,
+                    pieces: Vec::new(),
+                });
+                fields.len() - 1
+            }
+        };
+        match files.iter_mut().find(|(p, _)| *p == request.path) {
+            Some((_, columns)) => {
+                if columns.iter().any(|(f, _)| *f == index) {
+                    return Err(table_error(
+                        &request.path,
+                        format!("field '{}' reads this file twice", request.field),
+                    ));
+                }
+                columns.push((index, request.column.clone()));
+            }
+            None => files.push((request.path.clone(), vec![(index, request.column.clone())])),
+        }
+    }
+    // Files are decoded in first-mention order, so each field's pieces come in that order: a field
+    // whose files were given in another order is refused rather than concatenated out of order.
+    for (index, field) in fields.iter().enumerate() {
+        let given: Vec<&PathBuf> = requests
+            .iter()
+            .filter(|r| r.field == field.name)
+            .map(|r| &r.path)
+            .collect();
+        let decoded: Vec<&PathBuf> = files
+            .iter()
+            .filter(|(_, columns)| columns.iter().any(|(f, _)| *f == index))
+            .map(|(p, _)| p)
+            .collect();
+        if given != decoded {
+            return Err(table_error(
+                given[0],
+                format!(
+                    "field '{}' gives its files in another order than earlier fields do; give \
+                     every field's files in one order",
+                    field.name
+                ),
+            ));
+        }
+    }
+    // The first file and type of each field, which later files must agree with.
+    let mut first: Vec<Option<(PathBuf, DataType)>> = vec![None; fields.len()];
+    for (path, columns) in &files {
+        let format = table_format(path)?;
+        let probe = BatchReader::open(path, format, None, None)?;
+        let schema = probe.schema.clone();
+        drop(probe);
+        let mut row_bytes = 0usize;
+        for (index, column) in columns {
+            let Ok(at) = schema.index_of(column) else {
+                let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+                return Err(table_error(
+                    path,
+                    format!("no column '{column}'; columns: {}", names.join(", ")),
+                ));
+            };
+            let data_type = schema.field(at).data_type().clone();
+            let field = &mut fields[*index];
+            match &first[*index] {
+                Some((first_path, first_type))
+                    if column_kind(first_type) != column_kind(&data_type) =>
+                {
+                    return Err(table_error(
+                        path,
+                        format!(
+                            "column '{column}' is {} here but {} in {} (field '{}'): files \
+                             packed as one dataset must agree",
+                            type_name(&data_type),
+                            type_name(first_type),
+                            first_path.display(),
+                            field.name
+                        ),
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    let (dtype, shape) = match column_kind(&data_type) {
+                        ColumnKind::Field { dtype, shape } => (dtype, shape),
+                        ColumnKind::Refused(why) => {
+                            return Err(table_error(
+                                path,
+                                format!("column '{column}' ({}): {why}", type_name(&data_type)),
+                            ))
+                        }
+                    };
+                    field.sample_bytes = checked_sample_bytes(dtype, &shape).ok_or_else(|| {
+                        table_error(
+                            path,
+                            format!("column '{column}': shape {shape:?} overflows"),
+                        )
+                    })?;
+                    field.dtype = dtype;
+                    field.shape = shape;
+                    first[*index] = Some((path.clone(), data_type));
+                }
+            }
+            row_bytes += field.sample_bytes;
+        }
+        let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
+        read_file(
+            path,
+            format,
+            columns,
+            &names,
+            row_bytes,
+            &mut fields,
+            threads,
+        )?;
+    }
+    fields.into_iter().map(finish).collect()
+}
+
+/// Decodes the `columns` of one file, appending each to its field's scratch file.
+fn read_file(
+    path: &Path,
+    format: TableFormat,
+    columns: &[(usize, String)],
+    names: &[String],
+    row_bytes: usize,
+    fields: &mut [Scratch],
+    threads: usize,
+) -> Result<(), InputError> {
+    if format == TableFormat::Parquet && threads > 1 {
+        return read_parquet_parallel(path, columns, names, row_bytes, fields, threads);
+    }
+    let mut reader = BatchReader::open(path, format, Some(names), Some(row_bytes))?;
+    let starts: Vec<u64> = columns.iter().map(|(i, _)| fields[*i].written).collect();
+    let mut rows = 0u64;
+    let mut bytes = Vec::new();
+    loop {
+        let batch = match reader.next_batch() {
+            Ok(Some(batch)) => batch,
+            Ok(None) => break,
+            Err(InputError::Table { path, reason }) => {
+                return Err(InputError::Table {
+                    path,
+                    reason: format!(
+                        "{reason} (after row {rows}: is the file truncated or corrupt?)"
+                    ),
+                })
+            }
+            Err(error) => return Err(error),
+        };
+        for (index, column) in columns {
+            let array = batch
+                .column_by_name(column)
+                .expect("the projection keeps every column asked for");
+            check_nulls(path, column, rows, array.as_ref())?;
+            let field = &mut fields[*index];
+            write_values(array.as_ref(), &mut field.writer, &mut bytes)
+                .map_err(io_error(Path::new("(scratch file)")))?;
+            field.written += (batch.num_rows() * field.sample_bytes) as u64;
+        }
+        rows += batch.num_rows() as u64;
+    }
+    if let Some(footer) = reader.footer_rows {
+        if footer != rows {
+            return Err(table_error(
+                path,
+                format!("the footer says {footer} rows but the row groups hold {rows}"),
+            ));
+        }
+    }
+    for ((index, _), start) in columns.iter().zip(starts) {
+        fields[*index]
+            .pieces
+            .push((path.to_path_buf(), start, rows));
+    }
+    Ok(())
+}
+
+/// The error for a Parquet reader that panicked on a malformed row group: the pack stops, naming
+/// the file, rather than the process.
+fn reader_panicked(path: &Path, first_row: u64) -> InputError {
+    table_error(
+        path,
+        format!("the Parquet reader panicked on malformed data (row group from row {first_row})"),
+    )
+}
+
+/// Fails, naming the row, if `array` (rows from `first_row` of the file on) holds a null.
+fn check_nulls(
+    path: &Path,
+    column: &str,
+    first_row: u64,
+    array: &dyn Array,
+) -> Result<(), InputError> {
+    match first_null(array) {
+        None => Ok(()),
+        Some(row) => Err(table_error(
+            path,
+            format!(
+                "column '{column}', row {}: null; gpufeed packs no nulls (fill or drop them first)",
+                first_row + row as u64
+            ),
+        )),
+    }
+}
+
+/// [`read_file`] for a Parquet file on `threads` threads, row group by row group: each row group's
+/// rows land at the place its footer's row counts give them in the scratch files (written with
+/// `pwrite`), and a row group holding other than its count is refused. Memory: about
+/// [`BATCH_BYTES_TARGET`] of decoded rows over all threads, plus the pages each thread decodes.
+fn read_parquet_parallel(
+    path: &Path,
+    columns: &[(usize, String)],
+    names: &[String],
+    row_bytes: usize,
+    fields: &mut [Scratch],
+    threads: usize,
+) -> Result<(), InputError> {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    let file = crate::format::open_regular(path).map_err(io_error(path))?;
+    let bad = |e: &dyn std::fmt::Display| table_error(path, format!("reading Parquet: {e}"));
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(file.try_clone().map_err(io_error(path))?)
+            .map_err(|e| bad(&e))?;
+    let schema = builder.schema().clone();
+    let footer_rows = builder.metadata().file_metadata().num_rows();
+    let group_rows: Vec<u64> = builder
+        .metadata()
+        .row_groups()
+        .iter()
+        .map(|g| u64::try_from(g.num_rows()).unwrap_or(u64::MAX))
+        .collect();
+    let rows: u64 = group_rows.iter().sum();
+    if footer_rows < 0 || footer_rows as u64 != rows {
+        return Err(table_error(
+            path,
+            format!("the footer says {footer_rows} rows but its row groups say {rows}"),
+        ));
+    }
+    let mask = ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names));
+    let batch_rows = (BATCH_BYTES_TARGET / threads / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
+    let mut group_starts = Vec::with_capacity(group_rows.len());
+    let mut at = 0u64;
+    for &count in &group_rows {
+        group_starts.push(at);
+        at += count;
+    }
+    // Flushed, so that the positional writes below and the writers' later appends agree.
+    let mut targets = Vec::with_capacity(columns.len());
+    for (index, column) in columns {
+        let field = &mut fields[*index];
+        field
+            .writer
+            .flush()
+            .map_err(io_error(Path::new("(scratch file)")))?;
+        targets.push((column.as_str(), field.written, field.sample_bytes as u64));
+    }
+    let next = AtomicUsize::new(0);
+    // The lowest row group that failed: later ones are not started, earlier ones still run, so
+    // the error reported is the first in the file whatever the threads' timing.
+    let failed_at = AtomicUsize::new(usize::MAX);
+    let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
+    let scratch_files: Vec<&File> = columns
+        .iter()
+        .map(|(index, _)| fields[*index].writer.get_ref())
+        .collect();
+    let decode_group = |group: usize| -> Result<(), InputError> {
+        // Opened again, not cloned: a clone shares the file position the reader seeks.
+        let file = crate::format::open_regular(path).map_err(io_error(path))?;
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+            .map_err(|e| bad(&e))?
+            .with_projection(mask.clone())
+            .with_row_groups(vec![group])
+            .with_batch_size(batch_rows)
+            .build()
+            .map_err(|e| bad(&e))?;
+        let mut read = 0u64;
+        let mut bytes = Vec::new();
+        let mut values = Vec::new();
+        for batch in reader {
+            let first_row = group_starts[group] + read;
+            let batch = batch.map_err(|e| {
+                table_error(
+                    path,
+                    format!(
+                        "reading a record batch: {e} (row group {group}, after row {first_row}: \
+                         is the file truncated or corrupt?)"
+                    ),
+                )
+            })?;
+            if read + batch.num_rows() as u64 > group_rows[group] {
+                // More rows than the footer gives the group: counted for the error, not written
+                // (they would overwrite the next group's rows).
+                read += batch.num_rows() as u64;
+                continue;
+            }
+            for ((column, base, sample_bytes), scratch) in targets.iter().zip(&scratch_files) {
+                let array = batch
+                    .column_by_name(column)
+                    .expect("the projection keeps every column asked for");
+                check_nulls(path, column, first_row, array.as_ref())?;
+                values.clear();
+                write_values(array.as_ref(), &mut values, &mut bytes)
+                    .and_then(|()| scratch.write_all_at(&values, base + first_row * sample_bytes))
+                    .map_err(io_error(Path::new("(scratch file)")))?;
+            }
+            read += batch.num_rows() as u64;
+        }
+        if read != group_rows[group] {
+            return Err(table_error(
+                path,
+                format!(
+                    "row group {group}: the footer says {} rows but the row group holds {read}",
+                    group_rows[group]
+                ),
+            ));
+        }
+        Ok(())
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(group_rows.len()) {
+            scope.spawn(|| loop {
+                let group = next.fetch_add(1, Ordering::Relaxed);
+                if group >= group_rows.len() || group > failed_at.load(Ordering::Relaxed) {
+                    break;
+                }
+                let decoded =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode_group(group)))
+                        .unwrap_or_else(|_| Err(reader_panicked(path, group_starts[group])));
+                if let Err(error) = decoded {
+                    failed_at.fetch_min(group, Ordering::Relaxed);
+                    errors
+                        .lock()
+                        .expect("no panics while holding the lock")
+                        .push((group, error));
+                }
+            });
+        }
+    });
+    let mut errors = errors
+        .into_inner()
+        .expect("no panics while holding the lock");
+    errors.sort_by_key(|(group, _)| *group);
+    if let Some((_, error)) = errors.into_iter().next() {
+        return Err(error);
+    }
+    append_written(path, columns, fields, rows)
+}
+
+/// Records `rows` rows of `path` written in place after each field's end, and moves the field's
+/// writer past them.
+fn append_written(
+    path: &Path,
+    columns: &[(usize, String)],
+    fields: &mut [Scratch],
+    rows: u64,
+) -> Result<(), InputError> {
+    for (index, _) in columns {
+        let field = &mut fields[*index];
+        let start = field.written;
+        field.written += rows * field.sample_bytes as u64;
+        field
+            .writer
+            .seek(io::SeekFrom::Start(field.written))
+            .map_err(io_error(Path::new("(scratch file)")))?;
+        field.pieces.push((path.to_path_buf(), start, rows));
+    }
+    Ok(())
+}
+
+/// Maps a field's finished scratch file: one part per input file, all over the one mapping.
+fn finish(scratch: Scratch) -> Result<FieldSource, InputError> {
+    let path = scratch
+        .pieces
+        .first()
+        .map(|p| p.0.clone())
+        .unwrap_or_default();
+    let file = scratch.writer.into_inner().map_err(|e| InputError::Io {
+        path: path.clone(),
+        source: e.into_error(),
+    })?;
+    let map = MappedFile::map(&file).map_err(io_error(&path))?;
+    let backing = Arc::new(Backing::Mapped { map, file });
+    let parts = scratch
+        .pieces
+        .iter()
+        .map(|(path, start, samples)| {
+            SourcePart::new(
+                path,
+                backing.clone(),
+                *start as usize,
+                *samples,
+                scratch.sample_bytes,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(FieldSource {
+        name: scratch.name,
+        dtype: scratch.dtype,
+        sample_shape: scratch.shape,
+        parts,
+    })
+}
+
+/// Every column of `paths` as a field named after it, the files concatenated as one dataset: they
+/// must have the same columns, of the same types, and every column must be able to be a field
+/// (otherwise pick columns with `--field NAME=FILE:COLUMN`).
+pub fn open_table_dataset(
+    paths: &[PathBuf],
+    scratch_dir: &Path,
+    threads: usize,
+) -> Result<Vec<FieldSource>, InputError> {
+    let Some(first_path) = paths.first() else {
+        return Err(InputError::NoFiles {
+            name: "(table columns)".into(),
+        });
+    };
+    let first = describe_schema(first_path)?;
+    for column in &first {
+        if let ColumnKind::Refused(why) = column_kind(column.1.as_ref()) {
+            return Err(table_error(
+                first_path,
+                format!(
+                    "column '{}' ({}): {why}; to pack the other columns, name them with --field \
+                     NAME=FILE:COLUMN",
+                    column.0,
+                    type_name(&column.1)
+                ),
+            ));
+        }
+    }
+    for path in &paths[1..] {
+        let schema = describe_schema(path)?;
+        for (name, data_type) in &schema {
+            match first.iter().find(|(n, _)| n == name) {
+                None => {
+                    return Err(table_error(
+                        path,
+                        format!("column '{name}' is not in {}: files packed as one dataset must have the same columns", first_path.display()),
+                    ))
+                }
+                Some((_, first_type)) if column_kind(first_type) != column_kind(data_type) => {
+                    return Err(table_error(
+                        path,
+                        format!(
+                            "column '{name}' is {} here but {} in {}: files packed as one \
+                             dataset must agree",
+                            type_name(data_type),
+                            type_name(first_type),
+                            first_path.display()
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some((name, _)) = first
+            .iter()
+            .find(|(n, _)| !schema.iter().any(|(m, _)| m == n))
+        {
+            return Err(table_error(
+                path,
+                format!(
+                    "has no column '{name}' of {}: files packed as one dataset must have the same columns",
+                    first_path.display()
+                ),
+            ));
+        }
+    }
+    let requests: Vec<ColumnRequest> = paths
+        .iter()
+        .flat_map(|path| {
+            first.iter().map(move |(name, _)| ColumnRequest {
+                field: name.clone(),
+                path: path.clone(),
+                column: name.clone(),
+            })
+        })
+        .collect();
+    open_table_fields(&requests, scratch_dir, threads)
+}
+
+/// The (name, type) of each column of a table file.
+fn describe_schema(path: &Path) -> Result<Vec<(String, Box<DataType>)>, InputError> {
+    let format = table_format(path)?;
+    let reader = BatchReader::open(path, format, None, None)?;
+    Ok(reader
+        .schema
+        .fields()
+        .iter()
+        .map(|f| (f.name().clone(), Box::new(f.data_type().clone())))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_schema::Field;
+
+    #[test]
+    fn nested_fixed_size_lists_are_multi_dimensional() {
+        let inner =
+            DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, true)), 4);
+        let outer = DataType::FixedSizeList(Arc::new(Field::new("item", inner, true)), 3);
+        assert_eq!(
+            column_kind(&outer),
+            ColumnKind::Field {
+                dtype: DType::F32,
+                shape: vec![3, 4]
+            }
+        );
+        let list = DataType::List(Arc::new(Field::new("item", DataType::Int64, true)));
+        match column_kind(&list) {
+            ColumnKind::Refused(why) => assert!(why.contains(VARIABLE), "{why}"),
+            kind => panic!("a list column became {kind:?}"),
+        }
+    }
+
+    /// A Parquet file whose metadata lies, its row group claiming 50 rows more than its pages
+    /// hold (the file's own count agreeing with the lie), is refused naming the file rather than
+    /// packed short or padded.
+    #[test]
+    fn a_row_group_claiming_more_rows_than_its_pages_hold_is_refused() {
+        use arrow_array::{ArrayRef, Int64Array};
+        use parquet::arrow::ArrowWriter;
+        use parquet::file::metadata::{
+            ParquetMetaDataBuilder, ParquetMetaDataReader, ParquetMetaDataWriter,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let honest = dir.path().join("honest.parquet");
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..100));
+        let batch = RecordBatch::try_from_iter([("x", values)]).unwrap();
+        let mut writer =
+            ArrowWriter::try_new(File::create(&honest).unwrap(), batch.schema(), None).unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+        let bytes = std::fs::read(&honest).unwrap();
+        let metadata = ParquetMetaDataReader::new()
+            .parse_and_finish(&File::open(&honest).unwrap())
+            .unwrap();
+        let mut builder = ParquetMetaDataBuilder::new_from_metadata(metadata);
+        let groups = builder
+            .take_row_groups()
+            .into_iter()
+            .map(|group| {
+                let rows = group.num_rows();
+                group
+                    .into_builder()
+                    .set_num_rows(rows + 50)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let lying = builder.set_row_groups(groups).build();
+        let footer =
+            u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+        let mut out = bytes[..bytes.len() - 8 - footer as usize].to_vec();
+        ParquetMetaDataWriter::new(&mut out, &lying)
+            .finish()
+            .unwrap();
+        let path = dir.path().join("lying.parquet");
+        std::fs::write(&path, &out).unwrap();
+        assert_eq!(
+            describe_table(&path).unwrap().rows,
+            150,
+            "the footer does lie"
+        );
+        let request = ColumnRequest {
+            field: "x".into(),
+            path: path.clone(),
+            column: "x".into(),
+        };
+        // One thread reads the file in order; several read row group by row group.
+        for (threads, ending) in [
+            (1, "the footer says 150 rows but the row groups hold 100"),
+            (
+                4,
+                "row group 0: the footer says 150 rows but the row group holds 100",
+            ),
+        ] {
+            let error =
+                open_table_fields(std::slice::from_ref(&request), dir.path(), threads).unwrap_err();
+            let text = error.to_string();
+            assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
+            assert!(text.ends_with(ending), "{threads} threads: {text}");
+        }
+    }
+}
