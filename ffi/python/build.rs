@@ -8,8 +8,9 @@
 //! The binary is built by cargo itself, not copied from wherever one was built before, so it is
 //! never stale: the nested `cargo build` decides what is out of date, and this script reruns when
 //! any source file of the last build changed (the dep-info file cargo writes beside the binary).
-//! `GPUFEED_DAEMON_PROFILE` picks the cargo profile: `release` (the default, the one to ship) or
-//! `dev` (CI's test of the mechanism, which reuses the debug build of `cargo test`).
+//! The daemon is built in the profile the extension is: release for `pip wheel`/`pip install` and
+//! `maturin build --release` (the one to ship), dev for `maturin develop`, which then reuses the
+//! debug build of `cargo test`. `GPUFEED_DAEMON_PROFILE=release|dev` overrides that.
 
 use std::env;
 use std::fs;
@@ -43,7 +44,8 @@ fn main() {
         .unwrap_or_else(|err| panic!("resolving {}: {err}", root.display()));
     let root_manifest = root.join("Cargo.toml");
 
-    let profile = env::var("GPUFEED_DAEMON_PROFILE").unwrap_or_else(|_| "release".to_owned());
+    let profile = env::var("GPUFEED_DAEMON_PROFILE")
+        .unwrap_or_else(|_| env::var("PROFILE").expect("set by cargo"));
     let profile_dir = match profile.as_str() {
         "release" => "release",
         "dev" | "debug" => "debug",
