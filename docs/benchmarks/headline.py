@@ -27,12 +27,17 @@ def median_row(label, values, unit="", extra=""):
 
 def read_bench(name, case, order, label):
     """gpufeed rows of a read-path jsonl: GB/s of stored bytes in over the consumer's stream, and
-    the daemon's CPU over the consumer process's wall time (start-up included)."""
+    the daemon's CPU over the stream where the run recorded it (else over the consumer's wall)."""
     runs = [r for r in records(name) if r.get("loader") == "gpufeed" and r.get("case") == case
-            and r.get("order") == order]
-    cores = statistics.median(r["daemon_cores"] for r in runs)
+            and r.get("order") == order and r.get("gb_per_s_in_stream")]
+    if all("daemon_cores_stream" in r for r in runs):
+        cores = statistics.median(r["daemon_cores_stream"] for r in runs)
+        over = "over the stream"
+    else:
+        cores = statistics.median(r["daemon_cores"] for r in runs)
+        over = "over the wall"
     return median_row(label, [r["gb_per_s_in_stream"] for r in runs], "GB/s",
-                      f"  daemon cores {cores:.2f} (over the wall)")
+                      f"  daemon cores {cores:.2f} ({over})")
 
 
 def peer(name, loader, label, key="gb_per_s_in", **match):
@@ -70,23 +75,32 @@ def cpu_order(name, order, label):
 
 
 def main():
-    print("== One H100: 8 GiB of fp16 2 KiB rows, batch 4096, fp32 out, page cache warm")
-    run89 = "read-path-2026-11-26-run89-final-98c6c33.jsonl"
-    order = read_bench(run89, "default", "none", "dataset order, in budget (run 89)")
-    window = read_bench(run89, "default", "window", "window shuffle, in budget (run 89)")
-    read_bench(run89, "default", "full", "full shuffle, in budget (run 89)")
+    print("== One H100: 8 GiB of fp16 2 KiB rows, batch 4096, fp32 out, page cache warm (run 97)")
+    run97 = "read-path-2026-11-28-run97-row-copies-004b2c7.jsonl"
+    order = read_bench(run97, "default", "none", "dataset order, in budget")
+    window = read_bench(run97, "default", "window", "window shuffle, in budget")
+    read_bench(run97, "default", "full", "full shuffle, in budget")
     print(f"{'  window / dataset order':<58} {window / order:8.3f} x")
-    kvikio = peer(run89, "kvikio", "KvikIO, 8 threads (run 89)")
+    kvikio = peer(run97, "kvikio", "KvikIO, 8 threads (the best of 4/8/16)", threads=8)
     print(f"{'  gpufeed / KvikIO':<58} {order / kvikio:8.3f} x")
-    register_copy = peer(run89, "register-copy", "register-and-copy peer (run 89)")
+    register_copy = peer(run97, "register-copy", "register-and-copy peer")
     print(f"{'  gpufeed / register-and-copy':<58} {order / register_copy:8.3f} x")
     for workers in (4, 8, 16):
-        peer(run89, "torch-random", f"PyTorch DataLoader, {workers} workers (run 89, one run)",
+        peer(run97, "torch-random", f"PyTorch DataLoader (batched), {workers} workers, one run",
              workers=workers)
-    third_order = read_bench(run89, "third", "none", "3x the budget, dataset order, registering (run 89)")
-    third_copy = read_bench(run89, "third-copy8", "none", "3x the budget, dataset order, 8 copy threads (run 89)")
-    print(f"{'  run 89: registering / in budget, copy threads / in budget':<58} "
-          f"{third_order / order:8.3f} x {third_copy / order:.3f} x")
+    for case in ("third", "third-copy4"):
+        for order_name in ("none", "window", "full"):
+            value = read_bench(run97, case, order_name, f"3x the budget, {case}, {order_name}")
+            print(f"{'  / dataset order in budget':<58} {value / order:8.3f} x")
+
+    print("== One H100, one run: the renovated pipeline (82e2dc9) against ca96f83 (run 94)")
+    run94 = "read-path-2026-11-28-run94-renovation-82e2dc9.jsonl"
+    for order_name in ("none", "window", "full"):
+        after = read_bench(run94, "default", order_name, f"82e2dc9, {order_name}")
+        before = read_bench(run94, "bin:.gpu/read/base", order_name, f"ca96f83, {order_name}")
+        print(f"{'  after / before':<58} {after / before:8.3f} x")
+
+    print("== Earlier: beyond the budget with 8 copy threads (runs 91-92, f0c0ee2 and 69e9ebd)")
     run92 = "read-path-2026-11-26-run92-checks-f0c0ee2.jsonl"
     read_bench(run92, "third", "none", "3x the budget, dataset order, registering (run 92)")
     read_bench(run92, "third-copy8", "none", "3x the budget, dataset order, 8 copy threads (run 92)")
@@ -127,7 +141,7 @@ def main():
         print(f"{'  two / one':<58} {both / one:8.3f} x")
 
     print("== Python consumer against the Rust one, one H100: 2 GiB of fp16 rows, fp32 out")
-    python = "python-2026-11-25.jsonl"
+    python = "python-2026-11-28-run95-82e2dc9.jsonl"
     for batch in (4096, 64):
         rust = python_bench(python, "gpufeed-rust", batch, f"Rust consumer, batch {batch}")
         py = python_bench(python, "gpufeed-python", batch, f"Python consumer, batch {batch}")
