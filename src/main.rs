@@ -290,12 +290,12 @@ struct ServeArgs {
     /// turns the copies off). Default: 5G.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
-    /// Threads per GPU stream that copy shards into device memory through pinned buffers when a
-    /// dataset is larger than the registration budget (each reads page cache into its buffers:
-    /// about a host core while it copies) instead of registering each window for its copy (0 to
-    /// 16). Default: 0, registering (about 1 host core). On the H100 test machine, at a dataset 3x
-    /// the budget in dataset order, 8 threads moved 36.1-40.2 GB/s on about 6 daemon cores against
-    /// 25-31 GB/s registering, and 12 threads 36.1: worth it on a host with cores to spare.
+    /// Threads per GPU stream that copy page cache through pinned buffers when a dataset is larger
+    /// than the registration budget (0 to 16; about a host core each while it copies). In dataset
+    /// order and a window shuffle they copy whole shards instead of registering each window for its
+    /// copy (default 0: registering, about one host core; threads move more on a host with cores to
+    /// spare); in a full shuffle they copy the rows of unregistered windows (0 there: 8, at most half
+    /// the CPUs). Figures: docs/benchmarks/README.md.
     #[arg(long, value_name = "N")]
     loader_copy_threads: Option<u32>,
     /// Rounds a GPU stream queues on the device at once (2 to 8); a consumer needs at least one slot
