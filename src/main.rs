@@ -293,9 +293,9 @@ struct ServeArgs {
     /// Threads per GPU stream that copy page cache through pinned buffers when a dataset is larger
     /// than the registration budget (0 to 16; about a host core each while it copies). In dataset
     /// order and a window shuffle they copy whole shards instead of registering each window for its
-    /// copy (default 0: registering, about one host core; threads move more on a host with cores to
-    /// spare); in a full shuffle they copy the rows of unregistered windows (0 there: 8, at most half
-    /// the CPUs). Figures: docs/benchmarks/README.md.
+    /// copy (0: registering, about one host core; threads move more on a host with cores to spare);
+    /// in a full shuffle they copy the rows of unregistered windows (0 there: 8, at most half the
+    /// CPUs). Default: 0. Figures: docs/benchmarks/README.md.
     #[arg(long, value_name = "N")]
     loader_copy_threads: Option<u32>,
     /// Rounds a GPU stream queues on the device at once (2 to 8); a consumer needs at least one slot
