@@ -131,16 +131,16 @@ impl RoundEngine {
 
     /// Waits for the stream's queued work when its assembler is dropped, runs `release` (the
     /// resident assembler unpins its windows there), and gives the round buffers back to the pool
-    /// when that work (the rounds', and the reads and row uploads into their staging on the
-    /// reader's copy stream) is known done; otherwise frees the block cache on drop instead of
-    /// keeping it. Returns whether the work is known done.
+    /// when that work (the rounds', and the reads into their staging on the reader's copy stream)
+    /// is known done; otherwise frees the block cache on drop instead of keeping it. Returns whether
+    /// the work is known done.
     pub(in crate::pipeline::gpu) fn close(&mut self, release: impl FnOnce()) -> bool {
         // Queued rounds read the staging buffers and write slots: let them finish first.
         let synchronized = self.stream.synchronize();
         release();
-        // Round buffers whose work is known done (the rounds', and the reads and row uploads into
-        // their staging on the reader's copy stream) go back for the next stream on the device,
-        // and so do the block cache and the region table; otherwise they are freed.
+        // Round buffers whose work is known done (the rounds', and the reads into their staging
+        // on the reader's copy stream) go back for the next stream on the device, and so do the
+        // block cache and the region table; otherwise they are freed.
         if synchronized.is_ok() && self.reader.stream().synchronize().is_ok() {
             for buffers in self.buffers.drain(..) {
                 self.pool.put(self.round_shape, buffers);

@@ -127,14 +127,8 @@ fn bytes_read_in_place(
 
 /// Copies the rows `planned` places in the round's staging (if any) into the pinned row buffer of
 /// round buffers `index` on the copy threads, queues their upload into the round's staging on the
-/// reader's copy stream followed by a record of the round's `uploaded` event there (which the
-/// caller makes the compute stream wait for before the round's gather), and points the staging
-/// region of the round's region table `table` at it. Returns the bytes copied, or `None` when the
-/// round copies no rows (and nothing is queued).
-///
-/// On the copy stream the upload of the next round runs while the compute stream gathers this
-/// one: on the compute stream each round's upload waited for the gather before it, and each
-/// gather for its upload.
+/// compute stream, and points the staging region of the round's region table `table` at it.
+/// Returns the bytes copied, or `None` when the round copies no rows.
 fn stage_copied_rows(
     resident: &mut Resident,
     engine: &mut RoundEngine,
@@ -164,37 +158,28 @@ fn stage_copied_rows(
         "a round's row staging lies within its staging buffer"
     );
     // The round that used round buffers `index` last (its pinned row buffer and its staging) has
-    // completed: the host waited for its `done` event before these buffers were taken again. That
-    // event was recorded on the compute stream after the round's gather, which the compute stream
-    // queued after a wait for the round's `uploaded` event, recorded on the copy stream after its
-    // upload: so `done` complete means the upload (which read the pinned buffer and wrote the
-    // staging) and the gather (which read the staging) are both complete.
+    // completed: the host waited for its `done` event, recorded on the compute stream after its
+    // upload and its gather, before these buffers were taken again.
     let copy_started = std::time::Instant::now();
     let copied = copier.copy_round(index, std::mem::take(&mut planned.copies))?;
     engine.timings.read_s += copy_started.elapsed().as_secs_f64();
     let source = copier.buffer(index);
-    let copy_stream = engine.reader.stream();
     // SAFETY: the source is this round's pinned row buffer, complete (every copy thread's part is
     // done) and written again only after the host has waited for this round's `done` event, which
-    // implies this upload is complete (the compute stream records `done` after the gather, queued
-    // after its wait for `uploaded`, recorded below on this stream after this upload); `used` lies
-    // within it (the planner placed every row within the staging capacity, which the pinned buffer
-    // has). The destination is this round's staging buffer (checked above to hold the capacity),
-    // which no other work reads or writes until this round is done (the previous round of these
-    // buffers is complete, see above), and which only this round's gather reads, queued on the
-    // compute stream after its wait for `uploaded`. The stream's close synchronises the copy
-    // stream before the staging buffers go back to the pool, and its drop before the pinned
-    // buffers are freed, also when an error left an upload without a gather waiting for it.
+    // is recorded on the same stream after this upload; `used` lies within it (the planner placed
+    // every row within the staging capacity, which the pinned buffer has). The destination is this
+    // round's staging buffer (checked above to hold the capacity), which no other work reads or
+    // writes until this round is done, and which this round's gather, queued after the upload on
+    // the same stream, reads.
     unsafe {
         crate::device::ffi::memcpy_htod_async(
             staging.device_ptr(),
             source.as_slice().as_ptr(),
             used as usize,
-            copy_stream.raw(),
+            engine.stream.raw(),
         )
     }
     .map_err(crate::device::DeviceError::from)?;
-    copier.uploaded(index).record(copy_stream)?;
     table[staging_region].ptr = staging.device_ptr();
     Ok(Some(copied))
 }
@@ -445,15 +430,8 @@ impl ResidentAssembler {
             } else {
                 &resident.regions
             };
-            // Rows copied into the round's staging are uploaded on the copy stream: the gather
-            // reads them only once that upload is done (see `stage_copied_rows`).
-            if staged.is_some() {
-                let copier = resident.row_copies.as_ref().expect("rows were staged");
-                self.engine.stream.wait(copier.uploaded(index))?;
-            }
             // SAFETY: the piece table, region table and outcome (zeroed above) belong to this
             // round (its pinned buffer is written again only after the host waited for the round);
-            // the round's staging holds its copied rows once the wait just queued is over;
             // the windows the regions name stay mapped and pinned for the stream's life, and the
             // device copies they name are complete and are not overwritten before this round is
             // done (the copy stream waits for the event recorded below); the slot is this filler's
@@ -559,12 +537,6 @@ impl ResidentAssembler {
 
 impl Drop for ResidentAssembler {
     fn drop(&mut self) {
-        // Row uploads on the copy stream read the row copier's pinned buffers, freed with
-        // `resident`: waited for here, also when the compute stream fails to synchronise below,
-        // and for an upload an error left without a gather waiting for it.
-        if self.resident.row_copies.is_some() {
-            let _ = self.engine.reader.stream().synchronize();
-        }
         let resident = &mut self.resident;
         if !self.engine.close(|| resident.release()) {
             resident.discard_buffers();

@@ -9,10 +9,7 @@
 //! within the budget), and each round's other rows are copied by host threads from the shards'
 //! page-cache maps ([`MappedFile`]) into the round's pinned buffer, packed one after the other,
 //! uploaded with one copy into the round's device staging buffer, and gathered from there by the
-//! same kernel: the bytes read are the rows' bytes, whatever the order. The upload goes on the
-//! reader's copy stream, and the compute stream waits for it (the round's `uploaded` event) before
-//! the round's gather, so that a round's upload runs while the compute stream still gathers the
-//! round before.
+//! same kernel: the bytes read are the rows' bytes, whatever the order.
 //!
 //! The planning threads place each such row (a [`RowCopy`]: shard, file offset, length, staging
 //! offset) when they plan its round; the filler hands the round's copies to the copy threads
@@ -26,7 +23,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::device::{Device, Event, EventTiming, PinnedBuffer};
+use crate::device::{Device, PinnedBuffer};
 use crate::pipeline::stream_plan::FillError;
 use crate::storage::mapped::MappedFile;
 
@@ -373,9 +370,6 @@ pub(super) struct RowCopier {
     paths: Vec<std::path::PathBuf>,
     /// One per set of round buffers: round buffers `i` upload from buffer `i`.
     buffers: Vec<PinnedBuffer>,
-    /// One per set of round buffers: recorded on the copy stream after the upload from buffer `i`,
-    /// and waited for by the compute stream before the round's gather.
-    uploaded: Vec<Event>,
 }
 
 impl RowCopier {
@@ -403,29 +397,20 @@ impl RowCopier {
             maps.push(map);
         }
         let mut buffers = Vec::with_capacity(rounds);
-        let mut uploaded = Vec::with_capacity(rounds);
         for _ in 0..rounds {
             buffers.push(PinnedBuffer::new(device, buffer_bytes)?);
-            uploaded.push(Event::new(device, EventTiming::Disabled)?);
         }
         Ok(RowCopier {
             threads: CopyThreads::start(maps, threads),
             files,
             paths,
             buffers,
-            uploaded,
         })
     }
 
     /// The pinned buffer of round buffers `index`.
     pub(super) fn buffer(&self, index: usize) -> &PinnedBuffer {
         &self.buffers[index]
-    }
-
-    /// The event recorded after the upload from pinned buffer `index` (on the copy stream), which
-    /// the round's gather waits for on the compute stream.
-    pub(super) fn uploaded(&self, index: usize) -> &Event {
-        &self.uploaded[index]
     }
 
     /// Copies `copies` into pinned buffer `index`, on the copy threads and this one, and returns
