@@ -93,6 +93,13 @@ def main():
             value = read_bench(run97, case, order_name, f"3x the budget, {case}, {order_name}")
             print(f"{'  / dataset order in budget':<58} {value / order:8.3f} x")
 
+    print("== A 2xH100 host, one GPU, budget a third of the dataset: 004b2c7 against 9e0041a (run 99)")
+    run99 = "read-path-2026-11-28-run99-upload-overlap-ab-9e0041a.jsonl"
+    for order_name in ("none", "window", "full"):
+        kept = read_bench(run99, "bin:.gpu/read/base", order_name, f"004b2c7, {order_name}")
+        tried = read_bench(run99, "default", order_name, f"9e0041a (reverted), {order_name}")
+        print(f"{'  9e0041a / 004b2c7':<58} {tried / kept:8.3f} x")
+
     print("== One H100, one run: the renovated pipeline (82e2dc9) against ca96f83 (run 94)")
     run94 = "read-path-2026-11-28-run94-renovation-82e2dc9.jsonl"
     for order_name in ("none", "window", "full"):
