@@ -405,27 +405,31 @@ impl BlockCache {
             if fruitless >= LOCK_SHARDS {
                 return false;
             }
-            let evicted = self.shards[shard_at]
-                .lock()
-                .expect("cache shard poisoned")
-                .evict_one();
-            match evicted {
-                Some(entry) => {
-                    fruitless = 0;
-                    self.kept.fetch_sub(entry.block.bytes(), Ordering::SeqCst);
-                    self.metrics
-                        .block_cache()
-                        .evictions
-                        .fetch_add(1, Ordering::Relaxed);
-                    // Freed here, outside the lock.
-                    drop(entry);
-                }
-                None => {
-                    fruitless += 1;
-                    shard_at = (shard_at + 1) % LOCK_SHARDS;
-                }
+            if self.evict_one_from(shard_at) {
+                fruitless = 0;
+            } else {
+                fruitless += 1;
+                shard_at = (shard_at + 1) % LOCK_SHARDS;
             }
         }
+    }
+
+    /// Evicts one entry no stream uses from lock shard `shard_at`, counting it: false when that
+    /// shard has none to evict. The entry is freed after the shard's lock is released.
+    fn evict_one_from(&self, shard_at: usize) -> bool {
+        let evicted = self.shards[shard_at]
+            .lock()
+            .expect("cache shard poisoned")
+            .evict_one();
+        let Some(entry) = evicted else {
+            return false;
+        };
+        self.kept.fetch_sub(entry.block.bytes(), Ordering::SeqCst);
+        self.metrics
+            .block_cache()
+            .evictions
+            .fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Evicts entries no stream uses until the cache fits its capacity (after a stream reserved
@@ -434,23 +438,11 @@ impl BlockCache {
         let mut fruitless = 0;
         let mut shard_at = 0;
         while self.kept_bytes() > self.capacity() && fruitless < LOCK_SHARDS {
-            let evicted = self.shards[shard_at]
-                .lock()
-                .expect("cache shard poisoned")
-                .evict_one();
-            match evicted {
-                Some(entry) => {
-                    fruitless = 0;
-                    self.kept.fetch_sub(entry.block.bytes(), Ordering::SeqCst);
-                    self.metrics
-                        .block_cache()
-                        .evictions
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                None => {
-                    fruitless += 1;
-                    shard_at = (shard_at + 1) % LOCK_SHARDS;
-                }
+            if self.evict_one_from(shard_at) {
+                fruitless = 0;
+            } else {
+                fruitless += 1;
+                shard_at = (shard_at + 1) % LOCK_SHARDS;
             }
         }
         self.publish_kept();
