@@ -233,7 +233,9 @@ struct ServeArgs {
     /// Default: auto.
     #[arg(long)]
     engine: Option<String>,
-    /// A uid allowed to connect (repeatable). Default: the daemon's own uid.
+    /// A uid allowed to connect (repeatable; checked on every connection's peer credentials). The
+    /// socket is owner-only while only the daemon's own uid is allowed, else 0666 so that the other
+    /// uids can connect at all. Default: the daemon's own uid.
     #[arg(long = "allow-uid", value_name = "UID")]
     allow_uids: Vec<u32>,
     /// Most concurrent consumer sessions. Default: 64.

@@ -93,6 +93,21 @@ impl ServerStopper {
     }
 }
 
+/// The socket file's mode for an allowlist of peer uids: owner-only while only the daemon's own uid
+/// may connect; otherwise anyone may reach the socket, since other users' consumers must be able to
+/// `connect` at all (a 0600 socket refuses them before the daemon sees them), and the allowlist,
+/// checked on the peer's credentials for every connection, decides who is served. That check also
+/// covers the moment between bind and chmod.
+fn socket_mode(allowed_uids: &[u32]) -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let own_uid = unsafe { libc::geteuid() };
+    if allowed_uids.iter().all(|&uid| uid == own_uid) {
+        0o600
+    } else {
+        0o666
+    }
+}
+
 impl Server {
     /// Creates the socket at `config.socket_path`, replacing a stale socket left by a daemon that
     /// died (one nobody is listening on). Refuses if another daemon is listening there, and leaves
@@ -103,9 +118,10 @@ impl Server {
         let listener = UnixListener::bind(path)?;
         // From here on the control API lists this server's sessions and can close them.
         registry.sessions().attach();
-        // Owner-only access; the uid allowlist is checked on every connection as well, which also
-        // covers the moment between bind and chmod.
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::set_permissions(
+            path,
+            std::fs::Permissions::from_mode(socket_mode(&config.allowed_uids)),
+        )?;
         Ok(Server {
             listener,
             stopping: Arc::new(AtomicBool::new(false)),
