@@ -401,9 +401,11 @@ fn a_uid_outside_the_allowlist_is_refused() {
         Err(other) => panic!("unexpected error {other}"),
         Ok(_) => panic!("a foreign uid was let in"),
     }
+    // The allowlist names another uid, so the socket lets anyone connect and the allowlist decides
+    // (tests/socket_mode.rs); it is owner-only only while the daemon's own uid alone is allowed.
     let mode = std::fs::metadata(&daemon.socket).unwrap();
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(mode.permissions().mode() & 0o777, 0o600);
+    assert_eq!(mode.permissions().mode() & 0o777, 0o666);
 }
 
 /// Flips a byte of the payload of field `tok`'s only block in shard 2 (samples 256..384), naming the
