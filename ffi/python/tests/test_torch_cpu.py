@@ -178,3 +178,38 @@ def test_torch_dtypes_map_to_gpufeed_names():
     assert dtype_name(torch.uint8, "x") == "u8"
     with pytest.raises(ValueError, match="torch.complex64"):
         dtype_name(torch.complex64, "x")
+
+
+def test_the_next_epoch_opened_ahead_serves_that_epoch_exactly(daemon):
+    """With open_ahead the next epoch's stream is opened before the current one ends, and the
+    iteration that follows uses it: each epoch's batches are those of a dataset that opens every
+    epoch when it starts; a set_epoch to another epoch discards the stream opened ahead."""
+    ahead = dataset(daemon, 50, shuffle="full", seed=9, open_ahead=0.5)
+    plain = dataset(daemon, 50, shuffle="full", seed=9, open_ahead=0.0)
+    first = []
+    for batch in ahead:
+        first.append(batch["ids"][:, 0].numpy().copy())
+    # The epoch ran to its end with the next epoch's stream open.
+    assert ahead._ahead is not None and ahead.epoch == 1
+    opened_ahead = ahead._ahead[2]
+    second = ids_of(ahead)
+    assert ahead._stream is None and opened_ahead.closed
+    for epoch, served in ((0, first), (1, second)):
+        plain.set_epoch(epoch)
+        expected = ids_of(plain)
+        assert len(served) == len(expected)
+        for got, want in zip(served, expected):
+            np.testing.assert_array_equal(got, want)
+    # Another epoch than the one opened ahead: that stream is closed and the asked epoch served.
+    assert ahead._ahead is not None
+    skipped = ahead._ahead[2]
+    ahead.set_epoch(5)
+    fifth = ids_of(ahead)
+    assert skipped.closed
+    plain.set_epoch(5)
+    for got, want in zip(fifth, ids_of(plain)):
+        np.testing.assert_array_equal(got, want)
+    ahead.close()
+    assert ahead._ahead is None
+    with pytest.raises(ValueError, match="open_ahead"):
+        dataset(daemon, 50, open_ahead=1.0)

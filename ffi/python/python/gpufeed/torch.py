@@ -47,6 +47,12 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
 
     After each batch, :attr:`step` is its step in the epoch and :attr:`replaced` its samples that
     were zero-filled because their block was corrupt (``on_corrupt="replace"``).
+
+    ``open_ahead``: when that share of an epoch's batches is left, the next epoch's stream is opened
+    (on a connection of its own), so that its first batches are ready when the next iteration starts
+    instead of waiting for the daemon to open and fill it (0: never). The next iteration uses it if
+    it asks for that epoch with the same settings (``set_epoch(epoch + 1)`` or nothing), else closes
+    it; :meth:`close` closes it too.
     """
 
     def __init__(
@@ -66,8 +72,14 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         tail: str = "drop",
         on_corrupt: str = "fail",
         prefetch: int = 4,
+        open_ahead: float = 0.3,
     ):
         super().__init__()
+        if not 0.0 <= open_ahead < 1.0:
+            raise ValueError(f"open_ahead must be at least 0 and below 1, not {open_ahead!r}")
+        self.open_ahead = open_ahead
+        # The next epoch's stream opened ahead: (the settings it was opened with, client, stream).
+        self._ahead: Optional[tuple] = None
         self.socket = socket
         self.dataset = dataset
         self.batch_size = batch_size
@@ -125,9 +137,14 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
                 "num_workers=0)). The daemon forms the batches on the device already; each worker "
                 "would read the whole epoch again.")
         # Rank and world size now, not at construction: init_process_group may have run since.
-        common = dict(fields=self.fields, device=self.device, rank=self.rank,
-                      world_size=self.world_size, tail=self.tail, on_corrupt=self.on_corrupt,
-                      prefetch=self.prefetch)
+        common = self._common()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            key, client, stream = ahead
+            if self._resume is None and key == self._key(self.epoch, common):
+                return self._batches(client, stream)
+            stream.close()
+            client.close()
         client = gpufeed.Client(self.socket)
         try:
             if self._resume is not None:
@@ -150,6 +167,9 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
             if self.device.startswith("cuda"):
                 device = torch.device(self.device)
                 stream.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
+            steps = stream.steps
+            ahead_at = steps - int(steps * self.open_ahead) if self.open_ahead > 0 else None
+            yielded = 0
             for batch in stream:
                 self.step = batch.step
                 self.replaced = batch.replaced
@@ -157,12 +177,53 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
                 # on the device, and the slot is released after the work queued on it.
                 yield {name: torch.from_dlpack(field) for name, field in batch.items()}
                 del batch
+                yielded += 1
+                if ahead_at is not None and yielded >= ahead_at and self._ahead is None:
+                    self._open_ahead(self.epoch + 1)
             self._resume = None
             self.epoch += 1
         finally:
             self._stream = None
             stream.close()
             client.close()
+
+    def _common(self) -> Dict[str, Any]:
+        return dict(fields=self.fields, device=self.device, rank=self.rank,
+                    world_size=self.world_size, tail=self.tail, on_corrupt=self.on_corrupt,
+                    prefetch=self.prefetch)
+
+    def _key(self, epoch: int, common: Dict[str, Any]) -> tuple:
+        """What a stream opened ahead must have been opened with to serve an iteration."""
+        fields = common["fields"]
+        fields = tuple(fields.items()) if isinstance(fields, Mapping) else fields
+        return (self.socket, self.dataset, self.batch_size, self.shuffle, self.window_shards,
+                self.seed, epoch, fields, common["device"], common["rank"], common["world_size"],
+                common["tail"], common["on_corrupt"], common["prefetch"])
+
+    def _open_ahead(self, epoch: int) -> None:
+        """Opens epoch ``epoch``'s stream now, for the next iteration. A failure (no slot memory left
+        for a second stream, say) only means the next iteration opens its stream itself."""
+        common = self._common()
+        try:
+            client = gpufeed.Client(self.socket)
+        except Exception:
+            return
+        try:
+            stream = client.open_stream(self.dataset, self.batch_size, shuffle=self.shuffle,
+                                        window_shards=self.window_shards, seed=self.seed,
+                                        epoch=epoch, **common)
+        except Exception:
+            client.close()
+            return
+        self._ahead = (self._key(epoch, common), client, stream)
+
+    def close(self) -> None:
+        """Closes the next epoch's stream if it was opened ahead (the current one closes with its
+        iteration)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[2].close()
+            ahead[1].close()
 
     def __len__(self) -> int:
         """Batches one iteration yields on this rank: the epoch's (from the checkpoint's cursor
@@ -204,6 +265,7 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         """Resumes from a :meth:`state_dict` at the next iteration."""
         self.epoch = state["epoch"]
         self._resume = state.get("stream")
+        self.close()
 
 
 def loader(dataset: GpufeedDataset) -> torch.utils.data.DataLoader:
