@@ -30,8 +30,7 @@ fn socket_mode_with(extra: &[&str]) -> u32 {
 
 #[test]
 fn the_socket_is_owner_only_unless_the_allowlist_names_other_uids() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let own = unsafe { libc::geteuid() };
+    let own = nix::unistd::geteuid().as_raw();
     assert_eq!(socket_mode_with(&[]), 0o600);
     let own_only = own.to_string();
     assert_eq!(socket_mode_with(&["--allow-uid", &own_only]), 0o600);

@@ -40,6 +40,15 @@ def read_bench(name, case, order, label):
                       f"  daemon cores {cores:.2f} ({over})")
 
 
+def a_b(name, default_commit, base_commit):
+    """An A/B run of scripts/gpu-read.sh: case `default` (this build's daemon) against case
+    `bin:.gpu/read/base` (another build's), per order, and their ratio."""
+    for order_name in ("none", "window", "full"):
+        tried = read_bench(name, "default", order_name, f"{default_commit}, {order_name}")
+        base = read_bench(name, "bin:.gpu/read/base", order_name, f"{base_commit}, {order_name}")
+        print(f"{'  ' + default_commit + ' / ' + base_commit:<58} {tried / base:8.3f} x")
+
+
 def peer(name, loader, label, key="gb_per_s_in", **match):
     runs = [r for r in records(name) if r.get("loader") == loader
             and all(r.get(k) == v for k, v in match.items())]
@@ -94,18 +103,10 @@ def main():
             print(f"{'  / dataset order in budget':<58} {value / order:8.3f} x")
 
     print("== A 2xH100 host, one GPU, budget a third of the dataset: 004b2c7 against 9e0041a (run 99)")
-    run99 = "read-path-2026-11-28-run99-upload-overlap-ab-9e0041a.jsonl"
-    for order_name in ("none", "window", "full"):
-        kept = read_bench(run99, "bin:.gpu/read/base", order_name, f"004b2c7, {order_name}")
-        tried = read_bench(run99, "default", order_name, f"9e0041a (reverted), {order_name}")
-        print(f"{'  9e0041a / 004b2c7':<58} {tried / kept:8.3f} x")
+    a_b("read-path-2026-11-28-run99-upload-overlap-ab-9e0041a.jsonl", "9e0041a (reverted)", "004b2c7")
 
     print("== One H100, one run: the renovated pipeline (82e2dc9) against ca96f83 (run 94)")
-    run94 = "read-path-2026-11-28-run94-renovation-82e2dc9.jsonl"
-    for order_name in ("none", "window", "full"):
-        after = read_bench(run94, "default", order_name, f"82e2dc9, {order_name}")
-        before = read_bench(run94, "bin:.gpu/read/base", order_name, f"ca96f83, {order_name}")
-        print(f"{'  after / before':<58} {after / before:8.3f} x")
+    a_b("read-path-2026-11-28-run94-renovation-82e2dc9.jsonl", "82e2dc9", "ca96f83")
 
     print("== Earlier: beyond the budget with 8 copy threads (runs 91-92, f0c0ee2 and 69e9ebd)")
     run92 = "read-path-2026-11-26-run92-checks-f0c0ee2.jsonl"

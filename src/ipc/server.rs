@@ -99,8 +99,7 @@ impl ServerStopper {
 /// checked on the peer's credentials for every connection, decides who is served. That check also
 /// covers the moment between bind and chmod.
 fn socket_mode(allowed_uids: &[u32]) -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let own_uid = unsafe { libc::geteuid() };
+    let own_uid = nix::unistd::geteuid().as_raw();
     if allowed_uids.iter().all(|&uid| uid == own_uid) {
         0o600
     } else {
