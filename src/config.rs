@@ -341,6 +341,9 @@ pub struct ConfigLayer {
     /// Device memory each GPU stream in dataset order or a window shuffle may fill with whole
     /// shards copied ahead of need; `0` turns the copies off. Default: [`DEVICE_SHARD_BYTES_DEFAULT`].
     pub device_shard_memory: Option<ByteCount>,
+    /// Device memory each served GPU keeps for whole datasets read by every stream and epoch (the
+    /// device-memory tier); `0` turns it off. Default: 0 (the training processes need that memory).
+    pub device_cache: Option<ByteCount>,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration
     /// budget (0: windows registered for their copy). Default: [`LOADER_COPY_THREADS_DEFAULT`].
     #[serde(default, deserialize_with = "toml_whole_number")]
@@ -374,7 +377,7 @@ pub struct ConfigLayer {
 }
 
 /// The environment variable of each key.
-pub const ENV_VARS: [&str; 31] = [
+pub const ENV_VARS: [&str; 32] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -394,6 +397,7 @@ pub const ENV_VARS: [&str; 31] = [
     "GPUFEED_REGISTERED_WINDOW",
     "GPUFEED_ZERO_COPY",
     "GPUFEED_DEVICE_SHARD_MEMORY",
+    "GPUFEED_DEVICE_CACHE",
     "GPUFEED_HTTP_CONNECTIONS_MAX",
     "GPUFEED_HTTP_IDLE_TIMEOUT_S",
     "GPUFEED_LOADER_COPY_THREADS",
@@ -491,6 +495,7 @@ impl ConfigLayer {
             registered_window: bytes("GPUFEED_REGISTERED_WINDOW")?,
             zero_copy: get("GPUFEED_ZERO_COPY"),
             device_shard_memory: bytes("GPUFEED_DEVICE_SHARD_MEMORY")?,
+            device_cache: bytes("GPUFEED_DEVICE_CACHE")?,
             http_connections_max: number("GPUFEED_HTTP_CONNECTIONS_MAX")?,
             http_idle_timeout_s: number("GPUFEED_HTTP_IDLE_TIMEOUT_S")?,
             loader_copy_threads: number("GPUFEED_LOADER_COPY_THREADS")?,
@@ -533,6 +538,7 @@ impl ConfigLayer {
             registered_window: self.registered_window.or(lower.registered_window),
             zero_copy: self.zero_copy.or(lower.zero_copy),
             device_shard_memory: self.device_shard_memory.or(lower.device_shard_memory),
+            device_cache: self.device_cache.or(lower.device_cache),
             http_connections_max: self.http_connections_max.or(lower.http_connections_max),
             http_idle_timeout_s: self.http_idle_timeout_s.or(lower.http_idle_timeout_s),
             loader_copy_threads: self.loader_copy_threads.or(lower.loader_copy_threads),
@@ -755,6 +761,7 @@ impl ConfigLayer {
             device_shard_bytes: self
                 .device_shard_memory
                 .map_or(DEVICE_SHARD_BYTES_DEFAULT, |ByteCount(n)| n),
+            device_cache_bytes: self.device_cache.map_or(0, |ByteCount(n)| n),
             loader_copy_threads: loader_copy_threads as usize,
             rounds_in_flight: rounds_in_flight as usize,
             filler_spin: Duration::from_micros(u64::from(filler_spin_us)),
@@ -945,6 +952,8 @@ pub struct GpuSettings {
     pub zero_copy: ZeroCopyMode,
     /// Device memory per GPU stream for shards copied ahead of need (0: none).
     pub device_shard_bytes: u64,
+    /// Device memory per served GPU for the device-memory tier (0: off).
+    pub device_cache_bytes: u64,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget.
     pub loader_copy_threads: usize,
     /// Rounds a GPU stream queues on the device at once.
@@ -1220,6 +1229,7 @@ mod tests {
             "1M",
             "always",
             "2G",
+            "1G",
             "100",
             "5",
             "3",

@@ -25,7 +25,9 @@ use crate::device::{CacheDir, Device, DeviceError};
 use crate::ipc::{Server, ServerConfig};
 use crate::kernels::Kernels;
 use crate::notify::{next_watchdog_tick, ServiceNotifier};
-use crate::pipeline::gpu::{RoundBufferPool, ShardSlotPool, ZeroCopy, ROUNDS_IN_FLIGHT_MAX};
+use crate::pipeline::gpu::{
+    DeviceTier, RoundBufferPool, ShardSlotPool, ZeroCopy, ROUNDS_IN_FLIGHT_MAX,
+};
 use crate::pipeline::{GpuBackend, GpuStreamLimits, StreamLimits};
 use crate::registry::Registry;
 use crate::storage::gpu::{GpuReaderLimits, PathChoice};
@@ -374,6 +376,14 @@ pub fn open_gpu_backend(
         ),
     }
     let stream_limits = stream_limits(gpu);
+    let tier = Arc::new(DeviceTier::new(&device, ordinal, gpu.device_cache_bytes));
+    if gpu.device_cache_bytes > 0 {
+        tracing::info!(
+            "cuda:{ordinal}: device-memory tier of {} bytes: datasets stored raw that fit are kept \
+             in device memory for every stream",
+            gpu.device_cache_bytes
+        );
+    }
     Ok(GpuBackend {
         numa,
         interrupt_cpus: interrupt_cpus(gpu.interrupt_cpus),
@@ -393,6 +403,7 @@ pub fn open_gpu_backend(
             ordinal,
             gpu.device_pool_idle_release,
         )),
+        tier,
         reader_limits: GpuReaderLimits::node_defaults(),
         choice: PathChoice::from_mode(engine),
         stream_limits,
@@ -444,6 +455,7 @@ async fn serve(
         metrics.serve_device(gpu.ordinal);
         gpu.round_pool.report_to(&metrics);
         gpu.shard_pool.report_to(&metrics);
+        gpu.tier.report_to(&metrics);
     }
     let (control, names) = open_control(&settings, &registry, &metrics).await?;
     let server = start_socket_server(&settings, &registry, &metrics, gpus, &control)?;
@@ -685,6 +697,7 @@ fn start_socket_server(
     control: &Control,
 ) -> Result<Server, DaemonError> {
     let served: Vec<String> = gpus.iter().map(|g| format!("cuda:{}", g.ordinal)).collect();
+    control.attach_device_tiers(gpus.iter().map(|g| Arc::clone(&g.tier)).collect());
     let names: Vec<String> = gpus
         .iter()
         .map(|g| format!("cuda:{} ({})", g.ordinal, g.device.properties().name))

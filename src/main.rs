@@ -292,6 +292,14 @@ struct ServeArgs {
     /// turns the copies off). Default: 5G.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_shard_memory: Option<ByteCount>,
+    /// Device memory each served GPU keeps for whole datasets (the device-memory tier): a dataset
+    /// stored raw whose shard files fit is kept in device memory once its first stream has read
+    /// it, and every later stream and epoch on that GPU, from any process, gathers its rows there
+    /// instead of across PCIe. Least recently used datasets make room; the HTTP API pins and
+    /// evicts (suffixes K, M, G; 0 turns it off). Default: 0, off: the training processes on the
+    /// GPU need its memory, and only you know how much they leave.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    device_cache: Option<ByteCount>,
     /// Threads per GPU stream that copy page cache through pinned buffers when a dataset is larger
     /// than the registration budget (0 to 16; about a host core each while it copies). In dataset
     /// order and a window shuffle they copy whole shards instead of registering each window for its
@@ -748,6 +756,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         registered_window: args.registered_window,
         zero_copy: args.zero_copy,
         device_shard_memory: args.device_shard_memory,
+        device_cache: args.device_cache,
         loader_copy_threads: args.loader_copy_threads,
         http_connections_max: args.http_connections_max,
         http_idle_timeout_s: args.http_idle_timeout_s,

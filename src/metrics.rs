@@ -17,6 +17,7 @@
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// The storage paths whose bytes are counted separately.
@@ -202,6 +203,26 @@ struct DeviceLedger {
     read_bytes: AtomicU64,
     round_buffers_idle_bytes: AtomicU64,
     shard_slots_idle_bytes: AtomicU64,
+    tier: Mutex<DeviceTierFigures>,
+}
+
+/// A device's memory tier's figures (see `pipeline::gpu::tier`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceTierFigures {
+    /// Its budget (`--device-cache`; 0: off).
+    pub bytes_max: u64,
+    /// Device bytes it holds (datasets evicted while streams read them included).
+    pub held_bytes: u64,
+    /// Datasets it holds (resident or filling).
+    pub datasets: u64,
+    /// Streams that found their dataset complete in it when they opened.
+    pub hits: u64,
+    /// Streams that admitted their dataset and filled it.
+    pub admissions: u64,
+    /// Streams whose dataset fitted the budget but found no room or device memory.
+    pub declined: u64,
+    /// Datasets evicted.
+    pub evictions: u64,
 }
 
 /// One served CUDA device's figures.
@@ -224,6 +245,8 @@ pub struct DeviceCounts {
     pub round_buffers_idle_bytes: u64,
     /// Device memory of shard slots and stream buffers kept for its next stream.
     pub shard_slots_idle_bytes: u64,
+    /// Its memory tier.
+    pub tier: DeviceTierFigures,
 }
 
 /// A CUDA device's view of [`Metrics`]: what its streams read is counted for the node and for the
@@ -379,8 +402,16 @@ impl Metrics {
                 read_bytes: d.read_bytes.load(Ordering::Relaxed),
                 round_buffers_idle_bytes: d.round_buffers_idle_bytes.load(Ordering::Relaxed),
                 shard_slots_idle_bytes: d.shard_slots_idle_bytes.load(Ordering::Relaxed),
+                tier: *d.tier.lock().unwrap_or_else(|e| e.into_inner()),
             })
             .collect()
+    }
+
+    /// Sets device `ordinal`'s memory tier figures.
+    pub fn set_device_tier(&self, ordinal: u32, figures: DeviceTierFigures) {
+        if let Some(device) = self.device(ordinal) {
+            *device.tier.lock().unwrap_or_else(|e| e.into_inner()) = figures;
+        }
     }
 
     /// Adds to (or, negative, subtracts from) the device bytes of round buffers kept idle for the
@@ -679,7 +710,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             })
             .collect()
     };
-    let device_families: [DeviceFamily; 7] = [
+    let device_families: [DeviceFamily; 14] = [
         (
             "gpufeed_device_streams",
             "gauge",
@@ -721,6 +752,48 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             "gauge",
             "Device bytes of shard slots and stream buffers (block cache, region table) kept for the next stream, per served CUDA device",
             |d| d.shard_slots_idle_bytes,
+        ),
+        (
+            "gpufeed_device_cache_max_bytes",
+            "gauge",
+            "Budget of the device-memory tier (--device-cache), per served CUDA device",
+            |d| d.tier.bytes_max,
+        ),
+        (
+            "gpufeed_device_cache_bytes",
+            "gauge",
+            "Device bytes the device-memory tier holds, per served CUDA device",
+            |d| d.tier.held_bytes,
+        ),
+        (
+            "gpufeed_device_cache_datasets",
+            "gauge",
+            "Datasets the device-memory tier holds (resident or filling), per served CUDA device",
+            |d| d.tier.datasets,
+        ),
+        (
+            "gpufeed_device_cache_hits_total",
+            "counter",
+            "Streams that found their dataset whole in the device-memory tier, per served CUDA device",
+            |d| d.tier.hits,
+        ),
+        (
+            "gpufeed_device_cache_admissions_total",
+            "counter",
+            "Streams that admitted their dataset to the device-memory tier and filled it, per served CUDA device",
+            |d| d.tier.admissions,
+        ),
+        (
+            "gpufeed_device_cache_declined_total",
+            "counter",
+            "Streams whose dataset fitted the device-memory tier's budget but found no room, per served CUDA device",
+            |d| d.tier.declined,
+        ),
+        (
+            "gpufeed_device_cache_evictions_total",
+            "counter",
+            "Datasets evicted from the device-memory tier, per served CUDA device",
+            |d| d.tier.evictions,
         ),
     ];
     for (name, kind, help, value) in device_families {
@@ -1027,6 +1100,19 @@ mod tests {
         metrics.device_stream_closed(3, 1 << 20);
         metrics.add_round_buffers_idle_bytes(3, -4096);
         metrics.add_shard_slots_idle_bytes(3, -(1 << 29));
+        let tier = DeviceTierFigures {
+            bytes_max: 8 << 30,
+            held_bytes: 1 << 30,
+            datasets: 1,
+            hits: 2,
+            admissions: 1,
+            declined: 0,
+            evictions: 0,
+        };
+        metrics.set_device_tier(3, tier);
+        let text = render(&metrics, &Snapshot::default());
+        assert!(text.contains("gpufeed_device_cache_bytes{device=\"cuda:3\"} 1073741824\n"));
+        assert!(text.contains("gpufeed_device_cache_hits_total{device=\"cuda:3\"} 2\n"));
         let devices = metrics.devices();
         assert_eq!(devices.len(), 2);
         assert_eq!(
@@ -1040,6 +1126,7 @@ mod tests {
                 read_bytes: 2048,
                 round_buffers_idle_bytes: 0,
                 shard_slots_idle_bytes: 0,
+                tier,
             }
         );
     }

@@ -21,6 +21,7 @@
 pub mod auth;
 pub mod confine;
 pub mod datasets;
+pub mod device_cache;
 pub mod error;
 pub mod job_table;
 pub mod jobs;
@@ -36,7 +37,7 @@ use std::time::Duration;
 use axum::extract::DefaultBodyLimit;
 use axum::http::header;
 use axum::response::IntoResponse;
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::{middleware, Router};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::OpenApi;
@@ -50,7 +51,7 @@ use crate::registry::CloseReason;
 
 /// Every route the router serves, as (method, path) in OpenAPI's spelling; the OpenAPI document
 /// lists exactly these (a test checks both ways).
-pub const ROUTES: [(&str, &str); 15] = [
+pub const ROUTES: [(&str, &str); 19] = [
     ("post", "/v1/datasets"),
     ("get", "/v1/datasets"),
     ("get", "/v1/datasets/{name}"),
@@ -63,6 +64,10 @@ pub const ROUTES: [(&str, &str); 15] = [
     ("get", "/v1/sessions"),
     ("delete", "/v1/sessions/{id}"),
     ("get", "/v1/status"),
+    ("get", "/v1/devices/{device}/cache"),
+    ("put", "/v1/devices/{device}/cache/{name}/pin"),
+    ("delete", "/v1/devices/{device}/cache/{name}/pin"),
+    ("delete", "/v1/devices/{device}/cache/{name}"),
     ("get", "/metrics"),
     ("get", "/healthz"),
     ("get", "/openapi.json"),
@@ -90,6 +95,10 @@ pub const ROUTES: [(&str, &str); 15] = [
         sessions::list,
         sessions::close,
         status::status,
+        device_cache::get_one,
+        device_cache::pin,
+        device_cache::unpin,
+        device_cache::evict,
         status::metrics,
         status::healthz,
         openapi_json,
@@ -196,6 +205,15 @@ pub fn router(control: Arc<Control>) -> Router {
         .route("/v1/sessions", get(sessions::list))
         .route("/v1/sessions/{id}", delete(sessions::close))
         .route("/v1/status", get(status::status))
+        .route("/v1/devices/{device}/cache", get(device_cache::get_one))
+        .route(
+            "/v1/devices/{device}/cache/{name}/pin",
+            put(device_cache::pin).delete(device_cache::unpin),
+        )
+        .route(
+            "/v1/devices/{device}/cache/{name}",
+            delete(device_cache::evict),
+        )
         .route("/metrics", get(status::metrics))
         .route("/healthz", get(status::healthz))
         .route("/openapi.json", get(openapi_json))

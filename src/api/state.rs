@@ -184,6 +184,7 @@ pub struct Control {
     pub(crate) platform: tokio::sync::OnceCell<Platform>,
     pub(crate) started: Instant,
     backend: OnceLock<(String, String)>,
+    device_tiers: OnceLock<Vec<Arc<crate::pipeline::gpu::DeviceTier>>>,
     problems: Mutex<BTreeMap<String, DatasetProblem>>,
     reserved: Mutex<BTreeSet<String>>,
     shutting_down: AtomicBool,
@@ -244,6 +245,7 @@ impl Control {
             platform: tokio::sync::OnceCell::new(),
             started: Instant::now(),
             backend: OnceLock::new(),
+            device_tiers: OnceLock::new(),
             problems: Mutex::new(problems),
             reserved: Mutex::new(BTreeSet::new()),
             shutting_down: AtomicBool::new(false),
@@ -258,6 +260,16 @@ impl Control {
 
     pub(crate) fn backend(&self) -> Option<&(String, String)> {
         self.backend.get()
+    }
+
+    /// Records the memory tier of each served GPU, for status and the device-cache endpoints.
+    pub fn attach_device_tiers(&self, tiers: Vec<Arc<crate::pipeline::gpu::DeviceTier>>) {
+        let _ = self.device_tiers.set(tiers);
+    }
+
+    /// The memory tier of each served GPU (none on the CPU backend).
+    pub(crate) fn device_tiers(&self) -> &[Arc<crate::pipeline::gpu::DeviceTier>] {
+        self.device_tiers.get().map_or(&[], Vec::as_slice)
     }
 
     /// The registry the API changes.

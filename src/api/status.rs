@@ -49,6 +49,8 @@ pub struct Serving {
     /// Device memory each GPU stream in dataset order or a window shuffle may fill with shards
     /// copied ahead of need (`--device-shard-memory`); 0: none.
     pub device_shard_memory: u64,
+    /// Device memory each served GPU keeps for whole datasets (`--device-cache`); 0: off.
+    pub device_cache: u64,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget
     /// (`--loader-copy-threads`; 0: windows registered for their copy).
     pub loader_copy_threads: u32,
@@ -125,6 +127,8 @@ pub struct DeviceServing {
     pub samples: u64,
     /// Bytes its streams read from shard files.
     pub read_bytes: u64,
+    /// Its memory tier (`--device-cache`); `null` where the daemon attached none.
+    pub device_cache: Option<super::device_cache::DeviceCacheView>,
 }
 
 /// Bounded pools and what is in use.
@@ -241,6 +245,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
     let limits = control.jobs.limits();
     let options = &control.options;
     let gpu = &options.gpu;
+    let tiers = super::device_cache::views(&control);
     let devices: Vec<DeviceServing> = control
         .metrics
         .devices()
@@ -249,6 +254,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
             let device = format!("cuda:{}", d.ordinal);
             // The probe opened the same ordinals in this process: its view names the device.
             let probed = platform.devices.iter().find(|p| p.device == device);
+            let device_cache = tiers.iter().find(|t| t.device == device).cloned();
             DeviceServing {
                 uuid: probed.and_then(|p| p.uuid.clone()),
                 pci_bus_id: probed.map(|p| p.pci_address.clone()).unwrap_or_default(),
@@ -260,6 +266,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 batches: d.batches,
                 samples: d.samples,
                 read_bytes: d.read_bytes,
+                device_cache,
             }
         })
         .collect();
@@ -284,6 +291,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 registered_window_bytes: gpu.registered.window_bytes,
                 zero_copy: gpu.zero_copy.name().to_string(),
                 device_shard_memory: gpu.device_shard_bytes,
+                device_cache: gpu.device_cache_bytes,
                 loader_copy_threads: gpu.loader_copy_threads as u32,
                 rounds_in_flight: gpu.rounds_in_flight as u32,
                 filler_spin_us: gpu.filler_spin.as_micros() as u64,

@@ -39,6 +39,17 @@ pub struct FileIdentity {
 }
 
 impl FileIdentity {
+    /// An identity told apart from others by `inode` alone, for tests of what keys on identities.
+    #[cfg(test)]
+    pub(crate) fn for_tests(inode: u64) -> FileIdentity {
+        FileIdentity {
+            device: 0,
+            inode,
+            bytes: 0,
+            modified_ns: 0,
+        }
+    }
+
     /// The identity of the file at `path` now.
     pub fn of(path: &Path) -> std::io::Result<FileIdentity> {
         use std::os::unix::fs::MetadataExt;

@@ -43,6 +43,8 @@ pub struct GpuBackend {
     /// Device memory kept between the device's streams: shard slots, and closed streams' block
     /// caches and region tables.
     pub shard_pool: Arc<crate::pipeline::gpu::ShardSlotPool>,
+    /// The device's memory tier: datasets kept whole in device memory for every stream.
+    pub tier: Arc<crate::pipeline::gpu::DeviceTier>,
     /// The device's NUMA node and its CPUs, where the host has several: its streams' threads and
     /// pinned buffers are placed there.
     pub numa: Option<crate::device::numa::NumaPlacement>,
@@ -137,6 +139,7 @@ impl GpuBackend {
             &self.stream_limits,
             Arc::clone(&self.round_pool),
             &self.shard_pool,
+            &self.tier,
             metrics,
         )
         .map_err(FillerError::Gpu)

@@ -53,6 +53,7 @@ impl GpuAssembler {
         limits: &GpuStreamLimits,
         pool: Arc<RoundBufferPool>,
         shard_pool: &Arc<ShardSlotPool>,
+        tier: &Arc<super::tier::DeviceTier>,
         metrics: Arc<Metrics>,
     ) -> Result<GpuAssembler, FillError> {
         let started = std::time::Instant::now();
@@ -82,6 +83,7 @@ impl GpuAssembler {
             &device,
             &metrics,
             shard_pool,
+            tier,
         )?;
         let resident_s = started.elapsed().as_secs_f64() - opened_s;
         let cache = KeptBuffer::new(

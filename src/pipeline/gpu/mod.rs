@@ -39,6 +39,7 @@ mod limits;
 mod resident;
 mod shard_pool;
 mod staged;
+pub mod tier;
 
 pub use self::assembler::GpuAssembler;
 pub use self::engine::buffers::RoundBufferPool;
@@ -54,3 +55,4 @@ pub use self::shard_pool::{
     ShardSlotPool, DEVICE_POOL_IDLE_RELEASE_DEFAULT, DEVICE_POOL_IDLE_RELEASE_MAX,
     DEVICE_POOL_IDLE_RELEASE_MIN,
 };
+pub use self::tier::DeviceTier;

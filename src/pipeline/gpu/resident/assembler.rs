@@ -110,13 +110,51 @@ fn shards_read(device_shards: &DeviceShards, region_bytes: &[u64]) -> (Vec<usize
     (needed, regions_read)
 }
 
-/// Bytes of `region_bytes` a round reads in place from host memory: those of the regions its table
-/// `table` still points at their registered windows (`host_regions`), not at a device copy.
-fn bytes_read_in_place(
+/// The shards a round reading `planned` reads from shards copied ahead (none without copies),
+/// made ready for it (see `DeviceShards::prepare_round`), the host's wait counted.
+fn prepare_shard_copies(
+    resident: &mut Resident,
+    engine: &mut RoundEngine,
+    planned: &PlannedRows,
+) -> Result<Vec<usize>, FillError> {
+    let Some(device_shards) = resident.device_shards.as_mut() else {
+        return Ok(Vec::new());
+    };
+    let (needed, regions_read) = shards_read(device_shards, &planned.region_bytes);
+    engine.timings.copy_wait_s +=
+        device_shards.prepare_round(&needed, &regions_read, &engine.stream)?;
+    Ok(needed)
+}
+
+/// Points the regions of a round's table `table` at the device copies the round may read: shards
+/// copied ahead, and the dataset in the device's memory tier while it fills (a dataset whole there
+/// when the stream opened has the stream's own table pointed there). `region_bytes`: the bytes the
+/// round reads of each region; `compute`: the stream it is queued on. Returns whether any region
+/// points at a device copy.
+fn redirect_to_device(
+    resident: &mut Resident,
+    table: &mut [GatherRegion],
     region_bytes: &[u64],
-    table: &[GatherRegion],
-    host_regions: &[GatherRegion],
-) -> u64 {
+    compute: &crate::device::Stream,
+) -> Result<bool, FillError> {
+    let mut redirected = resident
+        .device_shards
+        .as_ref()
+        .is_some_and(|d| d.redirect(table));
+    if let Some(tier) = resident.tier.as_mut().filter(|t| !t.is_whole_at_open()) {
+        redirected |= tier.redirect(table, region_bytes, compute)?;
+    }
+    Ok(redirected)
+}
+
+/// Bytes of `region_bytes` a round reads in place from host memory: those of the regions its table
+/// `table` still points at their registered windows (the stream's `host_regions`), not at a device
+/// copy; none when the stream's own table points into the device's memory tier.
+fn bytes_read_in_place(region_bytes: &[u64], table: &[GatherRegion], resident: &Resident) -> u64 {
+    if resident.tier.as_ref().is_some_and(|t| t.is_whole_at_open()) {
+        return 0;
+    }
+    let host_regions = &resident.host_regions;
     region_bytes
         .iter()
         .enumerate()
@@ -361,14 +399,7 @@ impl ResidentAssembler {
         let count = planned.pieces;
         if count > 0 {
             let resident = &mut self.resident;
-            // The shards the round reads.
-            let mut needed: Vec<usize> = Vec::new();
-            if let Some(device_shards) = resident.device_shards.as_mut() {
-                let regions_read;
-                (needed, regions_read) = shards_read(device_shards, &planned.region_bytes);
-                self.engine.timings.copy_wait_s +=
-                    device_shards.prepare_round(&needed, &regions_read, &self.engine.stream)?;
-            }
+            let needed = prepare_shard_copies(resident, &mut self.engine, &planned)?;
             // The region table, pointed at the device copies the round may read. Small piece
             // tables go in the launch's parameters with every piece's region resolved from it.
             // Otherwise, when shards are copied ahead, the piece table (and the region table,
@@ -378,9 +409,13 @@ impl ResidentAssembler {
             // copy engines. Without copies the piece table is uploaded.
             let mut table = std::mem::take(&mut resident.round_regions);
             table.clone_from(&resident.host_regions);
-            let device_shards = resident.device_shards.as_ref();
-            let copying = device_shards.is_some();
-            let redirected = device_shards.is_some_and(|d| d.redirect(&mut table));
+            let copying = resident.device_shards.is_some();
+            let redirected = redirect_to_device(
+                resident,
+                &mut table,
+                &planned.region_bytes,
+                &self.engine.stream,
+            )?;
             let staged =
                 stage_copied_rows(resident, &mut self.engine, index, &mut planned, &mut table)?;
             let on_device = redirected || staged.is_some();
@@ -461,8 +496,7 @@ impl ResidentAssembler {
             }?;
             // Bytes copied by host threads are read bytes too (from the page cache).
             let mut host_bytes =
-                bytes_read_in_place(&planned.region_bytes, &table, &resident.host_regions)
-                    + staged.unwrap_or(0);
+                bytes_read_in_place(&planned.region_bytes, &table, resident) + staged.unwrap_or(0);
             if let Some(device_shards) = resident.device_shards.as_mut() {
                 device_shards.record_reads(&self.engine.stream, &needed)?;
                 // Bytes copied ahead are read bytes when they are queued.

@@ -14,3 +14,4 @@ pub(in crate::pipeline::gpu) mod open;
 mod planner;
 mod row_copies;
 mod shard_loader;
+mod tier_read;

@@ -23,6 +23,7 @@ use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
     row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
 };
+use super::tier_read::{TierRead, WaitForCopies};
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::kernels::GatherRegion;
@@ -31,6 +32,7 @@ use crate::pipeline::gpu::limits::{
     GpuStreamLimits, ZeroCopy, ROUNDS_IN_FLIGHT_MAX, ROUNDS_IN_FLIGHT_MIN,
 };
 use crate::pipeline::gpu::shard_pool::{KeptBuffer, ShardSlotPool};
+use crate::pipeline::gpu::tier::{Acquired, DeviceTier, TierDataset, TierEntry, TierKey};
 use crate::pipeline::order::ShuffleKind;
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, StreamPlan};
 use crate::storage::mapped::MappedFile;
@@ -58,6 +60,9 @@ pub(in crate::pipeline::gpu) struct Resident {
     pub(super) round_regions_encoded: Vec<u8>,
     /// Shards copied ahead into device memory, in dataset order and window shuffles.
     pub(super) device_shards: Option<DeviceShards>,
+    /// The dataset in the device's memory tier, whole or filling. (Declared before `windows`: it
+    /// waits for the copies into the tier, which read those windows, before they are unpinned.)
+    pub(super) tier: Option<TierRead>,
     /// Windows pinned for the stream's life.
     pub(super) windows: PinnedWindows,
     /// Where rows are read from, shared by the planning threads.
@@ -122,8 +127,44 @@ impl Resident {
         device: &crate::device::Device,
         metrics: &crate::metrics::DeviceMetrics,
         shard_pool: &Arc<ShardSlotPool>,
+        tier: &Arc<DeviceTier>,
     ) -> Result<Option<Resident>, FillError> {
         let shuffle = plan.order.shuffle_kind();
+        if !fields_all_raw(plan) {
+            return Ok(None);
+        }
+        // The device-memory tier: a dataset whole there is read there in every order, whatever
+        // the zero-copy mode and the registration budget; one filling is filled further by this
+        // stream (if it reads in place from registered windows, below).
+        let mut in_tier = None;
+        if tier.is_enabled() {
+            let file_bytes = shard_file_bytes(plan, files)?;
+            let key = TierKey {
+                dir: plan.dataset.dir.clone(),
+                identity: plan.dataset.manifest_identity,
+            };
+            match tier.acquire(key, &file_bytes, windows.window_bytes())? {
+                Acquired::Found(dataset) | Acquired::Admitted(dataset) => {
+                    if dataset.is_complete() && dataset.usable() {
+                        return Self::open_in_tier(
+                            plan,
+                            files,
+                            windows,
+                            limits,
+                            device,
+                            metrics,
+                            &file_bytes,
+                            shard_pool,
+                            dataset,
+                            tier,
+                        )
+                        .map(Some);
+                    }
+                    in_tier = Some(dataset);
+                }
+                Acquired::None => {}
+            }
+        }
         let wanted = match limits.zero_copy {
             ZeroCopy::Off => false,
             ZeroCopy::Always => true,
@@ -131,7 +172,7 @@ impl Resident {
             // shards can be copied ahead into device memory (checked once the windows are mapped).
             ZeroCopy::Auto => shuffle != ShuffleKind::None || limits.device_shard_bytes > 0,
         };
-        if !wanted || !fields_all_raw(plan) {
+        if !wanted {
             return Ok(None);
         }
         let file_bytes = shard_file_bytes(plan, files)?;
@@ -147,6 +188,7 @@ impl Resident {
                 metrics,
                 &file_bytes,
                 shard_pool,
+                in_tier.map(|dataset| (dataset, tier)),
             )?;
             if let Mapping::Done(resident) = mapped {
                 return Ok(resident);
@@ -194,6 +236,7 @@ impl Resident {
         metrics: &crate::metrics::DeviceMetrics,
         file_bytes: &[u64],
         shard_pool: &Arc<ShardSlotPool>,
+        in_tier: Option<(Arc<TierDataset>, &Arc<DeviceTier>)>,
     ) -> Result<Mapping, FillError> {
         let shuffle = plan.order.shuffle_kind();
         if shuffle == ShuffleKind::Full {
@@ -244,7 +287,20 @@ impl Resident {
         let map_s = started.elapsed().as_secs_f64();
         let shard_first_samples = shard_first_samples(plan);
         // Rounds that read device copies upload their own region table (at most REGIONS_MAX).
-        let device_shards = if table.len() <= REGIONS_MAX {
+        let in_tier = in_tier.filter(|(dataset, _)| {
+            table.len() <= REGIONS_MAX && dataset.window_count() == table.len()
+        });
+        // Filling the tier: every window is copied once, in the order the stream reads them, by
+        // the tier's copies; the stream copies no shards ahead of its own.
+        let tier_read = match in_tier {
+            // SAFETY: `shard_windows` are windows `mapped` keeps pinned, and the `TierRead` waits
+            // for the copies before they are unpinned (it is released, or dropped, first).
+            Some((dataset, tier)) => Some(unsafe {
+                fill_tier(plan, dataset, tier, &shard_windows, &shard_first_samples)
+            }?),
+            None => None,
+        };
+        let device_shards = if table.len() <= REGIONS_MAX && tier_read.is_none() {
             DeviceShards::new(
                 device,
                 &plan.order,
@@ -261,6 +317,7 @@ impl Resident {
         if limits.zero_copy == ZeroCopy::Auto
             && shuffle == ShuffleKind::None
             && device_shards.is_none()
+            && tier_read.is_none()
         {
             mapped.unpin();
             return Ok(Mapping::Done(None));
@@ -289,6 +346,7 @@ impl Resident {
             round_regions: Vec::new(),
             round_regions_encoded: Vec::new(),
             device_shards,
+            tier: tier_read,
             windows: mapped,
             planner: None,
             row_copies: None,
@@ -393,6 +451,7 @@ impl Resident {
             round_regions: Vec::new(),
             round_regions_encoded: Vec::new(),
             device_shards: Some(device_shards),
+            tier: None,
             windows: PinnedWindows::new(windows),
             planner: None,
             row_copies: None,
@@ -543,6 +602,7 @@ impl Resident {
             round_regions: Vec::new(),
             round_regions_encoded: Vec::new(),
             device_shards: None,
+            tier: None,
             windows: mapped,
             planner: None,
             geometry: Arc::new(geometry),
@@ -550,11 +610,83 @@ impl Resident {
         }))
     }
 
+    /// [`Self::open`] for a dataset whole in the device's memory tier: every region of the table
+    /// points into the tier, no window is registered for the stream, and the table is uploaded
+    /// once. Blocks are verified as without the tier (once per dataset).
+    #[allow(clippy::too_many_arguments)]
+    fn open_in_tier(
+        plan: &StreamPlan,
+        files: &FileTable,
+        windows: &Arc<PageCacheWindows>,
+        limits: &GpuStreamLimits,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::DeviceMetrics,
+        file_bytes: &[u64],
+        shard_pool: &Arc<ShardSlotPool>,
+        dataset: Arc<TierDataset>,
+        tier: &Arc<DeviceTier>,
+    ) -> Result<Resident, FillError> {
+        let window_bytes = windows.window_bytes();
+        let mut table: Vec<GatherRegion> = Vec::with_capacity(dataset.window_count());
+        let mut first_region = Vec::with_capacity(file_bytes.len());
+        for &bytes in file_bytes {
+            first_region.push(table.len() as u32);
+            let mut start = 0u64;
+            while start < bytes {
+                let region = table.len();
+                table.push(GatherRegion {
+                    ptr: dataset.window_ptr(region),
+                    bytes: dataset.window_bytes(region),
+                });
+                start += window_bytes;
+            }
+        }
+        assert_eq!(
+            table.len(),
+            dataset.window_count(),
+            "the tier cut the same windows"
+        );
+        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
+        tracing::info!(
+            "stream reads {} shards from the device-memory tier ({} MiB, {} corrupt blocks)",
+            plan.dataset.shards.len(),
+            dataset.bytes() >> 20,
+            corrupt.len()
+        );
+        let table_len = table.len();
+        Ok(Resident {
+            regions,
+            region_count: table_len as u32,
+            host_regions: table,
+            round_regions: Vec::new(),
+            round_regions_encoded: Vec::new(),
+            device_shards: None,
+            tier: Some(TierRead::whole(dataset, tier)),
+            windows: PinnedWindows::new(windows),
+            planner: None,
+            row_copies: None,
+            geometry: Arc::new(RowGeometry::new(
+                plan,
+                first_region,
+                shard_first_samples(plan),
+                table_len,
+                window_bytes,
+                corrupt,
+                limits.gather_piece_out_bytes,
+            )),
+        })
+    }
+
     /// Unpins the windows once the stream's work is done (the caller synchronised its compute
     /// stream; the copies ahead are waited for here).
     pub(in crate::pipeline::gpu) fn release(&mut self) {
         if let Some(device_shards) = &mut self.device_shards {
             let _ = device_shards.synchronize();
+        }
+        if let Some(tier) = &self.tier {
+            tier.synchronize();
         }
         self.windows.unpin();
     }
@@ -575,6 +707,77 @@ impl Resident {
     pub(in crate::pipeline::gpu) fn device_bytes(&self) -> usize {
         self.device_shards.as_ref().map_or(0, |d| d.device_bytes())
     }
+}
+
+/// Queues the copies of the windows of `dataset` not queued yet into the device's memory tier, from
+/// the stream's registered windows `shard_windows`, in the order the stream reads them (see
+/// [`tier_fill_order`]); returns how the stream reads the dataset while it fills.
+///
+/// # Safety
+/// The windows must stay pinned until the returned `TierRead` has waited for the copies.
+unsafe fn fill_tier(
+    plan: &StreamPlan,
+    dataset: Arc<TierDataset>,
+    tier: &Arc<DeviceTier>,
+    shard_windows: &[ShardWindows],
+    shard_first_samples: &[u64],
+) -> Result<TierRead, FillError> {
+    let sources: Vec<usize> = shard_windows
+        .iter()
+        .flat_map(|s| s.windows.iter().map(|&(host_addr, _)| host_addr))
+        .collect();
+    let fill_order = tier_fill_order(plan, shard_windows, shard_first_samples);
+    // SAFETY: the caller keeps the sources pinned until the `TierRead` waited for the copies.
+    let queued = unsafe { dataset.queue_fill(&sources, fill_order.iter().copied()) }?;
+    tracing::info!(
+        "stream fills the device-memory tier with {} MiB of the dataset ({queued} of {} windows \
+         queued by it)",
+        dataset.bytes() >> 20,
+        fill_order.len()
+    );
+    let wait = match plan.order.shuffle_kind() {
+        ShuffleKind::Full => WaitForCopies::ReadInPlace,
+        _ => WaitForCopies::Wait,
+    };
+    Ok(TierRead::filling(dataset, tier, fill_order, wait))
+}
+
+/// The order in which a stream filling the device-memory tier queues the copies of its windows
+/// (region indices): the shards in the order the stream first reads them (the rest of the dataset
+/// in order; a window shuffle's windows one after another), then any not read ahead; file order in
+/// a full shuffle, which reads every shard in every batch.
+fn tier_fill_order(
+    plan: &StreamPlan,
+    shard_windows: &[ShardWindows],
+    shard_first_samples: &[u64],
+) -> Vec<usize> {
+    let shard_count = shard_windows.len();
+    let mut shards: Vec<usize> = Vec::with_capacity(shard_count);
+    let mut seen = vec![false; shard_count];
+    if let Some(ranges) = plan.order.samples_ahead(0, usize::MAX) {
+        for range in ranges {
+            if range.is_empty() {
+                continue;
+            }
+            let first = shard_first_samples.partition_point(|&s| s <= range.start) - 1;
+            let last = shard_first_samples.partition_point(|&s| s < range.end) - 1;
+            let last = last.min(shard_count - 1);
+            for (shard, seen) in seen.iter_mut().enumerate().take(last + 1).skip(first) {
+                if !*seen {
+                    *seen = true;
+                    shards.push(shard);
+                }
+            }
+        }
+    }
+    shards.extend((0..shard_count).filter(|&s| !seen[s]));
+    shards
+        .into_iter()
+        .flat_map(|s| {
+            let first = shard_windows[s].first_region;
+            first..first + shard_windows[s].windows.len()
+        })
+        .collect()
 }
 
 /// Whether every block of the plan's fields is stored raw.

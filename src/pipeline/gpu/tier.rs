@@ -1,0 +1,823 @@
+//! The device-memory tier: datasets kept whole in device memory, shared by every stream of the
+//! device and every epoch, so that rows are gathered from HBM instead of crossing PCIe again.
+//!
+//! Each served device has one tier with a byte budget (`--device-cache`, 0 by default: the training
+//! processes on the device need its memory, and only the operator knows how much they leave). A
+//! stream whose fields are all stored raw, over a dataset whose shard files fit the budget whole,
+//! *admits* the dataset: one device allocation of the shard files' size is made (evicting datasets
+//! no stream reads and no one pinned, least recently used first, until it fits; if it still does
+//! not fit, the stream is served as without the tier). The stream that admitted it, and any stream
+//! of the dataset that opens before it is complete, fills it: every window of every shard is copied
+//! once by the copy engines from the registered page-cache windows the stream reads anyway, in the
+//! order the stream needs them, on the dataset's own copy stream, each window's copy followed by an
+//! event. A stream reads a window from the tier once its copy is complete (a full shuffle, which
+//! draws from every window in every batch, reads the others in place meanwhile) or, in dataset order
+//! and window shuffles, once the compute stream waits for that copy (reading in place while the copy
+//! runs would share the link with it). Every later stream of the dataset on the device, from any
+//! process, finds it complete when it opens: its region table points every window at the tier, no
+//! window is registered for it, and the same gather kernel reads HBM.
+//!
+//! What is kept is the shard files' bytes, as stored (fp16 stays fp16): blocks are verified once
+//! per dataset when the first stream opens (as without the tier), and the copies are of the same
+//! page-cache bytes. A dataset is keyed by its directory and its manifest's identity: re-packed in
+//! place, it is another dataset, and the old copy is evicted.
+//!
+//! Policy when datasets compete: pinned datasets (the HTTP API pins a dataset to a device's tier)
+//! are never evicted to make room; the others go least recently used first, and only when no stream
+//! holds them. An eviction asked for through the API while streams read the dataset takes it out of
+//! the tier at once (new streams do not find it) and frees its memory when the last of those
+//! streams closes: eviction never breaks a stream in flight. Memory of such retiring datasets still
+//! counts against the budget until it is freed.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
+use crate::format::FileIdentity;
+use crate::metrics::{DeviceTierFigures, Metrics};
+
+/// Most datasets one device's tier holds at once (resident, filling or retiring): a bound on its
+/// bookkeeping, far above what a device's memory holds in practice.
+pub const TIER_DATASETS_MAX: usize = 256;
+
+/// What identifies a dataset in the tier: its directory and its manifest file's identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierKey {
+    /// The dataset directory.
+    pub dir: PathBuf,
+    /// The manifest file as it was when the dataset was opened.
+    pub identity: FileIdentity,
+}
+
+/// What the tier's bookkeeping needs of an entry (a trait, so that the policy is tested without a
+/// device).
+pub trait TierEntry: Send + Sync + 'static {
+    /// The entry's key.
+    fn key(&self) -> &TierKey;
+    /// Device bytes it holds.
+    fn bytes(&self) -> u64;
+    /// Whether every window of it is known copied.
+    fn is_complete(&self) -> bool;
+}
+
+/// A dataset the tier holds or held, for status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierDatasetReport {
+    /// The dataset directory.
+    pub dir: PathBuf,
+    /// Device bytes it holds.
+    pub bytes: u64,
+    /// `resident` (every window copied), `filling`, or `retiring` (evicted, freed when the streams
+    /// reading it close).
+    pub state: &'static str,
+    /// Whether the API pinned it.
+    pub pinned: bool,
+    /// Streams reading it now.
+    pub streams: u64,
+}
+
+/// A device's tier, for status.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TierReport {
+    /// The budget (0: the tier is off).
+    pub bytes_max: u64,
+    /// Device bytes held (retiring datasets included).
+    pub held_bytes: u64,
+    /// The datasets it holds.
+    pub datasets: Vec<TierDatasetReport>,
+    /// Streams that found their dataset complete in the tier when they opened.
+    pub hits: u64,
+    /// Streams that admitted their dataset (and filled it).
+    pub admissions: u64,
+    /// Streams whose dataset fitted the budget but found no room (every other dataset pinned or
+    /// read), or the device short of memory: served without the tier.
+    pub declined: u64,
+    /// Datasets evicted (for room, by the API, or re-packed).
+    pub evictions: u64,
+}
+
+impl TierReport {
+    /// Its figures, for the metrics.
+    pub fn figures(&self) -> DeviceTierFigures {
+        DeviceTierFigures {
+            bytes_max: self.bytes_max,
+            held_bytes: self.held_bytes,
+            datasets: self.datasets.iter().filter(|d| d.bytes > 0).count() as u64,
+            hits: self.hits,
+            admissions: self.admissions,
+            declined: self.declined,
+            evictions: self.evictions,
+        }
+    }
+}
+
+/// Why an eviction asked for by the API did nothing.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TierError {
+    /// The dataset is not in the tier.
+    #[error("dataset {0} is not in the device's memory tier")]
+    NotResident(PathBuf),
+    /// Pins are bounded like the tier.
+    #[error("at most {TIER_DATASETS_MAX} datasets may be pinned to a device's memory tier")]
+    TooManyPins,
+}
+
+/// The tier's bookkeeping: its entries, pins and counters, under one lock (taken once per stream
+/// opening and per API call, never per batch).
+pub struct TierBook<E: TierEntry> {
+    bytes_max: u64,
+    state: Mutex<BookState<E>>,
+    hits: AtomicU64,
+    admissions: AtomicU64,
+    declined: AtomicU64,
+    evictions: AtomicU64,
+}
+
+struct BookState<E> {
+    /// Resident or filling, least recently used first.
+    entries: Vec<Arc<E>>,
+    /// Evicted while streams read them: their memory is freed when the last stream closes.
+    retiring: Vec<Weak<E>>,
+    /// Dataset directories pinned by the API (a pin may precede the dataset's first stream).
+    pinned: Vec<PathBuf>,
+}
+
+/// What [`TierBook::acquire`] found or did.
+pub enum Acquired<E> {
+    /// The dataset is in the tier (complete or still filling).
+    Found(Arc<E>),
+    /// The dataset was admitted: the caller fills it.
+    Admitted(Arc<E>),
+    /// Not in the tier, and not admitted (too large, no room, or the tier is off).
+    None,
+}
+
+impl<E: TierEntry> TierBook<E> {
+    /// An empty tier of `bytes_max` bytes (0: off).
+    pub fn new(bytes_max: u64) -> TierBook<E> {
+        TierBook {
+            bytes_max,
+            state: Mutex::new(BookState {
+                entries: Vec::new(),
+                retiring: Vec::new(),
+                pinned: Vec::new(),
+            }),
+            hits: AtomicU64::new(0),
+            admissions: AtomicU64::new(0),
+            declined: AtomicU64::new(0),
+            evictions: AtomicU64::new(0),
+        }
+    }
+
+    /// The budget.
+    pub fn bytes_max(&self) -> u64 {
+        self.bytes_max
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BookState<E>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The dataset `key` of `bytes` bytes for a stream: found in the tier (moved to the most
+    /// recently used end), or admitted with the memory `allocate` returns (`None`: the device is
+    /// short of it) after evicting what must go, or neither.
+    pub fn acquire(
+        &self,
+        key: &TierKey,
+        bytes: u64,
+        allocate: impl FnOnce() -> Result<Option<E>, DeviceError>,
+    ) -> Result<Acquired<E>, DeviceError> {
+        if self.bytes_max == 0 || bytes > self.bytes_max {
+            return Ok(Acquired::None);
+        }
+        let mut state = self.lock();
+        state.retiring.retain(|w| w.strong_count() > 0);
+        // The same directory under another manifest identity: re-packed, the old copy goes.
+        let stale: Vec<usize> = (0..state.entries.len())
+            .filter(|&i| state.entries[i].key().dir == key.dir && state.entries[i].key() != key)
+            .collect();
+        for index in stale.into_iter().rev() {
+            let entry = state.entries.remove(index);
+            self.retire(&mut state, entry);
+        }
+        if let Some(index) = state.entries.iter().position(|e| e.key() == key) {
+            let entry = state.entries.remove(index);
+            state.entries.push(Arc::clone(&entry));
+            if entry.is_complete() {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(Acquired::Found(entry));
+        }
+        // Room: evict unpinned datasets no stream holds, least recently used first.
+        loop {
+            let held = held_bytes(&state);
+            if held + bytes <= self.bytes_max
+                && state.entries.len() + state.retiring.len() < TIER_DATASETS_MAX
+            {
+                break;
+            }
+            let victim = state.entries.iter().position(|e| {
+                Arc::strong_count(e) == 1 && !state.pinned.iter().any(|p| *p == e.key().dir)
+            });
+            let Some(victim) = victim else {
+                self.declined.fetch_add(1, Ordering::Relaxed);
+                return Ok(Acquired::None);
+            };
+            let entry = state.entries.remove(victim);
+            self.retire(&mut state, entry);
+            state.retiring.retain(|w| w.strong_count() > 0);
+        }
+        // Allocated under the lock: two streams of one dataset opening at once admit it once.
+        let Some(entry) = allocate()? else {
+            self.declined.fetch_add(1, Ordering::Relaxed);
+            return Ok(Acquired::None);
+        };
+        let entry = Arc::new(entry);
+        state.entries.push(Arc::clone(&entry));
+        self.admissions.fetch_add(1, Ordering::Relaxed);
+        Ok(Acquired::Admitted(entry))
+    }
+
+    /// Takes `entry` out of the tier: freed now if no stream holds it, else when the last one
+    /// closes.
+    fn retire(&self, state: &mut BookState<E>, entry: Arc<E>) {
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        state.retiring.push(Arc::downgrade(&entry));
+    }
+
+    /// Pins the dataset directory `dir` (never evicted to make room), or unpins it.
+    pub fn set_pinned(&self, dir: &Path, pinned: bool) -> Result<(), TierError> {
+        let mut state = self.lock();
+        let at = state.pinned.iter().position(|p| p == dir);
+        match (pinned, at) {
+            (true, None) => {
+                if state.pinned.len() >= TIER_DATASETS_MAX {
+                    return Err(TierError::TooManyPins);
+                }
+                state.pinned.push(dir.to_path_buf());
+            }
+            (false, Some(at)) => {
+                state.pinned.remove(at);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Evicts every copy of the dataset directory `dir` and unpins it (see the module
+    /// documentation: memory that streams read is freed when they close).
+    pub fn evict(&self, dir: &Path) -> Result<(), TierError> {
+        let mut state = self.lock();
+        let was_pinned = state.pinned.iter().any(|p| p == dir);
+        state.pinned.retain(|p| p != dir);
+        let mut found = false;
+        while let Some(at) = state.entries.iter().position(|e| e.key().dir == dir) {
+            let entry = state.entries.remove(at);
+            self.retire(&mut state, entry);
+            found = true;
+        }
+        state.retiring.retain(|w| w.strong_count() > 0);
+        if found || was_pinned {
+            Ok(())
+        } else {
+            Err(TierError::NotResident(dir.to_path_buf()))
+        }
+    }
+
+    /// What the tier holds now.
+    pub fn report(&self) -> TierReport {
+        let mut state = self.lock();
+        state.retiring.retain(|w| w.strong_count() > 0);
+        let mut datasets: Vec<TierDatasetReport> = state
+            .entries
+            .iter()
+            .map(|e| TierDatasetReport {
+                dir: e.key().dir.clone(),
+                bytes: e.bytes(),
+                state: if e.is_complete() {
+                    "resident"
+                } else {
+                    "filling"
+                },
+                pinned: state.pinned.iter().any(|p| *p == e.key().dir),
+                // The tier's own reference is not a stream.
+                streams: Arc::strong_count(e) as u64 - 1,
+            })
+            .collect();
+        datasets.extend(state.retiring.iter().filter_map(Weak::upgrade).map(|e| {
+            TierDatasetReport {
+                dir: e.key().dir.clone(),
+                bytes: e.bytes(),
+                state: "retiring",
+                pinned: false,
+                // This report's own reference is not a stream.
+                streams: Arc::strong_count(&e) as u64 - 1,
+            }
+        }));
+        // Pinned datasets not in the tier yet.
+        for dir in &state.pinned {
+            if !datasets.iter().any(|d| d.dir == *dir) {
+                datasets.push(TierDatasetReport {
+                    dir: dir.clone(),
+                    bytes: 0,
+                    state: "pinned",
+                    pinned: true,
+                    streams: 0,
+                });
+            }
+        }
+        TierReport {
+            bytes_max: self.bytes_max,
+            held_bytes: held_bytes(&state),
+            datasets,
+            hits: self.hits.load(Ordering::Relaxed),
+            admissions: self.admissions.load(Ordering::Relaxed),
+            declined: self.declined.load(Ordering::Relaxed),
+            evictions: self.evictions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Bytes held by the entries and by the retiring datasets still read.
+fn held_bytes<E: TierEntry>(state: &BookState<E>) -> u64 {
+    state.entries.iter().map(|e| e.bytes()).sum::<u64>()
+        + state
+            .retiring
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|e| e.bytes())
+            .sum::<u64>()
+}
+
+/// A window's copy into the tier: not queued yet, queued (its event recorded), or known complete.
+const WINDOW_EMPTY: u8 = 0;
+const WINDOW_QUEUED: u8 = 1;
+const WINDOW_COMPLETE: u8 = 2;
+
+/// One window of a dataset in the tier.
+struct TierWindow {
+    state: AtomicU8,
+    /// Recorded on the dataset's copy stream after the window's copy.
+    copied: Event,
+    /// Where the window starts in the dataset's allocation.
+    offset: u64,
+    bytes: u64,
+}
+
+/// A dataset in a device's tier: its shard files, one after another, in one allocation.
+pub struct TierDataset {
+    key: TierKey,
+    buffer: DeviceBuffer,
+    /// Per window of every shard (the stream's region table's order): its copy.
+    windows: Vec<TierWindow>,
+    /// Copies into the tier, in the order streams queued them.
+    copy_stream: Stream,
+    /// Held while a stream queues copies: each window is queued once.
+    queueing: Mutex<()>,
+    /// Whether every window is known copied (kept so that a complete dataset costs one load).
+    complete: AtomicBool,
+    /// A copy could not be confirmed done: rounds must not read the tier any more.
+    failed: AtomicBool,
+}
+
+impl TierEntry for TierDataset {
+    fn key(&self) -> &TierKey {
+        &self.key
+    }
+
+    fn bytes(&self) -> u64 {
+        self.buffer.len() as u64
+    }
+
+    fn is_complete(&self) -> bool {
+        self.complete.load(Ordering::Acquire) || self.poll_complete()
+    }
+}
+
+impl TierDataset {
+    /// A dataset of shard files of `file_bytes` bytes, cut in windows of `window_bytes`, with its
+    /// memory on `device`; `None` when the device is short of memory.
+    fn new(
+        device: &Device,
+        key: TierKey,
+        file_bytes: &[u64],
+        window_bytes: u64,
+    ) -> Result<Option<TierDataset>, DeviceError> {
+        let total: u64 = file_bytes.iter().sum();
+        let buffer = match DeviceBuffer::new(device, total as usize) {
+            Ok(buffer) => buffer,
+            Err(DeviceError::Driver(error)) if error.is_out_of_memory() => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        let mut windows = Vec::new();
+        let mut offset = 0u64;
+        for &bytes in file_bytes {
+            let mut start = 0u64;
+            while start < bytes {
+                let len = window_bytes.min(bytes - start);
+                windows.push(TierWindow {
+                    state: AtomicU8::new(WINDOW_EMPTY),
+                    copied: Event::new(device, EventTiming::Disabled)?,
+                    offset: offset + start,
+                    bytes: len,
+                });
+                start += window_bytes;
+            }
+            offset += bytes;
+        }
+        Ok(Some(TierDataset {
+            key,
+            buffer,
+            windows,
+            copy_stream: Stream::new(device)?,
+            queueing: Mutex::new(()),
+            complete: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+        }))
+    }
+
+    /// Whether every window's copy is complete now (one event query per window not known complete;
+    /// called when a stream opens and for status, never per batch).
+    fn poll_complete(&self) -> bool {
+        if self.failed.load(Ordering::Acquire) {
+            return false;
+        }
+        for window in &self.windows {
+            match window.state.load(Ordering::Acquire) {
+                WINDOW_COMPLETE => {}
+                WINDOW_QUEUED if window.copied.is_complete().unwrap_or(false) => {
+                    window.state.store(WINDOW_COMPLETE, Ordering::Release);
+                }
+                _ => return false,
+            }
+        }
+        self.complete.store(true, Ordering::Release);
+        true
+    }
+
+    /// Windows (the stream's regions).
+    pub fn window_count(&self) -> usize {
+        self.windows.len()
+    }
+
+    /// The device address of window `window`.
+    pub fn window_ptr(&self, window: usize) -> u64 {
+        self.buffer.device_ptr() + self.windows[window].offset
+    }
+
+    /// Bytes of window `window`.
+    pub fn window_bytes(&self, window: usize) -> u64 {
+        self.windows[window].bytes
+    }
+
+    /// Queues the copies of the windows not queued yet, from `sources` (the host address of each
+    /// window, registered and pinned by the caller), in the order `order` (window indices). Returns
+    /// how many this call queued.
+    ///
+    /// # Safety
+    /// Every source address must stay valid and registered until [`Self::synchronize`] returned
+    /// (the copies read it until then).
+    pub unsafe fn queue_fill(
+        &self,
+        sources: &[usize],
+        order: impl Iterator<Item = usize>,
+    ) -> Result<usize, DeviceError> {
+        debug_assert_eq!(sources.len(), self.windows.len());
+        let _queueing = self.queueing.lock().unwrap_or_else(|e| e.into_inner());
+        let mut queued = 0;
+        for index in order {
+            let window = &self.windows[index];
+            if window.state.load(Ordering::Acquire) != WINDOW_EMPTY {
+                continue;
+            }
+            // SAFETY: the destination lies within the allocation (the windows were cut from it);
+            // no round reads a window before its copy completed or the compute stream waited for
+            // it; the source stays valid until `synchronize` (the caller's contract).
+            unsafe {
+                crate::device::ffi::memcpy_htod_async(
+                    self.buffer.device_ptr() + window.offset,
+                    sources[index] as *const u8,
+                    window.bytes as usize,
+                    self.copy_stream.raw(),
+                )
+            }
+            .map_err(DeviceError::from)?;
+            window.copied.record(&self.copy_stream)?;
+            // Released after the event is recorded: a reader that sees QUEUED waits on this copy.
+            window.state.store(WINDOW_QUEUED, Ordering::Release);
+            queued += 1;
+        }
+        Ok(queued)
+    }
+
+    /// Whether rounds may read window `window` without waiting: its copy completed.
+    pub fn window_complete(&self, window: usize) -> Result<bool, DeviceError> {
+        if self.failed.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let w = &self.windows[window];
+        match w.state.load(Ordering::Acquire) {
+            WINDOW_COMPLETE => Ok(true),
+            WINDOW_QUEUED if w.copied.is_complete()? => {
+                w.state.store(WINDOW_COMPLETE, Ordering::Release);
+                if self
+                    .windows
+                    .iter()
+                    .all(|w| w.state.load(Ordering::Acquire) == WINDOW_COMPLETE)
+                {
+                    self.complete.store(true, Ordering::Release);
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Makes `compute` wait for the copy of window `window` if it is queued; returns whether it
+    /// was (rounds queued on `compute` from now on may read the window in the tier).
+    pub fn wait_for_window(&self, window: usize, compute: &Stream) -> Result<bool, DeviceError> {
+        if self.failed.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let w = &self.windows[window];
+        match w.state.load(Ordering::Acquire) {
+            WINDOW_COMPLETE => Ok(true),
+            WINDOW_QUEUED => {
+                compute.wait(&w.copied)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Whether the dataset may be read from the tier at all (no copy into it failed).
+    pub fn usable(&self) -> bool {
+        !self.failed.load(Ordering::Acquire)
+    }
+
+    /// Waits for every copy queued into the dataset (before the sources are unpinned). A failed
+    /// wait leaves the copies unknown: the dataset is not read from the tier any more.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        let result = self.copy_stream.synchronize();
+        match result {
+            Err(_) => self.failed.store(true, Ordering::Release),
+            // Every copy queued is done: the dataset is complete if every window was queued.
+            Ok(()) => {
+                self.poll_complete();
+            }
+        }
+        result
+    }
+}
+
+impl Drop for TierDataset {
+    fn drop(&mut self) {
+        // No copy may still write the allocation when it is freed.
+        let _ = self.copy_stream.synchronize();
+    }
+}
+
+/// A device's memory tier (see the module documentation).
+pub struct DeviceTier {
+    device: Device,
+    ordinal: u32,
+    book: TierBook<TierDataset>,
+    metrics: std::sync::OnceLock<Arc<Metrics>>,
+}
+
+impl DeviceTier {
+    /// The tier of `device` (`cuda:ordinal`) with a budget of `bytes_max` (0: off).
+    pub fn new(device: &Device, ordinal: u32, bytes_max: u64) -> DeviceTier {
+        DeviceTier {
+            device: device.clone(),
+            ordinal,
+            book: TierBook::new(bytes_max),
+            metrics: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+
+    /// Whether the tier has a budget.
+    pub fn is_enabled(&self) -> bool {
+        self.book.bytes_max() > 0
+    }
+
+    /// Reports the tier's figures to `metrics` from now on.
+    pub fn report_to(&self, metrics: &Arc<Metrics>) {
+        let _ = self.metrics.set(Arc::clone(metrics));
+        self.publish();
+    }
+
+    fn publish(&self) {
+        if let Some(metrics) = self.metrics.get() {
+            metrics.set_device_tier(self.ordinal, self.book.report().figures());
+        }
+    }
+
+    /// The dataset `key`, whose shard files are `file_bytes` bytes cut in windows of
+    /// `window_bytes`, for a stream (see [`TierBook::acquire`]).
+    pub fn acquire(
+        &self,
+        key: TierKey,
+        file_bytes: &[u64],
+        window_bytes: u64,
+    ) -> Result<Acquired<TierDataset>, DeviceError> {
+        let total: u64 = file_bytes.iter().sum();
+        let acquired = self.book.acquire(&key, total, || {
+            TierDataset::new(&self.device, key.clone(), file_bytes, window_bytes)
+        });
+        self.publish();
+        acquired
+    }
+
+    /// See [`TierBook::set_pinned`].
+    pub fn set_pinned(&self, dir: &Path, pinned: bool) -> Result<(), TierError> {
+        let result = self.book.set_pinned(dir, pinned);
+        self.publish();
+        result
+    }
+
+    /// See [`TierBook::evict`].
+    pub fn evict(&self, dir: &Path) -> Result<(), TierError> {
+        let result = self.book.evict(dir);
+        self.publish();
+        result
+    }
+
+    /// What the tier holds now.
+    pub fn report(&self) -> TierReport {
+        let report = self.book.report();
+        if let Some(metrics) = self.metrics.get() {
+            metrics.set_device_tier(self.ordinal, report.figures());
+        }
+        report
+    }
+
+    /// Publishes the figures after a stream released a dataset (its memory may have been freed).
+    pub fn stream_closed(&self) {
+        self.publish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fake {
+        key: TierKey,
+        bytes: u64,
+        complete: AtomicBool,
+    }
+
+    impl TierEntry for Fake {
+        fn key(&self) -> &TierKey {
+            &self.key
+        }
+        fn bytes(&self) -> u64 {
+            self.bytes
+        }
+        fn is_complete(&self) -> bool {
+            self.complete.load(Ordering::Relaxed)
+        }
+    }
+
+    fn key(dir: &str, inode: u64) -> TierKey {
+        TierKey {
+            dir: PathBuf::from(dir),
+            identity: FileIdentity::for_tests(inode),
+        }
+    }
+
+    fn acquire(book: &TierBook<Fake>, k: &TierKey, bytes: u64) -> Acquired<Fake> {
+        book.acquire(k, bytes, || {
+            Ok(Some(Fake {
+                key: k.clone(),
+                bytes,
+                complete: AtomicBool::new(false),
+            }))
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn off_and_too_large_are_not_admitted() {
+        let off: TierBook<Fake> = TierBook::new(0);
+        assert!(matches!(acquire(&off, &key("/a", 1), 10), Acquired::None));
+        let small: TierBook<Fake> = TierBook::new(100);
+        assert!(matches!(
+            acquire(&small, &key("/a", 1), 101),
+            Acquired::None
+        ));
+        assert_eq!(small.report().held_bytes, 0);
+        // Too large is not a decline for room: nothing was competing.
+        assert_eq!(small.report().declined, 0);
+    }
+
+    #[test]
+    fn admitted_once_then_found_and_hits_counted_when_complete() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        let a = key("/a", 1);
+        let Acquired::Admitted(first) = acquire(&book, &a, 60) else {
+            panic!("admitted")
+        };
+        let Acquired::Found(second) = acquire(&book, &a, 60) else {
+            panic!("found")
+        };
+        assert!(Arc::ptr_eq(&first, &second));
+        assert_eq!(book.report().hits, 0, "filling: not a hit");
+        first.complete.store(true, Ordering::Relaxed);
+        assert!(matches!(acquire(&book, &a, 60), Acquired::Found(_)));
+        let report = book.report();
+        assert_eq!((report.hits, report.admissions), (1, 1));
+        assert_eq!(report.datasets[0].state, "resident");
+        assert_eq!(report.datasets[0].streams, 2);
+    }
+
+    #[test]
+    fn least_recently_used_unread_unpinned_dataset_makes_room() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        let (a, b, c) = (key("/a", 1), key("/b", 2), key("/c", 3));
+        drop(acquire(&book, &a, 40));
+        drop(acquire(&book, &b, 40));
+        // `a` used again: `b` is now the least recently used.
+        drop(acquire(&book, &a, 40));
+        assert!(matches!(acquire(&book, &c, 40), Acquired::Admitted(_)));
+        let report = book.report();
+        let dirs: Vec<_> = report.datasets.iter().map(|d| d.dir.clone()).collect();
+        assert_eq!(dirs, vec![PathBuf::from("/a"), PathBuf::from("/c")]);
+        assert_eq!(report.evictions, 1);
+        assert_eq!(report.held_bytes, 80);
+    }
+
+    #[test]
+    fn pinned_and_read_datasets_are_not_evicted_for_room() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        let (a, b, c) = (key("/a", 1), key("/b", 2), key("/c", 3));
+        book.set_pinned(Path::new("/a"), true).unwrap();
+        drop(acquire(&book, &a, 50));
+        let Acquired::Admitted(read) = acquire(&book, &b, 50) else {
+            panic!("admitted")
+        };
+        // `a` pinned, `b` read by a stream: no room for `c`, which is served without the tier.
+        assert!(matches!(acquire(&book, &c, 50), Acquired::None));
+        assert_eq!(book.report().declined, 1);
+        drop(read);
+        assert!(matches!(acquire(&book, &c, 50), Acquired::Admitted(_)));
+        let report = book.report();
+        assert!(report
+            .datasets
+            .iter()
+            .any(|d| d.dir == Path::new("/a") && d.pinned));
+        assert!(!report.datasets.iter().any(|d| d.dir == Path::new("/b")));
+    }
+
+    #[test]
+    fn eviction_while_read_retires_until_the_stream_closes() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        let (a, b) = (key("/a", 1), key("/b", 2));
+        let Acquired::Admitted(stream) = acquire(&book, &a, 70) else {
+            panic!("admitted")
+        };
+        book.evict(Path::new("/a")).unwrap();
+        let report = book.report();
+        assert_eq!(report.datasets[0].state, "retiring");
+        assert_eq!(report.held_bytes, 70, "still read: still held");
+        // New streams do not find it, and its bytes still count against the budget.
+        assert!(matches!(acquire(&book, &b, 70), Acquired::None));
+        drop(stream);
+        assert_eq!(book.report().held_bytes, 0);
+        assert!(matches!(acquire(&book, &b, 70), Acquired::Admitted(_)));
+        assert_eq!(
+            book.evict(Path::new("/nothing")),
+            Err(TierError::NotResident(PathBuf::from("/nothing")))
+        );
+    }
+
+    #[test]
+    fn a_repacked_dataset_replaces_its_old_copy() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        drop(acquire(&book, &key("/a", 1), 60));
+        assert!(matches!(
+            acquire(&book, &key("/a", 2), 60),
+            Acquired::Admitted(_)
+        ));
+        let report = book.report();
+        assert_eq!(report.datasets.len(), 1);
+        assert_eq!(report.evictions, 1);
+    }
+
+    #[test]
+    fn a_pin_before_the_first_stream_is_reported() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        book.set_pinned(Path::new("/a"), true).unwrap();
+        let report = book.report();
+        assert_eq!(report.datasets[0].state, "pinned");
+        book.evict(Path::new("/a")).unwrap();
+        assert!(book.report().datasets.is_empty());
+    }
+}

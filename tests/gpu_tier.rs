@@ -1,0 +1,394 @@
+//! The device-memory tier (`--device-cache`) end to end on the GPU backend: `gpufeed serve --device
+//! cuda:0` as a child process with its control API on, consumers as separate processes (the
+//! `consume` example). Covers batches bit-exact against the CPU backend in every order, from the
+//! stream that fills the tier and from streams that find it whole; a dataset evicted through the API
+//! while a stream reads it; a dataset larger than the budget served as without the tier; two
+//! consumer processes reading one copy; device memory back to its baseline once the tier lets a
+//! dataset go.
+//!
+//! Run on a CUDA machine: `cargo test --release --test gpu_tier -- --include-ignored`. Where the
+//! test binary runs away from its build tree, `GPUFEED_BIN` and `GPUFEED_CONSUME_BIN` name the
+//! `gpufeed` binary and the `consume` example.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::daemon::Daemon;
+use gpufeed::device::Device;
+use gpufeed::format::Dataset;
+use gpufeed_client::consumer::Client;
+use gpufeed_client::DType;
+
+const SAMPLES: u64 = 6000;
+const EMB_DIM: u64 = 256;
+const TOK_LEN: u64 = 64;
+
+fn binary(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
+    std::env::var_os(env).map_or_else(fallback, PathBuf::from)
+}
+
+fn gpufeed_bin() -> PathBuf {
+    binary("GPUFEED_BIN", || {
+        PathBuf::from(env!("CARGO_BIN_EXE_gpufeed"))
+    })
+}
+
+fn consume_bin() -> PathBuf {
+    binary("GPUFEED_CONSUME_BIN", || {
+        let exe = std::env::current_exe().unwrap();
+        exe.parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .join("examples")
+            .join("consume")
+    })
+}
+
+/// A dataset `name` under `root`: a raw fp16 embedding field (the tier serves streams of raw
+/// fields) and an LZ4 token field (held in the tier as stored, not read by these streams), in
+/// shards of 1000 samples.
+fn pack(root: &Path, name: &str, samples: u64, seed: u64) -> PathBuf {
+    let dir = root.join(name);
+    let emb = gpufeed::synth::embedding_f16((samples * EMB_DIM) as usize, seed);
+    let tok = common::i32_bytes((samples * TOK_LEN) as usize, |i| (i % 97) as i32);
+    let fields = vec![
+        common::field("emb", DType::F16, &[EMB_DIM], emb),
+        common::field("tok", DType::I32, &[TOK_LEN], tok),
+    ];
+    common::pack_fields(&dir, &fields, &common::options(name, 64 << 10, Some(1000)));
+    dir
+}
+
+/// Bytes of the dataset's shard files: what the tier holds of it.
+fn shard_bytes(dir: &Path) -> u64 {
+    let dataset = Dataset::open(dir).unwrap();
+    dataset
+        .shards
+        .iter()
+        .map(|s| std::fs::metadata(&s.path).unwrap().len())
+        .sum()
+}
+
+/// A GPU daemon on `root` with its API on a free loopback port, windows of 256 KiB (several per
+/// shard, so that a filling stream reads some windows from the tier and others in place) and
+/// `extra` flags.
+fn start_gpu(root: &Path, extra: &[&str]) -> Daemon {
+    let mut command = Command::new(gpufeed_bin());
+    command
+        .args(["serve", "--data-root"])
+        .arg(root)
+        .arg("--socket")
+        .arg(root.join("gpu.sock"))
+        .args(["--device", "cuda:0", "--http", "127.0.0.1:0"])
+        .args(["--registered-window", "256K"])
+        .args(extra)
+        .env_remove("GPUFEED_API_TOKEN")
+        .env_remove("GPUFEED_CONFIG")
+        .env("GPUFEED_DEVICE_POOL_IDLE_S", "3600");
+    common::daemon::start(command, &root.join("logs"))
+}
+
+fn start_cpu(root: &Path) -> Daemon {
+    common::daemon::start_daemon(
+        &gpufeed_bin(),
+        root,
+        root.join("cpu.sock"),
+        "cpu",
+        &[],
+        Stdio::inherit(),
+    )
+}
+
+/// `consume` arguments: the raw embedding field as f32, batches of 96, `shuffle` (windows of two
+/// shards), seed 7.
+fn emb_args(shuffle: &'static str) -> Vec<&'static str> {
+    vec![
+        "--batch-size",
+        "96",
+        "--field",
+        "emb",
+        "--dtype",
+        "f32",
+        "--shuffle",
+        shuffle,
+        "--window-shards",
+        "2",
+        "--seed",
+        "7",
+    ]
+}
+
+fn consume(socket: &Path, dataset: &str, device: &str, args: &[&str], dump: &Path) -> Child {
+    Command::new(consume_bin())
+        .arg("--socket")
+        .arg(socket)
+        .args(["--dataset", dataset, "--device", device])
+        .args(args)
+        .arg("--dump")
+        .arg(dump)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the consume example")
+}
+
+fn finish(mut child: Child) {
+    drop(child.stdin.take());
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "consume failed: {output:?}");
+}
+
+/// Waits for a `--hold-after` consumer to say it holds its batches.
+fn wait_holding(child: &mut Child) -> BufReader<std::process::ChildStdout> {
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert!(line.starts_with("holding"), "consumer said {line:?}");
+    stdout
+}
+
+fn npy_payload(path: &Path) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap();
+    let header = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    bytes[10 + header..].to_vec()
+}
+
+fn tier(address: SocketAddr) -> serde_json::Value {
+    let response = common::http::get(address, "/v1/devices/cuda:0/cache", None);
+    assert_eq!(
+        response.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&response.body)
+    );
+    response.json()
+}
+
+fn evict(address: SocketAddr, dataset: &str) -> serde_json::Value {
+    let response = common::http::request(
+        address,
+        "DELETE",
+        &format!("/v1/devices/cuda:0/cache/{dataset}"),
+        &[],
+        None,
+    );
+    assert_eq!(
+        response.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&response.body)
+    );
+    response.json()
+}
+
+fn wait_for_no_streams(socket: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = Client::connect(socket).unwrap().status().unwrap();
+        if status.slots_allocated == 0 && status.streams == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "streams never closed: {status:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The CPU backend's batches for `args` on `dataset`, dumped once per request.
+fn cpu_dump(cpu: &Daemon, dumps: &Path, dataset: &str, name: &str, args: &[&str]) -> Vec<u8> {
+    let path = dumps.join(format!("{dataset}-{name}-cpu.npy"));
+    if !path.exists() {
+        finish(consume(&cpu.socket, dataset, "cpu", args, &path));
+    }
+    npy_payload(&path)
+}
+
+/// In every order, a fresh daemon's first stream fills the tier (some windows read in place, the
+/// others from the tier as their copies complete) and its second stream finds the dataset whole:
+/// both bit-exact against the CPU backend, and the tier counts one admission and one hit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tier_batches_equal_the_cpu_backend_in_every_order() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = pack(root.path(), "emb", SAMPLES, 11);
+    let bytes = shard_bytes(&dir);
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&dir, &cpu_root.join("emb"));
+    let cpu = start_cpu(&cpu_root);
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    for shuffle in ["none", "window", "full"] {
+        let gpu = start_gpu(root.path(), &["--device-cache", "64M"]);
+        let expected = cpu_dump(&cpu, &dumps, "emb", shuffle, &emb_args(shuffle));
+        assert!(!expected.is_empty());
+        for stream in ["filling", "whole"] {
+            let path = dumps.join(format!("emb-{shuffle}-{stream}-gpu.npy"));
+            finish(consume(
+                &gpu.socket,
+                "emb",
+                "cuda:0",
+                &emb_args(shuffle),
+                &path,
+            ));
+            assert!(
+                npy_payload(&path) == expected,
+                "{shuffle}, {stream} stream: the tier's batches differ from the CPU backend's"
+            );
+            wait_for_no_streams(&gpu.socket);
+        }
+        let view = tier(gpu.address());
+        assert_eq!(view["admissions"], 1, "{view}");
+        assert_eq!(view["hits"], 1, "{view}");
+        assert_eq!(view["held_bytes"], bytes, "{view}");
+        assert_eq!(view["datasets"][0]["name"], "emb", "{view}");
+        assert_eq!(view["datasets"][0]["state"], "resident", "{view}");
+        let log = gpu.log();
+        assert!(log.contains("stream fills the device-memory tier"), "{log}");
+        assert!(
+            log.contains("stream reads 6 shards from the device-memory tier"),
+            "{log}"
+        );
+    }
+}
+
+/// A dataset evicted through the API while a stream reads it from the tier: the stream goes on,
+/// bit-exact; the tier shows it retiring until the stream closes, then frees its memory (device
+/// free memory back to what it was before the tier held it, within the allocation granularity). A
+/// dataset larger than the budget is served as without the tier, bit-exact. Two consumer processes
+/// read one copy at once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn eviction_budget_and_sharing() {
+    let root = tempfile::tempdir().unwrap();
+    let small = pack(root.path(), "small", SAMPLES, 21);
+    let large = pack(root.path(), "large", 4 * SAMPLES, 22);
+    let small_bytes = shard_bytes(&small);
+    assert!(shard_bytes(&large) > 2 * small_bytes);
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&small, &cpu_root.join("small"));
+    copy_dataset(&large, &cpu_root.join("large"));
+    let cpu = start_cpu(&cpu_root);
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    // Room for the small dataset, not for the large one.
+    let budget = format!("{}", small_bytes + (1 << 20));
+    let gpu = start_gpu(root.path(), &["--device-cache", &budget]);
+    let device = Device::open(0).unwrap();
+    let args = emb_args("full");
+
+    // Larger than the budget: served as without the tier.
+    let path = dumps.join("large-gpu.npy");
+    finish(consume(&gpu.socket, "large", "cuda:0", &args, &path));
+    assert!(npy_payload(&path) == cpu_dump(&cpu, &dumps, "large", "full", &args));
+    wait_for_no_streams(&gpu.socket);
+    let view = tier(gpu.address());
+    assert_eq!(
+        (view["admissions"].as_u64(), view["held_bytes"].as_u64()),
+        (Some(0), Some(0))
+    );
+
+    // The small dataset fills the tier, and is evicted with no stream reading it: its memory is
+    // freed at once. What the device has free then (the stream's own buffers kept for the next
+    // stream) is the baseline.
+    let expected = cpu_dump(&cpu, &dumps, "small", "full", &args);
+    let path = dumps.join("small-fill-gpu.npy");
+    finish(consume(&gpu.socket, "small", "cuda:0", &args, &path));
+    assert!(npy_payload(&path) == expected);
+    wait_for_no_streams(&gpu.socket);
+    assert_eq!(tier(gpu.address())["held_bytes"], small_bytes);
+    let view = evict(gpu.address(), "small");
+    assert_eq!(view["held_bytes"], 0, "{view}");
+    let (baseline, _) = device.memory_info().unwrap();
+
+    // Admitted and filled again: the tier holds it.
+    let path = dumps.join("small-refill-gpu.npy");
+    finish(consume(&gpu.socket, "small", "cuda:0", &args, &path));
+    assert!(npy_payload(&path) == expected);
+    wait_for_no_streams(&gpu.socket);
+    let (held, _) = device.memory_info().unwrap();
+    assert!(
+        baseline - held >= small_bytes as usize,
+        "the tier holds {small_bytes} bytes but free memory fell by {}",
+        baseline - held
+    );
+
+    // Two consumer processes read it at once from one copy.
+    let mut readers: Vec<(Child, PathBuf)> = (0..2)
+        .map(|i| {
+            let path = dumps.join(format!("small-shared-{i}-gpu.npy"));
+            let mut with_hold = args.clone();
+            with_hold.extend(["--hold-after", "3"]);
+            (
+                consume(&gpu.socket, "small", "cuda:0", &with_hold, &path),
+                path,
+            )
+        })
+        .collect();
+    let _outs: Vec<_> = readers.iter_mut().map(|(c, _)| wait_holding(c)).collect();
+    let view = tier(gpu.address());
+    assert_eq!(view["datasets"].as_array().unwrap().len(), 1, "{view}");
+    assert_eq!(view["datasets"][0]["streams"], 2, "{view}");
+    assert_eq!(
+        view["held_bytes"], small_bytes,
+        "one copy for two streams: {view}"
+    );
+
+    // Evicted while both read it: they go on; it is retiring until they close.
+    let view = evict(gpu.address(), "small");
+    assert_eq!(view["datasets"][0]["state"], "retiring", "{view}");
+    for (child, path) in readers {
+        finish(child);
+        assert!(
+            npy_payload(&path) == expected,
+            "a stream of an evicted dataset differs"
+        );
+    }
+    wait_for_no_streams(&gpu.socket);
+    let view = tier(gpu.address());
+    assert_eq!(view["held_bytes"], 0, "{view}");
+    assert!(view["datasets"].as_array().unwrap().is_empty(), "{view}");
+    let (after, _) = device.memory_info().unwrap();
+    eprintln!("device free bytes: baseline {baseline}, tier holding {held}, released {after}");
+    assert_eq!(
+        after, baseline,
+        "device memory did not return to its baseline once the tier let the dataset go"
+    );
+
+    // Pinning: the API names what it pins, and a dataset unknown to the registry is a 404.
+    let pin = common::http::request(
+        gpu.address(),
+        "PUT",
+        "/v1/devices/cuda:0/cache/small/pin",
+        &[],
+        None,
+    );
+    assert_eq!(pin.status, 200);
+    assert_eq!(pin.json()["datasets"][0]["state"], "pinned");
+    common::http::request(
+        gpu.address(),
+        "PUT",
+        "/v1/devices/cuda:0/cache/nothing/pin",
+        &[],
+        None,
+    )
+    .assert_error(404, "not_found");
+}
+
+/// Copies the dataset directory `from` into `to` (a daemon owns its data root, so the CPU daemon
+/// serves a copy).
+fn copy_dataset(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
