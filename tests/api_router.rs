@@ -1270,3 +1270,27 @@ async fn a_corrupt_catalog_stops_the_start_and_is_left_alone() {
         b"{\"format\": \"gpufeed-catalog\", \"version\": 1, \"dat"
     );
 }
+
+/// The device-memory tier's endpoints on a daemon that serves no GPU: each names the device asked
+/// for and what the daemon serves (404), and status reports the tier's budget as off.
+#[tokio::test]
+async fn device_cache_endpoints_name_the_devices_served() {
+    let root = scratch();
+    pack_dataset(&root.path().join("one"), "one");
+    let app = open(options(root.path()));
+    for (method, uri) in [
+        ("GET", "/v1/devices/cuda:0/cache"),
+        ("PUT", "/v1/devices/cuda:0/cache/one/pin"),
+        ("DELETE", "/v1/devices/cuda:0/cache/one/pin"),
+        ("DELETE", "/v1/devices/0/cache/one"),
+    ] {
+        let reply = call(&app, method, uri, &[], None).await;
+        let message = reply.error(404, "not_found");
+        assert!(
+            message.contains("is not served by this daemon") && message.contains("no GPU"),
+            "{method} {uri}: {message}"
+        );
+    }
+    let status = get(&app, "/v1/status").await.json();
+    assert_eq!(status["serving"]["device_cache"], 0);
+}

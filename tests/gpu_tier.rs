@@ -269,8 +269,10 @@ fn tier_batches_equal_the_cpu_backend_in_every_order() {
 #[ignore = "needs a CUDA GPU"]
 fn eviction_budget_and_sharing() {
     let root = tempfile::tempdir().unwrap();
-    let small = pack(root.path(), "small", SAMPLES, 21);
-    let large = pack(root.path(), "large", 4 * SAMPLES, 22);
+    // 250 batches of 96 in an epoch of the small dataset: more than a ring's slots, so that a
+    // consumer holding batches keeps its stream (and its hold on the tier) open.
+    let small = pack(root.path(), "small", 4 * SAMPLES, 21);
+    let large = pack(root.path(), "large", 12 * SAMPLES, 22);
     let small_bytes = shard_bytes(&small);
     assert!(shard_bytes(&large) > 2 * small_bytes);
     let cpu_root = root.path().join("cpu-root");
