@@ -1466,6 +1466,8 @@ mod tests {
         assert_eq!(defaults.interrupt_cpus, InterruptCpus::Avoid);
         assert_eq!(defaults.zero_copy, ZeroCopyMode::Auto);
         assert_eq!(defaults.device_shard_bytes, DEVICE_SHARD_BYTES_DEFAULT);
+        // The device-memory tier is off unless asked for: the trainer needs that memory.
+        assert_eq!(defaults.device_cache_bytes, 0);
 
         let from_file = file(
             "data_root = \"/r\"\nrounds_in_flight = 5\nfiller_spin_us = 20\ngather_piece_kib = 64\n\
