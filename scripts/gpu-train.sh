@@ -37,8 +37,7 @@ npy="$work/npy/emb_fp16.npy"
 jsonl="$OUT/train.jsonl"
 socket=/tmp/gpufeed-train.sock
 http=127.0.0.1:7173
-mps_pipe=/tmp/gpufeed-mps-pipe
-mps_log=/tmp/gpufeed-mps-log
+. scripts/lib/mps.sh
 export PYTHONPATH=/tmp/gpufeed-site:/tmp/dali-site
 
 bench_args() {
@@ -105,19 +104,12 @@ plain() {
   return "$rc"
 }
 
-mps_stop() {
-  echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps_pipe nvidia-cuda-mps-control >/dev/null 2>&1 || true
-}
-
 # The ideal feeder and gpufeed again, the daemon and the trainer both MPS clients.
 under_mps() {
   set -e
   trap 'stop_daemon; mps_stop' EXIT
   trap 'exit 143' TERM INT
-  rm -rf "$mps_pipe" "$mps_log"
-  mkdir -p "$mps_pipe" "$mps_log"
-  export CUDA_MPS_PIPE_DIRECTORY=$mps_pipe CUDA_MPS_LOG_DIRECTORY=$mps_log
-  nvidia-cuda-mps-control -d
+  mps_start
   start_daemon "under MPS"
   local rc=0
   # shellcheck disable=SC2046
