@@ -69,8 +69,8 @@ PY
 
 stop_daemon() {
   [ -n "${daemon:-}" ] || return 0
-  kill -TERM "$daemon" 2>/dev/null
-  wait "$daemon" 2>/dev/null
+  kill -TERM "$daemon" 2>/dev/null || true
+  wait "$daemon" 2>/dev/null || true
   daemon=
 }
 
@@ -148,6 +148,6 @@ step train_mps bench 120 30 bash "$0" --mps
 step train_dl bench 150 30 bash "$0" --dataloader
 step train_dali bench 60 10 bash "$0" --dali
 mps_stop
-grep -h "skipped: \|MPS servers" "$OUT/bench.log" | sort -u
+grep -h "^skipped: \|^MPS servers" "$OUT/bench.log" | sort -u
 python3 examples/python/train_bench.py summary --jsonl "$jsonl" | tee "$OUT/summary.md"
 step_summary

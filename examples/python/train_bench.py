@@ -401,9 +401,9 @@ def run(args) -> int:
                 try:
                     import nvidia.dali  # noqa: F401
                 except ImportError as error:
-                    emit({"feeder": "dali" + suffix, **common,
-                          "skipped": f"DALI not installed (nvidia.dali cannot be imported: {error})"},
-                         args.jsonl)
+                    reason = f"DALI not installed (nvidia.dali cannot be imported: {error})"
+                    print(f"skipped: dali{suffix}: {reason}", flush=True)
+                    emit({"feeder": "dali" + suffix, **common, "skipped": reason}, args.jsonl)
                     continue
                 sources[feeder] = [("dali" + suffix, {"order": "consecutive rows at shuffled "
                                                                "batch offsets (numpy reader ROI)"},
