@@ -13,7 +13,9 @@
 #   d. a strong PyTorch DataLoader (batched __getitems__ over the memory-mapped .npy, pinned memory),
 #      4, 8 and 16 workers, the best taken;
 #   e. NVIDIA DALI's numpy reader, only when `import nvidia.dali` works (a wheel staged in
-#      .gpu/read/dali/ is installed first); otherwise a "skipped: DALI not installed" line.
+#      .gpu/read/dali/ is installed first); otherwise a "skipped: DALI not installed" line. (The
+#      machine reaches no package index, and DALI's wheel, about 200 MB, is over the 64 MiB the
+#      device tool carries: on the lent machines it is skipped.)
 # Each (model, feeder) runs TRAIN_RUNS (3) times: TRAIN_WARMUP (20) untimed steps, then TRAIN_STEPS
 # timed steps (train_bench.py's default: tiny=600,medium=200,large=80); every run is a JSON line in
 # $OUT/train.jsonl. Also: the pipeline alone (`consume`, the Rust consumer, one epoch in the same
