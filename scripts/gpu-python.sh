@@ -3,7 +3,10 @@
 # .gpu/read/ here, in one command:
 #   1. the Python package's tests against a CPU daemon, torch required (gpufeed.torch included);
 #   2. its device tests against a GPU daemon: torch and CuPy through DLPack and the CUDA array
-#      interface, bit-exact; a sleeping consumer stream keeps its slot; the torch dataset;
+#      interface, bit-exact; a sleeping consumer stream keeps its slot; the torch dataset; the
+#      status's MPS block; then the same tests once more with the daemon and the tests under CUDA MPS
+#      (a control daemon of this script's own, stopped at the end: scripts/lib/mps.sh), where the
+#      status must say MPS is active;
 #   3. the Python consumer against the Rust consumer (examples/consume.rs), interleaved, 3 runs each
 #      (the Python one twice: taking each batch only, and summing each batch on its CUDA stream),
 #      on PY_GIB GiB of fp16 rows of 2 KiB (raw shards of 512 MiB, page cache warm), fp32 device
@@ -80,6 +83,17 @@ train_example() {
   kill "$daemon"; wait "$daemon" || true
 }
 
+. scripts/lib/mps.sh
+# --under-mps COMMAND...: COMMAND with an MPS control daemon running, every CUDA process it starts a
+# client (GPU_UNDER_MPS=1 tells the tests so); the control daemon is stopped when it ends.
+if [ "${1:-}" = --under-mps ]; then
+  shift
+  trap mps_stop EXIT
+  trap 'exit 143' TERM INT
+  mps_start || exit 1
+  GPU_UNDER_MPS=1 "$@"
+  exit $?
+fi
 if [ "${1:-}" = --train-only ]; then
   train_example
   exit $?
@@ -93,6 +107,9 @@ python3 -m pip install -q --no-deps --force-reinstall --target /tmp/gpufeed-site
 export PYTHONPATH=/tmp/gpufeed-site
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_cpu python 120 20 env GPUFEED_REQUIRE_TORCH=1 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_gpu python 180 20 env GPUFEED_TEST_DEVICE=cuda:0 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
+# A control daemon left by a step killed for time is stopped at the end too.
+trap mps_stop EXIT
+[ -n "${PY_BENCH_ONLY:-}" ] || step py_gpu_mps python 180 20 bash "$0" --under-mps env GPUFEED_TEST_DEVICE=cuda:0 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
 
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_train python 200 30 bash "$0" --train-only
 step py_bench bench 300 60 bash "$0" --bench-only

@@ -1069,6 +1069,25 @@ async fn status_and_metrics_report_what_exists() {
         !status["platform"]["devices"].as_array().unwrap().is_empty()
     );
     assert!(!cuda["reason"].as_str().unwrap().is_empty());
+    // MPS: the pipe directory looked at, and active only where the driver says this process is a
+    // client and a control daemon runs; without a CUDA device nothing is a client.
+    let mps = &status["mps"];
+    assert!(
+        mps["pipe_directory"]
+            .as_str()
+            .is_some_and(|d| !d.is_empty()),
+        "{mps}"
+    );
+    assert!(!mps["reason"].as_str().unwrap().is_empty());
+    assert_eq!(
+        mps["active"].as_bool().unwrap(),
+        mps["client"] == true && !mps["control_daemon_pid"].is_null(),
+        "{mps}"
+    );
+    if !cuda["available"].as_bool().unwrap() {
+        assert_eq!(mps["active"], false, "{mps}");
+        assert_eq!(mps["client"], Value::Null, "{mps}");
+    }
 
     let reply = get(&app, "/metrics").await;
     assert_eq!(reply.status, 200);

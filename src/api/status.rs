@@ -18,7 +18,9 @@ use super::datasets::dataset_view;
 use super::datasets::DatasetStateName;
 use super::error::blocking;
 use super::error::ErrorBody;
-pub use super::platform::{probe_platform, Availability, DeviceView, EngineView, Platform};
+pub use super::platform::{
+    probe_mps, probe_platform, Availability, DeviceView, EngineView, MpsView, Platform,
+};
 use super::state::Control;
 use crate::catalog::JobState;
 use crate::config::InterruptCpus;
@@ -194,6 +196,9 @@ pub struct StatusView {
     pub control: ControlSettings,
     /// What the machine offers.
     pub platform: Platform,
+    /// Whether the daemon runs under CUDA MPS (read for each request: a control daemon may start
+    /// or stop while the daemon runs).
+    pub mps: MpsView,
     /// Pools and their use.
     pub pools: Pools,
     /// Host memory held for streams, within one budget: slots, and the CPU backend's shared
@@ -318,6 +323,10 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
             pack_threads: options.pack_threads as u64,
             pack_rate_max: options.pack_bytes_per_s_max,
         },
+        mps: probe_mps(
+            std::env::var_os("CUDA_MPS_PIPE_DIRECTORY"),
+            &platform.devices,
+        ),
         platform,
         pools: Pools {
             socket_server: snapshot.socket_server,

@@ -329,6 +329,30 @@ pub fn device_total_bytes(device: cu::CUdevice) -> DriverResult<usize> {
     Ok(bytes)
 }
 
+/// `cuDeviceGetExecAffinitySupport(CU_EXEC_AFFINITY_TYPE_SM_COUNT)`: whether this process may make
+/// contexts on `device` limited to part of its SMs. The driver offers that to MPS clients only
+/// (Volta and later: `CUctxCreateParams::execAffinityParams`, "Only supported Volta+ MPS"), so it
+/// tells whether this process's CUDA work goes through an MPS server. `Ok(None)` when the driver
+/// lacks the entry point (before CUDA 11.4): nothing can be said.
+pub fn exec_affinity_sm_count_supported(device: cu::CUdevice) -> DriverResult<Option<bool>> {
+    const SYMBOL: &str = "cuDeviceGetExecAffinitySupport";
+    // SAFETY: only the symbol's presence is tested (cudarc's loader panics on a missing one); the
+    // library was loaded by the caller's earlier driver calls.
+    if unsafe { cu::culib().get::<unsafe extern "C" fn()>(SYMBOL) }.is_err() {
+        return Ok(None);
+    }
+    let mut supported: c_int = 0;
+    // SAFETY: writes one int.
+    check(SYMBOL, unsafe {
+        cu::cuDeviceGetExecAffinitySupport(
+            &mut supported,
+            cu::CUexecAffinityType::CU_EXEC_AFFINITY_TYPE_SM_COUNT,
+            device,
+        )
+    })?;
+    Ok(Some(supported != 0))
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Contexts ("Primary Context Management", "Context Management")
 

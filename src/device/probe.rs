@@ -11,6 +11,9 @@ pub struct ProbedDevice {
     pub properties: DeviceProperties,
     /// The host NUMA node it is attached to, on a host with several (unknown or one: `None`).
     pub numa_node: Option<u32>,
+    /// Whether this process's work on the device goes through an MPS server, as the driver says
+    /// (see [`super::ffi::exec_affinity_sm_count_supported`]); `None` when it cannot say.
+    pub mps_client: Option<bool>,
 }
 
 /// What the CUDA driver offers on this machine.
@@ -52,6 +55,9 @@ pub fn probe_cuda() -> CudaProbe {
             Ok(device) => devices.push(ProbedDevice {
                 properties: device.properties().clone(),
                 numa_node: device.numa_placement().map(|n| n.node),
+                mps_client: super::ffi::exec_affinity_sm_count_supported(device.inner.device)
+                    .ok()
+                    .flatten(),
             }),
             Err(error) => failures.push(format!("cuda:{ordinal}: {error}")),
         }

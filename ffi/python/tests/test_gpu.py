@@ -74,3 +74,20 @@ def test_the_torch_dataset_yields_tensors_on_the_ranks_gpu(daemon, source):
     rest = [b["ids"][:, 0].cpu() for b in resumed]
     served = torch.cat(seen + rest).numpy()
     np.testing.assert_array_equal(served, np.arange(1000))
+
+
+def test_the_status_says_whether_the_daemon_runs_under_mps(daemon):
+    """The daemon's /v1/status `mps` block against how this run was started: under an MPS control
+    daemon (GPU_UNDER_MPS=1, scripts/gpu-python.sh starts it with its own pipe directory before the
+    daemon) the driver reports the daemon an MPS client and the control daemon is found; otherwise
+    the driver reports no client (SM-count execution affinity is offered to MPS clients only) and
+    the block is not active."""
+    mps = daemon.status()["mps"]
+    devices = daemon.status()["platform"]["devices"]
+    assert devices and all(d["mps_client"] is not None for d in devices), devices
+    if os.environ.get("GPU_UNDER_MPS") == "1":
+        assert mps["active"] is True and mps["client"] is True, mps
+        assert mps["control_daemon_pid"] is not None, mps
+        assert mps["pipe_directory"] == os.environ["CUDA_MPS_PIPE_DIRECTORY"], mps
+    else:
+        assert mps["active"] is False and mps["client"] is False, mps
