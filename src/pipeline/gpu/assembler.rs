@@ -28,6 +28,10 @@ use crate::storage::{DirectIo, FileTable, IO_ALIGN_BYTES};
 /// Output bytes a group of small batches gathered by one round stays within: batches of at least
 /// this much go one to a round.
 const BATCH_GROUP_OUT_BYTES: usize = 4 << 20;
+/// The same for a stream reading a dataset whole in the device's memory tier: its rounds read
+/// HBM, so a round's fixed costs on the host (its launch, completion and hand-off) weigh on
+/// batches four times larger.
+const BATCH_GROUP_OUT_BYTES_IN_TIER: usize = 16 << 20;
 
 /// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.
 // One per stream, which its filler keeps boxed: the variants' sizes cost nothing.
@@ -138,14 +142,21 @@ impl GpuAssembler {
         // Small batches of a resident stream are gathered several to a round: at 256 rows of 2 KiB a
         // round per batch left the pipeline bound by the host's launches and completions.
         // (Not when rows are copied into a round's staging: they are placed for one batch.)
+        let in_tier = resident.as_ref().is_some_and(|r| r.reads_tier_only());
+        let group_out_bytes = if in_tier {
+            BATCH_GROUP_OUT_BYTES_IN_TIER
+        } else {
+            BATCH_GROUP_OUT_BYTES
+        };
         let group_batches_max = if resident.as_ref().is_some_and(|r| !r.copies_rows()) {
-            (BATCH_GROUP_OUT_BYTES / plan.slot_bytes.max(1)).clamp(1, limits.batch_group_max.max(1))
+            (group_out_bytes / plan.slot_bytes.max(1)).clamp(1, limits.batch_group_max.max(1))
         } else {
             1
         };
         // One launch's inline pieces, and never more than a round's piece table holds (a group
-        // whose table cannot go inline goes through it).
-        let group_pieces_max = if inline_pieces_max > 0 {
+        // whose table cannot go inline goes through it). In the tier, groups of batches too large
+        // for one launch's inline pieces share one uploaded table.
+        let group_pieces_max = if inline_pieces_max > 0 && !in_tier {
             crate::kernels::GATHER_INLINE_PIECES_MAX.min(pieces_max)
         } else {
             pieces_max

@@ -10,10 +10,9 @@
 //! of the dataset that opens before it is complete, fills it: every window of every shard is copied
 //! once by the copy engines from the registered page-cache windows the stream reads anyway, in the
 //! order the stream needs them, on the dataset's own copy stream, each window's copy followed by an
-//! event. A stream reads a window from the tier once its copy is complete (a full shuffle, which
-//! draws from every window in every batch, reads the others in place meanwhile) or, in dataset order
-//! and window shuffles, once the compute stream waits for that copy (reading in place while the copy
-//! runs would share the link with it). Every later stream of the dataset on the device, from any
+//! event. A stream reads a window from the tier once its copy is complete (a shuffle, whose batches
+//! draw from many windows at once, reads the others in place meanwhile) or, in dataset order, once
+//! the compute stream waits for that copy (the copies run just ahead of the rows that read them). Every later stream of the dataset on the device, from any
 //! process, finds it complete when it opens: its region table points every window at the tier, no
 //! window is registered for it, and the same gather kernel reads HBM.
 //!

@@ -697,6 +697,11 @@ impl Resident {
         self.regions.discard();
     }
 
+    /// Whether every row of the stream is read from its dataset whole in the device's memory tier.
+    pub(in crate::pipeline::gpu) fn reads_tier_only(&self) -> bool {
+        self.tier.as_ref().is_some_and(|t| t.is_whole_at_open())
+    }
+
     /// Whether rows of the stream are copied by host threads into each round's staging (a full
     /// shuffle beyond the registration budget): such rounds serve one batch each.
     pub(in crate::pipeline::gpu) fn copies_rows(&self) -> bool {
@@ -735,9 +740,12 @@ unsafe fn fill_tier(
         dataset.bytes() >> 20,
         fill_order.len()
     );
+    // In dataset order the copies run just ahead of the rows that read them; a shuffle's batch
+    // reads every window of its shards (of the whole dataset, in a full shuffle), so its first
+    // batches would wait for many copies: they read in place meanwhile.
     let wait = match plan.order.shuffle_kind() {
-        ShuffleKind::Full => WaitForCopies::ReadInPlace,
-        _ => WaitForCopies::Wait,
+        ShuffleKind::None => WaitForCopies::Wait,
+        ShuffleKind::Window | ShuffleKind::Full => WaitForCopies::ReadInPlace,
     };
     Ok(TierRead::filling(dataset, tier, fill_order, wait))
 }

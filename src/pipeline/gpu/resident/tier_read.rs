@@ -19,9 +19,9 @@ pub(in crate::pipeline::gpu) struct TierRead {
     /// that order), and how many of them are known complete.
     fill_order: Vec<usize>,
     polled: usize,
-    /// Whether the compute stream waits for a window's copy before a round reads it (dataset order
-    /// and window shuffles: the copies run in the order the stream needs them), or reads it in
-    /// place until the copy is complete (a full shuffle reads every window in every batch).
+    /// Whether the compute stream waits for a window's copy before a round reads it (dataset order:
+    /// the copies run just ahead of the rows), or reads it in place until the copy is complete
+    /// (shuffles: a batch reads many windows at once).
     wait: WaitForCopies,
     /// The dataset was whole when the stream opened: the stream's own table points into the tier.
     whole_at_open: bool,
