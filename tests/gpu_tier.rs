@@ -260,11 +260,11 @@ fn tier_batches_equal_the_cpu_backend_in_every_order() {
     }
 }
 
-/// A dataset evicted through the API while a stream reads it from the tier: the stream goes on,
-/// bit-exact; the tier shows it retiring until the stream closes, then frees its memory (device
-/// free memory back to what it was before the tier held it, within the allocation granularity). A
-/// dataset larger than the budget is served as without the tier, bit-exact. Two consumer processes
-/// read one copy at once.
+/// A dataset larger than the budget is served as without the tier, bit-exact. Two consumer
+/// processes read one copy at once; evicted through the API while they read it, they go on,
+/// bit-exact, the tier shows it retiring until they close, then frees it. A dataset evicted with no
+/// stream reading it is freed at once: device free memory back to what it was before the tier held
+/// it.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn eviction_budget_and_sharing() {
@@ -298,30 +298,13 @@ fn eviction_budget_and_sharing() {
         (Some(0), Some(0))
     );
 
-    // The small dataset fills the tier, and is evicted with no stream reading it: its memory is
-    // freed at once. What the device has free then (the stream's own buffers kept for the next
-    // stream) is the baseline.
+    // The small dataset fills the tier.
     let expected = cpu_dump(&cpu, &dumps, "small", "full", &args);
     let path = dumps.join("small-fill-gpu.npy");
     finish(consume(&gpu.socket, "small", "cuda:0", &args, &path));
     assert!(npy_payload(&path) == expected);
     wait_for_no_streams(&gpu.socket);
     assert_eq!(tier(gpu.address())["held_bytes"], small_bytes);
-    let view = evict(gpu.address(), "small");
-    assert_eq!(view["held_bytes"], 0, "{view}");
-    let (baseline, _) = device.memory_info().unwrap();
-
-    // Admitted and filled again: the tier holds it.
-    let path = dumps.join("small-refill-gpu.npy");
-    finish(consume(&gpu.socket, "small", "cuda:0", &args, &path));
-    assert!(npy_payload(&path) == expected);
-    wait_for_no_streams(&gpu.socket);
-    let (held, _) = device.memory_info().unwrap();
-    assert!(
-        baseline - held >= small_bytes as usize,
-        "the tier holds {small_bytes} bytes but free memory fell by {}",
-        baseline - held
-    );
 
     // Two consumer processes read it at once from one copy.
     let mut readers: Vec<(Child, PathBuf)> = (0..2)
@@ -344,9 +327,10 @@ fn eviction_budget_and_sharing() {
         "one copy for two streams: {view}"
     );
 
-    // Evicted while both read it: they go on; it is retiring until they close.
+    // Evicted while both read it: they go on; it is retiring until they close, then freed.
     let view = evict(gpu.address(), "small");
     assert_eq!(view["datasets"][0]["state"], "retiring", "{view}");
+    assert_eq!(view["held_bytes"], small_bytes, "{view}");
     for (child, path) in readers {
         finish(child);
         assert!(
@@ -358,6 +342,25 @@ fn eviction_budget_and_sharing() {
     let view = tier(gpu.address());
     assert_eq!(view["held_bytes"], 0, "{view}");
     assert!(view["datasets"].as_array().unwrap().is_empty(), "{view}");
+    // The device's memory now, the two streams' buffers kept for later streams (see
+    // `shard_pool`), is the baseline.
+    let (baseline, _) = device.memory_info().unwrap();
+
+    // Admitted and filled again: the tier holds it, and its memory is freed when it is evicted
+    // with no stream reading it: free memory back to the baseline.
+    let path = dumps.join("small-refill-gpu.npy");
+    finish(consume(&gpu.socket, "small", "cuda:0", &args, &path));
+    assert!(npy_payload(&path) == expected);
+    wait_for_no_streams(&gpu.socket);
+    assert_eq!(tier(gpu.address())["datasets"][0]["state"], "resident");
+    let (held, _) = device.memory_info().unwrap();
+    assert!(
+        baseline - held >= small_bytes as usize,
+        "the tier holds {small_bytes} bytes but free memory fell by {}",
+        baseline - held
+    );
+    let view = evict(gpu.address(), "small");
+    assert_eq!(view["held_bytes"], 0, "{view}");
     let (after, _) = device.memory_info().unwrap();
     eprintln!("device free bytes: baseline {baseline}, tier holding {held}, released {after}");
     assert_eq!(
