@@ -49,10 +49,10 @@ http=127.0.0.1:7173
 start_daemon() {
   rm -f "$socket"
   "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
-    "$@" >"$OUT/daemon.out" 2>>"$OUT/daemon.log" &
+    "$@" >"$work/tier-daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
-    grep -q "serving" "$OUT/daemon.out" 2>/dev/null && return 0
+    grep -q "serving" "$work/tier-daemon.out" 2>/dev/null && return 0
     sleep 0.1
   done
   echo "daemon did not start" >&2
@@ -134,8 +134,9 @@ run_one() {
 
 tier_bench() {
   : >"$jsonl"
+  mkdir -p "$work"
   # The read benchmark's data (made and packed once per machine; reused when packed by this build).
-  OUT="$OUT/prepare" READ_BENCH_ONLY=1 READ_CASES=none READ_GIB="$gib" bash scripts/gpu-read.sh --bench-only \
+  OUT="$work/prepare-out" READ_BENCH_ONLY=1 READ_CASES=none READ_GIB="$gib" bash scripts/gpu-read.sh --bench-only \
     >"$OUT/prepare.log" 2>&1 || { echo "FAILED: preparing the data (prepare.log)"; return 1; }
   cat "$source_npy" >/dev/null
   local order run
@@ -164,13 +165,13 @@ tier_bench() {
   # Two consumer processes at once on one resident dataset.
   consume_line tier-1proc-warmup full 0 "$batch" 3 100 >/dev/null
   for run in $(seq 1 "$repeat"); do
-    consume_line tier-2proc full "$run" "$batch" "$epochs" "$run" >"$OUT/2proc-a.json" &
+    consume_line tier-2proc full "$run" "$batch" "$epochs" "$run" >"$work/2proc-a.json" &
     local a=$!
-    consume_line tier-2proc full "$run" "$batch" "$epochs" "$((run + 50))" >"$OUT/2proc-b.json" &
+    consume_line tier-2proc full "$run" "$batch" "$epochs" "$((run + 50))" >"$work/2proc-b.json" &
     local b=$!
     wait "$a" || failed_run "gpufeed tier-2proc run $run (first)"
     wait "$b" || failed_run "gpufeed tier-2proc run $run (second)"
-    cat "$OUT/2proc-a.json" "$OUT/2proc-b.json" >>"$jsonl"
+    cat "$work/2proc-a.json" "$work/2proc-b.json" >>"$jsonl"
     echo "tier while two read: $(tier_view)"
   done
   stop_daemon

@@ -115,7 +115,7 @@ under_mps() {
   start_daemon "under MPS"
   local rc=0
   # shellcheck disable=SC2046
-  python3 examples/python/train_bench.py run $(bench_args) --feeders ideal,gpufeed --label-suffix -mps \
+  python3 examples/python/train_bench.py run $(bench_args) --feeders ideal,gpufeed --label-suffix=-mps \
     || rc=$?
   echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control)"
   return "$rc"

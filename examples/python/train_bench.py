@@ -23,7 +23,7 @@ Feeders (``--feeders``, comma-separated; several run interleaved, run by run, in
 
 Each run takes ``--warmup`` steps untimed, then ``--steps`` steps timed between two device
 synchronisations; ``--runs`` runs per (model, feeder); one JSON line per run in ``--jsonl``.
-``--label-suffix -mps`` names the feeders of a process started under CUDA MPS (scripts/gpu-train.sh
+``--label-suffix=-mps`` names the feeders of a process started under CUDA MPS (scripts/gpu-train.sh
 runs that). ``summary`` prints the table: median step time, samples/s, the ratio to the ideal feeder
 (under MPS: to the ideal feeder under MPS) and the targets.
 

@@ -238,14 +238,21 @@ pub struct GatherPiece {
 impl GatherPiece {
     /// Appends the piece's 32-byte device encoding (the layout of `struct GatherPiece`).
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.src_offset.to_le_bytes());
-        out.extend_from_slice(&self.dst_offset.to_le_bytes());
-        out.extend_from_slice(&self.elements.to_le_bytes());
-        out.extend_from_slice(&self.source.to_le_bytes());
-        out.push(self.op.code());
-        out.push(0);
-        out.extend_from_slice(&self.scale.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.to_bytes());
+    }
+
+    /// The piece's 32-byte device encoding, built in place: the planning threads of a shuffled
+    /// stream encode a piece per row, and one copy of a whole array costs less than eight growing
+    /// appends.
+    pub fn to_bytes(&self) -> [u8; GATHER_PIECE_BYTES] {
+        let mut bytes = [0u8; GATHER_PIECE_BYTES];
+        bytes[0..8].copy_from_slice(&self.src_offset.to_le_bytes());
+        bytes[8..16].copy_from_slice(&self.dst_offset.to_le_bytes());
+        bytes[16..20].copy_from_slice(&self.elements.to_le_bytes());
+        bytes[20..22].copy_from_slice(&self.source.to_le_bytes());
+        bytes[22] = self.op.code();
+        bytes[24..28].copy_from_slice(&self.scale.to_le_bytes());
+        bytes
     }
 }
 
@@ -343,9 +350,13 @@ impl GatherPlan {
 
     /// The device encoding of the table.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.pieces.len() * GATHER_PIECE_BYTES);
-        for piece in &self.pieces {
-            piece.encode(&mut out);
+        let mut out = vec![0u8; self.pieces.len() * GATHER_PIECE_BYTES];
+        for (piece, bytes) in self
+            .pieces
+            .iter()
+            .zip(out.chunks_exact_mut(GATHER_PIECE_BYTES))
+        {
+            bytes.copy_from_slice(&piece.to_bytes());
         }
         out
     }
