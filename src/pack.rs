@@ -36,6 +36,17 @@ use crate::input::FieldSource;
 /// path is built to reach, and a decode overlapped with the transfer needs only `L`. On a cold disk
 /// (1.2–2.1 GB/s) any `r > 1` pays, and `r ≥ 2` at least doubles it. Below 2 the certain loss on warm
 /// reads outweighs the gain on cold ones.
+///
+/// The sizes weighed are those read: every block's payload starts at a 4096-byte boundary
+/// ([`crate::format::PAYLOAD_ALIGN_BYTES`]) and is read in whole 4096-byte pages, so a block's
+/// stored and raw bytes are both counted rounded up to 4096. A 4 KiB block that LZ4 shrinks to 1 KiB
+/// still reads 4 KiB: without the rounding, small blocks were stored LZ4 for a saving the reads never
+/// see, and decoded for nothing.
+///
+/// What it does not weigh: the CPU backend reading a warm page cache, where LZ4 at any ratio serves
+/// slower than raw (decoding on the host's cores runs below the memory copy it replaces;
+/// `docs/benchmarks/cpu-lz4-2026-11-28.md` measures tokens stored both ways). A dataset meant only for
+/// the CPU backend with its shards in the page cache reads fastest packed `--codec raw`.
 pub const MIN_SAVING_DIVISOR: u32 = 2;
 
 /// Blocks of a field that `--codec auto` compresses to decide the field's codec: spread evenly over
@@ -326,8 +337,9 @@ pub fn field_codec(field: &FieldSource, options: &PackOptions) -> Result<CodecCh
             CodecChoice::Lz4,
             options.shuffle,
         );
-        raw_sum += block.len() as u64;
-        stored_sum += encoded.stored.len() as u64;
+        // As read: whole pages from a page-aligned offset.
+        raw_sum += crate::format::align_up(block.len() as u64);
+        stored_sum += crate::format::align_up(encoded.stored.len() as u64);
     }
     Ok(
         if raw_sum > 0 && stored_sum <= raw_sum - raw_sum / MIN_SAVING_DIVISOR as u64 {
