@@ -389,11 +389,50 @@ impl Assembler {
                     needed_stored += (to - from) * u64::from(entry.stored_bytes)
                         / u64::from(entry.raw_bytes.max(1));
                 }
-                let kept = match &mut self.lookahead {
-                    Some(lookahead) => lookahead.take(step, row as u32, field_at, &mut self.sample),
-                    None => false,
+                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
+                    [..field.sample_bytes_out];
+                let convert = |bytes: &[u8], out: &mut [u8]| {
+                    decode::convert(field.stored, bytes, field.out, out)
+                        .expect("conversions are validated when the stream is planned")
                 };
-                for block_index in placement.blocks.clone().filter(|_| !kept) {
+                // Kept ahead: converted straight from the look-ahead.
+                if let Some(lookahead) = &mut self.lookahead {
+                    if lookahead
+                        .take(step, row as u32, field_at, |bytes| convert(bytes, out))
+                        .is_some()
+                    {
+                        continue;
+                    }
+                }
+                // In one block (the usual case: samples fit in blocks): converted straight from it.
+                if placement.blocks.len() == 1 {
+                    let block_index = placement.blocks.start;
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block: block_index,
+                    };
+                    let entry = &blocks[block_index as usize];
+                    let from = (start - entry.raw_offset) as usize;
+                    let to = (end - entry.raw_offset) as usize;
+                    match self.part.get(&key) {
+                        Some(CachedBlock::Decoded(bytes)) => convert(&bytes.bytes()[from..to], out),
+                        Some(CachedBlock::Corrupt(bad)) => {
+                            corrupt = Some(Arc::clone(bad));
+                            break;
+                        }
+                        None => {
+                            // Read in place: a raw block whose checksum map_in_place verified.
+                            let (map, _) =
+                                self.maps[shard].as_ref().expect("mapped in map_in_place");
+                            let at = entry.stored_offset as usize;
+                            convert(&map.bytes()[at + from..at + to], out);
+                            in_place_bytes += (to - from) as u64;
+                        }
+                    }
+                    continue;
+                }
+                for block_index in placement.blocks.clone() {
                     let key = BlockKey {
                         shard: shard as u32,
                         field: field.field_index as u32,
@@ -426,10 +465,7 @@ impl Assembler {
                 if corrupt.is_some() {
                     break;
                 }
-                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
-                    [..field.sample_bytes_out];
-                decode::convert(field.stored, &self.sample, field.out, out)
-                    .expect("conversions are validated when the stream is planned");
+                convert(&self.sample, out);
             }
             if let Some(bad) = corrupt {
                 if let Some(lookahead) = &mut self.lookahead {

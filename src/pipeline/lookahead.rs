@@ -241,18 +241,22 @@ impl Lookahead {
         self.fields[field].held.contains_key(&(step, row))
     }
 
-    /// Appends the kept bytes of field `field` of row `row` of step `step` to `out` and frees them;
-    /// false when they are not kept.
-    pub fn take(&mut self, step: u64, row: u32, field: usize, out: &mut Vec<u8>) -> bool {
+    /// Hands the kept bytes of field `field` of row `row` of step `step` to `use_bytes` and frees
+    /// them; `None` when they are not kept.
+    pub fn take<R>(
+        &mut self,
+        step: u64,
+        row: u32,
+        field: usize,
+        use_bytes: impl FnOnce(&[u8]) -> R,
+    ) -> Option<R> {
         let rows = &mut self.fields[field];
-        let Some(at) = rows.held.remove(&(step, row)) else {
-            return false;
-        };
+        let at = rows.held.remove(&(step, row))?;
         let start = at as usize * rows.sample_bytes;
-        out.extend_from_slice(&rows.arena[start..start + rows.sample_bytes]);
+        let result = use_bytes(&rows.arena[start..start + rows.sample_bytes]);
         rows.free.push(at);
         self.counts.rows_served += 1;
-        true
+        Some(result)
     }
 
     /// Frees whatever is kept of row `row` of step `step` (a row replaced because another of its
