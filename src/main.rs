@@ -184,12 +184,13 @@ struct PackArgs {
     #[arg(long)]
     samples_per_shard: Option<u64>,
     /// auto: per field, LZ4 for every block if 16 blocks sampled evenly over the field compress to at
-    /// most half their raw bytes (ratio >= 2) as read, each block rounded up to the 4 KiB pages it
-    /// is stored and read in; raw for every block otherwise. It weighs the GPU backend's read: over
-    /// the 55 GB/s PCIe link or a warm page cache, decoding costs more than a smaller saving wins (at
-    /// ratio r, reading LZ4 beats raw only if the decoder runs r/(r-1) times the link rate), while on
-    /// a cold disk any saving pays; so tokens (~2.3x) are stored LZ4 and fp16 data (~1.3x) raw. On the
-    /// CPU backend with the shards in the page cache, raw serves faster than LZ4 at any ratio: pack
+    /// most half their raw bytes (ratio >= 2), raw for every block otherwise. It weighs the GPU
+    /// backend's read: over the 55 GB/s PCIe link or a warm page cache, decoding costs more than a
+    /// smaller saving wins (at ratio r, reading LZ4 beats raw only if the decoder runs r/(r-1) times
+    /// the link rate), while on a cold disk any saving pays; so tokens (~2.3x) are stored LZ4 and fp16
+    /// data (~1.3x) raw. The ratio is LZ4's own: each block is stored and read in whole 4 KiB pages,
+    /// so blocks of a few pages read more than it says. On the CPU backend with the shards in the page
+    /// cache, raw serves faster than LZ4 at any ratio (decoding runs below the copy it replaces): pack
     /// such datasets --codec raw. lz4: every block LZ4, whatever it saves; raw: no compression.
     #[arg(long, value_enum, default_value_t = CodecArg::Auto)]
     codec: CodecArg,

@@ -37,11 +37,10 @@ use crate::input::FieldSource;
 /// (1.2–2.1 GB/s) any `r > 1` pays, and `r ≥ 2` at least doubles it. Below 2 the certain loss on warm
 /// reads outweighs the gain on cold ones.
 ///
-/// The sizes weighed are those read: every block's payload starts at a 4096-byte boundary
-/// ([`crate::format::PAYLOAD_ALIGN_BYTES`]) and is read in whole 4096-byte pages, so a block's
-/// stored and raw bytes are both counted rounded up to 4096. A 4 KiB block that LZ4 shrinks to 1 KiB
-/// still reads 4 KiB: without the rounding, small blocks were stored LZ4 for a saving the reads never
-/// see, and decoded for nothing.
+/// The sizes weighed are the LZ4 payloads' own. Each payload starts on a 4096-byte boundary
+/// ([`crate::format::PAYLOAD_ALIGN_BYTES`]) and is read in whole pages, so with blocks of a few pages
+/// the bytes read shrink less than the ratio says (a 16 KiB block of tokens compresses to about
+/// 7.2 KiB and reads 8 KiB; a 4 KiB block reads 4 KiB whatever it compresses to).
 ///
 /// What it does not weigh: the CPU backend reading a warm page cache, where LZ4 at any ratio serves
 /// slower than raw (decoding on the host's cores runs below the memory copy it replaces;
@@ -337,9 +336,8 @@ pub fn field_codec(field: &FieldSource, options: &PackOptions) -> Result<CodecCh
             CodecChoice::Lz4,
             options.shuffle,
         );
-        // As read: whole pages from a page-aligned offset.
-        raw_sum += crate::format::align_up(block.len() as u64);
-        stored_sum += crate::format::align_up(encoded.stored.len() as u64);
+        raw_sum += block.len() as u64;
+        stored_sum += encoded.stored.len() as u64;
     }
     Ok(
         if raw_sum > 0 && stored_sum <= raw_sum - raw_sum / MIN_SAVING_DIVISOR as u64 {

@@ -137,26 +137,3 @@ fn a_lone_block_under_auto_needs_the_same_2x() {
     assert_eq!(auto(&compressible), Codec::Lz4);
     assert_eq!(auto(&barely), Codec::Raw);
 }
-
-/// `--codec auto` weighed a block's LZ4 bytes as if read exactly, but every block's payload starts
-/// on a 4096-byte page and is read in whole pages: 4 KiB blocks of rows LZ4 shrinks to about 1 KiB
-/// were stored LZ4 and still read 4 KiB each, so every read paid a decode for no saving. It now
-/// weighs the pages read, and such a field packs raw; the same rows in 64 KiB blocks, whose pages
-/// do shrink, still pack LZ4.
-#[test]
-fn auto_weighs_the_pages_a_block_is_read_in() {
-    // 64 int32 tokens a row (256 bytes): 16 rows a 4 KiB block.
-    let tokens = gpufeed::synth::zipf_tokens_i32(SAMPLES * 64, 5);
-    let rows = field("tokens", DType::I32, &[64], tokens.clone());
-    let small = options("pages", 4096, None);
-    let first_block = &tokens[..4096];
-    let lz4 = encode_block(first_block, 4, CodecChoice::Lz4, ShuffleChoice::Auto);
-    assert!(
-        lz4.stored.len() <= 2048,
-        "a 4 KiB block of tokens compresses 2x or more ({} bytes): the case under test",
-        lz4.stored.len()
-    );
-    assert_eq!(field_codec(&rows, &small).unwrap(), CodecChoice::Raw);
-    let large = options("pages", 64 << 10, None);
-    assert_eq!(field_codec(&rows, &large).unwrap(), CodecChoice::Lz4);
-}
