@@ -118,6 +118,20 @@ pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
     block_cache::working_set_bytes(row)
 }
 
+/// What a sample at `placement` needs, whichever way it is served: its raw bytes, and their share of
+/// their blocks' stored bytes (`blocks`: its field's blocks in its shard).
+fn needed_bytes(blocks: &[crate::format::BlockEntry], placement: &Placement) -> (u64, u64) {
+    let (mut raw, mut stored) = (0u64, 0u64);
+    for block_index in placement.blocks.clone() {
+        let entry = &blocks[block_index as usize];
+        let from = placement.start.max(entry.raw_offset);
+        let to = placement.end.min(entry.raw_offset + entry.raw_bytes as u64);
+        raw += to - from;
+        stored += (to - from) * u64::from(entry.stored_bytes) / u64::from(entry.raw_bytes.max(1));
+    }
+    (raw, stored)
+}
+
 /// Bytes a host stream of `plan` keeps ahead in its look-ahead (`pipeline::lookahead`), which it
 /// reserves beside its slots and working set: `limits.lookahead_bytes_max`, or the stream's own rows
 /// if fewer, in shuffled orders over compressed blocks of several rows; nothing otherwise.
@@ -379,16 +393,9 @@ impl Assembler {
                 let blocks = &self.plan.dataset.shards[shard]
                     .metadata
                     .field_blocks(field.field_index);
-                // What the row needed, whichever way it is served: its raw bytes, and their share
-                // of their blocks' stored bytes.
-                for block_index in placement.blocks.clone() {
-                    let entry = &blocks[block_index as usize];
-                    let from = start.max(entry.raw_offset);
-                    let to = end.min(entry.raw_offset + entry.raw_bytes as u64);
-                    needed_raw += to - from;
-                    needed_stored += (to - from) * u64::from(entry.stored_bytes)
-                        / u64::from(entry.raw_bytes.max(1));
-                }
+                let (raw, stored) = needed_bytes(blocks, placement);
+                needed_raw += raw;
+                needed_stored += stored;
                 let out = &mut slot[field.offset + row * field.sample_bytes_out..]
                     [..field.sample_bytes_out];
                 let convert = |bytes: &[u8], out: &mut [u8]| {
