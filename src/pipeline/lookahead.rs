@@ -21,8 +21,9 @@
 //!   be taken out of a later decode of its block, or decoded at its own step): what is kept is always
 //!   the rows needed soonest of those seen, which is what an optimal cache of rows would keep.
 //! - Horizon: the steps indexed ahead hold at most `horizon_rows_max` rows ([`HORIZON_PER_ROW_KEPT`]
-//!   times `rows_max`), or the next step's if it holds more, and their placements are kept to fill
-//!   them; so the index is bounded too.
+//!   times `rows_max`, and no more than an index of a quarter of the arena's bytes: rows of a few
+//!   bytes would otherwise index far more than they keep), or the next step's if it holds more, and
+//!   their placements are kept to fill them; so the index is bounded too.
 //!
 //! Rows split over several blocks, rows of raw blocks (read in place from the page cache, a row at a
 //! time) and rows of corrupt blocks are not kept: they take the assembler's usual path at their step,
@@ -133,6 +134,13 @@ impl Lookahead {
         if rows_max == 0 || !worthwhile(plan) {
             return None;
         }
+        // An indexed row costs its placements and pending entries (and their maps' slots).
+        let index_row_bytes = (plan.fields.len()
+            * (std::mem::size_of::<Placement>() + std::mem::size_of::<Pending>() + 16))
+            as u64;
+        let horizon_rows_max = (HORIZON_PER_ROW_KEPT * rows_max as u64)
+            .min(bytes_max / 4 / index_row_bytes.max(1))
+            .max(1);
         Some(Lookahead {
             fields: plan
                 .fields
@@ -146,7 +154,7 @@ impl Lookahead {
                 })
                 .collect(),
             rows_max,
-            horizon_rows_max: HORIZON_PER_ROW_KEPT * rows_max as u64,
+            horizon_rows_max,
             next_fill: 0,
             indexed_end: 0,
             placements: VecDeque::new(),
