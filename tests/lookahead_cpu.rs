@@ -289,3 +289,84 @@ fn a_corrupt_block_fails_or_is_replaced_as_without_the_lookahead() {
         }
     }
 }
+
+/// Value of the `/metrics` line `name` (a series without labels).
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        .trim()
+        .parse::<f64>()
+        .unwrap() as u64
+}
+
+/// Through the daemon: a fully shuffled stream of the LZ4 dataset reserves its look-ahead in
+/// `--slot-memory-max` when the budget holds it (its rows then show in `/metrics`), and opens
+/// without one when the budget holds only its slots and working set; either way every batch is the
+/// in-process assembler's without a look-ahead, and the decode counters say what was decoded.
+#[test]
+fn the_daemon_reserves_the_lookahead_or_opens_the_stream_without_it() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let dataset = dataset(&data, "ahead");
+    let stream = Stream::new(Shuffle::Full, 64);
+    let plan = stream.plan(&dataset, "ahead");
+    let expected = deliver(&plan, 1 << 20, 0);
+    let tok = &plan.fields[0];
+    // Slots (64 of 66 KiB) and the 4 MiB working set fit 10 MiB; with the look-ahead of every row
+    // of the epoch (4 MiB) they do not.
+    for (budget, with_lookahead) in [("1G", true), ("10M", false)] {
+        let daemon = common::daemon::start(
+            common::daemon::serve_command(&data, &["--slot-memory-max", budget]),
+            &root.path().join("logs"),
+        );
+        let mut spec = StreamSpec::new("ahead", 64);
+        spec.shuffle = Shuffle::Full;
+        spec.seed = 5;
+        spec.fields = vec![
+            FieldRequest {
+                name: "tok".into(),
+                dtype: None,
+            },
+            FieldRequest {
+                name: "emb".into(),
+                dtype: None,
+            },
+        ];
+        let mut consumer = gpufeed_client::consumer::Client::connect(data.join("api-test.sock"))
+            .unwrap()
+            .open_stream(spec)
+            .unwrap();
+        let mut steps = 0;
+        for batch in consumer.by_ref() {
+            let batch = batch.unwrap();
+            let (slot, _) = &expected.batches[batch.step() as usize];
+            let bytes = tok.sample_bytes_out * 64;
+            assert!(
+                batch.field("tok").unwrap().host_bytes().unwrap()
+                    == &slot[tok.offset..tok.offset + bytes],
+                "budget {budget}: step {} differs",
+                batch.step()
+            );
+            steps += 1;
+        }
+        assert_eq!(steps, plan.steps, "budget {budget}");
+        drop(consumer);
+        let metrics = common::http::get(daemon.address(), "/metrics", None);
+        let text = String::from_utf8_lossy(&metrics.body);
+        let served = metric(&text, "gpufeed_host_lookahead_rows_served_total");
+        assert_eq!(
+            served > 0,
+            with_lookahead,
+            "budget {budget}: {served} rows served ahead"
+        );
+        let needed = metric(&text, "gpufeed_host_needed_raw_bytes_total");
+        assert_eq!(
+            needed,
+            SAMPLES as u64 * (ROW as u64 * 4 + 16),
+            "budget {budget}"
+        );
+        assert!(metric(&text, "gpufeed_host_decoded_bytes_total") >= needed);
+    }
+}
