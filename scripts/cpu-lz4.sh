@@ -8,11 +8,12 @@
 #   lz4      pack defaults (64 KiB blocks of 8 rows), look-ahead on (the default)
 #   lz4-off  the same, look-ahead off: the cache keeps the whole 256 MiB (the code before it)
 #   lz4-16k  16 KiB blocks of 2 rows (`pack --block-bytes 16K`), look-ahead on
+#   lz4-16k-off  the same, look-ahead off
 #   raw      the same tokens stored raw (`pack --codec raw`)
 # RUNS runs per order, the orders taking turns run by run, after one untimed epoch. Writes
 # docs/benchmarks/cpu-lz4-DATE.jsonl (per configuration a `config` line with the exact command, then
 # the bench's lines) and docs/benchmarks/cpu-lz4-DATE-table.md (machine, commands, medians, every
-# run). About 6 minutes on the 2-core development VM.
+# run). About 8 minutes on the 2-core development VM.
 #
 #   bash scripts/cpu-lz4.sh [RUNS]        (default 3; CPU_LZ4_SAMPLES rows, default 131072)
 set -euo pipefail
@@ -28,11 +29,12 @@ bench=target/release/examples/order_bench
 common="--data tokens --samples $samples --runs $runs --orders none,window,full"
 : >"$out"
 machine="$(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $(($(grep MemTotal /proc/meminfo | awk '{print $2}') / 1048576)) GiB RAM, $(uname -r)"
-for config in lz4 lz4-off lz4-16k raw; do
+for config in lz4 lz4-off lz4-16k lz4-16k-off raw; do
     case $config in
     lz4) extra="" ;;
     lz4-off) extra="--lookahead-bytes 0" ;;
     lz4-16k) extra="--block-bytes 16384" ;;
+    lz4-16k-off) extra="--block-bytes 16384 --lookahead-bytes 0" ;;
     raw) extra="--codec raw" ;;
     esac
     command="$bench $common $extra"

@@ -170,7 +170,7 @@ def main():
 
     print("== CPU backend, 1 GiB of int32 tokens, stream memory 256 MiB, 2-core VM (scripts/cpu-lz4.sh)")
     lz4 = "cpu-lz4-2026-11-28.jsonl"
-    for config in ("lz4", "lz4-off", "lz4-16k", "raw"):
+    for config in ("lz4", "lz4-off", "lz4-16k", "lz4-16k-off", "raw"):
         in_order = cpu_lz4(lz4, config, "none", f"{config}, dataset order")
         for order_name in ("window", "full"):
             value = cpu_lz4(lz4, config, order_name, f"{config}, {order_name}")
