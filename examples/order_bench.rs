@@ -211,7 +211,7 @@ fn main() -> Result<()> {
                 "gb_per_s_fp16_in"
             };
             println!(
-                "{{\"order\":\"{name}\",\"run\":{run},\"batch_size\":{},\"samples\":{},\"stored_bytes\":{stored_bytes},\"seconds\":{seconds:.4},\"{rate_key}\":{rate:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3},\"disk_read_bytes\":{},\"page_cache_read_bytes\":{},\"disk_read_per_stored_byte\":{:.3},\"decode_seconds\":{:.4},\"cache_hits\":{},\"cache_misses\":{},\"cache_evictions\":{},\"cache_kept_bytes_end\":{},\"decoded_bytes\":{},\"needed_raw_bytes\":{},\"needed_stored_bytes\":{},\"decode_amplification\":{:.3},\"read_amplification\":{:.3},\"lookahead_rows_kept\":{},\"lookahead_rows_served\":{}}}",
+                "{{\"order\":\"{name}\",\"run\":{run},\"batch_size\":{},\"samples\":{},\"stored_bytes\":{stored_bytes},\"seconds\":{seconds:.4},\"{rate_key}\":{rate:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3},\"disk_read_bytes\":{},\"page_cache_read_bytes\":{},\"disk_read_per_stored_byte\":{:.3},\"decode_seconds\":{:.4},\"cpu_seconds\":{:.4},\"cache_hits\":{},\"cache_misses\":{},\"cache_evictions\":{},\"cache_kept_bytes_end\":{},\"decoded_bytes\":{},\"needed_raw_bytes\":{},\"needed_stored_bytes\":{},\"decode_amplification\":{:.3},\"read_amplification\":{:.3},\"lookahead_rows_kept\":{},\"lookahead_rows_served\":{}}}",
                 args.batch_size,
                 args.samples,
                 read as f64 / input_bytes as f64,
@@ -219,6 +219,7 @@ fn main() -> Result<()> {
                 e.page_cache,
                 e.disk as f64 / stored_bytes as f64,
                 e.decode_seconds,
+                e.cpu_seconds,
                 e.cache.hits,
                 e.cache.misses,
                 e.cache.evictions,
@@ -292,7 +293,18 @@ struct Epoch {
     /// Bytes copied or decoded in place from the shards' page cache.
     page_cache: u64,
     decode_seconds: f64,
+    /// CPU time of the process over the epoch, every thread's (user and system): on a machine shared
+    /// with other work the wall time moves with their load, the CPU time much less.
+    cpu_seconds: f64,
     cache: gpufeed::metrics::BlockCacheCounts,
+}
+
+/// User and system CPU seconds of this process so far, over all its threads (those exited too).
+fn process_cpu_seconds() -> f64 {
+    use nix::sys::resource::{getrusage, UsageWho};
+    let usage = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage of this process");
+    let seconds = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    seconds(usage.user_time()) + seconds(usage.system_time())
 }
 
 /// Fills one epoch with a fresh assembler and a fresh decoded-block cache of
@@ -318,6 +330,7 @@ fn epoch(
         }
     }];
     let metrics = Arc::new(Metrics::new());
+    let cpu_started = process_cpu_seconds();
     let started = Instant::now();
     let plan = Arc::new(StreamPlan::new(
         Arc::clone(dataset),
@@ -330,6 +343,7 @@ fn epoch(
         assembler.fill(step, &mut slot)?;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu_seconds = process_cpu_seconds() - cpu_started;
     let delivered = plan.slot_bytes as u64 * plan.steps;
     let cache = metrics.block_cache().snapshot();
     drop(assembler);
@@ -340,6 +354,7 @@ fn epoch(
         disk: metrics.read_bytes_of(ReadPath::Uring) + metrics.read_bytes_of(ReadPath::Pread),
         page_cache: metrics.read_bytes_of(ReadPath::PageCache),
         decode_seconds: metrics.decode_seconds(),
+        cpu_seconds,
         cache,
     })
 }

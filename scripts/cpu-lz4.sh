@@ -10,15 +10,18 @@
 #   lz4-16k  16 KiB blocks of 2 rows (`pack --block-bytes 16K`), look-ahead on
 #   lz4-16k-off  the same, look-ahead off
 #   raw      the same tokens stored raw (`pack --codec raw`)
-# RUNS runs per order, the orders taking turns run by run, after one untimed epoch. Writes
+# RUNS runs per order, the orders taking turns run by run, after one untimed epoch. On a machine
+# shared with other work the wall time of single runs moves by 2x or more with their load; the
+# table therefore also gives each order's ratio by the process's CPU time (every thread's), which
+# the neighbours' load moves much less. Writes
 # docs/benchmarks/cpu-lz4-DATE.jsonl (per configuration a `config` line with the exact command, then
 # the bench's lines) and docs/benchmarks/cpu-lz4-DATE-table.md (machine, commands, medians, every
-# run). About 8 minutes on the 2-core development VM.
+# run). About 9 minutes on the 2-core development VM.
 #
-#   bash scripts/cpu-lz4.sh [RUNS]        (default 3; CPU_LZ4_SAMPLES rows, default 131072)
+#   bash scripts/cpu-lz4.sh [RUNS]        (default 5; CPU_LZ4_SAMPLES rows, default 131072)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-runs=${1:-3}
+runs=${1:-5}
 samples=${CPU_LZ4_SAMPLES:-131072}
 day=$(date -u +%F)
 out=docs/benchmarks/cpu-lz4-$day.jsonl
@@ -62,13 +65,15 @@ out = [f"# CPU backend, LZ4 tokens four times the stream's memory: figures ({day
        f"Machine: {machine}. Written by `scripts/cpu-lz4.sh` from `{path.split('/')[-1]}`; "
        "medians of the runs, every run listed (GB/s of int32 tokens delivered).", "",
        "| config | stored (ratio) | in order GB/s | window | window / in order | full | full / in order "
+       "| by CPU time: window / full against in order "
        "| decode amplification (window / full) | read amplification (window / full) | rows served ahead (window / full) |",
-       "|---|---|---|---|---|---|---|---|---|---|"]
+       "|---|---|---|---|---|---|---|---|---|---|---|"]
 def med(rows, key):
     return statistics.median(r[key] for r in rows)
 for c in configs:
     ds, runs = c["dataset"], c["runs"]
     rate = {o: med(runs[o], "gb_per_s_i32") for o in runs}
+    cpu = {o: med(runs[o], "cpu_seconds") for o in runs}
     every = {o: ", ".join(f"{r['gb_per_s_i32']:.3f}" for r in runs[o]) for o in runs}
     ratio = ds["dataset_bytes_decoded"] / ds["dataset_bytes_stored"]
     out.append(
@@ -76,6 +81,7 @@ for c in configs:
         f"| **{rate['none']:.3f}** ({every['none']}) "
         f"| {rate['window']:.3f} ({every['window']}) | **{rate['window'] / rate['none']:.2f}** "
         f"| {rate['full']:.3f} ({every['full']}) | **{rate['full'] / rate['none']:.2f}** "
+        f"| {cpu['none'] / cpu['window']:.2f} / {cpu['none'] / cpu['full']:.2f} "
         f"| {med(runs['window'], 'decode_amplification'):.2f} / {med(runs['full'], 'decode_amplification'):.2f} "
         f"| {med(runs['window'], 'read_amplification'):.2f} / {med(runs['full'], 'read_amplification'):.2f} "
         f"| {med(runs['window'], 'lookahead_rows_served'):.0f} / {med(runs['full'], 'lookahead_rows_served'):.0f} |")
@@ -83,7 +89,8 @@ out += ["", "Commands (load average when each started):", ""]
 for c in configs:
     k = c["config"]
     out.append(f"- {k['config']}: `{k['command']}` at {k['started']}, commit {k['commit']}, load {k['load_average']}")
-out += ["", "Decode amplification: bytes decoded per raw byte of the rows delivered; read amplification: "
+out += ["", "By CPU time: the median CPU seconds of the process (every thread) over an epoch in "
+        "dataset order divided by the order's.", "", "Decode amplification: bytes decoded per raw byte of the rows delivered; read amplification: "
         "bytes read over every path (page-cache copies included, whole 4 KiB pages) per stored byte "
         "of the rows delivered (`gpufeed_host_*` in docs/API.md). Raw rows are read in place from "
         "the page cache, one row at a time, and nothing is decoded (decode amplification 0).", ""]
