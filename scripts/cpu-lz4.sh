@@ -24,8 +24,11 @@ cd "$(dirname "$0")/.."
 runs=${1:-5}
 samples=${CPU_LZ4_SAMPLES:-131072}
 day=$(date -u +%F)
-out=docs/benchmarks/cpu-lz4-$day.jsonl
-table=docs/benchmarks/cpu-lz4-$day-table.md
+stem=docs/benchmarks/cpu-lz4-$day
+# A second run of the day keeps the first's files.
+[ ! -e "$stem.jsonl" ] || stem=$stem-$(date -u +%H%M)
+out=$stem.jsonl
+table=$stem-table.md
 cargo build --release --example order_bench >&2
 commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src examples || echo "-dirty")
 bench=target/release/examples/order_bench
