@@ -49,9 +49,11 @@ pub struct StreamLimits {
     pub ring_bytes: u64,
 }
 
-/// The default [`StreamLimits::lookahead_bytes_max`]: 192 MiB, three quarters of the 256 MiB the
-/// benchmarks give a stream of a 1 GiB dataset (`docs/benchmarks/cpu-lz4-*.md`), 2.3 % of the default
-/// `--slot-memory-max`.
+/// The default [`StreamLimits::lookahead_bytes_max`]: 192 MiB. Over 1 GiB of LZ4 tokens with 256 MiB
+/// for the stream, these 192 MiB to the look-ahead (the cache keeping the rest) cut a full shuffle's
+/// decodes from 6.25 to 2.39 a block (`docs/benchmarks/cpu-lz4-2026-11-28.md`); it is 2.3 % of the
+/// default `--slot-memory-max`, so about 40 shuffled host streams get one before the budget runs out
+/// for them (the next open without).
 pub const LOOKAHEAD_BYTES_MAX_DEFAULT: u64 = 192 << 20;
 
 /// The default [`StreamLimits::ring_bytes`]: 32 MiB, 64 slots of batches up to 512 KiB, 16 of 2 MiB.
