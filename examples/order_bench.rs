@@ -83,6 +83,14 @@ struct Args {
     /// a quarter of the decoded dataset with `tokens`).
     #[arg(long)]
     cache_bytes: Option<u64>,
+    /// Bytes of rows the stream may take ahead out of decoded blocks in shuffled orders
+    /// (`pipeline::lookahead`), reserved within `--cache-bytes` (the cache keeps the rest); 0 turns
+    /// the look-ahead off. Default: the stream limit's.
+    #[arg(long)]
+    lookahead_bytes: Option<u64>,
+    /// How `--data tokens` is stored: `lz4` (with the byte shuffle) or `raw`.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
 }
 
 const ROW_ELEMENTS: u64 = 512;
@@ -128,7 +136,9 @@ fn main() -> Result<()> {
             args.samples_per_shard
                 .unwrap_or_else(|| args.samples.div_ceil(4)),
         ),
-        codec: if tokens {
+        codec: if tokens && args.codec == "raw" {
+            CodecChoice::Raw
+        } else if tokens {
             CodecChoice::Lz4
         } else {
             CodecChoice::Auto
@@ -160,7 +170,10 @@ fn main() -> Result<()> {
         limits.cache_bytes_max as u64
     });
     limits.cache_bytes_max = cache_bytes as usize;
-    println!("{{\"data\":\"{}\",\"dataset_bytes_stored\":{stored_bytes},\"dataset_bytes_decoded\":{decoded_bytes},\"blocks\":{blocks},\"raw_blocks\":{raw_blocks},\"shards\":{},\"cache_bytes\":{cache_bytes},\"block_bytes\":{}}}", args.data, dataset.shards.len(), args.block_bytes);
+    if let Some(bytes) = args.lookahead_bytes {
+        limits.lookahead_bytes_max = bytes;
+    }
+    println!("{{\"data\":\"{}\",\"codec\":\"{}\",\"dataset_bytes_stored\":{stored_bytes},\"dataset_bytes_decoded\":{decoded_bytes},\"blocks\":{blocks},\"raw_blocks\":{raw_blocks},\"shards\":{},\"cache_bytes\":{cache_bytes},\"lookahead_bytes_max\":{},\"block_bytes\":{}}}", args.data, args.codec, dataset.shards.len(), limits.lookahead_bytes_max, args.block_bytes);
     let modes = [
         ("none", Shuffle::None),
         ("window", Shuffle::Window(args.window_shards)),
@@ -198,7 +211,7 @@ fn main() -> Result<()> {
                 "gb_per_s_fp16_in"
             };
             println!(
-                "{{\"order\":\"{name}\",\"run\":{run},\"batch_size\":{},\"samples\":{},\"stored_bytes\":{stored_bytes},\"seconds\":{seconds:.4},\"{rate_key}\":{rate:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3},\"disk_read_bytes\":{},\"page_cache_read_bytes\":{},\"disk_read_per_stored_byte\":{:.3},\"decode_seconds\":{:.4},\"cache_hits\":{},\"cache_misses\":{},\"cache_evictions\":{},\"cache_kept_bytes_end\":{}}}",
+                "{{\"order\":\"{name}\",\"run\":{run},\"batch_size\":{},\"samples\":{},\"stored_bytes\":{stored_bytes},\"seconds\":{seconds:.4},\"{rate_key}\":{rate:.4},\"delivered_bytes\":{delivered},\"read_bytes\":{read},\"read_per_input_byte\":{:.3},\"disk_read_bytes\":{},\"page_cache_read_bytes\":{},\"disk_read_per_stored_byte\":{:.3},\"decode_seconds\":{:.4},\"cpu_seconds\":{:.4},\"cache_hits\":{},\"cache_misses\":{},\"cache_evictions\":{},\"cache_kept_bytes_end\":{},\"decoded_bytes\":{},\"needed_raw_bytes\":{},\"needed_stored_bytes\":{},\"decode_amplification\":{:.3},\"read_amplification\":{:.3},\"lookahead_rows_kept\":{},\"lookahead_rows_served\":{}}}",
                 args.batch_size,
                 args.samples,
                 read as f64 / input_bytes as f64,
@@ -206,14 +219,28 @@ fn main() -> Result<()> {
                 e.page_cache,
                 e.disk as f64 / stored_bytes as f64,
                 e.decode_seconds,
+                e.cpu_seconds,
                 e.cache.hits,
                 e.cache.misses,
                 e.cache.evictions,
                 e.cache.kept_bytes,
+                e.cache.decoded_bytes,
+                e.cache.needed_raw_bytes,
+                e.cache.needed_stored_bytes,
+                e.cache.decode_amplification().unwrap_or(0.0),
+                read as f64 / e.cache.needed_stored_bytes.max(1) as f64,
+                e.cache.lookahead_rows_kept,
+                e.cache.lookahead_rows_served,
             );
             rates.push(rate);
             amplification.push(if tokens {
-                e.disk as f64 / stored_bytes as f64
+                // Read amplification as the CPU-backend target counts it: the larger of bytes
+                // decoded per raw byte delivered and bytes read (every path) per stored byte of
+                // the rows delivered.
+                e.cache
+                    .decode_amplification()
+                    .unwrap_or(0.0)
+                    .max(read as f64 / e.cache.needed_stored_bytes.max(1) as f64)
             } else {
                 read as f64 / input_bytes as f64
             });
@@ -237,7 +264,7 @@ fn main() -> Result<()> {
             if tokens { "i32" } else { "fp16_in" },
             rate / in_order,
             if tokens {
-                "disk_read_per_stored_byte"
+                "amplification"
             } else {
                 "read_per_input_byte"
             },
@@ -266,7 +293,18 @@ struct Epoch {
     /// Bytes copied or decoded in place from the shards' page cache.
     page_cache: u64,
     decode_seconds: f64,
+    /// CPU time of the process over the epoch, every thread's (user and system): on a machine shared
+    /// with other work the wall time moves with their load, the CPU time much less.
+    cpu_seconds: f64,
     cache: gpufeed::metrics::BlockCacheCounts,
+}
+
+/// User and system CPU seconds of this process so far, over all its threads (those exited too).
+fn process_cpu_seconds() -> f64 {
+    use nix::sys::resource::{getrusage, UsageWho};
+    let usage = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage of this process");
+    let seconds = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    seconds(usage.user_time()) + seconds(usage.system_time())
 }
 
 /// Fills one epoch with a fresh assembler and a fresh decoded-block cache of
@@ -292,6 +330,7 @@ fn epoch(
         }
     }];
     let metrics = Arc::new(Metrics::new());
+    let cpu_started = process_cpu_seconds();
     let started = Instant::now();
     let plan = Arc::new(StreamPlan::new(
         Arc::clone(dataset),
@@ -304,6 +343,7 @@ fn epoch(
         assembler.fill(step, &mut slot)?;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let cpu_seconds = process_cpu_seconds() - cpu_started;
     let delivered = plan.slot_bytes as u64 * plan.steps;
     let cache = metrics.block_cache().snapshot();
     drop(assembler);
@@ -314,6 +354,7 @@ fn epoch(
         disk: metrics.read_bytes_of(ReadPath::Uring) + metrics.read_bytes_of(ReadPath::Pread),
         page_cache: metrics.read_bytes_of(ReadPath::PageCache),
         decode_seconds: metrics.decode_seconds(),
+        cpu_seconds,
         cache,
     })
 }

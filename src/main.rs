@@ -173,17 +173,25 @@ struct PackArgs {
     #[arg(long, value_enum)]
     token_dtype: Option<TokenDtypeArg>,
     /// Largest raw size of a block: a power of two from 4K to 16M (suffixes K and M are binary).
+    /// Blocks hold whole samples where a sample fits. A compressed block is decoded whole for any
+    /// of its rows: for datasets read in a shuffled order and larger than the daemon's host memory
+    /// for streams, blocks of one or two rows are decoded about once an epoch where 64K blocks of
+    /// eight 8 KiB rows are decoded about twice, at a lower ratio (each block is padded to 4 KiB:
+    /// int32 tokens 2.3x at 64K, 2.0x at 16K).
     #[arg(long, default_value = "64K", value_parser = parse_bytes)]
     block_bytes: u32,
     /// Samples per shard file (default: about 256 MiB of raw data per shard).
     #[arg(long)]
     samples_per_shard: Option<u64>,
     /// auto: per field, LZ4 for every block if 16 blocks sampled evenly over the field compress to at
-    /// most half their raw bytes (ratio >= 2), raw for every block otherwise. It weighs the read: over
-    /// the 55 GB/s PCIe link or a warm page cache, decoding costs more than a smaller saving wins (at
-    /// ratio r, reading LZ4 beats raw only if the decoder runs r/(r-1) times the link rate), while on
-    /// a cold disk any saving pays; so tokens (~2.5x) are stored LZ4 and fp16 data (~1.3x) raw.
-    /// lz4: every block LZ4, whatever it saves; raw: no compression.
+    /// most half their raw bytes (ratio >= 2), raw for every block otherwise. It weighs the GPU
+    /// backend's read: over the 55 GB/s PCIe link or a warm page cache, decoding costs more than a
+    /// smaller saving wins (at ratio r, reading LZ4 beats raw only if the decoder runs r/(r-1) times
+    /// the link rate), while on a cold disk any saving pays; so tokens (~2.3x) are stored LZ4 and fp16
+    /// data (~1.3x) raw. The ratio is LZ4's own: each block is stored and read in whole 4 KiB pages,
+    /// so blocks of a few pages read more than it says. On the CPU backend with the shards in the page
+    /// cache, raw serves faster than LZ4 at any ratio (decoding runs below the copy it replaces): pack
+    /// such datasets --codec raw. lz4: every block LZ4, whatever it saves; raw: no compression.
     #[arg(long, value_enum, default_value_t = CodecArg::Auto)]
     codec: CodecArg,
     /// Byte-shuffle elements before compressing (a filter for compression, not the sample order a

@@ -143,6 +143,18 @@ pub struct BlockCacheCounters {
     pub evictions: AtomicU64,
     /// Decoded blocks not kept because every kept block was in use.
     pub refused: AtomicU64,
+    /// Bytes the CPU backend decoded (blocks' raw bytes): with `needed_raw_bytes`, its decode
+    /// amplification.
+    pub decoded_bytes: AtomicU64,
+    /// Raw bytes of the samples the CPU backend delivered, before conversion: what a stream needed.
+    pub needed_raw_bytes: AtomicU64,
+    /// The same samples' share of their blocks' stored bytes (a sample's raw bytes times its block's
+    /// stored/raw ratio): with the bytes read over every path, the read amplification.
+    pub needed_stored_bytes: AtomicU64,
+    /// Rows copied out of a decoded block ahead of their batch (`pipeline::lookahead`).
+    pub lookahead_rows_kept: AtomicU64,
+    /// Rows served from the look-ahead instead of their block.
+    pub lookahead_rows_served: AtomicU64,
 }
 
 /// A snapshot of [`BlockCacheCounters`].
@@ -162,6 +174,16 @@ pub struct BlockCacheCounts {
     pub evictions: u64,
     /// Decoded blocks not kept because every kept block was in use.
     pub refused: u64,
+    /// Bytes the CPU backend decoded.
+    pub decoded_bytes: u64,
+    /// Raw bytes of the samples the CPU backend delivered.
+    pub needed_raw_bytes: u64,
+    /// Those samples' share of their blocks' stored bytes.
+    pub needed_stored_bytes: u64,
+    /// Rows copied out of a decoded block ahead of their batch.
+    pub lookahead_rows_kept: u64,
+    /// Rows served from the look-ahead.
+    pub lookahead_rows_served: u64,
 }
 
 impl BlockCacheCounters {
@@ -185,7 +207,21 @@ impl BlockCacheCounters {
             misses: self.misses.load(Ordering::Relaxed),
             evictions: self.evictions.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
+            decoded_bytes: self.decoded_bytes.load(Ordering::Relaxed),
+            needed_raw_bytes: self.needed_raw_bytes.load(Ordering::Relaxed),
+            needed_stored_bytes: self.needed_stored_bytes.load(Ordering::Relaxed),
+            lookahead_rows_kept: self.lookahead_rows_kept.load(Ordering::Relaxed),
+            lookahead_rows_served: self.lookahead_rows_served.load(Ordering::Relaxed),
         }
+    }
+}
+
+impl BlockCacheCounts {
+    /// Bytes decoded per raw byte the CPU backend delivered (1.0: every block decoded once for rows
+    /// that use all of it); `None` before anything was delivered.
+    pub fn decode_amplification(&self) -> Option<f64> {
+        (self.needed_raw_bytes > 0)
+            .then(|| self.decoded_bytes as f64 / self.needed_raw_bytes as f64)
     }
 }
 
@@ -812,7 +848,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         &one(metrics.shard_slots_idle_bytes()),
     );
     let cache = metrics.block_cache().snapshot();
-    let cache_families: [(&str, &str, &str, u64); 7] = [
+    let cache_families: [(&str, &str, &str, u64); 12] = [
         (
             "gpufeed_block_cache_held_bytes",
             "gauge",
@@ -854,6 +890,36 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             "counter",
             "Decoded blocks not kept because every kept block was in use",
             cache.refused,
+        ),
+        (
+            "gpufeed_host_decoded_bytes_total",
+            "counter",
+            "Bytes the CPU backend decoded; over gpufeed_host_needed_raw_bytes_total, its decode amplification",
+            cache.decoded_bytes,
+        ),
+        (
+            "gpufeed_host_needed_raw_bytes_total",
+            "counter",
+            "Raw bytes of the samples the CPU backend delivered (before conversion)",
+            cache.needed_raw_bytes,
+        ),
+        (
+            "gpufeed_host_needed_stored_bytes_total",
+            "counter",
+            "Those samples' share of their blocks' stored bytes; bytes read over it is the read amplification",
+            cache.needed_stored_bytes,
+        ),
+        (
+            "gpufeed_host_lookahead_rows_kept_total",
+            "counter",
+            "Rows the CPU backend copied out of a decoded block ahead of their batch",
+            cache.lookahead_rows_kept,
+        ),
+        (
+            "gpufeed_host_lookahead_rows_served_total",
+            "counter",
+            "Rows the CPU backend served from its look-ahead instead of their block",
+            cache.lookahead_rows_served,
         ),
     ];
     for (name, kind, help, value) in cache_families {

@@ -36,6 +36,16 @@ use crate::input::FieldSource;
 /// path is built to reach, and a decode overlapped with the transfer needs only `L`. On a cold disk
 /// (1.2–2.1 GB/s) any `r > 1` pays, and `r ≥ 2` at least doubles it. Below 2 the certain loss on warm
 /// reads outweighs the gain on cold ones.
+///
+/// The sizes weighed are the LZ4 payloads' own. Each payload starts on a 4096-byte boundary
+/// ([`crate::format::PAYLOAD_ALIGN_BYTES`]) and is read in whole pages, so with blocks of a few pages
+/// the bytes read shrink less than the ratio says (a 16 KiB block of tokens compresses to about
+/// 7.2 KiB and reads 8 KiB; a 4 KiB block reads 4 KiB whatever it compresses to).
+///
+/// What it does not weigh: the CPU backend reading a warm page cache, where LZ4 at any ratio serves
+/// slower than raw (decoding on the host's cores runs below the memory copy it replaces;
+/// `docs/benchmarks/cpu-lz4-2026-11-28.md` measures tokens stored both ways). A dataset meant only for
+/// the CPU backend with its shards in the page cache reads fastest packed `--codec raw`.
 pub const MIN_SAVING_DIVISOR: u32 = 2;
 
 /// Blocks of a field that `--codec auto` compresses to decide the field's codec: spread evenly over

@@ -83,6 +83,19 @@ def cpu_order(name, order, label):
     return median_row(label, [r["gb_per_s_fp16_in"] for r in runs], "GB/s")
 
 
+def cpu_lz4(name, config, order, label):
+    """A configuration of scripts/cpu-lz4.sh: GB/s of int32 tokens, and the decode amplification."""
+    runs, current = [], None
+    for r in records(name):
+        if "config" in r:
+            current = r["config"]
+        elif current == config and r.get("order") == order:
+            runs.append(r)
+    amplification = statistics.median(r["decode_amplification"] for r in runs)
+    return median_row(label, [r["gb_per_s_i32"] for r in runs], "GB/s",
+                      f"  decode amplification {amplification:.2f}")
+
+
 def main():
     print("== One H100: 8 GiB of fp16 2 KiB rows, batch 4096, fp32 out, page cache warm (run 97)")
     run97 = "read-path-2026-11-28-run97-row-copies-004b2c7.jsonl"
@@ -154,6 +167,14 @@ def main():
         rust = python_bench(python, "gpufeed-rust", batch, f"Rust consumer, batch {batch}")
         py = python_bench(python, "gpufeed-python", batch, f"Python consumer, batch {batch}")
         print(f"{'  Python / Rust':<58} {py / rust:8.3f} x")
+
+    print("== CPU backend, 1 GiB of int32 tokens, stream memory 256 MiB, 2-core VM (scripts/cpu-lz4.sh)")
+    lz4 = "cpu-lz4-2026-11-28.jsonl"
+    for config in ("lz4", "lz4-off", "lz4-16k", "lz4-16k-off", "raw"):
+        in_order = cpu_lz4(lz4, config, "none", f"{config}, dataset order")
+        for order_name in ("window", "full"):
+            value = cpu_lz4(lz4, config, order_name, f"{config}, {order_name}")
+            print(f"{'  / dataset order':<58} {value / in_order:8.3f} x")
 
     print("== CPU backend, order_bench, 2-core development VM (three invocations pooled)")
     cpu = "cpu-order-2026-11-26-8a2ff53.jsonl"

@@ -25,7 +25,7 @@ use super::ring::HandoffRing;
 use super::slots::{Lease, SlotRing};
 use crate::metrics::{Metrics, SlotLease};
 use crate::pipeline::block_cache::BlockCache;
-use crate::pipeline::cpu::working_set_bytes;
+use crate::pipeline::cpu::{lookahead_bytes, working_set_bytes};
 use crate::pipeline::{
     Ended, FillError, Filled, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
     StreamLimits, StreamPlan, StreamRequest,
@@ -534,12 +534,31 @@ impl RunningStream {
 }
 
 /// Reserves the host memory a stream of `plan` on `backend` holds in the daemon's budget (its slots,
-/// and a host stream's decoded-block working set beside them) and shrinks the shared block cache to
-/// what the reservations leave: the bytes reserved, or the error refusing the stream.
+/// and a host stream's decoded-block working set and look-ahead beside them) and shrinks the shared
+/// block cache to what the reservations leave: the bytes reserved and the look-ahead's, or the error
+/// refusing the stream. A look-ahead the budget cannot hold is given up (0) before the stream is.
 fn reserve_stream_memory(
     shared: &Shared,
     plan: &StreamPlan,
     backend: StreamBackend<'_>,
+) -> Result<(u64, u64), (ErrorCode, String)> {
+    let lookahead = match backend {
+        StreamBackend::Cpu => lookahead_bytes(plan, &shared.config.stream_limits),
+        StreamBackend::Gpu(_) => 0,
+    };
+    if lookahead > 0 {
+        if let Ok(bytes) = reserve_stream_memory_with(shared, plan, backend, lookahead) {
+            return Ok((bytes, lookahead));
+        }
+    }
+    reserve_stream_memory_with(shared, plan, backend, 0).map(|bytes| (bytes, 0))
+}
+
+fn reserve_stream_memory_with(
+    shared: &Shared,
+    plan: &StreamPlan,
+    backend: StreamBackend<'_>,
+    lookahead: u64,
 ) -> Result<u64, (ErrorCode, String)> {
     // A host stream reserves the decoded blocks it may hold beyond the shared cache beside its slots:
     // the slots, the working sets and the cache share one budget.
@@ -549,7 +568,8 @@ fn reserve_stream_memory(
     };
     let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
         .saturating_mul(u64::from(plan.slot_count))
-        .saturating_add(working_set);
+        .saturating_add(working_set)
+        .saturating_add(lookahead);
     if !shared
         .config
         .metrics
@@ -598,7 +618,12 @@ fn open_stream(
         StreamPlan::new(dataset, &request, limits)
             .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
     );
-    let ring_bytes = reserve_stream_memory(shared, &plan, backend)?;
+    let (ring_bytes, lookahead) = reserve_stream_memory(shared, &plan, backend)?;
+    // The assembler keeps ahead what was reserved for it.
+    let limits = &StreamLimits {
+        lookahead_bytes_max: lookahead,
+        ..*limits
+    };
     let metrics = &shared.config.metrics;
     let undo = |code, message: String| {
         metrics.unreserve_slot_bytes(ring_bytes);

@@ -8,6 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
+use super::lookahead::{self, Lookahead, LookaheadCounts};
 use super::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
     StreamLimits, StreamPlan,
@@ -75,6 +76,11 @@ pub struct Assembler {
     /// The shards opened for buffered reads, made on first use, with their residency maps: coded
     /// blocks whose pages are cached are copied from there instead of read with O_DIRECT.
     buffered: Vec<Option<(std::fs::File, ResidencyMap)>>,
+    /// Rows of later batches taken out of the blocks decoded for the current one (shuffled orders
+    /// over compressed blocks of several rows; see `pipeline::lookahead`).
+    lookahead: Option<Lookahead>,
+    /// The look-ahead's counts last added to the metrics.
+    lookahead_published: LookaheadCounts,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
@@ -112,22 +118,60 @@ pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
     block_cache::working_set_bytes(row)
 }
 
+/// What a sample at `placement` needs, whichever way it is served: its raw bytes, and their share of
+/// their blocks' stored bytes (`blocks`: its field's blocks in its shard).
+fn needed_bytes(blocks: &[crate::format::BlockEntry], placement: &Placement) -> (u64, u64) {
+    let (mut raw, mut stored) = (0u64, 0u64);
+    for block_index in placement.blocks.clone() {
+        let entry = &blocks[block_index as usize];
+        let from = placement.start.max(entry.raw_offset);
+        let to = placement.end.min(entry.raw_offset + entry.raw_bytes as u64);
+        raw += to - from;
+        stored += (to - from) * u64::from(entry.stored_bytes) / u64::from(entry.raw_bytes.max(1));
+    }
+    (raw, stored)
+}
+
+/// Bytes a host stream of `plan` keeps ahead in its look-ahead (`pipeline::lookahead`), which it
+/// reserves beside its slots and working set: `limits.lookahead_bytes_max`, or the stream's own rows
+/// if fewer, in shuffled orders over compressed blocks of several rows; nothing otherwise.
+pub fn lookahead_bytes(plan: &StreamPlan, limits: &StreamLimits) -> u64 {
+    if !lookahead::worthwhile(plan) {
+        return 0;
+    }
+    let row = lookahead::row_bytes(plan).max(1);
+    let stream_rows = plan.steps.saturating_mul(u64::from(plan.rank.batch_size));
+    let bytes = limits
+        .lookahead_bytes_max
+        .min(stream_rows.saturating_mul(row));
+    bytes / row * row
+}
+
 impl Assembler {
     /// Opens the dataset's shards and sets up the engine, with a decoded-block cache of the stream's
     /// own of `limits.cache_bytes_max` bytes (benchmarks and tools; the daemon shares one cache
-    /// between its streams, [`Assembler::with_cache`]).
+    /// between its streams, [`Assembler::with_cache`]). The stream's look-ahead
+    /// ([`lookahead_bytes`]) is reserved in that budget, as the daemon reserves it in its own: the
+    /// cache keeps what the look-ahead leaves, and a look-ahead the budget cannot hold is not used.
     pub fn new(
         plan: Arc<StreamPlan>,
         limits: &StreamLimits,
         metrics: Arc<Metrics>,
     ) -> Result<Assembler, StorageError> {
-        let cache = BlockCache::new(limits.cache_bytes_max as u64, Arc::clone(&metrics));
-        Assembler::with_cache(plan, limits, metrics, &cache)
+        let budget = limits.cache_bytes_max as u64;
+        let cache = BlockCache::new(budget, Arc::clone(&metrics));
+        let mut limits = *limits;
+        let lookahead = lookahead_bytes(&plan, &limits);
+        if lookahead > 0 && !metrics.reserve_slot_bytes(lookahead, budget) {
+            limits.lookahead_bytes_max = 0;
+        }
+        Assembler::with_cache(plan, &limits, metrics, &cache)
     }
 
     /// Opens the dataset's shards and sets up the engine; decoded blocks go to `cache`, shared with
-    /// the other streams using it. The stream's working set ([`working_set_bytes`]) should be
-    /// reserved in the cache's budget (the socket server reserves it with the slots).
+    /// the other streams using it. The stream's working set ([`working_set_bytes`]) and look-ahead
+    /// ([`lookahead_bytes`] of `limits`) should be reserved in the cache's budget (the socket server
+    /// reserves them with the slots).
     pub fn with_cache(
         plan: Arc<StreamPlan>,
         limits: &StreamLimits,
@@ -147,7 +191,10 @@ impl Assembler {
         metrics.set_read_queue_depth(limits.queue_depth as u64);
         let engine = ReadEngine::new(queue, EngineLimits::node_defaults());
         let working_set_bytes = working_set_bytes(&plan);
+        let lookahead = Lookahead::new(&plan, lookahead_bytes(&plan, limits));
         Ok(Assembler {
+            lookahead,
+            lookahead_published: LookaheadCounts::default(),
             cache: cache.open(&plan.dataset),
             part: HashMap::new(),
             working_set_bytes,
@@ -179,8 +226,12 @@ impl Assembler {
     pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
         let plan = Arc::clone(&self.plan);
-        // Where every (sample, field) of the batch lives, row by row, located once for both passes.
-        let placements = plan.placements(step);
+        // Where every (sample, field) of the batch lives, row by row, located once for both passes
+        // (by the look-ahead, which located it when it indexed the step).
+        let placements = match &mut self.lookahead {
+            Some(lookahead) => lookahead.begin(&plan, step),
+            None => plan.placements(step),
+        };
         let width = plan.fields.len();
         let sample_count = placements.len() / width;
         let mut replaced = 0u32;
@@ -194,7 +245,10 @@ impl Assembler {
             while end < sample_count {
                 let row = &placements[end * width..(end + 1) * width];
                 let mut row_bytes = 0u64;
-                for (placement, field) in row.iter().zip(&plan.fields) {
+                for (at, (placement, field)) in row.iter().zip(&plan.fields).enumerate() {
+                    if self.kept_ahead(step, end, at) {
+                        continue;
+                    }
                     for block in placement.blocks.clone() {
                         let key = BlockKey {
                             shard: placement.shard as u32,
@@ -210,7 +264,10 @@ impl Assembler {
                     break;
                 }
                 part_bytes += row_bytes;
-                for (placement, field) in row.iter().zip(&plan.fields) {
+                for (at, (placement, field)) in row.iter().zip(&plan.fields).enumerate() {
+                    if self.kept_ahead(step, end, at) {
+                        continue;
+                    }
                     for block in placement.blocks.clone() {
                         let key = BlockKey {
                             shard: placement.shard as u32,
@@ -227,16 +284,49 @@ impl Assembler {
                 end += 1;
             }
             self.prepare_part(&part_blocks)?;
-            let filled = self.gather(&placements, first..end, slot);
+            if let Some(lookahead) = &mut self.lookahead {
+                // The rows of later parts and later steps in the blocks at hand are taken now.
+                for (&key, block) in &self.part {
+                    lookahead.offer(key, block, step, end);
+                }
+            }
+            let filled = self.gather(step, &placements, first..end, slot);
             // The part's blocks are released whatever happened: the cache may evict them now.
             self.part.clear();
             replaced += filled?;
             first = end;
         }
+        self.publish_lookahead();
         Ok(FillReport {
             samples: sample_count as u32,
             replaced,
         })
+    }
+
+    /// Whether field `field` (its position in the stream) of row `row` of step `step` is kept in the
+    /// look-ahead.
+    fn kept_ahead(&self, step: u64, row: usize, field: usize) -> bool {
+        self.lookahead
+            .as_ref()
+            .is_some_and(|lookahead| lookahead.holds(step, row as u32, field))
+    }
+
+    /// Adds what the look-ahead did since the last call to the metrics.
+    fn publish_lookahead(&mut self) {
+        let Some(lookahead) = &self.lookahead else {
+            return;
+        };
+        let now = lookahead.counts();
+        let counters = self.metrics.block_cache();
+        counters.lookahead_rows_kept.fetch_add(
+            now.rows_kept - self.lookahead_published.rows_kept,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        counters.lookahead_rows_served.fetch_add(
+            now.rows_served - self.lookahead_published.rows_served,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.lookahead_published = now;
     }
 
     /// Takes the blocks of a part (with the raw bytes the part uses of each) from the cache, or reads
@@ -278,6 +368,7 @@ impl Assembler {
     /// the part's blocks and the shards' maps; the samples replaced by zeros.
     fn gather(
         &mut self,
+        step: u64,
         placements: &[Placement],
         rows: std::ops::Range<usize>,
         slot: &mut [u8],
@@ -286,6 +377,7 @@ impl Assembler {
         let gather_started = std::time::Instant::now();
         let mut replaced = 0u32;
         let mut in_place_bytes = 0u64;
+        let (mut needed_raw, mut needed_stored) = (0u64, 0u64);
         let width = plan.fields.len();
         for row in rows {
             let row_placements = &placements[row * width..(row + 1) * width];
@@ -294,9 +386,59 @@ impl Assembler {
                 self.prefetch_in_place(ahead);
             }
             let mut corrupt: Option<Arc<CorruptBlock>> = None;
-            for (field, placement) in plan.fields.iter().zip(row_placements) {
+            for (field_at, (field, placement)) in plan.fields.iter().zip(row_placements).enumerate()
+            {
                 let (shard, start, end) = (placement.shard, placement.start, placement.end);
                 self.sample.clear();
+                let blocks = &self.plan.dataset.shards[shard]
+                    .metadata
+                    .field_blocks(field.field_index);
+                let (raw, stored) = needed_bytes(blocks, placement);
+                needed_raw += raw;
+                needed_stored += stored;
+                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
+                    [..field.sample_bytes_out];
+                let convert = |bytes: &[u8], out: &mut [u8]| {
+                    decode::convert(field.stored, bytes, field.out, out)
+                        .expect("conversions are validated when the stream is planned")
+                };
+                // Kept ahead: converted straight from the look-ahead.
+                if let Some(lookahead) = &mut self.lookahead {
+                    if lookahead
+                        .take(step, row as u32, field_at, |bytes| convert(bytes, out))
+                        .is_some()
+                    {
+                        continue;
+                    }
+                }
+                // In one block (the usual case: samples fit in blocks): converted straight from it.
+                if placement.blocks.len() == 1 {
+                    let block_index = placement.blocks.start;
+                    let key = BlockKey {
+                        shard: shard as u32,
+                        field: field.field_index as u32,
+                        block: block_index,
+                    };
+                    let entry = &blocks[block_index as usize];
+                    let from = (start - entry.raw_offset) as usize;
+                    let to = (end - entry.raw_offset) as usize;
+                    match self.part.get(&key) {
+                        Some(CachedBlock::Decoded(bytes)) => convert(&bytes.bytes()[from..to], out),
+                        Some(CachedBlock::Corrupt(bad)) => {
+                            corrupt = Some(Arc::clone(bad));
+                            break;
+                        }
+                        None => {
+                            // Read in place: a raw block whose checksum map_in_place verified.
+                            let (map, _) =
+                                self.maps[shard].as_ref().expect("mapped in map_in_place");
+                            let at = entry.stored_offset as usize;
+                            convert(&map.bytes()[at + from..at + to], out);
+                            in_place_bytes += (to - from) as u64;
+                        }
+                    }
+                    continue;
+                }
                 for block_index in placement.blocks.clone() {
                     let key = BlockKey {
                         shard: shard as u32,
@@ -330,12 +472,13 @@ impl Assembler {
                 if corrupt.is_some() {
                     break;
                 }
-                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
-                    [..field.sample_bytes_out];
-                decode::convert(field.stored, &self.sample, field.out, out)
-                    .expect("conversions are validated when the stream is planned");
+                convert(&self.sample, out);
             }
             if let Some(bad) = corrupt {
+                if let Some(lookahead) = &mut self.lookahead {
+                    // The row's other fields kept ahead go with it.
+                    lookahead.discard(step, row as u32);
+                }
                 match plan.on_corrupt {
                     CorruptPolicy::Fail => return Err(bad.to_error()),
                     CorruptPolicy::Replace => {
@@ -360,6 +503,13 @@ impl Assembler {
             self.metrics
                 .add_read_bytes(ReadPath::PageCache, in_place_bytes);
         }
+        let counters = self.metrics.block_cache();
+        counters
+            .needed_raw_bytes
+            .fetch_add(needed_raw, std::sync::atomic::Ordering::Relaxed);
+        counters
+            .needed_stored_bytes
+            .fetch_add(needed_stored, std::sync::atomic::Ordering::Relaxed);
         self.metrics.add_gather_time(gather_started.elapsed());
         Ok(replaced)
     }
@@ -670,6 +820,17 @@ impl Assembler {
                 })
             };
             self.metrics.add_decode_time(decode_started.elapsed());
+            let decoded_bytes: u64 = decoded
+                .iter()
+                .map(|block| match block {
+                    CachedBlock::Decoded(bytes) => bytes.bytes().len() as u64,
+                    CachedBlock::Corrupt(_) => 0,
+                })
+                .sum();
+            self.metrics
+                .block_cache()
+                .decoded_bytes
+                .fetch_add(decoded_bytes, std::sync::atomic::Ordering::Relaxed);
             let corrupt = decoded
                 .iter()
                 .filter(|c| matches!(c, CachedBlock::Corrupt(_)))

@@ -10,6 +10,7 @@ pub mod block_cache;
 pub mod cpu;
 pub mod filler;
 pub mod gpu;
+pub mod lookahead;
 pub mod order;
 pub mod stream_plan;
 

@@ -32,6 +32,13 @@ pub struct StreamLimits {
     /// benchmarks and tools), in bytes. The daemon's host streams share one cache within
     /// `--slot-memory-max` instead (`pipeline::block_cache`).
     pub cache_bytes_max: usize,
+    /// Bytes of rows a host stream in a shuffled order over compressed blocks of several rows takes
+    /// out of each decoded block ahead of their batches (`pipeline::lookahead`), reserved in the
+    /// daemon's host memory budget beside its slots when the stream opens (a stream the budget cannot
+    /// give it to opens without one). A row kept ahead costs its own bytes where a cached block
+    /// costs the block's, so in a shuffled order over a dataset larger than the budget this memory
+    /// serves more rows from the look-ahead than from the decoded-block cache.
+    pub lookahead_bytes_max: u64,
     /// Reads in flight per stream.
     pub queue_depth: usize,
     /// Threads decoding the blocks of one batch on the CPU backend.
@@ -41,6 +48,13 @@ pub struct StreamLimits {
     /// not held up by a round trip per few kilobytes.
     pub ring_bytes: u64,
 }
+
+/// The default [`StreamLimits::lookahead_bytes_max`]: 192 MiB. Over 1 GiB of LZ4 tokens with 256 MiB
+/// for the stream, these 192 MiB to the look-ahead (the cache keeping the rest) cut a full shuffle's
+/// decodes from 6.25 to 2.39 a block (`docs/benchmarks/cpu-lz4-2026-11-28.md`); it is 2.3 % of the
+/// default `--slot-memory-max`, so about 40 shuffled host streams get one before the budget runs out
+/// for them (the next open without).
+pub const LOOKAHEAD_BYTES_MAX_DEFAULT: u64 = 192 << 20;
 
 /// The default [`StreamLimits::ring_bytes`]: 32 MiB, 64 slots of batches up to 512 KiB, 16 of 2 MiB.
 pub const RING_BYTES_DEFAULT: u64 = 32 << 20;
@@ -63,6 +77,7 @@ impl StreamLimits {
             world_size_max: 1 << 16,
             slot_bytes_max: 1 << 30,
             cache_bytes_max: 256 << 20,
+            lookahead_bytes_max: LOOKAHEAD_BYTES_MAX_DEFAULT,
             queue_depth: 64,
             decode_threads: std::thread::available_parallelism()
                 .map_or(1, |n| n.get())
