@@ -30,7 +30,8 @@ pub struct CreateDataset {
     /// `DATA_ROOT/<name>`.
     pub name: String,
     /// An already-packed dataset directory under the data root (relative to it, or absolute under
-    /// it). Give this or `source`.
+    /// it), or the URL of one in object storage (`s3://bucket/prefix`, `gs://...`, `az://...`,
+    /// `file:///...`), served through the node's object cache. Give this or `source`.
     #[serde(default)]
     pub path: Option<String>,
     /// Inputs under the data root and pack options: starts a pack job. Give this or `path`.
@@ -295,6 +296,9 @@ async fn register(
     name: String,
     path: String,
 ) -> Result<DatasetView, ApiError> {
+    if crate::remote::is_object_url(&path) {
+        return register_remote(control, name, path).await;
+    }
     let confined = control.root.resolve_existing(&path)?;
     let _reservation = control.reserve(&name)?;
     control.check_name_free(&name)?;
@@ -352,6 +356,60 @@ async fn register(
     control
         .registry
         .insert_shared(Arc::new(dataset))
+        .map_err(ApiError::conflict)?;
+    control.clear_problem(&name);
+    Ok(dataset_view(control, &name, &record))
+}
+
+/// Registers the dataset in object storage at `url`: its manifest and shard metadata are read now
+/// (a missing bucket or manifest, refused credentials: 422 naming the URL); its shards are fetched
+/// into the node's cache when a stream needs them.
+async fn register_remote(
+    control: &Arc<Control>,
+    name: String,
+    url: String,
+) -> Result<DatasetView, ApiError> {
+    let url = url.trim_end_matches('/').to_string();
+    let _reservation = control.reserve(&name)?;
+    control.check_name_free(&name)?;
+    if let Some(other) = control.catalog.read(|data| {
+        data.datasets
+            .iter()
+            .find(|(_, record)| record.path == url)
+            .map(|(other, _)| other.clone())
+    }) {
+        return Err(ApiError::conflict(format!(
+            "{url} is already registered as '{other}'"
+        )));
+    }
+    let (remote, dataset) = {
+        let (control, name, url) = (Arc::clone(control), name.clone(), url.clone());
+        blocking(move || {
+            control.registry.open_remote(&name, &url).map_err(|reason| {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_dataset", reason)
+            })
+        })
+        .await??
+    };
+    let record = DatasetRecord {
+        path: url,
+        origin: Origin::Registered,
+        registered_at_unix_s: unix_now(),
+        job: None,
+    };
+    {
+        let (control, name, record) = (Arc::clone(control), name.clone(), record.clone());
+        blocking(move || {
+            control.catalog.update(|data| {
+                data.datasets.insert(name, record);
+                Ok::<_, CatalogError>(())
+            })
+        })
+        .await??;
+    }
+    control
+        .registry
+        .insert_remote(dataset, remote)
         .map_err(ApiError::conflict)?;
     control.clear_problem(&name);
     Ok(dataset_view(control, &name, &record))
@@ -546,7 +604,20 @@ pub async fn verify(
                 "the most verifications this daemon runs at once are running; retry later",
             )
         })?;
-    let report = blocking(move || tools::verify(&dir, &NoProgress)).await?;
+    let (registry, held) = (Arc::clone(&control.registry), name.clone());
+    let report = blocking(move || {
+        // A dataset in object storage is verified in the cache, its shards fetched and held
+        // there meanwhile.
+        let _shards = match (registry.remote(&held), registry.get(&held)) {
+            (Some(remote), Some(dataset)) => match remote.acquire(&dataset) {
+                Ok(pins) => Some(pins),
+                Err(error) => return Ok(Err(error.to_string())),
+            },
+            _ => None,
+        };
+        Ok::<_, ApiError>(tools::verify(&dir, &NoProgress).map_err(|error| error.to_string()))
+    })
+    .await??;
     let (shards_total, shards_ok, blocks_ok, mut problems) = match report {
         Ok(report) => (
             report.shards_total as u64,
@@ -554,7 +625,7 @@ pub async fn verify(
             report.blocks_ok,
             report.problems,
         ),
-        Err(error) => (0, 0, 0, vec![error.to_string()]),
+        Err(error) => (0, 0, 0, vec![error]),
     };
     let problems_total = problems.len() as u64;
     problems.truncate(VERIFY_PROBLEMS_LISTED_MAX);

@@ -513,6 +513,9 @@ struct RunningStream {
     stop: Arc<AtomicBool>,
     filler: thread::JoinHandle<()>,
     metrics: Arc<Metrics>,
+    /// A dataset in object storage: its shards, held in the cache until the stream ends (after
+    /// the filler has stopped reading them: fields drop after `stop` joins it).
+    _shards: Option<crate::remote::ShardPins>,
 }
 
 impl RunningStream {
@@ -592,6 +595,22 @@ fn open_stream(
             ),
         )
     })?;
+    // A dataset in object storage: its shards fetched into the node's cache (or found there) and
+    // held there for the stream's life, before anything opens them.
+    let shards = match shared.registry.remote(&spec.dataset) {
+        Some(remote) => Some(remote.acquire(&dataset).map_err(|error| {
+            let code = match error {
+                crate::remote::RemoteError::Budget { .. } => ErrorCode::ResourceExhausted,
+                crate::remote::RemoteError::Corrupt { .. } => ErrorCode::CorruptData,
+                _ => ErrorCode::Internal,
+            };
+            (
+                code,
+                format!("dataset '{}' cannot be served: {error}", spec.dataset),
+            )
+        })?),
+        None => None,
+    };
     let dataset = current_dataset(shared, &spec.dataset, dataset)?;
     let limits = &shared.config.stream_limits;
     let plan = Arc::new(
@@ -705,6 +724,7 @@ fn open_stream(
         stop,
         filler,
         metrics: Arc::clone(metrics),
+        _shards: shards,
     })
 }
 
