@@ -600,7 +600,13 @@ async fn fetch_into(job: &FetchJob, temporary: &Path) -> Result<Vec<usize>, Remo
         path: temporary.to_path_buf(),
         source,
     };
-    let file = std::fs::File::create(temporary).map_err(io)?;
+    // Read back by the verification: opened for both.
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(temporary)
+        .map_err(io)?;
     file.set_len(job.file_bytes).map_err(io)?;
     let file = Arc::new(file);
     let ranges = (0..job.file_bytes)

@@ -68,9 +68,16 @@ impl ObjectLocation {
             max_retries: STORE_RETRIES_MAX,
             retry_timeout: Duration::from_secs(30),
         };
-        let options = object_store::ClientOptions::new()
-            .with_timeout(REQUEST_TIMEOUT)
-            .with_connect_timeout(CONNECT_TIMEOUT);
+        // Set key by key: replacing the client options whole would drop those read from the
+        // environment (AWS_ALLOW_HTTP, proxies, ...).
+        let timeouts = [
+            (object_store::ClientConfigKey::Timeout, REQUEST_TIMEOUT),
+            (
+                object_store::ClientConfigKey::ConnectTimeout,
+                CONNECT_TIMEOUT,
+            ),
+        ]
+        .map(|(key, duration)| (key, format!("{}s", duration.as_secs())));
         let need_host = |what: &str| {
             if host.is_empty() {
                 Err(bad(format!("names no {what}")))
@@ -81,28 +88,55 @@ impl ObjectLocation {
         let built: Result<Arc<dyn ObjectStore>, object_store::Error> = match parsed.scheme() {
             "s3" => {
                 need_host("bucket")?;
-                object_store::aws::AmazonS3Builder::from_env()
+                timeouts
+                    .iter()
+                    .fold(
+                        object_store::aws::AmazonS3Builder::from_env(),
+                        |builder, (key, value)| {
+                            builder.with_config(
+                                object_store::aws::AmazonS3ConfigKey::Client(*key),
+                                value,
+                            )
+                        },
+                    )
                     .with_bucket_name(&host)
                     .with_retry(retry)
-                    .with_client_options(options)
                     .build()
                     .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             }
             "gs" => {
                 need_host("bucket")?;
-                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                timeouts
+                    .iter()
+                    .fold(
+                        object_store::gcp::GoogleCloudStorageBuilder::from_env(),
+                        |builder, (key, value)| {
+                            builder.with_config(
+                                object_store::gcp::GoogleConfigKey::Client(*key),
+                                value,
+                            )
+                        },
+                    )
                     .with_bucket_name(&host)
                     .with_retry(retry)
-                    .with_client_options(options)
                     .build()
                     .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             }
             "az" | "abfs" => {
                 need_host("container")?;
-                object_store::azure::MicrosoftAzureBuilder::from_env()
+                timeouts
+                    .iter()
+                    .fold(
+                        object_store::azure::MicrosoftAzureBuilder::from_env(),
+                        |builder, (key, value)| {
+                            builder.with_config(
+                                object_store::azure::AzureConfigKey::Client(*key),
+                                value,
+                            )
+                        },
+                    )
                     .with_container_name(&host)
                     .with_retry(retry)
-                    .with_client_options(options)
                     .build()
                     .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             }
