@@ -572,6 +572,26 @@ fn reserve_stream_memory(
     Ok(ring_bytes)
 }
 
+/// For a dataset in object storage, its shards fetched into the node's cache (or found there) and
+/// held there for the stream's life, before anything opens them; `None` for a local dataset.
+fn hold_remote_shards(
+    shared: &Shared,
+    name: &str,
+    dataset: &crate::format::Dataset,
+) -> Result<Option<crate::remote::ShardPins>, (ErrorCode, String)> {
+    let Some(remote) = shared.registry.remote(name) else {
+        return Ok(None);
+    };
+    remote.acquire(dataset).map(Some).map_err(|error| {
+        let code = match error {
+            crate::remote::RemoteError::Budget { .. } => ErrorCode::ResourceExhausted,
+            crate::remote::RemoteError::Corrupt { .. } => ErrorCode::CorruptData,
+            _ => ErrorCode::Internal,
+        };
+        (code, format!("dataset '{name}' cannot be served: {error}"))
+    })
+}
+
 fn open_stream(
     shared: &Arc<Shared>,
     writer: &Arc<Mutex<UnixStream>>,
@@ -595,22 +615,7 @@ fn open_stream(
             ),
         )
     })?;
-    // A dataset in object storage: its shards fetched into the node's cache (or found there) and
-    // held there for the stream's life, before anything opens them.
-    let shards = match shared.registry.remote(&spec.dataset) {
-        Some(remote) => Some(remote.acquire(&dataset).map_err(|error| {
-            let code = match error {
-                crate::remote::RemoteError::Budget { .. } => ErrorCode::ResourceExhausted,
-                crate::remote::RemoteError::Corrupt { .. } => ErrorCode::CorruptData,
-                _ => ErrorCode::Internal,
-            };
-            (
-                code,
-                format!("dataset '{}' cannot be served: {error}", spec.dataset),
-            )
-        })?),
-        None => None,
-    };
+    let shards = hold_remote_shards(shared, &spec.dataset, &dataset)?;
     let dataset = current_dataset(shared, &spec.dataset, dataset)?;
     let limits = &shared.config.stream_limits;
     let plan = Arc::new(
