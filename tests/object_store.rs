@@ -29,18 +29,34 @@ const EMB_DIM: u64 = 256;
 const SAMPLES_PER_SHARD: &str = "256";
 const SHARDS: u64 = 8;
 const BUCKET: &str = "gpufeed-test";
+/// The test's secret key, which no error or log may show.
+const SECRET_ACCESS_KEY: &str = "gpufeed-test-secret-9f3a";
 
 /// A moto S3 server, killed when dropped.
 struct Moto {
     child: Option<Child>,
     port: u16,
     log: PathBuf,
+    auth: Auth,
+}
+
+/// Whether the server checks credentials (moto's IAM), or takes any.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Auth {
+    Any,
+    Checked,
 }
 
 impl Moto {
     /// Starts moto on a free loopback port, or `None` (after a loud SKIPPED line) where it is not
     /// installed outside CI.
     fn start(logs: &Path) -> Option<Moto> {
+        Moto::start_with(logs, Auth::Any)
+    }
+
+    /// Starts moto as [`Moto::start`] does, checking credentials or not; with them checked no
+    /// bucket is created (no request of ours would be allowed).
+    fn start_with(logs: &Path, auth: Auth) -> Option<Moto> {
         let installed = Command::new("python3")
             .args(["-c", "import moto.server"])
             .stdout(Stdio::null())
@@ -67,6 +83,7 @@ impl Moto {
             child: None,
             port,
             log: logs.join(format!("moto-{port}.log")),
+            auth,
         };
         moto.restart();
         Some(moto)
@@ -75,7 +92,12 @@ impl Moto {
     /// Starts the server (again) on its port, with an empty store, and creates the bucket; returns
     /// once it answers.
     fn restart(&mut self) {
-        let mut child = Command::new("python3")
+        let mut command = Command::new("python3");
+        if self.auth == Auth::Checked {
+            // moto's switch for checking every request's signature against its IAM users.
+            command.env("INITIAL_NO_AUTH_ACTION_COUNT", "0");
+        }
+        let mut child = command
             .args(["-m", "moto.server", "-H", "127.0.0.1", "-p"])
             .arg(self.port.to_string())
             .stdout(Stdio::null())
@@ -102,6 +124,9 @@ impl Moto {
             let _ = std::io::copy(&mut stderr, &mut log);
         });
         self.child = Some(child);
+        if self.auth == Auth::Checked {
+            return;
+        }
         let status = self.request("PUT", &format!("/{BUCKET}"), &[]).0;
         assert_eq!(status, 200, "creating the bucket");
     }
@@ -181,8 +206,8 @@ fn s3_env(command: &mut Command, moto: &Moto) {
     command
         .env("AWS_ENDPOINT", moto.endpoint())
         .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_ACCESS_KEY_ID", "testing")
-        .env("AWS_SECRET_ACCESS_KEY", "testing")
+        .env("AWS_ACCESS_KEY_ID", "gpufeed-test-key")
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
         .env("AWS_DEFAULT_REGION", "us-east-1");
 }
 
@@ -382,6 +407,10 @@ fn batches_equal_the_local_dataset_and_the_cache_serves_later_epochs_and_restart
     let restarted = cache_status(&daemon);
     assert_eq!(figure(&restarted, "misses"), 0, "{restarted}");
     assert_eq!(figure(&restarted, "hits"), 2 * SHARDS, "{restarted}");
+    assert!(
+        !daemon.log().contains(SECRET_ACCESS_KEY),
+        "the secret key is in the log"
+    );
 }
 
 /// The bytes of every shard of the dataset packed in `dir` (the bucket's copies are packed alike).
@@ -602,4 +631,46 @@ fn a_corrupt_object_is_detected_and_handled_as_local_corruption() {
         .unwrap();
     let replaced: u32 = stream.by_ref().map(|batch| batch.unwrap().replaced()).sum();
     assert!(replaced > 0, "no sample was replaced");
+}
+
+#[test]
+fn refused_credentials_and_a_missing_bucket_stop_the_start_naming_the_url() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(moto) = Moto::start_with(root.path(), Auth::Checked) else {
+        return;
+    };
+    let url = format!("s3://{BUCKET}/data");
+    let mut command = common::daemon::serve_command(
+        root.path(),
+        &["--dataset", &format!("data={url}"), "--http", "off"],
+    );
+    s3_env(&mut command, &moto);
+    let output = command.output().unwrap();
+    let error = common::assert_fails(&output);
+    assert!(
+        error.contains(&format!("--dataset data: {url}/manifest.json"))
+            && error.contains("access denied")
+            && error.contains("credentials"),
+        "{error}"
+    );
+    assert!(
+        !error.contains(SECRET_ACCESS_KEY),
+        "the secret key is in the error: {error}"
+    );
+    drop(moto);
+
+    let Some(open) = Moto::start(root.path()) else {
+        return;
+    };
+    let missing = "s3://no-such-bucket/data";
+    let mut command = common::daemon::serve_command(
+        root.path(),
+        &["--dataset", &format!("data={missing}"), "--http", "off"],
+    );
+    s3_env(&mut command, &open);
+    let error = common::assert_fails(&command.output().unwrap());
+    assert!(
+        error.contains(&format!("{missing}/manifest.json: not found")),
+        "{error}"
+    );
 }

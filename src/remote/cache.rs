@@ -31,6 +31,9 @@ pub const REQUESTS_IN_FLIGHT_DEFAULT: usize = 16;
 /// Most ranged GETs in flight that may be configured.
 pub const REQUESTS_IN_FLIGHT_MAX: usize = 256;
 
+/// Shards one stream fetches at once (their ranges share the cache's request permits).
+const SHARDS_IN_FLIGHT: usize = 8;
+
 /// Worker threads of the cache's runtime: requests are I/O bound; hashing runs on its blocking
 /// threads.
 const RUNTIME_THREADS: usize = 2;
@@ -337,10 +340,18 @@ impl ObjectCache {
                 .iter()
                 .map(|&index| self.fetch_job(location, dataset, index))
                 .collect();
+            // In shard order, a bounded number at once: each holds a file open and its ranges
+            // wait for the cache's request permits.
             self.runtime.run(async move {
-                let results =
-                    futures_util::future::join_all(jobs.iter().cloned().map(fetch_shard)).await;
-                jobs.into_iter().zip(results).collect()
+                use futures_util::StreamExt;
+                futures_util::stream::iter(jobs)
+                    .map(|job| async move {
+                        let result = fetch_shard(job.clone()).await;
+                        (job, result)
+                    })
+                    .buffered(SHARDS_IN_FLIGHT)
+                    .collect()
+                    .await
             })
         };
         let mut first_error = None;
