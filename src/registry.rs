@@ -132,6 +132,16 @@ impl Registry {
         })
     }
 
+    /// Names of the datasets registered from object storage, sorted.
+    pub fn remote_names(&self) -> Vec<String> {
+        self.remote
+            .read()
+            .expect("registry lock poisoned")
+            .keys()
+            .cloned()
+            .collect()
+    }
+
     /// The object storage source of dataset `name`, if it was registered from one.
     pub fn remote(&self, name: &str) -> Option<Arc<RemoteDataset>> {
         self.remote

@@ -350,6 +350,20 @@ fn batches_equal_the_local_dataset_and_the_cache_serves_later_epochs_and_restart
         "{text}"
     );
 
+    // Listed by the API with its URL, from the configuration rather than the catalog.
+    let listed = common::http::get(daemon.address(), "/v1/datasets", None).json();
+    let remote = listed["datasets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|dataset| dataset["name"] == "remote")
+        .unwrap_or_else(|| panic!("not listed: {listed}"))
+        .clone();
+    assert_eq!(remote["path"], url.as_str(), "{remote}");
+    assert_eq!(remote["origin"], "configured", "{remote}");
+    assert_eq!(remote["state"], "ready", "{remote}");
+    assert_eq!(remote["shards"], SHARDS, "{remote}");
+
     // Registered through the API; a missing manifest or bucket is refused naming the URL.
     let created = common::http::send_json(
         daemon.address(),
@@ -673,4 +687,41 @@ fn refused_credentials_and_a_missing_bucket_stop_the_start_naming_the_url() {
         error.contains(&format!("{missing}/manifest.json: not found")),
         "{error}"
     );
+}
+
+#[test]
+fn pack_out_to_a_url_refuses_a_dataset_already_there_unless_forced() {
+    let Some((root, moto)) = setup(&["packed"]) else {
+        return;
+    };
+    let inputs = root.path().join("inputs");
+    let mut again = Command::new(env!("CARGO_BIN_EXE_gpufeed"));
+    again
+        .args(["pack", "--quiet", "--out", &format!("s3://{BUCKET}/packed")])
+        .arg("--field")
+        .arg(format!("tok={}", inputs.join("tok.npy").display()));
+    s3_env(&mut again, &moto);
+    let error = common::assert_fails(&again.output().unwrap());
+    assert!(
+        error.contains(&format!("s3://{BUCKET}/packed/manifest.json")) && error.contains("--force"),
+        "{error}"
+    );
+    // The refused upload wrote nothing: the dataset there is still the one packed first.
+    let daemon = serve(
+        root.path(),
+        &moto,
+        &["--dataset", &format!("packed=s3://{BUCKET}/packed")],
+    );
+    assert!(epoch(&daemon, "packed") == epoch(&daemon, "local"));
+    drop(daemon);
+    again.arg("--force");
+    common::assert_succeeds(&again.output().unwrap());
+    // Replaced: the dataset there now has the one field packed last.
+    let daemon = serve(
+        root.path(),
+        &moto,
+        &["--dataset", &format!("packed=s3://{BUCKET}/packed")],
+    );
+    let listed = common::http::get(daemon.address(), "/v1/datasets/packed", None).json();
+    assert_eq!(listed["dataset"]["fields"], json!(["tok"]), "{listed}");
 }

@@ -74,6 +74,9 @@ pub enum OriginName {
     Packed,
     /// Found by the start-up scan of the data root.
     Scanned,
+    /// In object storage, given with `--dataset` (or `datasets` in the configuration) at start:
+    /// not kept in the catalog, and registered again at each start that names it.
+    Configured,
 }
 
 impl From<Origin> for OriginName {
@@ -82,6 +85,7 @@ impl From<Origin> for OriginName {
             Origin::Registered => OriginName::Registered,
             Origin::Packed => OriginName::Packed,
             Origin::Scanned => OriginName::Scanned,
+            Origin::Configured => OriginName::Configured,
         }
     }
 }
@@ -204,7 +208,23 @@ fn record_of(control: &Control, name: &str) -> Result<DatasetRecord, ApiError> {
     control
         .catalog
         .read(|data| data.datasets.get(name).cloned())
+        .or_else(|| configured_record(control, name))
         .ok_or_else(|| ApiError::not_found(format!("no dataset named '{name}' in the catalog")))
+}
+
+/// The record of a dataset in object storage given with `--dataset` at start, which the catalog
+/// does not keep.
+fn configured_record(control: &Control, name: &str) -> Option<DatasetRecord> {
+    let remote = control.registry.remote(name)?;
+    Some(DatasetRecord {
+        path: remote.url().to_string(),
+        origin: Origin::Configured,
+        registered_at_unix_s: remote
+            .registered_at()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs()),
+        job: None,
+    })
 }
 
 fn location(path: &str) -> HeaderMap {
@@ -426,12 +446,20 @@ async fn register_remote(
     security((), ("bearer" = []))
 )]
 pub async fn list(State(control): State<Arc<Control>>) -> Json<DatasetList> {
-    let records: Vec<(String, DatasetRecord)> = control.catalog.read(|data| {
+    let mut records: Vec<(String, DatasetRecord)> = control.catalog.read(|data| {
         data.datasets
             .iter()
             .map(|(n, r)| (n.clone(), r.clone()))
             .collect()
     });
+    for name in control.registry.remote_names() {
+        if !records.iter().any(|(listed, _)| *listed == name) {
+            if let Some(record) = configured_record(&control, &name) {
+                records.push((name, record));
+            }
+        }
+    }
+    records.sort_by(|a, b| a.0.cmp(&b.0));
     let datasets = records
         .iter()
         .map(|(name, record)| dataset_view(&control, name, record))

@@ -26,6 +26,7 @@ const UPLOAD_PARTS_IN_FLIGHT: usize = 4;
 pub struct RemoteDataset {
     location: ObjectLocation,
     cache: Arc<ObjectCache>,
+    registered_at: std::time::SystemTime,
 }
 
 impl std::fmt::Debug for RemoteDataset {
@@ -108,12 +109,25 @@ impl RemoteDataset {
                 url: manifest_url,
                 source,
             })?;
-        Ok((RemoteDataset { location, cache }, dataset))
+        let registered_at = std::time::SystemTime::now();
+        Ok((
+            RemoteDataset {
+                location,
+                cache,
+                registered_at,
+            },
+            dataset,
+        ))
     }
 
     /// The dataset's URL.
     pub fn url(&self) -> &str {
         self.location.url()
+    }
+
+    /// When it was opened for registration.
+    pub fn registered_at(&self) -> std::time::SystemTime {
+        self.registered_at
     }
 
     /// Pins every shard of `dataset` (this dataset as registered) in the cache, fetching those
