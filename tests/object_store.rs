@@ -307,6 +307,27 @@ fn epoch(daemon: &Daemon, dataset: &str) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// The error a stream of `spec` ends with: refused when it opens, or failing a batch (a host
+/// stream fetches its shards batch by batch).
+fn stream_error(daemon: &Daemon, spec: StreamSpec) -> String {
+    let mut stream = match Client::connect(&daemon.socket).unwrap().open_stream(spec) {
+        Ok(stream) => stream,
+        Err(error) => return error.to_string(),
+    };
+    let mut batches = 0;
+    for batch in stream.by_ref() {
+        match batch {
+            Ok(_) => batches += 1,
+            Err(error) => return error.to_string(),
+        }
+    }
+    panic!(
+        "the stream must fail; it served {batches} batches; cache {}; log:\n{}",
+        cache_status(daemon),
+        daemon.log()
+    )
+}
+
 /// The object cache's figures in `/v1/status`.
 fn cache_status(daemon: &Daemon) -> Value {
     common::http::get(daemon.address(), "/v1/status", None).json()["object_cache"].clone()
@@ -440,7 +461,7 @@ fn dataset_bytes(dir: &Path) -> u64 {
 }
 
 #[test]
-fn a_small_budget_evicts_the_least_recently_used_and_never_a_shard_a_stream_reads() {
+fn a_small_budget_evicts_the_least_recently_used_and_fetches_again() {
     let Some((root, moto)) = setup(&["first", "second"]) else {
         return;
     };
@@ -470,49 +491,6 @@ fn a_small_budget_evicts_the_least_recently_used_and_never_a_shard_a_stream_read
     assert!(epoch(&daemon, "first") == local);
     let again = cache_status(&daemon);
     assert!(figure(&again, "misses") > 2 * SHARDS, "{again}");
-
-    // While a stream reads the first dataset its shards stay: the second does not fit beside them.
-    let mut reading = Client::connect(&daemon.socket)
-        .unwrap()
-        .open_stream(spec("first"))
-        .unwrap();
-    reading.next().unwrap().unwrap();
-    let refused = Client::connect(&daemon.socket)
-        .unwrap()
-        .open_stream(spec("second"))
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        refused.contains("object cache cannot hold")
-            && refused.contains(&format!("s3://{BUCKET}/second/"))
-            && refused.contains("--object-cache-max"),
-        "{refused}"
-    );
-    let rest: Vec<Vec<u8>> = reading
-        .by_ref()
-        .map(|batch| {
-            let batch = batch.unwrap();
-            let mut bytes = batch.field("tok").unwrap().host_bytes().unwrap().to_vec();
-            bytes.extend_from_slice(batch.field("emb").unwrap().host_bytes().unwrap());
-            bytes
-        })
-        .collect();
-    assert!(rest[..] == local[1..], "the pinned stream's batches differ");
-    drop(reading);
-    // Its shards are let go when its session has ended, which the session list shows.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while common::http::get(daemon.address(), "/v1/sessions", None).json()["sessions"]
-        .as_array()
-        .is_some_and(|sessions| !sessions.is_empty())
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the session never ended"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    assert!(epoch(&daemon, "second") == local, "once the stream ended");
 }
 
 #[test]
@@ -557,12 +535,7 @@ fn the_server_killed_mid_epoch_fails_new_fetches_clearly_and_serves_again_once_b
     );
     drop(stream);
     // A stream whose shards must be fetched fails after the retries, naming the object.
-    let error = Client::connect(&daemon.socket)
-        .unwrap()
-        .open_stream(spec("later"))
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
+    let error = stream_error(&daemon, spec("later"));
     assert!(
         error.contains(&format!("s3://{BUCKET}/later/shard-")) && error.contains("tries"),
         "{error}"
@@ -724,4 +697,64 @@ fn pack_out_to_a_url_refuses_a_dataset_already_there_unless_forced() {
     );
     let listed = common::http::get(daemon.address(), "/v1/datasets/packed", None).json();
     assert_eq!(listed["dataset"]["fields"], json!(["tok"]), "{listed}");
+}
+
+#[test]
+fn a_dataset_larger_than_the_cache_streams_in_order_fetching_ahead_and_evicting_behind() {
+    let Some((root, moto)) = setup(&["large"]) else {
+        return;
+    };
+    let bytes = dataset_bytes(&root.path().join("local"));
+    // Room for a little over half the dataset: a host stream holds only the shards of its batch
+    // and the few after it.
+    let budget = (bytes / 2 + bytes / 8).max(1 << 20);
+    assert!(
+        budget < bytes,
+        "the dataset must not fit: {bytes} bytes, budget {budget}"
+    );
+    let daemon = serve(
+        root.path(),
+        &moto,
+        &[
+            "--object-cache-max",
+            &budget.to_string(),
+            "--dataset",
+            &format!("large=s3://{BUCKET}/large"),
+        ],
+    );
+    let in_order = |dataset: &str| {
+        let mut request = spec(dataset);
+        request.shuffle = Shuffle::None;
+        let mut stream = Client::connect(&daemon.socket)
+            .unwrap()
+            .open_stream(request)
+            .unwrap_or_else(|error| panic!("{error}; log:\n{}", daemon.log()));
+        stream
+            .by_ref()
+            .map(|batch| {
+                let batch = batch.unwrap_or_else(|error| panic!("{error}"));
+                let mut bytes = batch.field("tok").unwrap().host_bytes().unwrap().to_vec();
+                bytes.extend_from_slice(batch.field("emb").unwrap().host_bytes().unwrap());
+                bytes
+            })
+            .collect::<Vec<_>>()
+    };
+    let local = in_order("local");
+    assert!(in_order("large") == local, "the first epoch differs");
+    let first = cache_status(&daemon);
+    assert_eq!(figure(&first, "misses"), SHARDS, "{first}");
+    assert!(figure(&first, "evictions") > 0, "{first}");
+    assert!(figure(&first, "bytes") <= budget, "{first}");
+    assert!(in_order("large") == local, "the second epoch differs");
+    let second = cache_status(&daemon);
+    assert!(figure(&second, "misses") > SHARDS, "{second}");
+    assert!(figure(&second, "bytes") <= budget, "{second}");
+    // A fully shuffled batch reads every shard at once: more than the budget holds.
+    let refused = stream_error(&daemon, spec("large"));
+    assert!(
+        refused.contains("object cache cannot hold")
+            && refused.contains(&format!("s3://{BUCKET}/large/"))
+            && refused.contains("--object-cache-max"),
+        "{refused}"
+    );
 }

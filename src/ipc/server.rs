@@ -572,8 +572,28 @@ fn reserve_stream_memory(
     Ok(ring_bytes)
 }
 
-/// For a dataset in object storage, its shards fetched into the node's cache (or found there) and
-/// held there for the stream's life, before anything opens them; `None` for a local dataset.
+/// For a stream of a dataset in object storage: a host stream holds its shards batch by batch
+/// (`pipeline::shard_gate`, set in `plan`); a GPU stream holds them all before it starts.
+fn remote_shards(
+    shared: &Shared,
+    remote: Option<&crate::remote::RemoteDataset>,
+    backend: StreamBackend<'_>,
+    plan: &mut StreamPlan,
+) -> Result<Option<crate::remote::ShardPins>, (ErrorCode, String)> {
+    let name = plan.dataset.manifest.name.clone();
+    match (remote, backend) {
+        (Some(remote), StreamBackend::Cpu) => {
+            plan.shard_gate = Some(Arc::new(remote.stream_shards(Arc::clone(&plan.dataset))));
+            Ok(None)
+        }
+        (Some(_), StreamBackend::Gpu(_)) => hold_remote_shards(shared, &name, &plan.dataset),
+        (None, _) => Ok(None),
+    }
+}
+
+/// For a GPU stream of a dataset in object storage, its shards fetched into the node's cache (or
+/// found there) and held there for the stream's life, before anything opens them; `None` for a
+/// local dataset.
 fn hold_remote_shards(
     shared: &Shared,
     name: &str,
@@ -615,13 +635,17 @@ fn open_stream(
             ),
         )
     })?;
-    let shards = hold_remote_shards(shared, &spec.dataset, &dataset)?;
-    let dataset = current_dataset(shared, &spec.dataset, dataset)?;
+    let remote = shared.registry.remote(&spec.dataset);
+    // A dataset in object storage: its cached files are checked when fetched, not here.
+    let dataset = match remote {
+        Some(_) => dataset,
+        None => current_dataset(shared, &spec.dataset, dataset)?,
+    };
     let limits = &shared.config.stream_limits;
-    let plan = Arc::new(
-        StreamPlan::new(dataset, &request, limits)
-            .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
-    );
+    let mut plan = StreamPlan::new(dataset, &request, limits)
+        .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
+    let shards = remote_shards(shared, remote.as_deref(), backend, &mut plan)?;
+    let plan = Arc::new(plan);
     let ring_bytes = reserve_stream_memory(shared, &plan, backend)?;
     let metrics = &shared.config.metrics;
     let undo = |code, message: String| {

@@ -8,6 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
+use super::shard_gate::ShardGate;
 use super::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
     StreamLimits, StreamPlan,
@@ -21,6 +22,11 @@ use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
 };
+
+/// Shards, beyond a batch's own, that a stream whose shards arrive while it runs keeps ready for
+/// its next batches, looking at most [`GATE_STEPS_AHEAD`] batches ahead.
+const GATE_SHARDS_AHEAD: usize = 4;
+const GATE_STEPS_AHEAD: u64 = 64;
 
 /// Rows ahead of the one being converted whose in-place bytes the CPU backend prefetches.
 const PREFETCH_ROWS_AHEAD: usize = 8;
@@ -135,8 +141,11 @@ impl Assembler {
         cache: &Arc<BlockCache>,
     ) -> Result<Assembler, StorageError> {
         let mut files = FileTable::new(plan.dataset.shards.len());
-        for shard in &plan.dataset.shards {
-            files.open(&shard.path, DirectIo::Prefer)?;
+        // Shards behind a gate are opened batch by batch, once the gate holds them.
+        if plan.shard_gate.is_none() {
+            for shard in &plan.dataset.shards {
+                files.open(&shard.path, DirectIo::Prefer)?;
+            }
         }
         let plan_shards = plan.dataset.shards.len();
         let (queue, engine_note) = AnyQueue::best(limits.queue_depth);
@@ -181,6 +190,9 @@ impl Assembler {
         let plan = Arc::clone(&self.plan);
         // Where every (sample, field) of the batch lives, row by row, located once for both passes.
         let placements = plan.placements(step);
+        if let Some(gate) = &plan.shard_gate {
+            self.follow_gate(gate.as_ref(), step, &placements)?;
+        }
         let width = plan.fields.len();
         let sample_count = placements.len() / width;
         let mut replaced = 0u32;
@@ -237,6 +249,45 @@ impl Assembler {
             samples: sample_count as u32,
             replaced,
         })
+    }
+
+    /// Before step `step` of a stream whose shards arrive while it runs: holds and opens the shards
+    /// the batch reads, names those of the next batches to the gate, and closes and releases the
+    /// shards neither reads (their maps and descriptors first, so the cache may evict them).
+    fn follow_gate(
+        &mut self,
+        gate: &dyn ShardGate,
+        step: u64,
+        placements: &[Placement],
+    ) -> Result<(), FillError> {
+        let mut needed: Vec<usize> = placements.iter().map(|p| p.shard).collect();
+        needed.sort_unstable();
+        needed.dedup();
+        gate.hold(&needed).map_err(FillError::ShardsUnavailable)?;
+        for &shard in &needed {
+            let id = FileId(shard as u32);
+            if !self.files.is_open(id) {
+                let path = &self.plan.dataset.shards[shard].path;
+                self.files.open_at(id, path, DirectIo::Prefer)?;
+            }
+        }
+        let ahead = self
+            .plan
+            .shards_ahead(step, &needed, GATE_SHARDS_AHEAD, GATE_STEPS_AHEAD);
+        gate.ahead(&ahead);
+        let released: Vec<usize> = (0..self.plan.dataset.shards.len())
+            .filter(|&shard| self.files.is_open(FileId(shard as u32)))
+            .filter(|shard| needed.binary_search(shard).is_err() && !ahead.contains(shard))
+            .collect();
+        for &shard in &released {
+            self.maps[shard] = None;
+            self.buffered[shard] = None;
+            self.files.close(FileId(shard as u32));
+        }
+        if !released.is_empty() {
+            gate.release(&released);
+        }
+        Ok(())
     }
 
     /// Takes the blocks of a part (with the raw bytes the part uses of each) from the cache, or reads

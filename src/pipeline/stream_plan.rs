@@ -187,6 +187,9 @@ pub struct StreamPlan {
     pub slot_count: u32,
     /// What to do with corrupt blocks.
     pub on_corrupt: CorruptPolicy,
+    /// For a dataset whose shards arrive while the stream runs (object storage, host streams):
+    /// what the host assembler asks before it opens a shard. `None`: every shard is on disk.
+    pub shard_gate: Option<Arc<dyn super::shard_gate::ShardGate>>,
 }
 
 impl StreamPlan {
@@ -314,7 +317,35 @@ impl StreamPlan {
             ),
             on_corrupt: spec.on_corrupt,
             dataset,
+            shard_gate: None,
         })
+    }
+
+    /// The shards that the steps after `step` read, soonest first, leaving out those in `current`
+    /// (sorted): at most `shards_max` of them, looking at most `steps_max` steps ahead.
+    pub fn shards_ahead(
+        &self,
+        step: u64,
+        current: &[usize],
+        shards_max: usize,
+        steps_max: u64,
+    ) -> Vec<usize> {
+        let mut ahead: Vec<usize> = Vec::new();
+        let last = self
+            .steps
+            .min(step.saturating_add(1).saturating_add(steps_max));
+        for next in step + 1..last {
+            for sample in self.batch_samples(next) {
+                let (shard, _, _) = self.locate(sample, 0);
+                if current.binary_search(&shard).is_err() && !ahead.contains(&shard) {
+                    ahead.push(shard);
+                    if ahead.len() >= shards_max {
+                        return ahead;
+                    }
+                }
+            }
+        }
+        ahead
     }
 
     /// The global-order cursor once step `step` (counted from the stream's start) is consumed.
@@ -668,6 +699,10 @@ pub enum FillError {
         /// Slots the stream has.
         slots: usize,
     },
+    /// Shards a batch reads could not be made ready (a dataset in object storage: the store
+    /// failed after its retries, or the cache has no room); the message names the object.
+    #[error("{0}")]
+    ShardsUnavailable(String),
     /// The thread planning a resident stream's rows stopped before this step (it panicked).
     #[error("the planning thread stopped before step {step}: a bug in the batch plan")]
     PlannerStopped {

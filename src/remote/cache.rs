@@ -114,21 +114,7 @@ impl ShardPins {
 
 impl Drop for ShardPins {
     fn drop(&mut self) {
-        let mut state = self.cache.lock();
-        for (path, id) in &self.held {
-            let Some(file) = state.files.get_mut(path).filter(|file| file.id == *id) else {
-                continue;
-            };
-            file.pins -= 1;
-            if !file.complete && file.pins == 0 {
-                let bytes = file.bytes;
-                state.files.remove(path);
-                state.used_bytes -= bytes;
-            }
-        }
-        self.cache.publish_bytes(&state);
-        drop(state);
-        self.cache.settled.notify_all();
+        self.cache.unpin(&self.held);
     }
 }
 
@@ -137,6 +123,8 @@ impl Drop for ShardPins {
 struct FetchJob {
     location: ObjectLocation,
     object: String,
+    /// The cache entry it fills.
+    entry: u64,
     path: PathBuf,
     file_bytes: u64,
     table_checksum: u64,
@@ -321,57 +309,212 @@ impl ObjectCache {
         location: &ObjectLocation,
         dataset: &Dataset,
     ) -> Result<ShardPins, RemoteError> {
-        let mut pins = ShardPins {
+        let all: Vec<usize> = (0..dataset.shards.len()).collect();
+        let mut held = HashMap::new();
+        let fetches = self.pin(location, dataset, &all, &mut held)?;
+        let pins = ShardPins {
             cache: Arc::clone(self),
-            held: Vec::with_capacity(dataset.shards.len()),
+            held: held.into_values().collect(),
         };
-        let (fetches, waits, touched) = self.pin_or_reserve(location, dataset, &mut pins)?;
-        for path in touched {
-            // The last use survives a restart as the file's modification time (best effort).
-            let _ = std::fs::File::options()
-                .write(true)
-                .open(&path)
-                .and_then(|file| file.set_modified(std::time::SystemTime::now()));
+        self.fetch_now(location, dataset, fetches)?;
+        self.wait_complete(location, &pins.held)?;
+        Ok(pins)
+    }
+
+    /// Pins `shards` of `dataset` for a holder whose pins are `held` (shard index to the path
+    /// and entry it pinned; shards already there are left alone): those the cache holds or is
+    /// fetching are pinned, room is made for the others, which are returned, to be fetched
+    /// (they carry a second pin, the fetch's, which [`ObjectCache::finish`] drops). Refused,
+    /// with nothing of this call left pinned, when the budget has no room.
+    pub(crate) fn pin(
+        &self,
+        location: &ObjectLocation,
+        dataset: &Dataset,
+        shards: &[usize],
+        held: &mut HashMap<usize, (PathBuf, u64)>,
+    ) -> Result<Vec<usize>, RemoteError> {
+        let counters = self.metrics.object_cache();
+        let mut state = self.lock();
+        let mut pinned_now: Vec<usize> = Vec::new();
+        let mut fetches = Vec::new();
+        // Those the cache holds first, so that making room for the others never evicts them.
+        let (present, absent): (Vec<usize>, Vec<usize>) = shards.iter().partition(|&&index| {
+            let path = &dataset.shards[index].path;
+            state
+                .files
+                .get(path)
+                .is_some_and(|file| file.bytes == dataset.manifest.shards[index].file_bytes)
+        });
+        for index in present.into_iter().chain(absent) {
+            if held.contains_key(&index) {
+                continue;
+            }
+            let entry = &dataset.manifest.shards[index];
+            let path = dataset.shards[index].path.clone();
+            state.clock += 1;
+            let now = state.clock;
+            if let Some(file) = state.files.get_mut(&path) {
+                if file.bytes == entry.file_bytes {
+                    file.pins += 1;
+                    file.last_used = now;
+                    if file.complete {
+                        counters.hits.fetch_add(1, Ordering::Relaxed);
+                        // The last use survives a restart as the file's modification time.
+                        let _ = std::fs::File::options()
+                            .write(true)
+                            .open(&path)
+                            .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+                    }
+                    held.insert(index, (path, file.id));
+                    pinned_now.push(index);
+                    continue;
+                }
+                // A file of another length under the shard's name is not this shard: fetched
+                // again, unless a stream holds it.
+                if file.pins > 0 || !file.complete {
+                    let what = format!(
+                        "the cache holds {} bytes under {}, the manifest says {}, and a stream \
+                         reads it",
+                        file.bytes,
+                        path.display(),
+                        entry.file_bytes
+                    );
+                    drop(state);
+                    self.undo_pins(held, &pinned_now);
+                    return Err(RemoteError::Corrupt {
+                        url: location.object_url(&entry.file),
+                        what,
+                    });
+                }
+                let bytes = file.bytes;
+                state.files.remove(&path);
+                state.used_bytes -= bytes;
+                let _ = std::fs::remove_file(&path);
+            }
+            let url = location.object_url(&entry.file);
+            if let Err(error) = self.reserve(&mut state, entry.file_bytes, &url) {
+                drop(state);
+                self.undo_pins(held, &pinned_now);
+                return Err(error);
+            }
+            state.next_id += 1;
+            let id = state.next_id;
+            let file = CachedFile {
+                id,
+                bytes: entry.file_bytes,
+                last_used: now,
+                pins: 2,
+                complete: false,
+            };
+            state.files.insert(path.clone(), file);
+            held.insert(index, (path, id));
+            pinned_now.push(index);
+            fetches.push(index);
+            counters.misses.fetch_add(1, Ordering::Relaxed);
         }
-        let fetched: Vec<(FetchJob, Result<(), RemoteError>)> = if fetches.is_empty() {
-            Vec::new()
-        } else {
-            let jobs: Vec<FetchJob> = fetches
-                .iter()
-                .map(|&index| self.fetch_job(location, dataset, index))
-                .collect();
-            // In shard order, a bounded number at once: each holds a file open and its ranges
-            // wait for the cache's request permits.
-            self.runtime.run(async move {
-                use futures_util::StreamExt;
-                futures_util::stream::iter(jobs)
-                    .map(|job| async move {
-                        let result = fetch_shard(job.clone()).await;
-                        (job, result)
-                    })
-                    .buffered(SHARDS_IN_FLIGHT)
-                    .collect()
-                    .await
-            })
-        };
+        self.publish_bytes(&state);
+        Ok(fetches)
+    }
+
+    /// Undoes the pins `pin` took in this call (`shards`), the fetch's pins of new entries too.
+    fn undo_pins(&self, held: &mut HashMap<usize, (PathBuf, u64)>, shards: &[usize]) {
+        let mut entries = Vec::new();
+        {
+            let mut state = self.lock();
+            for index in shards {
+                let Some((path, id)) = held.remove(index) else {
+                    continue;
+                };
+                if let Some(file) = state.files.get_mut(&path).filter(|f| f.id == id) {
+                    if !file.complete {
+                        // Not fetched by this call after all: the fetch's pin goes too.
+                        file.pins -= 1;
+                    }
+                }
+                entries.push((path, id));
+            }
+            self.publish_bytes(&state);
+        }
+        self.unpin(&entries);
+    }
+
+    /// Drops one pin of each entry; an entry left unpinned and incomplete (its fetch never ran)
+    /// is removed with its reservation.
+    pub(crate) fn unpin(&self, entries: &[(PathBuf, u64)]) {
+        let mut state = self.lock();
+        for (path, id) in entries {
+            let Some(file) = state.files.get_mut(path).filter(|file| file.id == *id) else {
+                continue;
+            };
+            file.pins -= 1;
+            if !file.complete && file.pins == 0 {
+                let bytes = file.bytes;
+                state.files.remove(path);
+                state.used_bytes -= bytes;
+            }
+        }
+        self.publish_bytes(&state);
+        drop(state);
+        self.settled.notify_all();
+    }
+
+    /// Fetches shards `fetches` (returned by `pin`) and waits for them; the first error.
+    pub(crate) fn fetch_now(
+        &self,
+        location: &ObjectLocation,
+        dataset: &Dataset,
+        fetches: Vec<usize>,
+    ) -> Result<(), RemoteError> {
+        if fetches.is_empty() {
+            return Ok(());
+        }
+        let jobs = self.fetch_jobs(location, dataset, &fetches);
+        let results = self.runtime.run(fetch_all(jobs));
+        self.finish(results)
+    }
+
+    /// Fetches shards `fetches` (returned by `pin`) in the background.
+    pub(crate) fn fetch_later(
+        self: &Arc<Self>,
+        location: &ObjectLocation,
+        dataset: &Dataset,
+        fetches: Vec<usize>,
+    ) {
+        if fetches.is_empty() {
+            return;
+        }
+        let jobs = self.fetch_jobs(location, dataset, &fetches);
+        let cache = Arc::clone(self);
+        drop(self.runtime.spawn(async move {
+            let results = fetch_all(jobs).await;
+            if let Err(error) = cache.finish(results) {
+                tracing::warn!("fetching ahead: {error}");
+            }
+        }));
+    }
+
+    /// Records what fetches ended with: each entry complete, or removed with its reservation
+    /// (its holders then find it gone); drops the fetches' pins. Returns the first error.
+    fn finish(
+        &self,
+        results: Vec<(FetchJob, Result<u64, RemoteError>)>,
+    ) -> Result<(), RemoteError> {
         let mut first_error = None;
         {
             let mut state = self.lock();
-            for (job, result) in fetched {
-                let id = pins
-                    .held
-                    .iter()
-                    .find(|(path, _)| *path == job.path)
-                    .map(|&(_, id)| id);
+            for (job, result) in results {
                 let Some(file) = state
                     .files
                     .get_mut(&job.path)
-                    .filter(|file| Some(file.id) == id)
+                    .filter(|file| file.id == job.entry)
                 else {
                     continue;
                 };
                 match result {
-                    Ok(()) => file.complete = true,
+                    Ok(_) => {
+                        file.complete = true;
+                        file.pins -= 1;
+                    }
                     Err(error) => {
                         let bytes = file.bytes;
                         state.files.remove(&job.path);
@@ -383,110 +526,17 @@ impl ObjectCache {
             self.publish_bytes(&state);
         }
         self.settled.notify_all();
-        if let Some(error) = first_error {
-            return Err(error);
-        }
-        self.wait_for_others(location, &waits)?;
-        Ok(pins)
+        first_error.map_or(Ok(()), Err)
     }
 
-    /// Under the lock: pins what the cache holds or is fetching, and reserves room for the rest.
-    /// Returns the shards to fetch (by index), the paths another stream is fetching, and the
-    /// paths found complete.
-    #[allow(clippy::type_complexity)]
-    fn pin_or_reserve(
+    /// Waits until every entry of `entries` is complete; an error if one's fetch failed.
+    pub(crate) fn wait_complete(
         &self,
         location: &ObjectLocation,
-        dataset: &Dataset,
-        pins: &mut ShardPins,
-    ) -> Result<(Vec<usize>, Vec<(PathBuf, u64)>, Vec<PathBuf>), RemoteError> {
-        let counters = self.metrics.object_cache();
-        let mut state = self.lock();
-        let (mut fetches, mut waits, mut touched) = (Vec::new(), Vec::new(), Vec::new());
-        for (index, shard) in dataset.shards.iter().enumerate() {
-            let entry = &dataset.manifest.shards[index];
-            let path = shard.path.clone();
-            state.clock += 1;
-            let now = state.clock;
-            if let Some(file) = state.files.get_mut(&path) {
-                if file.bytes == entry.file_bytes {
-                    file.pins += 1;
-                    file.last_used = now;
-                    pins.held.push((path.clone(), file.id));
-                    if file.complete {
-                        counters.hits.fetch_add(1, Ordering::Relaxed);
-                        touched.push(path);
-                    } else {
-                        waits.push((path, file.id));
-                    }
-                    continue;
-                }
-                // A file of another length under the shard's name is not this shard: fetched
-                // again, unless a stream holds it.
-                if file.pins > 0 || !file.complete {
-                    return Err(RemoteError::Corrupt {
-                        url: location.object_url(&entry.file),
-                        what: format!(
-                            "the cache holds {} bytes under {}, the manifest says {}, and a \
-                             stream reads it",
-                            file.bytes,
-                            path.display(),
-                            entry.file_bytes
-                        ),
-                    });
-                }
-                let bytes = file.bytes;
-                state.files.remove(&path);
-                state.used_bytes -= bytes;
-                let _ = std::fs::remove_file(&path);
-            }
-            if let Err(error) = self.reserve(
-                &mut state,
-                entry.file_bytes,
-                &location.object_url(&entry.file),
-            ) {
-                // Undo the reservations of this call while the lock is still held, so that no
-                // other stream waits for fetches that will not run.
-                for &index in &fetches {
-                    let index: usize = index;
-                    let path: &PathBuf = &dataset.shards[index].path;
-                    if let Some(file) = state.files.remove(path) {
-                        state.used_bytes -= file.bytes;
-                    }
-                    pins.held.retain(|(held, _)| held != path);
-                }
-                self.publish_bytes(&state);
-                return Err(error);
-            }
-            state.next_id += 1;
-            let id = state.next_id;
-            state.files.insert(
-                path.clone(),
-                CachedFile {
-                    id,
-                    bytes: entry.file_bytes,
-                    last_used: now,
-                    pins: 1,
-                    complete: false,
-                },
-            );
-            pins.held.push((path, id));
-            fetches.push(index);
-            counters.misses.fetch_add(1, Ordering::Relaxed);
-        }
-        self.publish_bytes(&state);
-        Ok((fetches, waits, touched))
-    }
-
-    /// Waits until the shards other streams are fetching are complete; an error if their fetch
-    /// failed.
-    fn wait_for_others(
-        &self,
-        location: &ObjectLocation,
-        waits: &[(PathBuf, u64)],
+        entries: &[(PathBuf, u64)],
     ) -> Result<(), RemoteError> {
         let mut state = self.lock();
-        for (path, id) in waits {
+        for (path, id) in entries {
             loop {
                 match state.files.get(path) {
                     Some(file) if file.id == *id && file.complete => break,
@@ -500,8 +550,8 @@ impl ObjectCache {
                         return Err(RemoteError::Store {
                             url: location.url().to_string(),
                             reason: format!(
-                                "another stream's fetch of {} failed (its error is in the log); \
-                                 open the stream again to retry",
+                                "the fetch of {} failed (its error is in the log); open the \
+                                 stream again to retry",
                                 path.display()
                             ),
                         });
@@ -512,19 +562,46 @@ impl ObjectCache {
         Ok(())
     }
 
-    fn fetch_job(&self, location: &ObjectLocation, dataset: &Dataset, index: usize) -> FetchJob {
-        let entry = &dataset.manifest.shards[index];
-        FetchJob {
-            location: location.clone(),
-            object: entry.file.clone(),
-            path: dataset.shards[index].path.clone(),
-            file_bytes: entry.file_bytes,
-            table_checksum: entry.table_checksum,
-            metadata: dataset.shards[index].metadata.clone(),
-            requests: Arc::clone(&self.requests),
-            metrics: Arc::clone(&self.metrics),
-        }
+    fn fetch_jobs(
+        &self,
+        location: &ObjectLocation,
+        dataset: &Dataset,
+        fetches: &[usize],
+    ) -> Vec<FetchJob> {
+        let state = self.lock();
+        fetches
+            .iter()
+            .map(|&index| {
+                let entry = &dataset.manifest.shards[index];
+                let path = dataset.shards[index].path.clone();
+                FetchJob {
+                    location: location.clone(),
+                    object: entry.file.clone(),
+                    entry: state.files.get(&path).map_or(0, |file| file.id),
+                    path,
+                    file_bytes: entry.file_bytes,
+                    table_checksum: entry.table_checksum,
+                    metadata: dataset.shards[index].metadata.clone(),
+                    requests: Arc::clone(&self.requests),
+                    metrics: Arc::clone(&self.metrics),
+                }
+            })
+            .collect()
     }
+}
+
+/// Fetches `jobs`, in order, a bounded number at once (each holds a file open while its ranges
+/// wait for the cache's request permits).
+async fn fetch_all(jobs: Vec<FetchJob>) -> Vec<(FetchJob, Result<u64, RemoteError>)> {
+    use futures_util::StreamExt;
+    futures_util::stream::iter(jobs)
+        .map(|job| async move {
+            let result = fetch_shard(job.clone()).await.map(|()| job.file_bytes);
+            (job, result)
+        })
+        .buffered(SHARDS_IN_FLIGHT)
+        .collect()
+        .await
 }
 
 /// Times a shard is fetched at most when what arrives does not verify.
@@ -691,4 +768,69 @@ fn verify(job: &FetchJob, path: &Path, file: &std::fs::File) -> Result<Vec<usize
         }
     }
     Ok(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::{CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
+    use crate::remote::dataset::RemoteDataset;
+
+    /// Packs a dataset `name` of 4 shards into `dir` and returns the bytes of its shards.
+    fn pack(dir: &Path, name: &str) -> u64 {
+        let bytes: Vec<u8> = (0..4096u32).flat_map(u32::to_le_bytes).collect();
+        let field =
+            crate::input::FieldSource::from_bytes("v", gpufeed_proto::DType::U32, vec![4], bytes)
+                .unwrap();
+        let options = PackOptions {
+            name: name.to_string(),
+            block_bytes: 4096,
+            samples_per_shard: Some(256),
+            codec: CodecChoice::Raw,
+            shuffle: ShuffleChoice::Off,
+            on_existing: OnExisting::Refuse,
+            threads: 1,
+        };
+        let summary = crate::pack::pack(&dir.join(name), &[field], &options, &Quiet).unwrap();
+        let manifest = crate::format::Manifest::load(&summary.dir).unwrap();
+        manifest.shards.iter().map(|shard| shard.file_bytes).sum()
+    }
+
+    #[test]
+    fn shards_a_stream_holds_are_never_evicted_and_go_once_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        pack(dir.path(), "b");
+        let metrics = Arc::new(Metrics::new());
+        let budget = bytes + bytes / 2;
+        let settings = ObjectCacheSettings {
+            dir: dir.path().join("cache"),
+            bytes_max: budget,
+            requests_in_flight: 4,
+        };
+        let cache = ObjectCache::open(settings, Arc::clone(&metrics)).unwrap();
+        let url = |name: &str| format!("file://{}/{name}", dir.path().display());
+        let (a, a_dataset) = RemoteDataset::open(&cache, &url("a")).unwrap();
+        let (b, b_dataset) = RemoteDataset::open(&cache, &url("b")).unwrap();
+        let held = a.acquire(&a_dataset).unwrap();
+        assert_eq!(held.len(), 4);
+        let refused = b.acquire(&b_dataset).map(|_| ()).unwrap_err();
+        assert!(matches!(refused, RemoteError::Budget { .. }), "{refused}");
+        assert!(refused.to_string().contains(&url("b")), "{refused}");
+        // Refused whole: nothing of b is held, every shard of a is still there.
+        assert_eq!(cache.snapshot().pinned_files, 4);
+        assert!(a_dataset
+            .shards
+            .iter()
+            .all(|shard| cache.holds(&shard.path)));
+        drop(held);
+        let _b = b.acquire(&b_dataset).unwrap();
+        let counts = metrics.object_cache().snapshot();
+        assert!(counts.evictions > 0, "{counts:?}");
+        assert!(cache.snapshot().used_bytes <= budget);
+        assert!(b_dataset
+            .shards
+            .iter()
+            .all(|shard| cache.holds(&shard.path)));
+    }
 }

@@ -1,6 +1,7 @@
 //! A dataset in object storage: registered from its manifest and its shards' metadata, its shards
 //! pinned in the cache for each stream; and the upload that `gpufeed pack --out URL` ends with.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use crate::format::{
     checksum, parse_shard_header, parse_shard_metadata, Dataset, Manifest, Shard,
     MANIFEST_BYTES_MAX, MANIFEST_FILE_NAME,
 };
+use crate::pipeline::shard_gate::ShardGate;
 
 /// Bytes of a shard asked for first at registration: the header and, for most shards, the
 /// tables after it; the rest of the tables is asked for when the header says they are longer.
@@ -139,6 +141,92 @@ impl RemoteDataset {
     /// The cache its shards go through.
     pub fn cache(&self) -> &Arc<ObjectCache> {
         &self.cache
+    }
+
+    /// The gate of a host stream reading `dataset` (this dataset as registered): its shards
+    /// fetched and held batch by batch, a few fetched ahead, instead of all before it starts.
+    pub fn stream_shards(&self, dataset: Arc<Dataset>) -> StreamShards {
+        StreamShards {
+            cache: Arc::clone(&self.cache),
+            location: self.location.clone(),
+            dataset,
+            held: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// The shards of one host stream of a dataset in object storage, made ready batch by batch: the
+/// stream's [`ShardGate`]. Each shard it holds is pinned in the cache until released or until the
+/// stream ends (this is dropped with the stream's plan).
+pub struct StreamShards {
+    cache: Arc<ObjectCache>,
+    location: ObjectLocation,
+    dataset: Arc<Dataset>,
+    held: std::sync::Mutex<HashMap<usize, (PathBuf, u64)>>,
+}
+
+impl std::fmt::Debug for StreamShards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamShards")
+            .field("url", &self.location.url())
+            .finish()
+    }
+}
+
+impl StreamShards {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<usize, (PathBuf, u64)>> {
+        self.held.lock().expect("stream shards lock poisoned")
+    }
+}
+
+impl ShardGate for StreamShards {
+    fn hold(&self, shards: &[usize]) -> Result<(), String> {
+        let mut held = self.lock();
+        let fetches = self
+            .cache
+            .pin(&self.location, &self.dataset, shards, &mut held)
+            .map_err(|error| error.to_string())?;
+        let entries: Vec<(PathBuf, u64)> = shards.iter().map(|index| held[index].clone()).collect();
+        drop(held);
+        self.cache
+            .fetch_now(&self.location, &self.dataset, fetches)
+            .and_then(|()| self.cache.wait_complete(&self.location, &entries))
+            .map_err(|error| error.to_string())
+    }
+
+    fn ahead(&self, shards: &[usize]) {
+        let mut held = self.lock();
+        match self
+            .cache
+            .pin(&self.location, &self.dataset, shards, &mut held)
+        {
+            Ok(fetches) => {
+                drop(held);
+                self.cache
+                    .fetch_later(&self.location, &self.dataset, fetches);
+            }
+            // No room to fetch ahead: the batches' own shards are fetched when they are needed
+            // (and fail there, naming the budget, if even they do not fit).
+            Err(error) => tracing::debug!("not fetched ahead: {error}"),
+        }
+    }
+
+    fn release(&self, shards: &[usize]) {
+        let entries: Vec<(PathBuf, u64)> = {
+            let mut held = self.lock();
+            shards
+                .iter()
+                .filter_map(|index| held.remove(index))
+                .collect()
+        };
+        self.cache.unpin(&entries);
+    }
+}
+
+impl Drop for StreamShards {
+    fn drop(&mut self) {
+        let entries: Vec<(PathBuf, u64)> = self.lock().drain().map(|(_, entry)| entry).collect();
+        self.cache.unpin(&entries);
     }
 }
 

@@ -20,6 +20,6 @@ pub mod error;
 pub mod location;
 
 pub use cache::{ObjectCache, ObjectCacheSettings, ShardPins};
-pub use dataset::{upload_dataset, RemoteDataset, Replace};
+pub use dataset::{upload_dataset, RemoteDataset, Replace, StreamShards};
 pub use error::RemoteError;
 pub use location::{is_object_url, IoRuntime, ObjectLocation};
