@@ -758,3 +758,84 @@ fn a_dataset_larger_than_the_cache_streams_in_order_fetching_ahead_and_evicting_
         "{refused}"
     );
 }
+
+#[test]
+fn a_stream_in_dataset_order_fails_clearly_when_the_store_dies_before_its_next_shards() {
+    // Samples of 64 KiB in batches of 176 (11 MiB): the stream's ring holds two slots, so its
+    // filler stays within two batches of the consumer, and it fetches shards (of 32 samples) only
+    // a few ahead of the batch it fills; the last batch's shards are fetched after the store died.
+    const BIG_SAMPLES: u64 = 1024;
+    const BIG_DIM: u64 = 32768;
+    let root = tempfile::tempdir().unwrap();
+    let Some(mut moto) = Moto::start(root.path()) else {
+        return;
+    };
+    let inputs = root.path().join("inputs");
+    std::fs::create_dir(&inputs).unwrap();
+    let rows = common::write_npy(
+        &inputs.join("rows.npy"),
+        DType::F16,
+        &[BIG_SAMPLES, BIG_DIM],
+        &common::noise((BIG_SAMPLES * BIG_DIM * 2) as usize, 3),
+    );
+    for out in [
+        root.path().join("local").display().to_string(),
+        format!("s3://{BUCKET}/big"),
+    ] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpufeed"));
+        command
+            .args(["pack", "--quiet", "--codec", "raw", "--out", &out])
+            .args(["--samples-per-shard", "32", "--field"])
+            .arg(format!("rows={}", rows.display()));
+        s3_env(&mut command, &moto);
+        common::assert_succeeds(&command.output().unwrap());
+    }
+    let daemon = serve(
+        root.path(),
+        &moto,
+        &["--dataset", &format!("big=s3://{BUCKET}/big")],
+    );
+    let request = |dataset: &str| {
+        let mut request = StreamSpec::new(dataset, 176);
+        request.shuffle = Shuffle::None;
+        request.prefetch = 2;
+        request
+    };
+    let rows_of = |batch: &gpufeed_client::consumer::Batch| {
+        batch.field("rows").unwrap().host_bytes().unwrap().to_vec()
+    };
+    let local: Vec<Vec<u8>> = Client::connect(&daemon.socket)
+        .unwrap()
+        .open_stream(request("local"))
+        .unwrap()
+        .map(|batch| rows_of(&batch.unwrap()))
+        .collect();
+    assert_eq!(local.len(), 5);
+    let mut stream = Client::connect(&daemon.socket)
+        .unwrap()
+        .open_stream(request("big"))
+        .unwrap();
+    let mut served = vec![rows_of(&stream.next().unwrap().unwrap())];
+    moto.kill();
+    let mut failure = None;
+    for batch in stream.by_ref() {
+        match batch {
+            Ok(batch) => served.push(rows_of(&batch)),
+            Err(error) => failure = Some(error.to_string()),
+        }
+    }
+    let failure = failure.expect("the stream must fail once its next shards cannot come");
+    assert!(
+        failure.contains(&format!("s3://{BUCKET}/big/shard-")) && failure.contains("tries"),
+        "{failure}"
+    );
+    assert!(
+        served.len() < local.len(),
+        "served {} batches",
+        served.len()
+    );
+    assert!(
+        served[..] == local[..served.len()],
+        "a batch served before the failure differs"
+    );
+}
