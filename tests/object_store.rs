@@ -290,21 +290,46 @@ fn spec(dataset: &str) -> StreamSpec {
     spec
 }
 
-/// Every batch of one epoch of `dataset`: its fields' bytes, in order.
+/// Every batch of one epoch of `dataset`: its fields' bytes, in order. Returns once the daemon
+/// has ended the stream's session, so that the shards it held are let go.
 fn epoch(daemon: &Daemon, dataset: &str) -> Vec<Vec<u8>> {
+    epoch_of(daemon, spec(dataset))
+}
+
+fn epoch_of(daemon: &Daemon, request: StreamSpec) -> Vec<Vec<u8>> {
+    let dataset = request.dataset.clone();
     let mut stream = Client::connect(&daemon.socket)
         .unwrap()
-        .open_stream(spec(dataset))
+        .open_stream(request)
         .unwrap_or_else(|error| panic!("{dataset}: {error}; log:\n{}", daemon.log()));
-    stream
+    let batches = stream
         .by_ref()
         .map(|batch| {
-            let batch = batch.unwrap();
+            let batch = batch.unwrap_or_else(|error| panic!("{dataset}: {error}"));
             let mut bytes = batch.field("tok").unwrap().host_bytes().unwrap().to_vec();
             bytes.extend_from_slice(batch.field("emb").unwrap().host_bytes().unwrap());
             bytes
         })
-        .collect()
+        .collect();
+    drop(stream);
+    wait_for_no_sessions(daemon);
+    batches
+}
+
+/// Waits (bounded) until the daemon lists no consumer session: a session ends, and lets go of
+/// what its stream held, just after its consumer leaves.
+fn wait_for_no_sessions(daemon: &Daemon) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while common::http::get(daemon.address(), "/v1/sessions", None).json()["sessions"]
+        .as_array()
+        .is_some_and(|sessions| !sessions.is_empty())
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a session never ended"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// The error a stream of `spec` ends with: refused when it opens, or failing a batch (a host
@@ -725,19 +750,7 @@ fn a_dataset_larger_than_the_cache_streams_in_order_fetching_ahead_and_evicting_
     let in_order = |dataset: &str| {
         let mut request = spec(dataset);
         request.shuffle = Shuffle::None;
-        let mut stream = Client::connect(&daemon.socket)
-            .unwrap()
-            .open_stream(request)
-            .unwrap_or_else(|error| panic!("{error}; log:\n{}", daemon.log()));
-        stream
-            .by_ref()
-            .map(|batch| {
-                let batch = batch.unwrap_or_else(|error| panic!("{error}"));
-                let mut bytes = batch.field("tok").unwrap().host_bytes().unwrap().to_vec();
-                bytes.extend_from_slice(batch.field("emb").unwrap().host_bytes().unwrap());
-                bytes
-            })
-            .collect::<Vec<_>>()
+        epoch_of(&daemon, request)
     };
     let local = in_order("local");
     assert!(in_order("large") == local, "the first epoch differs");

@@ -8,7 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
-use super::shard_gate::ShardGate;
+use super::shard_gate::{ShardGate, ShardLookahead};
 use super::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
     StreamLimits, StreamPlan,
@@ -24,9 +24,10 @@ use crate::storage::{
 };
 
 /// Shards, beyond a batch's own, that a stream whose shards arrive while it runs keeps ready for
-/// its next batches, looking at most [`GATE_STEPS_AHEAD`] batches ahead.
+/// its next batches; found scanning at most [`GATE_SCAN_SAMPLES_MAX`] samples of later steps per
+/// batch.
 const GATE_SHARDS_AHEAD: usize = 4;
-const GATE_STEPS_AHEAD: u64 = 64;
+const GATE_SCAN_SAMPLES_MAX: u64 = 1 << 16;
 
 /// Rows ahead of the one being converted whose in-place bytes the CPU backend prefetches.
 const PREFETCH_ROWS_AHEAD: usize = 8;
@@ -81,6 +82,8 @@ pub struct Assembler {
     /// The shards opened for buffered reads, made on first use, with their residency maps: coded
     /// blocks whose pages are cached are copied from there instead of read with O_DIRECT.
     buffered: Vec<Option<(std::fs::File, ResidencyMap)>>,
+    /// With a shard gate: the shards of the next batches.
+    lookahead: ShardLookahead,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
@@ -175,6 +178,7 @@ impl Assembler {
             in_place_stamp: vec![0; plan_shards],
             in_place_part: 0,
             buffered: (0..plan_shards).map(|_| None).collect(),
+            lookahead: ShardLookahead::default(),
         })
     }
 
@@ -271,9 +275,14 @@ impl Assembler {
                 self.files.open_at(id, path, DirectIo::Prefer)?;
             }
         }
-        let ahead = self
-            .plan
-            .shards_ahead(step, &needed, GATE_SHARDS_AHEAD, GATE_STEPS_AHEAD);
+        let plan = Arc::clone(&self.plan);
+        let ahead = self.lookahead.ahead(
+            &plan,
+            step,
+            &needed,
+            GATE_SHARDS_AHEAD,
+            GATE_SCAN_SAMPLES_MAX,
+        );
         gate.ahead(&ahead);
         let released: Vec<usize> = (0..self.plan.dataset.shards.len())
             .filter(|&shard| self.files.is_open(FileId(shard as u32)))

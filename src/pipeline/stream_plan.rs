@@ -321,33 +321,6 @@ impl StreamPlan {
         })
     }
 
-    /// The shards that the steps after `step` read, soonest first, leaving out those in `current`
-    /// (sorted): at most `shards_max` of them, looking at most `steps_max` steps ahead.
-    pub fn shards_ahead(
-        &self,
-        step: u64,
-        current: &[usize],
-        shards_max: usize,
-        steps_max: u64,
-    ) -> Vec<usize> {
-        let mut ahead: Vec<usize> = Vec::new();
-        let last = self
-            .steps
-            .min(step.saturating_add(1).saturating_add(steps_max));
-        for next in step + 1..last {
-            for sample in self.batch_samples(next) {
-                let (shard, _, _) = self.locate(sample, 0);
-                if current.binary_search(&shard).is_err() && !ahead.contains(&shard) {
-                    ahead.push(shard);
-                    if ahead.len() >= shards_max {
-                        return ahead;
-                    }
-                }
-            }
-        }
-        ahead
-    }
-
     /// The global-order cursor once step `step` (counted from the stream's start) is consumed.
     pub fn cursor_after(&self, step: u64) -> u64 {
         (self.start_cursor + (step + 1) * self.rank.step_samples()).min(self.order.len())
@@ -476,6 +449,17 @@ impl StreamPlan {
 
     /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
     /// stream in that shard.
+    /// The shards step `step` reads, sorted, each once.
+    pub fn step_shards(&self, step: u64) -> Vec<usize> {
+        let mut shards: Vec<usize> = self
+            .batch_samples(step)
+            .map(|sample| self.locate(sample, 0).0)
+            .collect();
+        shards.sort_unstable();
+        shards.dedup();
+        shards
+    }
+
     pub(crate) fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
         let shards = &self.dataset.manifest.shards;
         let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
