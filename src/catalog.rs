@@ -107,6 +107,9 @@ pub enum Origin {
     Packed,
     /// Found by the start-up scan of the data root.
     Scanned,
+    /// In object storage, given with `--dataset` at start: listed, never written to the catalog
+    /// (the configuration names it at each start).
+    Configured,
 }
 
 /// One dataset in the catalog.

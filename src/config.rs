@@ -374,10 +374,16 @@ pub struct ConfigLayer {
     pub avoid_irq_cpus: Option<Switch>,
     /// Directory of the compiled-kernel cache.
     pub cache_dir: Option<PathBuf>,
+    /// Directory of the cache of shards fetched from object storage.
+    pub object_cache_dir: Option<PathBuf>,
+    /// Most bytes of shard files that cache keeps.
+    pub object_cache_max: Option<ByteCount>,
+    /// Datasets in object storage registered at start, each `NAME=URL`.
+    pub datasets: Option<Vec<String>>,
 }
 
 /// The environment variable of each key.
-pub const ENV_VARS: [&str; 32] = [
+pub const ENV_VARS: [&str; 35] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -410,6 +416,9 @@ pub const ENV_VARS: [&str; 32] = [
     "GPUFEED_DEVICE_POOL_IDLE_S",
     "GPUFEED_AVOID_IRQ_CPUS",
     "GPUFEED_CACHE_DIR",
+    "GPUFEED_OBJECT_CACHE_DIR",
+    "GPUFEED_OBJECT_CACHE_MAX",
+    "GPUFEED_DATASETS",
 ];
 
 /// The environment variable naming the configuration file.
@@ -513,6 +522,13 @@ impl ConfigLayer {
                 })
                 .transpose()?,
             cache_dir: get("GPUFEED_CACHE_DIR").map(PathBuf::from),
+            object_cache_dir: get("GPUFEED_OBJECT_CACHE_DIR").map(PathBuf::from),
+            object_cache_max: bytes("GPUFEED_OBJECT_CACHE_MAX")?,
+            datasets: get("GPUFEED_DATASETS").map(|text| {
+                text.split(',')
+                    .map(|entry| entry.trim().to_string())
+                    .collect()
+            }),
         })
     }
 
@@ -551,6 +567,9 @@ impl ConfigLayer {
             device_pool_idle_s: self.device_pool_idle_s.or(lower.device_pool_idle_s),
             avoid_irq_cpus: self.avoid_irq_cpus.or(lower.avoid_irq_cpus),
             cache_dir: self.cache_dir.or(lower.cache_dir),
+            object_cache_dir: self.object_cache_dir.or(lower.object_cache_dir),
+            object_cache_max: self.object_cache_max.or(lower.object_cache_max),
+            datasets: self.datasets.or(lower.datasets),
         }
     }
 
@@ -787,12 +806,13 @@ impl ConfigLayer {
         let http_connections = self.resolve_http_connections()?;
         let jobs = self.resolve_jobs()?;
         let gpu = self.resolve_gpu()?;
-        let data_root = self.data_root.ok_or_else(|| {
+        let data_root = self.data_root.clone().ok_or_else(|| {
             invalid(
                 "--data-root",
                 "required (or GPUFEED_DATA_ROOT, or data_root in the configuration file)",
             )
         })?;
+        let object = self.resolve_object(&data_root)?;
         let socket_path = self
             .socket
             .unwrap_or_else(|| data_root.join("gpufeed.sock"));
@@ -853,8 +873,74 @@ impl ConfigLayer {
             pack_bytes_per_s_max,
             gpu,
             http_connections,
+            object,
         })
     }
+
+    /// Where datasets in object storage are cached, and those registered at start.
+    fn resolve_object(&self, data_root: &Path) -> Result<ObjectSettings, ConfigError> {
+        let cache_bytes_max = self
+            .object_cache_max
+            .map_or(OBJECT_CACHE_BYTES_MAX_DEFAULT, |ByteCount(n)| n);
+        if cache_bytes_max < OBJECT_CACHE_BYTES_MAX_MIN {
+            return Err(invalid(
+                "--object-cache-max",
+                format!("{cache_bytes_max} bytes is less than {OBJECT_CACHE_BYTES_MAX_MIN}"),
+            ));
+        }
+        let datasets = self
+            .datasets
+            .iter()
+            .flatten()
+            .filter(|entry| !entry.is_empty())
+            .map(|entry| {
+                let (name, url) = entry.split_once('=').ok_or_else(|| {
+                    invalid(
+                        "--dataset",
+                        format!("{entry:?} is not NAME=URL (s3://, gs://, az:// or file://)"),
+                    )
+                })?;
+                crate::format::validate_dataset_name(name)
+                    .map_err(|reason| invalid("--dataset", format!("{entry:?}: {reason}")))?;
+                if !crate::remote::is_object_url(url) {
+                    return Err(invalid(
+                        "--dataset",
+                        format!("{entry:?}: {url:?} is not an s3://, gs://, az:// or file:// URL"),
+                    ));
+                }
+                Ok((name.to_string(), url.to_string()))
+            })
+            .collect::<Result<Vec<_>, ConfigError>>()?;
+        Ok(ObjectSettings {
+            cache_dir: self
+                .object_cache_dir
+                .clone()
+                .unwrap_or_else(|| data_root.join(OBJECT_CACHE_DIR_DEFAULT)),
+            cache_bytes_max,
+            datasets,
+        })
+    }
+}
+
+/// The object cache's directory under the data root unless configured (hidden: the start-up scan
+/// of the data root does not take it for a dataset).
+pub const OBJECT_CACHE_DIR_DEFAULT: &str = ".object-cache";
+
+/// The object cache's budget unless configured: 64 GiB.
+pub const OBJECT_CACHE_BYTES_MAX_DEFAULT: u64 = 64 << 30;
+
+/// The smallest object cache budget accepted.
+pub const OBJECT_CACHE_BYTES_MAX_MIN: u64 = 1 << 20;
+
+/// Datasets in object storage and their node-local cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectSettings {
+    /// The cache directory.
+    pub cache_dir: PathBuf,
+    /// Most bytes of shard files it keeps.
+    pub cache_bytes_max: u64,
+    /// Registered at start: (name, URL).
+    pub datasets: Vec<(String, String)>,
 }
 
 /// `value` (or `default` when unset) if it lies in `bounds`; otherwise an error naming `key`.
@@ -1146,6 +1232,8 @@ pub struct Settings {
     pub gpu: GpuSettings,
     /// Bounds on the control API's connections.
     pub http_connections: HttpConnections,
+    /// Datasets in object storage and their node-local cache.
+    pub object: ObjectSettings,
 }
 
 /// Bounds on the control API's connections, so that idle or slow clients cannot take the daemon's
@@ -1242,6 +1330,9 @@ mod tests {
             "600",
             "off",
             "/cache",
+            "/objects",
+            "2G",
+            "web=s3://bucket/web",
         ];
         let pairs: Vec<(&str, &str)> = ENV_VARS.iter().copied().zip(values).collect();
         let layer = env(&pairs);

@@ -59,6 +59,14 @@ pub enum DaemonError {
         /// Why.
         source: DeviceError,
     },
+    /// A dataset in object storage given with `--dataset` could not be registered.
+    #[error("--dataset {name}: {reason}")]
+    ObjectDataset {
+        /// Its name.
+        name: String,
+        /// Why (naming the URL).
+        reason: String,
+    },
     /// `--engine cufile` on the CPU backend.
     #[error(
         "--engine cufile: the cuFile engine serves only the GPU backend, and this daemon runs the \
@@ -451,13 +459,24 @@ async fn serve(
     let open_files_max = raise_open_files_limit();
     let registry = Arc::new(Registry::new());
     let metrics = Arc::new(Metrics::new());
+    registry.configure_object_cache(
+        crate::remote::ObjectCacheSettings {
+            dir: settings.object.cache_dir.clone(),
+            bytes_max: settings.object.cache_bytes_max,
+            requests_in_flight: crate::remote::cache::REQUESTS_IN_FLIGHT_DEFAULT,
+        },
+        Arc::clone(&metrics),
+    );
     for gpu in &gpus {
         metrics.serve_device(gpu.ordinal);
         gpu.round_pool.report_to(&metrics);
         gpu.shard_pool.report_to(&metrics);
         gpu.tier.report_to(&metrics);
     }
-    let (control, names) = open_control(&settings, &registry, &metrics).await?;
+    let (control, mut names) = open_control(&settings, &registry, &metrics).await?;
+    if !settings.object.datasets.is_empty() {
+        names = register_object_datasets(&settings, &registry).await?;
+    }
     let server = start_socket_server(&settings, &registry, &metrics, gpus, &control)?;
     let listener = match bind_http(settings.http).await {
         Ok(listener) => listener,
@@ -685,6 +704,31 @@ async fn open_control(
         control.catalog_path().display()
     );
     Ok((control, names))
+}
+
+/// Registers the datasets in object storage given with `--dataset NAME=URL` (their manifests and
+/// shard metadata read now, off the async threads): a start fails, naming the URL, if one cannot
+/// be. Returns every registered name.
+async fn register_object_datasets(
+    settings: &Settings,
+    registry: &Arc<Registry>,
+) -> Result<Vec<String>, DaemonError> {
+    for (name, url) in &settings.object.datasets {
+        let (shared, named, url) = (Arc::clone(registry), name.clone(), url.clone());
+        let task = tokio::task::spawn_blocking(move || {
+            let (remote, dataset) = shared.open_remote(&named, &url)?;
+            shared.insert_remote(dataset, remote)?;
+            tracing::info!("dataset '{named}' registered from {url}");
+            Ok::<_, String>(())
+        });
+        task.await
+            .map_err(DaemonError::CatalogTask)?
+            .map_err(|reason| DaemonError::ObjectDataset {
+                name: name.clone(),
+                reason,
+            })?;
+    }
+    Ok(registry.names())
 }
 
 /// Binds the consumer socket with the serving backend, and tells the control API which backend

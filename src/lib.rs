@@ -19,6 +19,7 @@ pub mod notify;
 pub mod pack;
 pub mod pipeline;
 pub mod registry;
+pub mod remote;
 pub mod storage;
 // Test and benchmark support (and the demo's data), not API: public so that the integration tests,
 // the benchmarks and `gpufeed demo` reach it, but out of the documentation.

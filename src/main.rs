@@ -143,7 +143,9 @@ enum Command {
 
 #[derive(clap::Args)]
 struct PackArgs {
-    /// The dataset directory to create. Its parent must exist.
+    /// The dataset directory to create (its parent must exist), or a URL in object storage
+    /// (s3://bucket/prefix, ...): packed in a temporary directory, then uploaded shards first and
+    /// manifest last, so that the URL holds a dataset only once it is complete.
     #[arg(long)]
     out: PathBuf,
     /// Dataset name recorded in the manifest (default: the last component of --out).
@@ -354,6 +356,21 @@ struct ServeArgs {
     /// ~/.cache/gpufeed/kernels (no disk cache when neither HOME nor XDG_CACHE_HOME is set).
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<PathBuf>,
+    /// A dataset in object storage to serve, as NAME=URL (s3://bucket/prefix, gs://bucket/prefix,
+    /// az://container/prefix, file:///dir); repeatable. Its manifest and shard metadata are read at
+    /// start (the start fails naming the URL if they cannot be); its shards are fetched into the
+    /// object cache when a stream needs them. Credentials come from the environment (AWS_*,
+    /// GOOGLE_*, AZURE_*).
+    #[arg(long = "dataset", value_name = "NAME=URL")]
+    datasets: Vec<String>,
+    /// Directory of the node-local cache of shards fetched from object storage. Default:
+    /// DATA_ROOT/.object-cache.
+    #[arg(long, value_name = "DIR")]
+    object_cache_dir: Option<PathBuf>,
+    /// Most bytes of shard files the object cache keeps (least recently used evicted first; never
+    /// a shard an open stream reads). Default: 64G.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    object_cache_max: Option<ByteCount>,
     /// Most control API connections served at once (further ones wait to be accepted), so that idle
     /// clients cannot take the descriptors consumers need; never more than a quarter of the open
     /// descriptor limit. Default: 256.
@@ -610,8 +627,34 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
         threads: args.threads.unwrap_or_else(default_threads),
     };
     let bar = Bar::new(args.quiet, "pack");
-    let summary = pack::pack(&args.out, &fields, &options, &bar)?;
+    // `--out s3://...`: packed into a local staging directory, then uploaded, manifest last.
+    let url = args.out.to_string_lossy().into_owned();
+    let staging = if gpufeed::remote::is_object_url(&url) {
+        Some(
+            tempfile::Builder::new()
+                .prefix("gpufeed-pack-")
+                .tempdir()
+                .context("cannot create a staging directory for the upload")?,
+        )
+    } else {
+        None
+    };
+    let out = match &staging {
+        Some(dir) => dir.path().join(&options.name),
+        None => args.out.clone(),
+    };
+    let summary = pack::pack(&out, &fields, &options, &bar)?;
     bar.finish();
+    if staging.is_some() {
+        let replace = if args.force {
+            gpufeed::remote::Replace::Existing
+        } else {
+            gpufeed::remote::Replace::Never
+        };
+        let uploaded = gpufeed::remote::upload_dataset(&summary.dir, &url, replace)
+            .with_context(|| format!("uploading {} to {url}", summary.dir.display()))?;
+        eprintln!("uploaded {uploaded} bytes of shards and the manifest to {url}");
+    }
     let seconds = started.elapsed().as_secs_f64();
     eprintln!(
         "packed {} samples into {} shard(s) at {}: {} raw bytes stored in {} ({:.3}x) in {:.2} s ({:.2} GB/s)",
@@ -777,6 +820,9 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         device_pool_idle_s: args.device_pool_idle_s,
         avoid_irq_cpus: args.avoid_irq_cpus,
         cache_dir: args.cache_dir,
+        object_cache_dir: args.object_cache_dir,
+        object_cache_max: args.object_cache_max,
+        datasets: (!args.datasets.is_empty()).then_some(args.datasets),
     };
     let environment = ConfigLayer::from_env(|key| std::env::var(key).ok())?;
     let config_file = args.config.or_else(|| {

@@ -124,6 +124,66 @@ pub struct Metrics {
     /// Per CUDA device (by ordinal, below [`DEVICES_MAX`]).
     devices: [DeviceLedger; DEVICES_MAX],
     block_cache: BlockCacheCounters,
+    object_cache: ObjectCacheCounters,
+}
+
+/// The cache of shard files fetched from object storage (`remote::cache`), as counters.
+#[derive(Default)]
+pub struct ObjectCacheCounters {
+    /// Bytes of shard files kept or being fetched.
+    pub bytes: AtomicU64,
+    /// The budget (`--object-cache-max`).
+    pub budget_bytes: AtomicU64,
+    /// Shards a stream found in the cache.
+    pub hits: AtomicU64,
+    /// Shards a stream had to fetch.
+    pub misses: AtomicU64,
+    /// Shard files evicted to make room.
+    pub evictions: AtomicU64,
+    /// Requests to the store that failed (each try counts, retried or not).
+    pub fetch_errors: AtomicU64,
+    /// Bytes of shard files fetched and installed.
+    pub fetched_bytes: AtomicU64,
+    /// Fetched shards that did not verify (fetched again, or kept as the object's own corruption).
+    pub corrupt_fetches: AtomicU64,
+}
+
+/// A snapshot of [`ObjectCacheCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ObjectCacheCounts {
+    /// Bytes of shard files kept or being fetched.
+    pub bytes: u64,
+    /// The budget.
+    pub budget_bytes: u64,
+    /// Shards a stream found in the cache.
+    pub hits: u64,
+    /// Shards a stream had to fetch.
+    pub misses: u64,
+    /// Shard files evicted to make room.
+    pub evictions: u64,
+    /// Requests to the store that failed.
+    pub fetch_errors: u64,
+    /// Bytes of shard files fetched and installed.
+    pub fetched_bytes: u64,
+    /// Fetched shards that did not verify.
+    pub corrupt_fetches: u64,
+}
+
+impl ObjectCacheCounters {
+    /// The counters now.
+    pub fn snapshot(&self) -> ObjectCacheCounts {
+        let load = |atomic: &AtomicU64| atomic.load(Ordering::Relaxed);
+        ObjectCacheCounts {
+            bytes: load(&self.bytes),
+            budget_bytes: load(&self.budget_bytes),
+            hits: load(&self.hits),
+            misses: load(&self.misses),
+            evictions: load(&self.evictions),
+            fetch_errors: load(&self.fetch_errors),
+            fetched_bytes: load(&self.fetched_bytes),
+            corrupt_fetches: load(&self.corrupt_fetches),
+        }
+    }
 }
 
 /// The CPU backend's shared decoded-block cache (`pipeline::block_cache`), as counters.
@@ -379,7 +439,13 @@ impl Metrics {
             shard_slots_idle_bytes: AtomicU64::new(0),
             devices: Default::default(),
             block_cache: BlockCacheCounters::default(),
+            object_cache: ObjectCacheCounters::default(),
         }
+    }
+
+    /// The object storage cache's counters.
+    pub fn object_cache(&self) -> &ObjectCacheCounters {
+        &self.object_cache
     }
 
     /// The CPU backend's decoded-block cache counters.
@@ -923,6 +989,60 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
         ),
     ];
     for (name, kind, help, value) in cache_families {
+        family(name, kind, help, &one(value));
+    }
+    let object = metrics.object_cache().snapshot();
+    let object_families: [(&str, &str, &str, u64); 8] = [
+        (
+            "gpufeed_object_cache_bytes",
+            "gauge",
+            "Bytes of shard files fetched from object storage kept in the node-local cache, or being fetched",
+            object.bytes,
+        ),
+        (
+            "gpufeed_object_cache_budget_bytes",
+            "gauge",
+            "The object cache's byte budget (--object-cache-max; 0 until the cache opens)",
+            object.budget_bytes,
+        ),
+        (
+            "gpufeed_object_cache_hits_total",
+            "counter",
+            "Shards a stream found in the object cache",
+            object.hits,
+        ),
+        (
+            "gpufeed_object_cache_misses_total",
+            "counter",
+            "Shards a stream had fetched from object storage",
+            object.misses,
+        ),
+        (
+            "gpufeed_object_cache_evictions_total",
+            "counter",
+            "Shard files evicted from the object cache to make room",
+            object.evictions,
+        ),
+        (
+            "gpufeed_object_fetch_errors_total",
+            "counter",
+            "Requests to object storage that failed, each try counted",
+            object.fetch_errors,
+        ),
+        (
+            "gpufeed_object_fetched_bytes_total",
+            "counter",
+            "Bytes of shard files fetched from object storage and installed in the cache",
+            object.fetched_bytes,
+        ),
+        (
+            "gpufeed_object_corrupt_fetches_total",
+            "counter",
+            "Shards fetched from object storage that did not match their checksums",
+            object.corrupt_fetches,
+        ),
+    ];
+    for (name, kind, help, value) in object_families {
         family(name, kind, help, &one(value));
     }
     family(

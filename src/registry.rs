@@ -10,6 +10,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
 use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
+use crate::metrics::Metrics;
+use crate::remote::{ObjectCache, ObjectCacheSettings, RemoteDataset, RemoteError};
 
 /// Datasets by name. Readers take an `Arc` to a dataset; it stays valid while they use it even if it
 /// is removed from the registry.
@@ -17,6 +19,22 @@ use crate::format::{Dataset, FormatError, MANIFEST_FILE_NAME};
 pub struct Registry {
     datasets: RwLock<BTreeMap<String, Arc<Dataset>>>,
     sessions: SessionDirectory,
+    /// Of the datasets, those registered from object storage, by name.
+    remote: RwLock<BTreeMap<String, Arc<RemoteDataset>>>,
+    object_cache: Mutex<ObjectCacheSlot>,
+}
+
+/// The object cache: opened (its directory locked and indexed) when a dataset in object storage
+/// is first registered, so that a daemon serving only local datasets never touches it.
+#[derive(Default)]
+enum ObjectCacheSlot {
+    /// Object storage was not configured.
+    #[default]
+    Unconfigured,
+    /// Configured, not opened yet.
+    Configured(ObjectCacheSettings, Arc<Metrics>),
+    /// Open.
+    Open(Arc<ObjectCache>),
 }
 
 /// A dataset could not be removed because readers other than the registry hold it.
@@ -39,6 +57,98 @@ impl Registry {
     /// An empty registry.
     pub fn new() -> Registry {
         Registry::default()
+    }
+
+    /// Sets where datasets registered from object storage are cached (opened on first use).
+    pub fn configure_object_cache(&self, settings: ObjectCacheSettings, metrics: Arc<Metrics>) {
+        *self
+            .object_cache
+            .lock()
+            .expect("object cache slot poisoned") = ObjectCacheSlot::Configured(settings, metrics);
+    }
+
+    /// The object cache, opened now if this is its first use; `url` is the dataset asking, for
+    /// the error when none is configured.
+    pub fn object_cache(&self, url: &str) -> Result<Arc<ObjectCache>, RemoteError> {
+        let mut slot = self
+            .object_cache
+            .lock()
+            .expect("object cache slot poisoned");
+        let cache = match &*slot {
+            ObjectCacheSlot::Open(cache) => return Ok(Arc::clone(cache)),
+            ObjectCacheSlot::Unconfigured => {
+                return Err(RemoteError::NoCache {
+                    url: url.to_string(),
+                })
+            }
+            ObjectCacheSlot::Configured(settings, metrics) => {
+                ObjectCache::open(settings.clone(), Arc::clone(metrics))?
+            }
+        };
+        *slot = ObjectCacheSlot::Open(Arc::clone(&cache));
+        Ok(cache)
+    }
+
+    /// Opens the dataset in object storage at `url` (its manifest and shard metadata) without
+    /// registering it; the manifest must name it `name`.
+    pub fn open_remote(&self, name: &str, url: &str) -> Result<(RemoteDataset, Dataset), String> {
+        let cache = self.object_cache(url).map_err(|error| error.to_string())?;
+        let (remote, dataset) =
+            RemoteDataset::open(&cache, url).map_err(|error| error.to_string())?;
+        if dataset.manifest.name != name {
+            return Err(format!(
+                "the manifest at {url} names the dataset '{}', not '{name}'",
+                dataset.manifest.name
+            ));
+        }
+        Ok((remote, dataset))
+    }
+
+    /// Registers a dataset opened from object storage under its manifest name; fails if the name
+    /// is taken.
+    pub fn insert_remote(&self, dataset: Dataset, remote: RemoteDataset) -> Result<(), String> {
+        let name = dataset.manifest.name.clone();
+        // (The registry's lock is not taken while this one is held: `remove_unused` takes them
+        // in the other order.)
+        let taken = self.contains(&name);
+        {
+            // Listed as remote before it is served, so that no stream reads it as a local one.
+            let mut listed = self.remote.write().expect("registry lock poisoned");
+            if listed.contains_key(&name) || taken {
+                return Err(format!(
+                    "dataset name '{name}' is already registered from {}",
+                    listed
+                        .get(&name)
+                        .map_or("a directory", |remote| remote.url())
+                ));
+            }
+            listed.insert(name.clone(), Arc::new(remote));
+        }
+        self.insert(dataset).inspect_err(|_| {
+            self.remote
+                .write()
+                .expect("registry lock poisoned")
+                .remove(&name);
+        })
+    }
+
+    /// Names of the datasets registered from object storage, sorted.
+    pub fn remote_names(&self) -> Vec<String> {
+        self.remote
+            .read()
+            .expect("registry lock poisoned")
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// The object storage source of dataset `name`, if it was registered from one.
+    pub fn remote(&self, name: &str) -> Option<Arc<RemoteDataset>> {
+        self.remote
+            .read()
+            .expect("registry lock poisoned")
+            .get(name)
+            .cloned()
     }
 
     /// Registers every dataset directory directly under `root` (a directory holding `manifest.json`),
@@ -169,16 +279,26 @@ impl Registry {
         if references > 0 {
             return Err(InUse { references });
         }
+        self.remote
+            .write()
+            .expect("registry lock poisoned")
+            .remove(name);
         Ok(datasets.remove(name))
     }
 
     /// Removes dataset `name` whoever holds it: streams reading it keep their `Arc` and go on until
     /// they end or are closed; no new stream can open it.
     pub fn remove(&self, name: &str) -> Option<Arc<Dataset>> {
-        self.datasets
+        let removed = self
+            .datasets
             .write()
             .expect("registry lock poisoned")
-            .remove(name)
+            .remove(name);
+        self.remote
+            .write()
+            .expect("registry lock poisoned")
+            .remove(name);
+        removed
     }
 
     /// The directory of consumer sessions.

@@ -30,7 +30,8 @@ pub struct CreateDataset {
     /// `DATA_ROOT/<name>`.
     pub name: String,
     /// An already-packed dataset directory under the data root (relative to it, or absolute under
-    /// it). Give this or `source`.
+    /// it), or the URL of one in object storage (`s3://bucket/prefix`, `gs://...`, `az://...`,
+    /// `file:///...`), served through the node's object cache. Give this or `source`.
     #[serde(default)]
     pub path: Option<String>,
     /// Inputs under the data root and pack options: starts a pack job. Give this or `path`.
@@ -73,6 +74,9 @@ pub enum OriginName {
     Packed,
     /// Found by the start-up scan of the data root.
     Scanned,
+    /// In object storage, given with `--dataset` (or `datasets` in the configuration) at start:
+    /// not kept in the catalog, and registered again at each start that names it.
+    Configured,
 }
 
 impl From<Origin> for OriginName {
@@ -81,6 +85,7 @@ impl From<Origin> for OriginName {
             Origin::Registered => OriginName::Registered,
             Origin::Packed => OriginName::Packed,
             Origin::Scanned => OriginName::Scanned,
+            Origin::Configured => OriginName::Configured,
         }
     }
 }
@@ -203,7 +208,23 @@ fn record_of(control: &Control, name: &str) -> Result<DatasetRecord, ApiError> {
     control
         .catalog
         .read(|data| data.datasets.get(name).cloned())
+        .or_else(|| configured_record(control, name))
         .ok_or_else(|| ApiError::not_found(format!("no dataset named '{name}' in the catalog")))
+}
+
+/// The record of a dataset in object storage given with `--dataset` at start, which the catalog
+/// does not keep.
+fn configured_record(control: &Control, name: &str) -> Option<DatasetRecord> {
+    let remote = control.registry.remote(name)?;
+    Some(DatasetRecord {
+        path: remote.url().to_string(),
+        origin: Origin::Configured,
+        registered_at_unix_s: remote
+            .registered_at()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs()),
+        job: None,
+    })
 }
 
 fn location(path: &str) -> HeaderMap {
@@ -295,6 +316,9 @@ async fn register(
     name: String,
     path: String,
 ) -> Result<DatasetView, ApiError> {
+    if crate::remote::is_object_url(&path) {
+        return register_remote(control, name, path).await;
+    }
     let confined = control.root.resolve_existing(&path)?;
     let _reservation = control.reserve(&name)?;
     control.check_name_free(&name)?;
@@ -357,6 +381,60 @@ async fn register(
     Ok(dataset_view(control, &name, &record))
 }
 
+/// Registers the dataset in object storage at `url`: its manifest and shard metadata are read now
+/// (a missing bucket or manifest, refused credentials: 422 naming the URL); its shards are fetched
+/// into the node's cache when a stream needs them.
+async fn register_remote(
+    control: &Arc<Control>,
+    name: String,
+    url: String,
+) -> Result<DatasetView, ApiError> {
+    let url = url.trim_end_matches('/').to_string();
+    let _reservation = control.reserve(&name)?;
+    control.check_name_free(&name)?;
+    if let Some(other) = control.catalog.read(|data| {
+        data.datasets
+            .iter()
+            .find(|(_, record)| record.path == url)
+            .map(|(other, _)| other.clone())
+    }) {
+        return Err(ApiError::conflict(format!(
+            "{url} is already registered as '{other}'"
+        )));
+    }
+    let (remote, dataset) = {
+        let (control, name, url) = (Arc::clone(control), name.clone(), url.clone());
+        blocking(move || {
+            control.registry.open_remote(&name, &url).map_err(|reason| {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_dataset", reason)
+            })
+        })
+        .await??
+    };
+    let record = DatasetRecord {
+        path: url,
+        origin: Origin::Registered,
+        registered_at_unix_s: unix_now(),
+        job: None,
+    };
+    {
+        let (control, name, record) = (Arc::clone(control), name.clone(), record.clone());
+        blocking(move || {
+            control.catalog.update(|data| {
+                data.datasets.insert(name, record);
+                Ok::<_, CatalogError>(())
+            })
+        })
+        .await??;
+    }
+    control
+        .registry
+        .insert_remote(dataset, remote)
+        .map_err(ApiError::conflict)?;
+    control.clear_problem(&name);
+    Ok(dataset_view(control, &name, &record))
+}
+
 /// Lists every dataset in the catalog with its state; a dataset whose files vanished is listed as
 /// `missing`.
 #[utoipa::path(
@@ -368,12 +446,20 @@ async fn register(
     security((), ("bearer" = []))
 )]
 pub async fn list(State(control): State<Arc<Control>>) -> Json<DatasetList> {
-    let records: Vec<(String, DatasetRecord)> = control.catalog.read(|data| {
+    let mut records: Vec<(String, DatasetRecord)> = control.catalog.read(|data| {
         data.datasets
             .iter()
             .map(|(n, r)| (n.clone(), r.clone()))
             .collect()
     });
+    for name in control.registry.remote_names() {
+        if !records.iter().any(|(listed, _)| *listed == name) {
+            if let Some(record) = configured_record(&control, &name) {
+                records.push((name, record));
+            }
+        }
+    }
+    records.sort_by(|a, b| a.0.cmp(&b.0));
     let datasets = records
         .iter()
         .map(|(name, record)| dataset_view(&control, name, record))
@@ -546,7 +632,20 @@ pub async fn verify(
                 "the most verifications this daemon runs at once are running; retry later",
             )
         })?;
-    let report = blocking(move || tools::verify(&dir, &NoProgress)).await?;
+    let (registry, held) = (Arc::clone(&control.registry), name.clone());
+    let report = blocking(move || {
+        // A dataset in object storage is verified in the cache, its shards fetched and held
+        // there meanwhile.
+        let _shards = match (registry.remote(&held), registry.get(&held)) {
+            (Some(remote), Some(dataset)) => match remote.acquire(&dataset) {
+                Ok(pins) => Some(pins),
+                Err(error) => return Ok(Err(error.to_string())),
+            },
+            _ => None,
+        };
+        Ok::<_, ApiError>(tools::verify(&dir, &NoProgress).map_err(|error| error.to_string()))
+    })
+    .await??;
     let (shards_total, shards_ok, blocks_ok, mut problems) = match report {
         Ok(report) => (
             report.shards_total as u64,
@@ -554,7 +653,7 @@ pub async fn verify(
             report.blocks_ok,
             report.problems,
         ),
-        Err(error) => (0, 0, 0, vec![error.to_string()]),
+        Err(error) => (0, 0, 0, vec![error]),
     };
     let problems_total = problems.len() as u64;
     problems.truncate(VERIFY_PROBLEMS_LISTED_MAX);

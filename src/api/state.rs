@@ -339,6 +339,10 @@ impl Control {
     /// The state of catalog dataset `name` now: a registered dataset whose manifest vanished since
     /// is reported missing.
     pub(crate) fn dataset_state(&self, name: &str) -> (DatasetState, Option<String>) {
+        if self.registry.get(name).is_some() && self.registry.remote(name).is_some() {
+            // In object storage: its shards are in the cache only while streams need them.
+            return (DatasetState::Ready, None);
+        }
         if let Some(dataset) = self.registry.get(name) {
             return match dataset.disk_change() {
                 None => (DatasetState::Ready, None),
@@ -484,6 +488,17 @@ fn register_catalog(
 ) -> BTreeMap<String, DatasetProblem> {
     let mut problems = BTreeMap::new();
     for (name, record) in &data.datasets {
+        if crate::remote::is_object_url(&record.path) {
+            let opened = registry
+                .open_remote(name, &record.path)
+                .and_then(|(remote, dataset)| registry.insert_remote(dataset, remote));
+            if let Err(reason) = opened {
+                notes.push(format!("catalog dataset '{name}' is missing: {reason}"));
+                let state = DatasetState::Missing;
+                problems.insert(name.clone(), DatasetProblem { state, reason });
+            }
+            continue;
+        }
         let opened = root
             .resolve_existing(&record.path)
             .map_err(|error| {

@@ -181,6 +181,28 @@ pub struct HostMemory {
     pub block_cache_evictions: u64,
 }
 
+/// The node-local cache of shard files fetched from object storage (`--object-cache-dir`,
+/// `--object-cache-max`); all zero until a dataset in object storage is registered.
+#[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
+pub struct ObjectCacheView {
+    /// Bytes of shard files kept, or being fetched.
+    pub bytes: u64,
+    /// The budget, bytes.
+    pub budget_bytes: u64,
+    /// Shards a stream found in the cache.
+    pub hits: u64,
+    /// Shards a stream had fetched.
+    pub misses: u64,
+    /// Shard files evicted to make room.
+    pub evictions: u64,
+    /// Requests to the store that failed, each try counted.
+    pub fetch_errors: u64,
+    /// Bytes of shard files fetched and installed.
+    pub fetched_bytes: u64,
+    /// Fetched shards that did not match their checksums.
+    pub corrupt_fetches: u64,
+}
+
 /// `GET /v1/status`.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct StatusView {
@@ -204,6 +226,8 @@ pub struct StatusView {
     /// Host memory held for streams, within one budget: slots, and the CPU backend's shared
     /// decoded-block cache.
     pub host_memory: HostMemory,
+    /// The cache of shards fetched from object storage.
+    pub object_cache: ObjectCacheView,
     /// Per CUDA device served (empty on the CPU backend).
     pub devices: Vec<DeviceServing>,
     /// Datasets in the catalog.
@@ -351,6 +375,19 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 block_cache_hits: cache.hits,
                 block_cache_misses: cache.misses,
                 block_cache_evictions: cache.evictions,
+            }
+        },
+        object_cache: {
+            let object = control.metrics.object_cache().snapshot();
+            ObjectCacheView {
+                bytes: object.bytes,
+                budget_bytes: object.budget_bytes,
+                hits: object.hits,
+                misses: object.misses,
+                evictions: object.evictions,
+                fetch_errors: object.fetch_errors,
+                fetched_bytes: object.fetched_bytes,
+                corrupt_fetches: object.corrupt_fetches,
             }
         },
         devices,

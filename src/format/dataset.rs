@@ -219,6 +219,30 @@ impl Dataset {
         })
     }
 
+    /// A dataset in `dir` from its manifest (already written there) and its shards' metadata read
+    /// elsewhere: a dataset in object storage, whose shard files arrive in `dir` when fetched.
+    pub fn from_parts(
+        dir: &Path,
+        manifest: Manifest,
+        shards: Vec<Shard>,
+    ) -> Result<Dataset, FormatError> {
+        let manifest_path = dir.join(super::MANIFEST_FILE_NAME);
+        let manifest_identity =
+            FileIdentity::of(&manifest_path).map_err(|source| FormatError::Io {
+                path: manifest_path.clone(),
+                source,
+            })?;
+        assert_eq!(shards.len(), manifest.shards.len(), "one shard per entry");
+        let verified = std::sync::Arc::new(VerifiedBlocks::new(&shards));
+        Ok(Dataset {
+            dir: dir.to_path_buf(),
+            manifest,
+            shards,
+            verified,
+            manifest_identity,
+        })
+    }
+
     /// How the files on disk differ from what was opened, if they do: the manifest gone or
     /// replaced, a shard gone, of another length, or unreadable. A few `stat`s and opens; no data is
     /// read.
@@ -312,7 +336,18 @@ impl Shard {
         let metadata = parse_shard_metadata(&path, map.bytes(), file_bytes);
         map.check(&file)
             .map_err(|reason| io(std::io::Error::other(reason.to_string())))?;
-        let metadata = metadata?;
+        Shard::agreeing(path, manifest, index, metadata?)
+    }
+
+    /// Shard `index` of `manifest` at `path`, from metadata parsed elsewhere (a shard in object
+    /// storage, whose metadata prefix was fetched alone), if it agrees with the manifest.
+    pub fn agreeing(
+        path: PathBuf,
+        manifest: &Manifest,
+        index: usize,
+        metadata: ShardMetadata,
+    ) -> Result<Shard, FormatError> {
+        let entry = &manifest.shards[index];
         let mismatch = |what: String| FormatError::ManifestMismatch {
             path: path.clone(),
             what,

@@ -21,8 +21,9 @@ pub use manifest::{
 };
 pub use regular::open_regular;
 pub use shard::{
-    encode_shard_metadata, parse_shard_metadata, payload_offset, BlockEntry, Codec, Field, Filter,
-    ShardHeader, ShardMetadata, BLOCK_ENTRY_BYTES, FIELD_ENTRY_BYTES, HEADER_BYTES,
+    encode_shard_metadata, parse_shard_header, parse_shard_metadata, payload_offset, BlockEntry,
+    Codec, Field, Filter, ShardHeader, ShardMetadata, BLOCK_ENTRY_BYTES, FIELD_ENTRY_BYTES,
+    HEADER_BYTES,
 };
 
 /// The format version this build reads and writes.

@@ -513,6 +513,9 @@ struct RunningStream {
     stop: Arc<AtomicBool>,
     filler: thread::JoinHandle<()>,
     metrics: Arc<Metrics>,
+    /// A dataset in object storage: its shards, held in the cache until the stream ends (after
+    /// the filler has stopped reading them: fields drop after `stop` joins it).
+    _shards: Option<crate::remote::ShardPins>,
 }
 
 impl RunningStream {
@@ -589,6 +592,46 @@ fn reserve_stream_memory_with(
     Ok(ring_bytes)
 }
 
+/// For a stream of a dataset in object storage: a host stream holds its shards batch by batch
+/// (`pipeline::shard_gate`, set in `plan`); a GPU stream holds them all before it starts.
+fn remote_shards(
+    shared: &Shared,
+    remote: Option<&crate::remote::RemoteDataset>,
+    backend: StreamBackend<'_>,
+    plan: &mut StreamPlan,
+) -> Result<Option<crate::remote::ShardPins>, (ErrorCode, String)> {
+    let name = plan.dataset.manifest.name.clone();
+    match (remote, backend) {
+        (Some(remote), StreamBackend::Cpu) => {
+            plan.shard_gate = Some(Arc::new(remote.stream_shards(Arc::clone(&plan.dataset))));
+            Ok(None)
+        }
+        (Some(_), StreamBackend::Gpu(_)) => hold_remote_shards(shared, &name, &plan.dataset),
+        (None, _) => Ok(None),
+    }
+}
+
+/// For a GPU stream of a dataset in object storage, its shards fetched into the node's cache (or
+/// found there) and held there for the stream's life, before anything opens them; `None` for a
+/// local dataset.
+fn hold_remote_shards(
+    shared: &Shared,
+    name: &str,
+    dataset: &crate::format::Dataset,
+) -> Result<Option<crate::remote::ShardPins>, (ErrorCode, String)> {
+    let Some(remote) = shared.registry.remote(name) else {
+        return Ok(None);
+    };
+    remote.acquire(dataset).map(Some).map_err(|error| {
+        let code = match error {
+            crate::remote::RemoteError::Budget { .. } => ErrorCode::ResourceExhausted,
+            crate::remote::RemoteError::Corrupt { .. } => ErrorCode::CorruptData,
+            _ => ErrorCode::Internal,
+        };
+        (code, format!("dataset '{name}' cannot be served: {error}"))
+    })
+}
+
 fn open_stream(
     shared: &Arc<Shared>,
     writer: &Arc<Mutex<UnixStream>>,
@@ -612,12 +655,17 @@ fn open_stream(
             ),
         )
     })?;
-    let dataset = current_dataset(shared, &spec.dataset, dataset)?;
+    let remote = shared.registry.remote(&spec.dataset);
+    // A dataset in object storage: its cached files are checked when fetched, not here.
+    let dataset = match remote {
+        Some(_) => dataset,
+        None => current_dataset(shared, &spec.dataset, dataset)?,
+    };
     let limits = &shared.config.stream_limits;
-    let plan = Arc::new(
-        StreamPlan::new(dataset, &request, limits)
-            .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?,
-    );
+    let mut plan = StreamPlan::new(dataset, &request, limits)
+        .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
+    let shards = remote_shards(shared, remote.as_deref(), backend, &mut plan)?;
+    let plan = Arc::new(plan);
     let (ring_bytes, lookahead) = reserve_stream_memory(shared, &plan, backend)?;
     // The assembler keeps ahead what was reserved for it.
     let limits = &StreamLimits {
@@ -730,6 +778,7 @@ fn open_stream(
         stop,
         filler,
         metrics: Arc::clone(metrics),
+        _shards: shards,
     })
 }
 

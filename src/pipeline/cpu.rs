@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
 use super::lookahead::{self, Lookahead, LookaheadCounts};
+use super::shard_gate::{ShardGate, ShardLookahead};
 use super::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
     StreamLimits, StreamPlan,
@@ -22,6 +23,12 @@ use crate::storage::{
     AlignedBuffer, AnyQueue, DirectIo, EngineLimits, Extent, FileId, FileTable, ReadEngine,
     StorageError, IO_ALIGN_BYTES,
 };
+
+/// Shards, beyond a batch's own, that a stream whose shards arrive while it runs keeps ready for
+/// its next batches; found scanning at most [`GATE_SCAN_SAMPLES_MAX`] samples of later steps per
+/// batch.
+const GATE_SHARDS_AHEAD: usize = 4;
+const GATE_SCAN_SAMPLES_MAX: u64 = 1 << 16;
 
 /// Rows ahead of the one being converted whose in-place bytes the CPU backend prefetches.
 const PREFETCH_ROWS_AHEAD: usize = 8;
@@ -81,6 +88,8 @@ pub struct Assembler {
     lookahead: Option<Lookahead>,
     /// The look-ahead's counts last added to the metrics.
     lookahead_published: LookaheadCounts,
+    /// With a shard gate: the shards of the next batches.
+    shard_lookahead: ShardLookahead,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
@@ -179,8 +188,11 @@ impl Assembler {
         cache: &Arc<BlockCache>,
     ) -> Result<Assembler, StorageError> {
         let mut files = FileTable::new(plan.dataset.shards.len());
-        for shard in &plan.dataset.shards {
-            files.open(&shard.path, DirectIo::Prefer)?;
+        // Shards behind a gate are opened batch by batch, once the gate holds them.
+        if plan.shard_gate.is_none() {
+            for shard in &plan.dataset.shards {
+                files.open(&shard.path, DirectIo::Prefer)?;
+            }
         }
         let plan_shards = plan.dataset.shards.len();
         let (queue, engine_note) = AnyQueue::best(limits.queue_depth);
@@ -213,6 +225,7 @@ impl Assembler {
             in_place_stamp: vec![0; plan_shards],
             in_place_part: 0,
             buffered: (0..plan_shards).map(|_| None).collect(),
+            shard_lookahead: ShardLookahead::default(),
         })
     }
 
@@ -232,6 +245,9 @@ impl Assembler {
             Some(lookahead) => lookahead.begin(&plan, step),
             None => plan.placements(step),
         };
+        if let Some(gate) = &plan.shard_gate {
+            self.follow_gate(gate.as_ref(), step, &placements)?;
+        }
         let width = plan.fields.len();
         let sample_count = placements.len() / width;
         let mut replaced = 0u32;
@@ -327,6 +343,50 @@ impl Assembler {
             std::sync::atomic::Ordering::Relaxed,
         );
         self.lookahead_published = now;
+    }
+
+    /// Before step `step` of a stream whose shards arrive while it runs: holds and opens the shards
+    /// the batch reads, names those of the next batches to the gate, and closes and releases the
+    /// shards neither reads (their maps and descriptors first, so the cache may evict them).
+    fn follow_gate(
+        &mut self,
+        gate: &dyn ShardGate,
+        step: u64,
+        placements: &[Placement],
+    ) -> Result<(), FillError> {
+        let mut needed: Vec<usize> = placements.iter().map(|p| p.shard).collect();
+        needed.sort_unstable();
+        needed.dedup();
+        gate.hold(&needed).map_err(FillError::ShardsUnavailable)?;
+        for &shard in &needed {
+            let id = FileId(shard as u32);
+            if !self.files.is_open(id) {
+                let path = &self.plan.dataset.shards[shard].path;
+                self.files.open_at(id, path, DirectIo::Prefer)?;
+            }
+        }
+        let plan = Arc::clone(&self.plan);
+        let ahead = self.shard_lookahead.ahead(
+            &plan,
+            step,
+            &needed,
+            GATE_SHARDS_AHEAD,
+            GATE_SCAN_SAMPLES_MAX,
+        );
+        gate.ahead(&ahead);
+        let released: Vec<usize> = (0..self.plan.dataset.shards.len())
+            .filter(|&shard| self.files.is_open(FileId(shard as u32)))
+            .filter(|shard| needed.binary_search(shard).is_err() && !ahead.contains(shard))
+            .collect();
+        for &shard in &released {
+            self.maps[shard] = None;
+            self.buffered[shard] = None;
+            self.files.close(FileId(shard as u32));
+        }
+        if !released.is_empty() {
+            gate.release(&released);
+        }
+        Ok(())
     }
 
     /// Takes the blocks of a part (with the raw bytes the part uses of each) from the cache, or reads

@@ -12,6 +12,7 @@ pub mod filler;
 pub mod gpu;
 pub mod lookahead;
 pub mod order;
+pub mod shard_gate;
 pub mod stream_plan;
 
 pub use cpu::Assembler;

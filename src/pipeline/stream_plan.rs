@@ -202,6 +202,9 @@ pub struct StreamPlan {
     pub slot_count: u32,
     /// What to do with corrupt blocks.
     pub on_corrupt: CorruptPolicy,
+    /// For a dataset whose shards arrive while the stream runs (object storage, host streams):
+    /// what the host assembler asks before it opens a shard. `None`: every shard is on disk.
+    pub shard_gate: Option<Arc<dyn super::shard_gate::ShardGate>>,
 }
 
 impl StreamPlan {
@@ -329,6 +332,7 @@ impl StreamPlan {
             ),
             on_corrupt: spec.on_corrupt,
             dataset,
+            shard_gate: None,
         })
     }
 
@@ -460,6 +464,17 @@ impl StreamPlan {
 
     /// Locates `sample` of dataset field `field`: the shard and the byte range within the field's
     /// stream in that shard.
+    /// The shards step `step` reads, sorted, each once.
+    pub fn step_shards(&self, step: u64) -> Vec<usize> {
+        let mut shards: Vec<usize> = self
+            .batch_samples(step)
+            .map(|sample| self.locate(sample, 0).0)
+            .collect();
+        shards.sort_unstable();
+        shards.dedup();
+        shards
+    }
+
     pub(crate) fn locate(&self, sample: u64, field: usize) -> (usize, u64, u64) {
         let shards = &self.dataset.manifest.shards;
         let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
@@ -683,6 +698,10 @@ pub enum FillError {
         /// Slots the stream has.
         slots: usize,
     },
+    /// Shards a batch reads could not be made ready (a dataset in object storage: the store
+    /// failed after its retries, or the cache has no room); the message names the object.
+    #[error("{0}")]
+    ShardsUnavailable(String),
     /// The thread planning a resident stream's rows stopped before this step (it panicked).
     #[error("the planning thread stopped before step {step}: a bug in the batch plan")]
     PlannerStopped {

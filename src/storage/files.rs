@@ -49,7 +49,9 @@ impl OpenFile {
 /// The files an engine reads from, with a bound on how many may be open.
 #[derive(Debug)]
 pub struct FileTable {
-    files: Vec<OpenFile>,
+    /// By id; `None` for an id not opened (or closed) by [`FileTable::open_at`] and
+    /// [`FileTable::close`].
+    files: Vec<Option<OpenFile>>,
     files_max: usize,
 }
 
@@ -62,9 +64,23 @@ impl FileTable {
         }
     }
 
-    /// Opens `path` and returns its id.
+    /// Opens `path` and returns its id (the next one).
     pub fn open(&mut self, path: &Path, direct_io: DirectIo) -> Result<FileId, StorageError> {
-        if self.files.len() >= self.files_max {
+        let id = FileId(self.files.len() as u32);
+        self.open_at(id, path, direct_io)?;
+        Ok(id)
+    }
+
+    /// Opens `path` as file `id` (below the table's bound), for a reader that opens its files as
+    /// they become readable rather than all at once (a dataset whose shards arrive from object
+    /// storage).
+    pub fn open_at(
+        &mut self,
+        id: FileId,
+        path: &Path,
+        direct_io: DirectIo,
+    ) -> Result<(), StorageError> {
+        if id.0 as usize >= self.files_max {
             return Err(StorageError::TooManyFiles {
                 path: path.to_path_buf(),
                 files_max: self.files_max,
@@ -88,22 +104,43 @@ impl FileTable {
                 Err(e) => (None, Some(format!("O_DIRECT open failed: {e}"))),
             },
         };
-        self.files.push(OpenFile {
+        let index = id.0 as usize;
+        if self.files.len() <= index {
+            self.files.resize_with(index + 1, || None);
+        }
+        self.files[index] = Some(OpenFile {
             path: path.to_path_buf(),
             len,
             buffered,
             direct,
             direct_unavailable,
         });
-        Ok(FileId(self.files.len() as u32 - 1))
+        Ok(())
     }
 
-    /// The open file with this id.
+    /// Whether file `id` is open.
+    pub fn is_open(&self, id: FileId) -> bool {
+        self.files
+            .get(id.0 as usize)
+            .is_some_and(|file| file.is_some())
+    }
+
+    /// Closes file `id` (nothing if it is not open). The caller has no read of it in flight.
+    pub fn close(&mut self, id: FileId) {
+        if let Some(file) = self.files.get_mut(id.0 as usize) {
+            *file = None;
+        }
+    }
+
+    /// The open file with this id; panics if it is not open (a caller's bug: it opens a file
+    /// before reading it).
     pub fn get(&self, id: FileId) -> &OpenFile {
-        &self.files[id.0 as usize]
+        self.files[id.0 as usize]
+            .as_ref()
+            .unwrap_or_else(|| panic!("file {} is not open", id.0))
     }
 
-    /// Number of open files.
+    /// Number of file ids in use (open, or closed after they were opened).
     pub fn len(&self) -> usize {
         self.files.len()
     }
