@@ -43,7 +43,7 @@ fn every_endpoint_answers_over_tcp_and_errors_are_json() {
         json!({"status": "ok"})
     );
     let document = get(address, "/openapi.json", None).json();
-    assert_eq!(document["paths"].as_object().unwrap().len(), 12);
+    assert_eq!(document["paths"].as_object().unwrap().len(), 15);
 
     // A pack job through the API, then the dataset it made.
     let source =
