@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
 use super::lookahead::{self, Lookahead, LookaheadCounts};
-use super::shard_gate::{ShardGate, ShardLookahead};
+use super::shard_gate::{ShardGate, ShardLookahead, StreamSteps};
 use super::stream_plan::{
     BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
     StreamLimits, StreamPlan,
@@ -366,8 +366,14 @@ impl Assembler {
             }
         }
         let plan = Arc::clone(&self.plan);
+        let step_shards = |s: u64| plan.step_shards(s);
+        let steps = StreamSteps {
+            count: plan.steps,
+            batch: u64::from(plan.rank.batch_size),
+            shards: &step_shards,
+        };
         let ahead = self.shard_lookahead.ahead(
-            &plan,
+            steps,
             step,
             &needed,
             GATE_SHARDS_AHEAD,

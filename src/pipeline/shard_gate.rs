@@ -21,6 +21,18 @@ pub trait ShardGate: Send + Sync + std::fmt::Debug {
     fn release(&self, shards: &[usize]);
 }
 
+/// A stream's steps as [`ShardLookahead`] scans them: how many, their samples, and the shards
+/// each reads (sorted).
+#[derive(Clone, Copy)]
+pub struct StreamSteps<'a> {
+    /// Steps in the stream.
+    pub count: u64,
+    /// Samples a step reads.
+    pub batch: u64,
+    /// The shards step N reads.
+    pub shards: &'a dyn Fn(u64) -> Vec<usize>,
+}
+
 /// The shards a stream reads next, found by scanning its steps once, as it goes: each shard is
 /// noted at the step where a run of steps reading it starts (in dataset order, a shard's one run;
 /// in a window shuffle, its window's; in a full shuffle every shard at the first step).
@@ -36,11 +48,13 @@ pub struct ShardLookahead {
 
 impl ShardLookahead {
     /// Up to `count` shards, soonest first, that steps after `step` start reading and that
-    /// `current` (sorted: the shards step `step` reads) leaves out. Scans at most `samples_max`
-    /// samples' worth of steps per call; every step is scanned once in the stream's life.
+    /// `current` (sorted: the shards step `step` reads) leaves out, where the stream's `steps.count`
+    /// steps of `steps.batch` samples each read the shards `steps.shards` names (sorted). Scans at
+    /// most `samples_max` samples' worth of steps per call; every step is scanned once in the
+    /// stream's life.
     pub fn ahead(
         &mut self,
-        plan: &super::stream_plan::StreamPlan,
+        steps: StreamSteps<'_>,
         step: u64,
         current: &[usize],
         count: usize,
@@ -53,13 +67,13 @@ impl ShardLookahead {
             self.scanned_to = step + 1;
             self.previous = current.to_vec();
         }
-        let batch = u64::from(plan.rank.batch_size.max(1));
+        let batch = steps.batch.max(1);
         let mut scanned = 0u64;
-        while self.scanned_to < plan.steps
+        while self.scanned_to < steps.count
             && scanned < samples_max
             && self.found(current, count).len() < count
         {
-            let shards = plan.step_shards(self.scanned_to);
+            let shards = (steps.shards)(self.scanned_to);
             for &shard in &shards {
                 if self.previous.binary_search(&shard).is_err() {
                     self.starts.push_back((self.scanned_to, shard));

@@ -33,6 +33,41 @@ const BATCH_GROUP_OUT_BYTES: usize = 4 << 20;
 /// batches four times larger.
 const BATCH_GROUP_OUT_BYTES_IN_TIER: usize = 16 << 20;
 
+/// The most batches, and pieces, one round of a stream gathers together (see
+/// `resident::group`), for slots of `slot_bytes`, at most `batch_group_max` batches, rounds that
+/// pass at most `inline_pieces_max` pieces in a launch and hold `pieces_max` in their table.
+fn batch_group_limits(
+    resident: Option<&Resident>,
+    slot_bytes: usize,
+    batch_group_max: usize,
+    inline_pieces_max: usize,
+    pieces_max: usize,
+) -> (usize, usize) {
+    // Small batches of a resident stream are gathered several to a round: at 256 rows of 2 KiB a
+    // round per batch left the pipeline bound by the host's launches and completions.
+    // (Not when rows are copied into a round's staging: they are placed for one batch.)
+    let in_tier = resident.is_some_and(|r| r.reads_tier_only());
+    let group_out_bytes = if in_tier {
+        BATCH_GROUP_OUT_BYTES_IN_TIER
+    } else {
+        BATCH_GROUP_OUT_BYTES
+    };
+    let group_batches_max = if resident.is_some_and(|r| !r.copies_rows()) {
+        (group_out_bytes / slot_bytes.max(1)).clamp(1, batch_group_max.max(1))
+    } else {
+        1
+    };
+    // One launch's inline pieces, and never more than a round's piece table holds (a group whose
+    // table cannot go inline goes through it). In the tier, groups of batches too large for one
+    // launch's inline pieces share one uploaded table.
+    let group_pieces_max = if inline_pieces_max > 0 && !in_tier {
+        crate::kernels::GATHER_INLINE_PIECES_MAX.min(pieces_max)
+    } else {
+        pieces_max
+    };
+    (group_batches_max, group_pieces_max)
+}
+
 /// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.
 // One per stream, which its filler keeps boxed: the variants' sizes cost nothing.
 #[allow(clippy::large_enum_variant)]
@@ -139,28 +174,13 @@ impl GpuAssembler {
         } else {
             0
         };
-        // Small batches of a resident stream are gathered several to a round: at 256 rows of 2 KiB a
-        // round per batch left the pipeline bound by the host's launches and completions.
-        // (Not when rows are copied into a round's staging: they are placed for one batch.)
-        let in_tier = resident.as_ref().is_some_and(|r| r.reads_tier_only());
-        let group_out_bytes = if in_tier {
-            BATCH_GROUP_OUT_BYTES_IN_TIER
-        } else {
-            BATCH_GROUP_OUT_BYTES
-        };
-        let group_batches_max = if resident.as_ref().is_some_and(|r| !r.copies_rows()) {
-            (group_out_bytes / plan.slot_bytes.max(1)).clamp(1, limits.batch_group_max.max(1))
-        } else {
-            1
-        };
-        // One launch's inline pieces, and never more than a round's piece table holds (a group
-        // whose table cannot go inline goes through it). In the tier, groups of batches too large
-        // for one launch's inline pieces share one uploaded table.
-        let group_pieces_max = if inline_pieces_max > 0 && !in_tier {
-            crate::kernels::GATHER_INLINE_PIECES_MAX.min(pieces_max)
-        } else {
-            pieces_max
-        };
+        let (group_batches_max, group_pieces_max) = batch_group_limits(
+            resident.as_ref(),
+            plan.slot_bytes,
+            limits.batch_group_max,
+            inline_pieces_max,
+            pieces_max,
+        );
         let engine = RoundEngine {
             kernels,
             reader,
