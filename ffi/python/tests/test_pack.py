@@ -103,3 +103,41 @@ def test_from_parquet_packs_every_column_as_pyarrow_reads_it(tmp_path):
     pq.write_table(listed, tmp_path / "list.parquet")
     with pytest.raises(gpufeed.PackError, match="column 'ids'.*variable-length fields are not supported yet"):
         gpufeed.pack(tmp_path / "other", from_parquet=[tmp_path / "list.parquet"])
+
+
+def test_arrow_tables_and_streamed_record_batches_pack_exactly(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    rng = np.random.default_rng(7)
+    emb = rng.standard_normal((600, 8)).astype(np.float32)
+    label = np.arange(600, dtype=np.int32)
+
+    def table(rows):
+        return pa.table(
+            {
+                "emb": pa.FixedSizeListArray.from_arrays(pa.array(emb[rows].reshape(-1)), 8),
+                "label": pa.array(label[rows]),
+            }
+        )
+
+    whole = tmp_path / "whole"
+    gpufeed.pack(whole, arrow=table(slice(0, 600)), samples_per_shard=250)
+    assert np.array_equal(unpacked(whole, "emb", tmp_path), emb)
+    assert np.array_equal(unpacked(whole, "label", tmp_path), label)
+
+    def batches():
+        # A generator of record batches: one alive at a time.
+        for start in range(0, 600, 128):
+            yield from table(slice(start, start + 128)).to_batches()
+
+    streamed = tmp_path / "streamed"
+    gpufeed.pack(streamed, arrow=batches(), codec="lz4")
+    assert np.array_equal(unpacked(streamed, "emb", tmp_path), emb)
+    assert np.array_equal(unpacked(streamed, "label", tmp_path), label)
+
+    other = pa.table({"label": pa.array([1.0, 2.0])}).to_batches()
+    with pytest.raises(gpufeed.PackError, match="item 1 has the schema"):
+        gpufeed.pack(tmp_path / "mixed", arrow=iter(table(slice(0, 2)).to_batches() + other))
+    with pytest.raises(gpufeed.PackError, match="exactly one of"):
+        gpufeed.pack(tmp_path / "both", fields={"a": label}, arrow=table(slice(0, 2)))
+    assert not (tmp_path / "mixed").exists()
+    assert no_scratch(tmp_path)

@@ -1,4 +1,5 @@
-"""`gpufeed.pack`: write a dataset from NumPy arrays, iterables of arrays, or Parquet/Arrow files.
+"""`gpufeed.pack`: write a dataset from NumPy arrays, iterables of arrays, Arrow tables, or
+Parquet/Arrow files.
 
 The packing itself is `gpufeed pack`'s (the same checks, codecs, checksums and atomic install): the
 fields are written as temporary `.npy` files in a directory beside `out` (the disk that receives the
@@ -80,10 +81,46 @@ def _write_stream(np, name, items, path):
         f.write(_header(np, dtype, (samples, *sample_shape)))
 
 
+def _write_arrow(table, path):
+    """Writes `table` (a pyarrow Table, RecordBatch or RecordBatchReader, or an iterable of
+    RecordBatches or Tables, all of one schema) to `path` as an Arrow IPC file, one batch in memory
+    at a time when it is an iterable or a reader."""
+    import pyarrow as pa
+
+    if isinstance(table, (pa.Table, pa.RecordBatch)):
+        batches, schema = iter(table.to_batches()), table.schema
+    elif isinstance(table, pa.RecordBatchReader):
+        batches, schema = iter(table), table.schema
+    else:
+        batches = iter(table)
+        first = next(batches, None)
+        if first is None:
+            raise PackError("arrow: the iterable yielded no record batches")
+        schema = first.schema
+        head = first.to_batches() if isinstance(first, pa.Table) else [first]
+        batches = _chain(head, batches)
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for index, batch in enumerate(batches):
+            if not batch.schema.equals(schema):
+                raise PackError(
+                    f"arrow: item {index} has the schema {batch.schema}, but the first has {schema}"
+                )
+            if isinstance(batch, pa.Table):
+                writer.write_table(batch)
+            else:
+                writer.write_batch(batch)
+
+
+def _chain(head, rest):
+    yield from head
+    yield from rest
+
+
 def pack(
     out,
     fields=None,
     *,
+    arrow=None,
     from_parquet=None,
     name=None,
     codec="auto",
@@ -98,6 +135,10 @@ def pack(
     fields: a mapping of field name to a NumPy array (samples along axis 0) or to an iterable of
         arrays, each holding one or more samples along axis 0 (streamed to disk: one item in memory
         at a time; yield `sample[None]` for single samples).
+    arrow: a pyarrow Table, RecordBatch or RecordBatchReader, or an iterable of record batches (or
+        tables) of one schema, streamed to disk one at a time (instead of `fields`): each column a
+        field of its name, as `from_parquet` packs a file's columns (a Hugging Face dataset's
+        `.data.table`, for instance).
     from_parquet: Parquet or Arrow IPC files (`.parquet`, `.arrow`, ...) packed as one dataset, each
         column a field of its name (instead of `fields`).
     codec: "auto", "lz4" or "raw"; byte_shuffle: "auto", "on" or "off"; block_bytes: the largest raw
@@ -107,8 +148,8 @@ def pack(
     Returns the pack's summary line. Raises PackError with the CLI's error on failure; `out` is then
     untouched.
     """
-    if (fields is None) == (from_parquet is None):
-        raise PackError("give exactly one of fields= and from_parquet=")
+    if sum(x is not None for x in (fields, arrow, from_parquet)) != 1:
+        raise PackError("give exactly one of fields=, arrow= and from_parquet=")
     if codec not in _CODECS:
         raise PackError(f"codec {codec!r}: expected one of {', '.join(_CODECS)}")
     if byte_shuffle not in _BYTE_SHUFFLES:
@@ -130,6 +171,15 @@ def pack(
         if not paths:
             raise PackError("from_parquet: no files given")
         return _run(command + [os.fspath(p) for p in paths])
+
+    if arrow is not None:
+        scratch = tempfile.mkdtemp(prefix=".gpufeed-pack-", dir=os.path.dirname(out))
+        try:
+            path = os.path.join(scratch, "table.arrow")
+            _write_arrow(arrow, path)
+            return _run(command + [path])
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     import numpy as np
 
