@@ -852,3 +852,78 @@ fn a_stream_in_dataset_order_fails_clearly_when_the_store_dies_before_its_next_s
         "a batch served before the failure differs"
     );
 }
+
+/// Where the environment gives no keys, the profile `AWS_PROFILE` names in the shared AWS files
+/// gives them, and its `endpoint_url` reaches the store: a dataset registered with no `AWS_*` key
+/// or endpoint in the environment serves the same batches as with them. A profile named but in
+/// neither file stops the start naming the profile, and no secret of the files is shown.
+#[test]
+fn an_aws_profile_gives_the_keys_and_endpoint_the_environment_does_not() {
+    let Some((root, moto)) = setup(&["profiled"]) else {
+        return;
+    };
+    let aws = root.path().join("aws");
+    std::fs::create_dir_all(&aws).unwrap();
+    std::fs::write(
+        aws.join("credentials"),
+        format!(
+            "[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n\
+             [gpufeed-test]\naws_access_key_id = gpufeed-test-key\n\
+             aws_secret_access_key = {SECRET_ACCESS_KEY}\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        aws.join("config"),
+        format!(
+            "[profile gpufeed-test]\nregion = us-east-1\nendpoint_url = {}\n",
+            moto.endpoint()
+        ),
+    )
+    .unwrap();
+    let profiled = |profile: &str, extra: &[&str]| {
+        let cache = root.path().join("cache-profile");
+        let mut arguments = vec!["--object-cache-dir", cache.to_str().unwrap()];
+        arguments.extend_from_slice(extra);
+        let mut command = common::daemon::serve_command(root.path(), &arguments);
+        for variable in [
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_ENDPOINT",
+            "AWS_ENDPOINT_URL",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_REGION",
+            "AWS_DEFAULT_REGION",
+        ] {
+            command.env_remove(variable);
+        }
+        command
+            .env("AWS_PROFILE", profile)
+            .env("AWS_SHARED_CREDENTIALS_FILE", aws.join("credentials"))
+            .env("AWS_CONFIG_FILE", aws.join("config"))
+            .env("AWS_ALLOW_HTTP", "true");
+        command
+    };
+    let url = format!("s3://{BUCKET}/profiled");
+    let daemon = common::daemon::start(
+        profiled("gpufeed-test", &["--dataset", &format!("profiled={url}")]),
+        &root.path().join("logs"),
+    );
+    // The same data packed locally, under the same data root.
+    assert!(epoch(&daemon, "profiled") == epoch(&daemon, "local"));
+    drop(daemon);
+
+    let output = profiled(
+        "nobody",
+        &["--dataset", &format!("profiled={url}"), "--http", "off"],
+    )
+    .output()
+    .unwrap();
+    let error = common::assert_fails(&output);
+    assert!(
+        error.contains("AWS_PROFILE names the profile 'nobody'") && error.contains(&url),
+        "{error}"
+    );
+    assert!(!error.contains(SECRET_ACCESS_KEY), "{error}");
+}

@@ -23,7 +23,8 @@ pub enum RemoteError {
     /// The store refused the credentials or the access.
     #[error(
         "{url}: access denied: {reason} (credentials are read from the environment: AWS_*, \
-         GOOGLE_*, AZURE_* variables, or the instance's role)"
+         GOOGLE_*, AZURE_* variables; for S3 without keys there, the AWS_PROFILE profile of \
+         ~/.aws; or the instance's role)"
     )]
     Denied {
         /// The object's URL.

@@ -88,21 +88,23 @@ impl ObjectLocation {
         let built: Result<Arc<dyn ObjectStore>, object_store::Error> = match parsed.scheme() {
             "s3" => {
                 need_host("bucket")?;
-                timeouts
-                    .iter()
-                    .fold(
-                        object_store::aws::AmazonS3Builder::from_env(),
-                        |builder, (key, value)| {
-                            builder.with_config(
-                                object_store::aws::AmazonS3ConfigKey::Client(*key),
-                                value,
-                            )
-                        },
-                    )
-                    .with_bucket_name(&host)
-                    .with_retry(retry)
-                    .build()
-                    .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
+                // A profile of the shared AWS files, where the environment gives no keys.
+                let profile = super::aws_profile::profile().map_err(|e| bad(e.to_string()))?;
+                let builder = timeouts.iter().fold(
+                    object_store::aws::AmazonS3Builder::from_env(),
+                    |builder, (key, value)| {
+                        builder
+                            .with_config(object_store::aws::AmazonS3ConfigKey::Client(*key), value)
+                    },
+                );
+                match &profile {
+                    Some(profile) => super::aws_profile::apply(builder, profile),
+                    None => builder,
+                }
+                .with_bucket_name(&host)
+                .with_retry(retry)
+                .build()
+                .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             }
             "gs" => {
                 need_host("bucket")?;

@@ -10,10 +10,11 @@
 //! recently used within the cache's byte budget, and the directory is indexed again when the
 //! daemon starts (files left half-written are removed).
 //!
-//! Layers: [`location`] turns a URL into a store with credentials from the environment and retries
-//! its requests; [`cache`] holds the directory, its budget and its pins; [`dataset`] registers a
+//! Layers: [`location`] turns a URL into a store with credentials from the environment (or, for
+//! S3, a profile of the shared AWS files: [`aws_profile`]) and retries its requests; [`cache`] holds the directory, its budget and its pins; [`dataset`] registers a
 //! dataset and uploads one (`gpufeed pack --out s3://...`).
 
+pub mod aws_profile;
 pub mod cache;
 pub mod dataset;
 pub mod error;
