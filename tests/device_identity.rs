@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::consumers::consume_bin;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -66,23 +67,6 @@ fn a_cpu_daemon_refuses_a_device_uuid_naming_it() {
     let (code, message) = refusal(&daemon.socket, host);
     assert_eq!(code, ErrorCode::BadFrame, "{message}");
     assert!(message.contains("host-memory stream"), "{message}");
-}
-
-/// The `consume` example, built beside the tests (`GPUFEED_CONSUME_BIN` where the test binary runs
-/// away from its build tree).
-fn consume_bin() -> PathBuf {
-    std::env::var_os("GPUFEED_CONSUME_BIN").map_or_else(
-        || {
-            let exe = std::env::current_exe().unwrap();
-            exe.parent()
-                .unwrap()
-                .parent()
-                .unwrap()
-                .join("examples")
-                .join("consume")
-        },
-        PathBuf::from,
-    )
 }
 
 /// The `devices` entry of `status` for the daemon's `cuda:N`.

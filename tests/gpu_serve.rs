@@ -14,39 +14,16 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
+use common::consumers::{consume_bin, copy_dataset, gpufeed_bin, npy_payload, wait_for_no_streams};
 use common::daemon::Daemon;
 use gpufeed::device::Device;
 use gpufeed::format::Dataset;
-use gpufeed_client::consumer::Client;
 use gpufeed_client::DType;
 
 const SAMPLES: u64 = 6000;
 const EMB_DIM: u64 = 256;
 const TOK_LEN: u64 = 128;
-
-fn binary(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
-    std::env::var_os(env).map_or_else(fallback, PathBuf::from)
-}
-
-fn gpufeed_bin() -> PathBuf {
-    binary("GPUFEED_BIN", || {
-        PathBuf::from(env!("CARGO_BIN_EXE_gpufeed"))
-    })
-}
-
-fn consume_bin() -> PathBuf {
-    binary("GPUFEED_CONSUME_BIN", || {
-        let exe = std::env::current_exe().unwrap();
-        exe.parent()
-            .unwrap()
-            .parent()
-            .unwrap()
-            .join("examples")
-            .join("consume")
-    })
-}
 
 fn start_daemon(root: &Path, device: &str) -> Daemon {
     start_daemon_with(root, device, &[])
@@ -150,12 +127,6 @@ fn finish(child: Child) -> serde_json::Value {
     serde_json::from_str(text.lines().last().unwrap()).unwrap()
 }
 
-fn npy_payload(path: &Path) -> Vec<u8> {
-    let bytes = std::fs::read(path).unwrap();
-    let header = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    bytes[10 + header..].to_vec()
-}
-
 fn f16_to_f32_bytes(bytes: &[u8]) -> Vec<u8> {
     bytes
         .chunks_exact(2)
@@ -165,16 +136,6 @@ fn f16_to_f32_bytes(bytes: &[u8]) -> Vec<u8> {
                 .to_le_bytes()
         })
         .collect()
-}
-
-/// Copies the dataset directory `from` into `to` (a daemon owns its data root, so the CPU daemon
-/// serves a copy).
-fn copy_dataset(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
 }
 
 /// The same requests from the GPU and the CPU backend, two consumer processes at once on the GPU.
@@ -639,21 +600,6 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
     assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
-fn wait_for_no_slots(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let status = Client::connect(socket).unwrap().status().unwrap();
-        if status.slots_allocated == 0 && status.streams == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "slots never reclaimed: {status:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Shard slots go back to the device's pool when a stream closes, and the next stream that copies
 /// shards ahead takes them (the daemon's log says how many it kept): streams one after another, in
 /// dataset order, a window shuffle and dataset order again, each bit-exact against the CPU backend
@@ -680,7 +626,7 @@ fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
             &gpu_dump,
         ));
         // The stream is closed, and its slots handed back, once the daemon counts no stream.
-        wait_for_no_slots(&gpu.socket);
+        wait_for_no_streams(&gpu.socket);
         finish(consume_dump(&cpu.socket, "cpu", &emb(shuffle), &cpu_dump));
         let gpu_rows = npy_payload(&gpu_dump);
         assert!(
@@ -753,7 +699,7 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
     let mut first = spawn();
     drop(first.stdin.take());
     first.wait().unwrap();
-    wait_for_no_slots(&daemon.socket);
+    wait_for_no_streams(&daemon.socket);
     let (baseline, _) = device.memory_info().unwrap();
     let mut during = usize::MAX;
     for kill in 0..100 {
@@ -768,7 +714,7 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
         }
         child.kill().unwrap();
         child.wait().unwrap();
-        wait_for_no_slots(&daemon.socket);
+        wait_for_no_streams(&daemon.socket);
     }
     let (after, _) = device.memory_info().unwrap();
     eprintln!(
@@ -903,7 +849,7 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
     assert!(message.contains(&served_list), "{message}");
     // Consumers killed while holding batches on each device: their sessions end, each device's
     // free memory returns to what it was before them, and the daemon serves both devices again.
-    wait_for_no_slots(&gpu.socket);
+    wait_for_no_streams(&gpu.socket);
     let opened: Vec<Device> = (0..distinct.len())
         .map(|i| Device::open(i).unwrap())
         .collect();
@@ -938,7 +884,7 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
             child.kill().unwrap();
             child.wait().unwrap();
         }
-        wait_for_no_slots(&gpu.socket);
+        wait_for_no_streams(&gpu.socket);
     }
     for (index, device) in opened.iter().enumerate() {
         let after = device.memory_info().unwrap().0;

@@ -16,39 +16,16 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
+use common::consumers::{consume_bin, copy_dataset, gpufeed_bin, npy_payload, wait_for_no_streams};
 use common::daemon::Daemon;
 use gpufeed::device::Device;
 use gpufeed::format::Dataset;
-use gpufeed_client::consumer::Client;
 use gpufeed_client::DType;
 
 const SAMPLES: u64 = 6000;
 const EMB_DIM: u64 = 256;
 const TOK_LEN: u64 = 64;
-
-fn binary(env: &str, fallback: impl FnOnce() -> PathBuf) -> PathBuf {
-    std::env::var_os(env).map_or_else(fallback, PathBuf::from)
-}
-
-fn gpufeed_bin() -> PathBuf {
-    binary("GPUFEED_BIN", || {
-        PathBuf::from(env!("CARGO_BIN_EXE_gpufeed"))
-    })
-}
-
-fn consume_bin() -> PathBuf {
-    binary("GPUFEED_CONSUME_BIN", || {
-        let exe = std::env::current_exe().unwrap();
-        exe.parent()
-            .unwrap()
-            .parent()
-            .unwrap()
-            .join("examples")
-            .join("consume")
-    })
-}
 
 /// A dataset `name` under `root`: a raw fp16 embedding field (the tier serves streams of raw
 /// fields) and an LZ4 token field (held in the tier as stored, not read by these streams), in
@@ -154,12 +131,6 @@ fn wait_holding(child: &mut Child) -> BufReader<std::process::ChildStdout> {
     stdout
 }
 
-fn npy_payload(path: &Path) -> Vec<u8> {
-    let bytes = std::fs::read(path).unwrap();
-    let header = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    bytes[10 + header..].to_vec()
-}
-
 fn tier(address: SocketAddr) -> serde_json::Value {
     let response = common::http::get(address, "/v1/devices/cuda:0/cache", None);
     assert_eq!(
@@ -186,21 +157,6 @@ fn evict(address: SocketAddr, dataset: &str) -> serde_json::Value {
         String::from_utf8_lossy(&response.body)
     );
     response.json()
-}
-
-fn wait_for_no_streams(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let status = Client::connect(socket).unwrap().status().unwrap();
-        if status.slots_allocated == 0 && status.streams == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "streams never closed: {status:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The CPU backend's batches for `args` on `dataset`, dumped once per request.
@@ -386,14 +342,4 @@ fn eviction_budget_and_sharing() {
         None,
     )
     .assert_error(404, "not_found");
-}
-
-/// Copies the dataset directory `from` into `to` (a daemon owns its data root, so the CPU daemon
-/// serves a copy).
-fn copy_dataset(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
 }

@@ -138,6 +138,20 @@ fn dataset_dir(control: &Control, name: &str) -> Result<std::path::PathBuf, ApiE
         .ok_or_else(|| ApiError::not_found(format!("no dataset named '{name}' is registered")))
 }
 
+/// Applies `apply` to the tier of `device` and the directory of dataset `name`, then answers the
+/// tier's view: what pinning, unpinning and evicting share.
+fn change(
+    control: &Control,
+    device: &str,
+    name: &str,
+    apply: impl FnOnce(&DeviceTier, &std::path::Path) -> Result<(), ApiError>,
+) -> Result<Json<DeviceCacheView>, ApiError> {
+    let tier = tier_of(control, device)?;
+    let dir = dataset_dir(control, name)?;
+    apply(&tier, &dir)?;
+    Ok(Json(view(control, &tier)))
+}
+
 /// What a device's memory tier holds.
 #[utoipa::path(
     get, path = "/v1/devices/{device}/cache", tag = "daemon", operation_id = "get_device_cache",
@@ -180,11 +194,10 @@ pub async fn pin(
     State(control): State<Arc<Control>>,
     ApiPath((device, name)): ApiPath<(String, String)>,
 ) -> Result<Json<DeviceCacheView>, ApiError> {
-    let tier = tier_of(&control, &device)?;
-    let dir = dataset_dir(&control, &name)?;
-    tier.set_pinned(&dir, true)
-        .map_err(|e| ApiError::conflict(e.to_string()))?;
-    Ok(Json(view(&control, &tier)))
+    change(&control, &device, &name, |tier, dir| {
+        tier.set_pinned(dir, true)
+            .map_err(|e| ApiError::conflict(e.to_string()))
+    })
 }
 
 /// Unpins a dataset: it stays in the tier until evicted for room like any other.
@@ -207,11 +220,10 @@ pub async fn unpin(
     State(control): State<Arc<Control>>,
     ApiPath((device, name)): ApiPath<(String, String)>,
 ) -> Result<Json<DeviceCacheView>, ApiError> {
-    let tier = tier_of(&control, &device)?;
-    let dir = dataset_dir(&control, &name)?;
-    tier.set_pinned(&dir, false)
-        .map_err(|e| ApiError::conflict(e.to_string()))?;
-    Ok(Json(view(&control, &tier)))
+    change(&control, &device, &name, |tier, dir| {
+        tier.set_pinned(dir, false)
+            .map_err(|e| ApiError::conflict(e.to_string()))
+    })
 }
 
 /// Evicts a dataset from a device's memory tier (and unpins it). Streams reading it go on reading
@@ -236,9 +248,8 @@ pub async fn evict(
     State(control): State<Arc<Control>>,
     ApiPath((device, name)): ApiPath<(String, String)>,
 ) -> Result<Json<DeviceCacheView>, ApiError> {
-    let tier = tier_of(&control, &device)?;
-    let dir = dataset_dir(&control, &name)?;
-    tier.evict(&dir)
-        .map_err(|e| ApiError::not_found(format!("dataset '{name}': {e}")))?;
-    Ok(Json(view(&control, &tier)))
+    change(&control, &device, &name, |tier, dir| {
+        tier.evict(dir)
+            .map_err(|e| ApiError::not_found(format!("dataset '{name}': {e}")))
+    })
 }

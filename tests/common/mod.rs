@@ -6,6 +6,7 @@
 // Each test crate uses a different subset of these helpers.
 #![allow(dead_code)]
 
+pub mod consumers;
 pub mod daemon;
 pub mod http;
 

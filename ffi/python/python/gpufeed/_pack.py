@@ -7,6 +7,7 @@ dataset), the `gpufeed` binary packs them, and the directory is removed whatever
 is `$GPUFEED_BIN`, else `gpufeed` on PATH.
 """
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -98,7 +99,7 @@ def _write_arrow(table, path):
             raise PackError("arrow: the iterable yielded no record batches")
         schema = first.schema
         head = first.to_batches() if isinstance(first, pa.Table) else [first]
-        batches = _chain(head, batches)
+        batches = itertools.chain(head, batches)
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for index, batch in enumerate(batches):
             if not batch.schema.equals(schema):
@@ -109,11 +110,6 @@ def _write_arrow(table, path):
                 writer.write_table(batch)
             else:
                 writer.write_batch(batch)
-
-
-def _chain(head, rest):
-    yield from head
-    yield from rest
 
 
 def pack(
