@@ -42,6 +42,9 @@ repeat=${TIER_REPEAT:-3}
 epochs=${TIER_EPOCHS:-16}
 work=/var/tmp/gpufeed-read
 source_npy="$work/npy/emb_fp16.npy"
+# The dataset the consumers read, its source .npy, the consumer's dtype flags and output bytes per
+# byte in (the fp16 embeddings by default; lz4_bench switches).
+ds=emb ds_npy=$source_npy dtype_flags="--dtype f32" out_per_in=2
 jsonl="$OUT/tier.jsonl"
 socket=/tmp/gpufeed-tier.sock
 http=127.0.0.1:7173
@@ -66,9 +69,9 @@ stop_daemon() {
 
 # evict: takes the dataset out of the tier (a 404, when it is not there, is fine).
 evict() {
-  python3 - "$http" <<'PY'
+  python3 - "$http" "$ds" <<'PY'
 import sys, urllib.error, urllib.request
-request = urllib.request.Request(f"http://{sys.argv[1]}/v1/devices/cuda:0/cache/emb", method="DELETE")
+request = urllib.request.Request(f"http://{sys.argv[1]}/v1/devices/cuda:0/cache/{sys.argv[2]}", method="DELETE")
 try:
     urllib.request.urlopen(request, timeout=10)
 except urllib.error.HTTPError as error:
@@ -86,27 +89,28 @@ tier_view() {
 consume_line() {
   local case=$1 order=$2 run=$3 b=$4 e=$5 seed=$6 line status fields
   # The dataset's fields, named as a training loop names them.
-  fields=$(python3 -c "import json,urllib.request; d=json.load(urllib.request.urlopen('http://$http/v1/datasets/emb', timeout=5)); print(' '.join('--field ' + f for f in d['dataset']['fields']))")
-  # shellcheck disable=SC2086  # fields: a list of words
-  line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
-    --batch-size "$b" --dtype f32 $fields --shuffle "$order" --window-shards 4 --seed "$seed" \
+  fields=$(python3 -c "import json,urllib.request; d=json.load(urllib.request.urlopen('http://$http/v1/datasets/$ds', timeout=5)); print(' '.join('--field ' + f for f in d['dataset']['fields']))")
+  # shellcheck disable=SC2086  # fields, dtype_flags: lists of words
+  line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset "$ds" --device cuda:0 \
+    --batch-size "$b" $dtype_flags $fields --shuffle "$order" --window-shards 4 --seed "$seed" \
     --prefetch 4 --epochs "$e" --open-ahead 0.3 --daemon-pid "$daemon" | tail -1)
   status=$?
-  python3 - "$case" "$order" "$run" "$b" "$e" "$status" "$line" "$(stat -c %s "$source_npy")" <<'PY'
+  python3 - "$case" "$order" "$run" "$b" "$e" "$status" "$line" "$(stat -c %s "$ds_npy")" "$out_per_in" "$ds" <<'PY'
 import json, sys
-case, order, run, batch, epochs, status, line, npy_bytes = sys.argv[1:]
+case, order, run, batch, epochs, status, line, npy_bytes, out_per_in, dataset = sys.argv[1:]
 try:
     summary = json.loads(line)
 except ValueError:
     summary = {"error": line[-300:] or "no summary on stdout"}
-record = {"loader": "gpufeed", "case": case, "order": order, "run": int(run), "batch_size": int(batch),
-          "epochs": int(epochs), "exit_status": int(status)}
+record = {"loader": "gpufeed", "dataset": dataset, "case": case, "order": order, "run": int(run),
+          "batch_size": int(batch), "epochs": int(epochs), "exit_status": int(status)}
 if int(status) != 0 or "error" in summary:
     record["error"] = summary.get("error", f"consume exited {status}")
 else:
-    epoch_bytes_in = summary["bytes"] // 2 / int(epochs)
+    bytes_in = summary["bytes"] // int(out_per_in)
+    epoch_bytes_in = bytes_in / int(epochs)
     record.update(
-        bytes_in=summary["bytes"] // 2, stream_seconds=summary["seconds"],
+        bytes_in=bytes_in, stream_seconds=summary["seconds"],
         epoch_ms=[e["ms"] for e in summary["epoch_times"]],
         epoch_gb_per_s_in=[epoch_bytes_in / (e["ms"] / 1e3) / 1e9 for e in summary["epoch_times"]],
         first_batch_seconds=summary.get("first_batch_seconds"),
@@ -184,6 +188,75 @@ tier_bench() {
   fi
 }
 
+# The LZ4 datasets in the tier (TIER_LZ4=1): 'tok', TIER_GIB of int32 zipf tokens (rows of 8 KiB,
+# make_data.py) packed with the defaults (codec auto: LZ4 with a byte shuffle), served as int32;
+# 'emblz4', the fp16 embeddings packed with --codec lz4 (LZ4 barely shrinks them: the case where
+# compression buys nothing), served as fp32. Per dataset: a daemon without the tier, dataset order,
+# one run of 2 epochs (the path LZ4 data took before: its window and full shuffles ran at 0.44 GB/s
+# and are not run here); then a daemon with the tier, per order the dataset evicted first, one
+# warm-up run and TIER_REPEAT runs of TIER_LZ4_EPOCHS (6) epochs: the first epoch decodes the
+# dataset into the tier, the later ones read it. The raw fp16 dataset in the tier, same daemon,
+# in order, is the comparison for 'emblz4'.
+lz4_bench() {
+  mkdir -p "$work/npy" "$work/data"
+  OUT="$work/prepare-out" READ_BENCH_ONLY=1 READ_CASES=none READ_GIB="$gib" bash scripts/gpu-read.sh --bench-only \
+    >"$OUT/prepare.log" 2>&1 || { echo "FAILED: preparing the fp16 data (prepare.log)"; return 1; }
+  python3 scripts/e2e/make_data.py --out-dir "$work/npy" --emb-gib 0 --tokens-gib "$gib" >>"$OUT/prepare.log" 2>&1 \
+    || { echo "FAILED: making the tokens (prepare.log)"; return 1; }
+  local started
+  if [ ! -d "$work/data/tok" ]; then
+    started=$(date +%s)
+    "$bin/gpufeed" pack --out "$work/data/tok" --samples-per-shard 65536 "$work/npy/tokens_i32.npy" >>"$OUT/prepare.log" 2>&1 \
+      || { echo "FAILED: packing the tokens"; return 1; }
+    echo "packed tok in $(( $(date +%s) - started )) s"
+  fi
+  if [ ! -d "$work/data/emblz4" ]; then
+    "$bin/gpufeed" pack --out "$work/data/emblz4" --codec lz4 --samples-per-shard 262144 "$source_npy" >>"$OUT/prepare.log" 2>&1 \
+      || { echo "FAILED: packing emblz4"; return 1; }
+  fi
+  du -sb "$work/data/tok" "$work/data/emblz4" "$work/data/emb" "$work/npy/tokens_i32.npy" "$source_npy"
+  cat "$work/npy/tokens_i32.npy" "$source_npy" "$work"/data/{tok,emblz4,emb}/*.gfs >/dev/null 2>&1
+  local order run lz4_epochs=${TIER_LZ4_EPOCHS:-6}
+  for ds in tok emblz4; do
+    if [ "$ds" = tok ]; then
+      ds_npy="$work/npy/tokens_i32.npy" dtype_flags="" out_per_in=1
+    else
+      ds_npy=$source_npy dtype_flags="--dtype f32" out_per_in=2
+    fi
+    start_daemon || { echo "FAILED: the daemon without the tier did not start"; return 1; }
+    run_one lz4-no-tier none 1 "$batch" 2 1
+    stop_daemon
+    start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" \
+      || { echo "FAILED: the daemon with the tier did not start"; return 1; }
+    for order in none window full; do
+      evict
+      consume_line lz4-tier-warmup "$order" 0 "$batch" 2 100 >/dev/null
+      for run in $(seq 1 "$repeat"); do
+        evict
+        run_one lz4-tier "$order" "$run" "$batch" "$lz4_epochs" "$run"
+      done
+    done
+    echo "tier after $ds: $(tier_view)"
+    if [ "$ds" = emblz4 ]; then
+      ds=emb ds_npy=$source_npy
+      for run in $(seq 1 "$repeat"); do
+        evict
+        run_one raw-tier none "$run" "$batch" "$lz4_epochs" "$run"
+      done
+    fi
+    stop_daemon
+  done
+  grep -E "decoded .* into .* of the device-memory tier" "$OUT/daemon.log" | tail -8
+  if [ "${#failed_runs[@]}" -ne 0 ]; then
+    printf 'FAILED run: %s\n' "${failed_runs[@]}"
+    return 1
+  fi
+}
+
+if [ "${1:-}" = --lz4-only ]; then
+  lz4_bench
+  exit $?
+fi
 if [ "${1:-}" = --bench-only ]; then
   tier_bench
   exit $?
@@ -194,7 +267,8 @@ if [ -z "${TIER_BENCH_ONLY:-}" ]; then
     --report-api-errors no --target-processes all --tool memcheck \
     "$bin/gpu_tier" --include-ignored --test-threads=1 every_order
 fi
-[ -z "${TIER_TESTS_ONLY:-}" ] && step tier_bench bench "${TIER_BENCH_S:-400}" 60 bash "$0" --bench-only
+[ -z "${TIER_TESTS_ONLY:-}" ] && [ -z "${TIER_LZ4:-}" ] && step tier_bench bench "${TIER_BENCH_S:-400}" 60 bash "$0" --bench-only
+[ -n "${TIER_LZ4:-}" ] && step tier_lz4 bench "${TIER_LZ4_S:-400}" 60 bash "$0" --lz4-only
 
 grep -E '^test result|FAILED|panicked' "$OUT/tests.log" 2>/dev/null | head -20
 grep -E '^=== |ERROR SUMMARY' "$OUT/sanitizer.log" 2>/dev/null | cut -c1-160
@@ -208,14 +282,14 @@ print("|---|---|---|---|---|---|---|")
 groups = {}
 for r in rows:
     if r.get("loader") == "gpufeed" and "error" not in r and "warmup" not in r["case"] and r["case"] != "tier-2proc":
-        groups.setdefault((r["case"], r["order"], r["batch_size"]), []).append(r)
+        groups.setdefault((r.get("dataset", "emb"), r["case"], r["order"], r["batch_size"]), []).append(r)
 firsts = {}
-for (case, order, b), rs in groups.items():
+for (dataset, case, order, b), rs in groups.items():
     first = med([r["epoch_gb_per_s_in"][0] for r in rs])
     later = [med(r["epoch_gb_per_s_in"][1:]) for r in rs if len(r["epoch_gb_per_s_in"]) > 1]
     cores = [r["daemon_cpu_s_stream"] / r["stream_seconds"] for r in rs if r.get("daemon_cpu_s_stream") is not None]
-    firsts[(case, order, b)] = (first, med(later) if later else float("nan"))
-    print(f"| {case} | {order} | {b} | {len(rs)} | {first:.2f} | {med(later) if later else float('nan'):.2f} | {med(cores) if cores else float('nan'):.2f} |")
+    firsts[(dataset, case, order, b)] = (first, med(later) if later else float("nan"))
+    print(f"| {dataset}: {case} | {order} | {b} | {len(rs)} | {first:.2f} | {med(later) if later else float('nan'):.2f} | {med(cores) if cores else float('nan'):.2f} |")
 two = {}
 for r in rows:
     if r.get("case") == "tier-2proc" and "error" not in r:
@@ -234,20 +308,33 @@ for (order, b), rates in sorted(peer.items()):
 print()
 print("targets:")
 for order in ("none", "window", "full"):
-    tier = firsts.get(("tier", order, 4096))
-    base = firsts.get(("no-tier", order, 4096))
+    tier = firsts.get(("emb", "tier", order, 4096))
+    base = firsts.get(("emb", "no-tier", order, 4096))
     p = peer.get(("full" if order != "none" else "none", 4096))
     if tier and base:
         print(f"  {order}: later epochs {tier[1]:.1f} GB/s (target >= 300)"
               + (f", {tier[1] / med(p):.2f}x the in-process peer (target >= 0.8)" if p else "")
               + f"; first epoch {tier[0] / base[0]:.2f}x without the tier (target >= 0.95)")
-one = firsts.get(("tier", "full", 4096))
+one = firsts.get(("emb", "tier", "full", 4096))
 if aggregates and one:
     print(f"  two processes: aggregate {med(aggregates):.1f} GB/s = {med(aggregates) / one[1]:.2f}x one consumer (target >= 1.6)")
-b1024 = firsts.get(("tier-b1024", "full", 1024))
+b1024 = firsts.get(("emb", "tier-b1024", "full", 1024))
 if b1024:
     print(f"  batch 1024, full: {b1024[1]:.1f} GB/s (target >= 150)")
-print("  not run: an LZ4 token dataset in the tier (the tier holds datasets whose streamed fields are stored raw)")
+for ds in ("tok", "emblz4"):
+    before = firsts.get((ds, "lz4-no-tier", "none", 4096))
+    tiers = {o: firsts.get((ds, "lz4-tier", o, 4096)) for o in ("none", "window", "full")}
+    if not tiers["none"]:
+        continue
+    unit = "GB/s of int32 tokens (decoded)" if ds == "tok" else "GB/s of fp16 in (decoded)"
+    print(f"  {ds}, {unit}: later epochs " + " / ".join(f"{o} {t[1]:.1f}" for o, t in tiers.items() if t)
+          + " (target >= 300); first epoch (decoding into the tier) "
+          + " / ".join(f"{o} {t[0]:.1f}" for o, t in tiers.items() if t)
+          + (f"; without the tier, in order: {before[0]:.1f}" if before else ""))
+    raw = firsts.get(("emb", "raw-tier", "none", 4096))
+    if ds == "emblz4" and raw:
+        print(f"  emblz4 against the same data raw in the tier, in order: first epoch {tiers['none'][0] / raw[0]:.2f}x,"
+              f" later epochs {tiers['none'][1] / raw[1]:.2f}x (target >= 0.95)")
 for r in rows:
     if "error" in r:
         print(f"FAILED: {r.get('loader')} {r.get('case', '')} {r.get('order', '')} run {r.get('run', '')}: {str(r['error'])[:160]}")

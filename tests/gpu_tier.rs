@@ -343,3 +343,120 @@ fn eviction_budget_and_sharing() {
     )
     .assert_error(404, "not_found");
 }
+
+/// A dataset whose fields are stored LZ4 (byte-shuffled int32 tokens, fp16 embeddings) is decoded
+/// once into the tier by its first stream and then read from there by every stream, in every
+/// order: bit-exact against the CPU backend, a corrupt token block zeroed like the CPU backend
+/// zeroes it (policy `replace`) or ending the stream naming its shard (`fail`); the tier holds the
+/// decoded bytes once (one admission, every later stream a hit).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn lz4_datasets_are_decoded_once_into_the_tier() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("lz");
+    let emb = gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, 31);
+    let tok = common::i32_bytes((SAMPLES * TOK_LEN) as usize, |i| ((i * 7) % 1013) as i32);
+    let fields = vec![
+        common::field("emb", DType::F16, &[EMB_DIM], emb),
+        common::field("tok", DType::I32, &[TOK_LEN], tok),
+    ];
+    let mut options = common::options("lz", 64 << 10, Some(1000));
+    options.codec = gpufeed::pack::CodecChoice::Lz4;
+    options.shuffle = gpufeed::pack::ShuffleChoice::On;
+    common::pack_fields(&dir, &fields, &options);
+    // A flipped byte in the middle of a compressed token block of shard 3.
+    let dataset = Dataset::open(&dir).unwrap();
+    let shard = &dataset.shards[3];
+    let tok_block = shard
+        .metadata
+        .field_blocks(dataset.field_index("tok").unwrap())[1];
+    assert_eq!(tok_block.codec, gpufeed::format::Codec::Lz4);
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(tok_block.stored_offset + tok_block.stored_bytes as u64 / 2) as usize] ^= 0x5A;
+    std::fs::write(&shard.path, bytes).unwrap();
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&dir, &cpu_root.join("lz"));
+    let cpu = start_cpu(&cpu_root);
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    let gpu = start_gpu(root.path(), &["--device-cache", "64M"]);
+    let args = |shuffle: &'static str| {
+        vec![
+            "--batch-size",
+            "96",
+            "--field",
+            "tok",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--on-corrupt",
+            "replace",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "5",
+        ]
+    };
+    let mut streams = 0;
+    for shuffle in ["none", "window", "full"] {
+        let expected = cpu_dump(&cpu, &dumps, "lz", shuffle, &args(shuffle));
+        assert!(!expected.is_empty());
+        for stream in ["first", "second"] {
+            let path = dumps.join(format!("lz-{shuffle}-{stream}-gpu.npy"));
+            finish(consume(&gpu.socket, "lz", "cuda:0", &args(shuffle), &path));
+            streams += 1;
+            assert!(
+                npy_payload(&path) == expected,
+                "{shuffle}, {stream} stream: the decoded tier's batches differ from the CPU backend's"
+            );
+            wait_for_no_streams(&gpu.socket);
+        }
+    }
+    let view = tier(gpu.address());
+    assert_eq!(view["admissions"], 1, "{view}");
+    assert_eq!(view["hits"], streams - 1, "{view}");
+    assert_eq!(view["datasets"][0]["name"], "lz", "{view}");
+    assert_eq!(view["datasets"][0]["decoded"], true, "{view}");
+    assert_eq!(view["datasets"][0]["state"], "resident", "{view}");
+    let decoded: u64 = dataset
+        .manifest
+        .shards
+        .iter()
+        .map(|s| s.sample_count)
+        .sum::<u64>()
+        * (EMB_DIM * 2 + TOK_LEN * 4);
+    let held = view["held_bytes"].as_u64().unwrap();
+    assert!(
+        held >= decoded && held < decoded + (1 << 20),
+        "the tier holds {held} bytes for {decoded} decoded: {view}"
+    );
+    let log = gpu.log();
+    assert!(
+        log.contains("into") && log.contains("of the device-memory tier in"),
+        "{log}"
+    );
+    assert!(log.contains("MiB, decoded,"), "{log}");
+
+    // With `fail`, the stream ends with an error naming the shard.
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args([
+            "--dataset",
+            "lz",
+            "--device",
+            "cuda:0",
+            "--batch-size",
+            "100",
+        ])
+        .args(["--field", "tok", "--on-corrupt", "fail"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success(), "a corrupt block with policy fail");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
+}

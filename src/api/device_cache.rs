@@ -19,8 +19,12 @@ pub struct DeviceCacheDataset {
     /// The registered name of the dataset, or its directory when no dataset of the registry lives
     /// there any more.
     pub name: String,
-    /// Device bytes it holds (its shard files, as stored).
+    /// Device bytes it holds: its shard files as stored, or, for a dataset with compressed
+    /// blocks, every field decoded (`decoded`).
     pub bytes: u64,
+    /// Whether its compressed blocks are held decoded (decoded once, when it was admitted).
+    #[serde(default)]
+    pub decoded: bool,
     /// `resident` (whole in device memory), `filling` (its first stream is copying it), `retiring`
     /// (evicted; freed when the streams reading it close) or `pinned` (pinned, not read yet).
     pub state: String,
@@ -82,6 +86,7 @@ fn view(control: &Control, tier: &DeviceTier) -> DeviceCacheView {
                     .find(|(_, dir)| *dir == d.dir)
                     .map_or_else(|| d.dir.display().to_string(), |(name, _)| name.clone()),
                 bytes: d.bytes,
+                decoded: d.decoded,
                 state: d.state.to_string(),
                 pinned: d.pinned,
                 streams: d.streams,

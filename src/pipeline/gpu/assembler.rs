@@ -68,6 +68,50 @@ fn batch_group_limits(
     (group_batches_max, group_pieces_max)
 }
 
+/// The resident view of a stream, if it has one: a dataset with compressed blocks is read decoded
+/// from the device's memory tier when the tier holds it or has room for it; a raw one as
+/// `Resident::open` decides. `None`: the stream stages its blocks.
+#[allow(clippy::too_many_arguments)]
+fn open_resident(
+    plan: &StreamPlan,
+    files: &FileTable,
+    reader: &mut GpuReader,
+    choice: PathChoice,
+    kernels: &Kernels,
+    limits: &GpuStreamLimits,
+    device: &crate::device::Device,
+    metrics: &DeviceMetrics,
+    shard_pool: &Arc<ShardSlotPool>,
+    tier: &Arc<super::tier::DeviceTier>,
+) -> Result<Option<Resident>, FillError> {
+    let decoded = Resident::open_decoded(
+        plan,
+        files,
+        reader,
+        choice,
+        &kernels.lz4,
+        limits,
+        device,
+        metrics,
+        shard_pool,
+        tier,
+    )?;
+    if decoded.is_some() {
+        return Ok(decoded);
+    }
+    Resident::open(
+        plan,
+        files,
+        reader.windows(),
+        limits,
+        reader.resident_fraction_min(),
+        device,
+        metrics,
+        shard_pool,
+        tier,
+    )
+}
+
 /// Fills device slots: reads, verifies and decodes blocks on the device and gathers each batch.
 // One per stream, which its filler keeps boxed: the variants' sizes cost nothing.
 #[allow(clippy::large_enum_variant)]
@@ -113,12 +157,14 @@ impl GpuAssembler {
         let scratch_offset = cache_entries as u64 * raw_max;
         let stream = Stream::new(&device)?;
         let opened_s = started.elapsed().as_secs_f64();
-        let resident = Resident::open(
+        let mut reader = reader;
+        let resident = open_resident(
             &plan,
             &files,
-            reader.windows(),
+            &mut reader,
+            choice,
+            &kernels,
             limits,
-            reader.resident_fraction_min(),
             &device,
             &metrics,
             shard_pool,

@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::format::FileIdentity;
 use crate::metrics::{DeviceTierFigures, Metrics};
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock};
 
 /// Most datasets one device's tier holds at once (resident, filling or retiring): a bound on its
 /// bookkeeping, far above what a device's memory holds in practice.
@@ -47,6 +48,9 @@ pub struct TierKey {
     pub dir: PathBuf,
     /// The manifest file as it was when the dataset was opened.
     pub identity: FileIdentity,
+    /// Whether the tier holds the dataset decoded (its compressed blocks decoded once, see
+    /// `resident::tier_fill`) rather than its shard files as stored.
+    pub decoded: bool,
 }
 
 /// What the tier's bookkeeping needs of an entry (a trait, so that the policy is tested without a
@@ -65,6 +69,8 @@ pub trait TierEntry: Send + Sync + 'static {
 pub struct TierDatasetReport {
     /// The dataset directory.
     pub dir: PathBuf,
+    /// Whether it is held decoded (compressed blocks decoded once) or as stored.
+    pub decoded: bool,
     /// Device bytes it holds.
     pub bytes: u64,
     /// `resident` (every window copied), `filling`, or `retiring` (evicted, freed when the streams
@@ -194,7 +200,10 @@ impl<E: TierEntry> TierBook<E> {
         state.retiring.retain(|w| w.strong_count() > 0);
         // The same directory under another manifest identity: re-packed, the old copy goes.
         let stale: Vec<usize> = (0..state.entries.len())
-            .filter(|&i| state.entries[i].key().dir == key.dir && state.entries[i].key() != key)
+            .filter(|&i| {
+                let other = state.entries[i].key();
+                other.dir == key.dir && other.identity != key.identity
+            })
             .collect();
         for index in stale.into_iter().rev() {
             let entry = state.entries.remove(index);
@@ -236,6 +245,16 @@ impl<E: TierEntry> TierBook<E> {
         state.entries.push(Arc::clone(&entry));
         self.admissions.fetch_add(1, Ordering::Relaxed);
         Ok(Acquired::Admitted(entry))
+    }
+
+    /// Takes the dataset `key` out of the tier (a fill that failed): freed when no stream holds it.
+    pub fn discard(&self, key: &TierKey) {
+        let mut state = self.lock();
+        while let Some(at) = state.entries.iter().position(|e| e.key() == key) {
+            let entry = state.entries.remove(at);
+            self.retire(&mut state, entry);
+        }
+        state.retiring.retain(|w| w.strong_count() > 0);
     }
 
     /// Takes `entry` out of the tier: freed now if no stream holds it, else when the last one
@@ -293,6 +312,7 @@ impl<E: TierEntry> TierBook<E> {
             .iter()
             .map(|e| TierDatasetReport {
                 dir: e.key().dir.clone(),
+                decoded: e.key().decoded,
                 bytes: e.bytes(),
                 state: if e.is_complete() {
                     "resident"
@@ -307,6 +327,7 @@ impl<E: TierEntry> TierBook<E> {
         datasets.extend(state.retiring.iter().filter_map(Weak::upgrade).map(|e| {
             TierDatasetReport {
                 dir: e.key().dir.clone(),
+                decoded: e.key().decoded,
                 bytes: e.bytes(),
                 state: "retiring",
                 pinned: false,
@@ -319,6 +340,7 @@ impl<E: TierEntry> TierBook<E> {
             if !datasets.iter().any(|d| d.dir == *dir) {
                 datasets.push(TierDatasetReport {
                     dir: dir.clone(),
+                    decoded: false,
                     bytes: 0,
                     state: "pinned",
                     pinned: true,
@@ -378,6 +400,9 @@ pub struct TierDataset {
     complete: AtomicBool,
     /// A copy could not be confirmed done: rounds must not read the tier any more.
     failed: AtomicBool,
+    /// Blocks of a decoded dataset that did not decode (their checksum matched): every stream of
+    /// the dataset treats them as corrupt.
+    undecodable: Mutex<Vec<(BlockKey, Arc<CorruptBlock>)>>,
 }
 
 impl TierEntry for TierDataset {
@@ -433,6 +458,7 @@ impl TierDataset {
             queueing: Mutex::new(()),
             complete: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            undecodable: Mutex::new(Vec::new()),
         }))
     }
 
@@ -508,6 +534,48 @@ impl TierDataset {
             queued += 1;
         }
         Ok(queued)
+    }
+
+    /// Held by the stream that fills a decoded dataset, for the whole fill: another stream of the
+    /// dataset that opens meanwhile takes it, and so waits for the fill to end.
+    pub fn fill_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.queueing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The dataset's allocation, for a fill that writes it whole (see `resident::tier_fill`).
+    pub(in crate::pipeline::gpu) fn fill_target(&self) -> &DeviceBuffer {
+        &self.buffer
+    }
+
+    /// The stream the dataset's fill is queued on (its drop waits for it).
+    pub(in crate::pipeline::gpu) fn copy_stream(&self) -> &Stream {
+        &self.copy_stream
+    }
+
+    /// Records a whole fill as done (the filler synchronised every copy and decode of it first),
+    /// with the blocks that did not decode, or as failed (`ok` false: never read from the tier).
+    pub(in crate::pipeline::gpu) fn finish_fill(
+        &self,
+        ok: bool,
+        undecodable: Vec<(BlockKey, Arc<CorruptBlock>)>,
+    ) {
+        if !ok {
+            self.failed.store(true, Ordering::Release);
+            return;
+        }
+        *self.undecodable.lock().unwrap_or_else(|e| e.into_inner()) = undecodable;
+        for window in &self.windows {
+            window.state.store(WINDOW_COMPLETE, Ordering::Release);
+        }
+        self.complete.store(true, Ordering::Release);
+    }
+
+    /// Blocks of a decoded dataset whose checksum matched but which did not decode.
+    pub(crate) fn undecodable(&self) -> Vec<(BlockKey, Arc<CorruptBlock>)> {
+        self.undecodable
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Whether rounds may read window `window` without waiting: its copy completed.
@@ -641,6 +709,12 @@ impl DeviceTier {
         result
     }
 
+    /// See [`TierBook::discard`].
+    pub fn discard(&self, key: &TierKey) {
+        self.book.discard(key);
+        self.publish();
+    }
+
     /// See [`TierBook::evict`].
     pub fn evict(&self, dir: &Path) -> Result<(), TierError> {
         let result = self.book.evict(dir);
@@ -689,6 +763,7 @@ mod tests {
         TierKey {
             dir: PathBuf::from(dir),
             identity: FileIdentity::for_tests(inode),
+            decoded: false,
         }
     }
 

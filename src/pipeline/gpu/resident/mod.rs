@@ -14,4 +14,5 @@ pub(in crate::pipeline::gpu) mod open;
 mod planner;
 mod row_copies;
 mod shard_loader;
+pub(in crate::pipeline::gpu) mod tier_fill;
 mod tier_read;

@@ -23,10 +23,11 @@ use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
     row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
 };
+use super::tier_fill::{fill_decoded, DecodedLayout};
 use super::tier_read::{TierRead, WaitForCopies};
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
-use crate::kernels::GatherRegion;
+use crate::kernels::{GatherRegion, Lz4Decoder};
 use crate::pipeline::gpu::engine::buffers::REGIONS_MAX;
 use crate::pipeline::gpu::limits::{
     GpuStreamLimits, ZeroCopy, ROUNDS_IN_FLIGHT_MAX, ROUNDS_IN_FLIGHT_MIN,
@@ -35,6 +36,7 @@ use crate::pipeline::gpu::shard_pool::{KeptBuffer, ShardSlotPool};
 use crate::pipeline::gpu::tier::{Acquired, DeviceTier, TierDataset, TierEntry, TierKey};
 use crate::pipeline::order::ShuffleKind;
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, StreamPlan};
+use crate::storage::gpu::{GpuReader, PathChoice};
 use crate::storage::mapped::MappedFile;
 use crate::storage::windows::{PageCacheWindows, WindowId};
 use crate::storage::{FileId, FileTable};
@@ -142,6 +144,7 @@ impl Resident {
             let key = TierKey {
                 dir: plan.dataset.dir.clone(),
                 identity: plan.dataset.manifest_identity,
+                decoded: false,
             };
             match tier.acquire(key, &file_bytes, windows.window_bytes())? {
                 Acquired::Found(dataset) | Acquired::Admitted(dataset) => {
@@ -157,6 +160,7 @@ impl Resident {
                             shard_pool,
                             dataset,
                             tier,
+                            None,
                         )
                         .map(Some);
                     }
@@ -610,6 +614,90 @@ impl Resident {
         }))
     }
 
+    /// A stream over a dataset with compressed blocks, read whole from the device's memory tier,
+    /// which holds the dataset decoded or admits it now: then this stream decodes it there first,
+    /// and streams of the dataset opening meanwhile wait for it (see `tier_fill`). `None` when the
+    /// tier is off or has no room, or the fill failed: the stream stages its blocks, as without
+    /// the tier.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::pipeline::gpu) fn open_decoded(
+        plan: &StreamPlan,
+        files: &FileTable,
+        reader: &mut GpuReader,
+        choice: PathChoice,
+        lz4: &Lz4Decoder,
+        limits: &GpuStreamLimits,
+        device: &crate::device::Device,
+        metrics: &crate::metrics::DeviceMetrics,
+        shard_pool: &Arc<ShardSlotPool>,
+        tier: &Arc<DeviceTier>,
+    ) -> Result<Option<Resident>, FillError> {
+        if !tier.is_enabled() || fields_all_raw(plan) {
+            return Ok(None);
+        }
+        let layout = Arc::new(DecodedLayout::of(&plan.dataset));
+        let key = TierKey {
+            dir: plan.dataset.dir.clone(),
+            identity: plan.dataset.manifest_identity,
+            decoded: true,
+        };
+        let windows = Arc::clone(reader.windows());
+        let dataset =
+            match tier.acquire(key.clone(), &layout.shard_bytes, windows.window_bytes())? {
+                Acquired::Found(dataset) | Acquired::Admitted(dataset) => dataset,
+                Acquired::None => return Ok(None),
+            };
+        {
+            let _fill = dataset.fill_lock();
+            if !dataset.is_complete() && dataset.usable() {
+                let started = std::time::Instant::now();
+                match fill_decoded(plan, files, &layout, &dataset, reader, choice, lz4, device) {
+                    Ok(summary) => {
+                        let seconds = started.elapsed().as_secs_f64();
+                        tracing::info!(
+                            "decoded {} MiB of stored blocks ({} LZ4 blocks, {} not decodable) \
+                             into {} MiB of the device-memory tier in {:.3} s ({:.1} GB/s decoded)",
+                            summary.stored_bytes >> 20,
+                            summary.lz4_blocks,
+                            summary.undecodable.len(),
+                            dataset.bytes() >> 20,
+                            seconds,
+                            dataset.bytes() as f64 / seconds.max(1e-9) / 1e9
+                        );
+                        dataset.finish_fill(true, summary.undecodable);
+                    }
+                    Err(error) => {
+                        dataset.finish_fill(false, Vec::new());
+                        tier.discard(&key);
+                        tracing::warn!(
+                            "decoding {} into the device-memory tier failed ({error}); the stream \
+                             reads without the tier",
+                            plan.dataset.dir.display()
+                        );
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+        if !(dataset.is_complete() && dataset.usable()) {
+            return Ok(None);
+        }
+        Self::open_in_tier(
+            plan,
+            files,
+            &windows,
+            limits,
+            device,
+            metrics,
+            &layout.shard_bytes.clone(),
+            shard_pool,
+            dataset,
+            tier,
+            Some(Arc::clone(&layout)),
+        )
+        .map(Some)
+    }
+
     /// [`Self::open`] for a dataset whole in the device's memory tier: every region of the table
     /// points into the tier, no window is registered for the stream, and the table is uploaded
     /// once. Blocks are verified as without the tier (once per dataset).
@@ -625,6 +713,7 @@ impl Resident {
         shard_pool: &Arc<ShardSlotPool>,
         dataset: Arc<TierDataset>,
         tier: &Arc<DeviceTier>,
+        decoded: Option<Arc<DecodedLayout>>,
     ) -> Result<Resident, FillError> {
         let window_bytes = windows.window_bytes();
         let mut table: Vec<GatherRegion> = Vec::with_capacity(dataset.window_count());
@@ -646,16 +735,35 @@ impl Resident {
             dataset.window_count(),
             "the tier cut the same windows"
         );
-        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        let (mut corrupt, verified_bytes) = verify_blocks(plan, files)?;
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        // Blocks that did not decode into the tier are corrupt for every stream (a checksum
+        // mismatch found above says more, and is kept).
+        for (key, bad) in dataset.undecodable() {
+            corrupt.entry(key).or_insert(bad);
+        }
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         tracing::info!(
-            "stream reads {} shards from the device-memory tier ({} MiB, {} corrupt blocks)",
+            "stream reads {} shards from the device-memory tier ({} MiB{}, {} corrupt blocks)",
             plan.dataset.shards.len(),
             dataset.bytes() >> 20,
+            if decoded.is_some() { ", decoded" } else { "" },
             corrupt.len()
         );
         let table_len = table.len();
+        let geometry = RowGeometry::new(
+            plan,
+            first_region,
+            shard_first_samples(plan),
+            table_len,
+            window_bytes,
+            corrupt,
+            limits.gather_piece_out_bytes,
+        );
+        let geometry = match decoded {
+            Some(layout) => geometry.with_decoded(plan, layout),
+            None => geometry,
+        };
         Ok(Resident {
             regions,
             region_count: table_len as u32,
@@ -667,15 +775,7 @@ impl Resident {
             windows: PinnedWindows::new(windows),
             planner: None,
             row_copies: None,
-            geometry: Arc::new(RowGeometry::new(
-                plan,
-                first_region,
-                shard_first_samples(plan),
-                table_len,
-                window_bytes,
-                corrupt,
-                limits.gather_piece_out_bytes,
-            )),
+            geometry: Arc::new(geometry),
         })
     }
 
@@ -732,8 +832,17 @@ unsafe fn fill_tier(
         .flat_map(|s| s.windows.iter().map(|&(host_addr, _)| host_addr))
         .collect();
     let fill_order = tier_fill_order(plan, shard_windows, shard_first_samples);
-    // SAFETY: the caller keeps the sources pinned until the `TierRead` waited for the copies.
-    let queued = unsafe { dataset.queue_fill(&sources, fill_order.iter().copied()) }?;
+    // SAFETY: the caller keeps the sources pinned until the `TierRead` waited for the copies (or,
+    // when queueing fails half-way, until the copies queued are waited for here).
+    let queued = match unsafe { dataset.queue_fill(&sources, fill_order.iter().copied()) } {
+        Ok(queued) => queued,
+        Err(error) => {
+            // Copies queued before the failure read the windows, which are unpinned once this
+            // returns: wait for them (a failed wait marks the dataset unusable).
+            let _ = dataset.synchronize();
+            return Err(error.into());
+        }
+    };
     tracing::info!(
         "stream fills the device-memory tier with {} MiB of the dataset ({queued} of {} windows \
          queued by it)",

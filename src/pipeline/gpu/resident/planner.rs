@@ -7,6 +7,7 @@ use std::sync::Arc;
 use foldhash::HashMap;
 
 use super::row_copies::{staging_place, RowCopy};
+use super::tier_fill::DecodedLayout;
 use crate::format::Codec;
 use crate::kernels::{GatherOp, GatherPlan, GatherRegion, GATHER_SOURCES_MAX};
 use crate::pipeline::gpu::limits::PLAN_THREADS_MAX;
@@ -215,6 +216,9 @@ pub(super) struct RowGeometry {
     /// A full shuffle beyond the registration budget: the regions whose rows are copied by host
     /// threads into the round's staging (see `row_copies`).
     row_staging: Option<RowStaging>,
+    /// A dataset decoded in the device's memory tier: where its blocks lie there (instead of
+    /// their stored offsets in the shard files).
+    decoded: Option<Arc<DecodedLayout>>,
 }
 
 /// Which rows of a stream are copied into a round's staging, and where it is (see `row_copies`).
@@ -271,6 +275,7 @@ impl RowGeometry {
             corrupt,
             gather_piece_out_bytes,
             row_staging: None,
+            decoded: None,
             linear: plan
                 .dataset
                 .shards
@@ -283,6 +288,24 @@ impl RowGeometry {
                 })
                 .collect(),
         }
+    }
+
+    /// The same geometry over the dataset decoded in the device's memory tier as `layout` says.
+    pub(super) fn with_decoded(
+        mut self,
+        plan: &StreamPlan,
+        layout: Arc<DecodedLayout>,
+    ) -> RowGeometry {
+        self.linear = (0..plan.dataset.shards.len())
+            .map(|shard| {
+                plan.fields
+                    .iter()
+                    .map(|f| layout.linear(&plan.dataset, shard, f.field_index))
+                    .collect()
+            })
+            .collect();
+        self.decoded = Some(layout);
+        self
     }
 
     /// The region of a round's staging, when rows are copied into it (see [`RowStaging`]).
@@ -574,8 +597,11 @@ fn row_pieces(
             let entry = &blocks[block as usize];
             let from = start.max(entry.raw_offset) - entry.raw_offset;
             let to = end.min(entry.raw_offset + entry.raw_bytes as u64) - entry.raw_offset;
-            // Raw blocks store the raw bytes.
-            let (at, stop) = (entry.stored_offset + from, entry.stored_offset + to);
+            // Raw blocks store the raw bytes; a decoded dataset has them where its layout says.
+            let base = resident.decoded.as_ref().map_or(entry.stored_offset, |d| {
+                d.block_offset(shard, field.field_index, block)
+            });
+            let (at, stop) = (base + from, base + to);
             out_at = push_in_place(
                 gather,
                 resident,
