@@ -16,7 +16,11 @@
 //! process, finds it complete when it opens: its region table points every window at the tier, no
 //! window is registered for it, and the same gather kernel reads HBM.
 //!
-//! What is kept is the shard files' bytes, as stored (fp16 stays fp16): blocks are verified once
+//! A dataset with compressed blocks is kept decoded instead (`resident::tier_fill`): the stream
+//! that admits it decodes it whole into its allocation before its first batch, and streams of the
+//! dataset that open meanwhile wait for that; its tier key says it is decoded.
+//!
+//! What is kept of a raw dataset is the shard files' bytes, as stored (fp16 stays fp16): blocks are verified once
 //! per dataset when the first stream opens (as without the tier), and the copies are of the same
 //! page-cache bytes. A dataset is keyed by its directory and its manifest's identity: re-packed in
 //! place, it is another dataset, and the old copy is evicted.

@@ -32,7 +32,8 @@ use crate::storage::{Extent, FileId, FileTable, IO_ALIGN_BYTES};
 
 /// Most stored bytes one chunk of a fill reads, and most decoded bytes it writes. Two chunks are
 /// in flight, each with its stored bytes, its decoded bytes and the decoder's shuffle scratch:
-/// a fill holds up to four times this in device memory besides the tier, for its duration.
+/// a fill holds up to six times this (768 MiB) in device memory besides the tier, for its
+/// duration.
 pub(in crate::pipeline::gpu) const FILL_CHUNK_BYTES: u64 = 128 << 20;
 
 /// Alignment of each block's decoded bytes in the tier.
