@@ -478,3 +478,173 @@ gf_gather_convert_inline_large(const __grid_constant__ GatherInlinePieces<GF_GAT
                                u8* __restrict__ dst, u64 dst_capacity, GatherOutcome* __restrict__ outcome) {
     gather_inline(table, dst, dst_capacity, outcome);
 }
+
+// ----- The ordered gather: rows in an epoch's order computed on the device -----
+//
+// Each row's sample is computed from its position in the epoch's order as `pipeline::order` defines
+// it (dataset order, a keyed Feistel permutation of every sample, or windows of shards each with
+// its own permutation), its shard by a binary search of the shards' first samples, and its address
+// as its field's base in that shard plus the sample's index times the field's stored bytes: every
+// field lies back to back in device memory (a dataset whole in the device-memory tier). The host
+// passes a launch's first position, batches and rows; nothing per row crosses PCIe.
+
+struct OrderedField {
+    u64 out_offset;        // the field's offset within a slot
+    u64 out_sample_bytes;  // a sample's converted bytes
+    u64 in_sample_bytes;   // a sample's stored bytes
+    u32 op;
+    u32 elements;          // elements per sample (bytes for GF_OP_COPY)
+    float scale;
+    u32 pad;
+};
+
+struct OrderedWindow {
+    u64 start;
+    u64 len;
+    u64 keys[6];
+    u32 half_bits;
+    u32 member_first;
+    u32 member_count;
+    u32 pad;
+};
+
+struct OrderedMember {
+    u64 first_sample;
+    u64 count;
+    u64 offset;
+};
+
+struct OrderedParams {
+    u64 tables;        // device address of the stream's tables
+    u64 src_base;      // every source extent lies in [src_base, src_base + src_bytes)
+    u64 src_bytes;
+    u64 sample_count;
+    u64 pos_base;      // the position of the launch's first batch's first row (before wrapping)
+    u64 step_samples;  // positions from one batch of the launch to the next
+    u64 slot_stride;   // bytes from one batch's slot to the next
+    u64 keys[6];       // the full shuffle's permutation
+    u32 half_bits;
+    u32 mode;          // 0 dataset order, 1 full shuffle, 2 windows
+    u32 batch_rows;
+    u32 batches;
+    u32 shard_count;
+    u32 field_count;
+    u32 window_count;
+    u32 off_fields;    // byte offsets of the tables after the shards' first samples
+    u32 off_bases;
+    u32 off_windows;
+    u32 off_members;
+    u32 pad;
+};
+
+__device__ __forceinline__ u64 ordered_rotl64(u64 x, u32 r) { return (x << r) | (x >> (64u - r)); }
+
+// xxh3-64 of the 8 little-endian bytes of `v` with `seed` (the 4-to-8-byte path, default secret).
+__device__ __forceinline__ u64 ordered_xxh3_u64(u64 v, u64 seed) {
+    seed ^= (u64)__byte_perm((u32)seed, 0u, 0x0123u) << 32;
+    const u64 flip = (0x1cad21f72c81017cull ^ 0xdb979083e96dd4deull) - seed;
+    u64 h = ((v >> 32) + ((v & 0xffffffffull) << 32)) ^ flip;
+    h ^= ordered_rotl64(h, 49) ^ ordered_rotl64(h, 24);
+    h *= 0x9FB21C651E98DF25ull;
+    h ^= (h >> 35) + 8ull;
+    h *= 0x9FB21C651E98DF25ull;
+    h ^= h >> 28;
+    return h;
+}
+
+// `Permutation::apply`: a 6-round Feistel network over the power-of-four domain, cycle-walked to 0..n.
+__device__ u64 ordered_permute(u64 n, u32 half_bits, const u64* keys, u64 i) {
+    if (n <= 1ull) return 0ull;
+    const u64 mask = (1ull << half_bits) - 1ull;
+    u64 value = i;
+    for (;;) {
+        u64 left = value >> half_bits, right = value & mask;
+#pragma unroll
+        for (int r = 0; r < 6; ++r) {
+            const u64 mixed = ordered_xxh3_u64(right, keys[r]) & mask;
+            const u64 next = left ^ mixed;
+            left = right;
+            right = next;
+        }
+        value = (left << half_bits) | right;
+        if (value < n) return value;
+    }
+}
+
+// `EpochOrder::sample_at`.
+__device__ u64 ordered_sample(const OrderedParams& p, const OrderedWindow* __restrict__ windows,
+                              const OrderedMember* __restrict__ members, u64 position) {
+    if (p.mode == 1u) return ordered_permute(p.sample_count, p.half_bits, p.keys, position);
+    if (p.mode != 2u) return position;
+    u32 lo = 0u, hi = p.window_count;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2u;
+        if (windows[mid].start + windows[mid].len <= position) lo = mid + 1u; else hi = mid;
+    }
+    const OrderedWindow& w = windows[lo];
+    const u64 within = ordered_permute(w.len, w.half_bits, w.keys, position - w.start);
+    u32 a = 0u, b = w.member_count;
+    while (a < b) {
+        const u32 mid = (a + b) / 2u;
+        const OrderedMember& m = members[w.member_first + mid];
+        if (m.offset + m.count <= within) a = mid + 1u; else b = mid;
+    }
+    const OrderedMember& m = members[w.member_first + a];
+    return m.first_sample + (within - m.offset);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst, u64 dst_capacity,
+                  GatherOutcome* __restrict__ outcome) {
+    __shared__ u32 row_shard[GF_GATHER_PREFETCH];
+    __shared__ u64 row_local[GF_GATHER_PREFETCH];
+    const u8* tables = reinterpret_cast<const u8*>(p.tables);
+    const u64* __restrict__ shard_first = reinterpret_cast<const u64*>(tables);
+    const OrderedField* __restrict__ fields = reinterpret_cast<const OrderedField*>(tables + p.off_fields);
+    const u64* __restrict__ bases = reinterpret_cast<const u64*>(tables + p.off_bases);
+    const OrderedWindow* __restrict__ windows = reinterpret_cast<const OrderedWindow*>(tables + p.off_windows);
+    const OrderedMember* __restrict__ members = reinterpret_cast<const OrderedMember*>(tables + p.off_members);
+    const u64 total = (u64)p.batch_rows * (u64)p.batches;
+    const u64 mine = blockIdx.x < total ? (total - blockIdx.x - 1ull) / gridDim.x + 1ull : 0ull;
+    for (u64 first = 0; first < mine; first += GF_GATHER_PREFETCH) {
+        const u32 chunk = mine - first < GF_GATHER_PREFETCH ? (u32)(mine - first) : GF_GATHER_PREFETCH;
+        __syncthreads();  // the previous chunk is done with the shared rows
+        for (u32 k = threadIdx.x; k < chunk; k += blockDim.x) {
+            const u64 r = blockIdx.x + (first + k) * gridDim.x;
+            const u64 batch = r / p.batch_rows, i = r % p.batch_rows;
+            const u64 position = (p.pos_base + batch * p.step_samples + i) % p.sample_count;
+            const u64 sample = ordered_sample(p, windows, members, position);
+            u32 lo = 0u, hi = p.shard_count + 1u;
+            while (lo < hi) {
+                const u32 mid = (lo + hi) / 2u;
+                if (shard_first[mid] <= sample) lo = mid + 1u; else hi = mid;
+            }
+            const u32 shard = lo - 1u;
+            row_shard[k] = shard;
+            row_local[k] = sample - shard_first[shard];
+        }
+        __syncthreads();
+        for (u32 k = 0; k < chunk; ++k) {
+            const u64 r = blockIdx.x + (first + k) * gridDim.x;
+            const u64 batch = r / p.batch_rows, i = r % p.batch_rows;
+            const u32 shard = row_shard[k];
+            const u64 local = row_local[k];
+            for (u32 f = 0; f < p.field_count; ++f) {
+                const OrderedField field = fields[f];
+                const u64 src = bases[(u64)shard * p.field_count + f] + local * field.in_sample_bytes;
+                const u64 out = batch * p.slot_stride + field.out_offset + i * field.out_sample_bytes;
+                const bool fits = shard < p.shard_count && src >= p.src_base &&
+                                  extent_fits(src - p.src_base, field.in_sample_bytes, p.src_bytes) &&
+                                  extent_fits(out, field.out_sample_bytes, dst_capacity);
+                if (!fits) {
+                    if (threadIdx.x == 0) {
+                        atomicAdd(&outcome->faulted_pieces, 1u);
+                        atomicMax(&outcome->last_faulted_plus_1, (u32)r + 1u);
+                    }
+                    continue;
+                }
+                convert_op(field.op, reinterpret_cast<const u8*>(src), dst + out, field.elements, field.scale);
+            }
+        }
+    }
+}

@@ -426,7 +426,7 @@ pub fn resolve_inline(table: &[u8], regions: &[GatherRegion], out: &mut Vec<u8>)
 /// # Safety
 /// `outcome` stays allocated, and nothing else uses it, until the launch after the zeroing has
 /// completed on `stream`.
-unsafe fn prepare_outcome(
+pub(super) unsafe fn prepare_outcome(
     stream: &Stream,
     outcome: &dyn DeviceMemory,
     zeroed: bool,
@@ -475,10 +475,12 @@ struct GatherInlineParam<const N: usize> {
 /// The compiled gather + convert kernel for one device.
 pub struct Gatherer {
     kernel: Kernel,
-    grid_max: u32,
+    pub(super) grid_max: u32,
     /// The launches taking their pieces in their parameters (small, medium, large), where the driver
     /// takes parameters that large.
     inline: Option<[Kernel; 3]>,
+    /// The ordered gather (`super::ordered`), which takes its parameters by value too.
+    pub(super) ordered: Option<Kernel>,
 }
 
 impl Gatherer {
@@ -502,7 +504,8 @@ impl Gatherer {
             .blocks_per_multiprocessor(GATHER_BLOCK_THREADS)?
             .max(1);
         let grid_max = per_sm * device.properties().multiprocessors.max(1);
-        let inline = if device.properties().driver_version >= INLINE_DRIVER_VERSION_MIN {
+        let by_value = device.properties().driver_version >= INLINE_DRIVER_VERSION_MIN;
+        let inline = if by_value {
             Some([
                 module.kernel(device, "gf_gather_convert_inline_small")?,
                 module.kernel(device, "gf_gather_convert_inline_medium")?,
@@ -511,11 +514,17 @@ impl Gatherer {
         } else {
             None
         };
+        let ordered = if by_value {
+            Some(module.kernel(device, "gf_gather_ordered")?)
+        } else {
+            None
+        };
         Ok((
             Gatherer {
                 kernel,
                 grid_max,
                 inline,
+                ordered,
             },
             origin,
         ))
@@ -525,6 +534,11 @@ impl Gatherer {
     /// to 32 KiB: CUDA 12.1 and later).
     pub fn has_inline(&self) -> bool {
         self.inline.is_some()
+    }
+
+    /// Whether [`Self::gather_ordered_async`] can run here (as [`Self::has_inline`]).
+    pub fn has_ordered(&self) -> bool {
+        self.ordered.is_some()
     }
 
     /// Queues the gather of the pieces encoded in `pieces` ([`GatherPiece::encode`], 32 bytes each),

@@ -18,6 +18,7 @@
 mod gather;
 mod launch;
 mod lz4;
+mod ordered;
 #[doc(hidden)]
 pub mod reference;
 mod xxh3;
@@ -32,6 +33,7 @@ pub use lz4::{
     Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, LZ4_JOB_BYTES,
     LZ4_OUTCOME_BYTES, LZ4_SOURCE, SHUFFLE_BYTES_MAX,
 };
+pub use ordered::{xxh3_u64_model, OrderedField, OrderedLaunch, OrderedTables};
 pub use xxh3::{
     ChecksumVerifier, Xxh3Config, Xxh3Job, Xxh3Outcome, Xxh3Status, XXH3_JOB_BYTES,
     XXH3_OUTCOME_BYTES, XXH3_SOURCE,

@@ -126,6 +126,16 @@ impl Permutation {
         }
     }
 
+    /// Bits of each half of the network's domain.
+    pub fn half_bits(&self) -> u32 {
+        self.half_bits
+    }
+
+    /// The round keys of the network.
+    pub fn keys(&self) -> [u64; FEISTEL_ROUNDS] {
+        self.keys
+    }
+
     fn network(&self, value: u64) -> u64 {
         let mask = (1u64 << self.half_bits) - 1;
         let (mut left, mut right) = (value >> self.half_bits, value & mask);
@@ -332,6 +342,35 @@ impl EpochOrder {
                 let (first_sample, _, offset) = window.shards[member];
                 first_sample + (within - offset)
             }
+        }
+    }
+}
+
+/// An epoch's order as plain tables, for evaluating it elsewhere (the GPU's ordered gather,
+/// `kernels::ordered`): what [`EpochOrder::sample_at`] computes, position by position.
+#[derive(Clone, Debug)]
+pub enum OrderTables {
+    /// Dataset order.
+    Identity,
+    /// One permutation of every sample.
+    Full(Permutation),
+    /// Windows: where each starts among the positions, its permutation, and its shards (first
+    /// sample, sample count, offset within the window).
+    Windows(Vec<(u64, Permutation, Vec<(u64, u64, u64)>)>),
+}
+
+impl EpochOrder {
+    /// The order as plain tables (see [`OrderTables`]).
+    pub fn tables(&self) -> OrderTables {
+        match &self.kind {
+            OrderKind::Identity => OrderTables::Identity,
+            OrderKind::Full(permutation) => OrderTables::Full(permutation.clone()),
+            OrderKind::Windows(windows) => OrderTables::Windows(
+                windows
+                    .iter()
+                    .map(|w| (w.start, w.permutation.clone(), w.shards.clone()))
+                    .collect(),
+            ),
         }
     }
 }
