@@ -51,7 +51,8 @@ http=127.0.0.1:7173
 
 start_daemon() {
   rm -f "$socket"
-  "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
+  # shellcheck disable=SC2086  # daemon_env: NAME=VALUE words
+  env ${daemon_env:-} "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
     "$@" >"$work/tier-daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
@@ -163,6 +164,20 @@ tier_bench() {
     done
   done
   echo "tier after the runs: $(tier_view)"
+  # The same with every row planned on the host (GPUFEED_DEVICE_ORDER=off), one run per order:
+  # what computing the order on the device changes.
+  stop_daemon
+  daemon_env=GPUFEED_DEVICE_ORDER=off start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" \
+    || { echo "FAILED: the daemon with host planning did not start"; return 1; }
+  for order in none window full; do
+    consume_line tier-host-order-warmup "$order" 0 "$batch" 3 100 >/dev/null
+    run_one tier-host-order "$order" 1 "$batch" "$epochs" 1
+  done
+  run_one tier-host-order-b1024 full 1 1024 "$epochs" 1
+  stop_daemon
+  start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" \
+    || { echo "FAILED: the daemon with the tier did not start again"; return 1; }
+  consume_line tier-warmup full 0 "$batch" 3 100 >/dev/null
   for run in $(seq 1 "$repeat"); do
     run_one tier-b1024 full "$run" 1024 "$epochs" "$run"
   done

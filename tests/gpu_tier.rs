@@ -207,10 +207,35 @@ fn tier_batches_equal_the_cpu_backend_in_every_order() {
         assert_eq!(view["held_bytes"], bytes, "{view}");
         assert_eq!(view["datasets"][0]["name"], "emb", "{view}");
         assert_eq!(view["datasets"][0]["state"], "resident", "{view}");
+        // Rank 1 of 3 resuming mid-epoch with the tail padded: positions that wrap at the epoch's
+        // end, a cursor and a rank, on the order computed on the device.
+        let mut elastic = emb_args(shuffle);
+        elastic.extend([
+            "--world-size",
+            "3",
+            "--rank",
+            "1",
+            "--resume-cursor",
+            "1234",
+            "--tail",
+            "pad",
+        ]);
+        let expected = cpu_dump(&cpu, &dumps, "emb", &format!("{shuffle}-elastic"), &elastic);
+        let path = dumps.join(format!("emb-{shuffle}-elastic-gpu.npy"));
+        finish(consume(&gpu.socket, "emb", "cuda:0", &elastic, &path));
+        assert!(
+            npy_payload(&path) == expected,
+            "{shuffle}, rank 1 of 3 from cursor 1234: the tier's batches differ from the CPU backend's"
+        );
+        wait_for_no_streams(&gpu.socket);
         let log = gpu.log();
         assert!(log.contains("stream fills the device-memory tier"), "{log}");
         assert!(
             log.contains("stream reads 6 shards from the device-memory tier"),
+            "{log}"
+        );
+        assert!(
+            log.contains("stream computes its order on the device"),
             "{log}"
         );
     }

@@ -33,7 +33,9 @@ pub use lz4::{
     Lz4Config, Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, SequencePath, Unshuffle, LZ4_JOB_BYTES,
     LZ4_OUTCOME_BYTES, LZ4_SOURCE, SHUFFLE_BYTES_MAX,
 };
-pub use ordered::{xxh3_u64_model, OrderedField, OrderedLaunch, OrderedTables};
+pub use ordered::{
+    xxh3_u64_model, FeistelSpec, OrderSpec, OrderedField, OrderedLaunch, OrderedTables, WindowSpec,
+};
 pub use xxh3::{
     ChecksumVerifier, Xxh3Config, Xxh3Job, Xxh3Outcome, Xxh3Status, XXH3_JOB_BYTES,
     XXH3_OUTCOME_BYTES, XXH3_SOURCE,

@@ -8,7 +8,6 @@ use std::ffi::c_void;
 
 use super::gather::{prepare_outcome, GatherOp, Gatherer, GATHER_BLOCK_THREADS};
 use crate::device::{DeviceError, DeviceMemory, Stream};
-use crate::pipeline::order::{OrderTables, Permutation};
 
 /// Bytes of one field entry (`struct OrderedField`).
 const FIELD_BYTES: usize = 40;
@@ -93,6 +92,41 @@ struct OrderedParams {
     pad: u32,
 }
 
+/// A keyed permutation of `0..n` as `pipeline::order` defines it (a Feistel network of six rounds
+/// over halves of `half_bits` bits, cycle-walked).
+#[derive(Clone, Copy, Debug)]
+pub struct FeistelSpec {
+    /// Size of the permuted range.
+    pub n: u64,
+    /// Bits of each half of the network's domain.
+    pub half_bits: u32,
+    /// The round keys.
+    pub keys: [u64; 6],
+}
+
+/// One window of a window shuffle: where it starts among the positions, its permutation, and its
+/// shards (first sample, sample count, offset within the window).
+#[derive(Clone, Debug)]
+pub struct WindowSpec {
+    /// First position.
+    pub start: u64,
+    /// The permutation of its positions.
+    pub permutation: FeistelSpec,
+    /// Its shards.
+    pub shards: Vec<(u64, u64, u64)>,
+}
+
+/// An epoch's order for the ordered gather.
+#[derive(Clone, Debug)]
+pub enum OrderSpec {
+    /// Dataset order.
+    Identity,
+    /// One permutation of every sample.
+    Full(FeistelSpec),
+    /// A window shuffle.
+    Windows(Vec<WindowSpec>),
+}
+
 fn put(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
@@ -134,18 +168,12 @@ fn permute_model(n: u64, half_bits: u32, keys: &[u64; 6], i: u64) -> u64 {
     }
 }
 
-fn push_permutation(out: &mut Vec<u8>, permutation: &Permutation) {
-    for key in permutation.keys() {
-        put(out, key);
-    }
-}
-
 impl OrderedTables {
     /// The tables of an epoch's `order` over shards whose first samples are `shard_first` (and
     /// the sample count after the last), for `fields`, each field of shard `s` starting at device
     /// address `bases[s * fields.len() + f]`.
     pub fn new(
-        order: &OrderTables,
+        order: &OrderSpec,
         shard_first: &[u64],
         fields: &[OrderedField],
         bases: &[u64],
@@ -176,34 +204,39 @@ impl OrderedTables {
         let (mut mode, mut half_bits, mut keys, mut window_count) = (0u32, 0u32, [0u64; 6], 0u32);
         let mut members = Vec::new();
         match order {
-            OrderTables::Identity => {}
-            OrderTables::Full(permutation) => {
+            OrderSpec::Identity => {}
+            OrderSpec::Full(permutation) => {
                 mode = 1;
-                half_bits = permutation.half_bits();
-                keys = permutation.keys();
+                half_bits = permutation.half_bits;
+                keys = permutation.keys;
             }
-            OrderTables::Windows(windows) => {
+            OrderSpec::Windows(windows) => {
                 mode = 2;
                 window_count = windows.len() as u32;
                 let mut member_first = 0u32;
-                for (start, permutation, shards) in windows {
-                    put(&mut bytes, *start);
-                    put(&mut bytes, permutation.len());
-                    push_permutation(&mut bytes, permutation);
-                    bytes.extend_from_slice(&permutation.half_bits().to_le_bytes());
+                for window in windows {
+                    put(&mut bytes, window.start);
+                    put(&mut bytes, window.permutation.n);
+                    for key in window.permutation.keys {
+                        put(&mut bytes, key);
+                    }
+                    bytes.extend_from_slice(&window.permutation.half_bits.to_le_bytes());
                     bytes.extend_from_slice(&member_first.to_le_bytes());
-                    bytes.extend_from_slice(&(shards.len() as u32).to_le_bytes());
+                    bytes.extend_from_slice(&(window.shards.len() as u32).to_le_bytes());
                     bytes.extend_from_slice(&0u32.to_le_bytes());
-                    for &(first_sample, count, offset) in shards {
+                    for &(first_sample, count, offset) in &window.shards {
                         put(&mut members, first_sample);
                         put(&mut members, count);
                         put(&mut members, offset);
                     }
-                    member_first += shards.len() as u32;
+                    member_first += window.shards.len() as u32;
                 }
             }
         }
-        debug_assert_eq!(bytes.len() - off_windows, window_count as usize * WINDOW_BYTES);
+        debug_assert_eq!(
+            bytes.len() - off_windows,
+            window_count as usize * WINDOW_BYTES
+        );
         let off_members = bytes.len();
         bytes.extend_from_slice(&members);
         OrderedTables {
@@ -255,7 +288,8 @@ impl OrderedTables {
                 let (half_bits, member_first, member_count) =
                     (word(w + 64), word(w + 68) as usize, word(w + 72) as usize);
                 let within = permute_model(get(b, w + 8), half_bits, &keys, position - get(b, w));
-                let member = |m: usize| self.off_members as usize + (member_first + m) * MEMBER_BYTES;
+                let member =
+                    |m: usize| self.off_members as usize + (member_first + m) * MEMBER_BYTES;
                 let (mut a, mut z) = (0usize, member_count);
                 while a < z {
                     let mid = (a + z) / 2;
@@ -353,61 +387,20 @@ impl Gatherer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::order::{EpochOrder, ShuffleMode};
 
     #[test]
     fn the_kernels_hash_is_xxh3_of_eight_bytes() {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         for _ in 0..2000 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let seed = x.rotate_left(17) ^ 0x5bd1_e995;
             assert_eq!(
                 xxh3_u64_model(x, seed),
                 xxhash_rust::xxh3::xxh3_64_with_seed(&x.to_le_bytes(), seed),
                 "value {x:#x} seed {seed:#x}"
             );
-        }
-    }
-
-    /// The encoded tables, read as the kernel reads them, give every position the sample and the
-    /// shard `EpochOrder` gives it, in every mode, empty shards included.
-    #[test]
-    fn the_encoded_order_is_the_epochs_order() {
-        for shards in [&[40u64, 25, 60, 33, 50, 12][..], &[40, 0, 25, 0, 0, 60, 33], &[1], &[7, 1]]
-        {
-            let mut firsts = vec![0u64];
-            for count in shards {
-                firsts.push(firsts.last().unwrap() + count);
-            }
-            let modes = [
-                ShuffleMode::None,
-                ShuffleMode::Full,
-                ShuffleMode::Window { shards: 1 },
-                ShuffleMode::Window { shards: 2 },
-                ShuffleMode::Window { shards: 4 },
-            ];
-            for mode in modes {
-                for epoch in [0u64, 3] {
-                    let order = EpochOrder::new(shards, 11, epoch, mode);
-                    let field = OrderedField {
-                        out_offset: 0,
-                        out_sample_bytes: 8,
-                        in_sample_bytes: 4,
-                        op: GatherOp::F16ToF32,
-                    };
-                    let bases = vec![0u64; shards.len()];
-                    let tables = OrderedTables::new(&order.tables(), &firsts, &[field], &bases);
-                    for position in 0..order.len() {
-                        let sample = order.sample_at(position);
-                        let shard = firsts.partition_point(|&s| s <= sample) - 1;
-                        assert_eq!(
-                            tables.sample_model(position),
-                            (sample, shard as u32),
-                            "{mode:?} epoch {epoch} shards {shards:?} position {position}"
-                        );
-                    }
-                }
-            }
         }
     }
 }

@@ -356,8 +356,12 @@ pub enum OrderTables {
     Full(Permutation),
     /// Windows: where each starts among the positions, its permutation, and its shards (first
     /// sample, sample count, offset within the window).
-    Windows(Vec<(u64, Permutation, Vec<(u64, u64, u64)>)>),
+    Windows(Vec<WindowTables>),
 }
+
+/// One window of [`OrderTables::Windows`]: its first position, its permutation and its shards
+/// (first sample, sample count, offset within the window).
+pub type WindowTables = (u64, Permutation, Vec<(u64, u64, u64)>);
 
 impl EpochOrder {
     /// The order as plain tables (see [`OrderTables`]).

@@ -256,7 +256,7 @@ impl GpuAssembler {
                 group_batches_max,
                 group_pieces_max,
                 limits.plan_threads,
-            )),
+            )?),
             None => GpuAssembler::Staged(StagedAssembler {
                 engine,
                 choice,

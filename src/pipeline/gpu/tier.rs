@@ -495,6 +495,11 @@ impl TierDataset {
         self.buffer.device_ptr() + self.windows[window].offset
     }
 
+    /// The dataset's allocation: its device address and length.
+    pub fn extent(&self) -> (u64, u64) {
+        (self.buffer.device_ptr(), self.buffer.len() as u64)
+    }
+
     /// Bytes of window `window`.
     pub fn window_bytes(&self, window: usize) -> u64 {
         self.windows[window].bytes

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::device_shards::DeviceShards;
 use super::group::BatchGroup;
 use super::open::Resident;
+use super::ordered::DeviceOrder;
 use super::planner::{PlannedRows, PlannedStep, Planner};
 use crate::device::{DeviceMemory, DeviceRegion, Event};
 use crate::kernels::{resolve_inline, GatherRegion, GATHER_OUTCOME_BYTES};
@@ -41,6 +42,9 @@ pub struct ResidentAssembler {
     group_pieces_max: usize,
     /// Planning threads (see [`crate::pipeline::gpu::GpuStreamLimits::plan_threads`]).
     plan_threads: usize,
+    /// The order computed on the device, for a stream that qualifies (see `super::ordered`): no
+    /// rows planned on the host.
+    ordered: Option<DeviceOrder>,
 }
 
 impl ResidentAssembler {
@@ -55,8 +59,10 @@ impl ResidentAssembler {
         group_batches_max: usize,
         group_pieces_max: usize,
         plan_threads: usize,
-    ) -> ResidentAssembler {
-        ResidentAssembler {
+    ) -> Result<ResidentAssembler, FillError> {
+        let device = engine.stream.device().clone();
+        let ordered = DeviceOrder::new(&engine.plan, &resident, &engine.kernels.gather, &device)?;
+        Ok(ResidentAssembler {
             engine,
             resident,
             inline_pieces_max,
@@ -65,7 +71,8 @@ impl ResidentAssembler {
             group_batches_max,
             group_pieces_max,
             plan_threads,
-        }
+            ordered,
+        })
     }
 }
 
@@ -233,6 +240,9 @@ impl ResidentAssembler {
         released: &Event,
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
+        if self.ordered.is_some() {
+            return self.submit_ordered(step, slot, released);
+        }
         let planned = self.planned_step(step)?;
         self.engine
             .batches
@@ -552,6 +562,14 @@ impl ResidentAssembler {
         if self.group.as_ref().is_some_and(|g| g.contains(oldest)) {
             self.flush_group()?;
         }
+        if self
+            .ordered
+            .as_ref()
+            .and_then(|o| o.group.as_ref())
+            .is_some_and(|g| g.contains(oldest))
+        {
+            self.flush_ordered()?;
+        }
         self.engine.complete(ready)
     }
 
@@ -559,8 +577,103 @@ impl ResidentAssembler {
     /// it is in no group still waiting to be queued.
     pub(in crate::pipeline::gpu) fn oldest_complete(&self) -> bool {
         self.engine.batches.front().is_some_and(|b| {
-            b.rounds_left == 0 && !self.group.as_ref().is_some_and(|g| g.contains(b.step))
+            b.rounds_left == 0
+                && !self.group.as_ref().is_some_and(|g| g.contains(b.step))
+                && !self
+                    .ordered
+                    .as_ref()
+                    .and_then(|o| o.group.as_ref())
+                    .is_some_and(|g| g.contains(b.step))
         })
+    }
+
+    /// [`Self::submit`] for a stream whose order is computed on the device: the batch joins the
+    /// group of consecutive batches waiting (queued as one launch when full, or first when the
+    /// batch cannot join it).
+    fn submit_ordered(
+        &mut self,
+        step: u64,
+        slot: &DeviceRegion,
+        released: &Event,
+    ) -> Result<(), FillError> {
+        let rows = self.engine.plan.rank.batch_size as usize;
+        self.engine
+            .batches
+            .push_back(PendingBatch::new(step, slot, rows));
+        let (ptr, bytes) = (slot.device_ptr(), slot.len() as u64);
+        let ordered = self.ordered.as_ref().expect("an ordered stream");
+        if ordered.group.is_some() && !ordered.joins(step, ptr, bytes, self.group_batches_max) {
+            self.flush_ordered()?;
+        }
+        // The slot's last use by the consumer, waited for before the batch's first write is queued.
+        self.engine.wait_released(released)?;
+        let ordered = self.ordered.as_mut().expect("an ordered stream");
+        if ordered.add(step, ptr, bytes) >= self.group_batches_max {
+            self.flush_ordered()?;
+        }
+        Ok(())
+    }
+
+    /// Queues the group of batches of an ordered stream waiting, if any, as one round: one launch
+    /// of the ordered gather.
+    fn flush_ordered(&mut self) -> Result<(), FillError> {
+        let Some(group) = self.ordered.as_mut().and_then(|o| o.group.take()) else {
+            return Ok(());
+        };
+        let index = self.next_round_buffers()?;
+        let queued = std::time::Instant::now();
+        let ordered = self.ordered.as_ref().expect("an ordered stream");
+        let launch = ordered.launch(&self.engine.plan, &group);
+        let (tables, device_tables) = ordered.tables();
+        let layout = self.engine.layout;
+        let buffers = &mut self.engine.buffers[index];
+        // The outcome goes straight into the round's pinned buffer (mapped), zeroed here.
+        buffers.host.as_mut_slice()
+            [layout.gather_outcome..layout.gather_outcome + GATHER_OUTCOME_BYTES]
+            .fill(0);
+        let buffers = &self.engine.buffers[index];
+        let mapped_outcome = buffers
+            .host
+            .mapped(layout.gather_outcome, GATHER_OUTCOME_BYTES);
+        // SAFETY: the tables are this stream's, on the device for its life; every row lies in the
+        // tier's allocation of the dataset, which the stream holds (its `TierRead`) until its work
+        // is done; the slots are this filler's (their release events were waited on) and overlap
+        // no source; the outcome belongs to this round.
+        unsafe {
+            self.engine.kernels.gather.gather_ordered_async(
+                &self.engine.stream,
+                device_tables,
+                tables,
+                launch,
+                &group,
+                (&mapped_outcome, true),
+            )
+        }?;
+        self.engine.queue_downloads(index, 0, 0, false)?;
+        let batches = launch.batches as u64;
+        if batches > 1 {
+            self.engine.timings.batches_grouped += batches;
+        }
+        self.engine.timings.gather_s += queued.elapsed().as_secs_f64();
+        self.engine.timings.rounds += 1;
+        self.engine.timings.rounds_from_device_copies += 1;
+        self.count_round(&group.steps, 0);
+        self.engine.rounds.push_back(PendingRound {
+            buffers: index,
+            steps: group.steps.clone(),
+            runs: 0..0,
+            placements: Arc::new(PlacementRuns {
+                runs: Vec::new(),
+                placements: Vec::new(),
+            }),
+            checks: Vec::new(),
+            check_windows: Vec::new(),
+            decoded: Vec::new(),
+            replaced: Vec::new(),
+            corrupt_marks: self.engine.block_cache.corrupt_marks,
+            gathered: true,
+        });
+        Ok(())
     }
 
     /// Device memory this stream holds besides its slots, in bytes.

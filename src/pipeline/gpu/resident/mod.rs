@@ -11,6 +11,7 @@ mod copy_helpers;
 mod device_shards;
 mod group;
 pub(in crate::pipeline::gpu) mod open;
+mod ordered;
 mod planner;
 mod row_copies;
 mod shard_loader;

@@ -308,6 +308,26 @@ impl RowGeometry {
         self
     }
 
+    /// Per shard, per stream field: where the field's bytes start in its shard (the file, or the
+    /// shard's decoded bytes in the tier), when every field of every shard lies back to back, no
+    /// block the stream reads was found corrupt and no row is copied into staging: then a row's
+    /// address is its shard's base plus one multiplication, and the order may be computed on the
+    /// device (`ordered`). `None` otherwise.
+    pub(super) fn linear_bases(&self) -> Option<Vec<Vec<u64>>> {
+        if !self.corrupt.is_empty() || self.row_staging.is_some() {
+            return None;
+        }
+        self.linear
+            .iter()
+            .map(|fields| fields.iter().map(|l| l.map(|(base, _)| base)).collect())
+            .collect()
+    }
+
+    /// The region of shard `shard`'s first window in the stream's table.
+    pub(super) fn first_region(&self, shard: usize) -> usize {
+        self.first_region[shard] as usize
+    }
+
     /// The region of a round's staging, when rows are copied into it (see [`RowStaging`]).
     pub(super) fn staging_region(&self) -> Option<usize> {
         self.row_staging.as_ref().map(|staging| staging.region)

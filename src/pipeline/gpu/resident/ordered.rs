@@ -1,0 +1,256 @@
+//! Streams whose order is computed on the device: a stream reading its dataset whole from the
+//! device-memory tier, whose fields lie back to back in every shard and with no corrupt block,
+//! has no per-row plan at all. Its tables (the epoch's order, the shards' first samples, each
+//! field's base in each shard) go to the device once when it opens, and each round is one launch
+//! of the ordered gather (`kernels::ordered`) for one batch or a group of consecutive ones: the
+//! host computes nothing per row, and the planning threads are never started.
+//!
+//! `GPUFEED_DEVICE_ORDER=off` in the daemon's environment plans every row on the host instead
+//! (for comparisons).
+
+use std::sync::Arc;
+
+use super::open::Resident;
+use super::planner::RowGeometry;
+use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory};
+use crate::kernels::{
+    FeistelSpec, GatherOp, Gatherer, OrderSpec, OrderedField, OrderedLaunch, OrderedTables,
+    WindowSpec,
+};
+use crate::pipeline::order::{OrderTables, Permutation};
+use crate::pipeline::stream_plan::StreamPlan;
+
+fn feistel(permutation: &Permutation) -> FeistelSpec {
+    FeistelSpec {
+        n: permutation.len(),
+        half_bits: permutation.half_bits(),
+        keys: permutation.keys(),
+    }
+}
+
+/// An epoch's order (`EpochOrder::tables`) for the ordered gather.
+fn order_spec(tables: &OrderTables) -> OrderSpec {
+    match tables {
+        OrderTables::Identity => OrderSpec::Identity,
+        OrderTables::Full(permutation) => OrderSpec::Full(feistel(permutation)),
+        OrderTables::Windows(windows) => OrderSpec::Windows(
+            windows
+                .iter()
+                .map(|(start, permutation, shards)| WindowSpec {
+                    start: *start,
+                    permutation: feistel(permutation),
+                    shards: shards.clone(),
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// A stream's order on the device, and the batches waiting to be gathered together.
+pub(in crate::pipeline::gpu) struct DeviceOrder {
+    tables: OrderedTables,
+    /// `tables`' bytes on the device.
+    device_tables: DeviceBuffer,
+    /// The tier's allocation: every row lies in it.
+    src_base: u64,
+    src_bytes: u64,
+    /// Consecutive batches whose slots follow one another, not queued yet.
+    pub(super) group: Option<OrderedGroup>,
+}
+
+/// Consecutive batches (`steps`) whose slots lie back to back from `base` to `end`, `slot_bytes`
+/// each, gathered by one launch.
+pub(super) struct OrderedGroup {
+    pub(super) steps: std::ops::Range<u64>,
+    pub(super) base: u64,
+    pub(super) end: u64,
+    pub(super) slot_bytes: u64,
+}
+
+impl OrderedGroup {
+    /// Whether the group holds step `step`.
+    pub(super) fn contains(&self, step: u64) -> bool {
+        self.steps.contains(&step)
+    }
+}
+
+/// Whether the daemon's environment turned the device order off.
+fn turned_off() -> bool {
+    std::env::var("GPUFEED_DEVICE_ORDER").is_ok_and(|v| v.eq_ignore_ascii_case("off"))
+}
+
+impl DeviceOrder {
+    /// The device order of a stream over `resident`, if it qualifies (see the module
+    /// documentation): `None` otherwise, and the stream plans its rows on the host.
+    pub(in crate::pipeline::gpu) fn new(
+        plan: &StreamPlan,
+        resident: &Resident,
+        gatherer: &Gatherer,
+        device: &Device,
+    ) -> Result<Option<DeviceOrder>, DeviceError> {
+        if turned_off() || !gatherer.has_ordered() || !resident.reads_tier_only() {
+            return Ok(None);
+        }
+        let Some(tier) = resident.tier.as_ref() else {
+            return Ok(None);
+        };
+        let geometry: &Arc<RowGeometry> = &resident.geometry;
+        let Some(linear) = geometry.linear_bases() else {
+            return Ok(None);
+        };
+        let dataset = &tier.dataset;
+        let shard_count = plan.dataset.shards.len();
+        let mut bases = Vec::with_capacity(shard_count * plan.fields.len());
+        for (shard, fields) in linear.iter().enumerate() {
+            let shard_ptr = dataset.window_ptr(geometry.first_region(shard));
+            bases.extend(fields.iter().map(|base| shard_ptr + base));
+        }
+        let mut fields = Vec::with_capacity(plan.fields.len());
+        for field in &plan.fields {
+            let Some(op) = GatherOp::for_dtypes(field.stored, field.out) else {
+                return Ok(None);
+            };
+            fields.push(OrderedField {
+                out_offset: field.offset as u64,
+                out_sample_bytes: field.sample_bytes_out as u64,
+                in_sample_bytes: field.sample_bytes_in as u64,
+                op,
+            });
+        }
+        let mut shard_first: Vec<u64> = Vec::with_capacity(shard_count + 1);
+        let mut next = 0u64;
+        for shard in &plan.dataset.manifest.shards {
+            shard_first.push(next);
+            next += shard.sample_count;
+        }
+        shard_first.push(next);
+        let tables = OrderedTables::new(
+            &order_spec(&plan.order.tables()),
+            &shard_first,
+            &fields,
+            &bases,
+        );
+        let device_tables = DeviceBuffer::from_host(device, tables.bytes())?;
+        let (src_base, src_bytes) = dataset.extent();
+        tracing::info!(
+            "stream computes its order on the device ({} bytes of tables): no rows planned on \
+             the host",
+            tables.bytes().len()
+        );
+        Ok(Some(DeviceOrder {
+            tables,
+            device_tables,
+            src_base,
+            src_bytes,
+            group: None,
+        }))
+    }
+
+    /// Whether step `step` with slot `slot` (`ptr`, `bytes`) joins the group waiting, which holds
+    /// fewer than `batches_max` batches.
+    pub(super) fn joins(&self, step: u64, ptr: u64, bytes: u64, batches_max: usize) -> bool {
+        self.group.as_ref().is_some_and(|g| {
+            g.steps.end == step
+                && g.end == ptr
+                && g.slot_bytes == bytes
+                && ((g.steps.end - g.steps.start) as usize) < batches_max
+        })
+    }
+
+    /// Adds step `step` with slot (`ptr`, `bytes`) to the group waiting (a new one if none); returns
+    /// how many batches it holds.
+    pub(super) fn add(&mut self, step: u64, ptr: u64, bytes: u64) -> usize {
+        let group = self.group.get_or_insert(OrderedGroup {
+            steps: step..step,
+            base: ptr,
+            end: ptr,
+            slot_bytes: bytes,
+        });
+        group.steps.end = step + 1;
+        group.end = ptr + bytes;
+        (group.steps.end - group.steps.start) as usize
+    }
+
+    /// The launch of `group` for `plan`.
+    pub(super) fn launch(&self, plan: &StreamPlan, group: &OrderedGroup) -> OrderedLaunch {
+        let rank = &plan.rank;
+        OrderedLaunch {
+            pos_base: plan.start_cursor
+                + group.steps.start * rank.step_samples()
+                + rank.rank as u64 * rank.batch_size as u64,
+            step_samples: rank.step_samples(),
+            batch_rows: rank.batch_size,
+            batches: (group.steps.end - group.steps.start) as u32,
+            slot_stride: group.slot_bytes,
+            src_base: self.src_base,
+            src_bytes: self.src_bytes,
+        }
+    }
+
+    /// The tables, and their bytes on the device.
+    pub(super) fn tables(&self) -> (&OrderedTables, &DeviceBuffer) {
+        (&self.tables, &self.device_tables)
+    }
+}
+
+impl DeviceMemory for OrderedGroup {
+    fn device_ptr(&self) -> u64 {
+        self.base
+    }
+    fn len(&self) -> usize {
+        (self.end - self.base) as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::order::{EpochOrder, ShuffleMode};
+
+    /// The encoded tables, read as the kernel reads them, give every position the sample and the
+    /// shard `EpochOrder` gives it, in every mode, empty shards included.
+    #[test]
+    fn the_encoded_order_is_the_epochs_order() {
+        for shards in [
+            &[40u64, 25, 60, 33, 50, 12][..],
+            &[40, 0, 25, 0, 0, 60, 33],
+            &[1],
+            &[7, 1],
+        ] {
+            let mut firsts = vec![0u64];
+            for count in shards {
+                firsts.push(firsts.last().unwrap() + count);
+            }
+            let modes = [
+                ShuffleMode::None,
+                ShuffleMode::Full,
+                ShuffleMode::Window { shards: 1 },
+                ShuffleMode::Window { shards: 2 },
+                ShuffleMode::Window { shards: 4 },
+            ];
+            for mode in modes {
+                for epoch in [0u64, 3] {
+                    let order = EpochOrder::new(shards, 11, epoch, mode);
+                    let field = OrderedField {
+                        out_offset: 0,
+                        out_sample_bytes: 8,
+                        in_sample_bytes: 4,
+                        op: GatherOp::F16ToF32,
+                    };
+                    let bases = vec![0u64; shards.len()];
+                    let tables =
+                        OrderedTables::new(&order_spec(&order.tables()), &firsts, &[field], &bases);
+                    for position in 0..order.len() {
+                        let sample = order.sample_at(position);
+                        let shard = firsts.partition_point(|&s| s <= sample) - 1;
+                        assert_eq!(
+                            tables.sample_model(position),
+                            (sample, shard as u32),
+                            "{mode:?} epoch {epoch} shards {shards:?} position {position}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
