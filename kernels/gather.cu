@@ -483,10 +483,12 @@ gf_gather_convert_inline_large(const __grid_constant__ GatherInlinePieces<GF_GAT
 //
 // Each row's sample is computed from its position in the epoch's order as `pipeline::order` defines
 // it (dataset order, a keyed Feistel permutation of every sample, or windows of shards each with
-// its own permutation), its shard by a binary search of the shards' first samples, and its address
-// as its field's base in that shard plus the sample's index times the field's stored bytes: every
-// field lies back to back in device memory (a dataset whole in the device-memory tier). The host
-// passes a launch's first position, batches and rows; nothing per row crosses PCIe.
+// its own permutation), its shard by a binary search of the shards' first samples, and its offset
+// in the shard as its field's base there plus the sample's index times the field's stored bytes
+// (every field lies back to back in its shard); the offset is found in the stream's region table
+// (the shard's windows, `window_bytes` each: registered page-cache windows read in place, or the
+// device-memory tier), a row crossing a window's end read from both. The host passes a launch's
+// first position, batches and rows; nothing per row is planned on the host.
 
 struct OrderedField {
     u64 out_offset;        // the field's offset within a slot
@@ -516,8 +518,8 @@ struct OrderedMember {
 
 struct OrderedParams {
     u64 tables;        // device address of the stream's tables
-    u64 src_base;      // every source extent lies in [src_base, src_base + src_bytes)
-    u64 src_bytes;
+    u64 regions;       // device address of the stream's region table (GatherRegion)
+    u64 window_bytes;  // bytes of each shard's windows (the last may be shorter)
     u64 sample_count;
     u64 pos_base;      // the position of the launch's first batch's first row (before wrapping)
     u64 step_samples;  // positions from one batch of the launch to the next
@@ -534,6 +536,8 @@ struct OrderedParams {
     u32 off_bases;
     u32 off_windows;
     u32 off_members;
+    u32 off_first_regions;  // per shard: its first window's index in the region table (u64)
+    u32 region_count;
     u32 pad;
 };
 
@@ -604,6 +608,8 @@ gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst,
     const u64* __restrict__ bases = reinterpret_cast<const u64*>(tables + p.off_bases);
     const OrderedWindow* __restrict__ windows = reinterpret_cast<const OrderedWindow*>(tables + p.off_windows);
     const OrderedMember* __restrict__ members = reinterpret_cast<const OrderedMember*>(tables + p.off_members);
+    const u64* __restrict__ first_regions = reinterpret_cast<const u64*>(tables + p.off_first_regions);
+    const GatherRegion* __restrict__ regions = reinterpret_cast<const GatherRegion*>(p.regions);
     const u64 total = (u64)p.batch_rows * (u64)p.batches;
     const u64 mine = blockIdx.x < total ? (total - blockIdx.x - 1ull) / gridDim.x + 1ull : 0ull;
     for (u64 first = 0; first < mine; first += GF_GATHER_PREFETCH) {
@@ -631,11 +637,35 @@ gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst,
             const u64 local = row_local[k];
             for (u32 f = 0; f < p.field_count; ++f) {
                 const OrderedField field = fields[f];
-                const u64 src = bases[(u64)shard * p.field_count + f] + local * field.in_sample_bytes;
+                u64 in_bytes, out_bytes_per_in;
+                {
+                    u32 a, b;
+                    op_sizes(field.op, &a, &b);
+                    in_bytes = a;
+                    out_bytes_per_in = b;
+                }
+                const u64 at = bases[(u64)shard * p.field_count + f] + local * field.in_sample_bytes;
                 const u64 out = batch * p.slot_stride + field.out_offset + i * field.out_sample_bytes;
-                const bool fits = shard < p.shard_count && src >= p.src_base &&
-                                  extent_fits(src - p.src_base, field.in_sample_bytes, p.src_bytes) &&
-                                  extent_fits(out, field.out_sample_bytes, dst_capacity);
+                const u64 region = shard < p.shard_count ? first_regions[shard] + at / p.window_bytes : ~0ull;
+                const u64 within = at % p.window_bytes;
+                // Elements read from this window, and from the next when the row crosses its end
+                // (window sizes are multiples of every element size).
+                u64 head = field.in_sample_bytes;
+                bool fits = in_bytes != 0u && region < p.region_count &&
+                            extent_fits(out, field.out_sample_bytes, dst_capacity);
+                GatherRegion first_region_of_row = {0ull, 0ull}, next_region = {0ull, 0ull};
+                if (fits) {
+                    first_region_of_row = regions[region];
+                    fits = within < first_region_of_row.bytes;
+                    if (fits && within + head > first_region_of_row.bytes) {
+                        head = first_region_of_row.bytes - within;
+                        fits = region + 1u < p.region_count && head % in_bytes == 0u;
+                        if (fits) {
+                            next_region = regions[region + 1u];
+                            fits = field.in_sample_bytes - head <= next_region.bytes;
+                        }
+                    }
+                }
                 if (!fits) {
                     if (threadIdx.x == 0) {
                         atomicAdd(&outcome->faulted_pieces, 1u);
@@ -643,7 +673,14 @@ gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst,
                     }
                     continue;
                 }
-                convert_op(field.op, reinterpret_cast<const u8*>(src), dst + out, field.elements, field.scale);
+                const u32 head_elements = (u32)(head / in_bytes);
+                convert_op(field.op, reinterpret_cast<const u8*>(first_region_of_row.ptr + within), dst + out,
+                           head_elements, field.scale);
+                if (head_elements < field.elements) {
+                    convert_op(field.op, reinterpret_cast<const u8*>(next_region.ptr),
+                               dst + out + (u64)head_elements * out_bytes_per_in,
+                               field.elements - head_elements, field.scale);
+                }
             }
         }
     }

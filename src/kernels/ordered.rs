@@ -44,11 +44,13 @@ pub struct OrderedTables {
     off_bases: u32,
     off_windows: u32,
     off_members: u32,
+    off_first_regions: u32,
 }
 
 /// What one launch gathers: `batches` batches of `batch_rows` rows, batch `b` from position
 /// `pos_base + b * step_samples` on (wrapping at the epoch's end), into slots `slot_stride` bytes
-/// apart; every source lies in `[src_base, src_base + src_bytes)`.
+/// apart, reading the stream's `region_count` regions (`GatherRegion`s at device address
+/// `regions`; each shard's windows are `window_bytes` long, the last maybe shorter).
 #[derive(Clone, Copy, Debug)]
 pub struct OrderedLaunch {
     /// Position of the first batch's first row.
@@ -61,18 +63,20 @@ pub struct OrderedLaunch {
     pub batches: u32,
     /// Bytes from one batch's slot to the next.
     pub slot_stride: u64,
-    /// Start of the memory the sources lie in.
-    pub src_base: u64,
-    /// Its length.
-    pub src_bytes: u64,
+    /// The region table's device address.
+    pub regions: u64,
+    /// Its regions.
+    pub region_count: u32,
+    /// Bytes of each shard's windows.
+    pub window_bytes: u64,
 }
 
 /// The kernel's parameters (`struct OrderedParams`), passed by value.
 #[repr(C)]
 struct OrderedParams {
     tables: u64,
-    src_base: u64,
-    src_bytes: u64,
+    regions: u64,
+    window_bytes: u64,
     sample_count: u64,
     pos_base: u64,
     step_samples: u64,
@@ -89,6 +93,8 @@ struct OrderedParams {
     off_bases: u32,
     off_windows: u32,
     off_members: u32,
+    off_first_regions: u32,
+    region_count: u32,
     pad: u32,
 }
 
@@ -170,13 +176,15 @@ fn permute_model(n: u64, half_bits: u32, keys: &[u64; 6], i: u64) -> u64 {
 
 impl OrderedTables {
     /// The tables of an epoch's `order` over shards whose first samples are `shard_first` (and
-    /// the sample count after the last), for `fields`, each field of shard `s` starting at device
-    /// address `bases[s * fields.len() + f]`.
+    /// the sample count after the last), for `fields`, each field of shard `s` starting at offset
+    /// `bases[s * fields.len() + f]` of the shard, whose first window is region `first_regions[s]`
+    /// of the stream's region table.
     pub fn new(
         order: &OrderSpec,
         shard_first: &[u64],
         fields: &[OrderedField],
         bases: &[u64],
+        first_regions: &[u64],
     ) -> OrderedTables {
         let shard_count = shard_first.len() - 1;
         assert_eq!(bases.len(), shard_count * fields.len());
@@ -239,6 +247,11 @@ impl OrderedTables {
         );
         let off_members = bytes.len();
         bytes.extend_from_slice(&members);
+        assert_eq!(first_regions.len(), shard_count);
+        let off_first_regions = bytes.len();
+        for &region in first_regions {
+            put(&mut bytes, region);
+        }
         OrderedTables {
             bytes,
             sample_count: *shard_first.last().expect("the sample count"),
@@ -252,6 +265,7 @@ impl OrderedTables {
             off_bases: off_bases as u32,
             off_windows: off_windows as u32,
             off_members: off_members as u32,
+            off_first_regions: off_first_regions as u32,
         }
     }
 
@@ -322,9 +336,9 @@ impl Gatherer {
     /// [`Gatherer::gather_regions_async`], a fault counting the row (from 1 at the launch's first).
     ///
     /// # Safety
-    /// `device_tables` holds `tables.bytes()`; every field base in them addresses device memory
-    /// within `[launch.src_base, launch.src_base + launch.src_bytes)` that stays allocated and
-    /// unmodified until the launch has completed on `stream`; `dst` and `outcome` are as for
+    /// `device_tables` holds `tables.bytes()`, and `launch.regions` the stream's region table, whose
+    /// every region is device memory, or host memory mapped for the device, that stays allocated
+    /// and unmodified until the launch has completed on `stream`; `dst` and `outcome` are as for
     /// [`Gatherer::gather_async`].
     pub unsafe fn gather_ordered_async(
         &self,
@@ -348,8 +362,8 @@ impl Gatherer {
         }
         let mut params = OrderedParams {
             tables: device_tables.device_ptr(),
-            src_base: launch.src_base,
-            src_bytes: launch.src_bytes,
+            regions: launch.regions,
+            window_bytes: launch.window_bytes,
             sample_count: tables.sample_count,
             pos_base: launch.pos_base,
             step_samples: launch.step_samples,
@@ -366,6 +380,8 @@ impl Gatherer {
             off_bases: tables.off_bases,
             off_windows: tables.off_windows,
             off_members: tables.off_members,
+            off_first_regions: tables.off_first_regions,
+            region_count: launch.region_count,
             pad: 0,
         };
         let mut dst_ptr = dst.device_ptr();

@@ -649,6 +649,10 @@ impl ResidentAssembler {
                 (&mapped_outcome, true),
             )
         }?;
+        let in_place = ordered.bytes_read_in_place(launch.batches as u64, launch.batch_rows as u64);
+        self.engine
+            .metrics
+            .add_read_bytes(crate::metrics::ReadPath::PageCache, in_place);
         self.engine.queue_downloads(index, 0, 0, false)?;
         let batches = launch.batches as u64;
         if batches > 1 {
@@ -656,7 +660,7 @@ impl ResidentAssembler {
         }
         self.engine.timings.gather_s += queued.elapsed().as_secs_f64();
         self.engine.timings.rounds += 1;
-        self.engine.timings.rounds_from_device_copies += 1;
+        self.engine.timings.rounds_from_device_copies += u64::from(in_place == 0);
         self.count_round(&group.steps, 0);
         self.engine.rounds.push_back(PendingRound {
             buffers: index,

@@ -1,9 +1,13 @@
-//! Streams whose order is computed on the device: a stream reading its dataset whole from the
-//! device-memory tier, whose fields lie back to back in every shard and with no corrupt block,
-//! has no per-row plan at all. Its tables (the epoch's order, the shards' first samples, each
-//! field's base in each shard) go to the device once when it opens, and each round is one launch
-//! of the ordered gather (`kernels::ordered`) for one batch or a group of consecutive ones: the
-//! host computes nothing per row, and the planning threads are never started.
+//! Streams whose order is computed on the device: a stream whose every row is read from a region
+//! table fixed for its life (its dataset whole in the device-memory tier, or every window of the
+//! dataset registered and mapped for the stream's life and read in place), whose fields lie back
+//! to back in every shard and with no corrupt block, has no per-row plan at all. Its tables (the
+//! epoch's order, the shards' first samples and first regions, each field's offset in each
+//! shard) go to the device once when it opens, and each round is one launch of the ordered gather
+//! (`kernels::ordered`) for one batch or a group of consecutive ones: the host computes nothing
+//! per row, and the planning threads are never started. (Streams that copy shards ahead into
+//! device memory, fill the tier, or copy rows into staging change their regions round by round,
+//! and plan on the host.)
 //!
 //! `GPUFEED_DEVICE_ORDER=off` in the daemon's environment plans every row on the host instead
 //! (for comparisons).
@@ -51,9 +55,15 @@ pub(in crate::pipeline::gpu) struct DeviceOrder {
     tables: OrderedTables,
     /// `tables`' bytes on the device.
     device_tables: DeviceBuffer,
-    /// The tier's allocation: every row lies in it.
-    src_base: u64,
-    src_bytes: u64,
+    /// The stream's region table on the device, its regions, and the bytes of each shard's
+    /// windows.
+    regions: u64,
+    region_count: u32,
+    window_bytes: u64,
+    /// Whether rows are read in place from host memory (counted as read bytes), not the tier.
+    in_place: bool,
+    /// Stored bytes of one row (every field).
+    row_bytes_in: u64,
     /// Consecutive batches whose slots follow one another, not queued yet.
     pub(super) group: Option<OrderedGroup>,
 }
@@ -88,23 +98,24 @@ impl DeviceOrder {
         gatherer: &Gatherer,
         device: &Device,
     ) -> Result<Option<DeviceOrder>, DeviceError> {
-        if turned_off() || !gatherer.has_ordered() || !resident.reads_tier_only() {
+        // The region table is fixed for the stream's life: the tier whole, or every window in
+        // place (no shards copied ahead, no tier filling, no rows copied into staging).
+        let fixed = resident.reads_tier_only()
+            || (resident.tier.is_none()
+                && resident.device_shards.is_none()
+                && resident.row_copies.is_none());
+        if turned_off() || !gatherer.has_ordered() || !fixed {
             return Ok(None);
         }
-        let Some(tier) = resident.tier.as_ref() else {
-            return Ok(None);
-        };
         let geometry: &Arc<RowGeometry> = &resident.geometry;
         let Some(linear) = geometry.linear_bases() else {
             return Ok(None);
         };
-        let dataset = &tier.dataset;
         let shard_count = plan.dataset.shards.len();
-        let mut bases = Vec::with_capacity(shard_count * plan.fields.len());
-        for (shard, fields) in linear.iter().enumerate() {
-            let shard_ptr = dataset.window_ptr(geometry.first_region(shard));
-            bases.extend(fields.iter().map(|base| shard_ptr + base));
-        }
+        let bases: Vec<u64> = linear.iter().flatten().copied().collect();
+        let first_regions: Vec<u64> = (0..shard_count)
+            .map(|shard| geometry.first_region(shard) as u64)
+            .collect();
         let mut fields = Vec::with_capacity(plan.fields.len());
         for field in &plan.fields {
             let Some(op) = GatherOp::for_dtypes(field.stored, field.out) else {
@@ -129,19 +140,28 @@ impl DeviceOrder {
             &shard_first,
             &fields,
             &bases,
+            &first_regions,
         );
         let device_tables = DeviceBuffer::from_host(device, tables.bytes())?;
-        let (src_base, src_bytes) = dataset.extent();
+        let in_place = !resident.reads_tier_only();
         tracing::info!(
-            "stream computes its order on the device ({} bytes of tables): no rows planned on \
-             the host",
-            tables.bytes().len()
+            "stream computes its order on the device ({} bytes of tables, rows read {}): no rows \
+             planned on the host",
+            tables.bytes().len(),
+            if in_place {
+                "in place"
+            } else {
+                "from the device-memory tier"
+            }
         );
         Ok(Some(DeviceOrder {
             tables,
             device_tables,
-            src_base,
-            src_bytes,
+            regions: resident.regions.device_ptr(),
+            region_count: resident.region_count,
+            window_bytes: geometry.window_bytes(),
+            in_place,
+            row_bytes_in: plan.fields.iter().map(|f| f.sample_bytes_in as u64).sum(),
             group: None,
         }))
     }
@@ -182,8 +202,19 @@ impl DeviceOrder {
             batch_rows: rank.batch_size,
             batches: (group.steps.end - group.steps.start) as u32,
             slot_stride: group.slot_bytes,
-            src_base: self.src_base,
-            src_bytes: self.src_bytes,
+            regions: self.regions,
+            region_count: self.region_count,
+            window_bytes: self.window_bytes,
+        }
+    }
+
+    /// Bytes a launch of `batches` batches of `rows` rows reads from host memory in place (0 from
+    /// the tier).
+    pub(super) fn bytes_read_in_place(&self, batches: u64, rows: u64) -> u64 {
+        if self.in_place {
+            batches * rows * self.row_bytes_in
+        } else {
+            0
         }
     }
 
@@ -238,8 +269,13 @@ mod tests {
                         op: GatherOp::F16ToF32,
                     };
                     let bases = vec![0u64; shards.len()];
-                    let tables =
-                        OrderedTables::new(&order_spec(&order.tables()), &firsts, &[field], &bases);
+                    let tables = OrderedTables::new(
+                        &order_spec(&order.tables()),
+                        &firsts,
+                        &[field],
+                        &bases,
+                        &bases,
+                    );
                     for position in 0..order.len() {
                         let sample = order.sample_at(position);
                         let shard = firsts.partition_point(|&s| s <= sample) - 1;

@@ -323,6 +323,11 @@ impl RowGeometry {
             .collect()
     }
 
+    /// Bytes of each shard's windows (regions) in the stream's table.
+    pub(super) fn window_bytes(&self) -> u64 {
+        self.window_bytes
+    }
+
     /// The region of shard `shard`'s first window in the stream's table.
     pub(super) fn first_region(&self, shard: usize) -> usize {
         self.first_region[shard] as usize
