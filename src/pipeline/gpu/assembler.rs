@@ -109,6 +109,7 @@ fn open_resident(
         metrics,
         shard_pool,
         tier,
+        kernels.gather.has_ordered() && !super::resident::ordered::turned_off(),
     )
 }
 

@@ -11,7 +11,7 @@ mod copy_helpers;
 mod device_shards;
 mod group;
 pub(in crate::pipeline::gpu) mod open;
-mod ordered;
+pub(in crate::pipeline::gpu) mod ordered;
 mod planner;
 mod row_copies;
 mod shard_loader;

@@ -130,6 +130,7 @@ impl Resident {
         metrics: &crate::metrics::DeviceMetrics,
         shard_pool: &Arc<ShardSlotPool>,
         tier: &Arc<DeviceTier>,
+        device_order: bool,
     ) -> Result<Option<Resident>, FillError> {
         let shuffle = plan.order.shuffle_kind();
         if !fields_all_raw(plan) {
@@ -193,6 +194,7 @@ impl Resident {
                 &file_bytes,
                 shard_pool,
                 in_tier.map(|dataset| (dataset, tier)),
+                device_order,
             )?;
             if let Mapping::Done(resident) = mapped {
                 return Ok(resident);
@@ -241,6 +243,7 @@ impl Resident {
         file_bytes: &[u64],
         shard_pool: &Arc<ShardSlotPool>,
         in_tier: Option<(Arc<TierDataset>, &Arc<DeviceTier>)>,
+        device_order: bool,
     ) -> Result<Mapping, FillError> {
         let shuffle = plan.order.shuffle_kind();
         if shuffle == ShuffleKind::Full {
@@ -304,20 +307,25 @@ impl Resident {
             }?),
             None => None,
         };
-        let device_shards = if table.len() <= REGIONS_MAX && tier_read.is_none() {
-            DeviceShards::new(
-                device,
-                &plan.order,
-                shard_windows,
-                shard_first_samples.clone(),
-                window_bytes,
-                limits.device_shard_bytes,
-                2,
-                shard_pool,
-            )?
-        } else {
-            None
-        };
+        // A window shuffle whose order the device can compute reads every window in place, as a
+        // full shuffle does: at the link's rate, with no planning threads, instead of copying its
+        // shards ahead on about four host cores of planning (see `ordered`).
+        let in_place_ordered = device_order && shuffle == ShuffleKind::Window;
+        let device_shards =
+            if table.len() <= REGIONS_MAX && tier_read.is_none() && !in_place_ordered {
+                DeviceShards::new(
+                    device,
+                    &plan.order,
+                    shard_windows,
+                    shard_first_samples.clone(),
+                    window_bytes,
+                    limits.device_shard_bytes,
+                    2,
+                    shard_pool,
+                )?
+            } else {
+                None
+            };
         if limits.zero_copy == ZeroCopy::Auto
             && shuffle == ShuffleKind::None
             && device_shards.is_none()

@@ -85,7 +85,7 @@ impl OrderedGroup {
 }
 
 /// Whether the daemon's environment turned the device order off.
-fn turned_off() -> bool {
+pub(in crate::pipeline::gpu) fn turned_off() -> bool {
     std::env::var("GPUFEED_DEVICE_ORDER").is_ok_and(|v| v.eq_ignore_ascii_case("off"))
 }
 
