@@ -35,12 +35,23 @@ fn start_daemon_with(root: &Path, device: &str, extra: &[&str]) -> Daemon {
 
 /// [`start_daemon_with`], its log going to `log` when given.
 fn start_daemon_logged(root: &Path, device: &str, extra: &[&str], log: Option<&Path>) -> Daemon {
+    start_daemon_logged_env(root, device, extra, log, &[])
+}
+
+/// [`start_daemon_logged`] with the variables `env` in the daemon's environment.
+fn start_daemon_logged_env(
+    root: &Path,
+    device: &str,
+    extra: &[&str],
+    log: Option<&Path>,
+    env: &[(&str, &str)],
+) -> Daemon {
     let socket = root.join(format!("gpufeed-{}.sock", device.replace(':', "")));
     let stderr = match log {
         Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
         None => Stdio::inherit(),
     };
-    common::daemon::start_daemon(&gpufeed_bin(), root, socket, device, extra, stderr)
+    common::daemon::start_daemon_env(&gpufeed_bin(), root, socket, device, extra, stderr, env)
 }
 
 /// Token field: zipf-like small integers (compressible: LZ4 blocks, byte-shuffled where it pays),
@@ -604,7 +615,10 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
 /// shards ahead takes them (the daemon's log says how many it kept): streams one after another, in
 /// dataset order, a window shuffle and dataset order again, each bit-exact against the CPU backend
 /// although its slots still hold the previous stream's shards when it starts. The batches are small,
-/// so each stream gathers several in one round (the log counts them).
+/// so each stream gathers several in one round (the log counts them). The daemon plans rows on the
+/// host (`GPUFEED_DEVICE_ORDER=off`): with the order computed on the device a window shuffle inside
+/// the registration budget reads in place and copies no shards (copying ahead remains the path of
+/// window shuffles beyond the budget, and of devices without the ordered gather).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
@@ -613,7 +627,13 @@ fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
     let cpu_root = root.path().join("cpu-root");
     copy_dataset(&root.path().join("mixed"), &cpu_root.join("mixed"));
     let log = root.path().join("pool.log");
-    let gpu = start_daemon_logged(root.path(), "cuda:0", &[], Some(&log));
+    let gpu = start_daemon_logged_env(
+        root.path(),
+        "cuda:0",
+        &[],
+        Some(&log),
+        &[("GPUFEED_DEVICE_ORDER", "off")],
+    );
     let cpu = start_daemon(&cpu_root, "cpu");
     let emb = |shuffle| emb_rows(shuffle, "6");
     for (index, shuffle) in ["none", "window", "none"].into_iter().enumerate() {

@@ -70,6 +70,19 @@ pub fn start_daemon(
     extra: &[&str],
     stderr: Stdio,
 ) -> Daemon {
+    start_daemon_env(binary, root, socket, device, extra, stderr, &[])
+}
+
+/// [`start_daemon`] with the variables `env` set in the daemon's environment.
+pub fn start_daemon_env(
+    binary: &Path,
+    root: &Path,
+    socket: PathBuf,
+    device: &str,
+    extra: &[&str],
+    stderr: Stdio,
+    env: &[(&str, &str)],
+) -> Daemon {
     let mut command = Command::new(binary);
     command
         .args(["serve", "--data-root"])
@@ -80,7 +93,8 @@ pub fn start_daemon(
         .args(extra)
         // Device memory kept idle between streams stays kept for the test's length (an hour, not
         // 30 s): free-memory checks then compare the device before and after with the same kept.
-        .env("GPUFEED_DEVICE_POOL_IDLE_S", "3600");
+        .env("GPUFEED_DEVICE_POOL_IDLE_S", "3600")
+        .envs(env.iter().copied());
     spawn_ready(command, stderr, None, ControlApi::Off)
 }
 
