@@ -678,6 +678,11 @@ impl DeviceTier {
         self.ordinal
     }
 
+    /// The tier's budget in bytes (0: off).
+    pub fn bytes_max(&self) -> u64 {
+        self.book.bytes_max()
+    }
+
     /// Whether the tier has a budget.
     pub fn is_enabled(&self) -> bool {
         self.book.bytes_max() > 0

@@ -640,10 +640,23 @@ impl Resident {
         shard_pool: &Arc<ShardSlotPool>,
         tier: &Arc<DeviceTier>,
     ) -> Result<Option<Resident>, FillError> {
-        if !tier.is_enabled() || fields_all_raw(plan) {
+        if fields_all_raw(plan) {
             return Ok(None);
         }
         let layout = Arc::new(DecodedLayout::of(&plan.dataset));
+        let decoded_bytes: u64 = layout.shard_bytes.iter().sum();
+        if !tier.is_enabled() || decoded_bytes > tier.bytes_max() {
+            // Compressed blocks are then read and decoded round by round, a block per row in a
+            // shuffle: an order of magnitude below the link. Say what would avoid it.
+            tracing::info!(
+                "stream reads compressed blocks of {} round by round; a device-memory tier \
+                 (--device-cache) of at least {} MiB would decode the dataset once and serve every \
+                 order from device memory",
+                plan.dataset.dir.display(),
+                decoded_bytes.div_ceil(1 << 20)
+            );
+            return Ok(None);
+        }
         let key = TierKey {
             dir: plan.dataset.dir.clone(),
             identity: plan.dataset.manifest_identity,
