@@ -608,6 +608,18 @@ impl ResidentAssembler {
         // The slot's last use by the consumer, waited for before the batch's first write is queued.
         self.engine.wait_released(released)?;
         let ordered = self.ordered.as_mut().expect("an ordered stream");
+        // Shards are read ahead from the first batch of a group on (as for planned rounds).
+        if ordered.group.is_none() {
+            if let Some(device_shards) = self.resident.device_shards.as_mut() {
+                let plan = &self.engine.plan;
+                let samples = plan.order.len().max(1);
+                let first = (plan.start_cursor
+                    + step * plan.rank.step_samples()
+                    + plan.rank.rank as u64 * plan.rank.batch_size as u64)
+                    % samples;
+                device_shards.read_ahead(&plan.order, first)?;
+            }
+        }
         if ordered.add(step, ptr, bytes) >= self.group_batches_max {
             self.flush_ordered()?;
         }
@@ -623,9 +635,34 @@ impl ResidentAssembler {
         let index = self.next_round_buffers()?;
         let queued = std::time::Instant::now();
         let ordered = self.ordered.as_ref().expect("an ordered stream");
-        let launch = ordered.launch(&self.engine.plan, &group);
+        let mut launch = ordered.launch(&self.engine.plan, &group);
         let (tables, device_tables) = ordered.tables();
         let layout = self.engine.layout;
+        // Shards copied ahead (dataset order inside the budget): the round's regions point at the
+        // device copies it may read, in a table in the round's pinned buffer (as planned rounds
+        // do), and the copies are waited for and the reads recorded as for planned rounds.
+        let mut copies = None;
+        if let Some(device_shards) = self.resident.device_shards.as_mut() {
+            let geometry = &self.resident.geometry;
+            let region_bytes =
+                ordered.region_bytes(&self.engine.plan, &group, |s| geometry.first_region(s));
+            let (needed, regions_read) = shards_read(device_shards, &region_bytes);
+            self.engine.timings.copy_wait_s +=
+                device_shards.prepare_round(&needed, &regions_read, &self.engine.stream)?;
+            let mut table = std::mem::take(&mut self.resident.round_regions);
+            table.clone_from(&self.resident.host_regions);
+            device_shards.redirect(&mut table);
+            let mut encoded = std::mem::take(&mut self.resident.round_regions_encoded);
+            encoded.clear();
+            GatherRegion::encode_into(&table, &mut encoded);
+            self.engine.buffers[index].host.as_mut_slice()
+                [layout.regions..layout.regions + encoded.len()]
+                .copy_from_slice(&encoded);
+            let in_place = bytes_read_in_place(&region_bytes, &table, &self.resident);
+            self.resident.round_regions = table;
+            copies = Some((needed, in_place, encoded.len()));
+            self.resident.round_regions_encoded = encoded;
+        }
         let buffers = &mut self.engine.buffers[index];
         // The outcome goes straight into the round's pinned buffer (mapped), zeroed here.
         buffers.host.as_mut_slice()
@@ -635,6 +672,12 @@ impl ResidentAssembler {
         let mapped_outcome = buffers
             .host
             .mapped(layout.gather_outcome, GATHER_OUTCOME_BYTES);
+        if let Some((_, _, encoded_bytes)) = &copies {
+            launch.regions = buffers
+                .host
+                .mapped(layout.regions, *encoded_bytes)
+                .device_ptr();
+        }
         // SAFETY: the tables are this stream's, on the device for its life; every row lies in the
         // tier's allocation of the dataset, which the stream holds (its `TierRead`) until its work
         // is done; the slots are this filler's (their release events were waited on) and overlap
@@ -649,7 +692,19 @@ impl ResidentAssembler {
                 (&mapped_outcome, true),
             )
         }?;
-        let in_place = ordered.bytes_read_in_place(launch.batches as u64, launch.batch_rows as u64);
+        let in_place = match copies {
+            Some((needed, in_place, _)) => {
+                let device_shards = self
+                    .resident
+                    .device_shards
+                    .as_mut()
+                    .expect("copies ahead were prepared");
+                device_shards.record_reads(&self.engine.stream, &needed)?;
+                // Bytes copied ahead are read bytes when they are queued.
+                in_place + std::mem::take(&mut device_shards.copied_bytes)
+            }
+            None => ordered.bytes_read_in_place(launch.batches as u64, launch.batch_rows as u64),
+        };
         self.engine
             .metrics
             .add_read_bytes(crate::metrics::ReadPath::PageCache, in_place);

@@ -52,6 +52,12 @@ fn order_spec(tables: &OrderTables) -> OrderSpec {
 
 /// A stream's order on the device, and the batches waiting to be gathered together.
 pub(in crate::pipeline::gpu) struct DeviceOrder {
+    /// The first sample of each shard, and the sample count after the last.
+    shard_first: Vec<u64>,
+    /// Per shard, per field: where the field starts in the shard.
+    linear: Vec<Vec<u64>>,
+    /// Per field: a sample's stored bytes.
+    field_bytes: Vec<u64>,
     tables: OrderedTables,
     /// `tables`' bytes on the device.
     device_tables: DeviceBuffer,
@@ -100,9 +106,17 @@ impl DeviceOrder {
     ) -> Result<Option<DeviceOrder>, DeviceError> {
         // The region table is fixed for the stream's life: the tier whole, or every window in
         // place (no shards copied ahead, no tier filling, no rows copied into staging).
+        // In dataset order inside the budget the shards copied ahead redirect a round's table
+        // to their device copies: each round's regions are then derived from its positions
+        // ([`DeviceOrder::region_bytes`]).
+        let copies_ahead = resident
+            .device_shards
+            .as_ref()
+            .is_some_and(|d| !d.is_streamed())
+            && plan.order.is_identity();
         let fixed = resident.reads_tier_only()
             || (resident.tier.is_none()
-                && resident.device_shards.is_none()
+                && (resident.device_shards.is_none() || copies_ahead)
                 && resident.row_copies.is_none());
         if turned_off() || !gatherer.has_ordered() || !fixed {
             return Ok(None);
@@ -155,6 +169,13 @@ impl DeviceOrder {
             }
         );
         Ok(Some(DeviceOrder {
+            shard_first,
+            linear: linear.clone(),
+            field_bytes: plan
+                .fields
+                .iter()
+                .map(|f| f.sample_bytes_in as u64)
+                .collect(),
             tables,
             device_tables,
             regions: resident.regions.device_ptr(),
@@ -216,6 +237,51 @@ impl DeviceOrder {
         } else {
             0
         }
+    }
+
+    /// The bytes a launch of `group` reads of each region of the stream's table (of
+    /// `region_count` regions, each shard's windows `window_bytes` long from region
+    /// `first_region(shard)`), for a stream in dataset order: which shards and windows a round
+    /// whose shards are copied ahead reads.
+    pub(super) fn region_bytes(
+        &self,
+        plan: &StreamPlan,
+        group: &OrderedGroup,
+        first_region: impl Fn(usize) -> usize,
+    ) -> Vec<u64> {
+        let launch = self.launch(plan, group);
+        let samples = self.tables.sample_count();
+        let mut bytes = vec![0u64; self.region_count as usize];
+        if samples == 0 {
+            return bytes;
+        }
+        for batch in 0..launch.batches as u64 {
+            // Positions (samples: dataset order) of the batch, wrapping at the epoch's end.
+            let mut start = (launch.pos_base + batch * launch.step_samples) % samples;
+            let mut left = launch.batch_rows as u64;
+            while left > 0 {
+                let shard = self.shard_first.partition_point(|&s| s <= start) - 1;
+                let run = left
+                    .min(self.shard_first[shard + 1] - start)
+                    .min(samples - start);
+                let local = start - self.shard_first[shard];
+                for (field, &base) in self.linear[shard].iter().enumerate() {
+                    let per = self.field_bytes[field];
+                    let (from, to) = (base + local * per, base + (local + run) * per);
+                    let (w0, w1) = (from / self.window_bytes, (to - 1) / self.window_bytes);
+                    for window in w0..=w1 {
+                        let lo = from.max(window * self.window_bytes);
+                        let hi = to.min((window + 1) * self.window_bytes);
+                        if let Some(b) = bytes.get_mut(first_region(shard) + window as usize) {
+                            *b += hi - lo;
+                        }
+                    }
+                }
+                left -= run;
+                start = (start + run) % samples;
+            }
+        }
+        bytes
     }
 
     /// The tables, and their bytes on the device.
