@@ -90,6 +90,60 @@ impl OrderedGroup {
     }
 }
 
+/// Where a stream's rows lie, for [`RowLayout::region_bytes`].
+struct RowLayout<'a> {
+    shard_first: &'a [u64],
+    linear: &'a [Vec<u64>],
+    field_bytes: &'a [u64],
+    window_bytes: u64,
+    region_count: usize,
+}
+
+impl RowLayout<'_> {
+    /// The bytes `launch` reads of each region in dataset order (samples are positions).
+    fn region_bytes(
+        &self,
+        launch: &OrderedLaunch,
+        first_region: impl Fn(usize) -> usize,
+    ) -> Vec<u64> {
+        let samples = *self.shard_first.last().expect("the sample count");
+        let mut bytes = vec![0u64; self.region_count];
+        if samples == 0 {
+            return bytes;
+        }
+        for batch in 0..launch.batches as u64 {
+            // The batch's positions, wrapping at the epoch's end, in runs within one shard.
+            let mut start = (launch.pos_base + batch * launch.step_samples) % samples;
+            let mut left = launch.batch_rows as u64;
+            while left > 0 {
+                let shard = self.shard_first.partition_point(|&s| s <= start) - 1;
+                let run = left
+                    .min(self.shard_first[shard + 1] - start)
+                    .min(samples - start);
+                let local = start - self.shard_first[shard];
+                for (field, &base) in self.linear[shard].iter().enumerate() {
+                    let per = self.field_bytes[field];
+                    let (from, to) = (base + local * per, base + (local + run) * per);
+                    if from == to {
+                        continue;
+                    }
+                    let (w0, w1) = (from / self.window_bytes, (to - 1) / self.window_bytes);
+                    for window in w0..=w1 {
+                        let lo = from.max(window * self.window_bytes);
+                        let hi = to.min((window + 1) * self.window_bytes);
+                        if let Some(b) = bytes.get_mut(first_region(shard) + window as usize) {
+                            *b += hi - lo;
+                        }
+                    }
+                }
+                left -= run;
+                start = (start + run) % samples;
+            }
+        }
+        bytes
+    }
+}
+
 /// Whether the daemon's environment turned the device order off.
 pub(in crate::pipeline::gpu) fn turned_off() -> bool {
     std::env::var("GPUFEED_DEVICE_ORDER").is_ok_and(|v| v.eq_ignore_ascii_case("off"))
@@ -249,39 +303,14 @@ impl DeviceOrder {
         group: &OrderedGroup,
         first_region: impl Fn(usize) -> usize,
     ) -> Vec<u64> {
-        let launch = self.launch(plan, group);
-        let samples = self.tables.sample_count();
-        let mut bytes = vec![0u64; self.region_count as usize];
-        if samples == 0 {
-            return bytes;
-        }
-        for batch in 0..launch.batches as u64 {
-            // Positions (samples: dataset order) of the batch, wrapping at the epoch's end.
-            let mut start = (launch.pos_base + batch * launch.step_samples) % samples;
-            let mut left = launch.batch_rows as u64;
-            while left > 0 {
-                let shard = self.shard_first.partition_point(|&s| s <= start) - 1;
-                let run = left
-                    .min(self.shard_first[shard + 1] - start)
-                    .min(samples - start);
-                let local = start - self.shard_first[shard];
-                for (field, &base) in self.linear[shard].iter().enumerate() {
-                    let per = self.field_bytes[field];
-                    let (from, to) = (base + local * per, base + (local + run) * per);
-                    let (w0, w1) = (from / self.window_bytes, (to - 1) / self.window_bytes);
-                    for window in w0..=w1 {
-                        let lo = from.max(window * self.window_bytes);
-                        let hi = to.min((window + 1) * self.window_bytes);
-                        if let Some(b) = bytes.get_mut(first_region(shard) + window as usize) {
-                            *b += hi - lo;
-                        }
-                    }
-                }
-                left -= run;
-                start = (start + run) % samples;
-            }
-        }
-        bytes
+        let layout = RowLayout {
+            shard_first: &self.shard_first,
+            linear: &self.linear,
+            field_bytes: &self.field_bytes,
+            window_bytes: self.window_bytes,
+            region_count: self.region_count as usize,
+        };
+        layout.region_bytes(&self.launch(plan, group), first_region)
     }
 
     /// The tables, and their bytes on the device.
@@ -303,6 +332,65 @@ impl DeviceMemory for OrderedGroup {
 mod tests {
     use super::*;
     use crate::pipeline::order::{EpochOrder, ShuffleMode};
+
+    /// The regions a dataset-order launch reads are the windows its rows lie in, byte for byte,
+    /// for batches that wrap at the epoch's end and cross shards and windows, several fields.
+    #[test]
+    fn region_bytes_are_the_rows_windows() {
+        let shard_first = [0u64, 50, 50, 130, 200];
+        // Two fields: 12 and 40 bytes a sample, the second after the first's bytes in its shard.
+        let field_bytes = [12u64, 40];
+        let linear: Vec<Vec<u64>> = shard_first
+            .windows(2)
+            .map(|w| vec![0, (w[1] - w[0]) * 12])
+            .collect();
+        let window_bytes = 256u64;
+        let regions_of = |shard: usize| {
+            let bytes = (shard_first[shard + 1] - shard_first[shard]) * 52;
+            bytes.div_ceil(window_bytes) as usize
+        };
+        let first: Vec<usize> = (0..4)
+            .scan(0usize, |next, s| {
+                let at = *next;
+                *next += regions_of(s);
+                Some(at)
+            })
+            .collect();
+        let region_count = first[3] + regions_of(3);
+        let layout = RowLayout {
+            shard_first: &shard_first,
+            linear: &linear,
+            field_bytes: &field_bytes,
+            window_bytes,
+            region_count,
+        };
+        let launch = OrderedLaunch {
+            pos_base: 170,
+            step_samples: 45,
+            batch_rows: 30,
+            batches: 3,
+            slot_stride: 0,
+            regions: 0,
+            region_count: region_count as u32,
+            window_bytes,
+        };
+        let got = layout.region_bytes(&launch, |s| first[s]);
+        let mut want = vec![0u64; region_count];
+        for batch in 0..3u64 {
+            for row in 0..30u64 {
+                let sample = (170 + batch * 45 + row) % 200;
+                let shard = shard_first.partition_point(|&s| s <= sample) - 1;
+                let local = sample - shard_first[shard];
+                for (field, &per) in field_bytes.iter().enumerate() {
+                    for byte in 0..per {
+                        let at = linear[shard][field] + local * per + byte;
+                        want[first[shard] + (at / window_bytes) as usize] += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(got, want);
+    }
 
     /// The encoded tables, read as the kernel reads them, give every position the sample and the
     /// shard `EpochOrder` gives it, in every mode, empty shards included.
