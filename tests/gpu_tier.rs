@@ -485,3 +485,53 @@ fn lz4_datasets_are_decoded_once_into_the_tier() {
     let shard_name = shard.path.file_name().unwrap().to_string_lossy();
     assert!(stderr.contains(&*shard_name), "{stderr}");
 }
+
+/// A raw dataset larger than the registration budget maps no windows to fill the tier from: its
+/// first stream copies it into the tier through its reader before its first batch (as a
+/// compressed dataset is decoded), and every stream reads it there, bit-exact against the CPU
+/// backend. (Before, such a dataset was admitted by the raw tier and never filled: its memory held
+/// and no stream served from it.)
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn raw_datasets_beyond_the_registration_budget_fill_the_tier() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = pack(root.path(), "emb", SAMPLES, 41);
+    // A budget of one 256 KiB window, far below the dataset's shard files.
+    assert!(shard_bytes(&dir) > 1 << 20);
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&dir, &cpu_root.join("emb"));
+    let cpu = start_cpu(&cpu_root);
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    let gpu = start_gpu(
+        root.path(),
+        &["--device-cache", "64M", "--registered-memory-max", "256K"],
+    );
+    for shuffle in ["full", "none"] {
+        let expected = cpu_dump(&cpu, &dumps, "emb", shuffle, &emb_args(shuffle));
+        let path = dumps.join(format!("emb-{shuffle}-beyond-gpu.npy"));
+        finish(consume(
+            &gpu.socket,
+            "emb",
+            "cuda:0",
+            &emb_args(shuffle),
+            &path,
+        ));
+        assert!(
+            npy_payload(&path) == expected,
+            "{shuffle}: the tier's batches differ from the CPU backend's"
+        );
+        wait_for_no_streams(&gpu.socket);
+    }
+    let view = tier(gpu.address());
+    assert_eq!(view["admissions"], 1, "{view}");
+    assert_eq!(view["hits"], 1, "{view}");
+    assert_eq!(view["datasets"][0]["state"], "resident", "{view}");
+    assert_eq!(view["datasets"][0]["decoded"], true, "{view}");
+    let log = gpu.log();
+    assert!(log.contains("of the device-memory tier in"), "{log}");
+    assert!(
+        log.contains("stream computes its order on the device"),
+        "{log}"
+    );
+}

@@ -137,11 +137,13 @@ impl Resident {
             return Ok(None);
         }
         // The device-memory tier: a dataset whole there is read there in every order, whatever
-        // the zero-copy mode and the registration budget; one filling is filled further by this
-        // stream (if it reads in place from registered windows, below).
+        // the zero-copy mode; one filling is filled further by this stream (if it reads in place
+        // from registered windows, below). Datasets beyond the registration budget are filled by
+        // `Resident::open_decoded` instead, never admitted here (they map no windows to fill from).
         let mut in_tier = None;
-        if tier.is_enabled() {
-            let file_bytes = shard_file_bytes(plan, files)?;
+        let file_bytes = shard_file_bytes(plan, files)?;
+        let in_budget = file_bytes.iter().sum::<u64>() <= windows.registered_bytes_max() as u64;
+        if tier.is_enabled() && in_budget {
             let key = TierKey {
                 dir: plan.dataset.dir.clone(),
                 identity: plan.dataset.manifest_identity,
@@ -180,7 +182,6 @@ impl Resident {
         if !wanted {
             return Ok(None);
         }
-        let file_bytes = shard_file_bytes(plan, files)?;
         let total: u64 = file_bytes.iter().sum();
         if total <= windows.registered_bytes_max() as u64 {
             let mapped = Self::open_mapped(
@@ -622,11 +623,11 @@ impl Resident {
         }))
     }
 
-    /// A stream over a dataset with compressed blocks, read whole from the device's memory tier,
-    /// which holds the dataset decoded or admits it now: then this stream decodes it there first,
-    /// and streams of the dataset opening meanwhile wait for it (see `tier_fill`). `None` when the
-    /// tier is off or has no room, or the fill failed: the stream stages its blocks, as without
-    /// the tier.
+    /// A stream over a dataset with compressed blocks (or a raw one larger than the registration
+    /// budget), read whole from the device's memory tier, which holds the dataset decoded or admits
+    /// it now: then this stream decodes (or copies) it there first, and streams of the dataset
+    /// opening meanwhile wait for it (see `tier_fill`). `None` when the tier is off or has no room,
+    /// or the fill failed: the stream is served as without the tier.
     #[allow(clippy::too_many_arguments)]
     pub(in crate::pipeline::gpu) fn open_decoded(
         plan: &StreamPlan,
@@ -641,11 +642,22 @@ impl Resident {
         tier: &Arc<DeviceTier>,
     ) -> Result<Option<Resident>, FillError> {
         if fields_all_raw(plan) {
-            return Ok(None);
+            // A raw dataset inside the registration budget fills the tier from the windows it maps
+            // (`Resident::open`); beyond it, it is filled here, its blocks copied.
+            if !tier.is_enabled() {
+                return Ok(None);
+            }
+            let stored: u64 = shard_file_bytes(plan, files)?.iter().sum();
+            if stored <= reader.windows().registered_bytes_max() as u64 {
+                return Ok(None);
+            }
         }
         let layout = Arc::new(DecodedLayout::of(&plan.dataset));
         let decoded_bytes: u64 = layout.shard_bytes.iter().sum();
         if !tier.is_enabled() || decoded_bytes > tier.bytes_max() {
+            if fields_all_raw(plan) {
+                return Ok(None);
+            }
             // Compressed blocks are then read and decoded round by round, a block per row in a
             // shuffle: an order of magnitude below the link. Say what would avoid it.
             tracing::info!(

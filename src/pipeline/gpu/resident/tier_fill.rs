@@ -1,6 +1,8 @@
 //! Datasets with compressed blocks in the device-memory tier: decoded once, when a stream admits
 //! the dataset, and then read by every stream and epoch of the device like a raw dataset in the
-//! tier (the same gather kernel, rows planned by arithmetic).
+//! tier (the same gather kernel, rows planned by arithmetic). Raw datasets larger than the
+//! registration budget are filled the same way (their blocks copied, not decoded): the raw tier's
+//! own fill copies from windows registered for the stream's life, which such datasets do not get.
 //!
 //! What the tier holds is each shard's blocks decoded (every field, LZ4 blocks decoded and
 //! un-shuffled, raw blocks as they are), one after another in file order, each at a 16-byte
@@ -308,6 +310,8 @@ fn fill_chunks(
             let mut jobs = Vec::new();
             let mut lz4_blocks = Vec::new();
             let mut decoded_end = decoded_start;
+            // Raw blocks back to back in both layouts are copied as one run.
+            let mut raw_run: Option<(u64, u64, u64)> = None;
             for i in chunk.clone() {
                 let (f, b, entry) = block(i);
                 let src = entry.stored_offset - stored_start;
@@ -317,18 +321,17 @@ fn fill_chunks(
                     plan.dataset.manifest.fields[f as usize].dtype.size_bytes() as u32;
                 match entry.codec {
                     Codec::Raw => {
-                        // SAFETY: both extents lie within the set's buffers (the chunk's spans
-                        // stay within `chunk_bytes`), which outlive the copy (synchronised
-                        // before they are reused or freed).
-                        unsafe {
-                            crate::device::ffi::memcpy_dtod_async(
-                                set.decoded.device_ptr() + dst,
-                                set.stored.device_ptr() + src,
-                                entry.raw_bytes as usize,
-                                stream.raw(),
-                            )
-                        }
-                        .map_err(DeviceError::from)?;
+                        let bytes = entry.raw_bytes as u64;
+                        raw_run = match raw_run {
+                            Some((s, d, n)) if s + n == src && d + n == dst => {
+                                Some((s, d, n + bytes))
+                            }
+                            Some(run) => {
+                                copy_raw_run(set, run, stream)?;
+                                Some((src, dst, bytes))
+                            }
+                            None => Some((src, dst, bytes)),
+                        };
                     }
                     Codec::Lz4 => {
                         let job =
@@ -338,6 +341,9 @@ fn fill_chunks(
                         lz4_blocks.push((f, b));
                     }
                 }
+            }
+            if let Some(run) = raw_run {
+                copy_raw_run(set, run, stream)?;
             }
             if !jobs.is_empty() {
                 set.jobs.write(0, &Lz4Job::encode_all(&jobs))?;
@@ -372,6 +378,26 @@ fn fill_chunks(
         shard_base += layout.shard_bytes[shard];
     }
     Ok(summary)
+}
+
+/// Queues the copy of a run of raw blocks (`src` in the chunk's stored bytes, `dst` in its decoded
+/// bytes, `bytes` long) on `stream`.
+fn copy_raw_run(
+    set: &ChunkBuffers,
+    (src, dst, bytes): (u64, u64, u64),
+    stream: &crate::device::Stream,
+) -> Result<(), DeviceError> {
+    // SAFETY: both extents lie within the set's buffers (a chunk's spans stay within its size),
+    // which outlive the copy (synchronised before they are reused or freed).
+    unsafe {
+        crate::device::ffi::memcpy_dtod_async(
+            set.decoded.device_ptr() + dst,
+            set.stored.device_ptr() + src,
+            bytes as usize,
+            stream.raw(),
+        )
+    }
+    .map_err(DeviceError::from)
 }
 
 /// Checks the outcomes of the chunk `set` last decoded (its event complete), recording the blocks
