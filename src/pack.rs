@@ -11,12 +11,12 @@
 //! path is an error naming the missing directory rather than a dataset of many gigabytes written
 //! somewhere unexpected.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 use crate::decode::shuffle;
 use crate::durable::{self, WriterLock};
@@ -704,32 +704,42 @@ fn write_dataset(
         samples_per_shard,
         shard_count,
         observer,
+        shards_open_max: (options.threads as u64).clamp(1, SHARDS_OPEN_MAX),
         state: Mutex::new(PackState {
-            next: Some(NextStep {
-                shard: 0,
-                field: 0,
-                offset: 0,
-                seq: 0,
-            }),
+            cursors: VecDeque::new(),
+            next_shard: 0,
             open: BTreeMap::new(),
             failed: None,
         }),
         placed: Condvar::new(),
         progress: Mutex::new(0),
-        shards: Mutex::new(vec![None; shard_count as usize]),
     };
-    let threads = options.threads.max(1);
-    if threads == 1 {
-        packer.work();
-    } else {
-        std::thread::scope(|scope| {
-            for _ in 0..threads {
-                scope.spawn(|| packer.work());
+    let mut shards = vec![None; shard_count as usize];
+    let (finished_tx, finished_rx) = mpsc::sync_channel(packer.shards_open_max as usize);
+    std::thread::scope(|scope| {
+        for _ in 0..options.threads.max(1) {
+            let finished = finished_tx.clone();
+            let packer = &packer;
+            scope.spawn(move || packer.work(finished));
+        }
+        drop(finished_tx);
+        // This thread syncs the shards that the others finish, so that no encoding waits on the
+        // disk; it ends when they all have.
+        for (index, shard) in finished_rx {
+            match packer.finish_shard(index, shard) {
+                Ok(entry) => shards[index as usize] = Some(entry),
+                Err(error) => {
+                    let mut state = packer
+                        .state
+                        .lock()
+                        .expect("no panics while holding the lock");
+                    packer.fail(&mut state, (index, u64::MAX), error);
+                }
             }
-        });
-    }
-    let Packer { state, shards, .. } = packer;
-    let state = state
+        }
+    });
+    let state = packer
+        .state
         .into_inner()
         .expect("no panics while holding the lock");
     if let Some((_, error)) = state.failed {
@@ -737,10 +747,7 @@ fn write_dataset(
     }
     let mut manifest_shards = Vec::with_capacity(shard_count as usize);
     let mut stored_bytes = 0u64;
-    for shard in shards
-        .into_inner()
-        .expect("no panics while holding the lock")
-    {
+    for shard in shards {
         let (shard, stored) = shard.expect("every shard was written when no step failed");
         manifest_shards.push(shard);
         stored_bytes += stored;
@@ -777,19 +784,26 @@ fn write_dataset(
 /// one write of a few MiB.
 const STEP_RAW_BYTES: u64 = 4 << 20;
 
-/// Writes a dataset's shards on `options.threads` threads.
+/// Shards whose steps are handed out at once, at most (and at most one per thread): each is an
+/// open file.
+const SHARDS_OPEN_MAX: u64 = 64;
+
+/// Writes a dataset's shards on `options.threads` threads, and syncs them on the calling thread.
 ///
-/// The work is cut into steps, a run of whole blocks of one field of one shard, handed out in the
-/// order the bytes go into the shard. Each thread takes the next step, copies its raw bytes from
-/// the input, encodes and checksums its blocks into one buffer laid out as the shard stores them
-/// (every payload padded to [`PAYLOAD_ALIGN_BYTES`]), then waits for the step before it in the same
-/// shard to have been given its place, takes the place after it, and writes its buffer there with
-/// one positional write while the next step is placed. The thread that writes a shard's last step
-/// writes its metadata and syncs it, while the other threads go on. Nothing is serial but the
-/// placing of a step (a few additions under a lock): reading, encoding, checksums, writes and syncs
-/// of several steps and shards overlap, so a pack runs as fast as the cores encode or the disk
-/// writes, whichever is slower. Block order, offsets and bytes are those of one thread writing the
-/// steps in order.
+/// The work is cut into steps, a run of whole blocks of one field of one shard. Steps are handed
+/// out from up to one shard per thread in turn, each shard's in the order its bytes go into it, so
+/// that the threads mostly write different files: the kernel serialises buffered writes to one
+/// file, and threads waiting their turn at one file spin on its lock. Each thread takes the next
+/// step, copies its raw bytes from the input, encodes and checksums its blocks into one buffer laid
+/// out as the shard stores them (every payload padded to [`PAYLOAD_ALIGN_BYTES`]), then waits for
+/// the step before it in the same shard to have been given its place (handed out a turn earlier,
+/// so it rarely waits), takes the place after it, writes its buffer there with one positional
+/// write, and asks the kernel to start writing it to the disk. The thread that writes a shard's
+/// last step hands the shard to the calling thread, which writes its metadata and syncs it while
+/// the others go on. Nothing is serial but the placing of a step (a few additions under a lock):
+/// reading, encoding, checksums, writes and syncs of several steps and shards overlap, so a pack
+/// runs as fast as the cores encode or the disk writes, whichever is slower. Block order, offsets
+/// and bytes are those of one thread writing the steps in order.
 struct Packer<'a> {
     staging: &'a Path,
     fields: &'a [FieldSource],
@@ -799,26 +813,32 @@ struct Packer<'a> {
     samples_per_shard: u64,
     shard_count: u64,
     observer: &'a dyn PackObserver,
+    /// Shards whose steps are handed out at once, at most.
+    shards_open_max: u64,
     state: Mutex<PackState>,
     /// Signalled when a step is placed, and when the pack fails.
     placed: Condvar,
     /// Raw bytes written so far; reported under this lock so that the observer sees them rise.
     progress: Mutex<u64>,
-    /// Each shard once written and synced: its manifest entry and its payload bytes.
-    shards: Mutex<Vec<Option<(ManifestShard, u64)>>>,
 }
+
+/// A shard whose steps are all written, for the syncing thread: its index and state.
+type FinishedShard = (u64, OpenShard);
 
 /// The packer's shared state.
 struct PackState {
-    /// The next step to hand out; `None` once all are handed out.
-    next: Option<NextStep>,
-    /// Shards with steps handed out and not all written, by index: at most about one per thread.
+    /// Where the next step of each shard being handed out starts, in turn order.
+    cursors: VecDeque<NextStep>,
+    /// The next shard to start handing out.
+    next_shard: u64,
+    /// Shards with steps handed out and not all synced, by index: those being handed out (at most
+    /// [`Packer::shards_open_max`]) and those whose last steps are being written.
     open: BTreeMap<u64, OpenShard>,
     /// The first failure in step order, with its step's (shard, seq): the error reported.
     failed: Option<((u64, u64), PackError)>,
 }
 
-/// Where the next step starts.
+/// Where the next step of a shard starts.
 #[derive(Clone, Copy)]
 struct NextStep {
     shard: u64,
@@ -871,8 +891,9 @@ struct EncodedStep {
 }
 
 impl Packer<'_> {
-    /// One thread's loop: steps until there are none left or the pack failed.
-    fn work(&self) {
+    /// One thread's loop: steps until there are none left or the pack failed; each shard whose
+    /// last step it writes goes to `finished`.
+    fn work(&self, finished: mpsc::SyncSender<FinishedShard>) {
         let mut raw = Vec::new();
         let mut encoded = EncodedStep {
             bytes: Vec::new(),
@@ -885,31 +906,38 @@ impl Packer<'_> {
                 if state.failed.is_some() {
                     return;
                 }
-                let Some(next) = state.next else {
-                    return;
-                };
                 if self.observer.cancelled() {
-                    self.fail(&mut state, (next.shard, next.seq), PackError::Cancelled);
+                    // Reported after a failure of any step handed out before.
+                    self.fail(&mut state, (u64::MAX, u64::MAX), PackError::Cancelled);
                     return;
                 }
                 match self.hand_out(&mut state) {
-                    Ok(step) => step,
-                    Err(error) => {
-                        self.fail(&mut state, (next.shard, next.seq), error);
+                    Ok(Some(step)) => step,
+                    Ok(None) => return,
+                    Err((key, error)) => {
+                        self.fail(&mut state, key, error);
                         return;
                     }
                 }
             };
             let key = (step.shard, step.seq);
-            if let Err(error) = self.encode(&step, &mut raw, &mut encoded, &mut scratch) {
-                let mut state = self.state.lock().expect("no panics while holding the lock");
-                self.fail(&mut state, key, error);
-                return;
-            }
-            if let Err(error) = self.place_and_write(&step, &encoded) {
-                let mut state = self.state.lock().expect("no panics while holding the lock");
-                self.fail(&mut state, key, error);
-                return;
+            let written = self
+                .encode(&step, &mut raw, &mut encoded, &mut scratch)
+                .and_then(|()| self.place_and_write(&step, &encoded));
+            match written {
+                Ok(Some(shard)) => {
+                    if finished.send((step.shard, shard)).is_err() {
+                        // The syncing thread is gone, which only a panic there does (the scope
+                        // then panics too).
+                        return;
+                    }
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    let mut state = self.state.lock().expect("no panics while holding the lock");
+                    self.fail(&mut state, key, error);
+                    return;
+                }
             }
         }
     }
@@ -923,17 +951,36 @@ impl Packer<'_> {
         self.placed.notify_all();
     }
 
-    /// Hands out the next step, creating its shard's file at the shard's first step.
-    fn hand_out(&self, state: &mut PackState) -> Result<Step, PackError> {
-        let next = state.next.expect("a step is left");
+    /// Hands out the next step (`None` when none is left): from a shard started now if fewer
+    /// than [`Packer::shards_open_max`] are being handed out and one is left (creating its file),
+    /// else from the shard whose turn it is. Fails with the step's (shard, seq).
+    #[allow(clippy::type_complexity)]
+    fn hand_out(&self, state: &mut PackState) -> Result<Option<Step>, ((u64, u64), PackError)> {
+        if (state.cursors.len() as u64) < self.shards_open_max
+            && state.next_shard < self.shard_count
+        {
+            let index = state.next_shard;
+            let first_sample = index * self.samples_per_shard;
+            let count = self.samples_per_shard.min(self.sample_count - first_sample);
+            let shard = self
+                .open_shard(index, first_sample, count)
+                .map_err(|error| ((index, 0), error))?;
+            state.open.insert(index, shard);
+            state.next_shard += 1;
+            // A shard's first step goes out at once, as its file exists.
+            state.cursors.push_front(NextStep {
+                shard: index,
+                field: 0,
+                offset: 0,
+                seq: 0,
+            });
+        }
+        let Some(next) = state.cursors.pop_front() else {
+            return Ok(None);
+        };
         let first_sample = next.shard * self.samples_per_shard;
         let count = self.samples_per_shard.min(self.sample_count - first_sample);
-        if next.seq == 0 {
-            let shard = self.open_shard(next.shard, first_sample, count)?;
-            state.open.insert(next.shard, shard);
-        }
-        let field = &self.fields[next.field];
-        let sample_bytes = field.sample_bytes() as u64;
+        let sample_bytes = self.fields[next.field].sample_bytes() as u64;
         let field_bytes = sample_bytes * count;
         let chunk = chunk_bytes(sample_bytes, self.options.block_bytes);
         let step_bytes = chunk * (STEP_RAW_BYTES / chunk).max(1);
@@ -946,33 +993,27 @@ impl Packer<'_> {
             end,
             first_sample,
         };
-        state.next = if end < field_bytes {
-            Some(NextStep {
+        if end < field_bytes {
+            state.cursors.push_back(NextStep {
                 offset: end,
                 seq: next.seq + 1,
                 ..next
-            })
+            });
         } else if next.field + 1 < self.fields.len() {
-            Some(NextStep {
+            state.cursors.push_back(NextStep {
                 field: next.field + 1,
                 offset: 0,
                 seq: next.seq + 1,
                 ..next
-            })
+            });
         } else {
             state
                 .open
                 .get_mut(&next.shard)
                 .expect("the shard is open")
                 .steps = Some(next.seq + 1);
-            (next.shard + 1 < self.shard_count).then_some(NextStep {
-                shard: next.shard + 1,
-                field: 0,
-                offset: 0,
-                seq: 0,
-            })
-        };
-        Ok(step)
+        }
+        Ok(Some(step))
     }
 
     /// Creates shard `index`'s file in the staging directory.
@@ -982,7 +1023,7 @@ impl Packer<'_> {
         first_sample: u64,
         sample_count: u64,
     ) -> Result<OpenShard, PackError> {
-        let path = self.staging.join(format!("shard-{index:06}.gfs"));
+        let path = self.staging.join(shard_file_name(index));
         let file = File::create(&path).map_err(|source| PackError::Io {
             path: path.clone(),
             source,
@@ -1063,15 +1104,19 @@ impl Packer<'_> {
     }
 
     /// Waits for the step before `step` in its shard to be placed, places `step` after it, writes
-    /// it, reports progress, and finishes the shard if this was its last step written.
-    fn place_and_write(&self, step: &Step, encoded: &EncodedStep) -> Result<(), PackError> {
+    /// it and reports progress; returns the shard if this was its last step written.
+    fn place_and_write(
+        &self,
+        step: &Step,
+        encoded: &EncodedStep,
+    ) -> Result<Option<OpenShard>, PackError> {
         let sample_bytes = self.fields[step.field].sample_bytes() as u64;
         let (file, path, at) = {
             let mut state = self.state.lock().expect("no panics while holding the lock");
             loop {
                 if state.failed.is_some() {
                     // Another step failed: this one's result no longer matters.
-                    return Ok(());
+                    return Ok(None);
                 }
                 let shard = state.open.get(&step.shard).expect("the shard is open");
                 if shard.placed == step.seq {
@@ -1107,6 +1152,7 @@ impl Packer<'_> {
         };
         file.write_all_at(&encoded.bytes, at)
             .map_err(|source| PackError::Io { path, source })?;
+        start_writeback(&file, at, encoded.bytes.len() as u64);
         {
             let mut done = self
                 .progress
@@ -1115,23 +1161,14 @@ impl Packer<'_> {
             *done += step.end - step.begin;
             self.observer.progress(*done);
         }
-        let finished = {
-            let mut state = self.state.lock().expect("no panics while holding the lock");
-            let shard = state.open.get_mut(&step.shard).expect("the shard is open");
-            shard.written += 1;
-            if Some(shard.written) == shard.steps {
-                state.open.remove(&step.shard)
-            } else {
-                None
-            }
-        };
-        if let Some(shard) = finished {
-            let entry = self.finish_shard(step.shard, shard)?;
-            self.shards
-                .lock()
-                .expect("no panics while holding the lock")[step.shard as usize] = Some(entry);
-        }
-        Ok(())
+        let mut state = self.state.lock().expect("no panics while holding the lock");
+        let shard = state.open.get_mut(&step.shard).expect("the shard is open");
+        shard.written += 1;
+        Ok(if Some(shard.written) == shard.steps {
+            state.open.remove(&step.shard)
+        } else {
+            None
+        })
     }
 
     /// Writes a shard's metadata once all its payloads are written, then syncs it.
@@ -1156,15 +1193,15 @@ impl Packer<'_> {
         );
         assert_eq!(metadata.len() as u64, shard.payload_start);
         shard.file.write_all_at(&metadata, 0).map_err(io)?;
-        // A shard whose last block is shorter than its padding must still have its full padded
-        // length (every step is written padded, so this changes nothing unless a write fell short).
+        // Every step is written padded, so the file has its full length already unless a write
+        // fell short; this makes sure of it.
         shard.file.set_len(shard.position).map_err(io)?;
         shard.file.sync_all().map_err(io)?;
         let at = table_checksum_at(&shard.fields, &shard.blocks);
         let table_checksum = u64::from_le_bytes(metadata[at..at + 8].try_into().expect("8 bytes"));
         Ok((
             ManifestShard {
-                file: format!("shard-{index:06}.gfs"),
+                file: shard_file_name(index),
                 first_sample: shard.first_sample,
                 sample_count: shard.sample_count,
                 file_bytes: shard.position,
@@ -1172,6 +1209,30 @@ impl Packer<'_> {
             },
             shard.stored_bytes,
         ))
+    }
+}
+
+/// The file name of shard `index` of a dataset.
+fn shard_file_name(index: u64) -> String {
+    format!("shard-{index:06}.gfs")
+}
+
+/// Asks the kernel to start writing `len` bytes of `file` at `offset` to the disk now, without
+/// waiting for it (`sync_file_range` with `SYNC_FILE_RANGE_WRITE`): the disk then writes while the
+/// pack goes on, rather than only once the page cache holds enough dirty pages or at the shard's
+/// sync. Best effort: it makes nothing durable (the shard's `fsync` does), and where a file system
+/// does not support it the bytes are just written later.
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a system call on a file descriptor that `file` keeps open; it reads and writes no
+    // memory of this process.
+    unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
     }
 }
 
