@@ -15,7 +15,7 @@
 //! Parquet files whose footer disagrees with the rows their row groups hold.
 
 use std::fs::File;
-use std::io::{self, BufWriter, Read, Seek, Write};
+use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -32,6 +32,13 @@ use crate::storage::mapped::MappedFile;
 /// Raw bytes a Parquet record batch is cut to: large enough that per-batch costs vanish, small
 /// enough that memory stays bounded whatever the row groups' size.
 pub const BATCH_BYTES_TARGET: usize = 32 << 20;
+
+/// Raw bytes of a record batch that one thread of a parallel Parquet read decodes at most: a batch
+/// small enough to stay in the core's cache between its decoding and its write to the scratch
+/// file, and for its buffers to be reused from batch to batch rather than handed back to the
+/// system and faulted in (and zeroed) again, which cost more than the decoding itself with batches
+/// of 16 MiB.
+const THREAD_BATCH_BYTES_MAX: usize = 1 << 20;
 
 /// Rows of a Parquet record batch at most, whatever the row size.
 const BATCH_ROWS_MAX: usize = 1 << 16;
@@ -491,8 +498,28 @@ struct Scratch {
     sample_bytes: usize,
     writer: BufWriter<File>,
     written: u64,
-    /// (file, first byte, samples) of each file's piece, in concatenation order.
-    pieces: Vec<(PathBuf, u64, u64)>,
+    /// (input file, scratch file holding it, first byte there, samples) of each piece, in
+    /// concatenation order.
+    pieces: Vec<(PathBuf, ScratchFile, u64, u64)>,
+}
+
+/// Which scratch file holds a piece of a field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScratchFile {
+    /// The field's own, written in row order by a sequential read.
+    Own,
+    /// One of the files of a parallel Parquet read, by thread: each thread writes its own, since
+    /// the kernel serialises writes to one file (threads queued at its lock spin rather than
+    /// decode), and the rows of every row group it decodes go there, column after column.
+    Thread(usize),
+}
+
+/// The scratch files of a parallel Parquet read, one per thread, shared by every file read.
+struct ThreadScratch {
+    /// The file, and the bytes written to it so far (where the next row group goes).
+    files: Vec<(File, u64)>,
+    /// The directory they are created in.
+    dir: PathBuf,
 }
 
 /// Reads the columns asked for into fields, decoding each file once (batch by batch) into scratch
@@ -565,6 +592,10 @@ pub fn open_table_fields(
     }
     // The first file and type of each field, which later files must agree with.
     let mut first: Vec<Option<(PathBuf, DataType)>> = vec![None; fields.len()];
+    let mut thread_scratch = ThreadScratch {
+        files: Vec::new(),
+        dir: scratch_dir.to_path_buf(),
+    };
     for (path, columns) in &files {
         let format = table_format(path)?;
         let probe = BatchReader::open(path, format, None, None)?;
@@ -629,10 +660,25 @@ pub fn open_table_fields(
             &names,
             row_bytes,
             &mut fields,
+            &mut thread_scratch,
             threads,
         )?;
     }
-    fields.into_iter().map(finish).collect()
+    // Each thread's scratch file mapped once, for every field it holds pieces of.
+    let mut thread_backings = Vec::with_capacity(thread_scratch.files.len());
+    for (file, written) in thread_scratch.files {
+        let backing = if written == 0 {
+            None
+        } else {
+            let map = MappedFile::map(&file).map_err(io_error(Path::new("(scratch file)")))?;
+            Some(Arc::new(Backing::Mapped { map, file }))
+        };
+        thread_backings.push(backing);
+    }
+    fields
+        .into_iter()
+        .map(|field| finish(field, &thread_backings))
+        .collect()
 }
 
 /// Decodes the `columns` of one file, appending each to its field's scratch file.
@@ -643,10 +689,19 @@ fn read_file(
     names: &[String],
     row_bytes: usize,
     fields: &mut [Scratch],
+    thread_scratch: &mut ThreadScratch,
     threads: usize,
 ) -> Result<(), InputError> {
     if format == TableFormat::Parquet && threads > 1 {
-        return read_parquet_parallel(path, columns, names, row_bytes, fields, threads);
+        return read_parquet_parallel(
+            path,
+            columns,
+            names,
+            row_bytes,
+            fields,
+            thread_scratch,
+            threads,
+        );
     }
     let mut reader = BatchReader::open(path, format, Some(names), Some(row_bytes))?;
     let starts: Vec<u64> = columns.iter().map(|(i, _)| fields[*i].written).collect();
@@ -689,7 +744,7 @@ fn read_file(
     for ((index, _), start) in columns.iter().zip(starts) {
         fields[*index]
             .pieces
-            .push((path.to_path_buf(), start, rows));
+            .push((path.to_path_buf(), ScratchFile::Own, start, rows));
     }
     Ok(())
 }
@@ -722,19 +777,21 @@ fn check_nulls(
     }
 }
 
-/// [`read_file`] for a Parquet file on `threads` threads, row group by row group: each row group's
-/// rows land at the place its footer's row counts give them in the scratch files (written with
-/// `pwrite`), and a row group holding other than its count is refused. Memory: about
-/// [`BATCH_BYTES_TARGET`] of decoded rows over all threads, plus the pages each thread decodes.
+/// [`read_file`] for a Parquet file on `threads` threads, row group by row group: each thread
+/// decodes the row groups it takes into its own scratch file (see [`ScratchFile::Thread`]), each
+/// column's rows of a group back to back at the place the footer's row count gives them (written
+/// with `pwrite`, straight from the decoded buffers), and every field gets a piece per row group. A
+/// row group holding other than its count is refused. Memory: up to [`THREAD_BATCH_BYTES_MAX`] of
+/// decoded rows per thread, plus the pages each thread decodes.
 fn read_parquet_parallel(
     path: &Path,
     columns: &[(usize, String)],
     names: &[String],
     row_bytes: usize,
     fields: &mut [Scratch],
+    thread_scratch: &mut ThreadScratch,
     threads: usize,
 ) -> Result<(), InputError> {
-    use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
 
@@ -759,33 +816,36 @@ fn read_parquet_parallel(
         ));
     }
     let mask = ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names));
-    let batch_rows = (BATCH_BYTES_TARGET / threads / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
+    let batch_bytes = (BATCH_BYTES_TARGET / threads).min(THREAD_BATCH_BYTES_MAX);
+    let batch_rows = (batch_bytes / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
     let mut group_starts = Vec::with_capacity(group_rows.len());
     let mut at = 0u64;
     for &count in &group_rows {
         group_starts.push(at);
         at += count;
     }
-    // Flushed, so that the positional writes below and the writers' later appends agree.
+    // Per column: its name, its sample bytes, and where its rows start within a row group's
+    // region of a thread's file (after the columns before it), in rows times bytes.
     let mut targets = Vec::with_capacity(columns.len());
+    let mut column_offset = 0u64;
     for (index, column) in columns {
-        let field = &mut fields[*index];
-        field
-            .writer
-            .flush()
-            .map_err(io_error(Path::new("(scratch file)")))?;
-        targets.push((column.as_str(), field.written, field.sample_bytes as u64));
+        let sample_bytes = fields[*index].sample_bytes as u64;
+        targets.push((column.as_str(), sample_bytes, column_offset));
+        column_offset += sample_bytes;
+    }
+    let workers = threads.min(group_rows.len());
+    while thread_scratch.files.len() < workers {
+        let file =
+            tempfile::tempfile_in(&thread_scratch.dir).map_err(io_error(&thread_scratch.dir))?;
+        thread_scratch.files.push((file, 0));
     }
     let next = AtomicUsize::new(0);
     // The lowest row group that failed: later ones are not started, earlier ones still run, so
     // the error reported is the first in the file whatever the threads' timing.
     let failed_at = AtomicUsize::new(usize::MAX);
     let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
-    let scratch_files: Vec<&File> = columns
-        .iter()
-        .map(|(index, _)| fields[*index].writer.get_ref())
-        .collect();
-    let decode_group = |group: usize| -> Result<(), InputError> {
+    // Decodes row group `group` into `scratch` from byte `base` on.
+    let decode_group = |group: usize, scratch: &File, base: u64| -> Result<(), InputError> {
         // Opened again, not cloned: a clone shares the file position the reader seeks.
         let file = crate::format::open_regular(path).map_err(io_error(path))?;
         let reader = ParquetRecordBatchReaderBuilder::try_new(file)
@@ -797,7 +857,6 @@ fn read_parquet_parallel(
             .map_err(|e| bad(&e))?;
         let mut read = 0u64;
         let mut bytes = Vec::new();
-        let mut values = Vec::new();
         for batch in reader {
             let first_row = group_starts[group] + read;
             let batch = batch.map_err(|e| {
@@ -811,18 +870,20 @@ fn read_parquet_parallel(
             })?;
             if read + batch.num_rows() as u64 > group_rows[group] {
                 // More rows than the footer gives the group: counted for the error, not written
-                // (they would overwrite the next group's rows).
+                // (they would overwrite the next column's or group's rows).
                 read += batch.num_rows() as u64;
                 continue;
             }
-            for ((column, base, sample_bytes), scratch) in targets.iter().zip(&scratch_files) {
+            for &(column, sample_bytes, column_offset) in &targets {
                 let array = batch
                     .column_by_name(column)
                     .expect("the projection keeps every column asked for");
                 check_nulls(path, column, first_row, array.as_ref())?;
-                values.clear();
-                write_values(array.as_ref(), &mut values, &mut bytes)
-                    .and_then(|()| scratch.write_all_at(&values, base + first_row * sample_bytes))
+                let mut out = WriteAt {
+                    file: scratch,
+                    at: base + group_rows[group] * column_offset + read * sample_bytes,
+                };
+                write_values(array.as_ref(), &mut out, &mut bytes)
                     .map_err(io_error(Path::new("(scratch file)")))?;
             }
             read += batch.num_rows() as u64;
@@ -838,25 +899,52 @@ fn read_parquet_parallel(
         }
         Ok(())
     };
-    std::thread::scope(|scope| {
-        for _ in 0..threads.min(group_rows.len()) {
-            scope.spawn(|| loop {
-                let group = next.fetch_add(1, Ordering::Relaxed);
-                if group >= group_rows.len() || group > failed_at.load(Ordering::Relaxed) {
-                    break;
-                }
-                let decoded =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode_group(group)))
+    // Per thread: (row group, first byte in the thread's file) of each row group it decoded.
+    let decoded: Vec<(usize, Vec<(usize, u64)>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = thread_scratch
+            .files
+            .iter_mut()
+            .take(workers)
+            .enumerate()
+            .map(|(thread, (scratch, written))| {
+                let (next, failed_at, errors, decode_group) =
+                    (&next, &failed_at, &errors, &decode_group);
+                let group_rows = &group_rows;
+                let group_starts = &group_starts;
+                scope.spawn(move || {
+                    let mut done = Vec::new();
+                    loop {
+                        let group = next.fetch_add(1, Ordering::Relaxed);
+                        if group >= group_rows.len() || group > failed_at.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let base = *written;
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            decode_group(group, scratch, base)
+                        }))
                         .unwrap_or_else(|_| Err(reader_panicked(path, group_starts[group])));
-                if let Err(error) = decoded {
-                    failed_at.fetch_min(group, Ordering::Relaxed);
-                    errors
-                        .lock()
-                        .expect("no panics while holding the lock")
-                        .push((group, error));
-                }
-            });
-        }
+                        match result {
+                            Ok(()) => {
+                                *written += group_rows[group] * row_bytes as u64;
+                                done.push((group, base));
+                            }
+                            Err(error) => {
+                                failed_at.fetch_min(group, Ordering::Relaxed);
+                                errors
+                                    .lock()
+                                    .expect("no panics while holding the lock")
+                                    .push((group, error));
+                            }
+                        }
+                    }
+                    (thread, done)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("a decoding thread catches its panics"))
+            .collect()
     });
     let mut errors = errors
         .into_inner()
@@ -865,50 +953,87 @@ fn read_parquet_parallel(
     if let Some((_, error)) = errors.into_iter().next() {
         return Err(error);
     }
-    append_written(path, columns, fields, rows)
-}
-
-/// Records `rows` rows of `path` written in place after each field's end, and moves the field's
-/// writer past them.
-fn append_written(
-    path: &Path,
-    columns: &[(usize, String)],
-    fields: &mut [Scratch],
-    rows: u64,
-) -> Result<(), InputError> {
-    for (index, _) in columns {
-        let field = &mut fields[*index];
-        let start = field.written;
-        field.written += rows * field.sample_bytes as u64;
-        field
-            .writer
-            .seek(io::SeekFrom::Start(field.written))
-            .map_err(io_error(Path::new("(scratch file)")))?;
-        field.pieces.push((path.to_path_buf(), start, rows));
+    let mut groups: Vec<(usize, usize, u64)> = decoded
+        .into_iter()
+        .flat_map(|(thread, done)| done.into_iter().map(move |(g, base)| (g, thread, base)))
+        .collect();
+    groups.sort_unstable();
+    assert_eq!(
+        groups.len(),
+        group_rows.len(),
+        "every row group decoded once"
+    );
+    for (group, thread, base) in groups {
+        let count = group_rows[group];
+        if count == 0 {
+            continue;
+        }
+        for ((index, _), &(_, _, column_offset)) in columns.iter().zip(&targets) {
+            fields[*index].pieces.push((
+                path.to_path_buf(),
+                ScratchFile::Thread(thread),
+                base + count * column_offset,
+                count,
+            ));
+        }
     }
     Ok(())
 }
 
-/// Maps a field's finished scratch file: one part per input file, all over the one mapping.
-fn finish(scratch: Scratch) -> Result<FieldSource, InputError> {
+/// Positional writes to a file from an offset on, as a [`Write`]: what the threads of a parallel
+/// Parquet read write their decoded columns with, without a copy into a buffer first.
+struct WriteAt<'a> {
+    file: &'a File,
+    at: u64,
+}
+
+impl Write for WriteAt<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let written = self.file.write_at(buf, self.at)?;
+        self.at += written as u64;
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Maps a field's finished scratch file, if any piece is there, and makes a part of every piece
+/// (one per input file read sequentially, one per row group read in parallel, the latter over
+/// `thread_backings`, the threads' files mapped).
+fn finish(
+    scratch: Scratch,
+    thread_backings: &[Option<Arc<Backing>>],
+) -> Result<FieldSource, InputError> {
     let path = scratch
         .pieces
         .first()
         .map(|p| p.0.clone())
         .unwrap_or_default();
-    let file = scratch.writer.into_inner().map_err(|e| InputError::Io {
-        path: path.clone(),
-        source: e.into_error(),
-    })?;
-    let map = MappedFile::map(&file).map_err(io_error(&path))?;
-    let backing = Arc::new(Backing::Mapped { map, file });
+    let own = if scratch.pieces.iter().any(|p| p.1 == ScratchFile::Own) {
+        let file = scratch.writer.into_inner().map_err(|e| InputError::Io {
+            path: path.clone(),
+            source: e.into_error(),
+        })?;
+        let map = MappedFile::map(&file).map_err(io_error(&path))?;
+        Some(Arc::new(Backing::Mapped { map, file }))
+    } else {
+        None
+    };
     let parts = scratch
         .pieces
         .iter()
-        .map(|(path, start, samples)| {
+        .map(|(path, source, start, samples)| {
+            let backing = match source {
+                ScratchFile::Own => own.clone(),
+                ScratchFile::Thread(thread) => thread_backings[*thread].clone(),
+            }
+            .expect("a scratch file holding a piece was written and mapped");
             SourcePart::new(
                 path,
-                backing.clone(),
+                backing,
                 *start as usize,
                 *samples,
                 scratch.sample_bytes,
