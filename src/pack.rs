@@ -108,7 +108,7 @@ pub struct PackOptions {
     pub shuffle: ShuffleChoice,
     /// Policy for an existing destination.
     pub on_existing: OnExisting,
-    /// Threads compressing blocks (at least 1).
+    /// Threads reading, encoding and writing blocks (at least 1).
     pub threads: usize,
 }
 
@@ -914,7 +914,9 @@ impl Packer<'_> {
                 match self.hand_out(&mut state) {
                     Ok(Some(step)) => step,
                     Ok(None) => return,
-                    Err((key, error)) => {
+                    Err(error) => {
+                        // The shard whose file could not be created.
+                        let key = (state.next_shard, 0);
                         self.fail(&mut state, key, error);
                         return;
                     }
@@ -953,18 +955,16 @@ impl Packer<'_> {
 
     /// Hands out the next step (`None` when none is left): from a shard started now if fewer
     /// than [`Packer::shards_open_max`] are being handed out and one is left (creating its file),
-    /// else from the shard whose turn it is. Fails with the step's (shard, seq).
-    #[allow(clippy::type_complexity)]
-    fn hand_out(&self, state: &mut PackState) -> Result<Option<Step>, ((u64, u64), PackError)> {
+    /// else from the shard whose turn it is. Fails if the file of the shard started cannot be
+    /// created (`state.next_shard` is that shard).
+    fn hand_out(&self, state: &mut PackState) -> Result<Option<Step>, PackError> {
         if (state.cursors.len() as u64) < self.shards_open_max
             && state.next_shard < self.shard_count
         {
             let index = state.next_shard;
             let first_sample = index * self.samples_per_shard;
             let count = self.samples_per_shard.min(self.sample_count - first_sample);
-            let shard = self
-                .open_shard(index, first_sample, count)
-                .map_err(|error| ((index, 0), error))?;
+            let shard = self.open_shard(index, first_sample, count)?;
             state.open.insert(index, shard);
             state.next_shard += 1;
             // A shard's first step goes out at once, as its file exists.

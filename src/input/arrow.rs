@@ -652,12 +652,10 @@ pub fn open_table_fields(
             }
             row_bytes += field.sample_bytes;
         }
-        let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
         read_file(
             path,
             format,
             columns,
-            &names,
             row_bytes,
             &mut fields,
             &mut thread_scratch,
@@ -686,12 +684,13 @@ fn read_file(
     path: &Path,
     format: TableFormat,
     columns: &[(usize, String)],
-    names: &[String],
     row_bytes: usize,
     fields: &mut [Scratch],
     thread_scratch: &mut ThreadScratch,
     threads: usize,
 ) -> Result<(), InputError> {
+    let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
+    let names = names.as_slice();
     if format == TableFormat::Parquet && threads > 1 {
         return read_parquet_parallel(
             path,
