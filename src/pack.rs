@@ -1072,11 +1072,33 @@ impl Packer<'_> {
         let sample_bytes = field.sample_bytes() as u64;
         let base = step.first_sample * sample_bytes;
         field.advise(base + step.begin, base + step.end);
-        raw.clear();
-        field.copy_bytes(base + step.begin, base + step.end, raw)?;
         let chunk = chunk_bytes(sample_bytes, self.options.block_bytes) as usize;
         encoded.bytes.clear();
         encoded.blocks.clear();
+        if self.codecs[step.field] == CodecChoice::Raw && chunk as u64 % PAYLOAD_ALIGN_BYTES == 0 {
+            // Raw blocks of whole pages lie back to back as stored, only the step's last one
+            // padded: copied from the input straight to where they are written.
+            field.copy_bytes(base + step.begin, base + step.end, &mut encoded.bytes)?;
+            let mut at = 0;
+            while at < encoded.bytes.len() {
+                let len = chunk.min(encoded.bytes.len() - at);
+                let block_checksum = checksum(&encoded.bytes[at..at + len]);
+                encoded.blocks.push((
+                    at as u64,
+                    len as u32,
+                    len as u32,
+                    Codec::Raw,
+                    Filter::None,
+                    block_checksum,
+                ));
+                at += len;
+            }
+            let padded = format::align_up(encoded.bytes.len() as u64) as usize;
+            encoded.bytes.resize(padded, 0);
+            return Ok(());
+        }
+        raw.clear();
+        field.copy_bytes(base + step.begin, base + step.end, raw)?;
         for piece in raw.chunks(chunk) {
             let at = encoded.bytes.len();
             let (codec, filter) = encode_block_into(
