@@ -25,12 +25,22 @@
 # GB/s, Parquet >= 1 GB/s; printed as met or not, not failed on. Any command that fails makes the
 # script exit non-zero. About 3 minutes for 8 GiB on a 16-core host with a fast disk, plus the
 # first run's input generation (about a minute); PACK_BENCH_GIB=4 halves it.
+# PACK_BENCH_BASE_BIN=PATH: every pack case also run with that binary right after (cases NAME@base),
+# for a before/after in one run (about doubles the time: use PACK_BENCH_GIB=4).
+# Parquet decoding runs one thread per row group: a file of fewer row groups than threads decodes on
+# fewer threads (pyarrow's default row group holds up to 1Mi rows, 2 GiB of these rows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bin=${GPUFEED_BIN:-.gpu/read/bin/gpufeed}
 [ -x "$bin" ] || { echo "pack-bench: no gpufeed binary at $bin (set GPUFEED_BIN)" >&2; exit 1; }
 bin=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
+base_bin=${PACK_BENCH_BASE_BIN:-}
+if [ -n "$base_bin" ]; then
+  [ -x "$base_bin" ] || { echo "pack-bench: no binary at PACK_BENCH_BASE_BIN=$base_bin" >&2; exit 1; }
+  base_bin=$(cd "$(dirname "$base_bin")" && pwd)/$(basename "$base_bin")
+fi
+commit=$(cat "$(dirname "$bin")/COMMIT" 2>/dev/null || echo unknown)
 OUT=${OUT:-/tmp/gpufeed-pack}
 mkdir -p "$OUT"
 jsonl=$OUT/pack.jsonl
@@ -42,7 +52,7 @@ outdir=${PACK_BENCH_OUT_DIR:-$data/out}
 parquet_rows=${PACK_BENCH_PARQUET_ROWS:-65536}
 mkdir -p "$data" "$outdir"
 
-echo "pack-bench: $(date -u +%FT%TZ) host $(hostname) $(nproc) CPUs; binary $bin"
+echo "pack-bench: $(date -u +%FT%TZ) host $(hostname) $(nproc) CPUs; binary $bin (commit $commit)${base_bin:+; base $base_bin}"
 echo "pack-bench: $gib GiB per input (PACK_BENCH_GIB), $runs runs per case, $threads threads;" \
   "inputs in $data, outputs in $outdir ($(df -h --output=source,fstype "$outdir" | tail -1 | tr -s ' '))"
 
@@ -130,35 +140,42 @@ bench() {
   echo "   median $med s: $gbps GB/s of input ($bytes bytes)"
   local runs_json
   runs_json=$(IFS=,; echo "${times[*]}")
-  python3 - "$jsonl" "$case" "$cmd" "$bytes" "$med" "$gbps" "[$runs_json]" "$threads" "$gib" "$bin" <<'PY'
+  python3 - "$jsonl" "$case" "$cmd" "$bytes" "$med" "$gbps" "[$runs_json]" "$threads" "$gib" "$commit" <<'PY'
 import json, os, socket, sys, time
-path, case, cmd, nbytes, med, gbps, runs, threads, gib, binary = sys.argv[1:]
+path, case, cmd, nbytes, med, gbps, runs, threads, gib, commit = sys.argv[1:]
 line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
         "cpus": os.cpu_count(), "case": case, "command": cmd, "input_bytes": int(nbytes),
         "runs_s": json.loads(runs), "median_s": float(med), "gbps": float(gbps),
-        "threads": int(threads), "gib": float(gib), "binary": binary}
+        "threads": int(threads), "gib": float(gib), "commit": commit}
 with open(path, "a") as f:
     f.write(json.dumps(line) + "\n")
 PY
 }
 
+# pack_case CASE INPUT_BYTES OUTPUT PACK_ARGS...: the case with $bin, then with the base binary.
+pack_case() {
+  local case=$1 bytes=$2 output=$3
+  shift 3
+  bench "$case" "$bytes" "$output" "$bin" pack --quiet --threads "$threads" --out "$output" "$@"
+  if [ -n "$base_bin" ]; then
+    bench "$case@base" "$bytes" "$output" \
+      "$base_bin" pack --quiet --threads "$threads" --out "$output" "$@"
+  fi
+}
+
 bench cp "$emb_bytes" "$outdir/emb_fp16.npy" \
   sh -c "cp $reflink '$emb' '$outdir/emb_fp16.npy' && sync '$outdir/emb_fp16.npy'"
-bench raw "$emb_bytes" "$outdir/emb-raw" \
-  "$bin" pack --quiet --threads "$threads" --codec raw --out "$outdir/emb-raw" "$emb"
-bench lz4 "$emb_bytes" "$outdir/emb-lz4" \
-  "$bin" pack --quiet --threads "$threads" --codec lz4 --out "$outdir/emb-lz4" "$emb"
-bench tokens-auto "$tokens_bytes" "$outdir/tokens" \
-  "$bin" pack --quiet --threads "$threads" --out "$outdir/tokens" "$tokens"
+pack_case raw "$emb_bytes" "$outdir/emb-raw" --codec raw "$emb"
+pack_case lz4 "$emb_bytes" "$outdir/emb-lz4" --codec lz4 "$emb"
+pack_case tokens-auto "$tokens_bytes" "$outdir/tokens" "$tokens"
 if [ -n "$parquet" ]; then
-  bench parquet-raw "$parquet_raw_bytes" "$outdir/emb-parquet" \
-    "$bin" pack --quiet --threads "$threads" --codec raw --out "$outdir/emb-parquet" "$parquet"
+  pack_case parquet-raw "$parquet_raw_bytes" "$outdir/emb-parquet" --codec raw "$parquet"
 fi
 
 # ----- summary -----
 echo "== summary ($gib GiB inputs, $threads threads, median of $runs; results in $jsonl)"
-for case in cp raw lz4 tokens-auto parquet-raw; do
-  [ -n "${medians[$case]:-}" ] && printf '   %-12s %8s GB/s\n' "$case" "${medians[$case]}"
+for case in cp raw raw@base lz4 lz4@base tokens-auto tokens-auto@base parquet-raw parquet-raw@base; do
+  [ -n "${medians[$case]:-}" ] && printf '   %-17s %8s GB/s\n' "$case" "${medians[$case]}"
 done
 verdict() { awk -v v="$1" -v t="$2" 'BEGIN { print (v >= t ? "met" : "NOT met") }'; }
 if [ -n "${medians[cp]:-}" ] && [ -n "${medians[raw]:-}" ]; then
