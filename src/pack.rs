@@ -894,6 +894,7 @@ impl Packer<'_> {
     /// One thread's loop: steps until there are none left or the pack failed; each shard whose
     /// last step it writes goes to `finished`.
     fn work(&self, finished: mpsc::SyncSender<FinishedShard>) {
+        let _stop = StopOnPanic(self);
         let mut raw = Vec::new();
         let mut encoded = EncodedStep {
             bytes: Vec::new(),
@@ -1231,6 +1232,24 @@ impl Packer<'_> {
             },
             shard.stored_bytes,
         ))
+    }
+}
+
+/// Stops the other packing threads if the one holding it panics, so that none waits forever for a
+/// step that this one would have placed; the panic then reaches the caller through the thread scope.
+struct StopOnPanic<'a, 'b>(&'a Packer<'b>);
+
+impl Drop for StopOnPanic<'_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut state = self
+                .0
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let error = PackError::Invalid("a packing thread panicked".into());
+            self.0.fail(&mut state, (0, 0), error);
+        }
     }
 }
 
