@@ -784,13 +784,19 @@ fn write_dataset(
 /// one write of a few MiB.
 const STEP_RAW_BYTES: u64 = 4 << 20;
 
+/// Blocks of a packing step at most: progress is reported, and a pack job's rate limit applied,
+/// step by step, so small blocks make small steps (1 MiB of 4 KiB blocks), as they did when the
+/// packer encoded this many blocks at a time.
+const STEP_BLOCKS_MAX: u64 = 256;
+
 /// Shards whose steps are handed out at once, at most (and at most one per thread): each is an
 /// open file.
 const SHARDS_OPEN_MAX: u64 = 64;
 
 /// Writes a dataset's shards on `options.threads` threads, and syncs them on the calling thread.
 ///
-/// The work is cut into steps, a run of whole blocks of one field of one shard. Steps are handed
+/// The work is cut into steps, a run of whole blocks of one field of one shard ([`STEP_RAW_BYTES`],
+/// [`STEP_BLOCKS_MAX`]). Steps are handed
 /// out from up to one shard per thread in turn, each shard's in the order its bytes go into it, so
 /// that the threads mostly write different files: the kernel serialises buffered writes to one
 /// file, and threads waiting their turn at one file spin on its lock. Each thread takes the next
@@ -984,7 +990,7 @@ impl Packer<'_> {
         let sample_bytes = self.fields[next.field].sample_bytes() as u64;
         let field_bytes = sample_bytes * count;
         let chunk = chunk_bytes(sample_bytes, self.options.block_bytes);
-        let step_bytes = chunk * (STEP_RAW_BYTES / chunk).max(1);
+        let step_bytes = chunk * (STEP_RAW_BYTES / chunk).clamp(1, STEP_BLOCKS_MAX);
         let end = (next.offset + step_bytes).min(field_bytes);
         let step = Step {
             shard: next.shard,

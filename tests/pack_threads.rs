@@ -1,8 +1,8 @@
 //! Packing on several threads writes the same bytes as on one.
 //!
 //! The packer cuts a pack into steps (runs of whole blocks of one field of one shard, at most
-//! 4 MiB), which its threads read, encode and write at once, several shards at a time, each step
-//! placed after the one before it in its shard. These tests pin what must not depend on that
+//! 4 MiB or 256 blocks), which its threads read, encode and write at once, several shards at a
+//! time, each step placed after the one before it in its shard. These tests pin what must not depend on that
 //! schedule: every file of the dataset byte for byte (block order, offsets, padding, checksums,
 //! metadata, manifest), for every codec, with fields whose samples are smaller than a block, not a
 //! divisor of it, and larger than one, shards holding several steps of a field, and more threads
@@ -25,7 +25,7 @@ use gpufeed_client::DType;
 const SAMPLES: u64 = 1500;
 const SAMPLES_PER_SHARD: u64 = 600;
 /// Elements of the wide field's samples: 8194 bytes of i16, more than a 4 KiB block, so that its
-/// samples span blocks, and 600 of them (4.7 MiB) take two steps per shard.
+/// samples span blocks, and 600 of them (4.7 MiB) take five steps per shard.
 const WIDE: u64 = 4097;
 
 /// Fields of several shapes: 3-byte samples (not a divisor of a block), f32 rows, compressible
