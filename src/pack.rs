@@ -1183,12 +1183,25 @@ impl Packer<'_> {
             .map_err(|source| PackError::Io { path, source })?;
         start_writeback(&file, at, encoded.bytes.len() as u64);
         {
+            // Reporting and asking whether to cancel are one step under this lock: once a report
+            // cancels the pack, no later step reports (as when one thread wrote the steps in
+            // order), whatever other threads had under way.
             let mut done = self
                 .progress
                 .lock()
                 .expect("no panics while holding the lock");
+            let mut state = self.state.lock().expect("no panics while holding the lock");
+            if state.failed.is_some() {
+                return Ok(None);
+            }
+            drop(state);
             *done += step.end - step.begin;
             self.observer.progress(*done);
+            if self.observer.cancelled() {
+                state = self.state.lock().expect("no panics while holding the lock");
+                self.fail(&mut state, (u64::MAX, u64::MAX), PackError::Cancelled);
+                return Ok(None);
+            }
         }
         let mut state = self.state.lock().expect("no panics while holding the lock");
         let shard = state.open.get_mut(&step.shard).expect("the shard is open");

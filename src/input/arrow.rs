@@ -23,7 +23,9 @@ use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::{DataType, SchemaRef};
 use gpufeed_proto::DType;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{
+    ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection, RowSelector,
+};
 use parquet::arrow::ProjectionMask;
 
 use super::{checked_sample_bytes, Backing, FieldSource, InputError, SourcePart};
@@ -39,6 +41,12 @@ pub const BATCH_BYTES_TARGET: usize = 32 << 20;
 /// system and faulted in (and zeroed) again, which cost more than the decoding itself with batches
 /// of 16 MiB.
 const THREAD_BATCH_BYTES_MAX: usize = 1 << 20;
+
+/// Raw bytes of a slice of a Parquet row group at least: when a file has fewer row groups than
+/// the pack has threads, each row group is cut into slices for several threads to decode, each
+/// skipping the rows before its slice (which costs about a tenth of decoding them), but none
+/// smaller than this, so that the skipping stays small beside the decoding.
+const SLICE_BYTES_MIN: u64 = 16 << 20;
 
 /// Rows of a Parquet record batch at most, whatever the row size.
 const BATCH_ROWS_MAX: usize = 1 << 16;
@@ -832,32 +840,75 @@ fn read_parquet_parallel(
         targets.push((column.as_str(), sample_bytes, column_offset));
         column_offset += sample_bytes;
     }
-    let workers = threads.min(group_rows.len());
+    // The units of work: whole row groups, or, when there are fewer row groups than threads, slices
+    // of each (see `SLICE_BYTES_MIN`), in file order.
+    let mut units: Vec<Unit> = Vec::new();
+    let slices_wanted = if group_rows.len() >= threads {
+        1
+    } else {
+        threads.div_ceil(group_rows.len().max(1)) as u64
+    };
+    for (group, &count) in group_rows.iter().enumerate() {
+        let by_size = (count.saturating_mul(row_bytes as u64) / SLICE_BYTES_MIN).max(1);
+        let slices = slices_wanted.min(by_size);
+        if slices <= 1 {
+            units.push(Unit {
+                group,
+                first: 0,
+                count,
+                whole: true,
+            });
+            continue;
+        }
+        let per = count.div_ceil(slices);
+        let mut first = 0;
+        while first < count {
+            let take = per.min(count - first);
+            units.push(Unit {
+                group,
+                first,
+                count: take,
+                whole: false,
+            });
+            first += take;
+        }
+    }
+    let workers = threads.min(units.len());
     while thread_scratch.files.len() < workers {
         let file =
             tempfile::tempfile_in(&thread_scratch.dir).map_err(io_error(&thread_scratch.dir))?;
         thread_scratch.files.push((file, 0));
     }
     let next = AtomicUsize::new(0);
-    // The lowest row group that failed: later ones are not started, earlier ones still run, so
-    // the error reported is the first in the file whatever the threads' timing.
+    // The lowest unit that failed: later ones are not started, earlier ones still run, so the
+    // error reported is the first in the file whatever the threads' timing.
     let failed_at = AtomicUsize::new(usize::MAX);
     let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
-    // Decodes row group `group` into `scratch` from byte `base` on.
-    let decode_group = |group: usize, scratch: &File, base: u64| -> Result<(), InputError> {
+    let reader_of = |unit: &Unit| -> Result<ParquetRecordBatchReader, InputError> {
         // Opened again, not cloned: a clone shares the file position the reader seeks.
         let file = crate::format::open_regular(path).map_err(io_error(path))?;
-        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+        let mut builder = ParquetRecordBatchReaderBuilder::try_new(file)
             .map_err(|e| bad(&e))?
             .with_projection(mask.clone())
-            .with_row_groups(vec![group])
-            .with_batch_size(batch_rows)
-            .build()
-            .map_err(|e| bad(&e))?;
+            .with_row_groups(vec![unit.group])
+            .with_batch_size(batch_rows);
+        if !unit.whole {
+            // Rows before the slice are skipped (their pages decompressed and their levels
+            // counted, not decoded: about a tenth of decoding them), rows after it not read.
+            builder = builder.with_row_selection(RowSelection::from(vec![
+                RowSelector::skip(unit.first as usize),
+                RowSelector::select(unit.count as usize),
+            ]));
+        }
+        builder.build().map_err(|e| bad(&e))
+    };
+    // Decodes `unit` into `scratch` from byte `base` on: each column's rows back to back.
+    let decode_unit = |unit: &Unit, scratch: &File, base: u64| -> Result<(), InputError> {
+        let group = unit.group;
         let mut read = 0u64;
         let mut bytes = Vec::new();
-        for batch in reader {
-            let first_row = group_starts[group] + read;
+        for batch in reader_of(unit)? {
+            let first_row = group_starts[group] + unit.first + read;
             let batch = batch.map_err(|e| {
                 table_error(
                     path,
@@ -867,7 +918,7 @@ fn read_parquet_parallel(
                     ),
                 )
             })?;
-            if read + batch.num_rows() as u64 > group_rows[group] {
+            if read + batch.num_rows() as u64 > unit.count {
                 // More rows than the footer gives the group: counted for the error, not written
                 // (they would overwrite the next column's or group's rows).
                 read += batch.num_rows() as u64;
@@ -880,14 +931,14 @@ fn read_parquet_parallel(
                 check_nulls(path, column, first_row, array.as_ref())?;
                 let mut out = WriteAt {
                     file: scratch,
-                    at: base + group_rows[group] * column_offset + read * sample_bytes,
+                    at: base + unit.count * column_offset + read * sample_bytes,
                 };
                 write_values(array.as_ref(), &mut out, &mut bytes)
                     .map_err(io_error(Path::new("(scratch file)")))?;
             }
             read += batch.num_rows() as u64;
         }
-        if read != group_rows[group] {
+        if read != unit.count {
             return Err(table_error(
                 path,
                 format!(
@@ -898,7 +949,34 @@ fn read_parquet_parallel(
         }
         Ok(())
     };
-    // Per thread: (row group, first byte in the thread's file) of each row group it decoded.
+    // A slice that failed: if its row group holds other than the footer's count (read whole),
+    // that is the error, as for a row group read whole; otherwise the slice's own.
+    let explain = |unit: &Unit, error: InputError| -> InputError {
+        let whole = Unit {
+            first: 0,
+            count: group_rows[unit.group],
+            whole: true,
+            ..*unit
+        };
+        let counted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut rows = 0u64;
+            for batch in reader_of(&whole).ok()? {
+                rows += batch.ok()?.num_rows() as u64;
+            }
+            Some(rows)
+        }));
+        match counted {
+            Ok(Some(rows)) if rows != whole.count => table_error(
+                path,
+                format!(
+                    "row group {}: the footer says {} rows but the row group holds {rows}",
+                    unit.group, whole.count
+                ),
+            ),
+            _ => error,
+        }
+    };
+    // Per thread: (unit, first byte in the thread's file) of each unit it decoded.
     let decoded: Vec<(usize, Vec<(usize, u64)>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = thread_scratch
             .files
@@ -906,33 +984,41 @@ fn read_parquet_parallel(
             .take(workers)
             .enumerate()
             .map(|(thread, (scratch, written))| {
-                let (next, failed_at, errors, decode_group) =
-                    (&next, &failed_at, &errors, &decode_group);
-                let group_rows = &group_rows;
+                let (next, failed_at, errors, decode_unit, explain) =
+                    (&next, &failed_at, &errors, &decode_unit, &explain);
+                let units = &units;
                 let group_starts = &group_starts;
                 scope.spawn(move || {
                     let mut done = Vec::new();
                     loop {
-                        let group = next.fetch_add(1, Ordering::Relaxed);
-                        if group >= group_rows.len() || group > failed_at.load(Ordering::Relaxed) {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        if index >= units.len() || index > failed_at.load(Ordering::Relaxed) {
                             break;
                         }
+                        let unit = &units[index];
                         let base = *written;
                         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            decode_group(group, scratch, base)
+                            decode_unit(unit, scratch, base)
                         }))
-                        .unwrap_or_else(|_| Err(reader_panicked(path, group_starts[group])));
+                        .unwrap_or_else(|_| {
+                            Err(reader_panicked(path, group_starts[unit.group] + unit.first))
+                        });
                         match result {
                             Ok(()) => {
-                                *written += group_rows[group] * row_bytes as u64;
-                                done.push((group, base));
+                                *written += unit.count * row_bytes as u64;
+                                done.push((index, base));
                             }
                             Err(error) => {
-                                failed_at.fetch_min(group, Ordering::Relaxed);
+                                let error = if unit.whole {
+                                    error
+                                } else {
+                                    explain(unit, error)
+                                };
+                                failed_at.fetch_min(index, Ordering::Relaxed);
                                 errors
                                     .lock()
                                     .expect("no panics while holding the lock")
-                                    .push((group, error));
+                                    .push((index, error));
                             }
                         }
                     }
@@ -948,27 +1034,23 @@ fn read_parquet_parallel(
     let mut errors = errors
         .into_inner()
         .expect("no panics while holding the lock");
-    errors.sort_by_key(|(group, _)| *group);
+    errors.sort_by_key(|(index, _)| *index);
     if let Some((_, error)) = errors.into_iter().next() {
         return Err(error);
     }
-    let mut groups: Vec<(usize, usize, u64)> = decoded
+    let mut done: Vec<(usize, usize, u64)> = decoded
         .into_iter()
-        .flat_map(|(thread, done)| done.into_iter().map(move |(g, base)| (g, thread, base)))
+        .flat_map(|(thread, done)| done.into_iter().map(move |(u, base)| (u, thread, base)))
         .collect();
-    groups.sort_unstable();
-    assert_eq!(
-        groups.len(),
-        group_rows.len(),
-        "every row group decoded once"
-    );
-    for (group, thread, base) in groups {
-        let count = group_rows[group];
+    done.sort_unstable();
+    assert_eq!(done.len(), units.len(), "every unit decoded once");
+    for (index, thread, base) in done {
+        let count = units[index].count;
         if count == 0 {
             continue;
         }
-        for ((index, _), &(_, _, column_offset)) in columns.iter().zip(&targets) {
-            fields[*index].pieces.push((
+        for ((field, _), &(_, _, column_offset)) in columns.iter().zip(&targets) {
+            fields[*field].pieces.push((
                 path.to_path_buf(),
                 ScratchFile::Thread(thread),
                 base + count * column_offset,
@@ -977,6 +1059,19 @@ fn read_parquet_parallel(
         }
     }
     Ok(())
+}
+
+/// Rows of one row group that one thread of a parallel Parquet read decodes: the whole group, or
+/// a slice of it.
+#[derive(Clone, Copy)]
+struct Unit {
+    group: usize,
+    /// The slice's first row within the group.
+    first: u64,
+    /// Rows in the slice.
+    count: u64,
+    /// Whether the slice is the whole group (read without a row selection).
+    whole: bool,
 }
 
 /// Positional writes to a file from an offset on, as a [`Write`]: what the threads of a parallel
@@ -1166,6 +1261,18 @@ mod tests {
     /// packed short or padded.
     #[test]
     fn a_row_group_claiming_more_rows_than_its_pages_hold_is_refused() {
+        lying_row_group_is_refused(100);
+    }
+
+    /// The same for a row group large enough to be cut into slices for several threads (two of
+    /// 2.5 M rows, of 5 M rows of 8 bytes): the second slice reads past the rows the group holds,
+    /// and the error is still the group's count against the footer's, not the slice's.
+    #[test]
+    fn a_sliced_row_group_claiming_more_rows_than_its_pages_hold_is_refused() {
+        lying_row_group_is_refused(5_000_000);
+    }
+
+    fn lying_row_group_is_refused(rows: i64) {
         use arrow_array::{ArrayRef, Int64Array};
         use parquet::arrow::ArrowWriter;
         use parquet::file::metadata::{
@@ -1173,10 +1280,18 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let honest = dir.path().join("honest.parquet");
-        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..100));
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..rows));
         let batch = RecordBatch::try_from_iter([("x", values)]).unwrap();
-        let mut writer =
-            ArrowWriter::try_new(File::create(&honest).unwrap(), batch.schema(), None).unwrap();
+        // One row group, however many rows.
+        let properties = parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(rows as usize))
+            .build();
+        let mut writer = ArrowWriter::try_new(
+            File::create(&honest).unwrap(),
+            batch.schema(),
+            Some(properties),
+        )
+        .unwrap();
         writer.write(&batch).unwrap();
         writer.close().unwrap();
         let bytes = std::fs::read(&honest).unwrap();
@@ -1207,7 +1322,7 @@ mod tests {
         std::fs::write(&path, &out).unwrap();
         assert_eq!(
             describe_table(&path).unwrap().rows,
-            150,
+            rows as u64 + 50,
             "the footer does lie"
         );
         let request = ColumnRequest {
@@ -1217,17 +1332,26 @@ mod tests {
         };
         // One thread reads the file in order; several read row group by row group.
         for (threads, ending) in [
-            (1, "the footer says 150 rows but the row groups hold 100"),
+            (
+                1,
+                format!(
+                    "the footer says {} rows but the row groups hold {rows}",
+                    rows + 50
+                ),
+            ),
             (
                 4,
-                "row group 0: the footer says 150 rows but the row group holds 100",
+                format!(
+                    "row group 0: the footer says {} rows but the row group holds {rows}",
+                    rows + 50
+                ),
             ),
         ] {
             let error =
                 open_table_fields(std::slice::from_ref(&request), dir.path(), threads).unwrap_err();
             let text = error.to_string();
             assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
-            assert!(text.ends_with(ending), "{threads} threads: {text}");
+            assert!(text.ends_with(&ending), "{threads} threads: {text}");
         }
     }
 }
