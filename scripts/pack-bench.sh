@@ -27,8 +27,9 @@
 # first run's input generation (about a minute); PACK_BENCH_GIB=4 halves it.
 # PACK_BENCH_BASE_BIN=PATH: every pack case also run with that binary right after (cases NAME@base),
 # for a before/after in one run (about doubles the time: use PACK_BENCH_GIB=4).
-# Parquet decoding runs one thread per row group: a file of fewer row groups than threads decodes on
-# fewer threads (pyarrow's default row group holds up to 1Mi rows, 2 GiB of these rows).
+# Parquet decoding runs a thread per row group, or per slice of one (of at least 16 MiB) where a file
+# has fewer row groups than threads (pyarrow's default row group holds up to 1Mi rows, 2 GiB of these
+# rows); PACK_BENCH_PARQUET_ROWS=1048576 measures that layout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
