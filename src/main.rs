@@ -203,7 +203,8 @@ struct PackArgs {
     /// Replace an existing dataset at --out (only once the new one is complete).
     #[arg(long)]
     force: bool,
-    /// Threads compressing blocks (default: the number of CPUs).
+    /// Threads reading, encoding and writing blocks, and decoding Parquet row groups (default: the
+    /// number of CPUs).
     #[arg(long)]
     threads: Option<usize>,
     /// Do not draw a progress bar.

@@ -11,11 +11,12 @@
 //! path is an error naming the missing directory rather than a dataset of many gigabytes written
 //! somewhere unexpected.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::{self, File};
-use std::io::{self, Seek, SeekFrom, Write};
+use std::io;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 use crate::decode::shuffle;
 use crate::durable::{self, WriterLock};
@@ -56,10 +57,6 @@ pub const AUTO_SAMPLE_BLOCKS: u64 = 16;
 /// Raw bytes per shard the packer aims for when `samples_per_shard` is not given (256 MiB): large enough
 /// for long sequential reads, small enough to spread over readers and to re-pack cheaply.
 pub const SHARD_RAW_BYTES_TARGET: u64 = 256 << 20;
-
-/// Blocks encoded together in one parallel step; bounds the packer's memory to about this many blocks
-/// of raw plus stored bytes.
-const BLOCKS_PER_STEP: usize = 256;
 
 /// Which codec the packer uses for each block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,7 +108,7 @@ pub struct PackOptions {
     pub shuffle: ShuffleChoice,
     /// Policy for an existing destination.
     pub on_existing: OnExisting,
-    /// Threads compressing blocks (at least 1).
+    /// Threads reading, encoding and writing blocks (at least 1).
     pub threads: usize,
 }
 
@@ -235,51 +232,105 @@ pub fn encode_block(
     codec: CodecChoice,
     shuffle_choice: ShuffleChoice,
 ) -> EncodedBlock {
-    let raw_block = || EncodedBlock {
-        codec: Codec::Raw,
-        filter: Filter::None,
-        stored: raw.to_vec(),
-    };
+    let mut stored = Vec::new();
+    let (codec, filter) = encode_block_into(
+        raw,
+        element_bytes,
+        codec,
+        shuffle_choice,
+        &mut stored,
+        &mut BlockScratch::default(),
+    );
+    EncodedBlock {
+        codec,
+        filter,
+        stored,
+    }
+}
+
+/// Buffers that [`encode_block_into`] reuses from block to block on one thread.
+#[derive(Default)]
+struct BlockScratch {
+    /// The byte-shuffled block.
+    shuffled: Vec<u8>,
+    /// The second of two compressions of a block, while the smaller is chosen.
+    second: Vec<u8>,
+}
+
+/// Appends LZ4's compression of `input` to `out`.
+fn compress_append(input: &[u8], out: &mut Vec<u8>) {
+    let at = out.len();
+    out.resize(
+        at + lz4_flex::block::get_maximum_output_size(input.len()),
+        0,
+    );
+    let written = lz4_flex::block::compress_into(input, &mut out[at..])
+        .expect("the output has room for LZ4's largest expansion");
+    out.truncate(at + written);
+}
+
+/// [`encode_block`] appending the stored bytes to `out` (whose earlier bytes it leaves alone):
+/// the same bytes, codec and filter, without a buffer allocated per block.
+fn encode_block_into(
+    raw: &[u8],
+    element_bytes: usize,
+    codec: CodecChoice,
+    shuffle_choice: ShuffleChoice,
+    out: &mut Vec<u8>,
+    scratch: &mut BlockScratch,
+) -> (Codec, Filter) {
+    let start = out.len();
     if codec == CodecChoice::Raw {
-        return raw_block();
+        out.extend_from_slice(raw);
+        return (Codec::Raw, Filter::None);
     }
     let shuffle_possible = element_bytes > 1 && raw.len() % element_bytes == 0;
-    let plain = || lz4_flex::block::compress(raw);
-    let shuffled = || {
-        let mut filtered = vec![0u8; raw.len()];
-        shuffle(raw, element_bytes, &mut filtered);
-        lz4_flex::block::compress(&filtered)
+    let shuffled = |scratch: &mut BlockScratch| {
+        scratch.shuffled.resize(raw.len(), 0);
+        shuffle(raw, element_bytes, &mut scratch.shuffled);
     };
-    let (filter, stored) = match (shuffle_choice, shuffle_possible) {
-        (ShuffleChoice::Off, _) | (_, false) => (Filter::None, plain()),
-        (ShuffleChoice::On, true) => (Filter::ByteShuffle, shuffled()),
+    let filter = match (shuffle_choice, shuffle_possible) {
+        (ShuffleChoice::Off, _) | (_, false) => {
+            compress_append(raw, out);
+            Filter::None
+        }
+        (ShuffleChoice::On, true) => {
+            shuffled(scratch);
+            compress_append(&scratch.shuffled, out);
+            Filter::ByteShuffle
+        }
         (ShuffleChoice::Auto, true) => {
-            let a = plain();
-            let plain_saves = a.len() < raw.len() - raw.len() / MIN_SAVING_DIVISOR as usize;
+            compress_append(raw, out);
+            let plain = out.len() - start;
+            let plain_saves = plain < raw.len() - raw.len() / MIN_SAVING_DIVISOR as usize;
             // When the codec may store the block raw and plain LZ4 did not save enough, shuffle and
             // compress a probe of the block first: data that LZ4 cannot shrink either way (fp16
             // weights, embeddings) then costs one full compression instead of two.
             let worth_trying = codec != CodecChoice::Auto
                 || plain_saves
                 || shuffled_probe_saves(raw, element_bytes);
-            let b = if worth_trying { shuffled() } else { Vec::new() };
-            if worth_trying && b.len() < a.len() {
-                (Filter::ByteShuffle, b)
+            if worth_trying {
+                shuffled(scratch);
+                scratch.second.clear();
+                compress_append(&scratch.shuffled, &mut scratch.second);
+            }
+            if worth_trying && scratch.second.len() < plain {
+                out.truncate(start);
+                out.extend_from_slice(&scratch.second);
+                Filter::ByteShuffle
             } else {
-                (Filter::None, a)
+                Filter::None
             }
         }
     };
-    let saves_enough =
-        stored.len() as u64 <= raw.len() as u64 - raw.len() as u64 / MIN_SAVING_DIVISOR as u64;
+    let stored = (out.len() - start) as u64;
+    let saves_enough = stored <= raw.len() as u64 - raw.len() as u64 / MIN_SAVING_DIVISOR as u64;
     if codec == CodecChoice::Auto && !saves_enough {
-        return raw_block();
+        out.truncate(start);
+        out.extend_from_slice(raw);
+        return (Codec::Raw, Filter::None);
     }
-    EncodedBlock {
-        codec: Codec::Lz4,
-        filter,
-        stored,
-    }
+    (Codec::Lz4, filter)
 }
 
 /// Bytes of a block probed before deciding whether to compress it shuffled in full.
@@ -324,12 +375,9 @@ pub fn field_codec(field: &FieldSource, options: &PackOptions) -> Result<CodecCh
         let j = (i as u128 * blocks as u128 / taken as u128) as u64;
         let begin = j * chunk;
         let end = (begin + chunk).min(total);
-        let first = begin / sample_bytes;
-        let last = end.div_ceil(sample_bytes);
         raw.clear();
-        field.copy_samples(first, last - first, &mut raw)?;
-        let skip = (begin - first * sample_bytes) as usize;
-        let block = &raw[skip..skip + (end - begin) as usize];
+        field.copy_bytes(begin, end, &mut raw)?;
+        let block = &raw[..];
         let encoded = encode_block(
             block,
             field.dtype.size_bytes(),
@@ -646,35 +694,63 @@ fn write_dataset(
 ) -> Result<PackSummary, PackError> {
     let raw_total: u64 = fields.iter().map(|f| f.sample_bytes() as u64).sum::<u64>() * sample_count;
     observer.started(raw_total);
-    let mut progress = Progress {
+    let shard_count = sample_count.div_ceil(samples_per_shard);
+    let packer = Packer {
+        staging,
+        fields,
+        codecs,
+        options,
+        sample_count,
+        samples_per_shard,
+        shard_count,
         observer,
-        raw_bytes_done: 0,
+        shards_open_max: (options.threads as u64).clamp(1, SHARDS_OPEN_MAX),
+        state: Mutex::new(PackState {
+            cursors: VecDeque::new(),
+            next_shard: 0,
+            open: BTreeMap::new(),
+            failed: None,
+        }),
+        placed: Condvar::new(),
+        progress: Mutex::new(0),
     };
-    let mut manifest_shards = Vec::new();
+    let mut shards = vec![None; shard_count as usize];
+    let (finished_tx, finished_rx) = mpsc::sync_channel(packer.shards_open_max as usize);
+    std::thread::scope(|scope| {
+        for _ in 0..options.threads.max(1) {
+            let finished = finished_tx.clone();
+            let packer = &packer;
+            scope.spawn(move || packer.work(finished));
+        }
+        drop(finished_tx);
+        // This thread syncs the shards that the others finish, so that no encoding waits on the
+        // disk; it ends when they all have.
+        for (index, shard) in finished_rx {
+            match packer.finish_shard(index, shard) {
+                Ok(entry) => shards[index as usize] = Some(entry),
+                Err(error) => {
+                    let mut state = packer
+                        .state
+                        .lock()
+                        .expect("no panics while holding the lock");
+                    packer.fail(&mut state, (index, u64::MAX), error);
+                }
+            }
+        }
+    });
+    let state = packer
+        .state
+        .into_inner()
+        .expect("no panics while holding the lock");
+    if let Some((_, error)) = state.failed {
+        return Err(error);
+    }
+    let mut manifest_shards = Vec::with_capacity(shard_count as usize);
     let mut stored_bytes = 0u64;
-    let mut first_sample = 0u64;
-    while first_sample < sample_count {
-        let count = samples_per_shard.min(sample_count - first_sample);
-        let file = format!("shard-{:06}.gfs", manifest_shards.len());
-        let path = staging.join(&file);
-        let written = write_shard(
-            &path,
-            fields,
-            codecs,
-            options,
-            first_sample,
-            count,
-            &mut progress,
-        )?;
-        stored_bytes += written.stored_bytes;
-        manifest_shards.push(ManifestShard {
-            file,
-            first_sample,
-            sample_count: count,
-            file_bytes: written.file_bytes,
-            table_checksum: written.table_checksum,
-        });
-        first_sample += count;
+    for shard in shards {
+        let (shard, stored) = shard.expect("every shard was written when no step failed");
+        manifest_shards.push(shard);
+        stored_bytes += stored;
     }
     let manifest = Manifest {
         name: options.name.clone(),
@@ -702,178 +778,528 @@ fn write_dataset(
     })
 }
 
-struct Progress<'a> {
+/// Raw bytes of one field of one shard that a packing step covers at most (whole blocks, and at
+/// least one): each of the packer's threads reads, encodes and writes one step at a time, so the
+/// packer holds about `threads` steps of raw plus stored bytes (64 MiB on 8 threads), and a step is
+/// one write of a few MiB.
+const STEP_RAW_BYTES: u64 = 4 << 20;
+
+/// Blocks of a packing step at most: progress is reported, and a pack job's rate limit applied,
+/// step by step, so small blocks make small steps (1 MiB of 4 KiB blocks), as they did when the
+/// packer encoded this many blocks at a time.
+const STEP_BLOCKS_MAX: u64 = 256;
+
+/// Shards whose steps are handed out at once, at most (and at most one per thread): each is an
+/// open file.
+const SHARDS_OPEN_MAX: u64 = 64;
+
+/// Writes a dataset's shards on `options.threads` threads, and syncs them on the calling thread.
+///
+/// The work is cut into steps, a run of whole blocks of one field of one shard ([`STEP_RAW_BYTES`],
+/// [`STEP_BLOCKS_MAX`]). Steps are handed
+/// out from up to one shard per thread in turn, each shard's in the order its bytes go into it, so
+/// that the threads mostly write different files: the kernel serialises buffered writes to one
+/// file, and threads waiting their turn at one file spin on its lock. Each thread takes the next
+/// step, copies its raw bytes from the input, encodes and checksums its blocks into one buffer laid
+/// out as the shard stores them (every payload padded to [`PAYLOAD_ALIGN_BYTES`]), then waits for
+/// the step before it in the same shard to have been given its place (handed out a turn earlier,
+/// so it rarely waits), takes the place after it, writes its buffer there with one positional
+/// write, and asks the kernel to start writing it to the disk. The thread that writes a shard's
+/// last step hands the shard to the calling thread, which writes its metadata and syncs it while
+/// the others go on. Nothing is serial but the placing of a step (a few additions under a lock):
+/// reading, encoding, checksums, writes and syncs of several steps and shards overlap, so a pack
+/// runs as fast as the cores encode or the disk writes, whichever is slower. Block order, offsets
+/// and bytes are those of one thread writing the steps in order.
+struct Packer<'a> {
+    staging: &'a Path,
+    fields: &'a [FieldSource],
+    codecs: &'a [CodecChoice],
+    options: &'a PackOptions,
+    sample_count: u64,
+    samples_per_shard: u64,
+    shard_count: u64,
     observer: &'a dyn PackObserver,
-    raw_bytes_done: u64,
+    /// Shards whose steps are handed out at once, at most.
+    shards_open_max: u64,
+    state: Mutex<PackState>,
+    /// Signalled when a step is placed, and when the pack fails.
+    placed: Condvar,
+    /// Raw bytes written so far; reported under this lock so that the observer sees them rise.
+    progress: Mutex<u64>,
 }
 
-struct WrittenShard {
-    file_bytes: u64,
-    table_checksum: u64,
+/// A shard whose steps are all written, for the syncing thread: its index and state.
+type FinishedShard = (u64, OpenShard);
+
+/// The packer's shared state.
+struct PackState {
+    /// Where the next step of each shard being handed out starts, in turn order.
+    cursors: VecDeque<NextStep>,
+    /// The next shard to start handing out.
+    next_shard: u64,
+    /// Shards with steps handed out and not all synced, by index: those being handed out (at most
+    /// [`Packer::shards_open_max`]) and those whose last steps are being written.
+    open: BTreeMap<u64, OpenShard>,
+    /// The first failure in step order, with its step's (shard, seq): the error reported.
+    failed: Option<((u64, u64), PackError)>,
+}
+
+/// Where the next step of a shard starts.
+#[derive(Clone, Copy)]
+struct NextStep {
+    shard: u64,
+    field: usize,
+    /// Raw offset in the field's bytes of the shard.
+    offset: u64,
+    /// Index of the step in its shard.
+    seq: u64,
+}
+
+/// One step: raw bytes `[begin, end)` of field `field` of shard `shard`, whole blocks.
+struct Step {
+    shard: u64,
+    seq: u64,
+    field: usize,
+    begin: u64,
+    end: u64,
+    /// The shard's first sample.
+    first_sample: u64,
+}
+
+/// A shard being written.
+struct OpenShard {
+    path: PathBuf,
+    file: Arc<File>,
+    first_sample: u64,
+    sample_count: u64,
+    fields: Vec<Field>,
+    /// Bytes of the shard's metadata, where its first payload starts.
+    payload_start: u64,
+    /// Where the next step placed goes: the shard's length so far.
+    position: u64,
+    /// Steps placed (given their position), which is the seq of the next to place.
+    placed: u64,
+    /// Steps written.
+    written: u64,
+    /// The shard's step count, once its last step is handed out.
+    steps: Option<u64>,
+    /// Block entries of the steps placed, in order.
+    blocks: Vec<BlockEntry>,
     stored_bytes: u64,
 }
 
-fn write_shard(
-    path: &Path,
-    fields: &[FieldSource],
-    codecs: &[CodecChoice],
-    options: &PackOptions,
-    first_sample: u64,
-    sample_count: u64,
-    progress: &mut Progress<'_>,
-) -> Result<WrittenShard, PackError> {
-    let io = |source| PackError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let block_counts: Vec<u64> = fields
-        .iter()
-        .map(|f| {
-            let sample_bytes = f.sample_bytes() as u64;
-            (sample_bytes * sample_count).div_ceil(chunk_bytes(sample_bytes, options.block_bytes))
-        })
-        .collect();
-    let block_total: u64 = block_counts.iter().sum();
-    let payload_start = payload_offset(fields.len(), block_total as usize);
+/// A step's blocks as encoded, before the step is placed.
+struct EncodedStep {
+    /// The stored payloads back to back, each padded to [`PAYLOAD_ALIGN_BYTES`].
+    bytes: Vec<u8>,
+    /// Per block: offset in `bytes`, stored length, raw length, codec, filter, checksum.
+    blocks: Vec<(u64, u32, u32, Codec, Filter, u64)>,
+}
 
-    let file = File::create(path).map_err(io)?;
-    let mut writer = io::BufWriter::with_capacity(8 << 20, file);
-    writer.seek(SeekFrom::Start(payload_start)).map_err(io)?;
-    let mut position = payload_start;
-    let mut table_fields = Vec::with_capacity(fields.len());
-    let mut blocks: Vec<BlockEntry> = Vec::with_capacity(block_total as usize);
-    let mut stored_bytes = 0u64;
-    let mut raw = Vec::new();
-
-    for (field_index, field) in fields.iter().enumerate() {
-        let sample_bytes = field.sample_bytes() as u64;
-        let field_bytes = sample_bytes * sample_count;
-        let chunk = chunk_bytes(sample_bytes, options.block_bytes);
-        table_fields.push(Field {
-            name: field.name.clone(),
-            dtype: field.dtype,
-            shape: field.sample_shape.clone(),
-            first_block: blocks.len() as u32,
-            block_count: block_counts[field_index] as u32,
-        });
-        let mut raw_offset = 0u64;
-        while raw_offset < field_bytes {
-            if progress.observer.cancelled() {
-                return Err(PackError::Cancelled);
+impl Packer<'_> {
+    /// One thread's loop: steps until there are none left or the pack failed; each shard whose
+    /// last step it writes goes to `finished`.
+    fn work(&self, finished: mpsc::SyncSender<FinishedShard>) {
+        let _stop = StopOnPanic(self);
+        let mut raw = Vec::new();
+        let mut encoded = EncodedStep {
+            bytes: Vec::new(),
+            blocks: Vec::new(),
+        };
+        let mut scratch = BlockScratch::default();
+        loop {
+            let step = {
+                let mut state = self.state.lock().expect("no panics while holding the lock");
+                if state.failed.is_some() {
+                    return;
+                }
+                if self.observer.cancelled() {
+                    // Reported after a failure of any step handed out before.
+                    self.fail(&mut state, (u64::MAX, u64::MAX), PackError::Cancelled);
+                    return;
+                }
+                match self.hand_out(&mut state) {
+                    Ok(Some(step)) => step,
+                    Ok(None) => return,
+                    Err(error) => {
+                        // The shard whose file could not be created.
+                        let key = (state.next_shard, 0);
+                        self.fail(&mut state, key, error);
+                        return;
+                    }
+                }
+            };
+            let key = (step.shard, step.seq);
+            let written = self
+                .encode(&step, &mut raw, &mut encoded, &mut scratch)
+                .and_then(|()| self.place_and_write(&step, &encoded));
+            match written {
+                Ok(Some(shard)) => {
+                    if finished.send((step.shard, shard)).is_err() {
+                        // The syncing thread is gone, which only a panic there does (the scope
+                        // then panics too).
+                        return;
+                    }
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    let mut state = self.state.lock().expect("no panics while holding the lock");
+                    self.fail(&mut state, key, error);
+                    return;
+                }
             }
-            let step_end = (raw_offset + chunk * BLOCKS_PER_STEP as u64).min(field_bytes);
-            // Copy whole samples covering [raw_offset, step_end), then cut blocks out of them.
-            let first = raw_offset / sample_bytes;
-            let last = step_end.div_ceil(sample_bytes);
-            raw.clear();
-            field.copy_samples(first_sample + first, last - first, &mut raw)?;
-            let skip = (raw_offset - first * sample_bytes) as usize;
-            let step_raw = &raw[skip..skip + (step_end - raw_offset) as usize];
-            let pieces: Vec<&[u8]> = step_raw.chunks(chunk as usize).collect();
-            let encoded = encode_parallel(
-                &pieces,
-                field.dtype.size_bytes(),
-                codecs[field_index],
-                options,
-            );
-            for (piece, block) in pieces.iter().zip(encoded) {
-                writer.write_all(&block.stored).map_err(io)?;
-                let padded = format::align_up(block.stored.len() as u64);
-                write_zeros(&mut writer, padded - block.stored.len() as u64).map_err(io)?;
-                blocks.push(BlockEntry {
-                    stored_offset: position,
-                    stored_bytes: block.stored.len() as u32,
-                    raw_bytes: piece.len() as u32,
-                    codec: block.codec,
-                    filter: block.filter,
-                    field: field_index as u16,
-                    raw_offset,
-                    first_sample: first_sample + raw_offset / sample_bytes,
-                    checksum: checksum(&block.stored),
-                });
-                stored_bytes += block.stored.len() as u64;
-                position += padded;
-                raw_offset += piece.len() as u64;
-            }
-            progress.raw_bytes_done += step_raw.len() as u64;
-            progress.observer.progress(progress.raw_bytes_done);
         }
     }
-    assert_eq!(blocks.len() as u64, block_total);
-    assert_eq!(position % PAYLOAD_ALIGN_BYTES, 0);
-    let metadata = encode_shard_metadata(
-        first_sample,
-        sample_count,
-        options.block_bytes,
-        &table_fields,
-        &blocks,
-    );
-    assert_eq!(metadata.len() as u64, payload_start);
-    writer.seek(SeekFrom::Start(0)).map_err(io)?;
-    writer.write_all(&metadata).map_err(io)?;
-    let file = writer.into_inner().map_err(|e| io(e.into_error()))?;
-    // A shard whose last block is shorter than its padding must still have its full padded length.
-    file.set_len(position).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    let at = table_checksum_at(&table_fields, &blocks);
-    let table_checksum = u64::from_le_bytes(metadata[at..at + 8].try_into().expect("8 bytes"));
-    Ok(WrittenShard {
-        file_bytes: position,
-        table_checksum,
-        stored_bytes,
-    })
+
+    /// Records a failure (keeping the first in step order) and wakes the threads waiting to place
+    /// a step, which then stop.
+    fn fail(&self, state: &mut PackState, key: (u64, u64), error: PackError) {
+        if state.failed.as_ref().is_none_or(|(at, _)| key < *at) {
+            state.failed = Some((key, error));
+        }
+        self.placed.notify_all();
+    }
+
+    /// Hands out the next step (`None` when none is left): from a shard started now if fewer
+    /// than [`Packer::shards_open_max`] are being handed out and one is left (creating its file),
+    /// else from the shard whose turn it is. Fails if the file of the shard started cannot be
+    /// created (`state.next_shard` is that shard).
+    fn hand_out(&self, state: &mut PackState) -> Result<Option<Step>, PackError> {
+        if (state.cursors.len() as u64) < self.shards_open_max
+            && state.next_shard < self.shard_count
+        {
+            let index = state.next_shard;
+            let first_sample = index * self.samples_per_shard;
+            let count = self.samples_per_shard.min(self.sample_count - first_sample);
+            let shard = self.open_shard(index, first_sample, count)?;
+            state.open.insert(index, shard);
+            state.next_shard += 1;
+            // A shard's first step goes out at once, as its file exists.
+            state.cursors.push_front(NextStep {
+                shard: index,
+                field: 0,
+                offset: 0,
+                seq: 0,
+            });
+        }
+        let Some(next) = state.cursors.pop_front() else {
+            return Ok(None);
+        };
+        let first_sample = next.shard * self.samples_per_shard;
+        let count = self.samples_per_shard.min(self.sample_count - first_sample);
+        let sample_bytes = self.fields[next.field].sample_bytes() as u64;
+        let field_bytes = sample_bytes * count;
+        let chunk = chunk_bytes(sample_bytes, self.options.block_bytes);
+        let step_bytes = chunk * (STEP_RAW_BYTES / chunk).clamp(1, STEP_BLOCKS_MAX);
+        let end = (next.offset + step_bytes).min(field_bytes);
+        let step = Step {
+            shard: next.shard,
+            seq: next.seq,
+            field: next.field,
+            begin: next.offset,
+            end,
+            first_sample,
+        };
+        if end < field_bytes {
+            state.cursors.push_back(NextStep {
+                offset: end,
+                seq: next.seq + 1,
+                ..next
+            });
+        } else if next.field + 1 < self.fields.len() {
+            state.cursors.push_back(NextStep {
+                field: next.field + 1,
+                offset: 0,
+                seq: next.seq + 1,
+                ..next
+            });
+        } else {
+            state
+                .open
+                .get_mut(&next.shard)
+                .expect("the shard is open")
+                .steps = Some(next.seq + 1);
+        }
+        Ok(Some(step))
+    }
+
+    /// Creates shard `index`'s file in the staging directory.
+    fn open_shard(
+        &self,
+        index: u64,
+        first_sample: u64,
+        sample_count: u64,
+    ) -> Result<OpenShard, PackError> {
+        let path = self.staging.join(shard_file_name(index));
+        let file = File::create(&path).map_err(|source| PackError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let mut fields = Vec::with_capacity(self.fields.len());
+        let mut block_total = 0u64;
+        for field in self.fields {
+            let sample_bytes = field.sample_bytes() as u64;
+            let blocks = (sample_bytes * sample_count)
+                .div_ceil(chunk_bytes(sample_bytes, self.options.block_bytes));
+            fields.push(Field {
+                name: field.name.clone(),
+                dtype: field.dtype,
+                shape: field.sample_shape.clone(),
+                first_block: block_total as u32,
+                block_count: blocks as u32,
+            });
+            block_total += blocks;
+        }
+        let payload_start = payload_offset(self.fields.len(), block_total as usize);
+        Ok(OpenShard {
+            path,
+            file: Arc::new(file),
+            first_sample,
+            sample_count,
+            fields,
+            payload_start,
+            position: payload_start,
+            placed: 0,
+            written: 0,
+            steps: None,
+            blocks: Vec::with_capacity(block_total as usize),
+            stored_bytes: 0,
+        })
+    }
+
+    /// Copies a step's raw bytes and encodes its blocks into `encoded`.
+    fn encode(
+        &self,
+        step: &Step,
+        raw: &mut Vec<u8>,
+        encoded: &mut EncodedStep,
+        scratch: &mut BlockScratch,
+    ) -> Result<(), PackError> {
+        let field = &self.fields[step.field];
+        let sample_bytes = field.sample_bytes() as u64;
+        let base = step.first_sample * sample_bytes;
+        field.advise(base + step.begin, base + step.end);
+        let chunk = chunk_bytes(sample_bytes, self.options.block_bytes) as usize;
+        encoded.bytes.clear();
+        encoded.blocks.clear();
+        if self.codecs[step.field] == CodecChoice::Raw && chunk as u64 % PAYLOAD_ALIGN_BYTES == 0 {
+            // Raw blocks of whole pages lie back to back as stored, only the step's last one
+            // padded: copied from the input straight to where they are written.
+            field.copy_bytes(base + step.begin, base + step.end, &mut encoded.bytes)?;
+            let mut at = 0;
+            while at < encoded.bytes.len() {
+                let len = chunk.min(encoded.bytes.len() - at);
+                let block_checksum = checksum(&encoded.bytes[at..at + len]);
+                encoded.blocks.push((
+                    at as u64,
+                    len as u32,
+                    len as u32,
+                    Codec::Raw,
+                    Filter::None,
+                    block_checksum,
+                ));
+                at += len;
+            }
+            let padded = format::align_up(encoded.bytes.len() as u64) as usize;
+            encoded.bytes.resize(padded, 0);
+            return Ok(());
+        }
+        raw.clear();
+        field.copy_bytes(base + step.begin, base + step.end, raw)?;
+        for piece in raw.chunks(chunk) {
+            let at = encoded.bytes.len();
+            let (codec, filter) = encode_block_into(
+                piece,
+                field.dtype.size_bytes(),
+                self.codecs[step.field],
+                self.options.shuffle,
+                &mut encoded.bytes,
+                scratch,
+            );
+            let stored = encoded.bytes.len() - at;
+            let block_checksum = checksum(&encoded.bytes[at..]);
+            let padded = format::align_up(stored as u64) as usize;
+            encoded.bytes.resize(at + padded, 0);
+            encoded.blocks.push((
+                at as u64,
+                stored as u32,
+                piece.len() as u32,
+                codec,
+                filter,
+                block_checksum,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Waits for the step before `step` in its shard to be placed, places `step` after it, writes
+    /// it and reports progress; returns the shard if this was its last step written.
+    fn place_and_write(
+        &self,
+        step: &Step,
+        encoded: &EncodedStep,
+    ) -> Result<Option<OpenShard>, PackError> {
+        let sample_bytes = self.fields[step.field].sample_bytes() as u64;
+        let (file, path, at) = {
+            let mut state = self.state.lock().expect("no panics while holding the lock");
+            loop {
+                if state.failed.is_some() {
+                    // Another step failed: this one's result no longer matters.
+                    return Ok(None);
+                }
+                let shard = state.open.get(&step.shard).expect("the shard is open");
+                if shard.placed == step.seq {
+                    break;
+                }
+                state = self
+                    .placed
+                    .wait(state)
+                    .expect("no panics while holding the lock");
+            }
+            let shard = state.open.get_mut(&step.shard).expect("the shard is open");
+            let at = shard.position;
+            let mut raw_offset = step.begin;
+            for &(offset, stored, raw, codec, filter, block_checksum) in &encoded.blocks {
+                shard.blocks.push(BlockEntry {
+                    stored_offset: at + offset,
+                    stored_bytes: stored,
+                    raw_bytes: raw,
+                    codec,
+                    filter,
+                    field: step.field as u16,
+                    raw_offset,
+                    first_sample: step.first_sample + raw_offset / sample_bytes,
+                    checksum: block_checksum,
+                });
+                shard.stored_bytes += stored as u64;
+                raw_offset += raw as u64;
+            }
+            shard.position += encoded.bytes.len() as u64;
+            shard.placed += 1;
+            self.placed.notify_all();
+            (shard.file.clone(), shard.path.clone(), at)
+        };
+        file.write_all_at(&encoded.bytes, at)
+            .map_err(|source| PackError::Io { path, source })?;
+        start_writeback(&file, at, encoded.bytes.len() as u64);
+        {
+            // Reporting and asking whether to cancel are one step under this lock: once a report
+            // cancels the pack, no later step reports (as when one thread wrote the steps in
+            // order), whatever other threads had under way.
+            let mut done = self
+                .progress
+                .lock()
+                .expect("no panics while holding the lock");
+            let mut state = self.state.lock().expect("no panics while holding the lock");
+            if state.failed.is_some() {
+                return Ok(None);
+            }
+            drop(state);
+            *done += step.end - step.begin;
+            self.observer.progress(*done);
+            if self.observer.cancelled() {
+                state = self.state.lock().expect("no panics while holding the lock");
+                self.fail(&mut state, (u64::MAX, u64::MAX), PackError::Cancelled);
+                return Ok(None);
+            }
+        }
+        let mut state = self.state.lock().expect("no panics while holding the lock");
+        let shard = state.open.get_mut(&step.shard).expect("the shard is open");
+        shard.written += 1;
+        Ok(if Some(shard.written) == shard.steps {
+            state.open.remove(&step.shard)
+        } else {
+            None
+        })
+    }
+
+    /// Writes a shard's metadata once all its payloads are written, then syncs it.
+    fn finish_shard(
+        &self,
+        index: u64,
+        shard: OpenShard,
+    ) -> Result<(ManifestShard, u64), PackError> {
+        let io = |source| PackError::Io {
+            path: shard.path.clone(),
+            source,
+        };
+        let block_total: u32 = shard.fields.iter().map(|f| f.block_count).sum();
+        assert_eq!(shard.blocks.len(), block_total as usize);
+        assert_eq!(shard.position % PAYLOAD_ALIGN_BYTES, 0);
+        let metadata = encode_shard_metadata(
+            shard.first_sample,
+            shard.sample_count,
+            self.options.block_bytes,
+            &shard.fields,
+            &shard.blocks,
+        );
+        assert_eq!(metadata.len() as u64, shard.payload_start);
+        shard.file.write_all_at(&metadata, 0).map_err(io)?;
+        // Every step is written padded, so the file has its full length already unless a write
+        // fell short; this makes sure of it.
+        shard.file.set_len(shard.position).map_err(io)?;
+        shard.file.sync_all().map_err(io)?;
+        let at = table_checksum_at(&shard.fields, &shard.blocks);
+        let table_checksum = u64::from_le_bytes(metadata[at..at + 8].try_into().expect("8 bytes"));
+        Ok((
+            ManifestShard {
+                file: shard_file_name(index),
+                first_sample: shard.first_sample,
+                sample_count: shard.sample_count,
+                file_bytes: shard.position,
+                table_checksum,
+            },
+            shard.stored_bytes,
+        ))
+    }
+}
+
+/// Stops the other packing threads if the one holding it panics, so that none waits forever for a
+/// step that this one would have placed; the panic then reaches the caller through the thread scope.
+struct StopOnPanic<'a, 'b>(&'a Packer<'b>);
+
+impl Drop for StopOnPanic<'_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut state = self
+                .0
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let error = PackError::Invalid("a packing thread panicked".into());
+            self.0.fail(&mut state, (0, 0), error);
+        }
+    }
+}
+
+/// The file name of shard `index` of a dataset.
+fn shard_file_name(index: u64) -> String {
+    format!("shard-{index:06}.gfs")
+}
+
+/// Asks the kernel to start writing `len` bytes of `file` at `offset` to the disk now, without
+/// waiting for it (`sync_file_range` with `SYNC_FILE_RANGE_WRITE`): the disk then writes while the
+/// pack goes on, rather than only once the page cache holds enough dirty pages or at the shard's
+/// sync. Best effort: it makes nothing durable (the shard's `fsync` does), and where a file system
+/// does not support it the bytes are just written later.
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a system call on a file descriptor that `file` keeps open; it reads and writes no
+    // memory of this process.
+    unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
 }
 
 fn table_checksum_at(fields: &[Field], blocks: &[BlockEntry]) -> usize {
     format::HEADER_BYTES
         + fields.len() * format::FIELD_ENTRY_BYTES
         + blocks.len() * format::BLOCK_ENTRY_BYTES
-}
-
-fn write_zeros(writer: &mut impl Write, mut count: u64) -> io::Result<()> {
-    const ZEROS: [u8; 4096] = [0; 4096];
-    while count > 0 {
-        let n = count.min(ZEROS.len() as u64) as usize;
-        writer.write_all(&ZEROS[..n])?;
-        count -= n as u64;
-    }
-    Ok(())
-}
-
-/// Encodes blocks on `options.threads` threads; results come back in input order.
-fn encode_parallel(
-    pieces: &[&[u8]],
-    element_bytes: usize,
-    codec: CodecChoice,
-    options: &PackOptions,
-) -> Vec<EncodedBlock> {
-    let threads = options.threads.min(pieces.len()).max(1);
-    if threads == 1 {
-        return pieces
-            .iter()
-            .map(|p| encode_block(p, element_bytes, codec, options.shuffle))
-            .collect();
-    }
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<EncodedBlock>>> = Mutex::new(vec![None; pieces.len()]);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let index = next.fetch_add(1, Ordering::Relaxed);
-                if index >= pieces.len() {
-                    break;
-                }
-                let block = encode_block(pieces[index], element_bytes, codec, options.shuffle);
-                results.lock().expect("no panics while holding the lock")[index] = Some(block);
-            });
-        }
-    });
-    results
-        .into_inner()
-        .expect("no panics while holding the lock")
-        .into_iter()
-        .map(|b| b.expect("every index was encoded"))
-        .collect()
 }
 
 /// Moves the finished staging directory to `out`, replacing an existing one if asked.

@@ -15,7 +15,7 @@
 //! Parquet files whose footer disagrees with the rows their row groups hold.
 
 use std::fs::File;
-use std::io::{self, BufWriter, Read, Seek, Write};
+use std::io::{self, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -23,7 +23,9 @@ use arrow_array::cast::AsArray;
 use arrow_array::{Array, RecordBatch};
 use arrow_schema::{DataType, SchemaRef};
 use gpufeed_proto::DType;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{
+    ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection, RowSelector,
+};
 use parquet::arrow::ProjectionMask;
 
 use super::{checked_sample_bytes, Backing, FieldSource, InputError, SourcePart};
@@ -32,6 +34,19 @@ use crate::storage::mapped::MappedFile;
 /// Raw bytes a Parquet record batch is cut to: large enough that per-batch costs vanish, small
 /// enough that memory stays bounded whatever the row groups' size.
 pub const BATCH_BYTES_TARGET: usize = 32 << 20;
+
+/// Raw bytes of a record batch that one thread of a parallel Parquet read decodes at most: a batch
+/// small enough to stay in the core's cache between its decoding and its write to the scratch
+/// file, and for its buffers to be reused from batch to batch rather than handed back to the
+/// system and faulted in (and zeroed) again, which cost more than the decoding itself with batches
+/// of 16 MiB.
+const THREAD_BATCH_BYTES_MAX: usize = 1 << 20;
+
+/// Raw bytes of a slice of a Parquet row group at least: when a file has fewer row groups than
+/// the pack has threads, each row group is cut into slices for several threads to decode, each
+/// skipping the rows before its slice (which costs about a tenth of decoding them), but none
+/// smaller than this, so that the skipping stays small beside the decoding.
+const SLICE_BYTES_MIN: u64 = 16 << 20;
 
 /// Rows of a Parquet record batch at most, whatever the row size.
 const BATCH_ROWS_MAX: usize = 1 << 16;
@@ -491,8 +506,28 @@ struct Scratch {
     sample_bytes: usize,
     writer: BufWriter<File>,
     written: u64,
-    /// (file, first byte, samples) of each file's piece, in concatenation order.
-    pieces: Vec<(PathBuf, u64, u64)>,
+    /// (input file, scratch file holding it, first byte there, samples) of each piece, in
+    /// concatenation order.
+    pieces: Vec<(PathBuf, ScratchFile, u64, u64)>,
+}
+
+/// Which scratch file holds a piece of a field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ScratchFile {
+    /// The field's own, written in row order by a sequential read.
+    Own,
+    /// One of the files of a parallel Parquet read, by thread: each thread writes its own, since
+    /// the kernel serialises writes to one file (threads queued at its lock spin rather than
+    /// decode), and the rows of every row group it decodes go there, column after column.
+    Thread(usize),
+}
+
+/// The scratch files of a parallel Parquet read, one per thread, shared by every file read.
+struct ThreadScratch {
+    /// The file, and the bytes written to it so far (where the next row group goes).
+    files: Vec<(File, u64)>,
+    /// The directory they are created in.
+    dir: PathBuf,
 }
 
 /// Reads the columns asked for into fields, decoding each file once (batch by batch) into scratch
@@ -565,6 +600,10 @@ pub fn open_table_fields(
     }
     // The first file and type of each field, which later files must agree with.
     let mut first: Vec<Option<(PathBuf, DataType)>> = vec![None; fields.len()];
+    let mut thread_scratch = ThreadScratch {
+        files: Vec::new(),
+        dir: scratch_dir.to_path_buf(),
+    };
     for (path, columns) in &files {
         let format = table_format(path)?;
         let probe = BatchReader::open(path, format, None, None)?;
@@ -621,18 +660,31 @@ pub fn open_table_fields(
             }
             row_bytes += field.sample_bytes;
         }
-        let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
         read_file(
             path,
             format,
             columns,
-            &names,
             row_bytes,
             &mut fields,
+            &mut thread_scratch,
             threads,
         )?;
     }
-    fields.into_iter().map(finish).collect()
+    // Each thread's scratch file mapped once, for every field it holds pieces of.
+    let mut thread_backings = Vec::with_capacity(thread_scratch.files.len());
+    for (file, written) in thread_scratch.files {
+        let backing = if written == 0 {
+            None
+        } else {
+            let map = MappedFile::map(&file).map_err(io_error(Path::new("(scratch file)")))?;
+            Some(Arc::new(Backing::Mapped { map, file }))
+        };
+        thread_backings.push(backing);
+    }
+    fields
+        .into_iter()
+        .map(|field| finish(field, &thread_backings))
+        .collect()
 }
 
 /// Decodes the `columns` of one file, appending each to its field's scratch file.
@@ -640,13 +692,23 @@ fn read_file(
     path: &Path,
     format: TableFormat,
     columns: &[(usize, String)],
-    names: &[String],
     row_bytes: usize,
     fields: &mut [Scratch],
+    thread_scratch: &mut ThreadScratch,
     threads: usize,
 ) -> Result<(), InputError> {
+    let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
+    let names = names.as_slice();
     if format == TableFormat::Parquet && threads > 1 {
-        return read_parquet_parallel(path, columns, names, row_bytes, fields, threads);
+        return read_parquet_parallel(
+            path,
+            columns,
+            names,
+            row_bytes,
+            fields,
+            thread_scratch,
+            threads,
+        );
     }
     let mut reader = BatchReader::open(path, format, Some(names), Some(row_bytes))?;
     let starts: Vec<u64> = columns.iter().map(|(i, _)| fields[*i].written).collect();
@@ -689,7 +751,7 @@ fn read_file(
     for ((index, _), start) in columns.iter().zip(starts) {
         fields[*index]
             .pieces
-            .push((path.to_path_buf(), start, rows));
+            .push((path.to_path_buf(), ScratchFile::Own, start, rows));
     }
     Ok(())
 }
@@ -722,19 +784,21 @@ fn check_nulls(
     }
 }
 
-/// [`read_file`] for a Parquet file on `threads` threads, row group by row group: each row group's
-/// rows land at the place its footer's row counts give them in the scratch files (written with
-/// `pwrite`), and a row group holding other than its count is refused. Memory: about
-/// [`BATCH_BYTES_TARGET`] of decoded rows over all threads, plus the pages each thread decodes.
+/// [`read_file`] for a Parquet file on `threads` threads, row group by row group: each thread
+/// decodes the row groups it takes into its own scratch file (see [`ScratchFile::Thread`]), each
+/// column's rows of a group back to back at the place the footer's row count gives them (written
+/// with `pwrite`, straight from the decoded buffers), and every field gets a piece per row group. A
+/// row group holding other than its count is refused. Memory: up to [`THREAD_BATCH_BYTES_MAX`] of
+/// decoded rows per thread, plus the pages each thread decodes.
 fn read_parquet_parallel(
     path: &Path,
     columns: &[(usize, String)],
     names: &[String],
     row_bytes: usize,
     fields: &mut [Scratch],
+    thread_scratch: &mut ThreadScratch,
     threads: usize,
 ) -> Result<(), InputError> {
-    use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
 
@@ -759,47 +823,92 @@ fn read_parquet_parallel(
         ));
     }
     let mask = ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names));
-    let batch_rows = (BATCH_BYTES_TARGET / threads / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
+    let batch_bytes = (BATCH_BYTES_TARGET / threads).min(THREAD_BATCH_BYTES_MAX);
+    let batch_rows = (batch_bytes / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
     let mut group_starts = Vec::with_capacity(group_rows.len());
     let mut at = 0u64;
     for &count in &group_rows {
         group_starts.push(at);
         at += count;
     }
-    // Flushed, so that the positional writes below and the writers' later appends agree.
+    // Per column: its name, its sample bytes, and where its rows start within a row group's
+    // region of a thread's file (after the columns before it), in rows times bytes.
     let mut targets = Vec::with_capacity(columns.len());
+    let mut column_offset = 0u64;
     for (index, column) in columns {
-        let field = &mut fields[*index];
-        field
-            .writer
-            .flush()
-            .map_err(io_error(Path::new("(scratch file)")))?;
-        targets.push((column.as_str(), field.written, field.sample_bytes as u64));
+        let sample_bytes = fields[*index].sample_bytes as u64;
+        targets.push((column.as_str(), sample_bytes, column_offset));
+        column_offset += sample_bytes;
+    }
+    // The units of work: whole row groups, or, when there are fewer row groups than threads, slices
+    // of each (see `SLICE_BYTES_MIN`), in file order.
+    let mut units: Vec<Unit> = Vec::new();
+    let slices_wanted = if group_rows.len() >= threads {
+        1
+    } else {
+        threads.div_ceil(group_rows.len().max(1)) as u64
+    };
+    for (group, &count) in group_rows.iter().enumerate() {
+        let by_size = (count.saturating_mul(row_bytes as u64) / SLICE_BYTES_MIN).max(1);
+        let slices = slices_wanted.min(by_size);
+        if slices <= 1 {
+            units.push(Unit {
+                group,
+                first: 0,
+                count,
+                whole: true,
+            });
+            continue;
+        }
+        let per = count.div_ceil(slices);
+        let mut first = 0;
+        while first < count {
+            let take = per.min(count - first);
+            units.push(Unit {
+                group,
+                first,
+                count: take,
+                whole: false,
+            });
+            first += take;
+        }
+    }
+    let workers = threads.min(units.len());
+    while thread_scratch.files.len() < workers {
+        let file =
+            tempfile::tempfile_in(&thread_scratch.dir).map_err(io_error(&thread_scratch.dir))?;
+        thread_scratch.files.push((file, 0));
     }
     let next = AtomicUsize::new(0);
-    // The lowest row group that failed: later ones are not started, earlier ones still run, so
-    // the error reported is the first in the file whatever the threads' timing.
+    // The lowest unit that failed: later ones are not started, earlier ones still run, so the
+    // error reported is the first in the file whatever the threads' timing.
     let failed_at = AtomicUsize::new(usize::MAX);
     let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
-    let scratch_files: Vec<&File> = columns
-        .iter()
-        .map(|(index, _)| fields[*index].writer.get_ref())
-        .collect();
-    let decode_group = |group: usize| -> Result<(), InputError> {
+    let reader_of = |unit: &Unit| -> Result<ParquetRecordBatchReader, InputError> {
         // Opened again, not cloned: a clone shares the file position the reader seeks.
         let file = crate::format::open_regular(path).map_err(io_error(path))?;
-        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+        let mut builder = ParquetRecordBatchReaderBuilder::try_new(file)
             .map_err(|e| bad(&e))?
             .with_projection(mask.clone())
-            .with_row_groups(vec![group])
-            .with_batch_size(batch_rows)
-            .build()
-            .map_err(|e| bad(&e))?;
+            .with_row_groups(vec![unit.group])
+            .with_batch_size(batch_rows);
+        if !unit.whole {
+            // Rows before the slice are skipped (their pages decompressed and their levels
+            // counted, not decoded: about a tenth of decoding them), rows after it not read.
+            builder = builder.with_row_selection(RowSelection::from(vec![
+                RowSelector::skip(unit.first as usize),
+                RowSelector::select(unit.count as usize),
+            ]));
+        }
+        builder.build().map_err(|e| bad(&e))
+    };
+    // Decodes `unit` into `scratch` from byte `base` on: each column's rows back to back.
+    let decode_unit = |unit: &Unit, scratch: &File, base: u64| -> Result<(), InputError> {
+        let group = unit.group;
         let mut read = 0u64;
         let mut bytes = Vec::new();
-        let mut values = Vec::new();
-        for batch in reader {
-            let first_row = group_starts[group] + read;
+        for batch in reader_of(unit)? {
+            let first_row = group_starts[group] + unit.first + read;
             let batch = batch.map_err(|e| {
                 table_error(
                     path,
@@ -809,25 +918,27 @@ fn read_parquet_parallel(
                     ),
                 )
             })?;
-            if read + batch.num_rows() as u64 > group_rows[group] {
+            if read + batch.num_rows() as u64 > unit.count {
                 // More rows than the footer gives the group: counted for the error, not written
-                // (they would overwrite the next group's rows).
+                // (they would overwrite the next column's or group's rows).
                 read += batch.num_rows() as u64;
                 continue;
             }
-            for ((column, base, sample_bytes), scratch) in targets.iter().zip(&scratch_files) {
+            for &(column, sample_bytes, column_offset) in &targets {
                 let array = batch
                     .column_by_name(column)
                     .expect("the projection keeps every column asked for");
                 check_nulls(path, column, first_row, array.as_ref())?;
-                values.clear();
-                write_values(array.as_ref(), &mut values, &mut bytes)
-                    .and_then(|()| scratch.write_all_at(&values, base + first_row * sample_bytes))
+                let mut out = WriteAt {
+                    file: scratch,
+                    at: base + unit.count * column_offset + read * sample_bytes,
+                };
+                write_values(array.as_ref(), &mut out, &mut bytes)
                     .map_err(io_error(Path::new("(scratch file)")))?;
             }
             read += batch.num_rows() as u64;
         }
-        if read != group_rows[group] {
+        if read != unit.count {
             return Err(table_error(
                 path,
                 format!(
@@ -838,77 +949,185 @@ fn read_parquet_parallel(
         }
         Ok(())
     };
-    std::thread::scope(|scope| {
-        for _ in 0..threads.min(group_rows.len()) {
-            scope.spawn(|| loop {
-                let group = next.fetch_add(1, Ordering::Relaxed);
-                if group >= group_rows.len() || group > failed_at.load(Ordering::Relaxed) {
-                    break;
-                }
-                let decoded =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode_group(group)))
-                        .unwrap_or_else(|_| Err(reader_panicked(path, group_starts[group])));
-                if let Err(error) = decoded {
-                    failed_at.fetch_min(group, Ordering::Relaxed);
-                    errors
-                        .lock()
-                        .expect("no panics while holding the lock")
-                        .push((group, error));
-                }
-            });
+    // A slice that failed: if its row group holds other than the footer's count (read whole),
+    // that is the error, as for a row group read whole; otherwise the slice's own.
+    let explain = |unit: &Unit, error: InputError| -> InputError {
+        let whole = Unit {
+            first: 0,
+            count: group_rows[unit.group],
+            whole: true,
+            ..*unit
+        };
+        let counted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut rows = 0u64;
+            for batch in reader_of(&whole).ok()? {
+                rows += batch.ok()?.num_rows() as u64;
+            }
+            Some(rows)
+        }));
+        match counted {
+            Ok(Some(rows)) if rows != whole.count => table_error(
+                path,
+                format!(
+                    "row group {}: the footer says {} rows but the row group holds {rows}",
+                    unit.group, whole.count
+                ),
+            ),
+            _ => error,
         }
+    };
+    // Per thread: (unit, first byte in the thread's file) of each unit it decoded.
+    let decoded: Vec<(usize, Vec<(usize, u64)>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = thread_scratch
+            .files
+            .iter_mut()
+            .take(workers)
+            .enumerate()
+            .map(|(thread, (scratch, written))| {
+                let (next, failed_at, errors, decode_unit, explain) =
+                    (&next, &failed_at, &errors, &decode_unit, &explain);
+                let units = &units;
+                let group_starts = &group_starts;
+                scope.spawn(move || {
+                    let mut done = Vec::new();
+                    loop {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        if index >= units.len() || index > failed_at.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let unit = &units[index];
+                        let base = *written;
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            decode_unit(unit, scratch, base)
+                        }))
+                        .unwrap_or_else(|_| {
+                            Err(reader_panicked(path, group_starts[unit.group] + unit.first))
+                        });
+                        match result {
+                            Ok(()) => {
+                                *written += unit.count * row_bytes as u64;
+                                done.push((index, base));
+                            }
+                            Err(error) => {
+                                let error = if unit.whole {
+                                    error
+                                } else {
+                                    explain(unit, error)
+                                };
+                                failed_at.fetch_min(index, Ordering::Relaxed);
+                                errors
+                                    .lock()
+                                    .expect("no panics while holding the lock")
+                                    .push((index, error));
+                            }
+                        }
+                    }
+                    (thread, done)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("a decoding thread catches its panics"))
+            .collect()
     });
     let mut errors = errors
         .into_inner()
         .expect("no panics while holding the lock");
-    errors.sort_by_key(|(group, _)| *group);
+    errors.sort_by_key(|(index, _)| *index);
     if let Some((_, error)) = errors.into_iter().next() {
         return Err(error);
     }
-    append_written(path, columns, fields, rows)
-}
-
-/// Records `rows` rows of `path` written in place after each field's end, and moves the field's
-/// writer past them.
-fn append_written(
-    path: &Path,
-    columns: &[(usize, String)],
-    fields: &mut [Scratch],
-    rows: u64,
-) -> Result<(), InputError> {
-    for (index, _) in columns {
-        let field = &mut fields[*index];
-        let start = field.written;
-        field.written += rows * field.sample_bytes as u64;
-        field
-            .writer
-            .seek(io::SeekFrom::Start(field.written))
-            .map_err(io_error(Path::new("(scratch file)")))?;
-        field.pieces.push((path.to_path_buf(), start, rows));
+    let mut done: Vec<(usize, usize, u64)> = decoded
+        .into_iter()
+        .flat_map(|(thread, done)| done.into_iter().map(move |(u, base)| (u, thread, base)))
+        .collect();
+    done.sort_unstable();
+    assert_eq!(done.len(), units.len(), "every unit decoded once");
+    for (index, thread, base) in done {
+        let count = units[index].count;
+        if count == 0 {
+            continue;
+        }
+        for ((field, _), &(_, _, column_offset)) in columns.iter().zip(&targets) {
+            fields[*field].pieces.push((
+                path.to_path_buf(),
+                ScratchFile::Thread(thread),
+                base + count * column_offset,
+                count,
+            ));
+        }
     }
     Ok(())
 }
 
-/// Maps a field's finished scratch file: one part per input file, all over the one mapping.
-fn finish(scratch: Scratch) -> Result<FieldSource, InputError> {
+/// Rows of one row group that one thread of a parallel Parquet read decodes: the whole group, or
+/// a slice of it.
+#[derive(Clone, Copy)]
+struct Unit {
+    group: usize,
+    /// The slice's first row within the group.
+    first: u64,
+    /// Rows in the slice.
+    count: u64,
+    /// Whether the slice is the whole group (read without a row selection).
+    whole: bool,
+}
+
+/// Positional writes to a file from an offset on, as a [`Write`]: what the threads of a parallel
+/// Parquet read write their decoded columns with, without a copy into a buffer first.
+struct WriteAt<'a> {
+    file: &'a File,
+    at: u64,
+}
+
+impl Write for WriteAt<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let written = self.file.write_at(buf, self.at)?;
+        self.at += written as u64;
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Maps a field's finished scratch file, if any piece is there, and makes a part of every piece
+/// (one per input file read sequentially, one per row group read in parallel, the latter over
+/// `thread_backings`, the threads' files mapped).
+fn finish(
+    scratch: Scratch,
+    thread_backings: &[Option<Arc<Backing>>],
+) -> Result<FieldSource, InputError> {
     let path = scratch
         .pieces
         .first()
         .map(|p| p.0.clone())
         .unwrap_or_default();
-    let file = scratch.writer.into_inner().map_err(|e| InputError::Io {
-        path: path.clone(),
-        source: e.into_error(),
-    })?;
-    let map = MappedFile::map(&file).map_err(io_error(&path))?;
-    let backing = Arc::new(Backing::Mapped { map, file });
+    let own = if scratch.pieces.iter().any(|p| p.1 == ScratchFile::Own) {
+        let file = scratch.writer.into_inner().map_err(|e| InputError::Io {
+            path: path.clone(),
+            source: e.into_error(),
+        })?;
+        let map = MappedFile::map(&file).map_err(io_error(&path))?;
+        Some(Arc::new(Backing::Mapped { map, file }))
+    } else {
+        None
+    };
     let parts = scratch
         .pieces
         .iter()
-        .map(|(path, start, samples)| {
+        .map(|(path, source, start, samples)| {
+            let backing = match source {
+                ScratchFile::Own => own.clone(),
+                ScratchFile::Thread(thread) => thread_backings[*thread].clone(),
+            }
+            .expect("a scratch file holding a piece was written and mapped");
             SourcePart::new(
                 path,
-                backing.clone(),
+                backing,
                 *start as usize,
                 *samples,
                 scratch.sample_bytes,
@@ -1042,6 +1261,18 @@ mod tests {
     /// packed short or padded.
     #[test]
     fn a_row_group_claiming_more_rows_than_its_pages_hold_is_refused() {
+        lying_row_group_is_refused(100);
+    }
+
+    /// The same for a row group large enough to be cut into slices for several threads (two of
+    /// 2.5 M rows, of 5 M rows of 8 bytes): the second slice reads past the rows the group holds,
+    /// and the error is still the group's count against the footer's, not the slice's.
+    #[test]
+    fn a_sliced_row_group_claiming_more_rows_than_its_pages_hold_is_refused() {
+        lying_row_group_is_refused(5_000_000);
+    }
+
+    fn lying_row_group_is_refused(rows: i64) {
         use arrow_array::{ArrayRef, Int64Array};
         use parquet::arrow::ArrowWriter;
         use parquet::file::metadata::{
@@ -1049,10 +1280,18 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let honest = dir.path().join("honest.parquet");
-        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..100));
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..rows));
         let batch = RecordBatch::try_from_iter([("x", values)]).unwrap();
-        let mut writer =
-            ArrowWriter::try_new(File::create(&honest).unwrap(), batch.schema(), None).unwrap();
+        // One row group, however many rows.
+        let properties = parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(rows as usize))
+            .build();
+        let mut writer = ArrowWriter::try_new(
+            File::create(&honest).unwrap(),
+            batch.schema(),
+            Some(properties),
+        )
+        .unwrap();
         writer.write(&batch).unwrap();
         writer.close().unwrap();
         let bytes = std::fs::read(&honest).unwrap();
@@ -1083,7 +1322,7 @@ mod tests {
         std::fs::write(&path, &out).unwrap();
         assert_eq!(
             describe_table(&path).unwrap().rows,
-            150,
+            rows as u64 + 50,
             "the footer does lie"
         );
         let request = ColumnRequest {
@@ -1093,17 +1332,26 @@ mod tests {
         };
         // One thread reads the file in order; several read row group by row group.
         for (threads, ending) in [
-            (1, "the footer says 150 rows but the row groups hold 100"),
+            (
+                1,
+                format!(
+                    "the footer says {} rows but the row groups hold {rows}",
+                    rows + 50
+                ),
+            ),
             (
                 4,
-                "row group 0: the footer says 150 rows but the row group holds 100",
+                format!(
+                    "row group 0: the footer says {} rows but the row group holds {rows}",
+                    rows + 50
+                ),
             ),
         ] {
             let error =
                 open_table_fields(std::slice::from_ref(&request), dir.path(), threads).unwrap_err();
             let text = error.to_string();
             assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
-            assert!(text.ends_with(ending), "{threads} threads: {text}");
+            assert!(text.ends_with(&ending), "{threads} threads: {text}");
         }
     }
 }
