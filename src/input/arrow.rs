@@ -574,30 +574,7 @@ pub fn open_table_fields(
             None => files.push((request.path.clone(), vec![(index, request.column.clone())])),
         }
     }
-    // Files are decoded in first-mention order, so each field's pieces come in that order: a field
-    // whose files were given in another order is refused rather than concatenated out of order.
-    for (index, field) in fields.iter().enumerate() {
-        let given: Vec<&PathBuf> = requests
-            .iter()
-            .filter(|r| r.field == field.name)
-            .map(|r| &r.path)
-            .collect();
-        let decoded: Vec<&PathBuf> = files
-            .iter()
-            .filter(|(_, columns)| columns.iter().any(|(f, _)| *f == index))
-            .map(|(p, _)| p)
-            .collect();
-        if given != decoded {
-            return Err(table_error(
-                given[0],
-                format!(
-                    "field '{}' gives its files in another order than earlier fields do; give \
-                     every field's files in one order",
-                    field.name
-                ),
-            ));
-        }
-    }
+    check_file_order(requests, &fields, &files)?;
     // The first file and type of each field, which later files must agree with.
     let mut first: Vec<Option<(PathBuf, DataType)>> = vec![None; fields.len()];
     let mut thread_scratch = ThreadScratch {
@@ -685,6 +662,38 @@ pub fn open_table_fields(
         .into_iter()
         .map(|field| finish(field, &thread_backings))
         .collect()
+}
+
+/// Files are decoded in first-mention order, so each field's pieces come in that order: a field
+/// whose files were given in another order is refused rather than concatenated out of order.
+fn check_file_order(
+    requests: &[ColumnRequest],
+    fields: &[Scratch],
+    files: &[(PathBuf, Vec<(usize, String)>)],
+) -> Result<(), InputError> {
+    for (index, field) in fields.iter().enumerate() {
+        let given: Vec<&PathBuf> = requests
+            .iter()
+            .filter(|r| r.field == field.name)
+            .map(|r| &r.path)
+            .collect();
+        let decoded: Vec<&PathBuf> = files
+            .iter()
+            .filter(|(_, columns)| columns.iter().any(|(f, _)| *f == index))
+            .map(|(p, _)| p)
+            .collect();
+        if given != decoded {
+            return Err(table_error(
+                given[0],
+                format!(
+                    "field '{}' gives its files in another order than earlier fields do; give \
+                     every field's files in one order",
+                    field.name
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Decodes the `columns` of one file, appending each to its field's scratch file.
@@ -799,14 +808,10 @@ fn read_parquet_parallel(
     thread_scratch: &mut ThreadScratch,
     threads: usize,
 ) -> Result<(), InputError> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Mutex;
-
     let file = crate::format::open_regular(path).map_err(io_error(path))?;
-    let bad = |e: &dyn std::fmt::Display| table_error(path, format!("reading Parquet: {e}"));
     let builder =
         ParquetRecordBatchReaderBuilder::try_new(file.try_clone().map_err(io_error(path))?)
-            .map_err(|e| bad(&e))?;
+            .map_err(|e| parquet_error(path, &e))?;
     let schema = builder.schema().clone();
     let footer_rows = builder.metadata().file_metadata().num_rows();
     let group_rows: Vec<u64> = builder
@@ -822,9 +827,7 @@ fn read_parquet_parallel(
             format!("the footer says {footer_rows} rows but its row groups say {rows}"),
         ));
     }
-    let mask = ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names));
     let batch_bytes = (BATCH_BYTES_TARGET / threads).min(THREAD_BATCH_BYTES_MAX);
-    let batch_rows = (batch_bytes / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX);
     let mut group_starts = Vec::with_capacity(group_rows.len());
     let mut at = 0u64;
     for &count in &group_rows {
@@ -840,8 +843,52 @@ fn read_parquet_parallel(
         targets.push((column.as_str(), sample_bytes, column_offset));
         column_offset += sample_bytes;
     }
-    // The units of work: whole row groups, or, when there are fewer row groups than threads, slices
-    // of each (see `SLICE_BYTES_MIN`), in file order.
+    let units = parquet_units(&group_rows, threads, row_bytes);
+    let workers = threads.min(units.len());
+    while thread_scratch.files.len() < workers {
+        let file =
+            tempfile::tempfile_in(&thread_scratch.dir).map_err(io_error(&thread_scratch.dir))?;
+        thread_scratch.files.push((file, 0));
+    }
+    let read = ParquetRead {
+        path,
+        mask: ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names)),
+        batch_rows: (batch_bytes / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX),
+        group_rows,
+        group_starts,
+        targets,
+    };
+    let decoded = read.decode_units(&units, &mut thread_scratch.files[..workers], row_bytes)?;
+    let mut done: Vec<(usize, usize, u64)> = decoded
+        .into_iter()
+        .flat_map(|(thread, done)| done.into_iter().map(move |(u, base)| (u, thread, base)))
+        .collect();
+    done.sort_unstable();
+    assert_eq!(done.len(), units.len(), "every unit decoded once");
+    for (index, thread, base) in done {
+        let count = units[index].count;
+        if count == 0 {
+            continue;
+        }
+        for ((field, _), &(_, _, column_offset)) in columns.iter().zip(&read.targets) {
+            fields[*field].pieces.push((
+                path.to_path_buf(),
+                ScratchFile::Thread(thread),
+                base + count * column_offset,
+                count,
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn parquet_error(path: &Path, e: &dyn std::fmt::Display) -> InputError {
+    table_error(path, format!("reading Parquet: {e}"))
+}
+
+/// The units of work of a parallel Parquet read: whole row groups, or, when there are fewer row
+/// groups than threads, slices of each (see `SLICE_BYTES_MIN`), in file order.
+fn parquet_units(group_rows: &[u64], threads: usize, row_bytes: usize) -> Vec<Unit> {
     let mut units: Vec<Unit> = Vec::new();
     let slices_wanted = if group_rows.len() >= threads {
         1
@@ -873,25 +920,34 @@ fn read_parquet_parallel(
             first += take;
         }
     }
-    let workers = threads.min(units.len());
-    while thread_scratch.files.len() < workers {
-        let file =
-            tempfile::tempfile_in(&thread_scratch.dir).map_err(io_error(&thread_scratch.dir))?;
-        thread_scratch.files.push((file, 0));
-    }
-    let next = AtomicUsize::new(0);
-    // The lowest unit that failed: later ones are not started, earlier ones still run, so the
-    // error reported is the first in the file whatever the threads' timing.
-    let failed_at = AtomicUsize::new(usize::MAX);
-    let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
-    let reader_of = |unit: &Unit| -> Result<ParquetRecordBatchReader, InputError> {
+    units
+}
+
+/// One Parquet file read in parallel: its projection, batch size, row groups and where each
+/// column's rows go in a thread's scratch file.
+struct ParquetRead<'a> {
+    path: &'a Path,
+    mask: ProjectionMask,
+    batch_rows: usize,
+    /// Rows of each row group, and the first row of each.
+    group_rows: Vec<u64>,
+    group_starts: Vec<u64>,
+    /// Per column: its name, its sample bytes, and where its rows start within a unit's region of
+    /// a thread's file (after the columns before it), in rows times bytes.
+    targets: Vec<(&'a str, u64, u64)>,
+}
+
+impl ParquetRead<'_> {
+    /// A reader of `unit`'s rows.
+    fn reader(&self, unit: &Unit) -> Result<ParquetRecordBatchReader, InputError> {
+        let path = self.path;
         // Opened again, not cloned: a clone shares the file position the reader seeks.
         let file = crate::format::open_regular(path).map_err(io_error(path))?;
         let mut builder = ParquetRecordBatchReaderBuilder::try_new(file)
-            .map_err(|e| bad(&e))?
-            .with_projection(mask.clone())
+            .map_err(|e| parquet_error(path, &e))?
+            .with_projection(self.mask.clone())
             .with_row_groups(vec![unit.group])
-            .with_batch_size(batch_rows);
+            .with_batch_size(self.batch_rows);
         if !unit.whole {
             // Rows before the slice are skipped (their pages decompressed and their levels
             // counted, not decoded: about a tenth of decoding them), rows after it not read.
@@ -900,15 +956,16 @@ fn read_parquet_parallel(
                 RowSelector::select(unit.count as usize),
             ]));
         }
-        builder.build().map_err(|e| bad(&e))
-    };
-    // Decodes `unit` into `scratch` from byte `base` on: each column's rows back to back.
-    let decode_unit = |unit: &Unit, scratch: &File, base: u64| -> Result<(), InputError> {
-        let group = unit.group;
+        builder.build().map_err(|e| parquet_error(path, &e))
+    }
+
+    /// Decodes `unit` into `scratch` from byte `base` on: each column's rows back to back.
+    fn decode(&self, unit: &Unit, scratch: &File, base: u64) -> Result<(), InputError> {
+        let (path, group) = (self.path, unit.group);
         let mut read = 0u64;
         let mut bytes = Vec::new();
-        for batch in reader_of(unit)? {
-            let first_row = group_starts[group] + unit.first + read;
+        for batch in self.reader(unit)? {
+            let first_row = self.group_starts[group] + unit.first + read;
             let batch = batch.map_err(|e| {
                 table_error(
                     path,
@@ -924,7 +981,7 @@ fn read_parquet_parallel(
                 read += batch.num_rows() as u64;
                 continue;
             }
-            for &(column, sample_bytes, column_offset) in &targets {
+            for &(column, sample_bytes, column_offset) in &self.targets {
                 let array = batch
                     .column_by_name(column)
                     .expect("the projection keeps every column asked for");
@@ -943,31 +1000,32 @@ fn read_parquet_parallel(
                 path,
                 format!(
                     "row group {group}: the footer says {} rows but the row group holds {read}",
-                    group_rows[group]
+                    self.group_rows[group]
                 ),
             ));
         }
         Ok(())
-    };
-    // A slice that failed: if its row group holds other than the footer's count (read whole),
-    // that is the error, as for a row group read whole; otherwise the slice's own.
-    let explain = |unit: &Unit, error: InputError| -> InputError {
+    }
+
+    /// A slice that failed: if its row group holds other than the footer's count (read whole),
+    /// that is the error, as for a row group read whole; otherwise the slice's own.
+    fn explain(&self, unit: &Unit, error: InputError) -> InputError {
         let whole = Unit {
             first: 0,
-            count: group_rows[unit.group],
+            count: self.group_rows[unit.group],
             whole: true,
             ..*unit
         };
         let counted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut rows = 0u64;
-            for batch in reader_of(&whole).ok()? {
+            for batch in self.reader(&whole).ok()? {
                 rows += batch.ok()?.num_rows() as u64;
             }
             Some(rows)
         }));
         match counted {
             Ok(Some(rows)) if rows != whole.count => table_error(
-                path,
+                self.path,
                 format!(
                     "row group {}: the footer says {} rows but the row group holds {rows}",
                     unit.group, whole.count
@@ -975,90 +1033,87 @@ fn read_parquet_parallel(
             ),
             _ => error,
         }
-    };
-    // Per thread: (unit, first byte in the thread's file) of each unit it decoded.
-    let decoded: Vec<(usize, Vec<(usize, u64)>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = thread_scratch
-            .files
-            .iter_mut()
-            .take(workers)
-            .enumerate()
-            .map(|(thread, (scratch, written))| {
-                let (next, failed_at, errors, decode_unit, explain) =
-                    (&next, &failed_at, &errors, &decode_unit, &explain);
-                let units = &units;
-                let group_starts = &group_starts;
-                scope.spawn(move || {
-                    let mut done = Vec::new();
-                    loop {
-                        let index = next.fetch_add(1, Ordering::Relaxed);
-                        if index >= units.len() || index > failed_at.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        let unit = &units[index];
-                        let base = *written;
-                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            decode_unit(unit, scratch, base)
-                        }))
-                        .unwrap_or_else(|_| {
-                            Err(reader_panicked(path, group_starts[unit.group] + unit.first))
-                        });
-                        match result {
-                            Ok(()) => {
-                                *written += unit.count * row_bytes as u64;
-                                done.push((index, base));
+    }
+
+    /// Decodes `units` on one thread per scratch file of `files` (each with the bytes written to
+    /// it so far); returns, per thread, the units it decoded and where each starts in its file, or
+    /// the error of the lowest unit that failed.
+    #[allow(clippy::type_complexity)]
+    fn decode_units(
+        &self,
+        units: &[Unit],
+        files: &mut [(File, u64)],
+        row_bytes: usize,
+    ) -> Result<Vec<(usize, Vec<(usize, u64)>)>, InputError> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Mutex;
+        let next = AtomicUsize::new(0);
+        // The lowest unit that failed: later ones are not started, earlier ones still run, so the
+        // error reported is the first in the file whatever the threads' timing.
+        let failed_at = AtomicUsize::new(usize::MAX);
+        let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
+        let decoded: Vec<(usize, Vec<(usize, u64)>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = files
+                .iter_mut()
+                .enumerate()
+                .map(|(thread, (scratch, written))| {
+                    let (next, failed_at, errors) = (&next, &failed_at, &errors);
+                    scope.spawn(move || {
+                        let mut done = Vec::new();
+                        loop {
+                            let index = next.fetch_add(1, Ordering::Relaxed);
+                            if index >= units.len() || index > failed_at.load(Ordering::Relaxed) {
+                                break;
                             }
-                            Err(error) => {
-                                let error = if unit.whole {
-                                    error
-                                } else {
-                                    explain(unit, error)
-                                };
-                                failed_at.fetch_min(index, Ordering::Relaxed);
-                                errors
-                                    .lock()
-                                    .expect("no panics while holding the lock")
-                                    .push((index, error));
+                            let unit = &units[index];
+                            let base = *written;
+                            let result =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    self.decode(unit, scratch, base)
+                                }))
+                                .unwrap_or_else(|_| {
+                                    Err(reader_panicked(
+                                        self.path,
+                                        self.group_starts[unit.group] + unit.first,
+                                    ))
+                                });
+                            match result {
+                                Ok(()) => {
+                                    *written += unit.count * row_bytes as u64;
+                                    done.push((index, base));
+                                }
+                                Err(error) => {
+                                    let error = if unit.whole {
+                                        error
+                                    } else {
+                                        self.explain(unit, error)
+                                    };
+                                    failed_at.fetch_min(index, Ordering::Relaxed);
+                                    errors
+                                        .lock()
+                                        .expect("no panics while holding the lock")
+                                        .push((index, error));
+                                }
                             }
                         }
-                    }
-                    (thread, done)
+                        (thread, done)
+                    })
                 })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("a decoding thread catches its panics"))
-            .collect()
-    });
-    let mut errors = errors
-        .into_inner()
-        .expect("no panics while holding the lock");
-    errors.sort_by_key(|(index, _)| *index);
-    if let Some((_, error)) = errors.into_iter().next() {
-        return Err(error);
-    }
-    let mut done: Vec<(usize, usize, u64)> = decoded
-        .into_iter()
-        .flat_map(|(thread, done)| done.into_iter().map(move |(u, base)| (u, thread, base)))
-        .collect();
-    done.sort_unstable();
-    assert_eq!(done.len(), units.len(), "every unit decoded once");
-    for (index, thread, base) in done {
-        let count = units[index].count;
-        if count == 0 {
-            continue;
-        }
-        for ((field, _), &(_, _, column_offset)) in columns.iter().zip(&targets) {
-            fields[*field].pieces.push((
-                path.to_path_buf(),
-                ScratchFile::Thread(thread),
-                base + count * column_offset,
-                count,
-            ));
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| handle.join().expect("a decoding thread catches its panics"))
+                .collect()
+        });
+        let mut errors = errors
+            .into_inner()
+            .expect("no panics while holding the lock");
+        errors.sort_by_key(|(index, _)| *index);
+        match errors.into_iter().next() {
+            Some((_, error)) => Err(error),
+            None => Ok(decoded),
         }
     }
-    Ok(())
 }
 
 /// Rows of one row group that one thread of a parallel Parquet read decodes: the whole group, or
