@@ -23,7 +23,7 @@ use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
     row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
 };
-use super::tier_fill::{fill_decoded, DecodedLayout};
+use super::tier_fill::{decoded_bytes, fill_decoded, DecodedLayout};
 use super::tier_read::{TierRead, WaitForCopies};
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
@@ -652,8 +652,7 @@ impl Resident {
                 return Ok(None);
             }
         }
-        let layout = Arc::new(DecodedLayout::of(&plan.dataset));
-        let decoded_bytes: u64 = layout.shard_bytes.iter().sum();
+        let decoded_bytes = decoded_bytes(&plan.dataset);
         if !tier.is_enabled() || decoded_bytes > tier.bytes_max() {
             if fields_all_raw(plan) {
                 return Ok(None);
@@ -669,6 +668,7 @@ impl Resident {
             );
             return Ok(None);
         }
+        let layout = Arc::new(DecodedLayout::of(&plan.dataset));
         let key = TierKey {
             dir: plan.dataset.dir.clone(),
             identity: plan.dataset.manifest_identity,

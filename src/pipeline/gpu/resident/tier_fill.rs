@@ -52,6 +52,19 @@ pub(in crate::pipeline::gpu) struct DecodedLayout {
     file_order: Vec<Vec<(u16, u32)>>,
 }
 
+/// The decoded bytes of each shard of `dataset` as [`DecodedLayout::of`] lays them out, without
+/// laying them out (no sort, no allocation per block): each block takes its raw size rounded up to
+/// the alignment, whatever its place. For deciding whether a dataset fits the tier before paying
+/// for its layout (a dataset of millions of blocks takes a while to sort).
+pub(in crate::pipeline::gpu) fn decoded_bytes(dataset: &Dataset) -> u64 {
+    dataset
+        .shards
+        .iter()
+        .flat_map(|s| s.metadata.blocks.iter())
+        .map(|b| (b.raw_bytes as u64).next_multiple_of(DECODED_ALIGN))
+        .sum()
+}
+
 impl DecodedLayout {
     /// The layout of `dataset`.
     pub(in crate::pipeline::gpu) fn of(dataset: &Dataset) -> DecodedLayout {
@@ -495,6 +508,10 @@ mod tests {
         for dataset in [&mixed, &single] {
             let layout = DecodedLayout::of(dataset);
             assert_eq!(layout.shard_bytes.len(), dataset.shards.len());
+            assert_eq!(
+                decoded_bytes(dataset),
+                layout.shard_bytes.iter().sum::<u64>()
+            );
             for (s, shard) in dataset.shards.iter().enumerate() {
                 let mut spans = Vec::new();
                 for f in 0..shard.metadata.fields.len() {
