@@ -33,18 +33,9 @@ pub struct OrderedField {
 #[derive(Clone, Debug)]
 pub struct OrderedTables {
     bytes: Vec<u8>,
-    sample_count: u64,
-    mode: u32,
-    half_bits: u32,
-    keys: [u64; 6],
-    shard_count: u32,
-    field_count: u32,
-    window_count: u32,
-    off_fields: u32,
-    off_bases: u32,
-    off_windows: u32,
-    off_members: u32,
-    off_first_regions: u32,
+    /// The kernel's parameters that the tables decide (order, counts, offsets); a launch fills in
+    /// the rest.
+    params: OrderedParams,
 }
 
 /// What one launch gathers: `batches` batches of `batch_rows` rows, batch `b` from position
@@ -73,6 +64,7 @@ pub struct OrderedLaunch {
 
 /// The kernel's parameters (`struct OrderedParams`), passed by value.
 #[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
 struct OrderedParams {
     tables: u64,
     regions: u64,
@@ -254,18 +246,21 @@ impl OrderedTables {
         }
         OrderedTables {
             bytes,
-            sample_count: *shard_first.last().expect("the sample count"),
-            mode,
-            half_bits,
-            keys,
-            shard_count: shard_count as u32,
-            field_count: fields.len() as u32,
-            window_count,
-            off_fields: off_fields as u32,
-            off_bases: off_bases as u32,
-            off_windows: off_windows as u32,
-            off_members: off_members as u32,
-            off_first_regions: off_first_regions as u32,
+            params: OrderedParams {
+                sample_count: *shard_first.last().expect("the sample count"),
+                mode,
+                half_bits,
+                keys,
+                shard_count: shard_count as u32,
+                field_count: fields.len() as u32,
+                window_count,
+                off_fields: off_fields as u32,
+                off_bases: off_bases as u32,
+                off_windows: off_windows as u32,
+                off_members: off_members as u32,
+                off_first_regions: off_first_regions as u32,
+                ..OrderedParams::default()
+            },
         }
     }
 
@@ -276,18 +271,18 @@ impl OrderedTables {
 
     /// Samples of the epoch.
     pub fn sample_count(&self) -> u64 {
-        self.sample_count
+        self.params.sample_count
     }
 
     /// The sample at `position` and its shard, read from the encoded tables as the kernel reads
     /// them (a model of `ordered_sample` and the kernel's shard search, for tests).
     pub fn sample_model(&self, position: u64) -> (u64, u32) {
-        let b = &self.bytes;
-        let sample = match self.mode {
-            1 => permute_model(self.sample_count, self.half_bits, &self.keys, position),
+        let (b, p) = (&self.bytes, &self.params);
+        let sample = match p.mode {
+            1 => permute_model(p.sample_count, p.half_bits, &p.keys, position),
             2 => {
-                let window = |w: usize| self.off_windows as usize + w * WINDOW_BYTES;
-                let (mut lo, mut hi) = (0usize, self.window_count as usize);
+                let window = |w: usize| p.off_windows as usize + w * WINDOW_BYTES;
+                let (mut lo, mut hi) = (0usize, p.window_count as usize);
                 while lo < hi {
                     let mid = (lo + hi) / 2;
                     if get(b, window(mid)) + get(b, window(mid) + 8) <= position {
@@ -302,8 +297,7 @@ impl OrderedTables {
                 let (half_bits, member_first, member_count) =
                     (word(w + 64), word(w + 68) as usize, word(w + 72) as usize);
                 let within = permute_model(get(b, w + 8), half_bits, &keys, position - get(b, w));
-                let member =
-                    |m: usize| self.off_members as usize + (member_first + m) * MEMBER_BYTES;
+                let member = |m: usize| p.off_members as usize + (member_first + m) * MEMBER_BYTES;
                 let (mut a, mut z) = (0usize, member_count);
                 while a < z {
                     let mid = (a + z) / 2;
@@ -317,7 +311,7 @@ impl OrderedTables {
             }
             _ => position,
         };
-        let (mut lo, mut hi) = (0usize, self.shard_count as usize + 1);
+        let (mut lo, mut hi) = (0usize, p.shard_count as usize + 1);
         while lo < hi {
             let mid = (lo + hi) / 2;
             if get(b, mid * 8) <= sample {
@@ -357,32 +351,20 @@ impl Gatherer {
         // SAFETY: the outcome is the caller's, as for the launch.
         unsafe { prepare_outcome(stream, outcome, outcome_zeroed) }?;
         let rows = launch.batch_rows as u64 * launch.batches as u64;
-        if rows == 0 || tables.sample_count == 0 {
+        if rows == 0 || tables.params.sample_count == 0 {
             return Ok(());
         }
         let mut params = OrderedParams {
             tables: device_tables.device_ptr(),
             regions: launch.regions,
             window_bytes: launch.window_bytes,
-            sample_count: tables.sample_count,
             pos_base: launch.pos_base,
             step_samples: launch.step_samples,
             slot_stride: launch.slot_stride,
-            keys: tables.keys,
-            half_bits: tables.half_bits,
-            mode: tables.mode,
             batch_rows: launch.batch_rows,
             batches: launch.batches,
-            shard_count: tables.shard_count,
-            field_count: tables.field_count,
-            window_count: tables.window_count,
-            off_fields: tables.off_fields,
-            off_bases: tables.off_bases,
-            off_windows: tables.off_windows,
-            off_members: tables.off_members,
-            off_first_regions: tables.off_first_regions,
             region_count: launch.region_count,
-            pad: 0,
+            ..tables.params
         };
         let mut dst_ptr = dst.device_ptr();
         let mut dst_capacity = dst.len() as u64;

@@ -196,13 +196,7 @@ impl DeviceOrder {
                 op,
             });
         }
-        let mut shard_first: Vec<u64> = Vec::with_capacity(shard_count + 1);
-        let mut next = 0u64;
-        for shard in &plan.dataset.manifest.shards {
-            shard_first.push(next);
-            next += shard.sample_count;
-        }
-        shard_first.push(next);
+        let shard_first = geometry.shard_first_samples().to_vec();
         let tables = OrderedTables::new(
             &order_spec(&plan.order.tables()),
             &shard_first,

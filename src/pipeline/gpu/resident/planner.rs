@@ -323,6 +323,11 @@ impl RowGeometry {
             .collect()
     }
 
+    /// The first sample of each shard, and the sample count after the last.
+    pub(super) fn shard_first_samples(&self) -> &[u64] {
+        &self.shard_first_samples
+    }
+
     /// Bytes of each shard's windows (regions) in the stream's table.
     pub(super) fn window_bytes(&self) -> u64 {
         self.window_bytes
