@@ -597,6 +597,71 @@ __device__ u64 ordered_sample(const OrderedParams& p, const OrderedWindow* __res
     return m.first_sample + (within - m.offset);
 }
 
+// Rows gathered at once by the ordered gather's fast path (1: one row at a time).
+#ifndef GF_ORDERED_ROWS
+#define GF_ORDERED_ROWS 4u
+#endif
+
+// The ordered gather's fast path: rows k.. of the block's chunk (at most GF_ORDERED_ROWS, and the
+// chunk's end) of a stream with one field converted from a 2-byte float to fp32, when each row lies
+// inside one region, its source 8-byte and its destination 16-byte aligned and its element count a
+// multiple of 4. Each thread loads its 4 elements of every row, then converts and stores them.
+// Returns the rows done; 0 when row k does not qualify (the caller takes the general path, which
+// also counts faults). The rows of a run stop at the first that does not qualify.
+__device__ __forceinline__ u32 ordered_rows_fast(const OrderedParams& p, const OrderedField& field,
+                                                 const u64* __restrict__ bases,
+                                                 const u64* __restrict__ first_regions,
+                                                 const GatherRegion* __restrict__ regions, const u32* row_shard,
+                                                 const u64* row_local, u64 first, u32 k, u32 chunk, u8* dst,
+                                                 u64 dst_capacity) {
+    if ((field.op != GF_OP_F16_F32 && field.op != GF_OP_BF16_F32) || field.elements % 4u != 0u ||
+        field.in_sample_bytes != (u64)field.elements * 2ull || field.out_sample_bytes != (u64)field.elements * 4ull)
+        return 0u;
+    const u8* src[GF_ORDERED_ROWS];
+    float4* out[GF_ORDERED_ROWS];
+    u32 rows = 0u;
+    for (; rows < GF_ORDERED_ROWS && k + rows < chunk; ++rows) {
+        const u64 r = blockIdx.x + (first + k + rows) * gridDim.x;
+        const u64 batch = r / p.batch_rows, i = r % p.batch_rows;
+        const u32 shard = row_shard[k + rows];
+        if (shard >= p.shard_count) break;
+        const u64 at = bases[(u64)shard] + row_local[k + rows] * field.in_sample_bytes;
+        const u64 o = batch * p.slot_stride + field.out_offset + i * field.out_sample_bytes;
+        const u64 region = first_regions[shard] + at / p.window_bytes;
+        const u64 within = at % p.window_bytes;
+        if (region >= p.region_count || !extent_fits(o, field.out_sample_bytes, dst_capacity)) break;
+        const GatherRegion g = regions[region];
+        if (within >= g.bytes || within + field.in_sample_bytes > g.bytes) break;
+        const u64 s = g.ptr + within;
+        if ((s & 7ull) != 0ull || (((u64)(dst + o)) & 15ull) != 0ull) break;
+        src[rows] = reinterpret_cast<const u8*>(s);
+        out[rows] = reinterpret_cast<float4*>(dst + o);
+    }
+    if (rows == 0u) return 0u;
+    const u32 groups = field.elements / 4u;
+    const bool bf16 = field.op == GF_OP_BF16_F32;
+    for (u32 g = threadIdx.x; g < groups; g += blockDim.x) {
+        uint2 a[GF_ORDERED_ROWS];
+#pragma unroll
+        for (u32 u = 0; u < GF_ORDERED_ROWS; ++u)
+            if (u < rows) a[u] = __ldg(reinterpret_cast<const uint2*>(src[u]) + g);
+#pragma unroll
+        for (u32 u = 0; u < GF_ORDERED_ROWS; ++u) {
+            if (u >= rows) continue;
+            const u16 h0 = (u16)(a[u].x & 0xffffu), h1 = (u16)(a[u].x >> 16);
+            const u16 h2 = (u16)(a[u].y & 0xffffu), h3 = (u16)(a[u].y >> 16);
+            float4 v;
+            if (bf16) {
+                v = make_float4(bf16_to_f32(h0), bf16_to_f32(h1), bf16_to_f32(h2), bf16_to_f32(h3));
+            } else {
+                v = make_float4(f16_to_f32(h0), f16_to_f32(h1), f16_to_f32(h2), f16_to_f32(h3));
+            }
+            out[u][g] = v;
+        }
+    }
+    return rows;
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst, u64 dst_capacity,
                   GatherOutcome* __restrict__ outcome) {
@@ -631,6 +696,17 @@ gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst,
         }
         __syncthreads();
         for (u32 k = 0; k < chunk; ++k) {
+            // Up to GF_ORDERED_ROWS rows of a 2-byte float field at once, every load before any
+            // store: a block holds only a few rows of a batch, and one row's load at a time per
+            // thread left the device's memory mostly idle.
+            if (GF_ORDERED_ROWS > 1u && p.field_count == 1u) {
+                const u32 rows = ordered_rows_fast(p, fields[0], bases, first_regions, regions, row_shard,
+                                                   row_local, first, k, chunk, dst, dst_capacity);
+                if (rows > 0u) {
+                    k += rows - 1u;
+                    continue;
+                }
+            }
             const u64 r = blockIdx.x + (first + k) * gridDim.x;
             const u64 batch = r / p.batch_rows, i = r % p.batch_rows;
             const u32 shard = row_shard[k];

@@ -13,6 +13,9 @@
 #      - case tier: a daemon with --device-cache TIER_CACHE (TIER_GIB + 2 GiB); per order and run
 #        the dataset is evicted through the API first, so that the run's first epoch fills the tier
 #        and its TIER_EPOCHS - 1 (15) later epochs read it;
+#      - case tier-host-order: every row planned on the host (GPUFEED_DEVICE_ORDER=off), one run
+#        per order; case tier-rows1: the ordered gather moving one row at a time per thread block
+#        (GPUFEED_ORDERED_ROWS=1), one run per order;
 #      - case tier-b1024: the same daemon, the dataset resident, batch 1024, full shuffle;
 #      - case tier-2proc: two consumer processes at once, full shuffle, batch 4096, different seeds:
 #        their aggregate rate (all bytes over the span from the first's start to the last's end, on
@@ -174,6 +177,15 @@ tier_bench() {
     run_one tier-host-order "$order" 1 "$batch" "$epochs" 1
   done
   run_one tier-host-order-b1024 full 1 1024 "$epochs" 1
+  stop_daemon
+  # The order on the device with its gather moving one row at a time per thread block
+  # (GPUFEED_ORDERED_ROWS=1; default 4 at once), one run per order: what the fast path changes.
+  daemon_env=GPUFEED_ORDERED_ROWS=1 start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" \
+    || { echo "FAILED: the daemon with one row at a time did not start"; return 1; }
+  for order in none window full; do
+    consume_line tier-rows1-warmup "$order" 0 "$batch" 3 100 >/dev/null
+    run_one tier-rows1 "$order" 1 "$batch" "$epochs" 1
+  done
   stop_daemon
   start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" \
     || { echo "FAILED: the daemon with the tier did not start again"; return 1; }

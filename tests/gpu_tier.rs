@@ -182,6 +182,9 @@ fn tier_batches_equal_the_cpu_backend_in_every_order() {
     let cpu = start_cpu(&cpu_root);
     let dumps = root.path().join("dumps");
     std::fs::create_dir_all(&dumps).unwrap();
+    // Whether a stream that opened while the tier filled went on with the order on the device
+    // once the fill completed (timing decides at which step, and whether before its last).
+    let mut switched = false;
     for shuffle in ["none", "window", "full"] {
         let gpu = start_gpu(root.path(), &["--device-cache", "64M"]);
         let expected = cpu_dump(&cpu, &dumps, "emb", shuffle, &emb_args(shuffle));
@@ -228,7 +231,20 @@ fn tier_batches_equal_the_cpu_backend_in_every_order() {
             "{shuffle}, rank 1 of 3 from cursor 1234: the tier's batches differ from the CPU backend's"
         );
         wait_for_no_streams(&gpu.socket);
+        // Batches of more rows than the ordered gather has thread blocks: each block moves several
+        // rows at once (its fast path for one 2-byte float field).
+        let mut large = emb_args(shuffle);
+        large[1] = "2500";
+        let expected = cpu_dump(&cpu, &dumps, "emb", &format!("{shuffle}-large"), &large);
+        let path = dumps.join(format!("emb-{shuffle}-large-gpu.npy"));
+        finish(consume(&gpu.socket, "emb", "cuda:0", &large, &path));
+        assert!(
+            npy_payload(&path) == expected,
+            "{shuffle}, batches of 2500: the tier's batches differ from the CPU backend's"
+        );
+        wait_for_no_streams(&gpu.socket);
         let log = gpu.log();
+        switched |= log.contains("stream reads the device-memory tier whole from step");
         assert!(log.contains("stream fills the device-memory tier"), "{log}");
         assert!(
             log.contains("stream reads 6 shards from the device-memory tier"),
@@ -239,6 +255,10 @@ fn tier_batches_equal_the_cpu_backend_in_every_order() {
             "{log}"
         );
     }
+    assert!(
+        switched,
+        "no stream filling the tier went on with the order on the device once the fill completed"
+    );
 }
 
 /// A dataset larger than the budget is served as without the tier, bit-exact. Two consumer

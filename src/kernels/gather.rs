@@ -494,10 +494,18 @@ impl Gatherer {
             GatherLayout::CoalescedStores => "1",
             GatherLayout::WideLoads => "0",
         };
-        let options = CompileOptions {
-            defines: vec![("GF_GATHER_COALESCED_STORES".into(), coalesced.into())],
-            cache,
-        };
+        let mut defines = vec![("GF_GATHER_COALESCED_STORES".into(), coalesced.into())];
+        // Rows the ordered gather moves at once (see `ordered_rows_fast` in kernels/gather.cu):
+        // `GPUFEED_ORDERED_ROWS` (1 to 8) in the daemon's environment overrides the default of
+        // 4, for comparisons.
+        if let Some(rows) = std::env::var("GPUFEED_ORDERED_ROWS")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|r| (1..=8).contains(r))
+        {
+            defines.push(("GF_ORDERED_ROWS".into(), format!("{rows}u")));
+        }
+        let options = CompileOptions { defines, cache };
         let (module, origin) = device.load_module(&GATHER_SOURCE, &options)?;
         let kernel = module.kernel(device, "gf_gather_convert")?;
         let per_sm = kernel

@@ -45,6 +45,9 @@ pub struct ResidentAssembler {
     /// The order computed on the device, for a stream that qualifies (see `super::ordered`): no
     /// rows planned on the host.
     ordered: Option<DeviceOrder>,
+    /// Whether the stream can no longer switch to the device order when its dataset's fill into
+    /// the device-memory tier completes (see [`Self::order_on_device_once_filled`]).
+    tier_order_checked: bool,
 }
 
 impl ResidentAssembler {
@@ -71,6 +74,7 @@ impl ResidentAssembler {
             group_batches_max,
             group_pieces_max,
             plan_threads,
+            tier_order_checked: ordered.is_some(),
             ordered,
         })
     }
@@ -240,6 +244,9 @@ impl ResidentAssembler {
         released: &Event,
         ready: Option<&Event>,
     ) -> Result<(), FillError> {
+        if self.ordered.is_none() && !self.tier_order_checked {
+            self.order_on_device_once_filled(step)?;
+        }
         if self.ordered.is_some() {
             return self.submit_ordered(step, slot, released);
         }
@@ -301,6 +308,47 @@ impl ResidentAssembler {
         // Work queued on the slot after that (zeroing rows of blocks found corrupt) records `ready`
         // again there. One driver call less per batch: at 256 rows, a batch every 20 µs.
         let _ = ready;
+        Ok(())
+    }
+
+    /// For a stream that opened while its dataset filled the device-memory tier: once the fill is
+    /// done, computes the order on the device from step `step` on (see
+    /// `DeviceOrder::over_filled_tier`), reading every row in the tier, instead of planning rows on
+    /// the host and redirecting each round's regions. The rest of a first epoch then runs at the
+    /// rate of later ones (the fill itself takes the link: in a shuffle the epoch's first batches
+    /// wait for it), and so does an epoch whose stream was opened ahead while the first filled.
+    fn order_on_device_once_filled(&mut self, step: u64) -> Result<(), FillError> {
+        if !self
+            .resident
+            .tier
+            .as_ref()
+            .is_some_and(|t| t.filled_since_open())
+        {
+            // (Also a stream that opened with its dataset whole in the tier, or not in it.)
+            self.tier_order_checked = self
+                .resident
+                .tier
+                .as_ref()
+                .is_none_or(|t| t.is_whole_at_open() || !t.dataset.usable());
+            return Ok(());
+        }
+        self.tier_order_checked = true;
+        let device = self.engine.stream.device().clone();
+        let Some(ordered) = DeviceOrder::over_filled_tier(
+            &self.engine.plan,
+            &self.resident,
+            &self.engine.kernels.gather,
+            &device,
+        )?
+        else {
+            return Ok(());
+        };
+        // The batches planned on the host and not queued yet are queued first; the planning
+        // threads stop.
+        self.flush_group()?;
+        self.resident.planner = None;
+        self.ordered = Some(ordered);
+        tracing::info!("stream reads the device-memory tier whole from step {step} on");
         Ok(())
     }
 
@@ -419,7 +467,15 @@ impl ResidentAssembler {
             // copy engines. Without copies the piece table is uploaded.
             let mut table = std::mem::take(&mut resident.round_regions);
             table.clone_from(&resident.host_regions);
-            let copying = resident.device_shards.is_some();
+            // A piece table uploaded while the dataset's copies into the tier are queued would
+            // wait behind them on the copy engines (every round of a shuffle's first epoch waited
+            // for the whole fill): such rounds read it from their pinned buffer, as rounds of a
+            // stream copying shards ahead do.
+            let copying = resident.device_shards.is_some()
+                || resident
+                    .tier
+                    .as_ref()
+                    .is_some_and(|t| !t.is_whole_at_open() && !t.is_whole());
             let redirected = redirect_to_device(
                 resident,
                 &mut table,

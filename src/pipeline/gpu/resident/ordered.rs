@@ -18,8 +18,8 @@ use super::open::Resident;
 use super::planner::RowGeometry;
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory};
 use crate::kernels::{
-    FeistelSpec, GatherOp, Gatherer, OrderSpec, OrderedField, OrderedLaunch, OrderedTables,
-    WindowSpec,
+    FeistelSpec, GatherOp, GatherRegion, Gatherer, OrderSpec, OrderedField, OrderedLaunch,
+    OrderedTables, WindowSpec,
 };
 use crate::pipeline::order::{OrderTables, Permutation};
 use crate::pipeline::stream_plan::StreamPlan;
@@ -72,6 +72,9 @@ pub(in crate::pipeline::gpu) struct DeviceOrder {
     row_bytes_in: u64,
     /// Consecutive batches whose slots follow one another, not queued yet.
     pub(super) group: Option<OrderedGroup>,
+    /// The region table `regions` points at when it is not the stream's own: the tier's, for a
+    /// stream that opened while its dataset filled the tier (see [`DeviceOrder::over_filled_tier`]).
+    _own_regions: Option<DeviceBuffer>,
 }
 
 /// Consecutive batches (`steps`) whose slots lie back to back from `base` to `end`, `slot_bytes`
@@ -175,6 +178,60 @@ impl DeviceOrder {
         if turned_off() || !gatherer.has_ordered() || !fixed {
             return Ok(None);
         }
+        let in_place = !resident.reads_tier_only();
+        Self::build(
+            plan,
+            resident,
+            device,
+            (resident.regions.device_ptr(), None),
+            in_place,
+        )
+    }
+
+    /// The device order of a stream that opened while its dataset filled the device-memory tier,
+    /// once the fill is complete (or waited for on the stream's compute stream, see
+    /// `TierRead::filled_since_open`): every row read in the tier, through a region table of its
+    /// own. `None` if the stream does not qualify (as for [`Self::new`]) or the fill is not done.
+    /// The rows are the ones the host would plan: the device computes the same order.
+    pub(in crate::pipeline::gpu) fn over_filled_tier(
+        plan: &StreamPlan,
+        resident: &Resident,
+        gatherer: &Gatherer,
+        device: &Device,
+    ) -> Result<Option<DeviceOrder>, DeviceError> {
+        let Some(tier) = resident.tier.as_ref().filter(|t| t.filled_since_open()) else {
+            return Ok(None);
+        };
+        let dataset = &tier.dataset;
+        if turned_off()
+            || !gatherer.has_ordered()
+            || resident.device_shards.is_some()
+            || resident.row_copies.is_some()
+            || resident.host_regions.len() != dataset.window_count()
+        {
+            return Ok(None);
+        }
+        let table: Vec<GatherRegion> = (0..dataset.window_count())
+            .map(|window| GatherRegion {
+                ptr: dataset.window_ptr(window),
+                bytes: dataset.window_bytes(window),
+            })
+            .collect();
+        let own = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        Self::build(plan, resident, device, (own.device_ptr(), Some(own)), false)
+    }
+
+    /// The device order of a stream over `resident` reading its rows through the region table at
+    /// `regions.0` (held by the order itself when `regions.1` is given); `in_place`: rows are read
+    /// from host memory (counted as read bytes). `None` when the rows do not lie back to back
+    /// (corrupt blocks, fields not linear) or a field's conversion has no ordered gather.
+    fn build(
+        plan: &StreamPlan,
+        resident: &Resident,
+        device: &Device,
+        regions: (u64, Option<DeviceBuffer>),
+        in_place: bool,
+    ) -> Result<Option<DeviceOrder>, DeviceError> {
         let geometry: &Arc<RowGeometry> = &resident.geometry;
         let Some(linear) = geometry.linear_bases() else {
             return Ok(None);
@@ -205,7 +262,6 @@ impl DeviceOrder {
             &first_regions,
         );
         let device_tables = DeviceBuffer::from_host(device, tables.bytes())?;
-        let in_place = !resident.reads_tier_only();
         tracing::info!(
             "stream computes its order on the device ({} bytes of tables, rows read {}): no rows \
              planned on the host",
@@ -226,12 +282,13 @@ impl DeviceOrder {
                 .collect(),
             tables,
             device_tables,
-            regions: resident.regions.device_ptr(),
+            regions: regions.0,
             region_count: resident.region_count,
             window_bytes: geometry.window_bytes(),
             in_place,
             row_bytes_in: plan.fields.iter().map(|f| f.sample_bytes_in as u64).sum(),
             group: None,
+            _own_regions: regions.1,
         }))
     }
 

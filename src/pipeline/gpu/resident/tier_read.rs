@@ -81,6 +81,12 @@ impl TierRead {
         self.usable_count == self.usable.len()
     }
 
+    /// Whether the dataset, filling when the stream opened, may now be read whole in the tier by
+    /// work queued on the stream's compute stream: every copy is complete or waited for there.
+    pub(super) fn filled_since_open(&self) -> bool {
+        !self.whole_at_open && self.is_whole() && self.dataset.usable()
+    }
+
     /// Points the regions of `table` that a round may read in the tier there, after noting the
     /// copies completed since the last round and, when rounds wait for copies, making `compute`
     /// wait for those of the regions the round reads (`region_bytes`, bytes per region). Returns
