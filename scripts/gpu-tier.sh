@@ -97,7 +97,7 @@ consume_line() {
   # shellcheck disable=SC2086  # fields, dtype_flags: lists of words
   line=$(timeout 120 "$bin/consume" --socket "$socket" --dataset "$ds" --device cuda:0 \
     --batch-size "$b" $dtype_flags $fields --shuffle "$order" --window-shards 4 --seed "$seed" \
-    --prefetch 4 --epochs "$e" --open-ahead 0.3 --daemon-pid "$daemon" | tail -1)
+    --prefetch "${prefetch:-4}" --epochs "$e" --open-ahead 0.3 --daemon-pid "$daemon" | tail -1)
   status=$?
   python3 - "$case" "$order" "$run" "$b" "$e" "$status" "$line" "$(stat -c %s "$ds_npy")" "$out_per_in" "$ds" <<'PY'
 import json, sys
@@ -282,6 +282,35 @@ lz4_bench() {
 
 if [ "${1:-}" = --lz4-only ]; then
   lz4_bench
+  exit $?
+fi
+# knobs_bench: the dataset resident, full shuffle and dataset order, batch TIER_BATCH, one run of
+# TIER_EPOCHS per variant of TIER_KNOBS ("LABEL:PREFETCH:DAEMON FLAGS" entries separated by ';'):
+# where a resident stream's per-batch time goes (slots, rounds in flight, the filler's wait).
+knobs_bench() {
+  : >"$jsonl"
+  mkdir -p "$work"
+  OUT="$work/prepare-out" READ_BENCH_ONLY=1 READ_CASES=none READ_GIB="$gib" bash scripts/gpu-read.sh --bench-only \
+    >"$OUT/prepare.log" 2>&1 || { echo "FAILED: preparing the data (prepare.log)"; return 1; }
+  local knobs variant label flags order
+  knobs=${TIER_KNOBS:-"base:4:;prefetch8:8:;rounds6:8:--rounds-in-flight 6;spin:4:--filler-spin-us 50;spin-rounds6:8:--rounds-in-flight 6 --filler-spin-us 50"}
+  IFS=';' read -r -a variants <<<"$knobs"
+  for variant in "${variants[@]}"; do
+    IFS=':' read -r label prefetch flags <<<"$variant"
+    # shellcheck disable=SC2086  # flags: words
+    start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" $flags \
+      || { echo "FAILED: the daemon for $label did not start"; return 1; }
+    for order in full none; do
+      prefetch=$prefetch consume_line "knob-$label-warmup" "$order" 0 "$batch" 3 100 >/dev/null
+      prefetch=$prefetch run_one "knob-$label" "$order" 1 "$batch" "$epochs" 1
+    done
+    stop_daemon
+  done
+  prefetch=4
+}
+
+if [ "${1:-}" = --knobs-only ]; then
+  knobs_bench
   exit $?
 fi
 if [ "${1:-}" = --bench-only ]; then

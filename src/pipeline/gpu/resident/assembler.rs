@@ -137,6 +137,18 @@ fn prepare_shard_copies(
     Ok(needed)
 }
 
+/// Whether copies into device memory may be queued on the copy engines while the stream's rounds
+/// run: shards copied ahead, or the dataset's copies into the tier while it fills. A piece table
+/// uploaded then would wait behind them (every round of a shuffle's first epoch waited for the whole
+/// fill of the tier): such rounds read it from their pinned buffer instead.
+fn copies_queued(resident: &Resident) -> bool {
+    resident.device_shards.is_some()
+        || resident
+            .tier
+            .as_ref()
+            .is_some_and(|t| !t.is_whole_at_open() && !t.is_whole())
+}
+
 /// Points the regions of a round's table `table` at the device copies the round may read: shards
 /// copied ahead, and the dataset in the device's memory tier while it fills (a dataset whole there
 /// when the stream opened has the stream's own table pointed there). `region_bytes`: the bytes the
@@ -467,15 +479,7 @@ impl ResidentAssembler {
             // copy engines. Without copies the piece table is uploaded.
             let mut table = std::mem::take(&mut resident.round_regions);
             table.clone_from(&resident.host_regions);
-            // A piece table uploaded while the dataset's copies into the tier are queued would
-            // wait behind them on the copy engines (every round of a shuffle's first epoch waited
-            // for the whole fill): such rounds read it from their pinned buffer, as rounds of a
-            // stream copying shards ahead do.
-            let copying = resident.device_shards.is_some()
-                || resident
-                    .tier
-                    .as_ref()
-                    .is_some_and(|t| !t.is_whole_at_open() && !t.is_whole());
+            let copying = copies_queued(resident);
             let redirected = redirect_to_device(
                 resident,
                 &mut table,

@@ -1,6 +1,7 @@
 //! A resident stream's view of its dataset in the device's memory tier (see `gpu::tier`): whole
-//! (every region of its table points into the tier from the start), or filling (each round points
-//! the regions whose copy it may read at the tier, and reads the others in place).
+//! (every region of its table points into the tier from the start), or filling (each round waits
+//! for the copies of the regions it reads and points them at the tier; the stream computes its order
+//! on the device once every copy is done or waited for).
 
 use std::sync::Arc;
 
@@ -19,19 +20,8 @@ pub(in crate::pipeline::gpu) struct TierRead {
     /// that order), and how many of them are known complete.
     fill_order: Vec<usize>,
     polled: usize,
-    /// Whether the compute stream waits for a window's copy before a round reads it (dataset order:
-    /// the copies run just ahead of the rows), or reads it in place until the copy is complete
-    /// (shuffles: a batch reads many windows at once).
-    wait: WaitForCopies,
     /// The dataset was whole when the stream opened: the stream's own table points into the tier.
     whole_at_open: bool,
-}
-
-/// Whether rounds wait for a window's copy into the tier (see [`TierRead::wait`]).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum WaitForCopies {
-    Wait,
-    ReadInPlace,
 }
 
 impl TierRead {
@@ -45,7 +35,6 @@ impl TierRead {
             usable_count: regions,
             fill_order: Vec::new(),
             polled: 0,
-            wait: WaitForCopies::ReadInPlace,
             whole_at_open: true,
         }
     }
@@ -55,7 +44,6 @@ impl TierRead {
         dataset: Arc<TierDataset>,
         tier: &Arc<DeviceTier>,
         fill_order: Vec<usize>,
-        wait: WaitForCopies,
     ) -> TierRead {
         let regions = dataset.window_count();
         TierRead {
@@ -65,7 +53,6 @@ impl TierRead {
             usable_count: 0,
             fill_order,
             polled: 0,
-            wait,
             whole_at_open: false,
         }
     }
@@ -88,7 +75,7 @@ impl TierRead {
     }
 
     /// Points the regions of `table` that a round may read in the tier there, after noting the
-    /// copies completed since the last round and, when rounds wait for copies, making `compute`
+    /// copies completed since the last round and making `compute`
     /// wait for those of the regions the round reads (`region_bytes`, bytes per region). Returns
     /// whether any region points into the tier.
     pub(super) fn redirect(
@@ -110,14 +97,12 @@ impl TierRead {
                 self.mark(region);
                 self.polled += 1;
             }
-            if self.wait == WaitForCopies::Wait {
-                for (region, &bytes) in region_bytes.iter().enumerate() {
-                    if bytes > 0
-                        && !self.usable[region]
-                        && self.dataset.wait_for_window(region, compute)?
-                    {
-                        self.mark(region);
-                    }
+            for (region, &bytes) in region_bytes.iter().enumerate() {
+                if bytes > 0
+                    && !self.usable[region]
+                    && self.dataset.wait_for_window(region, compute)?
+                {
+                    self.mark(region);
                 }
             }
         }
