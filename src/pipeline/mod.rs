@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod filler;
 pub mod gpu;
 pub mod lookahead;
+pub mod mixture;
 pub mod order;
 pub mod shard_gate;
 pub mod stream_plan;
