@@ -572,6 +572,8 @@ unsafe fn spec_of(options: &GfStreamOptions) -> Result<StreamSpec, GfStatus> {
             String::from_utf8(bytes).map_err(|_| invalid("options.resume.dataset is not UTF-8"))?;
         spec.resume(&StreamState {
             dataset,
+            sources: Vec::new(),
+            mixture_epoch_samples: None,
             seed: state.seed,
             epoch: state.epoch,
             shuffle: shuffle_of(state.shuffle, state.window_shards)?,

@@ -16,7 +16,7 @@ pub mod order;
 pub mod shard_gate;
 pub mod stream_plan;
 
-pub use cpu::Assembler;
+pub use cpu::{Assembler, HostAssembler};
 pub use filler::{
     BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff,
     InterruptCpus, SlotMemory, StreamBackend, DELIVER_AT_ONCE_MAX, INTERRUPT_CPUS_DEFAULT,

@@ -524,6 +524,8 @@ fn parse_state(state: &Bound<'_, PyDict>) -> PyResult<StreamState> {
     let shuffle: String = get("shuffle")?.extract()?;
     Ok(StreamState {
         dataset: get("dataset")?.extract()?,
+        sources: Vec::new(),
+        mixture_epoch_samples: None,
         seed: get("seed")?.extract()?,
         epoch: get("epoch")?.extract()?,
         shuffle: parse_shuffle(&shuffle, get("window_shards")?.extract()?)?,
