@@ -128,6 +128,12 @@ impl GpuBackend {
         plan: Arc<StreamPlan>,
         metrics: Arc<Metrics>,
     ) -> Result<GpuAssembler, FillerError> {
+        // The GPU backend plans rows of one dataset; the socket server refuses mixtures on a
+        // device before they get here.
+        assert!(
+            plan.mixture.is_none(),
+            "a mixture stream reached the GPU backend"
+        );
         let reader =
             GpuReader::with_windows(&self.device, self.reader_limits, Arc::clone(&self.windows))
                 .map_err(FillerError::DeviceReads)?;
