@@ -471,9 +471,16 @@ fn serve_requests(
                     break;
                 }
                 let dataset = spec.dataset.clone();
+                let mixture = (!spec.sources.is_empty()).then(|| {
+                    let sources = spec.sources.iter().map(|s| s.dataset.clone()).collect();
+                    (spec.source_name(), sources)
+                });
                 match open_stream(shared, writer, spec) {
                     Ok(running) => {
-                        listed.set_stream(&dataset);
+                        match mixture {
+                            Some((name, sources)) => listed.set_mixture_stream(&name, sources),
+                            None => listed.set_stream(&dataset),
+                        }
                         stream = Some(running);
                     }
                     Err((code, message)) => {
