@@ -124,3 +124,31 @@ def test_sources_whose_fields_disagree_are_refused(mixture_daemon):
             client.open_stream("web", 10, sources=SOURCES)
         stream = client.open_stream(batch_size=10, sources=[("web", 1), ("extra", 1)], fields=["id", "emb"])
         assert len(rows(stream, 1)) == 10
+
+
+def test_gpufeed_dataset_takes_a_mixture_and_resumes_it(mixture_daemon):
+    """gpufeed.torch.GpufeedDataset with a mixture's sources for a dataset: host tensors (its
+    default device), len(), and a state_dict resumed on another world size."""
+    pytest.importorskip("torch", reason="torch is not installed here")
+    from gpufeed.torch import GpufeedDataset
+
+    def make(**options):
+        return GpufeedDataset(mixture_daemon.socket, SOURCES, 50, shuffle="full", seed=2,
+                              fields=["id"], **options)
+
+    whole = make(rank=0, world_size=1)
+    assert whole.device == "cpu"
+    assert len(whole) == (WEB + CODE) // 50
+    order = [tuple(r) for b in whole for r in b["id"].numpy().tolist()]
+    first = make(rank=0, world_size=1)
+    it = iter(first)
+    head = [tuple(r) for _ in range(4) for r in next(it)["id"].numpy().tolist()]
+    state = first.state_dict()
+    del it
+    parts = []
+    for rank in range(2):
+        part = make(rank=rank, world_size=2)
+        part.load_state_dict(state)
+        parts.append([[tuple(r) for r in b["id"].numpy().tolist()] for b in part])
+    rest = [row for pair in zip(*parts) for batch in pair for row in batch]
+    assert head + rest == order[:len(head) + len(rest)]
