@@ -544,9 +544,9 @@ impl StreamPlan {
         self.start_cursor / self.rank.step_samples() + step
     }
 
-    /// The samples of stream step `step` for this rank.
-    /// In the plan of one source of a mixture, the samples of its rows of the batch
-    /// ([`Self::slot_rows`]).
+    /// The samples of stream step `step` for this rank; in the plan of one source of a mixture,
+    /// those of the batch's rows that draw from it ([`Self::slot_rows`]). Boxed: a plan is one or
+    /// the other, and a batch asks once.
     pub fn batch_samples(&self, step: u64) -> Box<dyn Iterator<Item = u64> + '_> {
         if let Some((draws, source)) = &self.source_of {
             let draws = draws.step(step);
