@@ -264,3 +264,32 @@ fn sources_whose_fields_disagree_are_refused() {
     let batch = stream.next().unwrap().unwrap();
     assert_eq!(batch.samples(), 10);
 }
+
+/// `gpufeed consume --source DATASET=WEIGHT ...` consumes a mixture (and says what is wrong with a
+/// source that is not DATASET=WEIGHT).
+#[test]
+fn gpufeed_consume_takes_a_mixture() {
+    let (_root, daemon) = setup();
+    let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
+    let consume = |sources: &[&str]| {
+        let mut command = std::process::Command::new(binary);
+        command.arg("consume").arg("--socket").arg(&daemon.socket);
+        for source in sources {
+            command.args(["--source", source]);
+        }
+        command.args(["--batch-size", "100", "--shuffle", "full"]);
+        command.output().unwrap()
+    };
+    let output = consume(&["web=0.7", "code=0.3"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(summary["samples"], WEB + CODE, "{summary}");
+    let output = consume(&["web", "code=0.3"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("\"web\" is not DATASET=WEIGHT"), "{stderr}");
+}
