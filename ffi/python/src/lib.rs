@@ -305,7 +305,7 @@ impl Client {
         py: Python<'_>,
         dataset: Option<String>,
         batch_size: Option<u32>,
-        sources: Option<Vec<(String, f64)>>,
+        sources: Option<Bound<'_, PyAny>>,
         mixture_epoch_samples: Option<u64>,
         fields: Option<Bound<'_, PyAny>>,
         device: &str,
@@ -327,13 +327,9 @@ impl Client {
         };
         let mut spec = match (dataset, sources) {
             (Some(dataset), None) => StreamSpec::new(dataset, batch_size),
-            (None, Some(sources)) => StreamSpec::mixture(
-                sources
-                    .into_iter()
-                    .map(|(dataset, weight)| MixtureSource { dataset, weight })
-                    .collect(),
-                batch_size,
-            ),
+            (None, Some(sources)) => {
+                StreamSpec::mixture(mixture_sources(&sources, "sources")?, batch_size)
+            }
             (Some(_), Some(_)) => {
                 return Err(PyValueError::new_err(
                     "give a dataset or a mixture's sources, not both",
@@ -535,6 +531,28 @@ fn shuffle_names(shuffle: Shuffle) -> (&'static str, u32) {
     }
 }
 
+/// A mixture's sources from any iterable of (dataset, weight) pairs, tuples or lists alike (a
+/// checkpoint that went through JSON holds lists); `what` names the argument in errors.
+fn mixture_sources(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<MixtureSource>> {
+    let mut sources = Vec::new();
+    for (index, item) in value.try_iter()?.enumerate() {
+        let item = item?;
+        let pair = || {
+            PyValueError::new_err(format!(
+                "{what}[{index}] is not a (dataset, weight) pair: {item}"
+            ))
+        };
+        if item.len().map_err(|_| pair())? != 2 || item.is_instance_of::<pyo3::types::PyString>() {
+            return Err(pair());
+        }
+        sources.push(MixtureSource {
+            dataset: item.get_item(0)?.extract().map_err(|_| pair())?,
+            weight: item.get_item(1)?.extract().map_err(|_| pair())?,
+        });
+    }
+    Ok(sources)
+}
+
 /// Version of the `state_dict` layout.
 const STATE_VERSION: u32 = 1;
 
@@ -552,8 +570,8 @@ fn parse_state(state: &Bound<'_, PyDict>) -> PyResult<StreamState> {
     }
     let shuffle: String = get("shuffle")?.extract()?;
     // A mixture's keys; a state of a single dataset may lack them (taken before mixtures).
-    let sources: Vec<(String, f64)> = match state.get_item("sources")? {
-        Some(sources) => sources.extract()?,
+    let sources = match state.get_item("sources")? {
+        Some(sources) => mixture_sources(&sources, "state_dict[\"sources\"]")?,
         None => Vec::new(),
     };
     let mixture_epoch_samples: Option<u64> = match state.get_item("mixture_epoch_samples")? {
@@ -562,10 +580,7 @@ fn parse_state(state: &Bound<'_, PyDict>) -> PyResult<StreamState> {
     };
     Ok(StreamState {
         dataset: get("dataset")?.extract()?,
-        sources: sources
-            .into_iter()
-            .map(|(dataset, weight)| MixtureSource { dataset, weight })
-            .collect(),
+        sources,
         mixture_epoch_samples,
         seed: get("seed")?.extract()?,
         epoch: get("epoch")?.extract()?,

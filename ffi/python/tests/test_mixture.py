@@ -152,3 +152,21 @@ def test_gpufeed_dataset_takes_a_mixture_and_resumes_it(mixture_daemon):
         parts.append([[tuple(r) for r in b["id"].numpy().tolist()] for b in part])
     rest = [row for pair in zip(*parts) for batch in pair for row in batch]
     assert head + rest == order[:len(head) + len(rest)]
+
+
+def test_a_checkpoint_through_json_resumes_and_bad_sources_are_named(mixture_daemon):
+    """A state_dict written as JSON (its pairs become lists) resumes the mixture; sources that are
+    not (dataset, weight) pairs are refused naming the entry."""
+    import json
+
+    with gpufeed.Client(mixture_daemon.socket) as client:
+        expected = rows(client.open_stream(batch_size=40, sources=SOURCES, seed=1, shuffle="full"), 6)
+        stream = client.open_stream(batch_size=40, sources=SOURCES, seed=1, shuffle="full")
+        head = rows(stream, 3)
+        state = json.loads(json.dumps(stream.state_dict()))
+        assert state["sources"] == [["web", 0.7], ["code", 0.3]]
+        rest = rows(client.open_stream(batch_size=40, sources=[["web", 0.7], ["code", 0.3]],
+                                       state=state), 3)
+        assert head + rest == expected
+        with pytest.raises(ValueError, match=r"sources\[1\] is not a \(dataset, weight\) pair"):
+            client.open_stream(batch_size=40, sources=[("web", 0.7), "code"])
