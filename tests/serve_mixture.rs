@@ -293,3 +293,49 @@ fn gpufeed_consume_takes_a_mixture() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("\"web\" is not DATASET=WEIGHT"), "{stderr}");
 }
+
+/// What the daemon serves is the mixture order of `pipeline::mixture`, row for row, in a window
+/// shuffle with the last step padded (positions past the epoch wrap to its start), with an epoch
+/// length of its own.
+#[test]
+fn the_daemon_serves_the_mixture_order_row_for_row() {
+    use gpufeed::pipeline::mixture::{MixtureOrder, MixtureSource as Layout};
+    use gpufeed::pipeline::ShuffleMode;
+    let (root, daemon) = setup();
+    let mut spec = mixture(&[("web", 1.0), ("code", 4.0)], 64);
+    spec.shuffle = Shuffle::Window(2);
+    spec.tail = Tail::Pad;
+    spec.epoch = 3;
+    spec.mixture_epoch_samples = Some(1000);
+    let (served, state) = rows(&daemon.socket, spec, None);
+    assert_eq!(served.len(), 16 * 64);
+    assert_eq!(state.cursor, 1000);
+    let layout = |name: &str| {
+        let dataset = gpufeed::format::Dataset::open(&root.path().join(name)).unwrap();
+        let shard_samples: Vec<u64> = dataset
+            .manifest
+            .shards
+            .iter()
+            .map(|s| s.sample_count)
+            .collect();
+        Layout {
+            sample_count: shard_samples.iter().sum(),
+            shard_samples,
+        }
+    };
+    let order = MixtureOrder::new(
+        vec![layout("web"), layout("code")],
+        &[1.0, 4.0],
+        17,
+        ShuffleMode::Window { shards: 2 },
+        3,
+        Some(1000),
+    )
+    .unwrap();
+    let expected: Vec<(i32, i32)> = order
+        .draws((0..16 * 64).map(|p| p % 1000))
+        .iter()
+        .map(|d| (d.source as i32, d.sample as i32))
+        .collect();
+    assert_eq!(served, expected);
+}
