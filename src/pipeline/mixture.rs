@@ -215,7 +215,8 @@ impl MixtureSchedule {
 }
 
 /// Walks a [`MixtureSchedule`] draw by draw: consecutive draws cost one permutation look-up each;
-/// a jump costs at most [`CHUNK_DRAWS`] + [`CHECKPOINT_DRAWS`] look-ups.
+/// a jump costs at most [`CHUNK_DRAWS`] + 64 look-ups (the chunk's draws before it, and the layout's
+/// since its last stored count).
 pub struct ScheduleWalker<'a> {
     schedule: &'a MixtureSchedule,
     /// The draw the walker is at (`u64::MAX` before the first).
