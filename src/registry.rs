@@ -347,8 +347,11 @@ pub struct SessionInfo {
 pub struct SessionSnapshot {
     /// What the session said when it started.
     pub info: SessionInfo,
-    /// The dataset its stream reads, once it opened one.
+    /// The dataset its stream reads, once it opened one (for a mixture, `mixture of` its sources
+    /// and weights).
     pub dataset: Option<String>,
+    /// A mixture stream's datasets (empty otherwise): a forced removal of any of them closes it.
+    pub sources: Vec<String>,
 }
 
 /// Closes one session: provided by the socket server, which alone knows the wire format. It must
@@ -391,6 +394,7 @@ impl SessionDirectory {
             snapshot: SessionSnapshot {
                 info,
                 dataset: None,
+                sources: Vec::new(),
             },
             closer,
         };
@@ -424,7 +428,14 @@ impl SessionDirectory {
         let closers: Vec<SessionCloser> = self
             .lock()
             .values()
-            .filter(|listed| listed.snapshot.dataset.as_deref() == Some(dataset))
+            .filter(|listed| {
+                listed.snapshot.dataset.as_deref() == Some(dataset)
+                    || listed
+                        .snapshot
+                        .sources
+                        .iter()
+                        .any(|source| source == dataset)
+            })
             .map(|listed| Arc::clone(&listed.closer))
             .collect();
         closers.iter().for_each(|close| close(reason));
@@ -458,8 +469,14 @@ pub struct SessionEntry<'a> {
 impl SessionEntry<'_> {
     /// Records the dataset the session's stream reads.
     pub fn set_stream(&self, dataset: &str) {
+        self.set_mixture_stream(dataset, Vec::new());
+    }
+
+    /// Records that the session's stream is a mixture (named `name`) of `sources`.
+    pub fn set_mixture_stream(&self, name: &str, sources: Vec<String>) {
         if let Some(listed) = self.directory.lock().get_mut(&self.id) {
-            listed.snapshot.dataset = Some(dataset.to_string());
+            listed.snapshot.dataset = Some(name.to_string());
+            listed.snapshot.sources = sources;
         }
     }
 }
@@ -467,5 +484,50 @@ impl SessionEntry<'_> {
 impl Drop for SessionEntry<'_> {
     fn drop(&mut self) {
         self.directory.lock().remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A forced removal of a dataset closes the streams that read it, a mixture's among them when
+    /// the dataset is one of its sources (a mixture's session is listed under its mixture name).
+    #[test]
+    fn removing_a_source_closes_the_mixtures_that_read_it() {
+        let directory = SessionDirectory::default();
+        let closed = Arc::new(AtomicUsize::new(0));
+        let session = |id: u64| {
+            let closed = Arc::clone(&closed);
+            let closer: SessionCloser = Arc::new(move |_reason: CloseReason| {
+                closed.fetch_add(1, Ordering::SeqCst);
+            });
+            let info = SessionInfo {
+                id,
+                uid: 0,
+                client: format!("rank {id}"),
+                started: SystemTime::UNIX_EPOCH,
+            };
+            directory.register(info, closer)
+        };
+        let single = session(1);
+        single.set_stream("code");
+        let mixture = session(2);
+        mixture.set_mixture_stream(
+            "mixture of web (0.7), code (0.3)",
+            vec!["web".into(), "code".into()],
+        );
+        let other = session(3);
+        other.set_stream("images");
+        assert_eq!(
+            directory.close_streams_on("code", CloseReason::DatasetRemoved),
+            2
+        );
+        assert_eq!(closed.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            directory.close_streams_on("web", CloseReason::DatasetRemoved),
+            1
+        );
     }
 }

@@ -141,7 +141,9 @@ struct GfFieldRequest {
 
 // Where an epoch stands: enough to resume it.
 struct GfStreamState {
-  // Dataset name, NUL-terminated.
+  // Dataset name, NUL-terminated; for a mixture, its sources and weights as
+  // `mixture of web (0.7), code (0.3)` (and `, epoch of N samples` when given; cut to 1024
+  // bytes), which a resume checks against the mixture it opens.
   char dataset[GF_NAME_BYTES];
   // Shuffle seed.
   uint64_t seed;
@@ -199,6 +201,14 @@ struct GfStreamOptions {
   // Slots filled ahead of the consumer, at least (1 to 64): the daemon sizes slot rings in bytes
   // and gives small batches more slots.
   uint32_t prefetch;
+};
+
+// One dataset of a mixture stream ([`gf_open_mixture_stream`]) and its weight.
+struct GfMixtureSource {
+  // Dataset name (NUL-terminated UTF-8).
+  const char *dataset;
+  // The source's weight: positive and finite; the weights need not sum to 1.
+  double weight;
 };
 
 // What a batch is.
@@ -279,6 +289,23 @@ void gf_client_close(struct GfClient *client);
 enum GfStatus gf_open_stream(struct GfClient *client,
                              const struct GfStreamOptions *options,
                              struct GfStream **stream);
+
+// Opens a mixture stream on `client` (consumed whatever the outcome): `source_count` datasets of
+// `sources` drawn with their weights, `epoch_samples` positions an epoch (0: the sum of the
+// sources' samples), every other setting from `options`, whose `dataset` must be null. Every
+// source must have the requested fields in the same type and shape (else
+// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only. A resume state
+// must be of the same mixture. `*stream` receives the stream (`docs/C_API.md`).
+//
+// # Safety
+// As for `gf_open_stream`; `sources` points to `source_count` entries whose names stay valid
+// during the call.
+enum GfStatus gf_open_mixture_stream(struct GfClient *client,
+                                     const struct GfStreamOptions *options,
+                                     const struct GfMixtureSource *sources,
+                                     size_t source_count,
+                                     uint64_t epoch_samples,
+                                     struct GfStream **stream);
 
 // Waits for the next batch; `*batch` receives it, or null with `GF_STATUS_END_OF_EPOCH`.
 //

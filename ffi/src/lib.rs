@@ -13,7 +13,8 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use gpufeed_client::protocol::{
-    CorruptPolicy, Device, ErrorCode, FieldRequest, Shuffle, StreamSpec, Tail, STRING_BYTES_MAX,
+    CorruptPolicy, Device, ErrorCode, FieldRequest, MixtureSource, Shuffle, StreamSpec, Tail,
+    STRING_BYTES_MAX,
 };
 use gpufeed_client::{ClientError, DType, FieldData, StreamState};
 
@@ -195,10 +196,21 @@ pub struct GfStreamOptions {
     pub prefetch: u32,
 }
 
+/// One dataset of a mixture stream ([`gf_open_mixture_stream`]) and its weight.
+#[repr(C)]
+pub struct GfMixtureSource {
+    /// Dataset name (NUL-terminated UTF-8).
+    pub dataset: *const c_char,
+    /// The source's weight: positive and finite; the weights need not sum to 1.
+    pub weight: f64,
+}
+
 /// Where an epoch stands: enough to resume it.
 #[repr(C)]
 pub struct GfStreamState {
-    /// Dataset name, NUL-terminated.
+    /// Dataset name, NUL-terminated; for a mixture, its sources and weights as
+    /// `mixture of web (0.7), code (0.3)` (and `, epoch of N samples` when given; cut to 1024
+    /// bytes), which a resume checks against the mixture it opens.
     pub dataset: [c_char; GF_NAME_BYTES],
     /// Shuffle seed.
     pub seed: u64,
@@ -498,11 +510,32 @@ pub unsafe extern "C" fn gf_client_close(client: *mut GfClient) {
     }
 }
 
-/// Builds the spec of `options`.
+/// A mixture as a resume state names it in `GfStreamState::dataset`.
+fn mixture_label(sources: &[MixtureSource], epoch_samples: Option<u64>) -> String {
+    let mut label = format!("mixture of {}", gpufeed_client::spec::mixture_name(sources));
+    if let Some(samples) = epoch_samples {
+        label += &format!(", epoch of {samples} samples");
+    }
+    let mut end = label.len().min(STRING_BYTES_MAX);
+    while !label.is_char_boundary(end) {
+        end -= 1;
+    }
+    label.truncate(end);
+    label
+}
+
+/// A mixture's sources and epoch length, as [`gf_open_mixture_stream`] takes them.
+type Mixture = (Vec<MixtureSource>, Option<u64>);
+
+/// Builds the spec of `options`, a mixture of `mixture` when given (then `options.dataset` is
+/// null).
 ///
 /// # Safety
 /// As for `gf_open_stream`.
-unsafe fn spec_of(options: &GfStreamOptions) -> Result<StreamSpec, GfStatus> {
+unsafe fn spec_of(
+    options: &GfStreamOptions,
+    mixture: Option<Mixture>,
+) -> Result<StreamSpec, GfStatus> {
     if (options.struct_size as usize) < std::mem::size_of::<GfStreamOptions>() {
         return Err(invalid(format!(
             "options.struct_size is {}, not {}: initialise with gf_stream_options_init",
@@ -510,9 +543,22 @@ unsafe fn spec_of(options: &GfStreamOptions) -> Result<StreamSpec, GfStatus> {
             std::mem::size_of::<GfStreamOptions>()
         )));
     }
-    // SAFETY: the caller's contract.
-    let dataset = unsafe { string_arg(options.dataset, "options.dataset") }?;
-    let mut spec = StreamSpec::new(dataset, options.batch_size);
+    let mut spec =
+        match mixture {
+            None => {
+                // SAFETY: the caller's contract.
+                let dataset = unsafe { string_arg(options.dataset, "options.dataset") }?;
+                StreamSpec::new(dataset, options.batch_size)
+            }
+            Some(_) if !options.dataset.is_null() => return Err(invalid(
+                "options.dataset is set for a mixture: its sources name its datasets (pass null)",
+            )),
+            Some((sources, epoch_samples)) => {
+                let mut spec = StreamSpec::mixture(sources, options.batch_size);
+                spec.mixture_epoch_samples = epoch_samples;
+                spec
+            }
+        };
     if options.field_count > 0 {
         if options.fields.is_null() {
             return Err(invalid("options.fields is null with a field_count above 0"));
@@ -570,8 +616,23 @@ unsafe fn spec_of(options: &GfStreamOptions) -> Result<StreamSpec, GfStatus> {
             .collect();
         let dataset =
             String::from_utf8(bytes).map_err(|_| invalid("options.resume.dataset is not UTF-8"))?;
+        // A mixture's state names it by its sources and weights (see GfStreamState::dataset).
+        let (dataset, sources) = if spec.sources.is_empty() {
+            (dataset, Vec::new())
+        } else {
+            let label = mixture_label(&spec.sources, spec.mixture_epoch_samples);
+            if dataset != label {
+                return Err(invalid(format!(
+                    "options.resume: the state is of {dataset}, this stream a {label}: a \
+                     checkpoint continues the stream it was taken from"
+                )));
+            }
+            (String::new(), spec.sources.clone())
+        };
         spec.resume(&StreamState {
             dataset,
+            sources,
+            mixture_epoch_samples: spec.mixture_epoch_samples,
             seed: state.seed,
             epoch: state.epoch,
             shuffle: shuffle_of(state.shuffle, state.window_shards)?,
@@ -608,18 +669,81 @@ pub unsafe extern "C" fn gf_open_stream(
             return invalid("options or stream is null");
         }
         // SAFETY: non-null, initialised by the caller's contract.
-        let spec = match unsafe { spec_of(&*options) } {
+        let spec = match unsafe { spec_of(&*options, None) } {
             Ok(spec) => spec,
             Err(status) => return status,
         };
-        match client.client.open_stream(spec) {
-            Ok(opened) => {
-                // SAFETY: checked non-null; writable by the caller's contract.
-                unsafe { stream.write(Box::into_raw(Box::new(GfStream { stream: opened }))) };
-                GfStatus::Ok
-            }
-            Err(error) => client_error(error),
+        // SAFETY: writable by the caller's contract.
+        unsafe { open_spec(*client, spec, stream) }
+    })
+}
+
+/// Opens `spec` on `client`; `*stream` receives the stream.
+///
+/// # Safety
+/// `stream` is non-null and writable.
+unsafe fn open_spec(client: GfClient, spec: StreamSpec, stream: *mut *mut GfStream) -> GfStatus {
+    match client.client.open_stream(spec) {
+        Ok(opened) => {
+            // SAFETY: non-null and writable by the caller's contract.
+            unsafe { stream.write(Box::into_raw(Box::new(GfStream { stream: opened }))) };
+            GfStatus::Ok
         }
+        Err(error) => client_error(error),
+    }
+}
+
+/// Opens a mixture stream on `client` (consumed whatever the outcome): `source_count` datasets of
+/// `sources` drawn with their weights, `epoch_samples` positions an epoch (0: the sum of the
+/// sources' samples), every other setting from `options`, whose `dataset` must be null. Every
+/// source must have the requested fields in the same type and shape (else
+/// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only. A resume state
+/// must be of the same mixture. `*stream` receives the stream (`docs/C_API.md`).
+///
+/// # Safety
+/// As for `gf_open_stream`; `sources` points to `source_count` entries whose names stay valid
+/// during the call.
+#[no_mangle]
+pub unsafe extern "C" fn gf_open_mixture_stream(
+    client: *mut GfClient,
+    options: *const GfStreamOptions,
+    sources: *const GfMixtureSource,
+    source_count: usize,
+    epoch_samples: u64,
+    stream: *mut *mut GfStream,
+) -> GfStatus {
+    guarded(|| {
+        if client.is_null() {
+            return invalid("client is null");
+        }
+        // SAFETY: a live handle from gf_connect, consumed here once.
+        let client = unsafe { Box::from_raw(client) };
+        if options.is_null() || stream.is_null() || sources.is_null() {
+            return invalid("options, sources or stream is null");
+        }
+        // SAFETY: `source_count` entries by the caller's contract.
+        let entries = unsafe { std::slice::from_raw_parts(sources, source_count) };
+        let mut mixture = Vec::with_capacity(entries.len());
+        for (index, source) in entries.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            let name =
+                match unsafe { string_arg(source.dataset, &format!("sources[{index}].dataset")) } {
+                    Ok(name) => name,
+                    Err(status) => return status,
+                };
+            mixture.push(MixtureSource {
+                dataset: name.to_string(),
+                weight: source.weight,
+            });
+        }
+        let epoch_samples = Some(epoch_samples).filter(|&samples| samples > 0);
+        // SAFETY: non-null, initialised by the caller's contract.
+        let spec = match unsafe { spec_of(&*options, Some((mixture, epoch_samples))) } {
+            Ok(spec) => spec,
+            Err(status) => return status,
+        };
+        // SAFETY: writable by the caller's contract.
+        unsafe { open_spec(*client, spec, stream) }
     })
 }
 
@@ -769,8 +893,13 @@ pub unsafe extern "C" fn gf_stream_state(
     }
     // SAFETY: a live handle by the caller's contract.
     let current = unsafe { &*stream }.stream.state();
+    let name = if current.sources.is_empty() {
+        current.dataset.clone()
+    } else {
+        mixture_label(&current.sources, current.mixture_epoch_samples)
+    };
     let mut dataset = [0 as c_char; GF_NAME_BYTES];
-    for (to, &from) in dataset.iter_mut().zip(current.dataset.as_bytes()) {
+    for (to, &from) in dataset.iter_mut().zip(name.as_bytes()) {
         *to = from as c_char;
     }
     let (shuffle, window_shards) = match current.shuffle {

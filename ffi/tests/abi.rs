@@ -172,6 +172,84 @@ fn resume_state_does_not_override_the_options(daemon: &common::Daemon, state: &G
     );
 }
 
+/// A mixture through `gf_open_mixture_stream`: its state names the mixture, resumes it at another
+/// world size where an uninterrupted stream would have gone on, and refuses another mixture.
+#[test]
+fn a_mixture_resumes_from_its_state_and_refuses_another() {
+    let root = tempfile::tempdir().unwrap();
+    let daemon = common::Daemon::start(root.path());
+    let (toy, toy2) = (CString::new("toy").unwrap(), CString::new("toy2").unwrap());
+    let sources = |second: f64| {
+        [
+            GfMixtureSource {
+                dataset: toy.as_ptr(),
+                weight: 3.0,
+            },
+            GfMixtureSource {
+                dataset: toy2.as_ptr(),
+                weight: second,
+            },
+        ]
+    };
+    let open_mixture = |options: &GfStreamOptions, second: f64| {
+        let client = connect(&daemon.socket);
+        let mut stream = null_mut();
+        let sources = sources(second);
+        // SAFETY: a fresh client, initialised options, two sources, writable out-pointer.
+        let status =
+            unsafe { gf_open_mixture_stream(client, options, sources.as_ptr(), 2, 0, &mut stream) };
+        (status, stream)
+    };
+    let mut options = options(c"unused", 40);
+    options.dataset = null();
+    options.shuffle = GfShuffle::Full as u32;
+    options.seed = 5;
+    let (status, stream) = open_mixture(&options, 1.0);
+    assert_eq!(status, GfStatus::Ok, "{}", last_error());
+    let whole = take(stream, usize::MAX);
+    assert_eq!(whole.len(), 2000);
+    let (_, stream) = open_mixture(&options, 1.0);
+    let head = take(stream, 5);
+    let mut state = std::mem::MaybeUninit::<GfStreamState>::uninit();
+    // SAFETY: live stream, writable out-pointer.
+    let status = unsafe { gf_stream_state(stream, state.as_mut_ptr()) };
+    assert_eq!(status, GfStatus::Ok);
+    // SAFETY: written above.
+    let state = unsafe { state.assume_init() };
+    // SAFETY: closed once.
+    unsafe { gf_stream_close(stream) };
+    // SAFETY: NUL-terminated.
+    let name = unsafe { CStr::from_ptr(state.dataset.as_ptr()) }
+        .to_str()
+        .unwrap();
+    assert_eq!(name, "mixture of toy (3), toy2 (1)");
+    assert_eq!(head, whole[..200]);
+    let mut resumed = options;
+    resumed.world_size = 2;
+    resumed.batch_size = 20;
+    resumed.resume = &state;
+    let mut rest = Vec::new();
+    for rank in 0..2 {
+        resumed.rank = rank;
+        let (status, stream) = open_mixture(&resumed, 1.0);
+        assert_eq!(status, GfStatus::Ok, "{}", last_error());
+        rest.push(take(stream, usize::MAX));
+    }
+    let interleaved: Vec<i32> = rest[0]
+        .chunks(20)
+        .zip(rest[1].chunks(20))
+        .flat_map(|(a, b)| a.iter().chain(b).copied())
+        .collect();
+    assert_eq!(interleaved, whole[200..]);
+    let (status, _) = open_mixture(&resumed, 2.0);
+    assert_eq!(status, GfStatus::InvalidArgument);
+    assert!(
+        last_error().contains("the state is of mixture of toy (3), toy2 (1)"),
+        "{}",
+        last_error()
+    );
+}
+
 #[test]
 fn bad_calls_get_codes_and_messages() {
     let root = tempfile::tempdir().unwrap();

@@ -74,7 +74,8 @@ fn write_npy(path: &Path, rows: u32, data: &[u8]) {
     std::fs::write(path, bytes).expect("write the .npy");
 }
 
-/// A daemon on the CPU backend serving dataset `toy` (field `ids`, four shards) from `root`.
+/// A daemon on the CPU backend serving datasets `toy` and `toy2` (field `ids`, four shards) from
+/// `root`.
 pub struct Daemon {
     child: Child,
     pub socket: PathBuf,
@@ -85,24 +86,27 @@ impl Daemon {
         let npy = root.join("ids.npy");
         write_npy(&npy, SAMPLES, &ids_bytes());
         std::fs::create_dir_all(root.join("data")).unwrap();
-        let packed = Command::new(gpufeed_bin())
-            .args([
-                "pack",
-                "--codec",
-                "raw",
-                "--samples-per-shard",
-                "250",
-                "--out",
-            ])
-            .arg(root.join("data/toy"))
-            .arg(format!("--field=ids={}", npy.display()))
-            .output()
-            .expect("run gpufeed pack");
-        assert!(
-            packed.status.success(),
-            "pack: {}",
-            String::from_utf8_lossy(&packed.stderr)
-        );
+        // `toy2`, the same rows, is a second source for mixtures.
+        for name in ["toy", "toy2"] {
+            let packed = Command::new(gpufeed_bin())
+                .args([
+                    "pack",
+                    "--codec",
+                    "raw",
+                    "--samples-per-shard",
+                    "250",
+                    "--out",
+                ])
+                .arg(root.join("data").join(name))
+                .arg(format!("--field=ids={}", npy.display()))
+                .output()
+                .expect("run gpufeed pack");
+            assert!(
+                packed.status.success(),
+                "pack: {}",
+                String::from_utf8_lossy(&packed.stderr)
+            );
+        }
         let socket = root.join("gpufeed.sock");
         let mut child = Command::new(gpufeed_bin())
             .args(["serve", "--device", "cpu", "--http", "off", "--data-root"])

@@ -22,6 +22,10 @@ pub const STREAM_FIELDS_MAX: usize = 256;
 pub const BATCH_NDIM_MAX: usize = 7;
 /// Most slots a stream may have.
 pub const SLOTS_MAX: u32 = 64;
+/// Most sources of a mixture stream ([`StreamSpec::sources`]).
+pub const MIXTURE_SOURCES_MAX: usize = 64;
+/// Tag of the mixture extension of `OpenStream` (`docs/PROTOCOL.md`).
+pub const OPEN_STREAM_EXTENSION_MIXTURE: u16 = 1;
 /// Descriptors `StreamOpened` carries besides the slots' memory: the hand-off ring's memfd, the
 /// consumer's doorbell and the daemon's doorbell (see [`crate::ring`]).
 pub const STREAM_EXTRA_DESCRIPTORS: u32 = 3;
@@ -144,6 +148,25 @@ pub struct FieldRequest {
     pub dtype: Option<DType>,
 }
 
+/// One dataset of a mixture stream and its weight.
+#[derive(Clone, Debug)]
+pub struct MixtureSource {
+    /// Dataset name as registered with the daemon.
+    pub dataset: String,
+    /// The source's weight: positive and finite; the weights of a mixture need not sum to 1.
+    pub weight: f64,
+}
+
+// Weights compare by their bits, so that equality is an equivalence (a NaN weight, which the
+// spec's rules refuse, equals itself).
+impl PartialEq for MixtureSource {
+    fn eq(&self, other: &MixtureSource) -> bool {
+        self.dataset == other.dataset && self.weight.to_bits() == other.weight.to_bits()
+    }
+}
+
+impl Eq for MixtureSource {}
+
 /// Everything that defines a stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamSpec {
@@ -179,6 +202,12 @@ pub struct StreamSpec {
     /// its driver when it is `None`; a request without it means the daemon's ordinal `n`, as before
     /// the field existed. Must be `None` for host memory.
     pub device_uuid: Option<DeviceUuid>,
+    /// A mixture: the datasets drawn from, with their weights (2 to [`MIXTURE_SOURCES_MAX`]), and
+    /// `dataset` empty. Empty for a stream of `dataset` alone, as before the field existed.
+    pub sources: Vec<MixtureSource>,
+    /// A mixture's epoch length in positions; `None` for the sum of its sources' sample counts.
+    /// Only with `sources`.
+    pub mixture_epoch_samples: Option<u64>,
 }
 
 /// Where one field sits in every slot of a stream.
@@ -483,6 +512,98 @@ impl Writer {
     }
 }
 
+/// Writes what follows an `OpenStream`'s device: nothing for a request with neither a device UUID
+/// nor an extension (the earlier layouts, byte for byte); the UUID; then the extensions, each
+/// `u16` tag, `u32` length and payload, before which a CUDA stream without a UUID writes 16 zero
+/// bytes in its place (no GPU has that UUID).
+fn encode_open_stream_tail(w: &mut Writer, spec: &StreamSpec) {
+    let mixture = !spec.sources.is_empty();
+    match (spec.device, spec.device_uuid) {
+        (_, Some(uuid)) => w.0.extend_from_slice(&uuid.0),
+        (Device::Cuda(_), None) if mixture => w.0.extend_from_slice(&[0; DEVICE_UUID_BYTES]),
+        _ => {}
+    }
+    if mixture {
+        assert!(spec.sources.len() <= MIXTURE_SOURCES_MAX);
+        let mut payload = Writer(Vec::new());
+        payload.u16(spec.sources.len() as u16);
+        for source in &spec.sources {
+            payload.str(&source.dataset);
+            payload.u64(source.weight.to_bits());
+        }
+        payload.u64(spec.mixture_epoch_samples.unwrap_or(0));
+        w.u16(OPEN_STREAM_EXTENSION_MIXTURE);
+        w.u32(payload.0.len() as u32);
+        w.0.extend_from_slice(&payload.0);
+    }
+}
+
+/// The mixture extension's bytes for `sources`: what [`encode_open_stream_tail`] writes, tag and
+/// length included.
+pub(crate) fn mixture_extension_bytes(sources: &[MixtureSource]) -> usize {
+    let names: usize = sources.iter().map(|s| 2 + s.dataset.len() + 8).sum();
+    2 + 4 + 2 + names + 8
+}
+
+/// A mixture's sources and epoch length, as the daemon of this version decodes them.
+type MixtureTail = (Vec<MixtureSource>, Option<u64>);
+
+/// Reads what follows an `OpenStream`'s device (see [`encode_open_stream_tail`]).
+fn decode_open_stream_tail(
+    r: &mut Reader<'_>,
+    device: Device,
+) -> Result<(Option<DeviceUuid>, MixtureTail), DecodeError> {
+    let mut device_uuid = None;
+    if r.at < r.bytes.len() && device != Device::Cpu {
+        let bytes: [u8; DEVICE_UUID_BYTES] =
+            r.take(DEVICE_UUID_BYTES)?.try_into().expect("16 bytes");
+        device_uuid = (bytes != [0; DEVICE_UUID_BYTES]).then_some(DeviceUuid(bytes));
+    }
+    let mut mixture: Option<MixtureTail> = None;
+    while r.at < r.bytes.len() {
+        if r.bytes.len() - r.at < 6 {
+            return r.fail(format!("{} trailing bytes", r.bytes.len() - r.at));
+        }
+        let tag = r.u16()?;
+        let length = r.u32()? as usize;
+        let start = r.at;
+        match tag {
+            OPEN_STREAM_EXTENSION_MIXTURE if mixture.is_none() => {
+                mixture = Some(decode_mixture(r)?);
+            }
+            OPEN_STREAM_EXTENSION_MIXTURE => return r.fail("the mixture extension is given twice"),
+            // A host stream's trailing bytes were a UUID in earlier versions: say so.
+            other if device == Device::Cpu => {
+                return r.fail(format!(
+                    "unknown extension {other} (a device UUID is not given for a host-memory \
+                     stream)"
+                ))
+            }
+            other => return r.fail(format!("unknown extension {other}")),
+        }
+        if r.at - start != length {
+            return r.fail(format!(
+                "extension {tag} says {length} bytes, its content takes {}",
+                r.at - start
+            ));
+        }
+    }
+    Ok((device_uuid, mixture.unwrap_or_default()))
+}
+
+/// The mixture extension's payload: the sources and the epoch length (0 for the default).
+fn decode_mixture(r: &mut Reader<'_>) -> Result<MixtureTail, DecodeError> {
+    let count = r.count("mixture sources", MIXTURE_SOURCES_MAX)?;
+    let mut sources = Vec::with_capacity(count);
+    for _ in 0..count {
+        let dataset = r.str()?;
+        let weight = f64::from_bits(r.u64()?);
+        sources.push(MixtureSource { dataset, weight });
+    }
+    let epoch_samples = Some(r.u64()?).filter(|&samples| samples > 0);
+    Ok((sources, epoch_samples))
+}
+
 struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
@@ -668,10 +789,7 @@ impl Message {
                     CorruptPolicy::Replace => 1,
                 });
                 w.u32(device_marker(spec.device));
-                // Optional and last: a request without it is the earlier layout, byte for byte.
-                if let Some(uuid) = spec.device_uuid {
-                    w.0.extend_from_slice(&uuid.0);
-                }
+                encode_open_stream_tail(&mut w, spec);
             }
             Message::StreamOpened(layout) => {
                 w.u32(layout.slot_count);
@@ -842,14 +960,8 @@ impl Message {
                     u32::MAX => Device::Cpu,
                     ordinal => Device::Cuda(ordinal),
                 };
-                let device_uuid = if r.at == r.bytes.len() {
-                    None
-                } else if device == Device::Cpu {
-                    return r.fail("a device UUID is given for a host-memory stream");
-                } else {
-                    let bytes = r.take(DEVICE_UUID_BYTES)?;
-                    Some(DeviceUuid(bytes.try_into().expect("16 bytes")))
-                };
+                let (device_uuid, (sources, mixture_epoch_samples)) =
+                    decode_open_stream_tail(&mut r, device)?;
                 Message::OpenStream(StreamSpec {
                     dataset,
                     fields,
@@ -865,6 +977,8 @@ impl Message {
                     on_corrupt,
                     device,
                     device_uuid,
+                    sources,
+                    mixture_epoch_samples,
                 })
             }
             KIND_STREAM_OPENED => {
@@ -950,6 +1064,53 @@ mod tests {
         spec.device = Device::Cuda(0);
         spec.device_uuid = uuid;
         spec
+    }
+
+    /// A mixture of two datasets on `device`, with an epoch length.
+    fn mixture_request(device: Device, uuid: Option<DeviceUuid>) -> StreamSpec {
+        let mut spec = StreamSpec::mixture(
+            vec![
+                MixtureSource {
+                    dataset: "web".into(),
+                    weight: 0.7,
+                },
+                MixtureSource {
+                    dataset: "code".into(),
+                    weight: 0.3,
+                },
+            ],
+            32,
+        );
+        spec.device = device;
+        spec.device_uuid = uuid;
+        spec.mixture_epoch_samples = Some(10_000);
+        spec
+    }
+
+    /// A request without a mixture is the earlier layout byte for byte (older daemons read it), and
+    /// a mixture is an extension after the device (and its UUID, or 16 zero bytes in its place).
+    #[test]
+    fn a_mixture_travels_as_an_extension_after_the_device() {
+        let single = Message::OpenStream(StreamSpec::new("web", 32)).encode();
+        let host = mixture_request(Device::Cpu, None);
+        let frame = Message::OpenStream(host.clone()).encode();
+        assert_eq!(frame.len(), crate::spec::open_stream_frame_bytes(&host));
+        let cuda = mixture_request(Device::Cuda(0), None);
+        let with_place = Message::OpenStream(cuda.clone()).encode();
+        assert_eq!(with_place.len(), frame.len() + DEVICE_UUID_BYTES);
+        assert_eq!(
+            with_place.len(),
+            crate::spec::open_stream_frame_bytes(&cuda)
+        );
+        let Message::OpenStream(decoded) = Message::decode(&with_place[4..]).unwrap() else {
+            panic!("not an OpenStream");
+        };
+        assert_eq!(decoded.device_uuid, None);
+        assert_eq!(decoded.sources, cuda.sources);
+        // Tag and length, the source count, each source's name and weight, the epoch length; and
+        // no dataset name.
+        let extension = 2 + 4 + 2 + (2 + 3 + 8) + (2 + 4 + 8) + 8;
+        assert_eq!(frame.len(), single.len() - "web".len() + extension);
     }
 
     const UUID: DeviceUuid = DeviceUuid([
@@ -1056,8 +1217,13 @@ mod tests {
                 on_corrupt: CorruptPolicy::Replace,
                 device: Device::Cuda(0),
                 device_uuid: None,
+                sources: Vec::new(),
+                mixture_epoch_samples: None,
             }),
             Message::OpenStream(cuda_request(Some(UUID))),
+            Message::OpenStream(mixture_request(Device::Cpu, None)),
+            Message::OpenStream(mixture_request(Device::Cuda(1), None)),
+            Message::OpenStream(mixture_request(Device::Cuda(1), Some(UUID))),
             Message::StreamOpened(StreamLayout {
                 slot_count: 4,
                 slot_bytes: 1 << 20,
@@ -1132,20 +1298,41 @@ mod tests {
     fn every_truncation_and_extension_is_rejected() {
         for message in samples() {
             let frame = message.encode();
-            let without_uuid = match &message {
-                Message::OpenStream(spec) if spec.device_uuid.is_some() => {
-                    Some(Message::OpenStream(StreamSpec {
-                        device_uuid: None,
+            // An OpenStream cut before its mixture extension is the request without it, and one
+            // cut before its UUID (or its place) the request without that too.
+            let (without_mixture, without_uuid) = match &message {
+                Message::OpenStream(spec) => {
+                    let plain = StreamSpec {
+                        sources: Vec::new(),
+                        mixture_epoch_samples: None,
                         ..spec.clone()
-                    }))
+                    };
+                    let bare = StreamSpec {
+                        device_uuid: None,
+                        ..plain.clone()
+                    };
+                    (
+                        Some(Message::OpenStream(plain)),
+                        Some(Message::OpenStream(bare)),
+                    )
                 }
-                _ => None,
+                _ => (None, None),
             };
             for cut in 4..frame.len() - 4 {
-                match Message::decode(&frame[4..4 + cut]) {
-                    Err(_) => {}
-                    Ok(decoded) => {
-                        assert_eq!(cut, frame.len() - 4 - DEVICE_UUID_BYTES);
+                if let Ok(decoded) = Message::decode(&frame[4..4 + cut]) {
+                    let Message::OpenStream(spec) = &message else {
+                        panic!("{message:?} cut to {cut} bytes decodes");
+                    };
+                    let extension = if spec.sources.is_empty() {
+                        0
+                    } else {
+                        mixture_extension_bytes(&spec.sources)
+                    };
+                    let uuid_cut = frame.len() - 4 - extension - DEVICE_UUID_BYTES;
+                    if cut == frame.len() - 4 - extension && extension > 0 {
+                        assert_eq!(Some(decoded), without_mixture);
+                    } else {
+                        assert_eq!(cut, uuid_cut, "{spec:?}");
                         assert_eq!(Some(decoded), without_uuid);
                     }
                 }

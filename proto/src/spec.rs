@@ -4,11 +4,12 @@
 //! or by a benchmark). Checks that need the dataset or the daemon's limits (field names, conversions,
 //! the start cursor, `batch_size_max`) stay with the daemon.
 
-use crate::protocol::{CorruptPolicy, Tail};
 use crate::protocol::{
-    Device, Shuffle, StreamSpec, DEVICE_UUID_BYTES, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, SLOTS_MAX,
-    STREAM_FIELDS_MAX, STRING_BYTES_MAX,
+    mixture_extension_bytes, Device, MixtureSource, Shuffle, StreamSpec, DEVICE_UUID_BYTES,
+    FRAME_BYTES_MAX, FRAME_HEADER_BYTES, MIXTURE_SOURCES_MAX, SLOTS_MAX, STREAM_FIELDS_MAX,
+    STRING_BYTES_MAX,
 };
+use crate::protocol::{CorruptPolicy, Tail};
 
 /// Default number of slots a stream asks the daemon to fill ahead of the consumer.
 pub const PREFETCH_DEFAULT: u32 = 4;
@@ -74,12 +75,76 @@ pub fn open_stream_frame_bytes(spec: &StreamSpec) -> usize {
         .iter()
         .map(|field| 2 + field.name.len() + 1)
         .sum();
-    let uuid = if spec.device_uuid.is_some() {
-        DEVICE_UUID_BYTES
+    let mixture = !spec.sources.is_empty();
+    // A CUDA stream with extensions writes a UUID's place even without one.
+    let uuid = match (spec.device, spec.device_uuid) {
+        (_, Some(_)) => DEVICE_UUID_BYTES,
+        (Device::Cuda(_), None) if mixture => DEVICE_UUID_BYTES,
+        _ => 0,
+    };
+    let extensions = if mixture {
+        mixture_extension_bytes(&spec.sources)
     } else {
         0
     };
-    FRAME_HEADER_BYTES + 2 + spec.dataset.len() + 2 + OPEN_STREAM_FIXED_BYTES + fields + uuid
+    FRAME_HEADER_BYTES
+        + 2
+        + spec.dataset.len()
+        + 2
+        + OPEN_STREAM_FIXED_BYTES
+        + fields
+        + uuid
+        + extensions
+}
+
+/// A mixture's sources: 2 to [`MIXTURE_SOURCES_MAX`], each named (1 to [`STRING_BYTES_MAX`] bytes)
+/// once, each weight positive and finite; an epoch length, if given, at least 1.
+pub fn check_mixture(
+    sources: &[MixtureSource],
+    epoch_samples: Option<u64>,
+) -> Result<(), SpecError> {
+    if sources.len() < 2 || sources.len() > MIXTURE_SOURCES_MAX {
+        return Err(SpecError(format!(
+            "a mixture has 2 to {MIXTURE_SOURCES_MAX} sources, not {}",
+            sources.len()
+        )));
+    }
+    for (index, source) in sources.iter().enumerate() {
+        if source.dataset.is_empty() || source.dataset.len() > STRING_BYTES_MAX {
+            return Err(SpecError(format!(
+                "mixture source {index}: the dataset name must be 1 to {STRING_BYTES_MAX} bytes, \
+                 not {}",
+                source.dataset.len()
+            )));
+        }
+        if !(source.weight.is_finite() && source.weight > 0.0) {
+            return Err(SpecError(format!(
+                "mixture source '{}': weight {} is not a positive finite number",
+                source.dataset, source.weight
+            )));
+        }
+        if sources[..index].iter().any(|s| s.dataset == source.dataset) {
+            return Err(SpecError(format!(
+                "mixture source '{}' is given twice (give it one weight)",
+                source.dataset
+            )));
+        }
+    }
+    if epoch_samples == Some(0) {
+        return Err(SpecError(
+            "a mixture's epoch holds at least one sample".to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// The sources of a mixture as the bindings show them: `web (0.7), code (0.3)`.
+pub fn mixture_name(sources: &[MixtureSource]) -> String {
+    let named: Vec<String> = sources
+        .iter()
+        .map(|s| format!("{} ({})", s.dataset, s.weight))
+        .collect();
+    named.join(", ")
 }
 
 impl StreamSpec {
@@ -102,6 +167,26 @@ impl StreamSpec {
             on_corrupt: CorruptPolicy::Fail,
             device: Device::Cpu,
             device_uuid: None,
+            sources: Vec::new(),
+            mixture_epoch_samples: None,
+        }
+    }
+
+    /// A spec for `batch_size` samples a step drawn from `sources` with their weights (a mixture;
+    /// `dataset` stays empty), with the defaults of [`StreamSpec::new`].
+    pub fn mixture(sources: Vec<MixtureSource>, batch_size: u32) -> StreamSpec {
+        StreamSpec {
+            sources,
+            ..StreamSpec::new(String::new(), batch_size)
+        }
+    }
+
+    /// What the stream reads, for messages: the dataset, or the mixture's sources.
+    pub fn source_name(&self) -> String {
+        if self.sources.is_empty() {
+            format!("'{}'", self.dataset)
+        } else {
+            format!("mixture of {}", mixture_name(&self.sources))
         }
     }
 
@@ -126,13 +211,26 @@ impl StreamSpec {
     /// replaces what the caller asked for. The error names the field and both values.
     pub fn resume(&mut self, state: &StreamState) -> Result<&mut StreamSpec, SpecError> {
         let unset = StreamSpec::new(String::new(), 1);
-        if self.dataset != state.dataset {
+        if self.dataset != state.dataset || self.sources != state.sources {
+            let name = |dataset: &str, sources: &[MixtureSource]| {
+                if sources.is_empty() {
+                    format!("'{dataset}'")
+                } else {
+                    format!("mixture of {}", mixture_name(sources))
+                }
+            };
             return Err(resume_mismatch(
                 "dataset",
-                &format!("'{}'", self.dataset),
-                &format!("'{}'", state.dataset),
+                &name(&self.dataset, &self.sources),
+                &name(&state.dataset, &state.sources),
             ));
         }
+        check_resumed(
+            "mixture epoch length",
+            &EpochSamples(self.mixture_epoch_samples),
+            &EpochSamples(state.mixture_epoch_samples),
+            Some(&EpochSamples(None)),
+        )?;
         check_resumed("seed", &self.seed, &state.seed, Some(&unset.seed))?;
         check_resumed("epoch", &self.epoch, &state.epoch, Some(&unset.epoch))?;
         check_resumed(
@@ -144,6 +242,7 @@ impl StreamSpec {
         self.seed = state.seed;
         self.epoch = state.epoch;
         self.shuffle = state.shuffle;
+        self.mixture_epoch_samples = state.mixture_epoch_samples;
         self.start_cursor = state.cursor;
         Ok(self)
     }
@@ -151,7 +250,15 @@ impl StreamSpec {
     /// Every check that needs nothing but the spec: string and frame bounds (what the encoder would
     /// otherwise panic on), batch size, rank and world size, prefetch, shuffle window, device ordinal.
     pub fn validate(&self) -> Result<(), SpecError> {
-        if self.dataset.is_empty() || self.dataset.len() > STRING_BYTES_MAX {
+        if !self.sources.is_empty() || self.mixture_epoch_samples.is_some() {
+            if !self.dataset.is_empty() {
+                return Err(SpecError(format!(
+                    "a mixture names its datasets in its sources: leave the dataset ('{}') empty",
+                    self.dataset
+                )));
+            }
+            check_mixture(&self.sources, self.mixture_epoch_samples)?;
+        } else if self.dataset.is_empty() || self.dataset.len() > STRING_BYTES_MAX {
             return Err(SpecError(format!(
                 "the dataset name must be 1 to {STRING_BYTES_MAX} bytes, not {}",
                 self.dataset.len()
@@ -227,6 +334,19 @@ pub fn resume_mismatch(
     ))
 }
 
+/// A mixture's epoch length as messages show it: a number, or `the default`.
+#[derive(PartialEq)]
+struct EpochSamples(Option<u64>);
+
+impl std::fmt::Display for EpochSamples {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(samples) => write!(f, "{samples}"),
+            None => write!(f, "the default"),
+        }
+    }
+}
+
 /// A shuffle as the bindings name it: `none`, `window of N shards`, `full`.
 #[derive(PartialEq)]
 pub struct ShuffleName(pub Shuffle);
@@ -244,8 +364,12 @@ impl std::fmt::Display for ShuffleName {
 /// Where an epoch stands, enough to resume it: the inputs of the epoch's global order and the cursor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamState {
-    /// Dataset name.
+    /// Dataset name (empty for a mixture).
     pub dataset: String,
+    /// A mixture's sources with their weights; empty for a single dataset.
+    pub sources: Vec<MixtureSource>,
+    /// A mixture's epoch length, if it was given.
+    pub mixture_epoch_samples: Option<u64>,
     /// Shuffle seed.
     pub seed: u64,
     /// Epoch.
@@ -313,9 +437,61 @@ mod tests {
         }
     }
 
+    fn source(dataset: &str, weight: f64) -> MixtureSource {
+        MixtureSource {
+            dataset: dataset.into(),
+            weight,
+        }
+    }
+
+    /// A mixture's rules name the source and the value at fault.
+    #[test]
+    fn each_mixture_rule_names_the_source_at_fault() {
+        let good = StreamSpec::mixture(vec![source("web", 0.7), source("code", 0.3)], 8);
+        assert!(good.validate().is_ok());
+        let cases: Vec<(StreamSpec, &str)> = vec![
+            (
+                StreamSpec::mixture(vec![source("web", 1.0)], 8),
+                "2 to 64 sources, not 1",
+            ),
+            (
+                StreamSpec::mixture(vec![source("web", 1.0), source("code", -1.0)], 8),
+                "mixture source 'code': weight -1",
+            ),
+            (
+                StreamSpec::mixture(vec![source("web", 1.0), source("web", 2.0)], 8),
+                "'web' is given twice",
+            ),
+            (
+                StreamSpec::mixture(vec![source("web", 1.0), source("", 2.0)], 8),
+                "mixture source 1: the dataset name",
+            ),
+            (
+                StreamSpec {
+                    dataset: "web".into(),
+                    ..good.clone()
+                },
+                "leave the dataset ('web') empty",
+            ),
+            (
+                StreamSpec {
+                    mixture_epoch_samples: Some(0),
+                    ..good.clone()
+                },
+                "at least one sample",
+            ),
+        ];
+        for (spec, expected) in cases {
+            let error = spec.validate().expect_err(expected);
+            assert!(error.0.contains(expected), "{error} lacks {expected:?}");
+        }
+    }
+
     fn checkpoint_of_big() -> StreamState {
         StreamState {
             dataset: "big".into(),
+            sources: Vec::new(),
+            mixture_epoch_samples: None,
             seed: 0,
             epoch: 2,
             shuffle: Shuffle::None,

@@ -23,6 +23,8 @@ fn valid_bodies() -> Vec<Vec<u8>> {
     spec.device = Device::Cuda(1);
     spec.resume(&StreamState {
         dataset: "tokens".into(),
+        sources: Vec::new(),
+        mixture_epoch_samples: None,
         seed: 7,
         epoch: 2,
         shuffle: Shuffle::Full,

@@ -471,9 +471,16 @@ fn serve_requests(
                     break;
                 }
                 let dataset = spec.dataset.clone();
+                let mixture = (!spec.sources.is_empty()).then(|| {
+                    let sources = spec.sources.iter().map(|s| s.dataset.clone()).collect();
+                    (spec.source_name(), sources)
+                });
                 match open_stream(shared, writer, spec) {
                     Ok(running) => {
-                        listed.set_stream(&dataset);
+                        match mixture {
+                            Some((name, sources)) => listed.set_mixture_stream(&name, sources),
+                            None => listed.set_stream(&dataset),
+                        }
                         stream = Some(running);
                     }
                     Err((code, message)) => {
@@ -632,6 +639,66 @@ fn hold_remote_shards(
     })
 }
 
+/// The registered dataset `name`, or the error naming the registered ones.
+fn registered_dataset(
+    shared: &Shared,
+    name: &str,
+) -> Result<Arc<crate::format::Dataset>, (ErrorCode, String)> {
+    shared.registry.get(name).ok_or_else(|| {
+        (
+            ErrorCode::UnknownDataset,
+            format!(
+                "no dataset named '{name}' (registered: {})",
+                shared.registry.names().join(", ")
+            ),
+        )
+    })
+}
+
+/// The plan of a mixture stream: every source a registered local dataset, served in host memory.
+/// The GPU backend plans its rounds over one dataset's shards (and its device order computes rows
+/// from one dataset's order), so a mixture on a CUDA device is refused rather than served wrong; a
+/// source in object storage is refused as its shards are held through one gate per stream.
+fn mixture_plan(
+    shared: &Shared,
+    spec: &StreamSpec,
+    request: &StreamRequest,
+    backend: StreamBackend<'_>,
+) -> Result<StreamPlan, (ErrorCode, String)> {
+    if let StreamBackend::Gpu(_) = backend {
+        return Err((
+            ErrorCode::BadRequest,
+            format!(
+                "a mixture is served in host memory only (device cpu); the GPU backend does not \
+                 serve mixtures ({})",
+                spec.source_name()
+            ),
+        ));
+    }
+    let mut sources = Vec::with_capacity(spec.sources.len());
+    for source in &spec.sources {
+        let dataset = registered_dataset(shared, &source.dataset)?;
+        if shared.registry.remote(&source.dataset).is_some() {
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "mixture source '{}' is in object storage: mixtures serve local datasets only",
+                    source.dataset
+                ),
+            ));
+        }
+        let dataset = current_dataset(shared, &source.dataset, dataset)?;
+        sources.push((dataset, source.weight));
+    }
+    StreamPlan::mixture(
+        sources,
+        spec.mixture_epoch_samples,
+        request,
+        &shared.config.stream_limits,
+    )
+    .map_err(|e| (ErrorCode::BadRequest, e.to_string()))
+}
+
 fn open_stream(
     shared: &Arc<Shared>,
     writer: &Arc<Mutex<UnixStream>>,
@@ -645,26 +712,22 @@ fn open_stream(
     // By the device's UUID where the consumer sent it (its ordinal may not be ours).
     let backend = super::devices::stream_backend(&spec, &shared.config.gpus)
         .map_err(|message| (ErrorCode::BadRequest, message))?;
-    let dataset = shared.registry.get(&spec.dataset).ok_or_else(|| {
-        (
-            ErrorCode::UnknownDataset,
-            format!(
-                "no dataset named '{}' (registered: {})",
-                spec.dataset,
-                shared.registry.names().join(", ")
-            ),
-        )
-    })?;
-    let remote = shared.registry.remote(&spec.dataset);
-    // A dataset in object storage: its cached files are checked when fetched, not here.
-    let dataset = match remote {
-        Some(_) => dataset,
-        None => current_dataset(shared, &spec.dataset, dataset)?,
-    };
     let limits = &shared.config.stream_limits;
-    let mut plan = StreamPlan::new(dataset, &request, limits)
-        .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
-    let shards = remote_shards(shared, remote.as_deref(), backend, &mut plan)?;
+    let (plan, shards) = if spec.sources.is_empty() {
+        let dataset = registered_dataset(shared, &spec.dataset)?;
+        let remote = shared.registry.remote(&spec.dataset);
+        // A dataset in object storage: its cached files are checked when fetched, not here.
+        let dataset = match remote {
+            Some(_) => dataset,
+            None => current_dataset(shared, &spec.dataset, dataset)?,
+        };
+        let mut plan = StreamPlan::new(dataset, &request, limits)
+            .map_err(|e| (ErrorCode::BadRequest, e.to_string()))?;
+        let shards = remote_shards(shared, remote.as_deref(), backend, &mut plan)?;
+        (plan, shards)
+    } else {
+        (mixture_plan(shared, &spec, &request, backend)?, None)
+    };
     let plan = Arc::new(plan);
     let (ring_bytes, lookahead) = reserve_stream_memory(shared, &plan, backend)?;
     // The assembler keeps ahead what was reserved for it.
@@ -716,8 +779,8 @@ fn open_stream(
         undo(code, error.to_string())
     })?;
     tracing::info!(
-        "stream of '{}' set up in {:.1} ms: {} slots of {} bytes {:.1} ms, pipeline {:.1} ms",
-        spec.dataset,
+        "stream of {} set up in {:.1} ms: {} slots of {} bytes {:.1} ms, pipeline {:.1} ms",
+        spec.source_name(),
         started.elapsed().as_secs_f64() * 1e3,
         plan.slot_count,
         plan.slot_bytes,

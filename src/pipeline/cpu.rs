@@ -104,7 +104,16 @@ const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
 /// Decoded bytes a host stream of `plan` reads at once at most, which it reserves beside its slots:
 /// the blocks of one part of a batch (see [`Assembler::fill`]), at least the blocks one row may
 /// touch in every field.
+///
+/// A mixture's is the sum of its sources': each source's assembler holds a part of its own.
 pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
+    if let Some(mixture) = &plan.mixture {
+        return mixture
+            .sources
+            .iter()
+            .map(|source| working_set_bytes(source))
+            .sum();
+    }
     let row: u64 = plan
         .fields
         .iter()
@@ -144,8 +153,10 @@ fn needed_bytes(blocks: &[crate::format::BlockEntry], placement: &Placement) -> 
 /// Bytes a host stream of `plan` keeps ahead in its look-ahead (`pipeline::lookahead`), which it
 /// reserves beside its slots and working set: `limits.lookahead_bytes_max`, or the stream's own rows
 /// if fewer, in shuffled orders over compressed blocks of several rows; nothing otherwise.
+///
+/// A mixture keeps nothing ahead: the look-ahead indexes the rows of a single dataset's steps.
 pub fn lookahead_bytes(plan: &StreamPlan, limits: &StreamLimits) -> u64 {
-    if !lookahead::worthwhile(plan) {
+    if plan.mixture.is_some() || plan.source_of.is_some() || !lookahead::worthwhile(plan) {
         return 0;
     }
     let row = lookahead::row_bytes(plan).max(1);
@@ -250,6 +261,8 @@ impl Assembler {
         }
         let width = plan.fields.len();
         let sample_count = placements.len() / width;
+        // A mixture source's rows go to the slot rows that draw from it.
+        let slot_rows = plan.slot_rows(step);
         let mut replaced = 0u32;
         let mut part_blocks: HashMap<BlockKey, u64> = HashMap::new();
         let mut first = 0;
@@ -306,7 +319,7 @@ impl Assembler {
                     lookahead.offer(key, block, step, end);
                 }
             }
-            let filled = self.gather(step, &placements, first..end, slot);
+            let filled = self.gather(step, &placements, first..end, slot_rows.as_deref(), slot);
             // The part's blocks are released whatever happened: the cache may evict them now.
             self.part.clear();
             replaced += filled?;
@@ -431,12 +444,14 @@ impl Assembler {
     }
 
     /// Gathers rows `rows` of the batch (`placements`: every row's, in row order) into `slot` from
-    /// the part's blocks and the shards' maps; the samples replaced by zeros.
+    /// the part's blocks and the shards' maps, row `i` into slot row `slot_rows[i]` when given (a
+    /// mixture source's), into slot row `i` otherwise; the samples replaced by zeros.
     fn gather(
         &mut self,
         step: u64,
         placements: &[Placement],
         rows: std::ops::Range<usize>,
+        slot_rows: Option<&[usize]>,
         slot: &mut [u8],
     ) -> Result<u32, FillError> {
         let plan = Arc::clone(&self.plan);
@@ -446,6 +461,7 @@ impl Assembler {
         let (mut needed_raw, mut needed_stored) = (0u64, 0u64);
         let width = plan.fields.len();
         for row in rows {
+            let slot_row = slot_rows.map_or(row, |rows| rows[row]);
             let row_placements = &placements[row * width..(row + 1) * width];
             let ahead = (row + PREFETCH_ROWS_AHEAD) * width;
             if let Some(ahead) = placements.get(ahead..ahead + width) {
@@ -462,7 +478,7 @@ impl Assembler {
                 let (raw, stored) = needed_bytes(blocks, placement);
                 needed_raw += raw;
                 needed_stored += stored;
-                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
+                let out = &mut slot[field.offset + slot_row * field.sample_bytes_out..]
                     [..field.sample_bytes_out];
                 let convert = |bytes: &[u8], out: &mut [u8]| {
                     decode::convert(field.stored, bytes, field.out, out)
@@ -551,7 +567,7 @@ impl Assembler {
                         // The substitute is an all-zero sample in every field: deterministic, the
                         // same on every rank, and counted so the trainer can see it.
                         for field in &plan.fields {
-                            slot[field.offset + row * field.sample_bytes_out..]
+                            slot[field.offset + slot_row * field.sample_bytes_out..]
                                 [..field.sample_bytes_out]
                                 .fill(0);
                         }
@@ -917,5 +933,68 @@ impl Assembler {
         let shared = self.cache.key(key.shard, key.field, key.block);
         self.cache.cache().insert(shared, block.clone());
         self.part.insert(key, block);
+    }
+}
+
+/// The CPU backend's assembler of a stream: a dataset's, or a mixture's, which fills each batch
+/// source by source with an [`Assembler`] per source (each reading its own dataset's blocks,
+/// through the shared cache, into the slot rows that draw from it).
+pub enum HostAssembler {
+    /// A stream of one dataset.
+    Dataset(Box<Assembler>),
+    /// A mixture stream: one assembler per source, in the plan's order.
+    Mixture(Vec<Assembler>),
+}
+
+impl HostAssembler {
+    /// Sets up the assembler of `plan` (see [`Assembler::with_cache`]): one per source for a
+    /// mixture.
+    pub fn with_cache(
+        plan: Arc<StreamPlan>,
+        limits: &StreamLimits,
+        metrics: Arc<Metrics>,
+        cache: &Arc<BlockCache>,
+    ) -> Result<HostAssembler, StorageError> {
+        match &plan.mixture {
+            None => Assembler::with_cache(plan, limits, metrics, cache)
+                .map(|assembler| HostAssembler::Dataset(Box::new(assembler))),
+            Some(mixture) => mixture
+                .sources
+                .iter()
+                .map(|source| {
+                    Assembler::with_cache(Arc::clone(source), limits, Arc::clone(&metrics), cache)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(HostAssembler::Mixture),
+        }
+    }
+
+    /// Why io_uring is not used, when it is not.
+    pub fn engine_note(&self) -> Option<&str> {
+        match self {
+            HostAssembler::Dataset(assembler) => assembler.engine_note.as_deref(),
+            HostAssembler::Mixture(sources) => {
+                sources.iter().find_map(|a| a.engine_note.as_deref())
+            }
+        }
+    }
+
+    /// Fills `slot` with stream step `step`: a mixture's sources each fill their rows.
+    pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
+        match self {
+            HostAssembler::Dataset(assembler) => assembler.fill(step, slot),
+            HostAssembler::Mixture(sources) => {
+                let mut report = FillReport {
+                    samples: 0,
+                    replaced: 0,
+                };
+                for source in sources {
+                    let filled = source.fill(step, slot)?;
+                    report.samples += filled.samples;
+                    report.replaced += filled.replaced;
+                }
+                Ok(report)
+            }
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! A stream's filler: the thread that assembles each step's batch into a free slot and hands it on,
-//! and the switch between the CPU backend (host slots, [`Assembler`]) and the GPU backend (device
+//! and the switch between the CPU backend (host slots, [`HostAssembler`]) and the GPU backend (device
 //! slots, [`GpuAssembler`]).
 //!
 //! The filler knows neither sockets nor frames. Its consumer side is a [`Handoff`] (free slots in,
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::thread;
 
 use super::block_cache::BlockCache;
-use super::cpu::Assembler;
+use super::cpu::HostAssembler;
 use super::gpu::{GpuAssembler, GpuStreamLimits};
 use super::stream_plan::{FillError, FillReport, StreamDevice, StreamLimits, StreamPlan};
 use crate::device::{Device, DeviceRegion, Event};
@@ -128,6 +128,12 @@ impl GpuBackend {
         plan: Arc<StreamPlan>,
         metrics: Arc<Metrics>,
     ) -> Result<GpuAssembler, FillerError> {
+        // The GPU backend plans rows of one dataset; the socket server refuses mixtures on a
+        // device before they get here.
+        assert!(
+            plan.mixture.is_none(),
+            "a mixture stream reached the GPU backend"
+        );
         let reader =
             GpuReader::with_windows(&self.device, self.reader_limits, Arc::clone(&self.windows))
                 .map_err(FillerError::DeviceReads)?;
@@ -258,7 +264,7 @@ impl Drop for Filler {
 enum Backend {
     /// Fills each slot before `submit` returns; `done` holds the filled slots and steps.
     Cpu {
-        assembler: Box<Assembler>,
+        assembler: Box<HostAssembler>,
         done: VecDeque<(u32, u64, FillReport)>,
     },
     /// Queues batches on the device; `slots` holds the submitted slots, oldest first.
@@ -291,8 +297,8 @@ impl Filler {
         let backend = match backend {
             StreamBackend::Cpu => {
                 let assembler =
-                    Assembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)?;
-                if let Some(note) = &assembler.engine_note {
+                    HostAssembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)?;
+                if let Some(note) = assembler.engine_note() {
                     tracing::warn!("{note}");
                 }
                 Backend::Cpu {

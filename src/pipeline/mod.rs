@@ -11,11 +11,12 @@ pub mod cpu;
 pub mod filler;
 pub mod gpu;
 pub mod lookahead;
+pub mod mixture;
 pub mod order;
 pub mod shard_gate;
 pub mod stream_plan;
 
-pub use cpu::Assembler;
+pub use cpu::{Assembler, HostAssembler};
 pub use filler::{
     BackendError, DeviceSlot, Ended, Filled, Filler, FillerError, GpuBackend, Handoff,
     InterruptCpus, SlotMemory, StreamBackend, DELIVER_AT_ONCE_MAX, INTERRUPT_CPUS_DEFAULT,

@@ -6,11 +6,12 @@
 //! The CPU backend (`pipeline::cpu`) and the GPU backend (`pipeline::gpu`) both fill slots from one
 //! plan; nothing here reads a block.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
 use gpufeed_proto::DType;
 
+use super::mixture::{Drawn, MixtureOrder, MixtureSource};
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
 use crate::decode::{self, BlockRef};
 use crate::device::DeviceError;
@@ -205,6 +206,54 @@ pub struct StreamPlan {
     /// For a dataset whose shards arrive while the stream runs (object storage, host streams):
     /// what the host assembler asks before it opens a shard. `None`: every shard is on disk.
     pub shard_gate: Option<Arc<dyn super::shard_gate::ShardGate>>,
+    /// A mixture stream's sources ([`StreamPlan::mixture`]): then `dataset` is the first source's
+    /// and `order` the identity over the mixture epoch's positions, and the host assembler fills
+    /// each batch source by source through the plans in [`MixturePlan::sources`].
+    pub mixture: Option<Arc<MixturePlan>>,
+    /// In the plan of one source of a mixture: the mixture's draws and this source's index. Its
+    /// batches are the rows of the mixture's batches that draw from it (see
+    /// [`StreamPlan::slot_rows`]), the rest of the plan (steps, cursor, slot layout) the mixture's.
+    pub source_of: Option<(Arc<MixtureDraws>, u32)>,
+}
+
+/// A mixture stream's draws for its rank, shared by its plan and its sources' plans: the source and
+/// sample of each row of each step, computed once per step for all of them.
+#[derive(Debug)]
+pub struct MixtureDraws {
+    /// The mixture's order of the epoch.
+    pub order: MixtureOrder,
+    rank: RankPlan,
+    start_cursor: u64,
+    /// The last step's draws: the sources' plans ask for the same step one after another.
+    last: Mutex<Option<(u64, Arc<[Drawn]>)>>,
+}
+
+impl MixtureDraws {
+    /// The source and sample of every row of stream step `step`, in row order.
+    pub fn step(&self, step: u64) -> Arc<[Drawn]> {
+        let mut last = self.last.lock().expect("mixture draws lock poisoned");
+        if let Some((at, draws)) = last.as_ref() {
+            if *at == step {
+                return Arc::clone(draws);
+            }
+        }
+        let positions = self
+            .rank
+            .batch_positions(self.order.len(), self.start_cursor, step);
+        let draws: Arc<[Drawn]> = self.order.draws(positions).into();
+        *last = Some((step, Arc::clone(&draws)));
+        draws
+    }
+}
+
+/// What a mixture stream's plan holds beyond a single dataset's: its draws and a plan per source.
+#[derive(Debug)]
+pub struct MixturePlan {
+    /// The draws of the stream's steps.
+    pub draws: Arc<MixtureDraws>,
+    /// One plan per source, in the request's order: the source's dataset, its own field indices at
+    /// the mixture's slot offsets, its rows of each batch.
+    pub sources: Vec<Arc<StreamPlan>>,
 }
 
 impl StreamPlan {
@@ -215,125 +264,274 @@ impl StreamPlan {
         limits: &StreamLimits,
     ) -> Result<StreamPlan, PlanError> {
         let invalid = |s: String| Err(PlanError::Invalid(s));
-        // The spec's own rules (shared with the client and the socket server), then the daemon's
-        // limits.
-        spec::check_batch_size(spec.batch_size).map_err(PlanError::spec)?;
-        spec::check_rank(spec.rank, spec.world_size).map_err(PlanError::spec)?;
-        spec::check_prefetch(spec.prefetch).map_err(PlanError::spec)?;
-        if let ShuffleMode::Window { shards } = spec.shuffle {
-            spec::check_window_shards(shards).map_err(PlanError::spec)?;
-        }
-        if spec.batch_size > limits.batch_size_max {
-            return invalid(format!(
-                "batch_size {} is above the daemon's limit of {}",
-                spec.batch_size, limits.batch_size_max
-            ));
-        }
-        if spec.world_size > limits.world_size_max {
-            return invalid(format!(
-                "world_size {} is above the daemon's limit of {}",
-                spec.world_size, limits.world_size_max
-            ));
-        }
-        let manifest = &dataset.manifest;
-        let sample_count = manifest.sample_count;
+        check_request(spec, limits)?;
+        let sample_count = dataset.manifest.sample_count;
         if spec.start_cursor > sample_count {
             return invalid(format!(
                 "start cursor {} is past the epoch's {sample_count} samples",
                 spec.start_cursor
             ));
         }
-        let mode = spec.shuffle;
-        let requested: Vec<(usize, Option<DType>)> = if spec.fields.is_empty() {
-            (0..manifest.fields.len()).map(|i| (i, None)).collect()
-        } else {
-            let mut out = Vec::with_capacity(spec.fields.len());
-            for request in &spec.fields {
-                let Some(index) = dataset.field_index(&request.name) else {
-                    let names: Vec<&str> =
-                        manifest.fields.iter().map(|f| f.name.as_str()).collect();
-                    return invalid(format!(
-                        "dataset '{}' has no field '{}' (fields: {})",
-                        manifest.name,
-                        request.name,
-                        names.join(", ")
-                    ));
+        let (fields, slot_end) = plan_fields(&dataset, spec, limits)?;
+        let rank = rank_plan(spec, sample_count, "the dataset's")?;
+        let shard_samples: Vec<u64> = dataset
+            .manifest
+            .shards
+            .iter()
+            .map(|s| s.sample_count)
+            .collect();
+        let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, spec.shuffle);
+        Ok(StreamPlan::assemble(
+            dataset, spec, limits, order, rank, fields, slot_end,
+        ))
+    }
+
+    /// Validates a mixture stream: `spec` over `sources` (datasets and their weights, in the
+    /// request's order), `epoch_samples` positions an epoch (`None`: the sum of the sources'
+    /// samples; see `pipeline::mixture`). Every source must have the fields the request asks for
+    /// (every field of the first source when it names none, and no other) in the same stored dtype
+    /// and per-sample shape; the error names the source and the field.
+    pub fn mixture(
+        sources: Vec<(Arc<Dataset>, f64)>,
+        epoch_samples: Option<u64>,
+        spec: &StreamRequest,
+        limits: &StreamLimits,
+    ) -> Result<StreamPlan, PlanError> {
+        check_request(spec, limits)?;
+        let Some((first, _)) = sources.first() else {
+            return Err(PlanError::Invalid("a mixture has no sources".to_string()));
+        };
+        let (fields, slot_end) = plan_fields(first, spec, limits)?;
+        let mut source_fields = Vec::with_capacity(sources.len());
+        for (dataset, _) in &sources {
+            source_fields.push(agreeing_fields(
+                first,
+                dataset,
+                &fields,
+                spec.fields.is_empty(),
+            )?);
+        }
+        let (weights, layouts): (Vec<f64>, Vec<MixtureSource>) = sources
+            .iter()
+            .map(|(dataset, weight)| {
+                let shard_samples: Vec<u64> = dataset
+                    .manifest
+                    .shards
+                    .iter()
+                    .map(|s| s.sample_count)
+                    .collect();
+                let layout = MixtureSource {
+                    sample_count: shard_samples.iter().sum(),
+                    shard_samples,
                 };
-                if out.iter().any(|&(i, _)| i == index) {
-                    return invalid(format!("field '{}' is requested twice", request.name));
-                }
-                out.push((index, request.dtype));
-            }
-            out
-        };
-        let mut fields = Vec::with_capacity(requested.len());
-        let mut offset = 0u64;
-        for (index, dtype) in requested {
-            let field = &manifest.fields[index];
-            let out = dtype.unwrap_or(field.dtype);
-            if !decode::convert_supported(field.dtype, out) {
-                return invalid(format!(
-                    "field '{}': cannot convert {} to {out}",
-                    field.name, field.dtype
-                ));
-            }
-            let elements: u64 = field.shape.iter().product();
-            let sample_bytes_out = elements * out.size_bytes() as u64;
-            let batch_bytes = sample_bytes_out * spec.batch_size as u64;
-            fields.push(FieldPlan {
-                field_index: index,
-                name: field.name.clone(),
-                stored: field.dtype,
-                out,
-                sample_shape: field.shape.clone(),
-                sample_bytes_in: field.sample_bytes() as usize,
-                sample_bytes_out: sample_bytes_out as usize,
-                offset: offset as usize,
-            });
-            offset = (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES)
-                * FIELD_OFFSET_ALIGN_BYTES;
-            if offset > limits.slot_bytes_max {
-                return invalid(format!(
-                    "a batch of {} samples needs more than the {}-byte slot limit",
-                    spec.batch_size, limits.slot_bytes_max
-                ));
-            }
+                (*weight, layout)
+            })
+            .unzip();
+        if let Some(empty) = layouts.iter().position(|l| l.sample_count == 0) {
+            return Err(PlanError::Invalid(format!(
+                "mixture source '{}' has no samples",
+                sources[empty].0.manifest.name
+            )));
         }
-        let rank = RankPlan {
-            world_size: spec.world_size,
-            rank: spec.rank,
-            batch_size: spec.batch_size,
-            tail: spec.tail,
-        };
-        if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
-            // Nothing would be served: say so rather than end the epoch at once, silently.
-            return invalid(format!(
-                "batch_size {} x world_size {} is more than the dataset's {sample_count} samples: \
-                 with tail drop no batch would be served (lower the batch size, or use tail pad)",
-                spec.batch_size, spec.world_size
-            ));
+        let order = MixtureOrder::new(
+            layouts,
+            &weights,
+            spec.seed,
+            spec.shuffle,
+            spec.epoch,
+            epoch_samples,
+        )
+        .map_err(|e| PlanError::Invalid(format!("mixture: {e}")))?;
+        let positions = order.len();
+        if spec.start_cursor > positions {
+            return Err(PlanError::Invalid(format!(
+                "start cursor {} is past the mixture epoch's {positions} positions",
+                spec.start_cursor
+            )));
         }
-        let shard_samples: Vec<u64> = manifest.shards.iter().map(|s| s.sample_count).collect();
-        let order = EpochOrder::new(&shard_samples, spec.seed, spec.epoch, mode);
-        let steps = rank.steps_from(sample_count, spec.start_cursor);
-        Ok(StreamPlan {
+        let rank = rank_plan(spec, positions, "the mixture epoch's")?;
+        // The mixture's positions in order: which source and sample each draws is the draws'.
+        let identity = EpochOrder::new(&[positions], spec.seed, spec.epoch, ShuffleMode::None);
+        let draws = Arc::new(MixtureDraws {
+            order,
+            rank,
+            start_cursor: spec.start_cursor,
+            last: Mutex::new(None),
+        });
+        let plans = sources
+            .iter()
+            .zip(source_fields)
+            .enumerate()
+            .map(|(index, ((dataset, _), fields))| {
+                let mut plan = StreamPlan::assemble(
+                    Arc::clone(dataset),
+                    spec,
+                    limits,
+                    identity.clone(),
+                    rank,
+                    fields,
+                    slot_end,
+                );
+                plan.source_of = Some((Arc::clone(&draws), index as u32));
+                Arc::new(plan)
+            })
+            .collect();
+        let mut plan = StreamPlan::assemble(
+            Arc::clone(first),
+            spec,
+            limits,
+            identity,
+            rank,
+            fields,
+            slot_end,
+        );
+        plan.mixture = Some(Arc::new(MixturePlan {
+            draws,
+            sources: plans,
+        }));
+        Ok(plan)
+    }
+
+    /// For the plan of one source of a mixture: the rows of the batch of stream step `step` that
+    /// draw from this source, in order (the slot row of each of [`Self::batch_samples`]); `None`
+    /// for any other plan, whose batch is all its own.
+    pub fn slot_rows(&self, step: u64) -> Option<Vec<usize>> {
+        let (draws, source) = self.source_of.as_ref()?;
+        let draws = draws.step(step);
+        Some(
+            draws
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.source == *source)
+                .map(|(row, _)| row)
+                .collect(),
+        )
+    }
+}
+
+/// The rules of a request that need no dataset: the spec's own (shared with the client and the
+/// socket server), then the daemon's limits.
+fn check_request(spec: &StreamRequest, limits: &StreamLimits) -> Result<(), PlanError> {
+    let invalid = |s: String| Err(PlanError::Invalid(s));
+    spec::check_batch_size(spec.batch_size).map_err(PlanError::spec)?;
+    spec::check_rank(spec.rank, spec.world_size).map_err(PlanError::spec)?;
+    spec::check_prefetch(spec.prefetch).map_err(PlanError::spec)?;
+    if let ShuffleMode::Window { shards } = spec.shuffle {
+        spec::check_window_shards(shards).map_err(PlanError::spec)?;
+    }
+    if spec.batch_size > limits.batch_size_max {
+        return invalid(format!(
+            "batch_size {} is above the daemon's limit of {}",
+            spec.batch_size, limits.batch_size_max
+        ));
+    }
+    if spec.world_size > limits.world_size_max {
+        return invalid(format!(
+            "world_size {} is above the daemon's limit of {}",
+            spec.world_size, limits.world_size_max
+        ));
+    }
+    Ok(())
+}
+
+/// The rank's share of an epoch of `sample_count` positions (`what`: whose, for the message),
+/// refused when a tail drop would serve nothing.
+fn rank_plan(spec: &StreamRequest, sample_count: u64, what: &str) -> Result<RankPlan, PlanError> {
+    let rank = RankPlan {
+        world_size: spec.world_size,
+        rank: spec.rank,
+        batch_size: spec.batch_size,
+        tail: spec.tail,
+    };
+    if spec.start_cursor == 0 && rank.tail == Tail::Drop && rank.step_samples() > sample_count {
+        // Nothing would be served: say so rather than end the epoch at once, silently.
+        return Err(PlanError::Invalid(format!(
+            "batch_size {} x world_size {} is more than {what} {sample_count} samples: \
+             with tail drop no batch would be served (lower the batch size, or use tail pad)",
+            spec.batch_size, spec.world_size
+        )));
+    }
+    Ok(rank)
+}
+
+/// `fields` (planned from mixture source `first`) as source `dataset` holds them: the same slot
+/// places with `dataset`'s own field indices. Each must exist there with the same stored dtype and
+/// per-sample shape; with `every` (the request named no fields) `dataset` must hold no other.
+fn agreeing_fields(
+    first: &Dataset,
+    dataset: &Dataset,
+    fields: &[FieldPlan],
+    every: bool,
+) -> Result<Vec<FieldPlan>, PlanError> {
+    let (name, first_name) = (&dataset.manifest.name, &first.manifest.name);
+    let mut agreed = Vec::with_capacity(fields.len());
+    for field in fields {
+        let Some(index) = dataset.field_index(&field.name) else {
+            return Err(PlanError::Invalid(format!(
+                "mixture source '{name}' has no field '{}', which source '{first_name}' has: the \
+                 sources of a mixture serve the same fields (name the fields they share)",
+                field.name
+            )));
+        };
+        let own = &dataset.manifest.fields[index];
+        if own.dtype != field.stored || own.shape != field.sample_shape {
+            return Err(PlanError::Invalid(format!(
+                "mixture source '{name}': field '{}' is {} of per-sample shape {:?}, in source \
+                 '{first_name}' {} of shape {:?}: the sources of a mixture must agree",
+                field.name, own.dtype, own.shape, field.stored, field.sample_shape
+            )));
+        }
+        agreed.push(FieldPlan {
+            field_index: index,
+            ..field.clone()
+        });
+    }
+    if every {
+        if let Some(extra) = dataset
+            .manifest
+            .fields
+            .iter()
+            .find(|f| !fields.iter().any(|planned| planned.name == f.name))
+        {
+            return Err(PlanError::Invalid(format!(
+                "mixture source '{name}' has field '{}', which source '{first_name}' lacks: the \
+                 sources of a mixture serve the same fields (name the fields they share)",
+                extra.name
+            )));
+        }
+    }
+    Ok(agreed)
+}
+
+impl StreamPlan {
+    /// The plan's parts put together: the steps from the cursor and the slots.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        dataset: Arc<Dataset>,
+        spec: &StreamRequest,
+        limits: &StreamLimits,
+        order: EpochOrder,
+        rank: RankPlan,
+        fields: Vec<FieldPlan>,
+        slot_end: u64,
+    ) -> StreamPlan {
+        let steps = rank.steps_from(order.len(), spec.start_cursor);
+        let slot_bytes = slot_end.max(FIELD_OFFSET_ALIGN_BYTES) as usize;
+        StreamPlan {
             epoch: spec.epoch,
             steps,
             order,
             rank,
             start_cursor: spec.start_cursor,
             fields,
-            slot_bytes: offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
-            slot_count: slot_count(
-                spec.prefetch,
-                offset.max(FIELD_OFFSET_ALIGN_BYTES) as usize,
-                limits.ring_bytes,
-                steps,
-            ),
+            slot_bytes,
+            slot_count: slot_count(spec.prefetch, slot_bytes, limits.ring_bytes, steps),
             on_corrupt: spec.on_corrupt,
             dataset,
             shard_gate: None,
-        })
+            mixture: None,
+            source_of: None,
+        }
     }
 
     /// The global-order cursor once step `step` (counted from the stream's start) is consumed.
@@ -346,11 +544,22 @@ impl StreamPlan {
         self.start_cursor / self.rank.step_samples() + step
     }
 
-    /// The samples of stream step `step` for this rank.
-    pub fn batch_samples(&self, step: u64) -> impl Iterator<Item = u64> + '_ {
-        self.rank
-            .batch_positions(self.order.len(), self.start_cursor, step)
-            .map(|position| self.order.sample_at(position))
+    /// The samples of stream step `step` for this rank; in the plan of one source of a mixture,
+    /// those of the batch's rows that draw from it ([`Self::slot_rows`]). Boxed: a plan is one or
+    /// the other, and a batch asks once.
+    pub fn batch_samples(&self, step: u64) -> Box<dyn Iterator<Item = u64> + '_> {
+        if let Some((draws, source)) = &self.source_of {
+            let draws = draws.step(step);
+            let source = *source;
+            return Box::new((0..draws.len()).filter_map(move |row| {
+                (draws[row].source == source).then_some(draws[row].sample)
+            }));
+        }
+        Box::new(
+            self.rank
+                .batch_positions(self.order.len(), self.start_cursor, step)
+                .map(|position| self.order.sample_at(position)),
+        )
     }
 
     /// Where every (sample, field) of stream step `step` lives, row by row (`fields.len()` entries
@@ -516,6 +725,72 @@ impl StreamPlan {
         let last = blocks.partition_point(|b| b.raw_offset < end);
         first as u32..last as u32
     }
+}
+
+/// The fields `spec` asks of `dataset`, in slot order, and the end of the last one's batch in the
+/// slot (its offsets rounded up to [`FIELD_OFFSET_ALIGN_BYTES`]).
+fn plan_fields(
+    dataset: &Dataset,
+    spec: &StreamRequest,
+    limits: &StreamLimits,
+) -> Result<(Vec<FieldPlan>, u64), PlanError> {
+    let invalid = |s: String| Err(PlanError::Invalid(s));
+    let manifest = &dataset.manifest;
+    let requested: Vec<(usize, Option<DType>)> = if spec.fields.is_empty() {
+        (0..manifest.fields.len()).map(|i| (i, None)).collect()
+    } else {
+        let mut out = Vec::with_capacity(spec.fields.len());
+        for request in &spec.fields {
+            let Some(index) = dataset.field_index(&request.name) else {
+                let names: Vec<&str> = manifest.fields.iter().map(|f| f.name.as_str()).collect();
+                return invalid(format!(
+                    "dataset '{}' has no field '{}' (fields: {})",
+                    manifest.name,
+                    request.name,
+                    names.join(", ")
+                ));
+            };
+            if out.iter().any(|&(i, _)| i == index) {
+                return invalid(format!("field '{}' is requested twice", request.name));
+            }
+            out.push((index, request.dtype));
+        }
+        out
+    };
+    let mut fields = Vec::with_capacity(requested.len());
+    let mut offset = 0u64;
+    for (index, dtype) in requested {
+        let field = &manifest.fields[index];
+        let out = dtype.unwrap_or(field.dtype);
+        if !decode::convert_supported(field.dtype, out) {
+            return invalid(format!(
+                "field '{}': cannot convert {} to {out}",
+                field.name, field.dtype
+            ));
+        }
+        let elements: u64 = field.shape.iter().product();
+        let sample_bytes_out = elements * out.size_bytes() as u64;
+        let batch_bytes = sample_bytes_out * spec.batch_size as u64;
+        fields.push(FieldPlan {
+            field_index: index,
+            name: field.name.clone(),
+            stored: field.dtype,
+            out,
+            sample_shape: field.shape.clone(),
+            sample_bytes_in: field.sample_bytes() as usize,
+            sample_bytes_out: sample_bytes_out as usize,
+            offset: offset as usize,
+        });
+        offset =
+            (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES) * FIELD_OFFSET_ALIGN_BYTES;
+        if offset > limits.slot_bytes_max {
+            return invalid(format!(
+                "a batch of {} samples needs more than the {}-byte slot limit",
+                spec.batch_size, limits.slot_bytes_max
+            ));
+        }
+    }
+    Ok((fields, offset))
 }
 
 /// A batch's rows grouped into runs (see [`StreamPlan::placement_runs`]).

@@ -31,6 +31,23 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! A mixture draws each row from one of several datasets, in proportion to their weights; each
+//! source keeps its own order and epochs (`docs/PROTOCOL.md`, *Mixtures*), host memory only:
+//!
+//! ```no_run
+//! use gpufeed_client::consumer::{Client, ClientError};
+//! use gpufeed_client::protocol::{MixtureSource, Shuffle, StreamSpec};
+//!
+//! # fn main() -> Result<(), ClientError> {
+//! let source = |dataset: &str, weight| MixtureSource { dataset: dataset.into(), weight };
+//! let mut spec = StreamSpec::mixture(vec![source("web", 0.7), source("code", 0.3)], 32);
+//! spec.shuffle = Shuffle::Full;
+//! let stream = Client::connect("/run/gpufeed/gpufeed.sock")?.open_stream(spec)?;
+//! # let _ = stream;
+//! # Ok(())
+//! # }
+//! ```
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;

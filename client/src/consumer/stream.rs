@@ -151,6 +151,8 @@ impl Stream {
     pub fn state(&self) -> StreamState {
         StreamState {
             dataset: self.spec.dataset.clone(),
+            sources: self.spec.sources.clone(),
+            mixture_epoch_samples: self.spec.mixture_epoch_samples,
             seed: self.spec.seed,
             epoch: self.spec.epoch,
             shuffle: self.spec.shuffle,

@@ -900,6 +900,8 @@ fn spec_helpers_set_the_cursor() {
 
     let state = StreamState {
         dataset: "demo".into(),
+        sources: Vec::new(),
+        mixture_epoch_samples: None,
         seed: 7,
         epoch: 3,
         shuffle: Shuffle::Window(4),

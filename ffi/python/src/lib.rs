@@ -9,7 +9,9 @@
 use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use gpufeed_client::protocol::{CorruptPolicy, Device, FieldRequest, Shuffle, StreamSpec, Tail};
+use gpufeed_client::protocol::{
+    CorruptPolicy, Device, FieldRequest, MixtureSource, Shuffle, StreamSpec, Tail,
+};
 use gpufeed_client::spec::{resume_mismatch, ShuffleName};
 use gpufeed_client::{ClientError, DType, FieldData, StreamState};
 use pyo3::exceptions::{PyBufferError, PyDeprecationWarning, PyStopIteration, PyValueError};
@@ -289,18 +291,22 @@ impl Client {
         self.lock().closed
     }
 
-    /// Opens a stream (a session of its own) of `dataset` in batches of `batch_size` samples.
+    /// Opens a stream (a session of its own) of `dataset`, or of a mixture of `sources`
+    /// (`[(dataset, weight), ...]`), in batches of `batch_size` samples.
     #[pyo3(signature = (
-        dataset, batch_size, *, fields=None, device="cpu", shuffle=None, window_shards=4,
-        seed=None, epoch=None, rank=0, world_size=None, tail="drop", start_step=None, state=None,
-        on_corrupt="fail", prefetch=4, world=None
+        dataset=None, batch_size=None, *, sources=None, mixture_epoch_samples=None, fields=None,
+        device="cpu", shuffle=None, window_shards=4, seed=None, epoch=None, rank=0,
+        world_size=None, tail="drop", start_step=None, state=None, on_corrupt="fail", prefetch=4,
+        world=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn open_stream(
         &self,
         py: Python<'_>,
-        dataset: String,
-        batch_size: u32,
+        dataset: Option<String>,
+        batch_size: Option<u32>,
+        sources: Option<Bound<'_, PyAny>>,
+        mixture_epoch_samples: Option<u64>,
         fields: Option<Bound<'_, PyAny>>,
         device: &str,
         shuffle: Option<&str>,
@@ -316,7 +322,26 @@ impl Client {
         prefetch: u32,
         world: Option<u32>,
     ) -> PyResult<Stream> {
-        let mut spec = StreamSpec::new(dataset, batch_size);
+        let Some(batch_size) = batch_size else {
+            return Err(PyValueError::new_err("batch_size is required"));
+        };
+        let mut spec = match (dataset, sources) {
+            (Some(dataset), None) => StreamSpec::new(dataset, batch_size),
+            (None, Some(sources)) => {
+                StreamSpec::mixture(mixture_sources(&sources, "sources")?, batch_size)
+            }
+            (Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "give a dataset or a mixture's sources, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(PyValueError::new_err(
+                    "give a dataset, or sources=[(dataset, weight), ...] for a mixture",
+                ))
+            }
+        };
+        spec.mixture_epoch_samples = mixture_epoch_samples;
         spec.fields = field_requests(py, fields)?;
         spec.device = parse_device(device)?;
         // Unset (None): dataset order, seed 0, epoch 0, or the resume state's values.
@@ -506,6 +531,28 @@ fn shuffle_names(shuffle: Shuffle) -> (&'static str, u32) {
     }
 }
 
+/// A mixture's sources from any iterable of (dataset, weight) pairs, tuples or lists alike (a
+/// checkpoint that went through JSON holds lists); `what` names the argument in errors.
+fn mixture_sources(value: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<MixtureSource>> {
+    let mut sources = Vec::new();
+    for (index, item) in value.try_iter()?.enumerate() {
+        let item = item?;
+        let pair = || {
+            PyValueError::new_err(format!(
+                "{what}[{index}] is not a (dataset, weight) pair: {item}"
+            ))
+        };
+        if item.len().map_err(|_| pair())? != 2 || item.is_instance_of::<pyo3::types::PyString>() {
+            return Err(pair());
+        }
+        sources.push(MixtureSource {
+            dataset: item.get_item(0)?.extract().map_err(|_| pair())?,
+            weight: item.get_item(1)?.extract().map_err(|_| pair())?,
+        });
+    }
+    Ok(sources)
+}
+
 /// Version of the `state_dict` layout.
 const STATE_VERSION: u32 = 1;
 
@@ -522,8 +569,19 @@ fn parse_state(state: &Bound<'_, PyDict>) -> PyResult<StreamState> {
         )));
     }
     let shuffle: String = get("shuffle")?.extract()?;
+    // A mixture's keys; a state of a single dataset may lack them (taken before mixtures).
+    let sources = match state.get_item("sources")? {
+        Some(sources) => mixture_sources(&sources, "state_dict[\"sources\"]")?,
+        None => Vec::new(),
+    };
+    let mixture_epoch_samples: Option<u64> = match state.get_item("mixture_epoch_samples")? {
+        Some(samples) => samples.extract()?,
+        None => None,
+    };
     Ok(StreamState {
         dataset: get("dataset")?.extract()?,
+        sources,
+        mixture_epoch_samples,
         seed: get("seed")?.extract()?,
         epoch: get("epoch")?.extract()?,
         shuffle: parse_shuffle(&shuffle, get("window_shards")?.extract()?)?,
@@ -582,6 +640,13 @@ impl Stream {
         let dict = PyDict::new(py);
         dict.set_item("version", STATE_VERSION)?;
         dict.set_item("dataset", state.dataset)?;
+        let sources: Vec<(String, f64)> = state
+            .sources
+            .iter()
+            .map(|s| (s.dataset.clone(), s.weight))
+            .collect();
+        dict.set_item("sources", sources)?;
+        dict.set_item("mixture_epoch_samples", state.mixture_epoch_samples)?;
         dict.set_item("seed", state.seed)?;
         dict.set_item("epoch", state.epoch)?;
         dict.set_item("shuffle", shuffle)?;

@@ -41,9 +41,11 @@ class Client:
         """True once :meth:`close` ran."""
     def open_stream(
         self,
-        dataset: str,
-        batch_size: int,
+        dataset: Optional[str] = None,
+        batch_size: Optional[int] = None,
         *,
+        sources: Optional[Sequence[Tuple[str, float]]] = None,
+        mixture_epoch_samples: Optional[int] = None,
         fields: Union[None, Sequence[str], Mapping[str, Optional[DTypeLike]]] = None,
         device: str = "cpu",
         shuffle: Optional[str] = None,
@@ -62,6 +64,13 @@ class Client:
         """Opens a stream of ``dataset`` in batches of ``batch_size`` samples for this rank; the
         daemon starts filling slots at once.
 
+        - ``sources``: instead of ``dataset``, a mixture: ``[("web", 0.7), ("code", 0.3)]``, each
+          dataset drawn with its weight (weights need not sum to 1), every source's fields the same
+          (names, types, shapes, or the error names the source and the field). Each source runs
+          through its own epochs, reshuffled each time, whatever the mixture's epoch; the mixture's
+          epoch is ``mixture_epoch_samples`` positions (default: the sources' samples summed).
+          Deterministic for a ``seed``, resumed from ``state_dict`` at any world size like a single
+          dataset; host memory (``device="cpu"``) only (``docs/PYTHON.md``).
         - ``fields``: None (every field, stored type), a list of names, or a mapping of name to
           element type (:data:`DTypeLike`, or None for the stored type).
         - ``device``: ``"cpu"`` (host memory), ``"cuda"`` or ``"cuda:N"``.
@@ -105,8 +114,10 @@ class Stream:
         (the next would never come), ``DaemonError`` when the daemon ended the stream (a corrupt
         block under ``on_corrupt="fail"``), ``SessionError`` when the daemon went away."""
     def state_dict(self) -> Dict[str, Any]:
-        """Where the epoch stands, for a checkpoint: ``{"version", "dataset", "seed", "epoch",
-        "shuffle", "window_shards", "world_size", "batch_size", "cursor"}``, which
+        """Where the epoch stands, for a checkpoint: ``{"version", "dataset", "sources",
+        "mixture_epoch_samples", "seed", "epoch", "shuffle", "window_shards", "world_size",
+        "batch_size", "cursor"}`` (``sources`` a list of (dataset, weight), empty but for a
+        mixture, whose ``dataset`` is empty), which
         ``open_stream(..., state=...)`` resumes from at this or another world size. ``cursor``
         counts the positions of the epoch's order every rank together consumed up to this rank's
         last batch: store it once every rank passed that step."""

@@ -11,7 +11,7 @@ unless given. The device is ``cuda:LOCAL_RANK`` when CUDA is available, else the
 """
 
 import os
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils.data
@@ -39,6 +39,8 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
     stream, and the slot is reused once the tensors of the batch are gone and the work queued on that
     stream before then is done. Keep a tensor beyond the next few steps by cloning it.
 
+    ``dataset`` is a dataset's name, or a mixture's sources: ``[("web", 0.7), ("code", 0.3)]``
+    (see ``open_stream(sources=...)``; served in host memory, so the device defaults to the CPU).
     ``socket`` None: ``$GPUFEED_SOCKET`` (see :class:`gpufeed.Client`). ``fields`` takes dtypes as
     gpufeed names (``"f32"``), NumPy or PyTorch names (``"float32"``) or types (``torch.float32``).
     ``rank`` and ``world_size`` None: read from ``torch.distributed`` or the environment each time the
@@ -58,7 +60,7 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
     def __init__(
         self,
         socket: Optional[str],
-        dataset: str,
+        dataset: Union[str, Sequence[Tuple[str, float]]],
         batch_size: int,
         *,
         fields: Union[None, Sequence[str], Mapping[str, Any]] = None,
@@ -81,7 +83,9 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         # The next epoch's stream opened ahead: (the settings it was opened with, client, stream).
         self._ahead: Optional[tuple] = None
         self.socket = socket
-        self.dataset = dataset
+        # A mixture's sources as a tuple of (name, weight) pairs (hashable: a key of the caches).
+        self.dataset = dataset if isinstance(dataset, str) else tuple(
+            (str(name), float(weight)) for name, weight in dataset)
         self.batch_size = batch_size
         # Dtypes as gpufeed's names: an unknown one fails here, naming its field.
         self.fields = normalize_fields(fields)
@@ -91,7 +95,8 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         self.epoch = epoch
         self._rank = rank
         self._world_size = world_size
-        self.device = device or _default_device()
+        # Mixtures are served in host memory only.
+        self.device = device or ("cpu" if self._is_mixture() else _default_device())
         self.tail = tail
         self.on_corrupt = on_corrupt
         self.prefetch = prefetch
@@ -103,7 +108,17 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         self._resume: Optional[Dict[str, Any]] = None
         # Samples per epoch of each dataset name streamed (for __len__): a property of the dataset,
         # the same in every epoch and order.
-        self._epoch_samples: Dict[str, int] = {}
+        self._epoch_samples: Dict[Any, int] = {}
+
+    def _is_mixture(self) -> bool:
+        return not isinstance(self.dataset, str)
+
+    def _source(self, dataset: Union[str, Tuple[Tuple[str, float], ...], None] = None) -> Dict[str, Any]:
+        """``open_stream``'s arguments naming what is read: the dataset, or a mixture's sources."""
+        dataset = self.dataset if dataset is None else dataset
+        if isinstance(dataset, str):
+            return dict(dataset=dataset)
+        return dict(sources=list(dataset))
 
     @property
     def rank(self) -> int:
@@ -148,12 +163,12 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         client = gpufeed.Client(self.socket)
         try:
             if self._resume is not None:
-                stream = client.open_stream(self.dataset, self.batch_size,
-                                            state=self._resume, **common)
+                stream = client.open_stream(batch_size=self.batch_size, state=self._resume,
+                                            **self._source(), **common)
             else:
-                stream = client.open_stream(self.dataset, self.batch_size, shuffle=self.shuffle,
+                stream = client.open_stream(batch_size=self.batch_size, shuffle=self.shuffle,
                                             window_shards=self.window_shards, seed=self.seed,
-                                            epoch=self.epoch, **common)
+                                            epoch=self.epoch, **self._source(), **common)
         except BaseException:
             client.close()
             raise
@@ -209,9 +224,9 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         except Exception:
             return
         try:
-            stream = client.open_stream(self.dataset, self.batch_size, shuffle=self.shuffle,
+            stream = client.open_stream(batch_size=self.batch_size, shuffle=self.shuffle,
                                         window_shards=self.window_shards, seed=self.seed,
-                                        epoch=epoch, **common)
+                                        epoch=epoch, **self._source(), **common)
         except Exception:
             client.close()
             return
@@ -245,14 +260,15 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
             return -(-left // step_samples)
         return left // step_samples
 
-    def _probe_epoch_samples(self, dataset: str) -> int:
+    def _probe_epoch_samples(self, dataset: Union[str, Tuple[Tuple[str, float], ...]]) -> int:
         """The epoch's sample count, from a stream opened for it and closed at once: one field, one
         sample per batch, in host memory (the least the daemon fills)."""
         fields = self.fields
         if fields:
             fields = [next(iter(fields))]
         with gpufeed.Client(self.socket) as client:
-            with client.open_stream(dataset, 1, fields=fields, device="cpu", prefetch=1) as stream:
+            with client.open_stream(batch_size=1, fields=fields, device="cpu", prefetch=1,
+                                    **self._source(dataset)) as stream:
                 return stream.epoch_samples
 
     def state_dict(self) -> Dict[str, Any]:
