@@ -55,7 +55,7 @@ http=127.0.0.1:7173
 start_daemon() {
   rm -f "$socket"
   # shellcheck disable=SC2086  # daemon_env: NAME=VALUE words
-  env ${daemon_env:-} "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
+  env ${daemon_env:-} ${daemon_wrap:-} "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
     "$@" >"$work/tier-daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
@@ -309,6 +309,30 @@ knobs_bench() {
   prefetch=4
 }
 
+# ncu_bench: the ordered gather's kernels under Nsight Compute (duration, memory throughput,
+# occupancy), the dataset resident, batch TIER_BATCH: TIER_NCU_COUNT (4) launches after
+# TIER_NCU_SKIP (400) of a full shuffle, then as many of dataset order; report in $OUT/ncu.txt.
+ncu_bench() {
+  mkdir -p "$work"
+  OUT="$work/prepare-out" READ_BENCH_ONLY=1 READ_CASES=none READ_GIB="$gib" bash scripts/gpu-read.sh --bench-only \
+    >"$OUT/prepare.log" 2>&1 || { echo "FAILED: preparing the data (prepare.log)"; return 1; }
+  local order
+  for order in full none; do
+    daemon_wrap="ncu --target-processes all --clock-control none --kernel-name regex:gf_gather_ordered \
+      --launch-skip ${TIER_NCU_SKIP:-400} --launch-count ${TIER_NCU_COUNT:-4} --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+      --log-file $OUT/ncu-$order.txt" start_daemon --device-cache "${TIER_CACHE:-$((gib + 2))G}" \
+      || { echo "FAILED: the daemon under ncu did not start"; return 1; }
+    consume_line "ncu-$order" "$order" 1 "$batch" 6 1 >>"$jsonl"
+    pkill -TERM -f "gpufeed serve --data-root $work/data" 2>/dev/null
+    wait "$daemon" 2>/dev/null
+  done
+}
+
+if [ "${1:-}" = --ncu-only ]; then
+  ncu_bench
+  exit $?
+fi
 if [ "${1:-}" = --knobs-only ]; then
   knobs_bench
   exit $?
