@@ -602,40 +602,51 @@ __device__ u64 ordered_sample(const OrderedParams& p, const OrderedWindow* __res
 #define GF_ORDERED_ROWS 4u
 #endif
 
-// The ordered gather's fast path: rows k.. of the block's chunk (at most GF_ORDERED_ROWS, and the
-// chunk's end) of a stream with one field converted from a 2-byte float to fp32, when each row lies
-// inside one region, its source 8-byte and its destination 16-byte aligned and its element count a
-// multiple of 4. Each thread loads its 4 elements of every row, then converts and stores them.
-// Returns the rows done; 0 when row k does not qualify (the caller takes the general path, which
-// also counts faults). The rows of a run stop at the first that does not qualify.
-__device__ __forceinline__ u32 ordered_rows_fast(const OrderedParams& p, const OrderedField& field,
-                                                 const u64* __restrict__ bases,
-                                                 const u64* __restrict__ first_regions,
-                                                 const GatherRegion* __restrict__ regions, const u32* row_shard,
-                                                 const u64* row_local, u64 first, u32 k, u32 chunk, u8* dst,
-                                                 u64 dst_capacity) {
-    if ((field.op != GF_OP_F16_F32 && field.op != GF_OP_BF16_F32) || field.elements % 4u != 0u ||
-        field.in_sample_bytes != (u64)field.elements * 2ull || field.out_sample_bytes != (u64)field.elements * 4ull)
-        return 0u;
+// Whether the ordered gather's fast path may take `field`: the stream's one field, a 2-byte float
+// converted to fp32, its element count a multiple of 4.
+__device__ __forceinline__ bool ordered_fast_field(const OrderedParams& p, const OrderedField& field) {
+    return p.field_count == 1u && (field.op == GF_OP_F16_F32 || field.op == GF_OP_BF16_F32) &&
+           field.elements % 4u == 0u && field.in_sample_bytes == (u64)field.elements * 2ull &&
+           field.out_sample_bytes == (u64)field.elements * 4ull;
+}
+
+// The fast path's source address of a row (sample `local` of shard `shard`, row `i` of launch batch
+// `batch`), with its offset in `dst` in `out`: 0 when the row does not qualify (it crosses a region's
+// end, its source is not 8-byte or its destination not 16-byte aligned, or it does not fit: the
+// general path then takes it and counts the fault). Computed once per row, by the thread that
+// locates it, so that the threads moving the row do no 64-bit division.
+__device__ __forceinline__ u64 ordered_fast_source(const OrderedParams& p, const OrderedField& field,
+                                                   const u64* __restrict__ bases,
+                                                   const u64* __restrict__ first_regions,
+                                                   const GatherRegion* __restrict__ regions, u32 shard,
+                                                   u64 local, u64 batch, u64 i, const u8* dst,
+                                                   u64 dst_capacity, u64* out) {
+    if (shard >= p.shard_count) return 0ull;
+    const u64 at = bases[(u64)shard] + local * field.in_sample_bytes;
+    const u64 o = batch * p.slot_stride + field.out_offset + i * field.out_sample_bytes;
+    const u64 region = first_regions[shard] + at / p.window_bytes;
+    const u64 within = at % p.window_bytes;
+    if (region >= p.region_count || !extent_fits(o, field.out_sample_bytes, dst_capacity)) return 0ull;
+    const GatherRegion g = regions[region];
+    if (within >= g.bytes || within + field.in_sample_bytes > g.bytes) return 0ull;
+    const u64 s = g.ptr + within;
+    if ((s & 7ull) != 0ull || (((u64)(dst + o)) & 15ull) != 0ull) return 0ull;
+    *out = o;
+    return s;
+}
+
+// The ordered gather's fast path: rows k.. of the block's chunk (at most GF_ORDERED_ROWS, up to the
+// chunk's end or the first row that does not qualify, see ordered_fast_source) moved at once: each
+// thread loads its 4 elements of every row, then converts and stores them. Returns the rows done
+// (0 when row k does not qualify).
+__device__ __forceinline__ u32 ordered_rows_fast(const OrderedField& field, const u64* row_src,
+                                                 const u64* row_out, u32 k, u32 chunk, u8* dst) {
     const u8* src[GF_ORDERED_ROWS];
     float4* out[GF_ORDERED_ROWS];
     u32 rows = 0u;
-    for (; rows < GF_ORDERED_ROWS && k + rows < chunk; ++rows) {
-        const u64 r = blockIdx.x + (first + k + rows) * gridDim.x;
-        const u64 batch = r / p.batch_rows, i = r % p.batch_rows;
-        const u32 shard = row_shard[k + rows];
-        if (shard >= p.shard_count) break;
-        const u64 at = bases[(u64)shard] + row_local[k + rows] * field.in_sample_bytes;
-        const u64 o = batch * p.slot_stride + field.out_offset + i * field.out_sample_bytes;
-        const u64 region = first_regions[shard] + at / p.window_bytes;
-        const u64 within = at % p.window_bytes;
-        if (region >= p.region_count || !extent_fits(o, field.out_sample_bytes, dst_capacity)) break;
-        const GatherRegion g = regions[region];
-        if (within >= g.bytes || within + field.in_sample_bytes > g.bytes) break;
-        const u64 s = g.ptr + within;
-        if ((s & 7ull) != 0ull || (((u64)(dst + o)) & 15ull) != 0ull) break;
-        src[rows] = reinterpret_cast<const u8*>(s);
-        out[rows] = reinterpret_cast<float4*>(dst + o);
+    for (; rows < GF_ORDERED_ROWS && k + rows < chunk && row_src[k + rows] != 0ull; ++rows) {
+        src[rows] = reinterpret_cast<const u8*>(row_src[k + rows]);
+        out[rows] = reinterpret_cast<float4*>(dst + row_out[k + rows]);
     }
     if (rows == 0u) return 0u;
     const u32 groups = field.elements / 4u;
@@ -662,11 +673,14 @@ __device__ __forceinline__ u32 ordered_rows_fast(const OrderedParams& p, const O
     return rows;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 4)
 gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst, u64 dst_capacity,
                   GatherOutcome* __restrict__ outcome) {
     __shared__ u32 row_shard[GF_GATHER_PREFETCH];
     __shared__ u64 row_local[GF_GATHER_PREFETCH];
+    // The fast path's rows: source address (0: the row takes the general path) and offset in dst.
+    __shared__ u64 row_src[GF_GATHER_PREFETCH];
+    __shared__ u64 row_out[GF_GATHER_PREFETCH];
     const u8* tables = reinterpret_cast<const u8*>(p.tables);
     const u64* __restrict__ shard_first = reinterpret_cast<const u64*>(tables);
     const OrderedField* __restrict__ fields = reinterpret_cast<const OrderedField*>(tables + p.off_fields);
@@ -675,6 +689,7 @@ gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst,
     const OrderedMember* __restrict__ members = reinterpret_cast<const OrderedMember*>(tables + p.off_members);
     const u64* __restrict__ first_regions = reinterpret_cast<const u64*>(tables + p.off_first_regions);
     const GatherRegion* __restrict__ regions = reinterpret_cast<const GatherRegion*>(p.regions);
+    const bool fast = GF_ORDERED_ROWS > 1u && ordered_fast_field(p, fields[0]);
     const u64 total = (u64)p.batch_rows * (u64)p.batches;
     const u64 mine = blockIdx.x < total ? (total - blockIdx.x - 1ull) / gridDim.x + 1ull : 0ull;
     for (u64 first = 0; first < mine; first += GF_GATHER_PREFETCH) {
@@ -691,17 +706,22 @@ gf_gather_ordered(const __grid_constant__ OrderedParams p, u8* __restrict__ dst,
                 if (shard_first[mid] <= sample) lo = mid + 1u; else hi = mid;
             }
             const u32 shard = lo - 1u;
+            const u64 local = sample - shard_first[shard];
             row_shard[k] = shard;
-            row_local[k] = sample - shard_first[shard];
+            row_local[k] = local;
+            u64 out = 0ull;
+            row_src[k] = fast ? ordered_fast_source(p, fields[0], bases, first_regions, regions, shard, local,
+                                                    batch, i, dst, dst_capacity, &out)
+                              : 0ull;
+            row_out[k] = out;
         }
         __syncthreads();
         for (u32 k = 0; k < chunk; ++k) {
             // Up to GF_ORDERED_ROWS rows of a 2-byte float field at once, every load before any
             // store: a block holds only a few rows of a batch, and one row's load at a time per
             // thread left the device's memory mostly idle.
-            if (GF_ORDERED_ROWS > 1u && p.field_count == 1u) {
-                const u32 rows = ordered_rows_fast(p, fields[0], bases, first_regions, regions, row_shard,
-                                                   row_local, first, k, chunk, dst, dst_capacity);
+            if (fast) {
+                const u32 rows = ordered_rows_fast(fields[0], row_src, row_out, k, chunk, dst);
                 if (rows > 0u) {
                     k += rows - 1u;
                     continue;

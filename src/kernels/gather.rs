@@ -479,8 +479,9 @@ pub struct Gatherer {
     /// The launches taking their pieces in their parameters (small, medium, large), where the driver
     /// takes parameters that large.
     inline: Option<[Kernel; 3]>,
-    /// The ordered gather (`super::ordered`), which takes its parameters by value too.
-    pub(super) ordered: Option<Kernel>,
+    /// The ordered gather (`super::ordered`), which takes its parameters by value too, and the
+    /// most blocks of it the device runs at once (one wave).
+    pub(super) ordered: Option<(Kernel, u32)>,
 }
 
 impl Gatherer {
@@ -523,7 +524,11 @@ impl Gatherer {
             None
         };
         let ordered = if by_value {
-            Some(module.kernel(device, "gf_gather_ordered")?)
+            let ordered = module.kernel(device, "gf_gather_ordered")?;
+            let per_sm = ordered
+                .blocks_per_multiprocessor(GATHER_BLOCK_THREADS)?
+                .max(1);
+            Some((ordered, per_sm * device.properties().multiprocessors.max(1)))
         } else {
             None
         };

@@ -343,7 +343,7 @@ impl Gatherer {
         dst: &dyn DeviceMemory,
         (outcome, outcome_zeroed): (&dyn DeviceMemory, bool),
     ) -> Result<(), DeviceError> {
-        let kernel = self
+        let (kernel, grid_max) = self
             .ordered
             .as_ref()
             .expect("gather_ordered_async needs has_ordered()");
@@ -375,7 +375,9 @@ impl Gatherer {
             &mut dst_capacity as *mut u64 as *mut c_void,
             &mut outcome_ptr as *mut u64 as *mut c_void,
         ];
-        let grid = rows.min(self.grid_max as u64) as u32;
+        // One wave of blocks: each takes rows blockIdx.x, + gridDim.x, ... (several at once on
+        // the fast path), rather than a second wave waiting for the first's blocks to end.
+        let grid = rows.min(*grid_max as u64) as u32;
         // SAFETY: the parameters match gf_gather_ordered's signature (OrderedParams by value with
         // the same #[repr(C)] layout, pointer, u64, pointer); the rest is the caller's contract.
         unsafe { kernel.launch(stream, grid, GATHER_BLOCK_THREADS, &mut args) }

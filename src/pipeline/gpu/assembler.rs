@@ -29,10 +29,10 @@ use crate::storage::{DirectIo, FileTable, IO_ALIGN_BYTES};
 /// this much go one to a round.
 const BATCH_GROUP_OUT_BYTES: usize = 4 << 20;
 /// The same for a stream reading a dataset whole in the device's memory tier: its rounds read
-/// HBM, so a round's fixed costs (its launch and completion on the host, the kernel's ramp on the
-/// device) weigh on batches 16 times larger: up to four batches of 4096 rows of 1024 fp32 a round
-/// (`--batch-group-max` lowers it).
-const BATCH_GROUP_OUT_BYTES_IN_TIER: usize = 64 << 20;
+/// HBM, so a round's fixed costs on the host (its launch, completion and hand-off) weigh on
+/// batches four times larger. (64 MiB, four batches of 4096 rows of 1024 fp32 a round, was slower
+/// with a consumer of 4 slots in run 119: 208 against 265 GB/s in a full shuffle.)
+const BATCH_GROUP_OUT_BYTES_IN_TIER: usize = 16 << 20;
 
 /// The most batches, and pieces, one round of a stream gathers together (see
 /// `resident::group`), for slots of `slot_bytes`, at most `batch_group_max` batches, rounds that
