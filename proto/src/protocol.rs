@@ -594,6 +594,11 @@ fn decode_open_stream_tail(
 /// The mixture extension's payload: the sources and the epoch length (0 for the default).
 fn decode_mixture(r: &mut Reader<'_>) -> Result<MixtureTail, DecodeError> {
     let count = r.count("mixture sources", MIXTURE_SOURCES_MAX)?;
+    if count == 0 {
+        // The encoder writes no extension for a stream without sources: one naming none (an
+        // epoch length alone) would not survive a round trip.
+        return r.fail("the mixture extension names no sources");
+    }
     let mut sources = Vec::with_capacity(count);
     for _ in 0..count {
         let dataset = r.str()?;
@@ -1290,6 +1295,29 @@ mod tests {
             assert_eq!(length, frame.len() - 4);
             assert_eq!(Message::decode(&frame[4..]).unwrap(), message);
         }
+    }
+
+    /// A mixture extension naming no sources but an epoch length decoded as a request without
+    /// sources and with that length, which encodes without the extension: the fuzzer found the
+    /// round trip changing the message. Such an extension is malformed.
+    #[test]
+    fn a_mixture_extension_without_sources_is_rejected() {
+        // The fuzzer's input (fuzz/fuzz_targets/message_decode.rs decodes it whole and after its
+        // first 4 bytes).
+        let input: [u8; 91] = [
+            0x4, 0x0, 0x3, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0,
+            0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x41, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0,
+            0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x1, 0x0, 0x7e, 0x0, 0x0, 0x0, 0x0, 0x41, 0x0, 0x0, 0x0,
+            0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x5, 0xb, 0x0, 0xff, 0xff, 0xff, 0xff, 0xb,
+            0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0, 0x1, 0x0, 0xa, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0,
+            0x2, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0,
+        ];
+        for body in [&input[..], &input[4..]] {
+            Message::check_decode(body);
+        }
+        let body = &input[..];
+        let error = Message::decode(body).expect_err("a mixture extension with no sources");
+        assert!(error.to_string().contains("names no sources"), "{error}");
     }
 
     /// Every truncation is malformed but one: an `OpenStream` cut just before its optional device
