@@ -1302,4 +1302,58 @@ mod tests {
             ranges_of(&dataset) + 1
         );
     }
+
+    #[test]
+    fn two_streams_needing_the_same_shards_share_one_fetch() {
+        use crate::pipeline::shard_gate::ShardGate;
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        let (cache, metrics) = open_cache(dir.path(), 4 * bytes);
+        let (faults, arrivals) = Faults::new(Gate::Closed);
+        let url = format!("file://{}/a", dir.path().display());
+        let (remote, dataset) = RemoteDataset::open(&cache, &url).unwrap();
+        let remote = remote.wrapping_store(|inner| {
+            Arc::new(FaultyStore {
+                inner,
+                faults: Arc::clone(&faults),
+            })
+        });
+        let dataset = Arc::new(dataset);
+        let all: Vec<usize> = (0..dataset.shards.len()).collect();
+        let first = Arc::new(remote.stream_shards(Arc::clone(&dataset)));
+        let second = Arc::new(remote.stream_shards(Arc::clone(&dataset)));
+        // The first stream fetches ahead (its GETs held at the gate); the second names the same
+        // shards while that fetch runs, then both ask to hold them.
+        first.ahead(&all);
+        arrivals.recv().unwrap();
+        second.ahead(&all);
+        assert!(
+            dataset.shards.iter().all(|shard| !cache.holds(&shard.path)),
+            "a shard was complete before the gate opened"
+        );
+        let holding = [&first, &second].map(|stream| {
+            let (stream, all) = (Arc::clone(stream), all.clone());
+            std::thread::spawn(move || stream.hold(&all))
+        });
+        faults.open_gate();
+        for hold in holding {
+            hold.join().unwrap().unwrap();
+        }
+        assert_eq!(
+            faults.shard_gets.load(Ordering::SeqCst),
+            ranges_of(&dataset)
+        );
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!(
+            (counts.misses, counts.fetched_bytes),
+            (4, bytes),
+            "{counts:?}"
+        );
+        assert_cached_exactly(&cache, dir.path(), "a", &dataset);
+        // Each stream holds every shard until it lets go.
+        first.release(&all);
+        assert_eq!(cache.snapshot().pinned_files, 4);
+        drop(second);
+        assert_eq!(cache.snapshot().pinned_files, 0);
+    }
 }
