@@ -1,11 +1,14 @@
 //! Datasets in object storage, end to end against a real S3-compatible server: `moto` in server
 //! mode (`python3 -m moto.server`, from PyPI: `tests/requirements.txt`), started by each test on a
 //! loopback port of its own. `gpufeed pack --out s3://...` uploads; `gpufeed serve` registers by
-//! `--dataset NAME=URL` and `POST /v1/datasets` and serves through its object cache. Covered: batches
-//! equal to those of the same dataset on local disk, cache hits after the first epoch and after a
-//! restart, half-written cache files removed at start, eviction under a small budget and pinned
-//! shards never evicted, the server killed and restarted mid-epoch, a corrupt object, and the
-//! errors of a missing bucket and manifest at registration.
+//! `--dataset NAME=URL`, `datasets` in its `--config` file and `POST /v1/datasets`, and serves
+//! through its object cache. Covered: batches equal to those of the same dataset on local disk,
+//! cache hits after the first epoch and after a restart, half-written cache files removed at
+//! start, eviction under a small budget and pinned shards never evicted, the server killed and
+//! restarted mid-epoch, a corrupt object, and the errors of a missing bucket and manifest at
+//! registration. The cache's own rules (least recently used evicted first, one fetch shared by
+//! the holders of a shard, retries that recover, damaged transfers fetched again) are tested
+//! against a store with injected faults in `src/remote/cache.rs`.
 //!
 //! Without moto the tests print a loud SKIPPED line and pass, except in CI (`CI` set), where they
 //! fail: CI installs it.
@@ -926,4 +929,72 @@ fn an_aws_profile_gives_the_keys_and_endpoint_the_environment_does_not() {
         "{error}"
     );
     assert!(!error.contains(SECRET_ACCESS_KEY), "{error}");
+}
+
+/// A dataset in object storage named in the configuration file (`datasets`, as in
+/// `deploy/gpufeed.toml`), with the cache's directory and budget set there too: registered at
+/// start and served equal to the local copy, through the cache the file names. A file naming a
+/// dataset the bucket lacks stops the start naming the URL.
+#[test]
+fn a_dataset_named_in_the_configuration_file_is_served_through_the_cache_it_names() {
+    let Some((root, moto)) = setup(&["fromtoml"]) else {
+        return;
+    };
+    let url = format!("s3://{BUCKET}/fromtoml");
+    let cache = root.path().join("toml-cache");
+    let config = root.path().join("gpufeed.toml");
+    let write_config = |datasets: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "datasets = [{datasets:?}]\nobject_cache_dir = {:?}\nobject_cache_max = \"64M\"\n",
+                cache.display().to_string()
+            ),
+        )
+        .unwrap();
+    };
+    write_config(&format!("fromtoml={url}"));
+    let config_argument = config.to_str().unwrap().to_string();
+    let mut command =
+        common::daemon::serve_command(root.path(), &["--config", config_argument.as_str()]);
+    s3_env(&mut command, &moto);
+    let mut daemon = common::daemon::start(command, &root.path().join("logs"));
+    assert!(
+        epoch(&daemon, "fromtoml") == epoch(&daemon, "local"),
+        "the configured dataset differs"
+    );
+    let listed = common::http::get(daemon.address(), "/v1/datasets/fromtoml", None).json();
+    assert_eq!(listed["dataset"]["path"], url.as_str(), "{listed}");
+    assert_eq!(listed["dataset"]["origin"], "configured", "{listed}");
+    let status = cache_status(&daemon);
+    assert_eq!(figure(&status, "budget_bytes"), 64 << 20, "{status}");
+    assert_eq!(figure(&status, "misses"), SHARDS, "{status}");
+    // The shards are in the directory the file names (one directory per dataset under it).
+    let cached_shards = std::fs::read_dir(&cache)
+        .unwrap_or_else(|error| panic!("{}: {error}", cache.display()))
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.is_dir())
+        .flat_map(|dir| std::fs::read_dir(dir).unwrap())
+        .filter(|entry| {
+            let name = entry.as_ref().unwrap().file_name();
+            let name = name.to_string_lossy();
+            name.ends_with(".gfs") && !name.starts_with('.')
+        })
+        .count() as u64;
+    assert_eq!(cached_shards, SHARDS);
+    daemon.signal_and_wait(libc::SIGTERM);
+    drop(daemon);
+
+    let absent = format!("s3://{BUCKET}/absent");
+    write_config(&format!("absent={absent}"));
+    let mut command = common::daemon::serve_command(
+        root.path(),
+        &["--config", config_argument.as_str(), "--http", "off"],
+    );
+    s3_env(&mut command, &moto);
+    let error = common::assert_fails(&command.output().unwrap());
+    assert!(
+        error.contains(&format!("{absent}/manifest.json")) && error.contains("not found"),
+        "{error}"
+    );
 }

@@ -775,6 +775,7 @@ mod tests {
     use super::*;
     use crate::pack::{CodecChoice, OnExisting, PackOptions, Quiet, ShuffleChoice};
     use crate::remote::dataset::RemoteDataset;
+    use std::sync::atomic::AtomicU64;
 
     /// Packs a dataset `name` of 4 shards into `dir` and returns the bytes of its shards.
     fn pack(dir: &Path, name: &str) -> u64 {
@@ -832,5 +833,527 @@ mod tests {
             .shards
             .iter()
             .all(|shard| cache.holds(&shard.path)));
+    }
+
+    /// Faults a [`FaultyStore`] puts into the GETs of shard files (`.gfs` objects; HEADs and the
+    /// manifest pass untouched), and the GETs it saw: tests set up retries and overlapping fetches
+    /// with these, not with timing.
+    #[derive(Debug)]
+    struct Faults {
+        /// Shard GETs asked for, those failed, damaged or held included.
+        shard_gets: AtomicU64,
+        /// This many of the next shard GETs fail as they do while the store is down (an error of
+        /// the store, which the cache retries).
+        failing_gets: AtomicU64,
+        /// This many shard GETs (after the failing ones) answer with their last byte changed, as
+        /// a transfer damaged on the way would.
+        damaged_gets: AtomicU64,
+        /// Shard GETs take a permit of this before they are answered: closed, it holds them until
+        /// the test opens it.
+        gate: tokio::sync::Semaphore,
+        /// Told of each shard GET as it arrives (bounded: tests wait for the first few only).
+        arrivals: Mutex<std::sync::mpsc::SyncSender<()>>,
+    }
+
+    /// Whether shard GETs are answered at once or held until the test opens the gate.
+    #[derive(Clone, Copy)]
+    enum Gate {
+        Open,
+        Closed,
+    }
+
+    /// Permits of an open gate: more than the GETs of any test here.
+    const GATE_OPEN_PERMITS: usize = 1 << 20;
+
+    impl Faults {
+        fn new(gate: Gate) -> (Arc<Faults>, std::sync::mpsc::Receiver<()>) {
+            let (arrived, arrivals) = std::sync::mpsc::sync_channel(64);
+            let permits = match gate {
+                Gate::Open => GATE_OPEN_PERMITS,
+                Gate::Closed => 0,
+            };
+            let faults = Faults {
+                shard_gets: AtomicU64::new(0),
+                failing_gets: AtomicU64::new(0),
+                damaged_gets: AtomicU64::new(0),
+                gate: tokio::sync::Semaphore::new(permits),
+                arrivals: Mutex::new(arrived),
+            };
+            (Arc::new(faults), arrivals)
+        }
+
+        fn open_gate(&self) {
+            self.gate.add_permits(GATE_OPEN_PERMITS);
+        }
+
+        /// Takes one of `count`: whether there was one left.
+        fn take(count: &AtomicU64) -> bool {
+            count
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        }
+    }
+
+    /// A store in front of another that applies [`Faults`] to the GETs of shard files.
+    #[derive(Debug)]
+    struct FaultyStore {
+        inner: Arc<dyn object_store::ObjectStore>,
+        faults: Arc<Faults>,
+    }
+
+    impl std::fmt::Display for FaultyStore {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "FaultyStore({})", self.inner)
+        }
+    }
+
+    type StoreFuture<'a, T> =
+        std::pin::Pin<Box<dyn std::future::Future<Output = object_store::Result<T>> + Send + 'a>>;
+
+    // The trait's async methods as `async_trait` declares them, written out: the crate is not a
+    // dependency of ours.
+    impl object_store::ObjectStore for FaultyStore {
+        fn put_opts<'life0, 'life1, 'async_trait>(
+            &'life0 self,
+            location: &'life1 object_store::path::Path,
+            payload: object_store::PutPayload,
+            opts: object_store::PutOptions,
+        ) -> StoreFuture<'async_trait, object_store::PutResult>
+        where
+            'life0: 'async_trait,
+            'life1: 'async_trait,
+            Self: 'async_trait,
+        {
+            self.inner.put_opts(location, payload, opts)
+        }
+
+        fn put_multipart_opts<'life0, 'life1, 'async_trait>(
+            &'life0 self,
+            location: &'life1 object_store::path::Path,
+            opts: object_store::PutMultipartOptions,
+        ) -> StoreFuture<'async_trait, Box<dyn object_store::MultipartUpload>>
+        where
+            'life0: 'async_trait,
+            'life1: 'async_trait,
+            Self: 'async_trait,
+        {
+            self.inner.put_multipart_opts(location, opts)
+        }
+
+        fn get_opts<'life0, 'life1, 'async_trait>(
+            &'life0 self,
+            location: &'life1 object_store::path::Path,
+            options: object_store::GetOptions,
+        ) -> StoreFuture<'async_trait, object_store::GetResult>
+        where
+            'life0: 'async_trait,
+            'life1: 'async_trait,
+            Self: 'async_trait,
+        {
+            Box::pin(async move {
+                let shard = !options.head && location.as_ref().ends_with(".gfs");
+                if !shard {
+                    return self.inner.get_opts(location, options).await;
+                }
+                let faults = &self.faults;
+                faults.shard_gets.fetch_add(1, Ordering::SeqCst);
+                let _ = faults
+                    .arrivals
+                    .lock()
+                    .expect("arrivals lock poisoned")
+                    .try_send(());
+                drop(faults.gate.acquire().await.expect("never closed"));
+                if Faults::take(&faults.failing_gets) {
+                    return Err(object_store::Error::Generic {
+                        store: "FaultyStore",
+                        source: "connection refused (an injected fault)".into(),
+                    });
+                }
+                let result = self.inner.get_opts(location, options).await?;
+                if !Faults::take(&faults.damaged_gets) {
+                    return Ok(result);
+                }
+                let (meta, range, attributes) = (
+                    result.meta.clone(),
+                    result.range.clone(),
+                    result.attributes.clone(),
+                );
+                let mut bytes = result.bytes().await?.to_vec();
+                *bytes.last_mut().expect("a shard range is not empty") ^= 0x5a;
+                let body = bytes::Bytes::from(bytes);
+                let payload = futures_util::stream::once(async move { Ok(body) });
+                Ok(object_store::GetResult {
+                    payload: object_store::GetResultPayload::Stream(Box::pin(payload)),
+                    meta,
+                    range,
+                    attributes,
+                })
+            })
+        }
+
+        fn delete_stream(
+            &self,
+            locations: futures_util::stream::BoxStream<
+                'static,
+                object_store::Result<object_store::path::Path>,
+            >,
+        ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::path::Path>>
+        {
+            self.inner.delete_stream(locations)
+        }
+
+        fn list(
+            &self,
+            prefix: Option<&object_store::path::Path>,
+        ) -> futures_util::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
+        {
+            self.inner.list(prefix)
+        }
+
+        fn list_with_delimiter<'life0, 'life1, 'async_trait>(
+            &'life0 self,
+            prefix: Option<&'life1 object_store::path::Path>,
+        ) -> StoreFuture<'async_trait, object_store::ListResult>
+        where
+            'life0: 'async_trait,
+            'life1: 'async_trait,
+            Self: 'async_trait,
+        {
+            self.inner.list_with_delimiter(prefix)
+        }
+
+        fn copy_opts<'life0, 'life1, 'life2, 'async_trait>(
+            &'life0 self,
+            from: &'life1 object_store::path::Path,
+            to: &'life2 object_store::path::Path,
+            options: object_store::CopyOptions,
+        ) -> StoreFuture<'async_trait, ()>
+        where
+            'life0: 'async_trait,
+            'life1: 'async_trait,
+            'life2: 'async_trait,
+            Self: 'async_trait,
+        {
+            self.inner.copy_opts(from, to, options)
+        }
+    }
+
+    /// A cache of `bytes_max` bytes in `dir/cache`, and the metrics it counts in.
+    fn open_cache(dir: &Path, bytes_max: u64) -> (Arc<ObjectCache>, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        let settings = ObjectCacheSettings {
+            dir: dir.join("cache"),
+            bytes_max,
+            requests_in_flight: 4,
+        };
+        let cache = ObjectCache::open(settings, Arc::clone(&metrics)).unwrap();
+        (cache, metrics)
+    }
+
+    /// Dataset `name`, packed in `dir`, registered in `cache`; and its location, its store behind
+    /// `faults`.
+    fn register(
+        cache: &Arc<ObjectCache>,
+        dir: &Path,
+        name: &str,
+        faults: &Arc<Faults>,
+    ) -> (ObjectLocation, Dataset) {
+        let url = format!("file://{}/{name}", dir.display());
+        let (_, dataset) = RemoteDataset::open(cache, &url).unwrap();
+        let location = ObjectLocation::parse(&url)
+            .unwrap()
+            .wrapping_store(|inner| {
+                Arc::new(FaultyStore {
+                    inner,
+                    faults: Arc::clone(faults),
+                })
+            });
+        (location, dataset)
+    }
+
+    /// Uses shard `index` of `dataset` as a stream does: pinned (fetched if the cache lacks it),
+    /// then let go.
+    fn use_shard(
+        cache: &Arc<ObjectCache>,
+        location: &ObjectLocation,
+        dataset: &Dataset,
+        index: usize,
+    ) {
+        let mut held = HashMap::new();
+        let fetches = cache.pin(location, dataset, &[index], &mut held).unwrap();
+        cache.fetch_now(location, dataset, fetches).unwrap();
+        let entries: Vec<(PathBuf, u64)> = held.into_values().collect();
+        cache.wait_complete(location, &entries).unwrap();
+        cache.unpin(&entries);
+    }
+
+    /// The bytes of shard `index` of dataset `name` as packed in `dir` (the object's bytes).
+    fn object_bytes(dir: &Path, name: &str, dataset: &Dataset, index: usize) -> Vec<u8> {
+        std::fs::read(dir.join(name).join(&dataset.manifest.shards[index].file)).unwrap()
+    }
+
+    /// Ranged GETs one fetch of every shard of `dataset` makes.
+    fn ranges_of(dataset: &Dataset) -> u64 {
+        dataset
+            .manifest
+            .shards
+            .iter()
+            .map(|shard| shard.file_bytes.div_ceil(RANGE_BYTES))
+            .sum()
+    }
+
+    /// Every shard of `dataset` is in the cache, byte for byte the object packed in `dir`.
+    fn assert_cached_exactly(cache: &ObjectCache, dir: &Path, name: &str, dataset: &Dataset) {
+        for (index, shard) in dataset.shards.iter().enumerate() {
+            assert!(cache.holds(&shard.path), "shard {index} is not cached");
+            assert!(
+                std::fs::read(&shard.path).unwrap() == object_bytes(dir, name, dataset, index),
+                "the cached shard {index} differs from its object"
+            );
+        }
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_used_shard_not_the_first_fetched() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        pack(dir.path(), "b");
+        // Room for exactly the four shards of one dataset: each shard of another takes the place
+        // of one, and the shards are all of one size, so exactly one.
+        let (cache, metrics) = open_cache(dir.path(), bytes);
+        let (faults, _) = Faults::new(Gate::Open);
+        let (a_at, a) = register(&cache, dir.path(), "a", &faults);
+        let (b_at, b) = register(&cache, dir.path(), "b", &faults);
+        let sizes: Vec<u64> = [&a, &b]
+            .iter()
+            .flat_map(|dataset| dataset.manifest.shards.iter().map(|s| s.file_bytes))
+            .collect();
+        assert!(sizes.iter().all(|&size| size == sizes[0]), "{sizes:?}");
+        for index in 0..4 {
+            use_shard(&cache, &a_at, &a, index);
+        }
+        // Used again in another order: least recently used first, 2 0 3 1.
+        for index in [2, 0, 3, 1] {
+            use_shard(&cache, &a_at, &a, index);
+        }
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!((counts.misses, counts.hits, counts.evictions), (4, 4, 0));
+        let cached = |dataset: &Dataset| -> Vec<bool> {
+            dataset
+                .shards
+                .iter()
+                .map(|shard| {
+                    let held = cache.holds(&shard.path);
+                    assert_eq!(held, shard.path.exists(), "{}", shard.path.display());
+                    held
+                })
+                .collect()
+        };
+        use_shard(&cache, &b_at, &b, 0);
+        assert_eq!(cached(&a), [true, true, false, true], "b0 must evict a2");
+        use_shard(&cache, &b_at, &b, 1);
+        assert_eq!(cached(&a), [false, true, false, true], "b1 must evict a0");
+        // A hit makes a shard the most recently used: a3 stays, a1 goes.
+        use_shard(&cache, &a_at, &a, 3);
+        use_shard(&cache, &b_at, &b, 2);
+        assert_eq!(cached(&a), [false, false, false, true], "b2 must evict a1");
+        assert_eq!(cached(&b), [true, true, true, false]);
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!((counts.misses, counts.hits, counts.evictions), (7, 5, 3));
+        assert_eq!(cache.snapshot().used_bytes, bytes);
+        assert_eq!(faults.shard_gets.load(Ordering::SeqCst), 7);
+    }
+
+    #[test]
+    fn holders_asking_for_a_shard_being_fetched_share_that_fetch() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        let (cache, metrics) = open_cache(dir.path(), 4 * bytes);
+        let (faults, arrivals) = Faults::new(Gate::Closed);
+        let (location, dataset) = register(&cache, dir.path(), "a", &faults);
+        let (location, dataset) = (Arc::new(location), Arc::new(dataset));
+        // The first holder pins every shard and fetches them; its GETs are held at the gate.
+        let first = std::thread::spawn({
+            let (cache, location, dataset) = (
+                Arc::clone(&cache),
+                Arc::clone(&location),
+                Arc::clone(&dataset),
+            );
+            move || cache.acquire(&location, &dataset)
+        });
+        arrivals.recv().unwrap();
+        // A GET has arrived, so the fetch runs: the second holder pins the same shards.
+        let all: Vec<usize> = (0..dataset.shards.len()).collect();
+        let mut second = HashMap::new();
+        let fetches = cache.pin(&location, &dataset, &all, &mut second).unwrap();
+        assert!(fetches.is_empty(), "fetched again: {fetches:?}");
+        assert!(
+            dataset.shards.iter().all(|shard| !cache.holds(&shard.path)),
+            "a shard was complete before the gate opened"
+        );
+        let second: Vec<(PathBuf, u64)> = second.into_values().collect();
+        let waiting = std::thread::spawn({
+            let (cache, location, entries) =
+                (Arc::clone(&cache), Arc::clone(&location), second.clone());
+            move || cache.wait_complete(&location, &entries)
+        });
+        faults.open_gate();
+        let first = first.join().unwrap().unwrap();
+        waiting.join().unwrap().unwrap();
+        assert_eq!(
+            faults.shard_gets.load(Ordering::SeqCst),
+            ranges_of(&dataset)
+        );
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!((counts.misses, counts.hits), (4, 0), "{counts:?}");
+        assert_eq!(counts.fetched_bytes, bytes, "{counts:?}");
+        assert_cached_exactly(&cache, dir.path(), "a", &dataset);
+        // Both hold every shard: one holder letting go leaves them pinned by the other.
+        assert_eq!(cache.snapshot().pinned_files, 4);
+        drop(first);
+        assert_eq!(cache.snapshot().pinned_files, 4);
+        cache.unpin(&second);
+        assert_eq!(cache.snapshot().pinned_files, 0);
+    }
+
+    #[test]
+    fn a_store_down_for_fewer_tries_than_the_limit_costs_retries_not_the_fetch() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        let (cache, metrics) = open_cache(dir.path(), 4 * bytes);
+        let (faults, _) = Faults::new(Gate::Open);
+        // Down for every try of a range but its last, wherever the failures fall.
+        let failing = u64::from(crate::remote::location::GET_ATTEMPTS_MAX - 1);
+        faults.failing_gets.store(failing, Ordering::SeqCst);
+        let (location, dataset) = register(&cache, dir.path(), "a", &faults);
+        let pins = cache.acquire(&location, &dataset).unwrap();
+        assert_eq!(pins.len(), 4);
+        assert_cached_exactly(&cache, dir.path(), "a", &dataset);
+        assert_eq!(
+            faults.shard_gets.load(Ordering::SeqCst),
+            ranges_of(&dataset) + failing
+        );
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!(counts.fetch_errors, failing, "{counts:?}");
+        assert_eq!(counts.corrupt_fetches, 0, "{counts:?}");
+        assert_eq!(counts.fetched_bytes, bytes, "{counts:?}");
+    }
+
+    #[test]
+    fn a_store_down_past_the_tries_fails_the_fetch_leaving_nothing_then_serves_once_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        let (cache, metrics) = open_cache(dir.path(), 4 * bytes);
+        let (faults, _) = Faults::new(Gate::Open);
+        let (location, dataset) = register(&cache, dir.path(), "a", &faults);
+        faults.failing_gets.store(u64::MAX, Ordering::SeqCst);
+        let mut held = HashMap::new();
+        let fetches = cache.pin(&location, &dataset, &[1], &mut held).unwrap();
+        let error = cache
+            .fetch_now(&location, &dataset, fetches)
+            .unwrap_err()
+            .to_string();
+        let tries = crate::remote::location::GET_ATTEMPTS_MAX;
+        assert!(
+            error.contains("shard-") && error.contains(&format!("after {tries} tries")),
+            "{error}"
+        );
+        // Nothing of it is kept: not the file, not its place in the budget, not a half-written
+        // file beside it.
+        let entries: Vec<(PathBuf, u64)> = held.into_values().collect();
+        assert!(cache.wait_complete(&location, &entries).is_err());
+        cache.unpin(&entries);
+        let shard_dir = dataset.shards[1].path.parent().unwrap();
+        let shard_files: Vec<String> = std::fs::read_dir(shard_dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name != crate::format::MANIFEST_FILE_NAME)
+            .collect();
+        assert!(shard_files.is_empty(), "{shard_files:?}");
+        assert_eq!(cache.snapshot().used_bytes, 0);
+        assert_eq!(
+            metrics.object_cache().snapshot().fetch_errors,
+            u64::from(tries)
+        );
+        // The store back, the shard is fetched afresh.
+        faults.failing_gets.store(0, Ordering::SeqCst);
+        use_shard(&cache, &location, &dataset, 1);
+        assert!(
+            std::fs::read(&dataset.shards[1].path).unwrap()
+                == object_bytes(dir.path(), "a", &dataset, 1)
+        );
+    }
+
+    #[test]
+    fn a_transfer_damaged_once_is_fetched_again_and_never_installed() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        let (cache, metrics) = open_cache(dir.path(), 4 * bytes);
+        let (faults, _) = Faults::new(Gate::Open);
+        faults.damaged_gets.store(1, Ordering::SeqCst);
+        let (location, dataset) = register(&cache, dir.path(), "a", &faults);
+        let _pins = cache.acquire(&location, &dataset).unwrap();
+        assert_cached_exactly(&cache, dir.path(), "a", &dataset);
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!(counts.corrupt_fetches, 1, "{counts:?}");
+        assert_eq!(counts.fetch_errors, 0, "{counts:?}");
+        assert_eq!(
+            faults.shard_gets.load(Ordering::SeqCst),
+            ranges_of(&dataset) + 1
+        );
+    }
+
+    #[test]
+    fn two_streams_needing_the_same_shards_share_one_fetch() {
+        use crate::pipeline::shard_gate::ShardGate;
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = pack(dir.path(), "a");
+        let (cache, metrics) = open_cache(dir.path(), 4 * bytes);
+        let (faults, arrivals) = Faults::new(Gate::Closed);
+        let url = format!("file://{}/a", dir.path().display());
+        let (remote, dataset) = RemoteDataset::open(&cache, &url).unwrap();
+        let remote = remote.wrapping_store(|inner| {
+            Arc::new(FaultyStore {
+                inner,
+                faults: Arc::clone(&faults),
+            })
+        });
+        let dataset = Arc::new(dataset);
+        let all: Vec<usize> = (0..dataset.shards.len()).collect();
+        let first = Arc::new(remote.stream_shards(Arc::clone(&dataset)));
+        let second = Arc::new(remote.stream_shards(Arc::clone(&dataset)));
+        // The first stream fetches ahead (its GETs held at the gate); the second names the same
+        // shards while that fetch runs, then both ask to hold them.
+        first.ahead(&all);
+        arrivals.recv().unwrap();
+        second.ahead(&all);
+        assert!(
+            dataset.shards.iter().all(|shard| !cache.holds(&shard.path)),
+            "a shard was complete before the gate opened"
+        );
+        let holding = [&first, &second].map(|stream| {
+            let (stream, all) = (Arc::clone(stream), all.clone());
+            std::thread::spawn(move || stream.hold(&all))
+        });
+        faults.open_gate();
+        for hold in holding {
+            hold.join().unwrap().unwrap();
+        }
+        assert_eq!(
+            faults.shard_gets.load(Ordering::SeqCst),
+            ranges_of(&dataset)
+        );
+        let counts = metrics.object_cache().snapshot();
+        assert_eq!(
+            (counts.misses, counts.fetched_bytes),
+            (4, bytes),
+            "{counts:?}"
+        );
+        assert_cached_exactly(&cache, dir.path(), "a", &dataset);
+        // Each stream holds every shard until it lets go.
+        first.release(&all);
+        assert_eq!(cache.snapshot().pinned_files, 4);
+        drop(second);
+        assert_eq!(cache.snapshot().pinned_files, 0);
     }
 }

@@ -138,6 +138,19 @@ impl RemoteDataset {
         self.cache.acquire(&self.location, dataset)
     }
 
+    /// This dataset with its store put behind `wrap`: tests place a store that counts, holds or
+    /// fails requests in front of the real one.
+    #[cfg(test)]
+    pub(crate) fn wrapping_store(
+        self,
+        wrap: impl FnOnce(Arc<dyn object_store::ObjectStore>) -> Arc<dyn object_store::ObjectStore>,
+    ) -> RemoteDataset {
+        RemoteDataset {
+            location: self.location.wrapping_store(wrap),
+            ..self
+        }
+    }
+
     /// The cache its shards go through.
     pub fn cache(&self) -> &Arc<ObjectCache> {
         &self.cache

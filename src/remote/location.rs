@@ -175,6 +175,20 @@ impl ObjectLocation {
         format!("{}/{name}", self.url)
     }
 
+    /// This location with its store put behind `wrap`: tests place a store that counts, holds or
+    /// fails requests in front of the real one.
+    #[cfg(test)]
+    pub(crate) fn wrapping_store(
+        &self,
+        wrap: impl FnOnce(Arc<dyn ObjectStore>) -> Arc<dyn ObjectStore>,
+    ) -> ObjectLocation {
+        ObjectLocation {
+            url: self.url.clone(),
+            store: wrap(Arc::clone(&self.store)),
+            prefix: self.prefix.clone(),
+        }
+    }
+
     fn object(&self, name: &str) -> ObjectPath {
         self.prefix.clone().join(name)
     }
