@@ -230,8 +230,9 @@ struct ServeArgs {
     /// (.gpufeed-catalog.json) is kept there too. Required here, in the environment or in the file.
     #[arg(long)]
     data_root: Option<PathBuf>,
-    /// Path of the Unix socket consumers connect to (created with mode 0600; a stale socket left by a
-    /// daemon that died is replaced). Default: DATA_ROOT/gpufeed.sock.
+    /// Path of the Unix socket consumers connect to (created with mode 0600, or 0666 when
+    /// --allow-uids names other users, who are then checked on every connection; a stale socket
+    /// left by a daemon that died is replaced). Default: DATA_ROOT/gpufeed.sock.
     #[arg(long)]
     socket: Option<PathBuf>,
     /// Where batches live: auto (GPU 0 when the GPU backend is available, else the CPU backend), cpu,

@@ -35,7 +35,8 @@ use crate::registry::Registry;
 /// Settings of the socket server, all bounded.
 #[derive(Clone)]
 pub struct ServerConfig {
-    /// Where the socket is created (mode 0600).
+    /// Where the socket is created (mode 0600 while only the daemon's own uid is allowed, 0666
+    /// when others are: see `socket_mode`).
     pub socket_path: PathBuf,
     /// Peer uids allowed to connect.
     pub allowed_uids: Vec<u32>,
