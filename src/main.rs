@@ -231,7 +231,7 @@ struct ServeArgs {
     #[arg(long)]
     data_root: Option<PathBuf>,
     /// Path of the Unix socket consumers connect to (created with mode 0600, or 0666 when
-    /// --allow-uids names other users, who are then checked on every connection; a stale socket
+    /// --allow-uid names other users, who are then checked on every connection; a stale socket
     /// left by a daemon that died is replaced). Default: DATA_ROOT/gpufeed.sock.
     #[arg(long)]
     socket: Option<PathBuf>,
