@@ -1194,6 +1194,7 @@ fn finish(
         dtype: scratch.dtype,
         sample_shape: scratch.shape,
         parts,
+        ends: None,
     })
 }
 

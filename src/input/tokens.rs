@@ -462,6 +462,7 @@ impl TokenInput {
             .and_then(|n| n.checked_mul(width))
             .ok_or_else(|| bad(&self.path, format!("--seq-len {seq_len} is too large")))?;
         let tokens = FieldSource {
+            ends: None,
             name: TOKENS_FIELD.into(),
             dtype: self.dtype,
             sample_shape: vec![seq_len],
@@ -483,6 +484,7 @@ impl TokenInput {
                 kept_tokens: sequences * seq_len,
             };
             fields.push(FieldSource {
+                ends: None,
                 name: DOC_START_FIELD.into(),
                 dtype: DType::U8,
                 sample_shape: vec![seq_len],

@@ -14,6 +14,7 @@ pub mod lookahead;
 pub mod order;
 pub mod shard_gate;
 pub mod stream_plan;
+pub mod varlen;
 
 pub use cpu::Assembler;
 pub use filler::{
