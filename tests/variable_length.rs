@@ -1,6 +1,8 @@
-//! Variable-length fields (format version 2): packed from offsets and values, read back exactly;
-//! malformed offsets refused naming the file, field and sample; a version 1 dataset still written
-//! and served as version 1.
+//! Variable-length fields (format version 2): packed from offsets and values, read back exactly,
+//! served by the CPU backend in every order and both batch forms (padded with lengths, packed with
+//! `cu_seqlens`), truncated to a cap, resumed mid-epoch; malformed offsets refused naming the file,
+//! field and sample; streams that cannot hold them refused with a clear error; a version 1 dataset
+//! still written and served as version 1.
 
 mod common;
 
@@ -11,8 +13,9 @@ use gpufeed::format::{encode_shard_metadata, Dataset, Manifest};
 use gpufeed::input::FieldSource;
 use gpufeed::metrics::Metrics;
 use gpufeed::pack::CodecChoice;
-use gpufeed::pipeline::{Assembler, StreamLimits, StreamPlan, StreamRequest};
-use gpufeed_client::protocol::StreamSpec;
+use gpufeed::pipeline::varlen::{VariableForm, VariableSelection};
+use gpufeed::pipeline::{Assembler, StreamDevice, StreamLimits, StreamPlan, StreamRequest};
+use gpufeed_client::protocol::{Shuffle, StreamSpec};
 use gpufeed_client::DType;
 
 /// Documents of 0 to `max` int32 tokens (deterministic lengths and values), as (ends, values).
@@ -60,6 +63,108 @@ fn pack_documents(
     (Arc::new(Dataset::open(&out).unwrap()), ends, values)
 }
 
+fn request(
+    batch: u32,
+    shuffle: Shuffle,
+    form: VariableForm,
+    cap: Option<u32>,
+    cursor: u64,
+) -> StreamRequest {
+    let mut spec = StreamSpec::new("docs", batch);
+    spec.shuffle = shuffle;
+    spec.seed = 5;
+    spec.start_cursor = cursor;
+    let mut request = StreamRequest::from(&spec);
+    request.variable = vec![VariableSelection {
+        name: "tokens".into(),
+        form,
+        cap,
+    }];
+    request
+}
+
+fn i32s(bytes: &[u8]) -> Vec<i32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// One batch as the consumer reads it: per row the sample index (field `id`) and its tokens.
+fn read_batch(plan: &StreamPlan, slot: &[u8], samples: usize) -> Vec<(u32, Vec<i32>)> {
+    let id = &plan.fields[1];
+    let tokens = &plan.fields[0];
+    let variable = tokens.variable.as_ref().unwrap();
+    let ids: Vec<u32> = slot[id.offset..id.offset + 4 * samples]
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let index = i32s(&slot[variable.index_offset..][..4 * variable.index_elements(samples)]);
+    let rows: Vec<Vec<i32>> = match variable.form {
+        VariableForm::Padded => {
+            let longest = *index.iter().max().unwrap_or(&0) as usize;
+            let values = i32s(&slot[tokens.offset..][..4 * samples * longest]);
+            (0..samples)
+                .map(|row| {
+                    let padded = &values[row * longest..(row + 1) * longest];
+                    let length = index[row] as usize;
+                    assert!(
+                        padded[length..].iter().all(|&v| v == 0),
+                        "row {row} is padded with zeros"
+                    );
+                    padded[..length].to_vec()
+                })
+                .collect()
+        }
+        VariableForm::Packed => {
+            assert_eq!(index[0], 0, "cu_seqlens starts at 0");
+            let total = index[samples] as usize;
+            let values = i32s(&slot[tokens.offset..][..4 * total]);
+            (0..samples)
+                .map(|row| values[index[row] as usize..index[row + 1] as usize].to_vec())
+                .collect()
+        }
+    };
+    ids.into_iter().zip(rows).collect()
+}
+
+/// Serves every step of `request` and checks each row against the source sample the plan's order
+/// puts there (truncated to the cap); returns the batches.
+fn serve_and_check(
+    dataset: &Arc<Dataset>,
+    request: &StreamRequest,
+    ends: &[u64],
+    values: &[i32],
+) -> Vec<Vec<(u32, Vec<i32>)>> {
+    let plan = Arc::new(
+        StreamPlan::new(Arc::clone(dataset), request, &StreamLimits::node_defaults()).unwrap(),
+    );
+    let cap = request.variable[0].cap.map_or(usize::MAX, |c| c as usize);
+    let mut assembler = Assembler::new(
+        Arc::clone(&plan),
+        &StreamLimits::node_defaults(),
+        Arc::new(Metrics::new()),
+    )
+    .unwrap();
+    let mut slot = vec![0xAAu8; plan.slot_bytes];
+    let mut batches = Vec::new();
+    for step in 0..plan.steps {
+        let report = assembler.fill(step, &mut slot).unwrap();
+        let rows = read_batch(&plan, &slot, report.samples as usize);
+        for (row, sample) in plan.batch_samples(step).enumerate() {
+            let mut expected = sample_values(ends, values, sample as usize);
+            expected.truncate(cap);
+            assert_eq!(rows[row].0 as u64, sample, "step {step} row {row}");
+            assert_eq!(
+                rows[row].1, expected,
+                "step {step} row {row} (sample {sample})"
+            );
+        }
+        batches.push(rows);
+    }
+    batches
+}
+
 #[test]
 fn a_variable_length_field_round_trips_through_the_format() {
     let dir = tempfile::tempdir().unwrap();
@@ -90,6 +195,92 @@ fn a_variable_length_field_round_trips_through_the_format() {
         assert_eq!(shard_ends, &expected);
         assert_eq!(shard.metadata.header.version, 2);
     }
+}
+
+#[test]
+fn every_order_and_both_forms_are_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    for codec in [CodecChoice::Raw, CodecChoice::Lz4] {
+        let name = format!("docs-{codec:?}");
+        let (dataset, ends, values) = pack_documents(dir.path(), &name, 1000, 40, codec);
+        for shuffle in [Shuffle::None, Shuffle::Window(2), Shuffle::Full] {
+            for form in [VariableForm::Padded, VariableForm::Packed] {
+                for cap in [None, Some(7)] {
+                    let request = request(33, shuffle, form, cap, 0);
+                    let batches = serve_and_check(&dataset, &request, &ends, &values);
+                    assert_eq!(batches.len(), 1000 / 33);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stream_resumed_mid_epoch_serves_the_rest_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dataset, ends, values) = pack_documents(dir.path(), "docs", 1000, 40, CodecChoice::Lz4);
+    for form in [VariableForm::Padded, VariableForm::Packed] {
+        let whole = serve_and_check(
+            &dataset,
+            &request(20, Shuffle::Full, form, None, 0),
+            &ends,
+            &values,
+        );
+        // The cursor after step 17 of the uninterrupted stream.
+        let resumed = serve_and_check(
+            &dataset,
+            &request(20, Shuffle::Full, form, None, 18 * 20),
+            &ends,
+            &values,
+        );
+        assert_eq!(resumed[..], whole[18..]);
+    }
+}
+
+#[test]
+fn streams_beyond_the_slot_limit_or_on_a_gpu_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dataset, _, _) = pack_documents(dir.path(), "docs", 1000, 40, CodecChoice::Raw);
+    let mut limits = StreamLimits::node_defaults();
+    limits.slot_bytes_max = 64 << 10;
+    let refused = StreamPlan::new(
+        Arc::clone(&dataset),
+        &request(1000, Shuffle::None, VariableForm::Padded, None, 0),
+        &limits,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        refused.contains("'tokens' is variable-length") && refused.contains("slot limit"),
+        "{refused}"
+    );
+    // A cap brings it within the limit.
+    StreamPlan::new(
+        Arc::clone(&dataset),
+        &request(1000, Shuffle::None, VariableForm::Padded, Some(8), 0),
+        &limits,
+    )
+    .unwrap();
+    let mut on_gpu = request(10, Shuffle::None, VariableForm::Packed, None, 0);
+    on_gpu.device = StreamDevice::Cuda(0);
+    let refused = StreamPlan::new(
+        Arc::clone(&dataset),
+        &on_gpu,
+        &StreamLimits::node_defaults(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(refused.contains("GPU backend"), "{refused}");
+    let mut on_fixed = request(10, Shuffle::None, VariableForm::Packed, None, 0);
+    on_fixed.variable[0].name = "id".into();
+    let refused = StreamPlan::new(
+        Arc::clone(&dataset),
+        &on_fixed,
+        &StreamLimits::node_defaults(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(refused.contains("fixed shape"), "{refused}");
 }
 
 /// Rewrites the offsets of shard 1 (raw blocks) with `edit`, fixing every checksum so that only the
@@ -161,8 +352,19 @@ fn malformed_offsets_are_refused_naming_file_field_and_sample() {
         pack_documents(dir.path(), name, 1000, 40, CodecChoice::Raw);
         let path = dir.path().join(name);
         corrupt_offsets(&path, edit);
-        Dataset::open(&path).expect("the tables are sound");
-        // `gpufeed verify` finds it, though every checksum matches.
+        let dataset = Arc::new(Dataset::open(&path).expect("the tables are sound"));
+        let error = StreamPlan::new(
+            dataset,
+            &request(10, Shuffle::None, VariableForm::Padded, None, 0),
+            &StreamLimits::node_defaults(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("shard-000001.gfs"), "{error}");
+        assert!(error.contains("field 'tokens'"), "{error}");
+        assert!(error.contains(sample), "{error}");
+        assert!(error.contains(expected), "{error}");
+        // `gpufeed verify` finds it too, though every checksum matches.
         let report = gpufeed::tools::verify(&path, &gpufeed::tools::NoProgress).unwrap();
         assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
         assert!(
@@ -212,4 +414,91 @@ fn a_dataset_without_variable_length_fields_is_still_version_1() {
     let mut slot = vec![0u8; plan.slot_bytes];
     assembler.fill(3, &mut slot).unwrap();
     assert_eq!(&slot[..40], &ids[120..160]);
+}
+
+/// Through the daemon and the client: a padded and a packed stream of the same epoch give each
+/// sample's tokens, shaped per batch from the index tensors; a stream that names no form gets the
+/// padded one.
+#[test]
+fn the_daemon_serves_both_forms_to_the_client() {
+    use gpufeed_client::consumer::Client;
+    use gpufeed_client::protocol::{BatchForm, VariableRequest};
+
+    let root = tempfile::tempdir().unwrap();
+    let (_, ends, values) = pack_documents(root.path(), "docs", 1000, 40, CodecChoice::Lz4);
+    let daemon = common::daemon::start_daemon(
+        Path::new(env!("CARGO_BIN_EXE_gpufeed")),
+        root.path(),
+        root.path().join("gpufeed.sock"),
+        "cpu",
+        &[],
+        std::process::Stdio::null(),
+    );
+    let forms = [
+        Some((BatchForm::Padded, None)),
+        Some((BatchForm::Packed, Some(9))),
+        None,
+    ];
+    for form in forms {
+        let mut spec = StreamSpec::new("docs", 64);
+        spec.shuffle = Shuffle::Full;
+        spec.seed = 3;
+        if let Some((form, cap)) = form {
+            spec.variable = vec![VariableRequest {
+                name: "tokens".into(),
+                form,
+                cap,
+            }];
+        }
+        let cap = form
+            .and_then(|(_, cap)| cap)
+            .map_or(usize::MAX, |c| c as usize);
+        let packed = matches!(form, Some((BatchForm::Packed, _)));
+        let mut stream = Client::connect(&daemon.socket)
+            .unwrap()
+            .open_stream(spec)
+            .unwrap();
+        let mut seen = 0;
+        for batch in stream.by_ref() {
+            let batch = batch.unwrap();
+            let samples = batch.samples() as usize;
+            let ids: Vec<u32> = batch
+                .field("id")
+                .unwrap()
+                .host_bytes()
+                .unwrap()
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let tokens = batch.field("tokens").unwrap();
+            let index_name = if packed {
+                "tokens.cu_seqlens"
+            } else {
+                "tokens.lengths"
+            };
+            let index = batch.field(index_name).unwrap();
+            assert_eq!(index.dtype, DType::I32);
+            let index = i32s(index.host_bytes().unwrap());
+            let served = i32s(tokens.host_bytes().unwrap());
+            for (row, &sample) in ids.iter().enumerate() {
+                let mut expected = sample_values(&ends, &values, sample as usize);
+                expected.truncate(cap);
+                let got = if packed {
+                    assert_eq!(index.len(), samples + 1);
+                    served[index[row] as usize..index[row + 1] as usize].to_vec()
+                } else {
+                    let longest = tokens.shape[1] as usize;
+                    assert_eq!(tokens.shape, &[samples as u64, longest as u64]);
+                    assert_eq!(longest as i32, *index.iter().max().unwrap());
+                    served[row * longest..row * longest + index[row] as usize].to_vec()
+                };
+                assert_eq!(got, expected, "sample {sample}");
+            }
+            if packed {
+                assert_eq!(tokens.shape, &[index[samples] as u64]);
+            }
+            seen += samples;
+        }
+        assert_eq!(seen, 1000 / 64 * 64);
+    }
 }

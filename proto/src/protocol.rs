@@ -135,6 +135,67 @@ pub enum CorruptPolicy {
     Replace,
 }
 
+/// How a batch holds a variable-length field (a field whose samples vary in length).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchForm {
+    /// `[samples, L, ...]`, `L` the batch's longest sample, shorter ones zero-filled, with an
+    /// `int32 [samples]` lengths tensor (`NAME.lengths`).
+    Padded,
+    /// The samples' values back to back, `[total, ...]`, with `int32 [samples + 1]` cumulative
+    /// offsets (`NAME.cu_seqlens`, FlashAttention's varlen convention).
+    Packed,
+}
+
+impl BatchForm {
+    /// The code on the wire.
+    pub const fn code(self) -> u8 {
+        match self {
+            BatchForm::Padded => 1,
+            BatchForm::Packed => 2,
+        }
+    }
+
+    /// The suffix of the name of the index tensor beside a field's values: `lengths` or
+    /// `cu_seqlens`.
+    pub const fn index_suffix(self) -> &'static str {
+        match self {
+            BatchForm::Padded => "lengths",
+            BatchForm::Packed => "cu_seqlens",
+        }
+    }
+}
+
+/// How a stream asks for one variable-length field: its batch form, and a cap on its samples'
+/// length (longer samples are truncated to it). A variable-length field the request does not name
+/// is padded without a cap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariableRequest {
+    /// Field name.
+    pub name: String,
+    /// The batch form.
+    pub form: BatchForm,
+    /// Elements a sample keeps at most; `None`: all of them (the slot then holds the dataset's
+    /// longest sample for every row).
+    pub cap: Option<u32>,
+}
+
+/// A variable-length field in a stream's layout: which layout entries hold its values and its
+/// index tensor (lengths or cumulative offsets), so that a client shapes each batch from the index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariableLayout {
+    /// Index in [`StreamLayout::fields`] of the values, whose `sample_shape` is
+    /// `[length_bound, ...element shape]`.
+    pub values: u16,
+    /// Index in [`StreamLayout::fields`] of the `int32` index tensor.
+    pub index: u16,
+    /// The batch form.
+    pub form: BatchForm,
+}
+
+/// Tag of the extension record of variable-length batch forms (`OpenStream`) and layouts
+/// (`StreamOpened`).
+pub const EXTENSION_VARIABLE: u16 = 1;
+
 /// A field requested by a stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldRequest {
@@ -179,6 +240,9 @@ pub struct StreamSpec {
     /// its driver when it is `None`; a request without it means the daemon's ordinal `n`, as before
     /// the field existed. Must be `None` for host memory.
     pub device_uuid: Option<DeviceUuid>,
+    /// Batch forms of variable-length fields (an extension record on the wire, sent only when not
+    /// empty).
+    pub variable: Vec<VariableRequest>,
 }
 
 /// Where one field sits in every slot of a stream.
@@ -217,6 +281,9 @@ pub struct StreamLayout {
     pub device: Device,
     /// On a CUDA device, the interprocess events of each slot, in slot order; empty for host memory.
     pub slot_events: Vec<SlotEvents>,
+    /// The variable-length fields among `fields` (an extension record on the wire, sent only when
+    /// not empty: a client that predates them refuses the layout rather than misread it).
+    pub variable: Vec<VariableLayout>,
 }
 
 /// Bytes of a CUDA interprocess event handle (`CUipcEventHandle`).
@@ -474,6 +541,12 @@ impl Writer {
         self.u16(s.len() as u16);
         self.0.extend_from_slice(s.as_bytes());
     }
+    /// An extension record: `u16` tag, `u32` length, the record's bytes.
+    fn extension(&mut self, tag: u16, record: &[u8]) {
+        self.u16(tag);
+        self.u32(u32::try_from(record.len()).expect("a record fits in a frame"));
+        self.0.extend_from_slice(record);
+    }
     fn shape(&mut self, dims: &[u64]) {
         assert!(dims.len() <= BATCH_NDIM_MAX);
         self.u8(dims.len() as u8);
@@ -547,6 +620,33 @@ impl<'a> Reader<'a> {
             return self.fail(format!("{ndim} dimensions exceed {BATCH_NDIM_MAX}"));
         }
         (0..ndim).map(|_| self.u64()).collect()
+    }
+    /// An extension record: its tag, and a reader of its bytes alone.
+    fn extension(&mut self) -> Result<(u16, Reader<'a>), DecodeError> {
+        let rest = self.bytes.len() - self.at;
+        if rest < 6 {
+            return self.fail(format!(
+                "{rest} trailing bytes, too few for an extension record"
+            ));
+        }
+        let tag = self.u16()?;
+        let len = self.u32()? as usize;
+        let bytes = self.take(len)?;
+        Ok((
+            tag,
+            Reader {
+                bytes,
+                at: 0,
+                kind: self.kind,
+            },
+        ))
+    }
+    fn form(&mut self) -> Result<BatchForm, DecodeError> {
+        match self.u8()? {
+            1 => Ok(BatchForm::Padded),
+            2 => Ok(BatchForm::Packed),
+            other => self.fail(format!("unknown batch form {other}")),
+        }
     }
     fn count(&mut self, what: &str, max: usize) -> Result<usize, DecodeError> {
         let n = self.u16()? as usize;
@@ -672,6 +772,17 @@ impl Message {
                 if let Some(uuid) = spec.device_uuid {
                     w.0.extend_from_slice(&uuid.0);
                 }
+                if !spec.variable.is_empty() {
+                    let mut record = Writer(Vec::new());
+                    assert!(spec.variable.len() <= STREAM_FIELDS_MAX);
+                    record.u16(spec.variable.len() as u16);
+                    for variable in &spec.variable {
+                        record.str(&variable.name);
+                        record.u8(variable.form.code());
+                        record.u32(variable.cap.unwrap_or(0));
+                    }
+                    w.extension(EXTENSION_VARIABLE, &record.0);
+                }
             }
             Message::StreamOpened(layout) => {
                 w.u32(layout.slot_count);
@@ -698,6 +809,16 @@ impl Message {
                             w.0.extend_from_slice(&events.released);
                         }
                     }
+                }
+                if !layout.variable.is_empty() {
+                    let mut record = Writer(Vec::new());
+                    record.u16(layout.variable.len() as u16);
+                    for variable in &layout.variable {
+                        record.u16(variable.values);
+                        record.u16(variable.index);
+                        record.u8(variable.form.code());
+                    }
+                    w.extension(EXTENSION_VARIABLE, &record.0);
                 }
             }
             Message::EndOfEpoch { epoch, steps } => {
@@ -842,14 +963,45 @@ impl Message {
                     u32::MAX => Device::Cpu,
                     ordinal => Device::Cuda(ordinal),
                 };
-                let device_uuid = if r.at == r.bytes.len() {
-                    None
-                } else if device == Device::Cpu {
+                // On a CUDA device, bytes past the fixed fields start with the UUID (a request with
+                // extension records carries one); on the host they are extension records.
+                let rest = r.bytes.len() - r.at;
+                if device == Device::Cpu && rest == DEVICE_UUID_BYTES {
                     return r.fail("a device UUID is given for a host-memory stream");
+                }
+                let device_uuid = if rest == 0 || device == Device::Cpu {
+                    None
                 } else {
                     let bytes = r.take(DEVICE_UUID_BYTES)?;
                     Some(DeviceUuid(bytes.try_into().expect("16 bytes")))
                 };
+                let mut variable = Vec::new();
+                while r.at < r.bytes.len() {
+                    let (tag, mut record) = r.extension()?;
+                    match tag {
+                        EXTENSION_VARIABLE if variable.is_empty() => {
+                            let count =
+                                record.count("variable-length fields", STREAM_FIELDS_MAX)?;
+                            for _ in 0..count {
+                                let name = record.str()?;
+                                let form = record.form()?;
+                                let cap = match record.u32()? {
+                                    0 => None,
+                                    cap => Some(cap),
+                                };
+                                variable.push(VariableRequest { name, form, cap });
+                            }
+                            record.finish(())?;
+                            if variable.is_empty() {
+                                return r.fail("an empty record of variable-length fields");
+                            }
+                        }
+                        EXTENSION_VARIABLE => {
+                            return r.fail("the record of variable-length fields is repeated")
+                        }
+                        other => return r.fail(format!("unknown extension record {other}")),
+                    }
+                }
                 Message::OpenStream(StreamSpec {
                     dataset,
                     fields,
@@ -865,6 +1017,7 @@ impl Message {
                     on_corrupt,
                     device,
                     device_uuid,
+                    variable,
                 })
             }
             KIND_STREAM_OPENED => {
@@ -905,6 +1058,41 @@ impl Message {
                         slot_events.push(SlotEvents { ready, released });
                     }
                 }
+                let mut variable = Vec::new();
+                while r.at < r.bytes.len() {
+                    let (tag, mut record) = r.extension()?;
+                    match tag {
+                        EXTENSION_VARIABLE if variable.is_empty() => {
+                            let count =
+                                record.count("variable-length fields", STREAM_FIELDS_MAX)?;
+                            for _ in 0..count {
+                                let values = record.u16()?;
+                                let index = record.u16()?;
+                                let form = record.form()?;
+                                if usize::from(values.max(index)) >= fields.len() || values == index
+                                {
+                                    return record.fail(format!(
+                                        "variable-length layout names fields {values} and {index} of {}",
+                                        fields.len()
+                                    ));
+                                }
+                                variable.push(VariableLayout {
+                                    values,
+                                    index,
+                                    form,
+                                });
+                            }
+                            record.finish(())?;
+                            if variable.is_empty() {
+                                return r.fail("an empty record of variable-length fields");
+                            }
+                        }
+                        EXTENSION_VARIABLE => {
+                            return r.fail("the record of variable-length fields is repeated")
+                        }
+                        other => return r.fail(format!("unknown extension record {other}")),
+                    }
+                }
                 Message::StreamOpened(StreamLayout {
                     slot_count,
                     slot_bytes,
@@ -914,6 +1102,7 @@ impl Message {
                     fields,
                     device,
                     slot_events,
+                    variable,
                 })
             }
             KIND_END_OF_EPOCH => Message::EndOfEpoch {
@@ -1056,8 +1245,34 @@ mod tests {
                 on_corrupt: CorruptPolicy::Replace,
                 device: Device::Cuda(0),
                 device_uuid: None,
+                variable: Vec::new(),
             }),
             Message::OpenStream(cuda_request(Some(UUID))),
+            Message::OpenStream({
+                let mut spec = crate::protocol::StreamSpec::new("docs", 8);
+                spec.variable = vec![
+                    VariableRequest {
+                        name: "tokens".into(),
+                        form: BatchForm::Packed,
+                        cap: Some(512),
+                    },
+                    VariableRequest {
+                        name: "mask".into(),
+                        form: BatchForm::Padded,
+                        cap: None,
+                    },
+                ];
+                spec
+            }),
+            Message::OpenStream({
+                let mut spec = cuda_request(Some(UUID));
+                spec.variable = vec![VariableRequest {
+                    name: "tokens".into(),
+                    form: BatchForm::Padded,
+                    cap: Some(4),
+                }];
+                spec
+            }),
             Message::StreamOpened(StreamLayout {
                 slot_count: 4,
                 slot_bytes: 1 << 20,
@@ -1073,6 +1288,37 @@ mod tests {
                 }],
                 device: Device::Cpu,
                 slot_events: Vec::new(),
+                variable: Vec::new(),
+            }),
+            Message::StreamOpened(StreamLayout {
+                slot_count: 4,
+                slot_bytes: 1 << 20,
+                slot_stride: 1 << 20,
+                epoch_samples: 1000,
+                steps: 30,
+                fields: vec![
+                    FieldLayout {
+                        name: "tokens".into(),
+                        dtype: DType::I32,
+                        sample_shape: vec![512],
+                        offset: 0,
+                        batch_bytes: 8 * 512 * 4,
+                    },
+                    FieldLayout {
+                        name: "tokens.cu_seqlens".into(),
+                        dtype: DType::I32,
+                        sample_shape: vec![],
+                        offset: 16384,
+                        batch_bytes: 36,
+                    },
+                ],
+                device: Device::Cpu,
+                slot_events: Vec::new(),
+                variable: vec![VariableLayout {
+                    values: 0,
+                    index: 1,
+                    form: BatchForm::Packed,
+                }],
             }),
             Message::StreamOpened(StreamLayout {
                 slot_count: 2,
@@ -1094,6 +1340,7 @@ mod tests {
                         released: [i + 100; IPC_EVENT_HANDLE_BYTES],
                     })
                     .collect(),
+                variable: Vec::new(),
             }),
             Message::EndOfEpoch {
                 epoch: 2,
@@ -1126,27 +1373,46 @@ mod tests {
         }
     }
 
-    /// Every truncation is malformed but one: an `OpenStream` cut just before its optional device
-    /// UUID is the same request without it.
+    /// Every truncation is malformed but those that cut optional trailing parts whole: an
+    /// `OpenStream` cut just before its extension record or its device UUID, a `StreamOpened` just
+    /// before its extension record, is the same message without them.
     #[test]
     fn every_truncation_and_extension_is_rejected() {
         for message in samples() {
             let frame = message.encode();
-            let without_uuid = match &message {
-                Message::OpenStream(spec) if spec.device_uuid.is_some() => {
-                    Some(Message::OpenStream(StreamSpec {
-                        device_uuid: None,
-                        ..spec.clone()
-                    }))
+            // The message with its optional trailing parts dropped, last first.
+            let mut shorter = Vec::new();
+            match &message {
+                Message::OpenStream(spec) => {
+                    let mut spec = spec.clone();
+                    if !spec.variable.is_empty() {
+                        spec.variable.clear();
+                        shorter.push(Message::OpenStream(spec.clone()));
+                    }
+                    if spec.device_uuid.is_some() {
+                        spec.device_uuid = None;
+                        shorter.push(Message::OpenStream(spec));
+                    }
                 }
-                _ => None,
-            };
+                Message::StreamOpened(layout) if !layout.variable.is_empty() => {
+                    shorter.push(Message::StreamOpened(StreamLayout {
+                        variable: Vec::new(),
+                        ..layout.clone()
+                    }));
+                }
+                _ => {}
+            }
+            let shorter_lengths: Vec<usize> =
+                shorter.iter().map(|m| m.encode().len() - 4).collect();
             for cut in 4..frame.len() - 4 {
                 match Message::decode(&frame[4..4 + cut]) {
                     Err(_) => {}
                     Ok(decoded) => {
-                        assert_eq!(cut, frame.len() - 4 - DEVICE_UUID_BYTES);
-                        assert_eq!(Some(decoded), without_uuid);
+                        let at = shorter_lengths
+                            .iter()
+                            .position(|&length| length == cut)
+                            .unwrap_or_else(|| panic!("a cut at {cut} decodes: {decoded:?}"));
+                        assert_eq!(decoded, shorter[at]);
                     }
                 }
             }

@@ -79,7 +79,27 @@ pub fn open_stream_frame_bytes(spec: &StreamSpec) -> usize {
     } else {
         0
     };
-    FRAME_HEADER_BYTES + 2 + spec.dataset.len() + 2 + OPEN_STREAM_FIXED_BYTES + fields + uuid
+    // The record of variable-length batch forms: tag, length, count, then per field its name, form
+    // and cap.
+    let variable = if spec.variable.is_empty() {
+        0
+    } else {
+        2 + 4
+            + 2
+            + spec
+                .variable
+                .iter()
+                .map(|v| 2 + v.name.len() + 1 + 4)
+                .sum::<usize>()
+    };
+    FRAME_HEADER_BYTES
+        + 2
+        + spec.dataset.len()
+        + 2
+        + OPEN_STREAM_FIXED_BYTES
+        + fields
+        + uuid
+        + variable
 }
 
 impl StreamSpec {
@@ -102,6 +122,7 @@ impl StreamSpec {
             on_corrupt: CorruptPolicy::Fail,
             device: Device::Cpu,
             device_uuid: None,
+            variable: Vec::new(),
         }
     }
 
@@ -172,6 +193,37 @@ impl StreamSpec {
                 "field names must be 1 to {STRING_BYTES_MAX} bytes, not {}",
                 field.name.len()
             )));
+        }
+        if self.variable.len() > STREAM_FIELDS_MAX {
+            return Err(SpecError(format!(
+                "{} batch forms requested, at most {STREAM_FIELDS_MAX}",
+                self.variable.len()
+            )));
+        }
+        if let Some(variable) = self
+            .variable
+            .iter()
+            .find(|v| v.name.is_empty() || v.name.len() > STRING_BYTES_MAX)
+        {
+            return Err(SpecError(format!(
+                "field names must be 1 to {STRING_BYTES_MAX} bytes, not {}",
+                variable.name.len()
+            )));
+        }
+        if let Some(variable) = self.variable.iter().find(|v| v.cap == Some(0)) {
+            return Err(SpecError(format!(
+                "field '{}': a cap of 0 elements would serve nothing",
+                variable.name
+            )));
+        }
+        if matches!(self.device, Device::Cuda(_))
+            && !self.variable.is_empty()
+            && self.device_uuid.is_none()
+        {
+            return Err(SpecError(
+                "batch forms of variable-length fields on a CUDA stream are sent with the device's UUID"
+                    .to_string(),
+            ));
         }
         let frame_bytes = open_stream_frame_bytes(self);
         if frame_bytes > FRAME_BYTES_MAX {

@@ -46,6 +46,7 @@ fn valid_bodies() -> Vec<Vec<u8>> {
         }],
         device: Device::Cpu,
         slot_events: Vec::new(),
+        variable: Vec::new(),
     };
     let messages = vec![
         Message::Hello {

@@ -11,9 +11,10 @@ use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBloc
 use super::lookahead::{self, Lookahead, LookaheadCounts};
 use super::shard_gate::{ShardGate, ShardLookahead, StreamSteps};
 use super::stream_plan::{
-    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
-    StreamLimits, StreamPlan,
+    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FieldPlan, FillError, FillReport,
+    Placement, StreamLimits, StreamPlan,
 };
+use super::varlen::VariableForm;
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::metrics::{Metrics, ReadPath};
@@ -118,7 +119,8 @@ pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
                 .max()
                 .unwrap_or(0);
             // A row spans its bytes' worth of blocks, plus one at each end.
-            (field.sample_bytes_in as u64)
+            field
+                .sample_bytes_in_max()
                 .div_ceil(block.max(1))
                 .saturating_add(2)
                 * block
@@ -139,6 +141,92 @@ fn needed_bytes(blocks: &[crate::format::BlockEntry], placement: &Placement) -> 
         stored += (to - from) * u64::from(entry.stored_bytes) / u64::from(entry.raw_bytes.max(1));
     }
     (raw, stored)
+}
+
+/// Where the rows of one variable-length field of a batch go in the slot: each row's first element
+/// in the field's values and its length (after the cap).
+pub(crate) struct VariableRows {
+    starts: Vec<u64>,
+    lengths: Vec<u64>,
+}
+
+impl VariableRows {
+    /// The bytes of row `row`'s values in the slot.
+    fn place(&self, field: &FieldPlan, row: usize) -> std::ops::Range<usize> {
+        let element = field.sample_bytes_out;
+        let start = field.offset + self.starts[row] as usize * element;
+        start..start + self.lengths[row] as usize * element
+    }
+}
+
+/// For each field of `plan` (`None` for fixed-shape ones), where the rows of the batch located by
+/// `placements` go, in the field's batch form; writes each variable-length field's index tensor
+/// (lengths, or cumulative offsets from 0) into `slot`, and zeroes a padded field's values so that
+/// what its rows leave is padding.
+pub(crate) fn variable_rows(
+    plan: &StreamPlan,
+    placements: &[Placement],
+    slot: &mut [u8],
+) -> Vec<Option<VariableRows>> {
+    let width = plan.fields.len();
+    let samples = placements.len() / width.max(1);
+    plan.fields
+        .iter()
+        .enumerate()
+        .map(|(at, field)| {
+            let variable = field.variable.as_ref()?;
+            // The placements hold each sample's values, truncated to the cap.
+            let lengths: Vec<u64> = (0..samples)
+                .map(|row| {
+                    let placement = &placements[row * width + at];
+                    (placement.end - placement.start) / field.sample_bytes_in as u64
+                })
+                .collect();
+            let index = &mut slot[variable.index_offset..][..4 * variable.index_elements(samples)];
+            let starts: Vec<u64> = match variable.form {
+                VariableForm::Padded => {
+                    let longest = lengths.iter().copied().max().unwrap_or(0);
+                    for (entry, &length) in index.chunks_exact_mut(4).zip(&lengths) {
+                        entry.copy_from_slice(&(length as i32).to_le_bytes());
+                    }
+                    let values = samples * longest as usize * field.sample_bytes_out;
+                    slot[field.offset..field.offset + values].fill(0);
+                    (0..samples as u64).map(|row| row * longest).collect()
+                }
+                VariableForm::Packed => {
+                    let mut total = 0u64;
+                    let mut starts = Vec::with_capacity(samples);
+                    index[..4].copy_from_slice(&0i32.to_le_bytes());
+                    for (entry, &length) in index[4..].chunks_exact_mut(4).zip(&lengths) {
+                        starts.push(total);
+                        total += length;
+                        // The plan bounds batch_size × length_bound by i32::MAX.
+                        entry.copy_from_slice(&(total as i32).to_le_bytes());
+                    }
+                    starts
+                }
+            };
+            Some(VariableRows { starts, lengths })
+        })
+        .collect()
+}
+
+/// Replaces row `row` of the batch in `slot` by an all-zero sample in every field (of a
+/// variable-length field, zeros of the row's length): deterministic, the same on every rank, and
+/// counted so the trainer can see it.
+fn zero_row(
+    plan: &StreamPlan,
+    variable_rows: &[Option<VariableRows>],
+    row: usize,
+    slot: &mut [u8],
+) {
+    for (field, rows) in plan.fields.iter().zip(variable_rows) {
+        match rows {
+            Some(rows) => slot[rows.place(field, row)].fill(0),
+            None => slot[field.offset + row * field.sample_bytes_out..][..field.sample_bytes_out]
+                .fill(0),
+        }
+    }
 }
 
 /// Bytes a host stream of `plan` keeps ahead in its look-ahead (`pipeline::lookahead`), which it
@@ -250,6 +338,7 @@ impl Assembler {
         }
         let width = plan.fields.len();
         let sample_count = placements.len() / width;
+        let variable_rows = variable_rows(&plan, &placements, slot);
         let mut replaced = 0u32;
         let mut part_blocks: HashMap<BlockKey, u64> = HashMap::new();
         let mut first = 0;
@@ -306,7 +395,7 @@ impl Assembler {
                     lookahead.offer(key, block, step, end);
                 }
             }
-            let filled = self.gather(step, &placements, first..end, slot);
+            let filled = self.gather(step, &placements, &variable_rows, first..end, slot);
             // The part's blocks are released whatever happened: the cache may evict them now.
             self.part.clear();
             replaced += filled?;
@@ -436,6 +525,7 @@ impl Assembler {
         &mut self,
         step: u64,
         placements: &[Placement],
+        variable_rows: &[Option<VariableRows>],
         rows: std::ops::Range<usize>,
         slot: &mut [u8],
     ) -> Result<u32, FillError> {
@@ -462,8 +552,13 @@ impl Assembler {
                 let (raw, stored) = needed_bytes(blocks, placement);
                 needed_raw += raw;
                 needed_stored += stored;
-                let out = &mut slot[field.offset + row * field.sample_bytes_out..]
-                    [..field.sample_bytes_out];
+                let out = match &variable_rows[field_at] {
+                    Some(rows) => &mut slot[rows.place(field, row)],
+                    None => {
+                        &mut slot[field.offset + row * field.sample_bytes_out..]
+                            [..field.sample_bytes_out]
+                    }
+                };
                 let convert = |bytes: &[u8], out: &mut [u8]| {
                     decode::convert(field.stored, bytes, field.out, out)
                         .expect("conversions are validated when the stream is planned")
@@ -548,13 +643,7 @@ impl Assembler {
                 match plan.on_corrupt {
                     CorruptPolicy::Fail => return Err(bad.to_error()),
                     CorruptPolicy::Replace => {
-                        // The substitute is an all-zero sample in every field: deterministic, the
-                        // same on every rank, and counted so the trainer can see it.
-                        for field in &plan.fields {
-                            slot[field.offset + row * field.sample_bytes_out..]
-                                [..field.sample_bytes_out]
-                                .fill(0);
-                        }
+                        zero_row(&plan, variable_rows, row, slot);
                         replaced += 1;
                     }
                 }

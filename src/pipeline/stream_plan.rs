@@ -12,6 +12,7 @@ use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
 use gpufeed_proto::DType;
 
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
+use super::varlen::{self, VariableForm, VariablePlan, VariableSelection};
 use crate::decode::{self, BlockRef};
 use crate::device::DeviceError;
 use crate::format::Dataset;
@@ -115,6 +116,9 @@ pub struct StreamRequest {
     pub on_corrupt: CorruptPolicy,
     /// Where the slots live.
     pub device: StreamDevice,
+    /// How the batch holds each variable-length field; a variable-length field not named here is
+    /// padded, without a cap.
+    pub variable: Vec<VariableSelection>,
 }
 
 /// One field a stream asks for.
@@ -169,14 +173,27 @@ pub struct FieldPlan {
     pub stored: DType,
     /// Delivered dtype.
     pub out: DType,
-    /// Per-sample shape.
+    /// Per-sample shape (of a variable-length field: per element).
     pub sample_shape: Vec<u64>,
-    /// Stored bytes per sample.
+    /// Stored bytes per sample (of a variable-length field: per element).
     pub sample_bytes_in: usize,
-    /// Delivered bytes per sample.
+    /// Delivered bytes per sample (of a variable-length field: per element).
     pub sample_bytes_out: usize,
     /// Offset of the field's batch within a slot.
     pub offset: usize,
+    /// Of a variable-length field: its batch form, bound and offsets.
+    pub variable: Option<VariablePlan>,
+}
+
+impl FieldPlan {
+    /// Stored bytes a sample of the field may take at most: of a variable-length field, its length
+    /// bound's.
+    pub fn sample_bytes_in_max(&self) -> u64 {
+        match &self.variable {
+            Some(variable) => variable.length_bound * self.sample_bytes_in as u64,
+            None => self.sample_bytes_in as u64,
+        }
+    }
 }
 
 /// Everything a stream needs to produce its batches: validated request, order, geometry.
@@ -266,8 +283,10 @@ impl StreamPlan {
             }
             out
         };
+        check_variable_selections(spec, manifest, &requested)?;
         let mut fields = Vec::with_capacity(requested.len());
         let mut offset = 0u64;
+        let mut offsets_bytes = 0u64;
         for (index, dtype) in requested {
             let field = &manifest.fields[index];
             let out = dtype.unwrap_or(field.dtype);
@@ -279,26 +298,45 @@ impl StreamPlan {
             }
             let elements: u64 = field.shape.iter().product();
             let sample_bytes_out = elements * out.size_bytes() as u64;
-            let batch_bytes = sample_bytes_out * spec.batch_size as u64;
-            fields.push(FieldPlan {
-                field_index: index,
-                name: field.name.clone(),
-                stored: field.dtype,
-                out,
-                sample_shape: field.shape.clone(),
-                sample_bytes_in: field.sample_bytes() as usize,
-                sample_bytes_out: sample_bytes_out as usize,
-                offset: offset as usize,
-            });
-            offset = (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES)
-                * FIELD_OFFSET_ALIGN_BYTES;
-            if offset > limits.slot_bytes_max {
-                return invalid(format!(
-                    "a batch of {} samples needs more than the {}-byte slot limit",
-                    spec.batch_size, limits.slot_bytes_max
-                ));
-            }
+            let Some(length_max) = field.length_max else {
+                let batch_bytes = sample_bytes_out * spec.batch_size as u64;
+                fields.push(FieldPlan {
+                    field_index: index,
+                    name: field.name.clone(),
+                    stored: field.dtype,
+                    out,
+                    sample_shape: field.shape.clone(),
+                    sample_bytes_in: field.sample_bytes() as usize,
+                    sample_bytes_out: sample_bytes_out as usize,
+                    offset: offset as usize,
+                    variable: None,
+                });
+                offset = (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES)
+                    * FIELD_OFFSET_ALIGN_BYTES;
+                if offset > limits.slot_bytes_max {
+                    return invalid(format!(
+                        "a batch of {} samples needs more than the {}-byte slot limit",
+                        spec.batch_size, limits.slot_bytes_max
+                    ));
+                }
+                continue;
+            };
+            let (plan, end) = variable_field_plan(
+                &dataset,
+                spec,
+                limits,
+                VariableField {
+                    index,
+                    out,
+                    offset,
+                    length_max,
+                },
+                &mut offsets_bytes,
+            )?;
+            fields.push(plan);
+            offset = end;
         }
+        check_index_names(&fields)?;
         let rank = RankPlan {
             world_size: spec.world_size,
             rank: spec.rank,
@@ -480,7 +518,24 @@ impl StreamPlan {
         let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
         let local = sample - shards[shard].first_sample;
         let sample_bytes = self.dataset.manifest.fields[field].sample_bytes();
+        if let Some(variable) = self
+            .fields
+            .iter()
+            .find(|f| f.field_index == field)
+            .and_then(|f| f.variable.as_ref())
+        {
+            // The sample's values (truncated to the cap), past the shard's offsets region.
+            let (first, length) = variable.locate(shard, local);
+            let base = self.dataset.shards[shard].metadata.offsets_bytes(field);
+            let start = base + first * sample_bytes;
+            return (shard, start, start + length * sample_bytes);
+        }
         (shard, local * sample_bytes, (local + 1) * sample_bytes)
+    }
+
+    /// Whether a field of the stream is variable-length.
+    pub fn has_variable(&self) -> bool {
+        self.fields.iter().any(|f| f.variable.is_some())
     }
 
     /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
@@ -516,6 +571,161 @@ impl StreamPlan {
         let last = blocks.partition_point(|b| b.raw_offset < end);
         first as u32..last as u32
     }
+}
+
+/// A variable-length field being planned: its index in the dataset, its delivered dtype, and where
+/// its batch starts in the slot.
+struct VariableField {
+    index: usize,
+    out: DType,
+    offset: u64,
+    length_max: u64,
+}
+
+/// Checks the batch forms `spec` asks for against the fields the stream serves (`requested`):
+/// each names one of them, a variable-length one, once, with a cap of at least one element.
+fn check_variable_selections(
+    spec: &StreamRequest,
+    manifest: &crate::format::Manifest,
+    requested: &[(usize, Option<DType>)],
+) -> Result<(), PlanError> {
+    let invalid = |s: String| Err(PlanError::Invalid(s));
+    for selection in &spec.variable {
+        let Some(&(index, _)) = requested
+            .iter()
+            .find(|&&(i, _)| manifest.fields[i].name == selection.name)
+        else {
+            return invalid(format!(
+                "a batch form is asked for field '{}', which the stream does not serve",
+                selection.name
+            ));
+        };
+        if !manifest.fields[index].is_variable() {
+            return invalid(format!(
+                "field '{}' has a fixed shape: a batch form (padded or packed) applies only to variable-length fields",
+                selection.name
+            ));
+        }
+        if spec
+            .variable
+            .iter()
+            .filter(|s| s.name == selection.name)
+            .count()
+            > 1
+        {
+            return invalid(format!(
+                "field '{}' is given a batch form twice",
+                selection.name
+            ));
+        }
+        if selection.cap == Some(0) {
+            return invalid(format!(
+                "field '{}': a cap of 0 elements would serve nothing",
+                selection.name
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The plan of variable-length field `variable` and where the slot's next field may start: its
+/// values (`batch_size` × its length bound) then its index tensor, each page-aligned. Refuses a
+/// stream on a GPU, or beyond the slot limit, int32 offsets, or the offsets a stream holds
+/// (`offsets_bytes`: those of the fields planned before, to which this one's are added); reads
+/// and checks the field's offsets.
+fn variable_field_plan(
+    dataset: &Arc<Dataset>,
+    spec: &StreamRequest,
+    limits: &StreamLimits,
+    variable: VariableField,
+    offsets_bytes: &mut u64,
+) -> Result<(FieldPlan, u64), PlanError> {
+    let invalid = |s: String| Err(PlanError::Invalid(s));
+    let VariableField {
+        index,
+        out,
+        offset,
+        length_max,
+    } = variable;
+    let field = &dataset.manifest.fields[index];
+    let sample_bytes_out = field.shape.iter().product::<u64>() * out.size_bytes() as u64;
+    let selection = spec.variable.iter().find(|s| s.name == field.name);
+    if let StreamDevice::Cuda(_) = spec.device {
+        return invalid(format!(
+                "field '{}' is variable-length: the GPU backend does not gather variable-length fields yet; open the stream in host memory (the CPU backend serves them)",
+                field.name
+            ));
+    }
+    let form = selection.map_or(VariableForm::Padded, |s| s.form);
+    let cap = selection.and_then(|s| s.cap).map(u64::from);
+    // A slot holds every sample at its bound: the cap, else the dataset's longest.
+    let length_bound = cap.map_or(length_max, |cap| cap.min(length_max));
+    let elements_max = length_bound.saturating_mul(u64::from(spec.batch_size));
+    if elements_max > i32::MAX as u64 {
+        return invalid(format!(
+                "field '{}': a batch of {} samples of up to {length_bound} elements may hold {elements_max} elements, more than int32 lengths and offsets count; ask for a cap or a smaller batch",
+                field.name, spec.batch_size
+            ));
+    }
+    let batch_bytes = elements_max * sample_bytes_out;
+    let index_offset =
+        (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES) * FIELD_OFFSET_ALIGN_BYTES;
+    let index_bytes = (u64::from(spec.batch_size) + 1) * 4;
+    let end =
+        (index_offset + index_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES) * FIELD_OFFSET_ALIGN_BYTES;
+    if end > limits.slot_bytes_max {
+        return invalid(format!(
+                "field '{}' is variable-length with samples of up to {length_bound} elements{}: a batch of {} samples needs up to {end} bytes of slot, above the {}-byte slot limit; ask for a cap (samples truncated to it) or a smaller batch",
+                field.name,
+                if cap.is_some() { " (the cap)" } else { " (the dataset's longest)" },
+                spec.batch_size,
+                limits.slot_bytes_max
+            ));
+    }
+    *offsets_bytes += dataset.manifest.sample_count * crate::format::OFFSET_BYTES;
+    if *offsets_bytes > varlen::OFFSETS_BYTES_MAX {
+        return invalid(format!(
+                "the offsets of the stream's variable-length fields take {} bytes, more than the {}-byte limit a stream holds",
+                *offsets_bytes,
+            varlen::OFFSETS_BYTES_MAX
+            ));
+    }
+    let ends = varlen::read_offsets(dataset, index).map_err(PlanError::Invalid)?;
+    let plan = FieldPlan {
+        field_index: index,
+        name: field.name.clone(),
+        stored: field.dtype,
+        out,
+        sample_shape: field.shape.clone(),
+        sample_bytes_in: field.sample_bytes() as usize,
+        sample_bytes_out: sample_bytes_out as usize,
+        offset: offset as usize,
+        variable: Some(VariablePlan {
+            form,
+            length_bound,
+            cap,
+            index_offset: index_offset as usize,
+            ends: Arc::new(ends),
+        }),
+    };
+    Ok((plan, end))
+}
+
+/// Refuses a stream that serves a field named as a variable-length field's index tensor
+/// (`NAME.lengths`, `NAME.cu_seqlens`), which the layout could then not tell apart.
+fn check_index_names(fields: &[FieldPlan]) -> Result<(), PlanError> {
+    for field in fields.iter().filter(|f| f.variable.is_some()) {
+        for suffix in ["lengths", "cu_seqlens"] {
+            let index = format!("{}.{suffix}", field.name);
+            if fields.iter().any(|f| f.name == index) {
+                return Err(PlanError::Invalid(format!(
+                    "field '{index}' is served beside variable-length field '{}', whose index tensor takes that name; leave one of them out",
+                    field.name
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A batch's rows grouped into runs (see [`StreamPlan::placement_runs`]).

@@ -1,0 +1,89 @@
+//! The per-batch shapes of variable-length fields, read from their index tensors in the slot: the
+//! lengths of a padded field give its `[samples, L, ...]` (`L` the longest), the cumulative
+//! offsets of a packed field its `[total, ...]`. Every index value is checked against the layout's
+//! bounds before a shape is made from it.
+
+use crate::protocol::{BatchForm, StreamLayout};
+
+/// The shape of each field of a batch of `samples` in `slot` (the slot's bytes, host memory): the
+/// batch dimension then the layout's sample shape, except for variable-length fields and their
+/// index tensors. An index that breaks the layout's bounds is an error naming the field.
+pub(super) fn batch_shapes(
+    layout: &StreamLayout,
+    slot: Option<&[u8]>,
+    samples: u32,
+) -> Result<Vec<Vec<u64>>, String> {
+    let samples = samples as usize;
+    let mut shapes: Vec<Vec<u64>> = layout
+        .fields
+        .iter()
+        .map(|field| {
+            let mut shape = Vec::with_capacity(field.sample_shape.len() + 1);
+            shape.push(samples as u64);
+            shape.extend_from_slice(&field.sample_shape);
+            shape
+        })
+        .collect();
+    for variable in &layout.variable {
+        let values = &layout.fields[usize::from(variable.values)];
+        let index = &layout.fields[usize::from(variable.index)];
+        let Some(slot) = slot else {
+            return Err(format!(
+                "variable-length field {:?} is in device memory, which this client does not shape",
+                values.name
+            ));
+        };
+        let entries = match variable.form {
+            BatchForm::Padded => samples,
+            BatchForm::Packed => samples + 1,
+        };
+        let start = index.offset as usize;
+        let bytes = slot
+            .get(start..start + 4 * entries)
+            .ok_or_else(|| format!("the index of {:?} lies beyond the slot", values.name))?;
+        let read = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4"));
+        let bound = values.sample_shape[0];
+        let element_shape = &values.sample_shape[1..];
+        let bad = |what: String| format!("variable-length field {:?}: {what}", values.name);
+        let leading = match variable.form {
+            BatchForm::Padded => {
+                let mut longest = 0u64;
+                for i in 0..samples {
+                    let length = read(i);
+                    if length < 0 || length as u64 > bound {
+                        return Err(bad(format!(
+                            "sample {i} has length {length}, outside 0..={bound}"
+                        )));
+                    }
+                    longest = longest.max(length as u64);
+                }
+                shapes[usize::from(variable.values)] = [samples as u64, longest]
+                    .into_iter()
+                    .chain(element_shape.iter().copied())
+                    .collect();
+                None
+            }
+            BatchForm::Packed => {
+                if read(0) != 0 {
+                    return Err(bad(format!("cu_seqlens starts at {}, not 0", read(0))));
+                }
+                for i in 0..samples {
+                    let (from, to) = (read(i), read(i + 1));
+                    if to < from || (to - from) as u64 > bound {
+                        return Err(bad(format!(
+                            "cu_seqlens {from}..{to} of sample {i} goes back or exceeds {bound}"
+                        )));
+                    }
+                }
+                Some(read(samples) as u64)
+            }
+        };
+        if let Some(total) = leading {
+            shapes[usize::from(variable.values)] = std::iter::once(total)
+                .chain(element_shape.iter().copied())
+                .collect();
+        }
+        shapes[usize::from(variable.index)] = vec![entries as u64];
+    }
+    Ok(shapes)
+}
