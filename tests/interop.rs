@@ -540,6 +540,62 @@ fn token_files_pack_exactly_as_numpy_reads_them() {
     }
 }
 
+/// Megatron-LM datasets packed with `--documents`: one sample per document (empty ones too) in a
+/// variable-length field that the independent reader reads back as the documents NumPy reads from
+/// the `.idx` and `.bin`, over two files; a flat token file, which has no documents, is refused.
+#[test]
+fn megatron_documents_pack_one_sample_per_document() {
+    if !python_ready("megatron_documents_pack_one_sample_per_document") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut bins = Vec::new();
+    for (index, name) in ["first", "second"].into_iter().enumerate() {
+        let prefix = tmp.path().join(name);
+        let mut writer = python("token_files.py");
+        writer
+            .arg("write-megatron")
+            .arg(&prefix)
+            .args(["int32", &(10 + index).to_string()]);
+        run_ok(writer);
+        bins.push(prefix.with_extension("bin"));
+    }
+    let dataset = tmp.path().join("documents");
+    let mut pack = gpufeed("pack");
+    pack.arg("--out").arg(&dataset).arg("--documents").args([
+        "--block-bytes",
+        "4K",
+        "--samples-per-shard",
+        "9",
+    ]);
+    for bin in &bins {
+        pack.arg("--tokens").arg(bin);
+    }
+    let packed = String::from_utf8_lossy(&run_ok(pack).stderr).into_owned();
+    assert!(packed.contains("documents"), "{packed}");
+    let mut check = python("token_files.py");
+    check.arg("check-documents").arg(&dataset).args(&bins);
+    let checked = String::from_utf8_lossy(&run_ok(check).stdout).into_owned();
+    assert!(checked.starts_with("ok "), "{checked}");
+
+    let flat = tmp.path().join("flat.bin");
+    let mut writer = python("token_files.py");
+    writer.arg("write-flat").arg(&flat).args(["uint16", "3"]);
+    run_ok(writer);
+    let mut pack = gpufeed("pack");
+    pack.arg("--out")
+        .arg(tmp.path().join("refused"))
+        .arg("--documents")
+        .arg("--tokens")
+        .arg(&flat)
+        .args(["--token-dtype", "u16"]);
+    let refused = run_failing(pack);
+    assert!(
+        refused.contains("flat.bin") && refused.contains("no document boundaries"),
+        "{refused}"
+    );
+}
+
 /// Unpacks every field of `dataset` and returns `FIELD=COLUMN=NPY` arguments for
 /// `table_files.py check`, the column named as the field.
 fn unpack_fields(dataset: &Path, fields: &[&str], dir: &Path) -> Vec<String> {
