@@ -502,3 +502,28 @@ fn the_daemon_serves_both_forms_to_the_client() {
         assert_eq!(seen, 1000 / 64 * 64);
     }
 }
+
+/// The streams of one dataset share its offsets (one copy for a node's ranks, not one each), and
+/// the copy goes with the last stream holding it.
+#[test]
+fn streams_of_a_dataset_share_its_offsets() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dataset, _, _) = pack_documents(dir.path(), "docs", 1000, 40, CodecChoice::Lz4);
+    let open = |form| {
+        StreamPlan::new(
+            Arc::clone(&dataset),
+            &request(10, Shuffle::Full, form, None, 0),
+            &StreamLimits::node_defaults(),
+        )
+        .unwrap()
+    };
+    let ends = |plan: &StreamPlan| Arc::clone(&plan.fields[0].variable.as_ref().unwrap().ends);
+    let first = open(VariableForm::Padded);
+    let second = open(VariableForm::Packed);
+    assert!(Arc::ptr_eq(&ends(&first), &ends(&second)));
+    let weak = Arc::downgrade(&ends(&first));
+    drop((first, second));
+    assert_eq!(weak.strong_count(), 0, "the offsets went with the streams");
+    let third = open(VariableForm::Padded);
+    assert_eq!(ends(&third).len(), dataset.shards.len());
+}

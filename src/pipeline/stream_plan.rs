@@ -690,7 +690,7 @@ fn variable_field_plan(
             varlen::OFFSETS_BYTES_MAX
             ));
     }
-    let ends = varlen::read_offsets(dataset, index).map_err(PlanError::Invalid)?;
+    let ends = varlen::shared_offsets(dataset, index).map_err(PlanError::Invalid)?;
     let plan = FieldPlan {
         field_index: index,
         name: field.name.clone(),
@@ -705,7 +705,7 @@ fn variable_field_plan(
             length_bound,
             cap,
             index_offset: index_offset as usize,
-            ends: Arc::new(ends),
+            ends,
         }),
     };
     Ok((plan, end))

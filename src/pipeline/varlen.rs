@@ -15,8 +15,63 @@ use crate::decode::{self, BlockRef};
 use crate::format::{self, Dataset, OFFSET_BYTES};
 
 /// Offsets a stream holds in memory at most, in bytes (8 a sample of each variable-length field it
-/// serves): 1 GiB, the offsets of 128 Mi samples. A stream over more is refused.
+/// serves): 1 GiB, the offsets of 128 Mi samples. A stream over more is refused. Streams of one
+/// dataset share them ([`shared_offsets`]).
 pub const OFFSETS_BYTES_MAX: u64 = 1 << 30;
+
+/// The offsets of one field of one opened dataset, per shard.
+pub type FieldOffsets = Arc<Vec<Vec<u64>>>;
+
+/// Offsets read for the streams open now, by dataset directory and field, with the manifest they
+/// were read under: the streams of a dataset (its ranks on a node, a stream reopened each epoch)
+/// share one copy instead of reading and holding their own. Entries are weak: the offsets go when
+/// the last stream holding them closes, and the table is pruned of such entries as it is used, so
+/// it holds no more entries than there are open streams' fields.
+static SHARED_OFFSETS: std::sync::Mutex<Vec<SharedEntry>> = std::sync::Mutex::new(Vec::new());
+
+struct SharedEntry {
+    dir: std::path::PathBuf,
+    manifest: format::FileIdentity,
+    field: usize,
+    offsets: std::sync::Weak<Vec<Vec<u64>>>,
+}
+
+/// The offsets of variable-length field `field_index` of `dataset`: those another open stream of
+/// the same dataset (same directory, same manifest file) read, or read now ([`read_offsets`]).
+pub fn shared_offsets(dataset: &Dataset, field_index: usize) -> Result<FieldOffsets, String> {
+    let same = |entry: &SharedEntry| {
+        entry.dir == dataset.dir
+            && entry.manifest == dataset.manifest_identity
+            && entry.field == field_index
+    };
+    {
+        let mut table = SHARED_OFFSETS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        table.retain(|entry| entry.offsets.strong_count() > 0);
+        if let Some(offsets) = table
+            .iter()
+            .find(|e| same(e))
+            .and_then(|e| e.offsets.upgrade())
+        {
+            return Ok(offsets);
+        }
+    }
+    // Read without the lock (it may take a while); two streams opening at once may both read, and
+    // the second's copy replaces the first's in the table.
+    let offsets = Arc::new(read_offsets(dataset, field_index)?);
+    let mut table = SHARED_OFFSETS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    table.retain(|entry| entry.offsets.strong_count() > 0 && !same(entry));
+    table.push(SharedEntry {
+        dir: dataset.dir.clone(),
+        manifest: dataset.manifest_identity,
+        field: field_index,
+        offsets: Arc::downgrade(&offsets),
+    });
+    Ok(offsets)
+}
 
 /// How a batch holds a variable-length field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,8 +104,9 @@ pub struct VariablePlan {
     pub cap: Option<u64>,
     /// Offset in the slot of the lengths (padded) or the cumulative offsets (packed), `int32`.
     pub index_offset: usize,
-    /// Per shard, the end of each sample's values in elements (the shard's offsets, checked).
-    pub ends: Arc<Vec<Vec<u64>>>,
+    /// Per shard, the end of each sample's values in elements (the shard's offsets, checked),
+    /// shared with the dataset's other streams.
+    pub ends: FieldOffsets,
 }
 
 impl VariablePlan {
@@ -87,8 +143,19 @@ pub fn read_offsets(dataset: &Dataset, field_index: usize) -> Result<Vec<Vec<u64
         let metadata = &shard.metadata;
         let field = &metadata.fields[field_index];
         let offset_blocks = field.offset_blocks.expect("a variable-length field");
-        let file = format::open_regular(&shard.path)
-            .map_err(|error| format!("{}: {error}", shard.path.display()))?;
+        let file = format::open_regular(&shard.path).map_err(|error| {
+            if error.kind() == std::io::ErrorKind::NotFound {
+                // A dataset in object storage fetches its shards as streams read them; the offsets
+                // are needed before the first batch.
+                format!(
+                    "{}: the shard is not on this node, and the offsets of variable-length field '{}' are read when a stream opens: variable-length fields are served from datasets whose shards are local",
+                    shard.path.display(),
+                    field.name
+                )
+            } else {
+                format!("{}: {error}", shard.path.display())
+            }
+        })?;
         let blocks = metadata.field_blocks(field_index);
         let mut ends = Vec::with_capacity(metadata.header.sample_count as usize);
         for (index, block) in blocks.iter().enumerate().take(offset_blocks as usize) {
