@@ -527,3 +527,169 @@ fn streams_of_a_dataset_share_its_offsets() {
     let third = open(VariableForm::Padded);
     assert_eq!(ends(&third).len(), dataset.shards.len());
 }
+
+/// Samples larger than a block (f16 pairs, up to 3000 of them in 4 KiB blocks), converted to f32,
+/// packed, over two ranks with the tail padded: each rank's rows are the source samples the order
+/// gives it, every element converted as `decode::convert` does.
+#[test]
+fn long_samples_of_element_shapes_convert_across_blocks_and_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let samples = 150usize;
+    let mut ends = Vec::new();
+    let mut values: Vec<u8> = Vec::new();
+    for sample in 0..samples {
+        let pairs = (sample * 397 + 11) % 3001;
+        for i in 0..pairs {
+            for half in [sample as f32 + i as f32 / 4.0, -(i as f32)] {
+                values.extend_from_slice(&half::f16::from_f32(half).to_le_bytes());
+            }
+        }
+        ends.push(values.len() as u64 / 4);
+    }
+    let field = FieldSource::variable(
+        common::field("pairs", DType::F16, &[2], values.clone()),
+        ends.clone(),
+    )
+    .unwrap();
+    let ids: Vec<u8> = (0..samples as u32).flat_map(|v| v.to_le_bytes()).collect();
+    let out = dir.path().join("pairs");
+    let mut options = common::options("pairs", 4096, Some(40));
+    options.codec = CodecChoice::Lz4;
+    common::pack_fields(
+        &out,
+        &[field, common::field("id", DType::U32, &[], ids)],
+        &options,
+    );
+    let dataset = Arc::new(Dataset::open(&out).unwrap());
+    for rank in 0..2 {
+        let mut spec = StreamSpec::new("pairs", 7);
+        spec.shuffle = Shuffle::Full;
+        spec.seed = 1;
+        spec.rank = rank;
+        spec.world_size = 2;
+        spec.tail = gpufeed_client::protocol::Tail::Pad;
+        spec.fields = vec![
+            gpufeed_client::protocol::FieldRequest {
+                name: "pairs".into(),
+                dtype: Some(DType::F32),
+            },
+            gpufeed_client::protocol::FieldRequest {
+                name: "id".into(),
+                dtype: None,
+            },
+        ];
+        let mut request = StreamRequest::from(&spec);
+        request.variable = vec![VariableSelection {
+            name: "pairs".into(),
+            form: VariableForm::Packed,
+            cap: None,
+        }];
+        let plan = Arc::new(
+            StreamPlan::new(
+                Arc::clone(&dataset),
+                &request,
+                &StreamLimits::node_defaults(),
+            )
+            .unwrap(),
+        );
+        assert_eq!(plan.steps, (samples as u64).div_ceil(14));
+        let mut assembler = Assembler::new(
+            Arc::clone(&plan),
+            &StreamLimits::node_defaults(),
+            Arc::new(Metrics::new()),
+        )
+        .unwrap();
+        let mut slot = vec![0u8; plan.slot_bytes];
+        let (pairs, id) = (&plan.fields[0], &plan.fields[1]);
+        let index_at = pairs.variable.as_ref().unwrap().index_offset;
+        for step in 0..plan.steps {
+            let report = assembler.fill(step, &mut slot).unwrap();
+            let cu = i32s(&slot[index_at..][..4 * (report.samples as usize + 1)]);
+            for (row, sample) in plan.batch_samples(step).enumerate() {
+                let got_id =
+                    u32::from_le_bytes(slot[id.offset + 4 * row..][..4].try_into().unwrap());
+                assert_eq!(got_id as u64, sample);
+                let sample = sample as usize;
+                let start = if sample == 0 { 0 } else { ends[sample - 1] } as usize;
+                let source = &values[start * 4..ends[sample] as usize * 4];
+                let mut expected = vec![0u8; source.len() * 2];
+                gpufeed::decode::convert(DType::F16, source, DType::F32, &mut expected).unwrap();
+                let got = &slot
+                    [pairs.offset + 8 * cu[row] as usize..pairs.offset + 8 * cu[row + 1] as usize];
+                assert!(
+                    got == &expected[..],
+                    "rank {rank} step {step} row {row} (sample {sample})"
+                );
+            }
+        }
+    }
+}
+
+/// A corrupt values block under the replace policy: the rows reading it are zeros of their length
+/// (their lengths and offsets intact, so the batch's shape does not depend on the corruption), the
+/// others exact, and the replacements counted; under the fail policy the stream fails naming the
+/// block.
+#[test]
+fn a_corrupt_values_block_is_replaced_by_zeros_or_fails_the_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dataset, ends, values) = pack_documents(dir.path(), "docs", 1000, 40, CodecChoice::Raw);
+    // The first values block of shard 0, one byte flipped.
+    let shard = &dataset.shards[0];
+    let field = &shard.metadata.fields[0];
+    let block = shard.metadata.field_blocks(0)[field.offset_blocks.unwrap() as usize];
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[block.stored_offset as usize + 5] ^= 0x40;
+    std::fs::write(&shard.path, &bytes).unwrap();
+    let dataset = Arc::new(Dataset::open(&dir.path().join("docs")).unwrap());
+    for policy in [
+        gpufeed::pipeline::CorruptPolicy::Replace,
+        gpufeed::pipeline::CorruptPolicy::Fail,
+    ] {
+        let mut request = request(100, Shuffle::None, VariableForm::Padded, None, 0);
+        request.on_corrupt = policy;
+        let plan = Arc::new(
+            StreamPlan::new(
+                Arc::clone(&dataset),
+                &request,
+                &StreamLimits::node_defaults(),
+            )
+            .unwrap(),
+        );
+        let mut assembler = Assembler::new(
+            Arc::clone(&plan),
+            &StreamLimits::node_defaults(),
+            Arc::new(Metrics::new()),
+        )
+        .unwrap();
+        let mut slot = vec![0u8; plan.slot_bytes];
+        let filled = assembler.fill(0, &mut slot);
+        if policy == gpufeed::pipeline::CorruptPolicy::Fail {
+            let error = filled.unwrap_err().to_string();
+            assert!(
+                error.contains("shard-000000.gfs") && error.contains("'tokens'"),
+                "{error}"
+            );
+            continue;
+        }
+        let report = filled.unwrap();
+        assert!(report.replaced > 0);
+        let rows = read_batch(&plan, &slot, 100);
+        let mut zeroed = 0;
+        for (sample, (id, got)) in rows.iter().enumerate() {
+            let expected = sample_values(&ends, &values, sample);
+            assert_eq!(
+                got.len(),
+                expected.len(),
+                "sample {sample} keeps its length"
+            );
+            if *got != expected {
+                // A replaced row is zeros in every field.
+                assert!(got.iter().all(|&v| v == 0) && *id == 0, "sample {sample}");
+                zeroed += 1;
+            } else if *id != 0 {
+                assert_eq!(*id as usize, sample);
+            }
+        }
+        assert!(zeroed > 0 && zeroed <= report.replaced as usize);
+    }
+}
