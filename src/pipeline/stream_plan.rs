@@ -423,7 +423,12 @@ impl StreamPlan {
             .max()
             .unwrap_or(1)
             .max(1);
-        let rows_max = (run_out_bytes_max / widest).max(1);
+        // Rows of a variable-length field differ in length: a run is one row.
+        let rows_max = if self.has_variable() {
+            1
+        } else {
+            (run_out_bytes_max / widest).max(1)
+        };
         let shards = &self.dataset.manifest.shards;
         // (first row, rows, first sample, shard)
         let mut spans: Vec<(usize, usize, u64, usize)> = Vec::new();
