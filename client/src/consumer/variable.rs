@@ -87,3 +87,84 @@ pub(super) fn batch_shapes(
     }
     Ok(shapes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::protocol::{Device, FieldLayout, VariableLayout};
+
+    /// A layout of one variable-length field `t` (int32, bound 4, element shape [2]) in `form`, its
+    /// index at byte 4096.
+    fn layout(form: BatchForm) -> StreamLayout {
+        StreamLayout {
+            slot_count: 1,
+            slot_bytes: 8192,
+            slot_stride: 8192,
+            epoch_samples: 10,
+            steps: 1,
+            fields: vec![
+                FieldLayout {
+                    name: "t".into(),
+                    dtype: DType::I32,
+                    sample_shape: vec![4, 2],
+                    offset: 0,
+                    batch_bytes: 3 * 4 * 2 * 4,
+                },
+                FieldLayout {
+                    name: format!("t.{}", form.index_suffix()),
+                    dtype: DType::I32,
+                    sample_shape: vec![],
+                    offset: 4096,
+                    batch_bytes: 16,
+                },
+            ],
+            device: Device::Cpu,
+            slot_events: Vec::new(),
+            variable: vec![VariableLayout {
+                values: 0,
+                index: 1,
+                form,
+            }],
+        }
+    }
+
+    fn slot(index: &[i32]) -> Vec<u8> {
+        let mut slot = vec![0u8; 8192];
+        for (i, v) in index.iter().enumerate() {
+            slot[4096 + 4 * i..4096 + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        slot
+    }
+
+    #[test]
+    fn shapes_follow_the_index() {
+        let padded = batch_shapes(&layout(BatchForm::Padded), Some(&slot(&[1, 3, 0])), 3);
+        assert_eq!(padded.unwrap(), vec![vec![3, 3, 2], vec![3]]);
+        let packed = batch_shapes(&layout(BatchForm::Packed), Some(&slot(&[0, 1, 4, 4])), 3);
+        assert_eq!(packed.unwrap(), vec![vec![4, 2], vec![4]]);
+    }
+
+    /// An index the daemon wrote wrong (a length beyond the layout's bound or negative, cumulative
+    /// offsets that go back or do not start at 0) is a protocol violation naming the field, not a
+    /// shape that reads beyond the field's bytes.
+    #[test]
+    fn an_index_beyond_the_bounds_is_refused() {
+        let cases = [
+            (BatchForm::Padded, vec![1, 5, 0], "sample 1 has length 5"),
+            (BatchForm::Padded, vec![-1, 0, 0], "length -1"),
+            (BatchForm::Packed, vec![1, 1, 2, 3], "starts at 1"),
+            (BatchForm::Packed, vec![0, 3, 2, 2], "goes back"),
+            (BatchForm::Packed, vec![0, 0, 5, 5], "exceeds 4"),
+        ];
+        for (form, index, expected) in cases {
+            let error = batch_shapes(&layout(form), Some(&slot(&index)), 3).unwrap_err();
+            assert!(
+                error.contains("\"t\"") && error.contains(expected),
+                "{error}"
+            );
+        }
+        let error = batch_shapes(&layout(BatchForm::Padded), None, 3).unwrap_err();
+        assert!(error.contains("device memory"), "{error}");
+    }
+}
