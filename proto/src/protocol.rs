@@ -702,7 +702,9 @@ impl Message {
     /// Encodes the message as one complete frame (header included).
     ///
     /// Panics if the message breaks a bound (a programmer error: the daemon and the client build
-    /// messages from validated values).
+    /// messages from validated values), or is an `OpenStream` on a CUDA device with batch forms of
+    /// variable-length fields but no device UUID, which has no encoding (the client library fills
+    /// the UUID in before it sends a CUDA request).
     pub fn encode(&self) -> Vec<u8> {
         self.encode_as(PROTOCOL_VERSION)
     }
@@ -773,6 +775,12 @@ impl Message {
                     w.0.extend_from_slice(&uuid.0);
                 }
                 if !spec.variable.is_empty() {
+                    // On a CUDA device the bytes after the fixed fields start with the UUID: a
+                    // request with records carries one (the reference client always sends it).
+                    assert!(
+                        spec.device == Device::Cpu || spec.device_uuid.is_some(),
+                        "a CUDA request with extension records carries the device's UUID"
+                    );
                     let mut record = Writer(Vec::new());
                     assert!(spec.variable.len() <= STREAM_FIELDS_MAX);
                     record.u16(spec.variable.len() as u16);

@@ -216,15 +216,6 @@ impl StreamSpec {
                 variable.name
             )));
         }
-        if matches!(self.device, Device::Cuda(_))
-            && !self.variable.is_empty()
-            && self.device_uuid.is_none()
-        {
-            return Err(SpecError(
-                "batch forms of variable-length fields on a CUDA stream are sent with the device's UUID"
-                    .to_string(),
-            ));
-        }
         let frame_bytes = open_stream_frame_bytes(self);
         if frame_bytes > FRAME_BYTES_MAX {
             return Err(SpecError(format!(

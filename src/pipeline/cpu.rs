@@ -11,10 +11,10 @@ use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBloc
 use super::lookahead::{self, Lookahead, LookaheadCounts};
 use super::shard_gate::{ShardGate, ShardLookahead, StreamSteps};
 use super::stream_plan::{
-    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FieldPlan, FillError, FillReport,
-    Placement, StreamLimits, StreamPlan,
+    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
+    StreamLimits, StreamPlan,
 };
-use super::varlen::VariableForm;
+use super::varlen::{VariableForm, VariableRows};
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::metrics::{Metrics, ReadPath};
@@ -143,22 +143,6 @@ fn needed_bytes(blocks: &[crate::format::BlockEntry], placement: &Placement) -> 
     (raw, stored)
 }
 
-/// Where the rows of one variable-length field of a batch go in the slot: each row's first element
-/// in the field's values and its length (after the cap).
-pub(crate) struct VariableRows {
-    starts: Vec<u64>,
-    lengths: Vec<u64>,
-}
-
-impl VariableRows {
-    /// The bytes of row `row`'s values in the slot.
-    fn place(&self, field: &FieldPlan, row: usize) -> std::ops::Range<usize> {
-        let element = field.sample_bytes_out;
-        let start = field.offset + self.starts[row] as usize * element;
-        start..start + self.lengths[row] as usize * element
-    }
-}
-
 /// For each field of `plan` (`None` for fixed-shape ones), where the rows of the batch located by
 /// `placements` go, in the field's batch form; writes each variable-length field's index tensor
 /// (lengths, or cumulative offsets from 0) into `slot`, and zeroes a padded field's values so that
@@ -170,45 +154,17 @@ pub(crate) fn variable_rows(
 ) -> Vec<Option<VariableRows>> {
     let width = plan.fields.len();
     let samples = placements.len() / width.max(1);
-    plan.fields
-        .iter()
-        .enumerate()
-        .map(|(at, field)| {
-            let variable = field.variable.as_ref()?;
-            // The placements hold each sample's values, truncated to the cap.
-            let lengths: Vec<u64> = (0..samples)
-                .map(|row| {
-                    let placement = &placements[row * width + at];
-                    (placement.end - placement.start) / field.sample_bytes_in as u64
-                })
-                .collect();
-            let index = &mut slot[variable.index_offset..][..4 * variable.index_elements(samples)];
-            let starts: Vec<u64> = match variable.form {
-                VariableForm::Padded => {
-                    let longest = lengths.iter().copied().max().unwrap_or(0);
-                    for (entry, &length) in index.chunks_exact_mut(4).zip(&lengths) {
-                        entry.copy_from_slice(&(length as i32).to_le_bytes());
-                    }
-                    let values = samples * longest as usize * field.sample_bytes_out;
-                    slot[field.offset..field.offset + values].fill(0);
-                    (0..samples as u64).map(|row| row * longest).collect()
-                }
-                VariableForm::Packed => {
-                    let mut total = 0u64;
-                    let mut starts = Vec::with_capacity(samples);
-                    index[..4].copy_from_slice(&0i32.to_le_bytes());
-                    for (entry, &length) in index[4..].chunks_exact_mut(4).zip(&lengths) {
-                        starts.push(total);
-                        total += length;
-                        // The plan bounds batch_size × length_bound by i32::MAX.
-                        entry.copy_from_slice(&(total as i32).to_le_bytes());
-                    }
-                    starts
-                }
-            };
-            Some(VariableRows { starts, lengths })
-        })
-        .collect()
+    let rows = plan.variable_rows(samples, |at, row| &placements[row * width + at]);
+    for (field, rows) in plan.fields.iter().zip(&rows) {
+        let (Some(rows), Some(variable)) = (rows, &field.variable) else {
+            continue;
+        };
+        slot[variable.index_offset..][..rows.index.len()].copy_from_slice(&rows.index);
+        if variable.form == VariableForm::Padded {
+            slot[field.offset..][..rows.values_bytes(field.sample_bytes_out)].fill(0);
+        }
+    }
+    rows
 }
 
 /// Replaces row `row` of the batch in `slot` by an all-zero sample in every field (of a
@@ -222,7 +178,7 @@ fn zero_row(
 ) {
     for (field, rows) in plan.fields.iter().zip(variable_rows) {
         match rows {
-            Some(rows) => slot[rows.place(field, row)].fill(0),
+            Some(rows) => slot[field.row_place(rows, row)].fill(0),
             None => slot[field.offset + row * field.sample_bytes_out..][..field.sample_bytes_out]
                 .fill(0),
         }
@@ -553,7 +509,7 @@ impl Assembler {
                 needed_raw += raw;
                 needed_stored += stored;
                 let out = match &variable_rows[field_at] {
-                    Some(rows) => &mut slot[rows.place(field, row)],
+                    Some(rows) => &mut slot[field.row_place(rows, row)],
                     None => {
                         &mut slot[field.offset + row * field.sample_bytes_out..]
                             [..field.sample_bytes_out]

@@ -12,7 +12,7 @@ use gpufeed_proto::spec::{self, FIELD_OFFSET_ALIGN_BYTES};
 use gpufeed_proto::DType;
 
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
-use super::varlen::{self, VariableForm, VariablePlan, VariableSelection};
+use super::varlen::{self, VariableForm, VariablePlan, VariableRows, VariableSelection};
 use crate::decode::{self, BlockRef};
 use crate::device::DeviceError;
 use crate::format::Dataset;
@@ -186,6 +186,11 @@ pub struct FieldPlan {
 }
 
 impl FieldPlan {
+    /// The bytes of row `row` of this variable-length field in the slot, as `rows` place it.
+    pub fn row_place(&self, rows: &VariableRows, row: usize) -> std::ops::Range<usize> {
+        rows.place(self.offset, self.sample_bytes_out, row)
+    }
+
     /// Stored bytes a sample of the field may take at most: of a variable-length field, its length
     /// bound's.
     pub fn sample_bytes_in_max(&self) -> u64 {
@@ -541,6 +546,30 @@ impl StreamPlan {
     /// Whether a field of the stream is variable-length.
     pub fn has_variable(&self) -> bool {
         self.fields.iter().any(|f| f.variable.is_some())
+    }
+
+    /// For each field (`None` for fixed-shape ones), the rows of a batch of `samples` whose
+    /// placement in row `row` of field `at` (its position in the stream) `placement` gives: each
+    /// row's length is its placement's (truncated to the cap by [`Self::locate`]).
+    pub fn variable_rows<'a>(
+        &self,
+        samples: usize,
+        placement: impl Fn(usize, usize) -> &'a Placement,
+    ) -> Vec<Option<VariableRows>> {
+        self.fields
+            .iter()
+            .enumerate()
+            .map(|(at, field)| {
+                let variable = field.variable.as_ref()?;
+                let lengths = (0..samples)
+                    .map(|row| {
+                        let placement = placement(at, row);
+                        (placement.end - placement.start) / field.sample_bytes_in as u64
+                    })
+                    .collect();
+                Some(VariableRows::new(variable, lengths))
+            })
+            .collect()
     }
 
     /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.

@@ -128,6 +128,70 @@ impl VariablePlan {
     }
 }
 
+/// Where the rows of one variable-length field of a batch go in the slot, and the index tensor
+/// that describes them, as both backends fill it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariableRows {
+    /// Per row, its first element in the field's values.
+    pub starts: Vec<u64>,
+    /// Per row, its elements (after the cap).
+    pub lengths: Vec<u64>,
+    /// The index tensor's bytes: int32 lengths (padded) or cumulative offsets from 0 (packed),
+    /// little-endian.
+    pub index: Vec<u8>,
+    /// Elements the batch's values take: rows × the longest (padded), or their sum (packed).
+    pub values_elements: u64,
+}
+
+impl VariableRows {
+    /// The rows of a batch of `lengths` (elements per row, after the cap) in `variable`'s form.
+    pub fn new(variable: &VariablePlan, lengths: Vec<u64>) -> VariableRows {
+        let mut index = Vec::with_capacity(4 * variable.index_elements(lengths.len()));
+        // The plan bounds batch_size × length_bound by i32::MAX, so every entry fits an int32.
+        let mut push = |value: u64| index.extend_from_slice(&(value as i32).to_le_bytes());
+        let (starts, values_elements) = match variable.form {
+            VariableForm::Padded => {
+                let longest = lengths.iter().copied().max().unwrap_or(0);
+                lengths.iter().for_each(|&length| push(length));
+                let starts = (0..lengths.len() as u64).map(|row| row * longest).collect();
+                (starts, lengths.len() as u64 * longest)
+            }
+            VariableForm::Packed => {
+                let mut total = 0u64;
+                push(0);
+                let starts = lengths
+                    .iter()
+                    .map(|&length| {
+                        let start = total;
+                        total += length;
+                        push(total);
+                        start
+                    })
+                    .collect();
+                (starts, total)
+            }
+        };
+        VariableRows {
+            starts,
+            lengths,
+            index,
+            values_elements,
+        }
+    }
+
+    /// The bytes of row `row`'s values in the slot, for a field whose batch starts at byte `offset`
+    /// of the slot, of `element_bytes` delivered bytes an element.
+    pub fn place(&self, offset: usize, element_bytes: usize, row: usize) -> std::ops::Range<usize> {
+        let start = offset + self.starts[row] as usize * element_bytes;
+        start..start + self.lengths[row] as usize * element_bytes
+    }
+
+    /// Bytes the batch's values take in the slot, of `element_bytes` delivered bytes an element.
+    pub fn values_bytes(&self, element_bytes: usize) -> usize {
+        self.values_elements as usize * element_bytes
+    }
+}
+
 /// The offsets of variable-length field `field_index` of `dataset`, shard by shard, read with
 /// positional reads, decoded, and checked ([`format::check_offsets`],
 /// [`format::check_values_blocks`]): an error names the shard file, the field and the sample or

@@ -149,19 +149,12 @@ pub(super) fn check_layout(
     Ok(())
 }
 
-/// Checks the layout's variable-length fields: on host memory (the client shapes each batch from
-/// the index tensor it reads there), each asked for in the form the request gave, values of at
-/// least one dimension (the length bound), and an `int32` index named after them.
+/// Checks the layout's variable-length fields: each asked for in the form the request gave, values
+/// of at least one dimension (the length bound), and an `int32` index named after them.
 fn check_variable_layout(spec: &StreamSpec, layout: &StreamLayout) -> Result<(), ClientError> {
     let violation = |reason: String| Err(ClientError::Protocol(reason));
     if layout.variable.is_empty() {
         return Ok(());
-    }
-    if layout.device != Device::Cpu {
-        return violation(
-            "variable-length fields are laid out in device memory, which this client does not shape"
-                .to_string(),
-        );
     }
     for (at, variable) in layout.variable.iter().enumerate() {
         let values = &layout.fields[usize::from(variable.values)];

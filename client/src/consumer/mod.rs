@@ -162,6 +162,8 @@ impl Client {
     /// physical GPU whatever its own `CUDA_VISIBLE_DEVICES`.
     pub fn open_stream(self, mut spec: StreamSpec) -> Result<Stream, ClientError> {
         check_spec(&spec)?;
+        // Always sent on a CUDA device: a request with batch forms of variable-length fields
+        // (an extension record) must carry it.
         if let (Device::Cuda(ordinal), None) = (spec.device, spec.device_uuid) {
             spec.device_uuid = Some(DeviceUuid(crate::cuda::device_uuid(ordinal)?));
         }

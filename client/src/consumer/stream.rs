@@ -219,15 +219,23 @@ impl Stream {
             None
         } else {
             // The slot is the client's once its entry is published: its index tensors say the
-            // shapes of its variable-length fields.
-            let slot = match &self.memory.slots {
-                super::slots::Slots::Host(slots) if entry.slot < layout.slot_count => {
-                    Some(slots.slot(entry.slot))
+            // shapes of its variable-length fields (`decode_batch` checked the slot's number).
+            let read = |at: u64, len: usize| -> Result<Vec<u8>, String> {
+                match &self.memory.slots {
+                    super::slots::Slots::Host(slots) => {
+                        Ok(slots.slot(entry.slot)[at as usize..at as usize + len].to_vec())
+                    }
+                    super::slots::Slots::Device(slots) => {
+                        let mut out = vec![0u8; len];
+                        slots
+                            .copy_to_host(entry.slot, slots.ptr(entry.slot) + at, &mut out)
+                            .map_err(|e| format!("reading a variable-length field's index: {e}"))?;
+                        Ok(out)
+                    }
                 }
-                _ => None,
             };
             Some(
-                super::variable::batch_shapes(layout, slot, entry.samples)
+                super::variable::batch_shapes(layout, read, entry.samples)
                     .map_err(ClientError::Protocol)?,
             )
         };

@@ -1,16 +1,18 @@
 //! The per-batch shapes of variable-length fields, read from their index tensors in the slot: the
 //! lengths of a padded field give its `[samples, L, ...]` (`L` the longest), the cumulative
 //! offsets of a packed field its `[total, ...]`. Every index value is checked against the layout's
-//! bounds before a shape is made from it.
+//! bounds before a shape is made from it. In device memory the index is copied to the host first,
+//! once the batch is ready (a wait for the batch on the host, per batch of such a stream).
 
 use crate::protocol::{BatchForm, StreamLayout};
 
-/// The shape of each field of a batch of `samples` in `slot` (the slot's bytes, host memory): the
-/// batch dimension then the layout's sample shape, except for variable-length fields and their
-/// index tensors. An index that breaks the layout's bounds is an error naming the field.
+/// The shape of each field of a batch of `samples`: the batch dimension then the layout's sample
+/// shape, except for variable-length fields and their index tensors, whose bytes `read` gives
+/// (`read(offset, len)`: `len` bytes at `offset` of the batch's slot). An index that breaks the
+/// layout's bounds is an error naming the field.
 pub(super) fn batch_shapes(
     layout: &StreamLayout,
-    slot: Option<&[u8]>,
+    read: impl Fn(u64, usize) -> Result<Vec<u8>, String>,
     samples: u32,
 ) -> Result<Vec<Vec<u64>>, String> {
     let samples = samples as usize;
@@ -27,20 +29,17 @@ pub(super) fn batch_shapes(
     for variable in &layout.variable {
         let values = &layout.fields[usize::from(variable.values)];
         let index = &layout.fields[usize::from(variable.index)];
-        let Some(slot) = slot else {
-            return Err(format!(
-                "variable-length field {:?} is in device memory, which this client does not shape",
-                values.name
-            ));
-        };
         let entries = match variable.form {
             BatchForm::Padded => samples,
             BatchForm::Packed => samples + 1,
         };
-        let start = index.offset as usize;
-        let bytes = slot
-            .get(start..start + 4 * entries)
-            .ok_or_else(|| format!("the index of {:?} lies beyond the slot", values.name))?;
+        if index.offset + 4 * entries as u64 > layout.slot_bytes {
+            return Err(format!(
+                "the index of {:?} lies beyond the slot",
+                values.name
+            ));
+        }
+        let bytes = read(index.offset, 4 * entries)?;
         let read = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4"));
         let bound = values.sample_shape[0];
         let element_shape = &values.sample_shape[1..];
@@ -129,19 +128,20 @@ mod tests {
         }
     }
 
-    fn slot(index: &[i32]) -> Vec<u8> {
+    /// A reader of a slot whose index (at byte 4096) holds `index`.
+    fn slot(index: &[i32]) -> impl Fn(u64, usize) -> Result<Vec<u8>, String> {
         let mut slot = vec![0u8; 8192];
         for (i, v) in index.iter().enumerate() {
             slot[4096 + 4 * i..4096 + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
         }
-        slot
+        move |at, len| Ok(slot[at as usize..at as usize + len].to_vec())
     }
 
     #[test]
     fn shapes_follow_the_index() {
-        let padded = batch_shapes(&layout(BatchForm::Padded), Some(&slot(&[1, 3, 0])), 3);
+        let padded = batch_shapes(&layout(BatchForm::Padded), slot(&[1, 3, 0]), 3);
         assert_eq!(padded.unwrap(), vec![vec![3, 3, 2], vec![3]]);
-        let packed = batch_shapes(&layout(BatchForm::Packed), Some(&slot(&[0, 1, 4, 4])), 3);
+        let packed = batch_shapes(&layout(BatchForm::Packed), slot(&[0, 1, 4, 4]), 3);
         assert_eq!(packed.unwrap(), vec![vec![4, 2], vec![4]]);
     }
 
@@ -158,13 +158,11 @@ mod tests {
             (BatchForm::Packed, vec![0, 0, 5, 5], "exceeds 4"),
         ];
         for (form, index, expected) in cases {
-            let error = batch_shapes(&layout(form), Some(&slot(&index)), 3).unwrap_err();
+            let error = batch_shapes(&layout(form), slot(&index), 3).unwrap_err();
             assert!(
                 error.contains("\"t\"") && error.contains(expected),
                 "{error}"
             );
         }
-        let error = batch_shapes(&layout(BatchForm::Padded), None, 3).unwrap_err();
-        assert!(error.contains("device memory"), "{error}");
     }
 }
