@@ -238,7 +238,7 @@ fn a_stream_resumed_mid_epoch_serves_the_rest_exactly() {
 }
 
 #[test]
-fn streams_beyond_the_slot_limit_or_on_a_gpu_are_refused_clearly() {
+fn streams_beyond_the_slot_limit_are_refused_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let (dataset, _, _) = pack_documents(dir.path(), "docs", 1000, 40, CodecChoice::Raw);
     let mut limits = StreamLimits::node_defaults();
@@ -261,16 +261,15 @@ fn streams_beyond_the_slot_limit_or_on_a_gpu_are_refused_clearly() {
         &limits,
     )
     .unwrap();
+    // A stream on a GPU is planned as on the host (the GPU backend gathers such fields).
     let mut on_gpu = request(10, Shuffle::None, VariableForm::Packed, None, 0);
     on_gpu.device = StreamDevice::Cuda(0);
-    let refused = StreamPlan::new(
+    StreamPlan::new(
         Arc::clone(&dataset),
         &on_gpu,
         &StreamLimits::node_defaults(),
     )
-    .unwrap_err()
-    .to_string();
-    assert!(refused.contains("GPU backend"), "{refused}");
+    .unwrap();
     let mut on_fixed = request(10, Shuffle::None, VariableForm::Packed, None, 0);
     on_fixed.variable[0].name = "id".into();
     let refused = StreamPlan::new(

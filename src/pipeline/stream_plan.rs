@@ -664,7 +664,7 @@ fn check_variable_selections(
 
 /// The plan of variable-length field `variable` and where the slot's next field may start: its
 /// values (`batch_size` × its length bound) then its index tensor, each page-aligned. Refuses a
-/// stream on a GPU, or beyond the slot limit, int32 offsets, or the offsets a stream holds
+/// stream beyond the slot limit, int32 offsets, or the offsets a stream holds
 /// (`offsets_bytes`: those of the fields planned before, to which this one's are added); reads
 /// and checks the field's offsets.
 fn variable_field_plan(
@@ -684,12 +684,6 @@ fn variable_field_plan(
     let field = &dataset.manifest.fields[index];
     let sample_bytes_out = field.shape.iter().product::<u64>() * out.size_bytes() as u64;
     let selection = spec.variable.iter().find(|s| s.name == field.name);
-    if let StreamDevice::Cuda(_) = spec.device {
-        return invalid(format!(
-                "field '{}' is variable-length: the GPU backend does not gather variable-length fields yet; open the stream in host memory (the CPU backend serves them)",
-                field.name
-            ));
-    }
     let form = selection.map_or(VariableForm::Padded, |s| s.form);
     let cap = selection.and_then(|s| s.cap).map(u64::from);
     // A slot holds every sample at its bound: the cap, else the dataset's longest.
