@@ -277,6 +277,12 @@ fn field_names(args: &Args) -> Result<Vec<String>> {
 /// The first field's dtype and per-sample shape, refused early when `.npy` cannot hold it.
 fn dump_geometry(layout: &StreamLayout) -> Result<DumpGeometry> {
     let field = &layout.fields[0];
+    if !layout.variable.is_empty() && layout.variable.iter().any(|v| v.values == 0) {
+        bail!(
+            "--dump: field {:?} is variable-length, which one .npy array cannot hold; dump a fixed-shape field (--field)",
+            field.name
+        );
+    }
     if field.dtype == DType::BF16 {
         bail!(
             "--dump: field {:?} is bf16, which NumPy has no type for; add --dtype f32",

@@ -166,11 +166,16 @@ struct PackArgs {
     /// u8 [N], 1 where a document starts), a flat .bin of token ids (give --token-dtype), or a 1-D
     /// .npy. Tokens left over after the last whole sequence are dropped and their count printed.
     /// Repeat --tokens to pack several files of one dtype as one dataset; each is cut on its own.
-    #[arg(long, value_name = "PATH", requires = "seq_len", conflicts_with_all = ["fields", "paths"])]
+    /// With --documents instead of --seq-len, Megatron inputs are packed one sample per document.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["fields", "paths"])]
     tokens: Vec<PathBuf>,
     /// Tokens per sequence for --tokens.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "documents")]
     seq_len: Option<u64>,
+    /// For --tokens of Megatron-LM datasets: one sample per document instead of sequences of
+    /// --seq-len, field `tokens` variable-length (format version 2), nothing dropped.
+    #[arg(long, requires = "tokens")]
+    documents: bool,
     /// Dtype of a flat token .bin given with --tokens (a Megatron index names its own).
     #[arg(long, value_enum)]
     token_dtype: Option<TokenDtypeArg>,
@@ -592,16 +597,29 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
             .iter()
             .map(|path| input::tokens::open_tokens(path, dtype))
             .collect::<Result<Vec<_>, _>>()?;
-        let seq_len = args.seq_len.context("--tokens needs --seq-len")?;
-        let cut = input::tokens::cut_all(&inputs, seq_len)?;
-        eprintln!(
+        if args.documents {
+            let field = input::tokens::documents_all(&inputs)?;
+            eprintln!(
+                "{} tokens from {} file(s) in {} documents",
+                field.sample_count(),
+                inputs.len(),
+                field.samples()
+            );
+            vec![field]
+        } else {
+            let seq_len = args
+                .seq_len
+                .context("--tokens needs --seq-len (or --documents)")?;
+            let cut = input::tokens::cut_all(&inputs, seq_len)?;
+            eprintln!(
             "{} tokens from {} file(s) cut into {} sequences of {seq_len}; {} remainder tokens dropped",
             inputs.iter().map(|i| i.tokens).sum::<u64>(),
             inputs.len(),
             cut.sequences,
             cut.dropped_tokens
         );
-        cut.fields
+            cut.fields
+        }
     };
     let name = match args.name {
         Some(name) => name,

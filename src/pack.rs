@@ -407,6 +407,66 @@ pub fn chunk_bytes(sample_bytes: u64, block_bytes: u32) -> u64 {
     }
 }
 
+/// Where a field's byte stream in one shard lies: of a variable-length field, its offsets
+/// ([`format::OFFSET_BYTES`] a sample, relative to the shard's values) then its values; of a
+/// fixed-shape field, its samples.
+#[derive(Clone, Copy, Debug)]
+struct ShardStream {
+    /// Bytes of the offsets region at the start (0 for a fixed-shape field).
+    offsets_bytes: u64,
+    /// Bytes of the whole stream.
+    total_bytes: u64,
+    /// The field's row (of a variable-length field: element) that the shard's data starts at.
+    first_row: u64,
+}
+
+impl ShardStream {
+    /// Field `field`'s stream in the shard of samples `first_sample..first_sample + count`.
+    fn of(field: &FieldSource, first_sample: u64, count: u64) -> ShardStream {
+        let element_bytes = field.sample_bytes() as u64;
+        match field.ends() {
+            None => ShardStream {
+                offsets_bytes: 0,
+                total_bytes: element_bytes * count,
+                first_row: first_sample,
+            },
+            Some(ends) => {
+                let first_row = first_sample
+                    .checked_sub(1)
+                    .map_or(0, |previous| ends[previous as usize]);
+                let last_row = ends[(first_sample + count - 1) as usize];
+                let offsets_bytes = format::OFFSET_BYTES * count;
+                ShardStream {
+                    offsets_bytes,
+                    total_bytes: offsets_bytes + (last_row - first_row) * element_bytes,
+                    first_row,
+                }
+            }
+        }
+    }
+
+    /// The block size of the region holding byte `at`: blocks never straddle the offsets and the
+    /// values, whose elements differ in size.
+    fn chunk(&self, field: &FieldSource, at: u64, block_bytes: u32) -> u64 {
+        if at < self.offsets_bytes {
+            chunk_bytes(format::OFFSET_BYTES, block_bytes)
+        } else {
+            chunk_bytes(field.sample_bytes() as u64, block_bytes)
+        }
+    }
+
+    /// Blocks of the offsets region, and of the values region (or of the whole stream of a
+    /// fixed-shape field).
+    fn blocks(&self, field: &FieldSource, block_bytes: u32) -> (u64, u64) {
+        let offsets = self
+            .offsets_bytes
+            .div_ceil(chunk_bytes(format::OFFSET_BYTES, block_bytes));
+        let values = (self.total_bytes - self.offsets_bytes)
+            .div_ceil(chunk_bytes(field.sample_bytes() as u64, block_bytes));
+        (offsets, values)
+    }
+}
+
 /// Checks `fields` and `options` as packing does before it reads any sample (names, dimensions,
 /// sample counts agreeing across fields, block size, shard size); returns the sample count.
 pub fn check_inputs(fields: &[FieldSource], options: &PackOptions) -> Result<u64, PackError> {
@@ -441,17 +501,17 @@ pub fn check_inputs(fields: &[FieldSource], options: &PackOptions) -> Result<u64
                 field.sample_shape.len()
             ));
         }
-        if field.sample_count() != fields[0].sample_count() {
+        if field.samples() != fields[0].samples() {
             return Err(PackError::SampleCountMismatch {
                 field: field.name.clone(),
                 paths: describe_paths(field),
-                count: field.sample_count(),
+                count: field.samples(),
                 first_field: fields[0].name.clone(),
-                first_count: fields[0].sample_count(),
+                first_count: fields[0].samples(),
             });
         }
     }
-    let sample_count = fields[0].sample_count();
+    let sample_count = fields[0].samples();
     if sample_count == 0 {
         return invalid("the inputs hold no samples".into());
     }
@@ -479,7 +539,14 @@ pub fn pack(
     observer: &dyn PackObserver,
 ) -> Result<PackSummary, PackError> {
     let sample_count = check_inputs(fields, options)?;
-    let sample_bytes_all: u64 = fields.iter().map(|f| f.sample_bytes() as u64).sum();
+    // A variable-length field counts its offset and its average sample.
+    let sample_bytes_all: u64 = fields
+        .iter()
+        .map(|f| match f.is_variable() {
+            false => f.sample_bytes() as u64,
+            true => format::OFFSET_BYTES + f.total_bytes().div_ceil(sample_count),
+        })
+        .sum();
     let samples_per_shard = match options.samples_per_shard {
         Some(0) => {
             return Err(PackError::Invalid(
@@ -490,11 +557,22 @@ pub fn pack(
         None => (SHARD_RAW_BYTES_TARGET / sample_bytes_all).max(1),
     };
     for field in fields {
-        let field_bytes = field.sample_bytes() as u64 * samples_per_shard.min(sample_count);
-        let blocks = field_bytes.div_ceil(chunk_bytes(
-            field.sample_bytes() as u64,
-            options.block_bytes,
-        ));
+        // The shard with the most blocks (every shard's of a variable-length field).
+        let shards = if field.is_variable() {
+            sample_count.div_ceil(samples_per_shard)
+        } else {
+            1
+        };
+        let blocks = (0..shards)
+            .map(|shard| {
+                let first = shard * samples_per_shard;
+                let count = samples_per_shard.min(sample_count - first);
+                let (offsets, values) =
+                    ShardStream::of(field, first, count).blocks(field, options.block_bytes);
+                offsets + values
+            })
+            .max()
+            .unwrap_or(0);
         if blocks > SHARD_BLOCKS_MAX as u64 / fields.len() as u64 {
             return Err(PackError::Invalid(format!(
                 "field '{}' would need {blocks} blocks per shard; lower --samples-per-shard or raise --block-bytes",
@@ -692,7 +770,10 @@ fn write_dataset(
     samples_per_shard: u64,
     observer: &dyn PackObserver,
 ) -> Result<PackSummary, PackError> {
-    let raw_total: u64 = fields.iter().map(|f| f.sample_bytes() as u64).sum::<u64>() * sample_count;
+    let raw_total: u64 = fields
+        .iter()
+        .map(|f| ShardStream::of(f, 0, sample_count).total_bytes)
+        .sum();
     observer.started(raw_total);
     let shard_count = sample_count.div_ceil(samples_per_shard);
     let packer = Packer {
@@ -762,6 +843,7 @@ fn write_dataset(
                 name: f.name.clone(),
                 dtype: f.dtype,
                 shape: f.sample_shape.clone(),
+                length_max: f.is_variable().then(|| f.length_max()),
             })
             .collect(),
         shards: manifest_shards,
@@ -864,6 +946,8 @@ struct Step {
     end: u64,
     /// The shard's first sample.
     first_sample: u64,
+    /// Where the field's stream lies in the shard.
+    stream: ShardStream,
 }
 
 /// A shard being written.
@@ -987,11 +1071,17 @@ impl Packer<'_> {
         };
         let first_sample = next.shard * self.samples_per_shard;
         let count = self.samples_per_shard.min(self.sample_count - first_sample);
-        let sample_bytes = self.fields[next.field].sample_bytes() as u64;
-        let field_bytes = sample_bytes * count;
-        let chunk = chunk_bytes(sample_bytes, self.options.block_bytes);
+        let field = &self.fields[next.field];
+        let stream = ShardStream::of(field, first_sample, count);
+        let field_bytes = stream.total_bytes;
+        let chunk = stream.chunk(field, next.offset, self.options.block_bytes);
+        let region_end = if next.offset < stream.offsets_bytes {
+            stream.offsets_bytes
+        } else {
+            field_bytes
+        };
         let step_bytes = chunk * (STEP_RAW_BYTES / chunk).clamp(1, STEP_BLOCKS_MAX);
-        let end = (next.offset + step_bytes).min(field_bytes);
+        let end = (next.offset + step_bytes).min(region_end);
         let step = Step {
             shard: next.shard,
             seq: next.seq,
@@ -999,6 +1089,7 @@ impl Packer<'_> {
             begin: next.offset,
             end,
             first_sample,
+            stream,
         };
         if end < field_bytes {
             state.cursors.push_back(NextStep {
@@ -1038,15 +1129,16 @@ impl Packer<'_> {
         let mut fields = Vec::with_capacity(self.fields.len());
         let mut block_total = 0u64;
         for field in self.fields {
-            let sample_bytes = field.sample_bytes() as u64;
-            let blocks = (sample_bytes * sample_count)
-                .div_ceil(chunk_bytes(sample_bytes, self.options.block_bytes));
+            let (offset_blocks, values_blocks) = ShardStream::of(field, first_sample, sample_count)
+                .blocks(field, self.options.block_bytes);
+            let blocks = offset_blocks + values_blocks;
             fields.push(Field {
                 name: field.name.clone(),
                 dtype: field.dtype,
                 shape: field.sample_shape.clone(),
                 first_block: block_total as u32,
                 block_count: blocks as u32,
+                offset_blocks: field.is_variable().then_some(offset_blocks as u32),
             });
             block_total += blocks;
         }
@@ -1077,15 +1169,32 @@ impl Packer<'_> {
     ) -> Result<(), PackError> {
         let field = &self.fields[step.field];
         let sample_bytes = field.sample_bytes() as u64;
-        let base = step.first_sample * sample_bytes;
-        field.advise(base + step.begin, base + step.end);
-        let chunk = chunk_bytes(sample_bytes, self.options.block_bytes) as usize;
+        let stream = step.stream;
+        let chunk = stream.chunk(field, step.begin, self.options.block_bytes) as usize;
         encoded.bytes.clear();
         encoded.blocks.clear();
+        if step.begin < stream.offsets_bytes {
+            // A variable-length field's offsets, relative to the shard's first value.
+            raw.clear();
+            let ends = field
+                .ends()
+                .expect("only variable-length fields have offsets");
+            let first = step.first_sample + step.begin / format::OFFSET_BYTES;
+            let last = step.first_sample + step.end / format::OFFSET_BYTES;
+            for &end in &ends[first as usize..last as usize] {
+                raw.extend_from_slice(&(end - stream.first_row).to_le_bytes());
+            }
+            self.encode_pieces(step, raw, chunk, encoded, scratch);
+            return Ok(());
+        }
+        // The step's bytes in the field's (its values', past the offsets region).
+        let begin = stream.first_row * sample_bytes + (step.begin - stream.offsets_bytes);
+        let end = begin + (step.end - step.begin);
+        field.advise(begin, end);
         if self.codecs[step.field] == CodecChoice::Raw && chunk as u64 % PAYLOAD_ALIGN_BYTES == 0 {
             // Raw blocks of whole pages lie back to back as stored, only the step's last one
             // padded: copied from the input straight to where they are written.
-            field.copy_bytes(base + step.begin, base + step.end, &mut encoded.bytes)?;
+            field.copy_bytes(begin, end, &mut encoded.bytes)?;
             let mut at = 0;
             while at < encoded.bytes.len() {
                 let len = chunk.min(encoded.bytes.len() - at);
@@ -1105,7 +1214,21 @@ impl Packer<'_> {
             return Ok(());
         }
         raw.clear();
-        field.copy_bytes(base + step.begin, base + step.end, raw)?;
+        field.copy_bytes(begin, end, raw)?;
+        self.encode_pieces(step, raw, chunk, encoded, scratch);
+        Ok(())
+    }
+
+    /// Encodes `raw` (a step's bytes) as blocks of `chunk` bytes into `encoded`.
+    fn encode_pieces(
+        &self,
+        step: &Step,
+        raw: &[u8],
+        chunk: usize,
+        encoded: &mut EncodedStep,
+        scratch: &mut BlockScratch,
+    ) {
+        let field = &self.fields[step.field];
         for piece in raw.chunks(chunk) {
             let at = encoded.bytes.len();
             let (codec, filter) = encode_block_into(
@@ -1129,7 +1252,6 @@ impl Packer<'_> {
                 block_checksum,
             ));
         }
-        Ok(())
     }
 
     /// Waits for the step before `step` in its shard to be placed, places `step` after it, writes
@@ -1139,7 +1261,20 @@ impl Packer<'_> {
         step: &Step,
         encoded: &EncodedStep,
     ) -> Result<Option<OpenShard>, PackError> {
-        let sample_bytes = self.fields[step.field].sample_bytes() as u64;
+        let field = &self.fields[step.field];
+        let sample_bytes = field.sample_bytes() as u64;
+        let stream = step.stream;
+        // The sample holding a block's first byte.
+        let block_first_sample = |raw_offset: u64| match field.ends() {
+            None => step.first_sample + raw_offset / sample_bytes,
+            Some(_) if raw_offset < stream.offsets_bytes => {
+                step.first_sample + raw_offset / format::OFFSET_BYTES
+            }
+            Some(ends) => {
+                let row = stream.first_row + (raw_offset - stream.offsets_bytes) / sample_bytes;
+                ends.partition_point(|&end| end <= row) as u64
+            }
+        };
         let (file, path, at) = {
             let mut state = self.state.lock().expect("no panics while holding the lock");
             loop {
@@ -1168,7 +1303,7 @@ impl Packer<'_> {
                     filter,
                     field: step.field as u16,
                     raw_offset,
-                    first_sample: step.first_sample + raw_offset / sample_bytes,
+                    first_sample: block_first_sample(raw_offset),
                     checksum: block_checksum,
                 });
                 shard.stored_bytes += stored as u64;

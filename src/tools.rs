@@ -57,6 +57,8 @@ pub fn inspect(dataset: &Dataset) -> Value {
             "dtype": field.dtype.name(),
             "shape": field.shape,
             "sample_bytes": field.sample_bytes(),
+            "variable_length": field.is_variable(),
+            "length_max": field.length_max,
             "raw_bytes": raw,
             "stored_bytes": stored,
             "ratio": ratio(raw, stored),
@@ -67,7 +69,7 @@ pub fn inspect(dataset: &Dataset) -> Value {
     let file_bytes: u64 = manifest.shards.iter().map(|s| s.file_bytes).sum();
     json!({
         "name": manifest.name,
-        "format_version": crate::format::FORMAT_VERSION,
+        "format_version": manifest.format_version(),
         "samples": manifest.sample_count,
         "block_bytes": manifest.block_bytes,
         "shards": manifest.shards.len(),
@@ -151,6 +153,8 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
             file: &file,
         };
         for (field_index, field) in shard.metadata.fields.iter().enumerate() {
+            // A variable-length field's offsets, gathered from its first blocks to be checked.
+            let mut ends: Option<Vec<u64>> = field.offset_blocks.map(|_| Vec::new());
             for block_index in 0..field.block_count {
                 let result = reader.decode(
                     field_index,
@@ -159,6 +163,16 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
                     &mut scratch,
                     &mut raw,
                 );
+                if block_index < field.offset_blocks.unwrap_or(0) {
+                    match (&mut ends, &result) {
+                        (Some(ends), Ok(())) => ends.extend(
+                            raw.chunks_exact(8)
+                                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))),
+                        ),
+                        // A block of offsets that does not decode leaves them unchecked.
+                        _ => ends = None,
+                    }
+                }
                 match result {
                     Ok(()) => report.blocks_ok += 1,
                     Err(error) => {
@@ -168,6 +182,37 @@ pub fn verify(dir: &Path, progress: &dyn ToolProgress) -> Result<VerifyReport, F
                         };
                         report.problems.push(format!("{kind}: {error}"));
                     }
+                }
+            }
+            if let (Some(ends), Some(length_max)) = (ends, manifest.fields[field_index].length_max)
+            {
+                let metadata = &shard.metadata;
+                let element_bytes = field.sample_bytes();
+                let values_elements = (metadata.field_stream_bytes(field_index)
+                    - metadata.offsets_bytes(field_index))
+                    / element_bytes;
+                let first_sample = metadata.header.first_sample;
+                let checked = crate::format::check_offsets(
+                    &shard.path,
+                    &field.name,
+                    first_sample,
+                    &ends,
+                    values_elements,
+                    length_max,
+                )
+                .and_then(|()| {
+                    crate::format::check_values_blocks(
+                        &shard.path,
+                        &field.name,
+                        first_sample,
+                        &ends,
+                        metadata.field_blocks(field_index),
+                        field.offset_blocks.unwrap_or(0),
+                        element_bytes,
+                    )
+                });
+                if let Err(error) = checked {
+                    report.problems.push(format!("corrupt: {error}"));
                 }
             }
         }
@@ -248,6 +293,14 @@ pub enum UnpackError {
         /// Its dtype.
         dtype: DType,
     },
+    /// The field's samples vary in length, which one `.npy` array cannot hold.
+    #[error(
+        "field '{field}' is variable-length, which one .npy array cannot hold: unpack does not write variable-length fields (read them through a stream)"
+    )]
+    Variable {
+        /// The field.
+        field: String,
+    },
     /// The output file could not be written.
     #[error(transparent)]
     Output(#[from] InputError),
@@ -325,6 +378,11 @@ pub fn unpack_to(
                 .join(", "),
         })?;
     let field = &dataset.manifest.fields[field_index];
+    if field.is_variable() {
+        return Err(UnpackError::Variable {
+            field: field.name.clone(),
+        });
+    }
     let to = dtype.unwrap_or(field.dtype);
     if !decode::convert_supported(field.dtype, to) {
         return Err(ConvertError {

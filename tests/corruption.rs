@@ -320,19 +320,19 @@ fn unsupported_version_is_named_not_reported_as_corruption() {
     let shard = shard_path(&damaged, 0);
     // Only the version changes: the header checksum is now wrong too, but the version is read first.
     let file = fs::OpenOptions::new().write(true).open(&shard).unwrap();
-    file.write_all_at(&2u32.to_le_bytes(), 8).unwrap();
+    file.write_all_at(&3u32.to_le_bytes(), 8).unwrap();
     let problems = verify_problems(&damaged);
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert_line_with(
         &problems[0],
-        &[&shard_file(0), "shard format version 2 is not supported"],
+        &[&shard_file(0), "shard format version 3 is not supported"],
     );
     assert_open_fails(&damaged, &shard, |e| {
         matches!(
             e,
             FormatError::UnsupportedVersion {
-                found: 2,
-                supported: 1,
+                found: 3,
+                supported: 2,
                 ..
             }
         )

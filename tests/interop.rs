@@ -540,6 +540,62 @@ fn token_files_pack_exactly_as_numpy_reads_them() {
     }
 }
 
+/// Megatron-LM datasets packed with `--documents`: one sample per document (empty ones too) in a
+/// variable-length field that the independent reader reads back as the documents NumPy reads from
+/// the `.idx` and `.bin`, over two files; a flat token file, which has no documents, is refused.
+#[test]
+fn megatron_documents_pack_one_sample_per_document() {
+    if !python_ready("megatron_documents_pack_one_sample_per_document") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut bins = Vec::new();
+    for (index, name) in ["first", "second"].into_iter().enumerate() {
+        let prefix = tmp.path().join(name);
+        let mut writer = python("token_files.py");
+        writer
+            .arg("write-megatron")
+            .arg(&prefix)
+            .args(["int32", &(10 + index).to_string()]);
+        run_ok(writer);
+        bins.push(prefix.with_extension("bin"));
+    }
+    let dataset = tmp.path().join("documents");
+    let mut pack = gpufeed("pack");
+    pack.arg("--out").arg(&dataset).arg("--documents").args([
+        "--block-bytes",
+        "4K",
+        "--samples-per-shard",
+        "9",
+    ]);
+    for bin in &bins {
+        pack.arg("--tokens").arg(bin);
+    }
+    let packed = String::from_utf8_lossy(&run_ok(pack).stderr).into_owned();
+    assert!(packed.contains("documents"), "{packed}");
+    let mut check = python("token_files.py");
+    check.arg("check-documents").arg(&dataset).args(&bins);
+    let checked = String::from_utf8_lossy(&run_ok(check).stdout).into_owned();
+    assert!(checked.starts_with("ok "), "{checked}");
+
+    let flat = tmp.path().join("flat.bin");
+    let mut writer = python("token_files.py");
+    writer.arg("write-flat").arg(&flat).args(["uint16", "3"]);
+    run_ok(writer);
+    let mut pack = gpufeed("pack");
+    pack.arg("--out")
+        .arg(tmp.path().join("refused"))
+        .arg("--documents")
+        .arg("--tokens")
+        .arg(&flat)
+        .args(["--token-dtype", "u16"]);
+    let refused = run_failing(pack);
+    assert!(
+        refused.contains("flat.bin") && refused.contains("no document boundaries"),
+        "{refused}"
+    );
+}
+
 /// Unpacks every field of `dataset` and returns `FIELD=COLUMN=NPY` arguments for
 /// `table_files.py check`, the column named as the field.
 fn unpack_fields(dataset: &Path, fields: &[&str], dir: &Path) -> Vec<String> {
@@ -589,7 +645,7 @@ fn table_files_pack_exactly_as_pyarrow_reads_them() {
         "Parquet, 1000 rows, 5 column(s)",
         "fixed_size_list<fixed_size_list<uint8>[4]>[3]  u8 [3, 4]",
         "input_ids  list<int32>",
-        "variable-length fields are not supported yet",
+        "i32 [*] variable-length",
     ] {
         assert!(listed.contains(needle), "{listed} lacks {needle:?}");
     }
@@ -631,8 +687,71 @@ fn table_files_pack_exactly_as_pyarrow_reads_them() {
     }
 }
 
+/// List, string and binary columns of Parquet and Arrow IPC files (lists of scalars and of
+/// fixed-size lists, some empty; a Hugging Face cache's `text` and `input_ids`) pack as
+/// variable-length fields (format version 2) that an independent reader of the format
+/// (`read_shards.py`) reads back row for row as pyarrow reads the columns, on one thread and on
+/// several, beside fixed-shape columns that still unpack exactly.
+#[test]
+fn variable_length_columns_pack_exactly_as_pyarrow_reads_them() {
+    if !python_ready("variable_length_columns_pack_exactly_as_pyarrow_reads_them") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let inputs = tmp.path().join("in");
+    let mut write = python("table_files.py");
+    write.arg("write").arg(&inputs);
+    run_ok(write);
+    // (files, variable-length columns, fixed-shape ones, --threads)
+    type Case<'a> = (&'a [&'a str], &'a [&'a str], &'a [&'a str], &'a str);
+    let cases: [Case; 3] = [
+        (
+            &["varlen.parquet", "varlen.arrow"],
+            &["ids", "text", "pairs", "blob"],
+            &["label"],
+            "3",
+        ),
+        (
+            &["varlen.arrow"],
+            &["ids", "text", "pairs", "blob"],
+            &["label"],
+            "1",
+        ),
+        (
+            &["hf/data-00000-of-00001.arrow"],
+            &["text", "input_ids"],
+            &["emb", "label"],
+            "2",
+        ),
+    ];
+    for (index, (files, variable, fixed, threads)) in cases.into_iter().enumerate() {
+        let dataset = tmp.path().join(format!("varlen-{index}"));
+        let mut pack = gpufeed("pack");
+        pack.arg("--out")
+            .arg(&dataset)
+            .args(["--block-bytes", "4K", "--samples-per-shard", "333"])
+            .args(["--threads", threads])
+            .args(files.iter().map(|f| inputs.join(f)));
+        run_ok(pack);
+        let mut check = python("table_files.py");
+        check.arg("check-variable").arg(&dataset);
+        check.args(files.iter().map(|f| inputs.join(f)));
+        check.arg("--");
+        check.args(variable.iter().map(|c| format!("{c}={c}")));
+        let checked = String::from_utf8_lossy(&run_ok(check).stdout).into_owned();
+        assert!(checked.starts_with("ok "), "{files:?}: {checked}");
+        let mut check = python("table_files.py");
+        check.arg("check");
+        check.args(files.iter().map(|f| inputs.join(f)));
+        check.arg("--");
+        check.args(unpack_fields(&dataset, fixed, tmp.path()));
+        let checked = String::from_utf8_lossy(&run_ok(check).stdout).into_owned();
+        assert!(checked.starts_with("ok "), "{files:?}: {checked}");
+    }
+}
+
 /// Tables that cannot be packed are refused, naming the file, the column and (for nulls) the row,
-/// and nothing is written: a list column, a string column packed whole, nulls (at the top level and
+/// and nothing is written: a list of lists, named or in a file packed whole, nulls (at the top level and
 /// inside a fixed-size list), files whose column types disagree, and truncated Parquet, IPC file
 /// and IPC stream inputs.
 #[test]
@@ -662,18 +781,18 @@ fn malformed_tables_are_refused_naming_file_column_and_row() {
     let field = |field: &str, file: &str, column: &str| format!("{field}={}:{column}", path(file));
     let cases: Vec<(Vec<String>, Vec<String>)> = vec![
         (
-            vec!["--field".into(), field("ids", "list.parquet", "ids")],
+            vec!["--field".into(), field("ids", "nested.parquet", "ids")],
             vec![
-                path("list.parquet"),
+                path("nested.parquet"),
                 "column 'ids'".into(),
-                "variable-length fields are not supported yet".into(),
+                "lists of lists".into(),
             ],
         ),
         (
-            vec![path("hf/data-00000-of-00001.arrow")],
+            vec![path("nested.parquet")],
             vec![
-                "column 'text'".into(),
-                "variable-length".into(),
+                "column 'ids'".into(),
+                "lists of lists".into(),
                 "--field".into(),
             ],
         ),

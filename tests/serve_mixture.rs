@@ -65,6 +65,23 @@ fn setup() -> (tempfile::TempDir, Daemon) {
     pack_source(root.path(), "code", &fields(1, CODE, DType::I32, false));
     pack_source(root.path(), "wide", &fields(2, 100, DType::I64, false));
     pack_source(root.path(), "extra", &fields(3, 100, DType::I32, true));
+    // The same fields, and a variable-length one: sample i holds i % 5 int32 values.
+    let mut docs = fields(4, 100, DType::I32, false);
+    let ends: Vec<u64> = (0..100u64)
+        .scan(0, |end, i| {
+            *end += i % 5;
+            Some(*end)
+        })
+        .collect();
+    let values = vec![7u8; *ends.last().unwrap() as usize * 4];
+    docs.push(
+        FieldSource::variable(
+            FieldSource::from_bytes("tokens", DType::I32, vec![], values).unwrap(),
+            ends,
+        )
+        .unwrap(),
+    );
+    pack_source(root.path(), "docs", &docs);
     let binary = Path::new(env!("CARGO_BIN_EXE_gpufeed"));
     let socket = root.path().join("gpufeed.sock");
     let daemon =
@@ -263,6 +280,48 @@ fn sources_whose_fields_disagree_are_refused() {
         .unwrap();
     let batch = stream.next().unwrap().unwrap();
     assert_eq!(batch.samples(), 10);
+}
+
+/// A mixture serves fixed-shape fields only: one that would serve a source's variable-length
+/// field, or asks for a batch form, is refused naming the source or the field; naming the
+/// fixed-shape fields serves a source that also has variable-length ones.
+#[test]
+fn variable_length_fields_are_not_mixed() {
+    let (_root, daemon) = setup();
+    let refused =
+        |spec: StreamSpec| match Client::connect(&daemon.socket).unwrap().open_stream(spec) {
+            Err(ClientError::Daemon { message, .. }) => message,
+            Err(other) => panic!("refused with {other}"),
+            Ok(_) => panic!("a mixture with a variable-length field was opened"),
+        };
+    let message = refused(mixture(&[("web", 1.0), ("docs", 1.0)], 10));
+    assert!(
+        message.contains("mixture source 'docs': field 'tokens' is variable-length"),
+        "{message}"
+    );
+    let mut forms = mixture(&[("web", 1.0), ("code", 1.0)], 10);
+    forms.variable = vec![gpufeed_client::protocol::VariableRequest {
+        name: "tokens".into(),
+        form: gpufeed_client::protocol::BatchForm::Packed,
+        cap: None,
+    }];
+    let message = refused(forms);
+    assert!(
+        message.contains("batch form is asked for field 'tokens'")
+            && message.contains("fixed-shape fields only"),
+        "{message}"
+    );
+
+    let mut fixed = mixture(&[("web", 1.0), ("docs", 1.0)], 10);
+    fixed.fields = ["id", "emb"]
+        .map(|name| gpufeed_client::protocol::FieldRequest {
+            name: name.into(),
+            dtype: None,
+        })
+        .to_vec();
+    let (served, _) = rows(&daemon.socket, fixed, Some(20));
+    assert_eq!(served.len(), 200);
+    assert!(served.iter().any(|&(source, _)| source == 4), "{served:?}");
 }
 
 /// `gpufeed consume --source DATASET=WEIGHT ...` consumes a mixture (and says what is wrong with a

@@ -122,6 +122,16 @@ enum GfCorruptPolicy {
   GF_CORRUPT_POLICY_REPLACE = 1,
 };
 
+// How a batch holds a variable-length field (`docs/PROTOCOL.md`, *Variable-length fields*).
+enum GfBatchForm {
+  // `[samples, L, ...]` padded to the batch's longest with zeros, beside an int32 field
+  // `NAME.lengths` of `[samples]`.
+  GF_BATCH_FORM_PADDED = 1,
+  // `[total, ...]` values back to back, beside an int32 field `NAME.cu_seqlens` of
+  // `[samples + 1]` cumulative offsets from 0.
+  GF_BATCH_FORM_PACKED = 2,
+};
+
 // A batch: a lease on one slot until [`gf_batch_release`].
 struct GfBatch;
 
@@ -159,6 +169,16 @@ struct GfStreamState {
   uint32_t batch_size;
   // Positions of the epoch's order consumed by all ranks together.
   uint64_t cursor;
+};
+
+// How to serve one variable-length field.
+struct GfVariableRequest {
+  // The field's name (NUL-terminated UTF-8).
+  const char *name;
+  // Its batch form (a `GfBatchForm`).
+  uint32_t form;
+  // The most elements a sample keeps (longer ones are truncated); 0 for no cap.
+  uint32_t cap;
 };
 
 // Everything that defines a stream. Fill it with [`gf_stream_options_init`], then change what you
@@ -201,6 +221,13 @@ struct GfStreamOptions {
   // Slots filled ahead of the consumer, at least (1 to 64): the daemon sizes slot rings in bytes
   // and gives small batches more slots.
   uint32_t prefetch;
+  // Batch forms of variable-length fields; null (or a count of 0) serves each padded without
+  // a cap. Each field's values and its index (`NAME.lengths` or `NAME.cu_seqlens`) are fields
+  // of the batch, the index right after the values. Added after version 1 of this struct: read
+  // only when `struct_size` covers it.
+  const struct GfVariableRequest *variable;
+  // Entries of `variable`.
+  size_t variable_count;
 };
 
 // One dataset of a mixture stream ([`gf_open_mixture_stream`]) and its weight.
@@ -294,7 +321,9 @@ enum GfStatus gf_open_stream(struct GfClient *client,
 // `sources` drawn with their weights, `epoch_samples` positions an epoch (0: the sum of the
 // sources' samples), every other setting from `options`, whose `dataset` must be null. Every
 // source must have the requested fields in the same type and shape (else
-// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only. A resume state
+// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only, and fixed-shape
+// fields only (a variable-length field, or `options.variable`, is refused by the daemon naming
+// the source and the field). A resume state
 // must be of the same mixture. `*stream` receives the stream (`docs/C_API.md`).
 //
 // # Safety

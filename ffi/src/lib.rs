@@ -13,8 +13,8 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use gpufeed_client::protocol::{
-    CorruptPolicy, Device, ErrorCode, FieldRequest, MixtureSource, Shuffle, StreamSpec, Tail,
-    STRING_BYTES_MAX,
+    BatchForm, CorruptPolicy, Device, ErrorCode, FieldRequest, MixtureSource, Shuffle, StreamSpec,
+    Tail, VariableRequest, STRING_BYTES_MAX,
 };
 use gpufeed_client::{ClientError, DType, FieldData, StreamState};
 
@@ -85,6 +85,18 @@ pub enum GfShuffle {
     Full = 2,
 }
 
+/// How a batch holds a variable-length field (`docs/PROTOCOL.md`, *Variable-length fields*).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GfBatchForm {
+    /// `[samples, L, ...]` padded to the batch's longest with zeros, beside an int32 field
+    /// `NAME.lengths` of `[samples]`.
+    Padded = 1,
+    /// `[total, ...]` values back to back, beside an int32 field `NAME.cu_seqlens` of
+    /// `[samples + 1]` cumulative offsets from 0.
+    Packed = 2,
+}
+
 /// What happens to the last, partial batch of an epoch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +165,17 @@ pub struct GfFieldRequest {
     pub dtype: u32,
 }
 
+/// How to serve one variable-length field.
+#[repr(C)]
+pub struct GfVariableRequest {
+    /// The field's name (NUL-terminated UTF-8).
+    pub name: *const c_char,
+    /// Its batch form (a `GfBatchForm`).
+    pub form: u32,
+    /// The most elements a sample keeps (longer ones are truncated); 0 for no cap.
+    pub cap: u32,
+}
+
 /// Everything that defines a stream. Fill it with [`gf_stream_options_init`], then change what you
 /// need: later versions add fields at the end and `struct_size` tells them apart.
 #[repr(C)]
@@ -194,7 +217,18 @@ pub struct GfStreamOptions {
     /// Slots filled ahead of the consumer, at least (1 to 64): the daemon sizes slot rings in bytes
     /// and gives small batches more slots.
     pub prefetch: u32,
+    /// Batch forms of variable-length fields; null (or a count of 0) serves each padded without
+    /// a cap. Each field's values and its index (`NAME.lengths` or `NAME.cu_seqlens`) are fields
+    /// of the batch, the index right after the values. Added after version 1 of this struct: read
+    /// only when `struct_size` covers it.
+    pub variable: *const GfVariableRequest,
+    /// Entries of `variable`.
+    pub variable_count: usize,
 }
+
+/// Bytes of `GfStreamOptions` before `variable` was added: callers compiled then pass this
+/// `struct_size`, and are served as before.
+const STREAM_OPTIONS_V1_BYTES: usize = std::mem::offset_of!(GfStreamOptions, variable);
 
 /// One dataset of a mixture stream ([`gf_open_mixture_stream`]) and its weight.
 #[repr(C)]
@@ -466,6 +500,8 @@ pub unsafe extern "C" fn gf_stream_options_init(
         resume: std::ptr::null(),
         on_corrupt: GfCorruptPolicy::Fail as u32,
         prefetch: gpufeed_client::PREFETCH_DEFAULT,
+        variable: std::ptr::null(),
+        variable_count: 0,
     };
     // SAFETY: non-null and writable by the caller's contract.
     unsafe { options.write(defaults) };
@@ -536,7 +572,8 @@ unsafe fn spec_of(
     options: &GfStreamOptions,
     mixture: Option<Mixture>,
 ) -> Result<StreamSpec, GfStatus> {
-    if (options.struct_size as usize) < std::mem::size_of::<GfStreamOptions>() {
+    let struct_size = options.struct_size as usize;
+    if struct_size < STREAM_OPTIONS_V1_BYTES {
         return Err(invalid(format!(
             "options.struct_size is {}, not {}: initialise with gf_stream_options_init",
             options.struct_size,
@@ -603,6 +640,35 @@ unsafe fn spec_of(
         }
     };
     spec.prefetch = options.prefetch;
+    if struct_size >= std::mem::size_of::<GfStreamOptions>() && options.variable_count > 0 {
+        if options.variable.is_null() {
+            return Err(invalid(
+                "options.variable is null with a variable_count above 0",
+            ));
+        }
+        // SAFETY: `variable_count` entries by the caller's contract.
+        let requests =
+            unsafe { std::slice::from_raw_parts(options.variable, options.variable_count) };
+        for (index, request) in requests.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            let name =
+                unsafe { string_arg(request.name, &format!("options.variable[{index}].name")) }?;
+            let form = match request.form {
+                v if v == GfBatchForm::Padded as u32 => BatchForm::Padded,
+                v if v == GfBatchForm::Packed as u32 => BatchForm::Packed,
+                other => {
+                    return Err(invalid(format!(
+                        "options.variable[{index}].form {other} is not a GfBatchForm"
+                    )))
+                }
+            };
+            spec.variable.push(VariableRequest {
+                name: name.to_string(),
+                form,
+                cap: (request.cap > 0).then_some(request.cap),
+            });
+        }
+    }
     if options.resume.is_null() {
         spec.start_at_step(options.start_step);
     } else {
@@ -697,7 +763,9 @@ unsafe fn open_spec(client: GfClient, spec: StreamSpec, stream: *mut *mut GfStre
 /// `sources` drawn with their weights, `epoch_samples` positions an epoch (0: the sum of the
 /// sources' samples), every other setting from `options`, whose `dataset` must be null. Every
 /// source must have the requested fields in the same type and shape (else
-/// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only. A resume state
+/// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only, and fixed-shape
+/// fields only (a variable-length field, or `options.variable`, is refused by the daemon naming
+/// the source and the field). A resume state
 /// must be of the same mixture. `*stream` receives the stream (`docs/C_API.md`).
 ///
 /// # Safety

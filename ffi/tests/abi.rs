@@ -289,6 +289,33 @@ fn bad_calls_get_codes_and_messages() {
     let status = unsafe { gf_open_stream(client, &bad, &mut stream) };
     assert_eq!(status, GfStatus::InvalidArgument);
     assert!(last_error().contains("rank 3"), "{}", last_error());
+    // A batch form that is no GfBatchForm is refused naming the entry; a form asked for a field
+    // that is not variable-length reaches the daemon, which refuses it naming the field.
+    let name = CString::new("ids").unwrap();
+    for (form, status, message) in [
+        (9, GfStatus::InvalidArgument, "options.variable[0].form 9"),
+        (GfBatchForm::Packed as u32, GfStatus::Daemon, "fixed shape"),
+    ] {
+        let request = GfVariableRequest {
+            name: name.as_ptr(),
+            form,
+            cap: 0,
+        };
+        let mut bad = options(&dataset, 10);
+        bad.variable = &request;
+        bad.variable_count = 1;
+        let client = connect(&daemon.socket);
+        // SAFETY: as above; `request` outlives the call.
+        let value = unsafe { gf_open_stream(client, &bad, &mut stream) };
+        assert_eq!(value, status);
+        assert!(last_error().contains(message), "{}", last_error());
+    }
+    // Options of the struct's first version (without `variable`) still open a stream.
+    let mut first = options(&dataset, 10);
+    first.struct_size = std::mem::offset_of!(GfStreamOptions, variable) as u32;
+    let opened = open(&daemon.socket, &first);
+    // SAFETY: a live stream, closed once.
+    unsafe { gf_stream_close(opened) };
     // Holding every slot: gf_next says so instead of waiting forever.
     let mut two = options(&dataset, 10);
     two.prefetch = 2;

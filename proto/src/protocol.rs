@@ -24,7 +24,7 @@ pub const BATCH_NDIM_MAX: usize = 7;
 pub const SLOTS_MAX: u32 = 64;
 /// Most sources of a mixture stream ([`StreamSpec::sources`]).
 pub const MIXTURE_SOURCES_MAX: usize = 64;
-/// Tag of the mixture extension of `OpenStream` (`docs/PROTOCOL.md`).
+/// Tag of the extension record of a mixture in `OpenStream` (`docs/PROTOCOL.md`).
 pub const OPEN_STREAM_EXTENSION_MIXTURE: u16 = 1;
 /// Descriptors `StreamOpened` carries besides the slots' memory: the hand-off ring's memfd, the
 /// consumer's doorbell and the daemon's doorbell (see [`crate::ring`]).
@@ -139,6 +139,68 @@ pub enum CorruptPolicy {
     Replace,
 }
 
+/// How a batch holds a variable-length field (a field whose samples vary in length).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchForm {
+    /// `[samples, L, ...]`, `L` the batch's longest sample, shorter ones zero-filled, with an
+    /// `int32 [samples]` lengths tensor (`NAME.lengths`).
+    Padded,
+    /// The samples' values back to back, `[total, ...]`, with `int32 [samples + 1]` cumulative
+    /// offsets (`NAME.cu_seqlens`, FlashAttention's varlen convention).
+    Packed,
+}
+
+impl BatchForm {
+    /// The code on the wire.
+    pub const fn code(self) -> u8 {
+        match self {
+            BatchForm::Padded => 1,
+            BatchForm::Packed => 2,
+        }
+    }
+
+    /// The suffix of the name of the index tensor beside a field's values: `lengths` or
+    /// `cu_seqlens`.
+    pub const fn index_suffix(self) -> &'static str {
+        match self {
+            BatchForm::Padded => "lengths",
+            BatchForm::Packed => "cu_seqlens",
+        }
+    }
+}
+
+/// How a stream asks for one variable-length field: its batch form, and a cap on its samples'
+/// length (longer samples are truncated to it). A variable-length field the request does not name
+/// is padded without a cap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariableRequest {
+    /// Field name.
+    pub name: String,
+    /// The batch form.
+    pub form: BatchForm,
+    /// Elements a sample keeps at most; `None`: all of them (the slot then holds the dataset's
+    /// longest sample for every row).
+    pub cap: Option<u32>,
+}
+
+/// A variable-length field in a stream's layout: which layout entries hold its values and its
+/// index tensor (lengths or cumulative offsets), so that a client shapes each batch from the index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariableLayout {
+    /// Index in [`StreamLayout::fields`] of the values, whose `sample_shape` is
+    /// `[length_bound, ...element shape]`.
+    pub values: u16,
+    /// Index in [`StreamLayout::fields`] of the `int32` index tensor.
+    pub index: u16,
+    /// The batch form.
+    pub form: BatchForm,
+}
+
+/// Tag of the extension record of variable-length batch forms in `OpenStream` (`docs/PROTOCOL.md`).
+pub const OPEN_STREAM_EXTENSION_VARIABLE: u16 = 2;
+/// Tag of the extension record of variable-length layouts in `StreamOpened` (`docs/PROTOCOL.md`).
+pub const STREAM_OPENED_EXTENSION_VARIABLE: u16 = 1;
+
 /// A field requested by a stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldRequest {
@@ -208,6 +270,9 @@ pub struct StreamSpec {
     /// A mixture's epoch length in positions; `None` for the sum of its sources' sample counts.
     /// Only with `sources`.
     pub mixture_epoch_samples: Option<u64>,
+    /// Batch forms of variable-length fields (an extension record on the wire, sent only when not
+    /// empty).
+    pub variable: Vec<VariableRequest>,
 }
 
 /// Where one field sits in every slot of a stream.
@@ -246,6 +311,9 @@ pub struct StreamLayout {
     pub device: Device,
     /// On a CUDA device, the interprocess events of each slot, in slot order; empty for host memory.
     pub slot_events: Vec<SlotEvents>,
+    /// The variable-length fields among `fields` (an extension record on the wire, sent only when
+    /// not empty: a client that predates them refuses the layout rather than misread it).
+    pub variable: Vec<VariableLayout>,
 }
 
 /// Bytes of a CUDA interprocess event handle (`CUipcEventHandle`).
@@ -503,6 +571,12 @@ impl Writer {
         self.u16(s.len() as u16);
         self.0.extend_from_slice(s.as_bytes());
     }
+    /// An extension record: `u16` tag, `u32` length, the record's bytes.
+    fn extension(&mut self, tag: u16, record: &[u8]) {
+        self.u16(tag);
+        self.u32(u32::try_from(record.len()).expect("a record fits in a frame"));
+        self.0.extend_from_slice(record);
+    }
     fn shape(&mut self, dims: &[u64]) {
         assert!(dims.len() <= BATCH_NDIM_MAX);
         self.u8(dims.len() as u8);
@@ -513,14 +587,17 @@ impl Writer {
 }
 
 /// Writes what follows an `OpenStream`'s device: nothing for a request with neither a device UUID
-/// nor an extension (the earlier layouts, byte for byte); the UUID; then the extensions, each
-/// `u16` tag, `u32` length and payload, before which a CUDA stream without a UUID writes 16 zero
-/// bytes in its place (no GPU has that UUID).
+/// nor an extension record (the earlier layouts, byte for byte); the UUID; then the extension
+/// records, each `u16` tag, `u32` length and payload, in tag order and each at most once, before
+/// which a CUDA stream without a UUID writes 16 zero bytes in its place (no GPU has that UUID).
 fn encode_open_stream_tail(w: &mut Writer, spec: &StreamSpec) {
     let mixture = !spec.sources.is_empty();
+    let variable = !spec.variable.is_empty();
     match (spec.device, spec.device_uuid) {
         (_, Some(uuid)) => w.0.extend_from_slice(&uuid.0),
-        (Device::Cuda(_), None) if mixture => w.0.extend_from_slice(&[0; DEVICE_UUID_BYTES]),
+        (Device::Cuda(_), None) if mixture || variable => {
+            w.0.extend_from_slice(&[0; DEVICE_UUID_BYTES])
+        }
         _ => {}
     }
     if mixture {
@@ -532,67 +609,95 @@ fn encode_open_stream_tail(w: &mut Writer, spec: &StreamSpec) {
             payload.u64(source.weight.to_bits());
         }
         payload.u64(spec.mixture_epoch_samples.unwrap_or(0));
-        w.u16(OPEN_STREAM_EXTENSION_MIXTURE);
-        w.u32(payload.0.len() as u32);
-        w.0.extend_from_slice(&payload.0);
+        w.extension(OPEN_STREAM_EXTENSION_MIXTURE, &payload.0);
+    }
+    if variable {
+        assert!(spec.variable.len() <= STREAM_FIELDS_MAX);
+        let mut payload = Writer(Vec::new());
+        payload.u16(spec.variable.len() as u16);
+        for variable in &spec.variable {
+            payload.str(&variable.name);
+            payload.u8(variable.form.code());
+            payload.u32(variable.cap.unwrap_or(0));
+        }
+        w.extension(OPEN_STREAM_EXTENSION_VARIABLE, &payload.0);
     }
 }
 
-/// The mixture extension's bytes for `sources`: what [`encode_open_stream_tail`] writes, tag and
+/// The mixture record's bytes for `sources`: what [`encode_open_stream_tail`] writes, tag and
 /// length included.
 pub(crate) fn mixture_extension_bytes(sources: &[MixtureSource]) -> usize {
     let names: usize = sources.iter().map(|s| 2 + s.dataset.len() + 8).sum();
     2 + 4 + 2 + names + 8
 }
 
-/// A mixture's sources and epoch length, as the daemon of this version decodes them.
-type MixtureTail = (Vec<MixtureSource>, Option<u64>);
+/// The batch forms' record's bytes for `variable`: what [`encode_open_stream_tail`] writes, tag and
+/// length included.
+pub(crate) fn variable_extension_bytes(variable: &[VariableRequest]) -> usize {
+    let fields: usize = variable.iter().map(|v| 2 + v.name.len() + 1 + 4).sum();
+    2 + 4 + 2 + fields
+}
 
-/// Reads what follows an `OpenStream`'s device (see [`encode_open_stream_tail`]).
+/// What follows an `OpenStream`'s device, as the daemon of this version decodes it.
+#[derive(Default)]
+struct OpenStreamTail {
+    device_uuid: Option<DeviceUuid>,
+    sources: Vec<MixtureSource>,
+    mixture_epoch_samples: Option<u64>,
+    variable: Vec<VariableRequest>,
+}
+
+/// Reads what follows an `OpenStream`'s device (see [`encode_open_stream_tail`]): records in any
+/// order, each tag at most once, an unknown tag refused.
 fn decode_open_stream_tail(
     r: &mut Reader<'_>,
     device: Device,
-) -> Result<(Option<DeviceUuid>, MixtureTail), DecodeError> {
-    let mut device_uuid = None;
+) -> Result<OpenStreamTail, DecodeError> {
+    let mut tail = OpenStreamTail::default();
     if r.at < r.bytes.len() && device != Device::Cpu {
         let bytes: [u8; DEVICE_UUID_BYTES] =
             r.take(DEVICE_UUID_BYTES)?.try_into().expect("16 bytes");
-        device_uuid = (bytes != [0; DEVICE_UUID_BYTES]).then_some(DeviceUuid(bytes));
+        tail.device_uuid = (bytes != [0; DEVICE_UUID_BYTES]).then_some(DeviceUuid(bytes));
     }
-    let mut mixture: Option<MixtureTail> = None;
+    let mut mixture_seen = false;
     while r.at < r.bytes.len() {
-        if r.bytes.len() - r.at < 6 {
-            return r.fail(format!("{} trailing bytes", r.bytes.len() - r.at));
+        // An unknown tag is refused before its length is believed.
+        if let Some(tag) = r.peek_u16() {
+            if tag != OPEN_STREAM_EXTENSION_MIXTURE && tag != OPEN_STREAM_EXTENSION_VARIABLE {
+                return r.fail(if device == Device::Cpu {
+                    // A host stream's trailing bytes were a UUID in earlier versions: say so.
+                    format!(
+                        "unknown extension {tag} (a device UUID is not given for a host-memory \
+                         stream)"
+                    )
+                } else {
+                    format!("unknown extension {tag}")
+                });
+            }
         }
-        let tag = r.u16()?;
-        let length = r.u32()? as usize;
-        let start = r.at;
+        let (tag, mut record) = r.extension()?;
         match tag {
-            OPEN_STREAM_EXTENSION_MIXTURE if mixture.is_none() => {
-                mixture = Some(decode_mixture(r)?);
+            OPEN_STREAM_EXTENSION_MIXTURE if !mixture_seen => {
+                mixture_seen = true;
+                (tail.sources, tail.mixture_epoch_samples) = decode_mixture(&mut record)?;
+                record.finish(())?;
             }
             OPEN_STREAM_EXTENSION_MIXTURE => return r.fail("the mixture extension is given twice"),
-            // A host stream's trailing bytes were a UUID in earlier versions: say so.
-            other if device == Device::Cpu => {
-                return r.fail(format!(
-                    "unknown extension {other} (a device UUID is not given for a host-memory \
-                     stream)"
-                ))
+            OPEN_STREAM_EXTENSION_VARIABLE if tail.variable.is_empty() => {
+                tail.variable = decode_variable(&mut record)?;
+                record.finish(())?;
             }
-            other => return r.fail(format!("unknown extension {other}")),
-        }
-        if r.at - start != length {
-            return r.fail(format!(
-                "extension {tag} says {length} bytes, its content takes {}",
-                r.at - start
-            ));
+            OPEN_STREAM_EXTENSION_VARIABLE => {
+                return r.fail("the record of variable-length fields is repeated")
+            }
+            other => unreachable!("extension tag {other} checked above"),
         }
     }
-    Ok((device_uuid, mixture.unwrap_or_default()))
+    Ok(tail)
 }
 
-/// The mixture extension's payload: the sources and the epoch length (0 for the default).
-fn decode_mixture(r: &mut Reader<'_>) -> Result<MixtureTail, DecodeError> {
+/// The mixture record's payload: the sources and the epoch length (0 for the default).
+fn decode_mixture(r: &mut Reader<'_>) -> Result<(Vec<MixtureSource>, Option<u64>), DecodeError> {
     let count = r.count("mixture sources", MIXTURE_SOURCES_MAX)?;
     if count == 0 {
         // The encoder writes no extension for a stream without sources: one naming none (an
@@ -607,6 +712,24 @@ fn decode_mixture(r: &mut Reader<'_>) -> Result<MixtureTail, DecodeError> {
     }
     let epoch_samples = Some(r.u64()?).filter(|&samples| samples > 0);
     Ok((sources, epoch_samples))
+}
+
+/// The batch forms' record's payload: per field its name, form and cap (0 for none).
+fn decode_variable(r: &mut Reader<'_>) -> Result<Vec<VariableRequest>, DecodeError> {
+    let count = r.count("variable-length fields", STREAM_FIELDS_MAX)?;
+    if count == 0 {
+        // The encoder writes no record for a stream without batch forms: an empty one would not
+        // survive a round trip.
+        return r.fail("an empty record of variable-length fields");
+    }
+    let mut variable = Vec::with_capacity(count);
+    for _ in 0..count {
+        let name = r.str()?;
+        let form = r.form()?;
+        let cap = Some(r.u32()?).filter(|&cap| cap > 0);
+        variable.push(VariableRequest { name, form, cap });
+    }
+    Ok(variable)
 }
 
 struct Reader<'a> {
@@ -673,6 +796,38 @@ impl<'a> Reader<'a> {
             return self.fail(format!("{ndim} dimensions exceed {BATCH_NDIM_MAX}"));
         }
         (0..ndim).map(|_| self.u64()).collect()
+    }
+    /// The next two bytes as a `u16`, without consuming them; `None` past the end.
+    fn peek_u16(&self) -> Option<u16> {
+        let bytes = self.bytes.get(self.at..self.at + 2)?;
+        Some(u16::from_le_bytes(bytes.try_into().expect("2 bytes")))
+    }
+    /// An extension record: its tag, and a reader of its bytes alone.
+    fn extension(&mut self) -> Result<(u16, Reader<'a>), DecodeError> {
+        let rest = self.bytes.len() - self.at;
+        if rest < 6 {
+            return self.fail(format!(
+                "{rest} trailing bytes, too few for an extension record"
+            ));
+        }
+        let tag = self.u16()?;
+        let len = self.u32()? as usize;
+        let bytes = self.take(len)?;
+        Ok((
+            tag,
+            Reader {
+                bytes,
+                at: 0,
+                kind: self.kind,
+            },
+        ))
+    }
+    fn form(&mut self) -> Result<BatchForm, DecodeError> {
+        match self.u8()? {
+            1 => Ok(BatchForm::Padded),
+            2 => Ok(BatchForm::Packed),
+            other => self.fail(format!("unknown batch form {other}")),
+        }
     }
     fn count(&mut self, what: &str, max: usize) -> Result<usize, DecodeError> {
         let n = self.u16()? as usize;
@@ -822,6 +977,16 @@ impl Message {
                         }
                     }
                 }
+                if !layout.variable.is_empty() {
+                    let mut record = Writer(Vec::new());
+                    record.u16(layout.variable.len() as u16);
+                    for variable in &layout.variable {
+                        record.u16(variable.values);
+                        record.u16(variable.index);
+                        record.u8(variable.form.code());
+                    }
+                    w.extension(STREAM_OPENED_EXTENSION_VARIABLE, &record.0);
+                }
             }
             Message::EndOfEpoch { epoch, steps } => {
                 w.u64(*epoch);
@@ -965,8 +1130,7 @@ impl Message {
                     u32::MAX => Device::Cpu,
                     ordinal => Device::Cuda(ordinal),
                 };
-                let (device_uuid, (sources, mixture_epoch_samples)) =
-                    decode_open_stream_tail(&mut r, device)?;
+                let extra = decode_open_stream_tail(&mut r, device)?;
                 Message::OpenStream(StreamSpec {
                     dataset,
                     fields,
@@ -981,9 +1145,10 @@ impl Message {
                     prefetch,
                     on_corrupt,
                     device,
-                    device_uuid,
-                    sources,
-                    mixture_epoch_samples,
+                    device_uuid: extra.device_uuid,
+                    sources: extra.sources,
+                    mixture_epoch_samples: extra.mixture_epoch_samples,
+                    variable: extra.variable,
                 })
             }
             KIND_STREAM_OPENED => {
@@ -1024,6 +1189,41 @@ impl Message {
                         slot_events.push(SlotEvents { ready, released });
                     }
                 }
+                let mut variable = Vec::new();
+                while r.at < r.bytes.len() {
+                    let (tag, mut record) = r.extension()?;
+                    match tag {
+                        STREAM_OPENED_EXTENSION_VARIABLE if variable.is_empty() => {
+                            let count =
+                                record.count("variable-length fields", STREAM_FIELDS_MAX)?;
+                            for _ in 0..count {
+                                let values = record.u16()?;
+                                let index = record.u16()?;
+                                let form = record.form()?;
+                                if usize::from(values.max(index)) >= fields.len() || values == index
+                                {
+                                    return record.fail(format!(
+                                        "variable-length layout names fields {values} and {index} of {}",
+                                        fields.len()
+                                    ));
+                                }
+                                variable.push(VariableLayout {
+                                    values,
+                                    index,
+                                    form,
+                                });
+                            }
+                            record.finish(())?;
+                            if variable.is_empty() {
+                                return r.fail("an empty record of variable-length fields");
+                            }
+                        }
+                        STREAM_OPENED_EXTENSION_VARIABLE => {
+                            return r.fail("the record of variable-length fields is repeated")
+                        }
+                        other => return r.fail(format!("unknown extension record {other}")),
+                    }
+                }
                 Message::StreamOpened(StreamLayout {
                     slot_count,
                     slot_bytes,
@@ -1033,6 +1233,7 @@ impl Message {
                     fields,
                     device,
                     slot_events,
+                    variable,
                 })
             }
             KIND_END_OF_EPOCH => Message::EndOfEpoch {
@@ -1090,6 +1291,112 @@ mod tests {
         spec.device_uuid = uuid;
         spec.mixture_epoch_samples = Some(10_000);
         spec
+    }
+
+    /// Batch forms of two variable-length fields, one capped.
+    fn variable_requests() -> Vec<VariableRequest> {
+        vec![
+            VariableRequest {
+                name: "tokens".into(),
+                form: BatchForm::Packed,
+                cap: Some(512),
+            },
+            VariableRequest {
+                name: "mask".into(),
+                form: BatchForm::Padded,
+                cap: None,
+            },
+        ]
+    }
+
+    /// Batch forms travel as the record of tag 2 after the device's UUID (or its place) and after
+    /// the mixture's record of tag 1 when there is one: each record is tag, length and payload, so
+    /// the frame is the request without them followed by exactly those bytes.
+    #[test]
+    fn batch_forms_travel_as_the_second_extension_record() {
+        let record: Vec<u8> = [
+            &2u16.to_le_bytes()[..],
+            &(2 + (2 + 6 + 1 + 4) + (2 + 4 + 1 + 4) as u32).to_le_bytes(),
+            &2u16.to_le_bytes(),
+            &6u16.to_le_bytes(),
+            b"tokens",
+            &[2],
+            &512u32.to_le_bytes(),
+            &4u16.to_le_bytes(),
+            b"mask",
+            &[1],
+            &0u32.to_le_bytes(),
+        ]
+        .concat();
+        for (device, uuid) in [
+            (Device::Cpu, None),
+            (Device::Cuda(1), None),
+            (Device::Cuda(1), Some(UUID)),
+        ] {
+            for mixture in [false, true] {
+                let mut spec = if mixture {
+                    mixture_request(device, uuid)
+                } else {
+                    let mut spec = StreamSpec::new("docs", 8);
+                    spec.device = device;
+                    spec.device_uuid = uuid;
+                    spec
+                };
+                let mut without = Message::OpenStream(spec.clone()).encode();
+                spec.variable = variable_requests();
+                let with = Message::OpenStream(spec.clone()).encode();
+                assert_eq!(with.len(), crate::spec::open_stream_frame_bytes(&spec));
+                // Without a mixture or a UUID, a CUDA request gains the UUID's place too.
+                if device != Device::Cpu && uuid.is_none() && !mixture {
+                    without.extend_from_slice(&[0; DEVICE_UUID_BYTES]);
+                }
+                assert_eq!(with[4..without.len()], without[4..], "{spec:?}");
+                assert_eq!(with[without.len()..], record[..], "{spec:?}");
+                assert_eq!(Message::decode(&with[4..]), Ok(Message::OpenStream(spec)));
+            }
+        }
+    }
+
+    /// The records of one `OpenStream` come in any order, each at most once; an empty record of
+    /// batch forms (which the encoder never writes: it would not survive a round trip), a repeated
+    /// or an unknown one is malformed.
+    #[test]
+    fn extension_records_are_checked_one_by_one() {
+        let mut spec = mixture_request(Device::Cpu, None);
+        spec.variable = variable_requests();
+        let frame = Message::OpenStream(spec.clone()).encode();
+        let mixture = mixture_extension_bytes(&spec.sources);
+        let variable = variable_extension_bytes(&spec.variable);
+        let fixed = frame.len() - mixture - variable;
+        let body = |records: &[&[u8]]| {
+            let mut body = frame[4..fixed].to_vec();
+            for record in records {
+                body.extend_from_slice(record);
+            }
+            body
+        };
+        let mixture_record = &frame[fixed..fixed + mixture];
+        let variable_record = &frame[fixed + mixture..];
+        assert_eq!(
+            Message::decode(&body(&[variable_record, mixture_record])),
+            Ok(Message::OpenStream(spec))
+        );
+        let empty: Vec<u8> = [&2u16.to_le_bytes()[..], &2u32.to_le_bytes(), &[0, 0]].concat();
+        let unknown: Vec<u8> = [&3u16.to_le_bytes()[..], &0u32.to_le_bytes()].concat();
+        let mut long = variable_record.to_vec();
+        long.push(0);
+        long[2..6].copy_from_slice(&(variable - 6 + 1).to_le_bytes()[..4]);
+        for (records, expected) in [
+            (vec![&empty[..]], "empty record"),
+            (vec![variable_record, variable_record], "repeated"),
+            (vec![mixture_record, mixture_record], "given twice"),
+            (vec![mixture_record, &unknown[..]], "unknown extension 3"),
+            (vec![&long[..]], "trailing"),
+            (vec![&variable_record[..variable - 1]], "more bytes"),
+        ] {
+            let error = Message::decode(&body(&records)).expect_err(expected);
+            assert!(error.to_string().contains(expected), "{error}");
+        }
     }
 
     /// A request without a mixture is the earlier layout byte for byte (older daemons read it), and
@@ -1224,11 +1531,43 @@ mod tests {
                 device_uuid: None,
                 sources: Vec::new(),
                 mixture_epoch_samples: None,
+                variable: Vec::new(),
             }),
             Message::OpenStream(cuda_request(Some(UUID))),
             Message::OpenStream(mixture_request(Device::Cpu, None)),
             Message::OpenStream(mixture_request(Device::Cuda(1), None)),
             Message::OpenStream(mixture_request(Device::Cuda(1), Some(UUID))),
+            Message::OpenStream({
+                let mut spec = crate::protocol::StreamSpec::new("docs", 8);
+                spec.variable = variable_requests();
+                spec
+            }),
+            Message::OpenStream({
+                let mut spec = cuda_request(Some(UUID));
+                spec.variable = vec![VariableRequest {
+                    name: "tokens".into(),
+                    form: BatchForm::Padded,
+                    cap: Some(4),
+                }];
+                spec
+            }),
+            // A CUDA stream without a UUID writes its place before the record.
+            Message::OpenStream({
+                let mut spec = cuda_request(None);
+                spec.variable = variable_requests();
+                spec
+            }),
+            // Both records: the mixture's, then the batch forms'.
+            Message::OpenStream({
+                let mut spec = mixture_request(Device::Cpu, None);
+                spec.variable = variable_requests();
+                spec
+            }),
+            Message::OpenStream({
+                let mut spec = mixture_request(Device::Cuda(1), None);
+                spec.variable = variable_requests();
+                spec
+            }),
             Message::StreamOpened(StreamLayout {
                 slot_count: 4,
                 slot_bytes: 1 << 20,
@@ -1244,6 +1583,37 @@ mod tests {
                 }],
                 device: Device::Cpu,
                 slot_events: Vec::new(),
+                variable: Vec::new(),
+            }),
+            Message::StreamOpened(StreamLayout {
+                slot_count: 4,
+                slot_bytes: 1 << 20,
+                slot_stride: 1 << 20,
+                epoch_samples: 1000,
+                steps: 30,
+                fields: vec![
+                    FieldLayout {
+                        name: "tokens".into(),
+                        dtype: DType::I32,
+                        sample_shape: vec![512],
+                        offset: 0,
+                        batch_bytes: 8 * 512 * 4,
+                    },
+                    FieldLayout {
+                        name: "tokens.cu_seqlens".into(),
+                        dtype: DType::I32,
+                        sample_shape: vec![],
+                        offset: 16384,
+                        batch_bytes: 36,
+                    },
+                ],
+                device: Device::Cpu,
+                slot_events: Vec::new(),
+                variable: vec![VariableLayout {
+                    values: 0,
+                    index: 1,
+                    form: BatchForm::Packed,
+                }],
             }),
             Message::StreamOpened(StreamLayout {
                 slot_count: 2,
@@ -1265,6 +1635,7 @@ mod tests {
                         released: [i + 100; IPC_EVENT_HANDLE_BYTES],
                     })
                     .collect(),
+                variable: Vec::new(),
             }),
             Message::EndOfEpoch {
                 epoch: 2,
@@ -1320,48 +1691,70 @@ mod tests {
         assert!(error.to_string().contains("names no sources"), "{error}");
     }
 
-    /// Every truncation is malformed but one: an `OpenStream` cut just before its optional device
-    /// UUID is the same request without it.
+    /// Every truncation is malformed but those that cut optional trailing parts whole: an
+    /// `OpenStream` cut just before an extension record or its device UUID (or the UUID's place), a
+    /// `StreamOpened` just before its extension record, is the same message without them.
     #[test]
     fn every_truncation_and_extension_is_rejected() {
         for message in samples() {
             let frame = message.encode();
-            // An OpenStream cut before its mixture extension is the request without it, and one
-            // cut before its UUID (or its place) the request without that too.
-            let (without_mixture, without_uuid) = match &message {
+            // The message with its optional trailing parts dropped, last first, and the length of
+            // the body that decodes to it.
+            let mut shorter: Vec<(usize, Message)> = Vec::new();
+            let body = |message: &Message| message.encode().len() - 4;
+            match &message {
                 Message::OpenStream(spec) => {
-                    let plain = StreamSpec {
-                        sources: Vec::new(),
-                        mixture_epoch_samples: None,
-                        ..spec.clone()
-                    };
-                    let bare = StreamSpec {
-                        device_uuid: None,
-                        ..plain.clone()
-                    };
-                    (
-                        Some(Message::OpenStream(plain)),
-                        Some(Message::OpenStream(bare)),
-                    )
+                    let mut spec = spec.clone();
+                    let place = spec.device != Device::Cpu
+                        && spec.device_uuid.is_none()
+                        && (!spec.variable.is_empty() || !spec.sources.is_empty());
+                    if !spec.variable.is_empty() {
+                        spec.variable.clear();
+                        let message = Message::OpenStream(spec.clone());
+                        shorter.push((body(&message), message));
+                    }
+                    if !spec.sources.is_empty() {
+                        spec.sources.clear();
+                        spec.mixture_epoch_samples = None;
+                        let message = Message::OpenStream(spec.clone());
+                        shorter.push((body(&message), message));
+                    }
+                    if place {
+                        // Cut after the UUID's place: the 16 zero bytes are no UUID.
+                        let message = Message::OpenStream(spec.clone());
+                        shorter.push((body(&message) + DEVICE_UUID_BYTES, message));
+                    }
+                    if spec.device_uuid.is_some() {
+                        spec.device_uuid = None;
+                        let message = Message::OpenStream(spec);
+                        shorter.push((body(&message), message));
+                    }
                 }
-                _ => (None, None),
-            };
+                Message::StreamOpened(layout) if !layout.variable.is_empty() => {
+                    let message = Message::StreamOpened(StreamLayout {
+                        variable: Vec::new(),
+                        ..layout.clone()
+                    });
+                    shorter.push((body(&message), message));
+                }
+                _ => {}
+            }
+            for (length, expected) in &shorter {
+                assert_eq!(
+                    Message::decode(&frame[4..4 + length]).as_ref(),
+                    Ok(expected),
+                    "{message:?} cut to {length} bytes"
+                );
+            }
             for cut in 4..frame.len() - 4 {
-                if let Ok(decoded) = Message::decode(&frame[4..4 + cut]) {
-                    let Message::OpenStream(spec) = &message else {
-                        panic!("{message:?} cut to {cut} bytes decodes");
-                    };
-                    let extension = if spec.sources.is_empty() {
-                        0
-                    } else {
-                        mixture_extension_bytes(&spec.sources)
-                    };
-                    let uuid_cut = frame.len() - 4 - extension - DEVICE_UUID_BYTES;
-                    if cut == frame.len() - 4 - extension && extension > 0 {
-                        assert_eq!(Some(decoded), without_mixture);
-                    } else {
-                        assert_eq!(cut, uuid_cut, "{spec:?}");
-                        assert_eq!(Some(decoded), without_uuid);
+                match Message::decode(&frame[4..4 + cut]) {
+                    Err(_) => {}
+                    Ok(decoded) => {
+                        let (_, expected) = shorter
+                            .iter()
+                            .find(|(length, _)| *length == cut)
+                            .unwrap_or_else(|| panic!("a cut at {cut} decodes: {decoded:?}"));
+                        assert_eq!(&decoded, expected);
                     }
                 }
             }

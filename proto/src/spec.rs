@@ -5,9 +5,9 @@
 //! the start cursor, `batch_size_max`) stay with the daemon.
 
 use crate::protocol::{
-    mixture_extension_bytes, Device, MixtureSource, Shuffle, StreamSpec, DEVICE_UUID_BYTES,
-    FRAME_BYTES_MAX, FRAME_HEADER_BYTES, MIXTURE_SOURCES_MAX, SLOTS_MAX, STREAM_FIELDS_MAX,
-    STRING_BYTES_MAX,
+    mixture_extension_bytes, variable_extension_bytes, Device, MixtureSource, Shuffle, StreamSpec,
+    DEVICE_UUID_BYTES, FRAME_BYTES_MAX, FRAME_HEADER_BYTES, MIXTURE_SOURCES_MAX, SLOTS_MAX,
+    STREAM_FIELDS_MAX, STRING_BYTES_MAX,
 };
 use crate::protocol::{CorruptPolicy, Tail};
 
@@ -76,17 +76,20 @@ pub fn open_stream_frame_bytes(spec: &StreamSpec) -> usize {
         .map(|field| 2 + field.name.len() + 1)
         .sum();
     let mixture = !spec.sources.is_empty();
-    // A CUDA stream with extensions writes a UUID's place even without one.
+    let variable = !spec.variable.is_empty();
+    // A CUDA stream with extension records writes a UUID's place even without one.
     let uuid = match (spec.device, spec.device_uuid) {
         (_, Some(_)) => DEVICE_UUID_BYTES,
-        (Device::Cuda(_), None) if mixture => DEVICE_UUID_BYTES,
+        (Device::Cuda(_), None) if mixture || variable => DEVICE_UUID_BYTES,
         _ => 0,
     };
-    let extensions = if mixture {
-        mixture_extension_bytes(&spec.sources)
-    } else {
-        0
-    };
+    let mut extensions = 0;
+    if mixture {
+        extensions += mixture_extension_bytes(&spec.sources);
+    }
+    if variable {
+        extensions += variable_extension_bytes(&spec.variable);
+    }
     FRAME_HEADER_BYTES
         + 2
         + spec.dataset.len()
@@ -169,6 +172,7 @@ impl StreamSpec {
             device_uuid: None,
             sources: Vec::new(),
             mixture_epoch_samples: None,
+            variable: Vec::new(),
         }
     }
 
@@ -278,6 +282,28 @@ impl StreamSpec {
             return Err(SpecError(format!(
                 "field names must be 1 to {STRING_BYTES_MAX} bytes, not {}",
                 field.name.len()
+            )));
+        }
+        if self.variable.len() > STREAM_FIELDS_MAX {
+            return Err(SpecError(format!(
+                "{} batch forms requested, at most {STREAM_FIELDS_MAX}",
+                self.variable.len()
+            )));
+        }
+        if let Some(variable) = self
+            .variable
+            .iter()
+            .find(|v| v.name.is_empty() || v.name.len() > STRING_BYTES_MAX)
+        {
+            return Err(SpecError(format!(
+                "field names must be 1 to {STRING_BYTES_MAX} bytes, not {}",
+                variable.name.len()
+            )));
+        }
+        if let Some(variable) = self.variable.iter().find(|v| v.cap == Some(0)) {
+            return Err(SpecError(format!(
+                "field '{}': a cap of 0 elements would serve nothing",
+                variable.name
             )));
         }
         let frame_bytes = open_stream_frame_bytes(self);

@@ -4,8 +4,9 @@
 //! `PROPTEST_CASES` raises the case count (CI's fuzz step runs 20 000 per property).
 
 use gpufeed_proto::protocol::{
-    Backend, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldLayout, FieldRequest, Message,
-    Shuffle, StreamLayout, Tail,
+    Backend, BatchForm, CorruptPolicy, DaemonStatus, Device, ErrorCode, FieldLayout, FieldRequest,
+    Message, MixtureSource, Shuffle, StreamLayout, StreamSpec, Tail, VariableLayout,
+    VariableRequest, PROTOCOL_VERSION,
 };
 use gpufeed_proto::spec::StreamState;
 use gpufeed_proto::DType;
@@ -13,7 +14,7 @@ use proptest::prelude::*;
 
 /// One valid frame body (without the length field) of each message kind.
 fn valid_bodies() -> Vec<Vec<u8>> {
-    let mut spec = gpufeed_proto::protocol::StreamSpec::new("tokens", 32);
+    let mut spec = StreamSpec::new("tokens", 32);
     spec.fields = vec![FieldRequest {
         name: "ids".into(),
         dtype: Some(DType::F32),
@@ -48,7 +49,51 @@ fn valid_bodies() -> Vec<Vec<u8>> {
         }],
         device: Device::Cpu,
         slot_events: Vec::new(),
+        variable: Vec::new(),
     };
+    // Both extension records of OpenStream (a mixture's, then batch forms') on a CUDA device
+    // without a UUID (its place written as zeros), and StreamOpened's record of variable-length
+    // layouts.
+    let mut extended = StreamSpec::mixture(
+        vec![
+            MixtureSource {
+                dataset: "web".into(),
+                weight: 0.75,
+            },
+            MixtureSource {
+                dataset: "code".into(),
+                weight: 0.25,
+            },
+        ],
+        16,
+    );
+    extended.device = Device::Cuda(0);
+    extended.mixture_epoch_samples = Some(1000);
+    extended.variable = vec![
+        VariableRequest {
+            name: "tokens".into(),
+            form: BatchForm::Packed,
+            cap: Some(64),
+        },
+        VariableRequest {
+            name: "mask".into(),
+            form: BatchForm::Padded,
+            cap: None,
+        },
+    ];
+    let mut variable_layout = layout.clone();
+    variable_layout.fields.push(FieldLayout {
+        name: "ids.lengths".into(),
+        dtype: DType::I32,
+        sample_shape: vec![],
+        offset: 4096,
+        batch_bytes: 128,
+    });
+    variable_layout.variable = vec![VariableLayout {
+        values: 0,
+        index: 1,
+        form: BatchForm::Padded,
+    }];
     let messages = vec![
         Message::Hello {
             client: "fuzz".into(),
@@ -59,7 +104,9 @@ fn valid_bodies() -> Vec<Vec<u8>> {
             daemon_version: "0.1.0".into(),
         },
         Message::OpenStream(spec),
+        Message::OpenStream(extended),
         Message::StreamOpened(layout),
+        Message::StreamOpened(variable_layout),
         Message::EndOfEpoch { epoch: 2, steps: 3 },
         Message::Error {
             code: ErrorCode::CorruptData,
@@ -83,7 +130,7 @@ proptest! {
         kind in 0u16..16,
         payload in proptest::collection::vec(any::<u8>(), 0..512),
     ) {
-        let mut body = vec![2, 0];
+        let mut body = PROTOCOL_VERSION.to_le_bytes().to_vec();
         body.extend_from_slice(&kind.to_le_bytes());
         body.extend_from_slice(&payload);
         Message::check_decode(&body);

@@ -378,14 +378,37 @@ impl Shard {
                 manifest.fields.len()
             )));
         }
+        if header.version != manifest.format_version() {
+            return Err(mismatch(format!(
+                "format version {} versus {} in the manifest",
+                header.version,
+                manifest.format_version()
+            )));
+        }
         for (field, listed) in metadata.fields.iter().zip(&manifest.fields) {
             if field.name != listed.name
                 || field.dtype != listed.dtype
                 || field.shape != listed.shape
+                || field.is_variable() != listed.is_variable()
             {
                 return Err(mismatch(format!(
-                    "field '{}' {} {:?} versus '{}' {} {:?} in the manifest",
-                    field.name, field.dtype, field.shape, listed.name, listed.dtype, listed.shape
+                    "field '{}' {} {:?}{} versus '{}' {} {:?}{} in the manifest",
+                    field.name,
+                    field.dtype,
+                    field.shape,
+                    if field.is_variable() {
+                        " variable-length"
+                    } else {
+                        ""
+                    },
+                    listed.name,
+                    listed.dtype,
+                    listed.shape,
+                    if listed.is_variable() {
+                        " variable-length"
+                    } else {
+                        ""
+                    },
                 )));
             }
         }

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     validate_field_name, FormatError, BLOCK_BYTES_MAX, BLOCK_BYTES_MIN, FIELDS_MAX, FORMAT_VERSION,
-    MANIFEST_BYTES_MAX, SAMPLE_NDIM_MAX,
+    FORMAT_VERSION_VARIABLE, MANIFEST_BYTES_MAX, SAMPLE_NDIM_MAX,
 };
 
 /// File name of the manifest inside a dataset directory.
@@ -26,14 +26,23 @@ pub struct ManifestField {
     pub name: String,
     /// Element type.
     pub dtype: DType,
-    /// Per-sample shape.
+    /// Per-sample shape; of a variable-length field, the shape of one element (a sample is a
+    /// run of elements).
     pub shape: Vec<u64>,
+    /// `None` for a fixed-shape field; for a variable-length field (format version 2), the most
+    /// elements a sample has (readers check every sample against it).
+    pub length_max: Option<u64>,
 }
 
 impl ManifestField {
-    /// Bytes of one sample of this field.
+    /// Bytes of one sample of a fixed-shape field; of one element of a variable-length field.
     pub fn sample_bytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size_bytes() as u64
+    }
+
+    /// Whether the field's samples vary in length.
+    pub fn is_variable(&self) -> bool {
+        self.length_max.is_some()
     }
 }
 
@@ -86,6 +95,12 @@ struct FieldJson {
     name: String,
     dtype: String,
     shape: Vec<u64>,
+    /// Version 2: `true` for a variable-length field (absent otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    variable_length: Option<bool>,
+    /// Version 2, with `variable_length`: the most elements a sample has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    length_max: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -96,6 +111,23 @@ struct ShardJson {
     sample_count: u64,
     file_bytes: u64,
     table_checksum: String,
+}
+
+/// A manifest field's `length_max` when it is variable-length (`variable_length: true` with a
+/// `length_max`, in a version 2 manifest), `None` when it is not; else what is wrong.
+fn length_max(field: &FieldJson, index: usize, format_version: u32) -> Result<Option<u64>, String> {
+    match (field.variable_length, field.length_max) {
+        (None, None) => Ok(None),
+        (Some(true), Some(length_max)) if format_version == FORMAT_VERSION_VARIABLE => {
+            Ok(Some(length_max))
+        }
+        (Some(true), Some(_)) => Err(format!(
+            "fields[{index}] is variable-length, which needs format_version {FORMAT_VERSION_VARIABLE}"
+        )),
+        _ => Err(format!(
+            "fields[{index}]: \"variable_length\": true and \"length_max\" go together"
+        )),
+    }
 }
 
 /// Checks a dataset name: 1 to 128 bytes of ASCII letters, digits, `_`, `-` and `.`, not starting with `.`.
@@ -159,9 +191,9 @@ impl Manifest {
                 json.format
             )));
         }
-        if json.format_version != FORMAT_VERSION {
+        if json.format_version != FORMAT_VERSION && json.format_version != FORMAT_VERSION_VARIABLE {
             return Err(bad(format!(
-                "format_version {} is not supported (this gpufeed reads version {FORMAT_VERSION})",
+                "format_version {} is not supported (this gpufeed reads versions {FORMAT_VERSION} and {FORMAT_VERSION_VARIABLE})",
                 json.format_version
             )));
         }
@@ -214,10 +246,12 @@ impl Manifest {
                     field.shape
                 )));
             }
+            let length_max = length_max(&field, index, json.format_version).map_err(bad)?;
             fields.push(ManifestField {
                 name: field.name,
                 dtype,
                 shape: field.shape,
+                length_max,
             });
         }
         if json.shards.is_empty() {
@@ -267,6 +301,13 @@ impl Manifest {
                 table_checksum,
             });
         }
+        if json.format_version == FORMAT_VERSION_VARIABLE
+            && !fields.iter().any(ManifestField::is_variable)
+        {
+            return Err(bad(format!(
+                "format_version {FORMAT_VERSION_VARIABLE} without a variable-length field: such a dataset is version {FORMAT_VERSION}"
+            )));
+        }
         if next_sample != json.sample_count {
             return Err(bad(format!(
                 "\"sample_count\" is {} but the shards hold {next_sample}",
@@ -286,7 +327,7 @@ impl Manifest {
     pub fn to_json(&self) -> String {
         let json = ManifestJson {
             format: FORMAT_TAG.to_string(),
-            format_version: FORMAT_VERSION,
+            format_version: self.format_version(),
             name: self.name.clone(),
             sample_count: self.sample_count,
             block_bytes: self.block_bytes,
@@ -298,6 +339,8 @@ impl Manifest {
                     name: f.name.clone(),
                     dtype: f.dtype.name().to_string(),
                     shape: f.shape.clone(),
+                    variable_length: f.is_variable().then_some(true),
+                    length_max: f.length_max,
                 })
                 .collect(),
             shards: self
@@ -315,6 +358,15 @@ impl Manifest {
         let mut text = serde_json::to_string_pretty(&json).expect("manifest serialises");
         text.push('\n');
         text
+    }
+
+    /// The format version of this dataset: 2 if a field is variable-length, else 1.
+    pub fn format_version(&self) -> u32 {
+        if self.fields.iter().any(ManifestField::is_variable) {
+            FORMAT_VERSION_VARIABLE
+        } else {
+            FORMAT_VERSION
+        }
     }
 
     /// Path of shard `index` inside the dataset directory `dir`.

@@ -1,4 +1,4 @@
-//! The on-disk dataset format, version 1 (specified byte by byte in `docs/FORMAT.md`).
+//! The on-disk dataset format, versions 1 and 2 (specified byte by byte in `docs/FORMAT.md`).
 //!
 //! A dataset is a directory holding `manifest.json` and shard files. This module parses and validates
 //! both, and encodes them for the packer. It reads metadata only (through memmap2); payload bytes are
@@ -11,6 +11,7 @@
 mod dataset;
 mod error;
 mod manifest;
+mod offsets;
 mod regular;
 mod shard;
 
@@ -19,6 +20,7 @@ pub use error::FormatError;
 pub use manifest::{
     validate_dataset_name, Manifest, ManifestField, ManifestShard, MANIFEST_FILE_NAME,
 };
+pub use offsets::{check_offsets, check_values_blocks, values_first_sample};
 pub use regular::open_regular;
 pub use shard::{
     encode_shard_metadata, parse_shard_header, parse_shard_metadata, payload_offset, BlockEntry,
@@ -26,8 +28,12 @@ pub use shard::{
     HEADER_BYTES,
 };
 
-/// The format version this build reads and writes.
+/// The format version of datasets whose fields all have a fixed per-sample shape.
 pub const FORMAT_VERSION: u32 = 1;
+/// The format version of datasets with a variable-length field; this build reads and writes both.
+pub const FORMAT_VERSION_VARIABLE: u32 = 2;
+/// Bytes of one entry of a variable-length field's offsets (a u64: the end of a sample's values).
+pub const OFFSET_BYTES: u64 = 8;
 
 /// Alignment of every block payload, of the first payload and of the shard file's length, in bytes.
 ///

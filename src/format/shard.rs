@@ -10,8 +10,8 @@ use gpufeed_proto::DType;
 
 use super::{
     align_up, checksum, validate_field_name, FormatError, BLOCK_BYTES_MAX, BLOCK_BYTES_MIN,
-    FIELDS_MAX, FIELD_NAME_BYTES_MAX, FORMAT_VERSION, PAYLOAD_ALIGN_BYTES, SAMPLE_NDIM_MAX,
-    SHARD_BLOCKS_MAX,
+    FIELDS_MAX, FIELD_NAME_BYTES_MAX, FORMAT_VERSION, FORMAT_VERSION_VARIABLE, OFFSET_BYTES,
+    PAYLOAD_ALIGN_BYTES, SAMPLE_NDIM_MAX, SHARD_BLOCKS_MAX,
 };
 
 /// Size of the fixed shard header in bytes.
@@ -93,6 +93,8 @@ impl Filter {
 /// The fixed header of a shard.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardHeader {
+    /// The format version the shard was written in: 1, or 2 when a field is variable-length.
+    pub version: u32,
     /// Global index of the shard's first sample within the dataset.
     pub first_sample: u64,
     /// Number of samples in this shard.
@@ -120,12 +122,21 @@ pub struct Field {
     pub first_block: u32,
     /// Number of consecutive block table entries belonging to this field.
     pub block_count: u32,
+    /// `None` for a fixed-shape field; for a variable-length field (format version 2), the number
+    /// of its first blocks that hold its offsets (the rest hold its values).
+    pub offset_blocks: Option<u32>,
 }
 
 impl Field {
-    /// Bytes of one sample of this field.
+    /// Bytes of one sample of a fixed-shape field; of one element (one row of `shape`) of a
+    /// variable-length field.
     pub fn sample_bytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.size_bytes() as u64
+    }
+
+    /// Whether the field's samples vary in length (format version 2).
+    pub fn is_variable(&self) -> bool {
+        self.offset_blocks.is_some()
     }
 }
 
@@ -177,11 +188,30 @@ impl ShardMetadata {
         align_up(payload_end.max(self.header.payload_offset))
     }
 
-    /// The blocks of field `field_index`.
+    /// The blocks of field `field_index` (of a variable-length field: its offsets' blocks, then
+    /// its values').
     pub fn field_blocks(&self, field_index: usize) -> &[BlockEntry] {
         let field = &self.fields[field_index];
         let start = field.first_block as usize;
         &self.blocks[start..start + field.block_count as usize]
+    }
+
+    /// Bytes of the offsets region at the start of a variable-length field's byte stream
+    /// ([`OFFSET_BYTES`] a sample); 0 for a fixed-shape field.
+    pub fn offsets_bytes(&self, field_index: usize) -> u64 {
+        if self.fields[field_index].is_variable() {
+            self.header.sample_count * OFFSET_BYTES
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of field `field_index`'s byte stream in this shard (of a variable-length field: its
+    /// offsets region and its values region).
+    pub fn field_stream_bytes(&self, field_index: usize) -> u64 {
+        self.field_blocks(field_index)
+            .last()
+            .map_or(0, |b| b.raw_offset + u64::from(b.raw_bytes))
     }
 }
 
@@ -214,9 +244,16 @@ pub fn encode_shard_metadata(
     assert!(blocks.len() <= SHARD_BLOCKS_MAX as usize);
     let payload_offset = payload_offset(fields.len(), blocks.len());
     let mut out = Vec::with_capacity(payload_offset as usize);
+    // Only a shard with a variable-length field is written as version 2, so that readers of
+    // version 1 keep reading every other dataset.
+    let version = if fields.iter().any(Field::is_variable) {
+        FORMAT_VERSION_VARIABLE
+    } else {
+        FORMAT_VERSION
+    };
 
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
     out.extend_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
     out.extend_from_slice(&first_sample.to_le_bytes());
     out.extend_from_slice(&sample_count.to_le_bytes());
@@ -236,7 +273,9 @@ pub fn encode_shard_metadata(
         out.extend_from_slice(&name);
         out.push(field.dtype.code());
         out.push(field.shape.len() as u8);
-        out.extend_from_slice(&[0u8; 6]);
+        out.push(u8::from(field.is_variable()));
+        out.push(0);
+        out.extend_from_slice(&field.offset_blocks.unwrap_or(0).to_le_bytes());
         out.extend_from_slice(&field.first_block.to_le_bytes());
         out.extend_from_slice(&field.block_count.to_le_bytes());
         for dim in 0..SAMPLE_NDIM_MAX {
@@ -315,11 +354,11 @@ pub fn parse_shard_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader, Form
         });
     }
     let version = le.u32(8);
-    if version != FORMAT_VERSION {
+    if version != FORMAT_VERSION && version != FORMAT_VERSION_VARIABLE {
         return Err(FormatError::UnsupportedVersion {
             path: path.to_path_buf(),
             found: version,
-            supported: FORMAT_VERSION,
+            supported: FORMAT_VERSION_VARIABLE,
         });
     }
     let stored = le.u64(56);
@@ -334,10 +373,11 @@ pub fn parse_shard_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader, Form
     let header_bytes = le.u32(12);
     if header_bytes as usize != HEADER_BYTES {
         return Err(invalid(format!(
-            "header: header_bytes is {header_bytes}, version 1 requires {HEADER_BYTES}"
+            "header: header_bytes is {header_bytes}, version {version} requires {HEADER_BYTES}"
         )));
     }
     let header = ShardHeader {
+        version,
         first_sample: le.u64(16),
         sample_count: le.u64(24),
         field_count: le.u32(32),
@@ -348,7 +388,7 @@ pub fn parse_shard_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader, Form
     let checksum_kind = le.u32(44);
     if checksum_kind != CHECKSUM_XXH3_64 {
         return Err(invalid(format!(
-            "header: checksum algorithm {checksum_kind} is unknown (version 1 uses 1 = xxh3-64)"
+            "header: checksum algorithm {checksum_kind} is unknown (versions 1 and 2 use 1 = xxh3-64)"
         )));
     }
     if header.field_count == 0 || header.field_count as usize > FIELDS_MAX {
@@ -484,9 +524,24 @@ fn parse_fields(
             .map_err(|_| invalid(format!("field entry {index}: name is not UTF-8")))?
             .to_string();
         validate_field_name(&name).map_err(|e| invalid(format!("field entry {index}: {e}")))?;
-        if entry[name_len..64].iter().any(|&b| b != 0) || entry[66..72].iter().any(|&b| b != 0) {
+        if entry[name_len..64].iter().any(|&b| b != 0) || entry[67] != 0 {
             return Err(invalid(format!(
                 "field entry {index} ('{name}'): reserved bytes are not zero"
+            )));
+        }
+        let variable = match (entry[66], header.version) {
+            (0, _) => false,
+            (1, FORMAT_VERSION_VARIABLE) => true,
+            (kind, version) => {
+                return Err(invalid(format!(
+                    "field entry {index} ('{name}'): length kind {kind} is not valid in format version {version} (0 fixed; 1 variable, from version 2)"
+                )))
+            }
+        };
+        let offset_block_count = le.u32(68);
+        if !variable && offset_block_count != 0 {
+            return Err(invalid(format!(
+                "field entry {index} ('{name}'): a fixed-shape field has offset_block_count {offset_block_count}, not 0"
             )));
         }
         let dtype = DType::from_code(entry[64])
@@ -513,13 +568,14 @@ fn parse_fields(
                     "field entry {index} ('{name}'): shape {shape:?} gives an empty or overflowing sample"
                 ))
             })?;
-        let field_bytes = sample_bytes
-            .checked_mul(header.sample_count)
-            .ok_or_else(|| {
-                invalid(format!(
-                    "field entry {index} ('{name}'): sample_bytes x sample_count overflows"
-                ))
-            })?;
+        // A variable-length field's table says how many bytes its offsets take (8 a sample); its
+        // values' length is only known from its blocks.
+        let per_sample = if variable { OFFSET_BYTES } else { sample_bytes };
+        let field_bytes = per_sample.checked_mul(header.sample_count).ok_or_else(|| {
+            invalid(format!(
+                "field entry {index} ('{name}'): sample_bytes x sample_count overflows"
+            ))
+        })?;
         let first_block = le.u32(72);
         let block_count = le.u32(76);
         if first_block != next_block
@@ -533,11 +589,19 @@ fn parse_fields(
             )));
         }
         next_block = first_block + block_count;
-        if block_count == 0 || field_bytes.div_ceil(header.block_bytes as u64) > block_count as u64
+        let table_blocks = if variable {
+            offset_block_count
+        } else {
+            block_count
+        };
+        if table_blocks == 0
+            || table_blocks > block_count
+            || field_bytes.div_ceil(header.block_bytes as u64) > table_blocks as u64
         {
             return Err(invalid(format!(
-                "field entry {index} ('{name}'): {block_count} blocks of at most {} bytes cannot hold {field_bytes} bytes",
-                header.block_bytes
+                "field entry {index} ('{name}'): {table_blocks} blocks of at most {} bytes cannot hold {field_bytes} bytes{}",
+                header.block_bytes,
+                if variable { " of offsets" } else { "" }
             )));
         }
         if fields.iter().any(|f: &Field| f.name == name) {
@@ -551,6 +615,7 @@ fn parse_fields(
             shape,
             first_block,
             block_count,
+            offset_blocks: variable.then_some(offset_block_count),
         });
     }
     if next_block != header.block_count {
@@ -561,6 +626,55 @@ fn parse_fields(
     }
 
     Ok(fields)
+}
+
+/// Where block `block_in_field` of a variable-length field lies: whether it holds offsets (the
+/// field's first `offset_blocks`, ending exactly at `offsets_bytes`) or values (from there on);
+/// what is wrong if it straddles them. A fixed-shape field's blocks hold no offsets.
+fn check_variable_block(
+    field: &Field,
+    block_in_field: u32,
+    block: &BlockEntry,
+    offsets_bytes: u64,
+) -> Result<bool, String> {
+    let Some(offset_blocks) = field.offset_blocks else {
+        return Ok(false);
+    };
+    let end = block.raw_offset + u64::from(block.raw_bytes);
+    let in_offsets = block_in_field < offset_blocks;
+    let misplaced = if in_offsets {
+        end > offsets_bytes || (block_in_field + 1 == offset_blocks && end != offsets_bytes)
+    } else {
+        block.raw_offset < offsets_bytes
+    };
+    if misplaced {
+        return Err(format!(
+            "the field's first {offset_blocks} blocks must hold exactly its {offsets_bytes} bytes of offsets"
+        ));
+    }
+    Ok(in_offsets)
+}
+
+/// Checks that the blocks of `field` hold `raw_bytes` as its `sample_count` samples need: exactly
+/// their bytes, or of a variable-length field its offsets and whole elements.
+fn check_field_bytes(field: &Field, raw_bytes: u64, sample_count: u64) -> Result<(), String> {
+    let sample_bytes = field.sample_bytes();
+    if field.is_variable() {
+        let offsets_bytes = OFFSET_BYTES * sample_count;
+        if raw_bytes < offsets_bytes || (raw_bytes - offsets_bytes) % sample_bytes != 0 {
+            return Err(format!(
+                "field '{}': blocks hold {raw_bytes} bytes, not {offsets_bytes} bytes of offsets and whole {sample_bytes}-byte elements",
+                field.name
+            ));
+        }
+    } else if raw_bytes != sample_bytes * sample_count {
+        return Err(format!(
+            "field '{}': blocks hold {raw_bytes} bytes but {sample_count} samples of {sample_bytes} bytes need {}",
+            field.name,
+            sample_bytes * sample_count
+        ));
+    }
+    Ok(())
 }
 
 /// The block table of a shard, field by field, with every block's extents checked against the
@@ -581,7 +695,12 @@ fn parse_blocks(
     let mut previous_payload_end = header.payload_offset;
     for (field_index, field) in fields.iter().enumerate() {
         let sample_bytes = field.sample_bytes();
-        let field_bytes = sample_bytes * header.sample_count;
+        // A variable-length field's stream is its offsets (8 bytes a sample), then its values,
+        // whose length the blocks give.
+        let (offsets_bytes, field_bytes) = match field.is_variable() {
+            true => (OFFSET_BYTES * header.sample_count, u64::MAX),
+            false => (0, sample_bytes * header.sample_count),
+        };
         let mut raw_offset = 0u64;
         for block_in_field in 0..field.block_count {
             let index = (field.first_block + block_in_field) as usize;
@@ -645,14 +764,25 @@ fn parse_blocks(
                     block.raw_offset
                 )));
             }
-            raw_offset += block.raw_bytes as u64;
+            raw_offset = raw_offset
+                .checked_add(block.raw_bytes as u64)
+                .ok_or_else(|| invalid(format!("{place}: raw_offset overflows")))?;
             if raw_offset > field_bytes {
                 return Err(invalid(format!(
                     "{place}: runs past the field's {field_bytes} bytes"
                 )));
             }
-            let expected_first_sample = header.first_sample + block.raw_offset / sample_bytes;
-            if block.first_sample != expected_first_sample {
+            let in_offsets = check_variable_block(field, block_in_field, &block, offsets_bytes)
+                .map_err(|what| invalid(format!("{place}: {what}")))?;
+            // A values block's first sample is checked against the offsets by the reader that reads
+            // them (the tables alone do not say which sample a value belongs to).
+            let per_sample = if in_offsets {
+                OFFSET_BYTES
+            } else {
+                sample_bytes
+            };
+            let expected_first_sample = header.first_sample + block.raw_offset / per_sample;
+            if (!field.is_variable() || in_offsets) && block.first_sample != expected_first_sample {
                 return Err(invalid(format!(
                     "{place}: first_sample is {} but its first byte belongs to sample {expected_first_sample}",
                     block.first_sample
@@ -686,12 +816,7 @@ fn parse_blocks(
             previous_payload_end = payload_end;
             blocks.push(block);
         }
-        if raw_offset != field_bytes {
-            return Err(invalid(format!(
-                "field '{}': blocks hold {raw_offset} bytes but {} samples of {sample_bytes} bytes need {field_bytes}",
-                field.name, header.sample_count
-            )));
-        }
+        check_field_bytes(field, raw_offset, header.sample_count).map_err(invalid)?;
     }
     Ok(blocks)
 }
@@ -707,6 +832,7 @@ mod tests {
             shape: vec![2],
             first_block: 0,
             block_count: 1,
+            offset_blocks: None,
         }];
         let blocks = vec![BlockEntry {
             stored_offset: 4096,

@@ -1,6 +1,8 @@
 //! Parquet files and Arrow IPC files and streams (the format of a Hugging Face `datasets` cache) as
 //! pack inputs: primitive columns become scalar fields, fixed-size list columns fixed-shape fields
-//! (nested fixed-size lists a shape of several dimensions).
+//! (nested fixed-size lists a shape of several dimensions), list columns (`list`, `large_list` of
+//! such values) variable-length fields of their values, strings and binaries variable-length `u8`
+//! fields of their bytes.
 //!
 //! A pack copies a field's samples range by range and, with `--codec auto`, samples blocks spread
 //! over the whole field first ([`FieldSource::copy_samples`] is random access). Parquet and IPC
@@ -10,9 +12,13 @@
 //! as written, so its largest batch bounds the memory), and the scratch files, unlinked from the
 //! start, take the raw size of the fields on the output's disk until the pack ends.
 //!
-//! Refused, naming the file and column (and row): variable-length columns (lists, strings,
-//! binary), types with no gpufeed dtype, null values, files whose columns differ in type, and
-//! Parquet files whose footer disagrees with the rows their row groups hold.
+//! A file with a variable-length column is decoded on one thread, in order: each variable-length
+//! field keeps its samples' ends (8 bytes a row) in memory for the pack.
+//!
+//! Refused, naming the file and column (and row): list views, maps, string and binary views,
+//! lists of lists, types with no gpufeed dtype, null values (a null list, or a null inside one),
+//! files whose columns differ in type, and Parquet files whose footer disagrees with the rows their
+//! row groups hold.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
@@ -143,11 +149,18 @@ pub enum ColumnKind {
         /// The per-sample shape (empty for a scalar column).
         shape: Vec<u64>,
     },
+    /// A variable-length field: each row a run of elements of this dtype and shape.
+    Variable {
+        /// The element type.
+        dtype: DType,
+        /// The shape of one element (empty for a list of scalars).
+        shape: Vec<u64>,
+    },
     /// Why the column cannot be a field.
     Refused(String),
 }
 
-const VARIABLE: &str = "variable-length fields are not supported yet";
+const VARIABLE: &str = "this kind of variable-length column is not supported";
 
 /// What `data_type` can be as a field.
 pub fn column_kind(data_type: &DataType) -> ColumnKind {
@@ -176,25 +189,36 @@ pub fn column_kind(data_type: &DataType) -> ColumnKind {
                     shape.insert(0, *length as u64);
                     ColumnKind::Field { dtype, shape }
                 }
+                ColumnKind::Variable { .. } => ColumnKind::Refused(format!(
+                    "fixed-size lists of variable-length values: {VARIABLE}"
+                )),
                 ColumnKind::Refused(why) => ColumnKind::Refused(format!("its values: {why}")),
             };
         }
-        DataType::List(_)
-        | DataType::LargeList(_)
-        | DataType::ListView(_)
-        | DataType::LargeListView(_)
-        | DataType::Map(..) => {
+        DataType::List(child) | DataType::LargeList(child) => {
+            return match column_kind(child.data_type()) {
+                ColumnKind::Field { dtype, shape } => ColumnKind::Variable { dtype, shape },
+                ColumnKind::Variable { .. } => ColumnKind::Refused(format!(
+                    "lists of lists: {VARIABLE} (a list of fixed-size lists packs)"
+                )),
+                ColumnKind::Refused(why) => ColumnKind::Refused(format!("its values: {why}")),
+            }
+        }
+        DataType::ListView(_) | DataType::LargeListView(_) | DataType::Map(..) => {
             return ColumnKind::Refused(format!(
-                "lists of varying length: {VARIABLE} (a fixed-size list packs)"
+                "list views and maps: {VARIABLE} (a list or a fixed-size list packs)"
             ))
         }
-        DataType::Utf8
-        | DataType::LargeUtf8
-        | DataType::Utf8View
-        | DataType::Binary
-        | DataType::LargeBinary
-        | DataType::BinaryView => {
-            return ColumnKind::Refused(format!("strings and binaries: {VARIABLE}"))
+        DataType::Utf8 | DataType::LargeUtf8 | DataType::Binary | DataType::LargeBinary => {
+            return ColumnKind::Variable {
+                dtype: DType::U8,
+                shape: Vec::new(),
+            }
+        }
+        DataType::Utf8View | DataType::BinaryView => {
+            return ColumnKind::Refused(format!(
+                "string and binary views: {VARIABLE} (cast to string or binary)"
+            ))
         }
         other => return ColumnKind::Refused(format!("{other} has no gpufeed dtype")),
     };
@@ -270,6 +294,11 @@ impl TableListing {
                 ColumnKind::Field { dtype, shape } => {
                     let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
                     format!("{dtype} [{}]", dims.join(", "))
+                }
+                ColumnKind::Variable { dtype, shape } => {
+                    let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+                    format!("{dtype} [*, {}] variable-length", dims.join(", "))
+                        .replace(", ] ", "] ")
                 }
                 ColumnKind::Refused(why) => format!("(gpufeed cannot pack this: {why})"),
             };
@@ -455,11 +484,95 @@ fn first_null(array: &dyn Array) -> Option<usize> {
             let length = *length as usize;
             first_null(list.values().slice(0, list.len() * length).as_ref()).map(|i| i / length)
         }
+        DataType::List(_) => list_first_null(array.as_list::<i32>()),
+        DataType::LargeList(_) => list_first_null(array.as_list::<i64>()),
         _ => None,
     };
     match (own, inner) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
+    }
+}
+
+/// The first row of a list array holding a null inside its list.
+fn list_first_null<O: arrow_array::OffsetSizeTrait>(
+    list: &arrow_array::GenericListArray<O>,
+) -> Option<usize> {
+    let offsets = list.value_offsets();
+    let first = offsets[0].as_usize();
+    let last = offsets[list.len()].as_usize();
+    let element = first_null(list.values().slice(first, last - first).as_ref())?;
+    // The row whose values hold that element.
+    Some(offsets[1..].partition_point(|end| end.as_usize() - first <= element))
+}
+
+/// Appends the values of variable-length `array` (a list, string or binary column without nulls)
+/// to `out` in C order, and each row's end (counted in elements from the field's first, `total`
+/// before this array) to `ends`.
+fn write_variable(
+    array: &dyn Array,
+    out: &mut impl Write,
+    bytes: &mut Vec<u8>,
+    ends: &mut Vec<u64>,
+) -> io::Result<()> {
+    fn list<O: arrow_array::OffsetSizeTrait>(
+        list: &arrow_array::GenericListArray<O>,
+        out: &mut impl Write,
+        bytes: &mut Vec<u8>,
+        ends: &mut Vec<u64>,
+    ) -> io::Result<()> {
+        let offsets = list.value_offsets();
+        let first = offsets[0].as_usize();
+        let last = offsets[list.len()].as_usize();
+        write_values(
+            list.values().slice(first, last - first).as_ref(),
+            out,
+            bytes,
+        )?;
+        push_ends(offsets, ends);
+        Ok(())
+    }
+    fn push_ends<O: arrow_array::OffsetSizeTrait>(offsets: &[O], ends: &mut Vec<u64>) {
+        let base = ends.last().copied().unwrap_or(0);
+        let first = offsets[0].as_usize();
+        ends.extend(
+            offsets[1..]
+                .iter()
+                .map(|end| base + (end.as_usize() - first) as u64),
+        );
+    }
+    fn bytes_of<O: arrow_array::OffsetSizeTrait>(
+        offsets: &[O],
+        values: &[u8],
+        out: &mut impl Write,
+        ends: &mut Vec<u64>,
+    ) -> io::Result<()> {
+        let first = offsets[0].as_usize();
+        let last = offsets[offsets.len() - 1].as_usize();
+        out.write_all(&values[first..last])?;
+        push_ends(offsets, ends);
+        Ok(())
+    }
+    match array.data_type() {
+        DataType::List(_) => list(array.as_list::<i32>(), out, bytes, ends),
+        DataType::LargeList(_) => list(array.as_list::<i64>(), out, bytes, ends),
+        DataType::Utf8 => {
+            let strings = array.as_string::<i32>();
+            bytes_of(strings.value_offsets(), strings.value_data(), out, ends)
+        }
+        DataType::LargeUtf8 => {
+            let strings = array.as_string::<i64>();
+            bytes_of(strings.value_offsets(), strings.value_data(), out, ends)
+        }
+        DataType::Binary => {
+            let binary = array.as_binary::<i32>();
+            bytes_of(binary.value_offsets(), binary.value_data(), out, ends)
+        }
+        DataType::LargeBinary => {
+            let binary = array.as_binary::<i64>();
+            bytes_of(binary.value_offsets(), binary.value_data(), out, ends)
+        }
+        other => unreachable!("column_kind admitted {other} as variable-length"),
     }
 }
 
@@ -503,7 +616,10 @@ struct Scratch {
     name: String,
     dtype: DType,
     shape: Vec<u64>,
+    /// Bytes of one row, or of one element of a variable-length field.
     sample_bytes: usize,
+    /// Of a variable-length field: each row's end, in elements, over the files read so far.
+    ends: Option<Vec<u64>>,
     writer: BufWriter<File>,
     written: u64,
     /// (input file, scratch file holding it, first byte there, samples) of each piece, in
@@ -551,6 +667,7 @@ pub fn open_table_fields(
                     dtype: DType::U8,
                     shape: Vec::new(),
                     sample_bytes: 0,
+                    ends: None,
                     writer: BufWriter::with_capacity(
                         SCRATCH_BUFFER_BYTES,
                         tempfile::tempfile_in(scratch_dir).map_err(io_error(scratch_dir))?,
@@ -617,6 +734,10 @@ pub fn open_table_fields(
                 None => {
                     let (dtype, shape) = match column_kind(&data_type) {
                         ColumnKind::Field { dtype, shape } => (dtype, shape),
+                        ColumnKind::Variable { dtype, shape } => {
+                            field.ends = Some(Vec::new());
+                            (dtype, shape)
+                        }
                         ColumnKind::Refused(why) => {
                             return Err(table_error(
                                 path,
@@ -708,7 +829,10 @@ fn read_file(
 ) -> Result<(), InputError> {
     let names: Vec<String> = columns.iter().map(|(_, c)| c.clone()).collect();
     let names = names.as_slice();
-    if format == TableFormat::Parquet && threads > 1 {
+    // Rows of variable-length columns differ in size, so their places in the scratch files are
+    // only known in order.
+    let variable = columns.iter().any(|(i, _)| fields[*i].ends.is_some());
+    if format == TableFormat::Parquet && threads > 1 && !variable {
         return read_parquet_parallel(
             path,
             columns,
@@ -743,9 +867,20 @@ fn read_file(
                 .expect("the projection keeps every column asked for");
             check_nulls(path, column, rows, array.as_ref())?;
             let field = &mut fields[*index];
-            write_values(array.as_ref(), &mut field.writer, &mut bytes)
-                .map_err(io_error(Path::new("(scratch file)")))?;
-            field.written += (batch.num_rows() * field.sample_bytes) as u64;
+            match &mut field.ends {
+                None => {
+                    write_values(array.as_ref(), &mut field.writer, &mut bytes)
+                        .map_err(io_error(Path::new("(scratch file)")))?;
+                    field.written += (batch.num_rows() * field.sample_bytes) as u64;
+                }
+                Some(ends) => {
+                    let before = ends.last().copied().unwrap_or(0);
+                    write_variable(array.as_ref(), &mut field.writer, &mut bytes, ends)
+                        .map_err(io_error(Path::new("(scratch file)")))?;
+                    let after = ends.last().copied().unwrap_or(0);
+                    field.written += (after - before) * field.sample_bytes as u64;
+                }
+            }
         }
         rows += batch.num_rows() as u64;
     }
@@ -758,9 +893,15 @@ fn read_file(
         }
     }
     for ((index, _), start) in columns.iter().zip(starts) {
-        fields[*index]
+        let field = &mut fields[*index];
+        // A variable-length field's piece counts its elements (its scratch file's rows).
+        let count = match field.ends {
+            Some(_) => (field.written - start) / field.sample_bytes as u64,
+            None => rows,
+        };
+        field
             .pieces
-            .push((path.to_path_buf(), ScratchFile::Own, start, rows));
+            .push((path.to_path_buf(), ScratchFile::Own, start, count));
     }
     Ok(())
 }
@@ -1189,12 +1330,17 @@ fn finish(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(FieldSource {
+    let values = FieldSource {
         name: scratch.name,
         dtype: scratch.dtype,
         sample_shape: scratch.shape,
         parts,
-    })
+        ends: None,
+    };
+    match scratch.ends {
+        None => Ok(values),
+        Some(ends) => FieldSource::variable(values, ends),
+    }
 }
 
 /// Every column of `paths` as a field named after it, the files concatenated as one dataset: they
@@ -1304,11 +1450,143 @@ mod tests {
                 shape: vec![3, 4]
             }
         );
-        let list = DataType::List(Arc::new(Field::new("item", DataType::Int64, true)));
-        match column_kind(&list) {
-            ColumnKind::Refused(why) => assert!(why.contains(VARIABLE), "{why}"),
-            kind => panic!("a list column became {kind:?}"),
+    }
+
+    #[test]
+    fn lists_strings_and_binaries_are_variable_length() {
+        let item = |data_type| Arc::new(Field::new("item", data_type, true));
+        let list = DataType::List(item(DataType::Int64));
+        assert_eq!(
+            column_kind(&list),
+            ColumnKind::Variable {
+                dtype: DType::I64,
+                shape: vec![]
+            }
+        );
+        let pairs = DataType::LargeList(item(DataType::FixedSizeList(item(DataType::Float32), 2)));
+        assert_eq!(
+            column_kind(&pairs),
+            ColumnKind::Variable {
+                dtype: DType::F32,
+                shape: vec![2]
+            }
+        );
+        for text in [DataType::Utf8, DataType::LargeBinary] {
+            assert_eq!(
+                column_kind(&text),
+                ColumnKind::Variable {
+                    dtype: DType::U8,
+                    shape: vec![]
+                }
+            );
         }
+        for refused in [
+            DataType::List(item(list.clone())),
+            DataType::FixedSizeList(item(list), 2),
+            DataType::Utf8View,
+        ] {
+            match column_kind(&refused) {
+                ColumnKind::Refused(why) => assert!(why.contains(VARIABLE), "{why}"),
+                kind => panic!("{refused} became {kind:?}"),
+            }
+        }
+    }
+
+    /// Writes `batches` (one schema) as a Parquet file of row groups of `group_rows`.
+    fn parquet(path: &Path, batches: &[RecordBatch], group_rows: usize) {
+        let properties = parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(group_rows))
+            .build();
+        let mut writer = parquet::arrow::ArrowWriter::try_new(
+            File::create(path).unwrap(),
+            batches[0].schema(),
+            Some(properties),
+        )
+        .unwrap();
+        for batch in batches {
+            writer.write(batch).unwrap();
+        }
+        writer.close().unwrap();
+    }
+
+    #[test]
+    fn list_and_string_columns_pack_as_their_values_with_each_rows_end() {
+        use arrow_array::builder::{ListBuilder, StringBuilder};
+        use arrow_array::{ArrayRef, Int64Array};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("docs.parquet");
+        // Row r: tokens [r * 10, r * 10 + r % 5), text "r" repeated r % 3 times.
+        let rows = 500;
+        let mut tokens = ListBuilder::new(arrow_array::builder::Int32Builder::new());
+        let mut text = StringBuilder::new();
+        for row in 0..rows {
+            tokens
+                .values()
+                .append_slice(&(row * 10..row * 10 + row % 5).collect::<Vec<i32>>());
+            tokens.append(true);
+            text.append_value(row.to_string().repeat(row as usize % 3));
+        }
+        let ids: ArrayRef = Arc::new(Int64Array::from_iter_values(0..rows as i64));
+        let batch = RecordBatch::try_from_iter([
+            ("tokens", Arc::new(tokens.finish()) as ArrayRef),
+            ("text", Arc::new(text.finish()) as ArrayRef),
+            ("id", ids),
+        ])
+        .unwrap();
+        parquet(&path, &[batch.slice(0, 200), batch.slice(200, 300)], 70);
+        let fields = open_table_dataset(std::slice::from_ref(&path), dir.path(), 3).unwrap();
+        let [tokens, text, id] = &fields[..] else {
+            panic!("three fields")
+        };
+        assert!(tokens.is_variable() && text.is_variable() && !id.is_variable());
+        assert_eq!(
+            (tokens.samples(), text.samples(), id.samples()),
+            (500, 500, 500)
+        );
+        assert_eq!((tokens.dtype, text.dtype), (DType::I32, DType::U8));
+        let mut values = Vec::new();
+        tokens
+            .copy_samples(0, tokens.sample_count(), &mut values)
+            .unwrap();
+        let values: Vec<i32> = values
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let mut bytes = Vec::new();
+        text.copy_samples(0, text.sample_count(), &mut bytes)
+            .unwrap();
+        let (mut token_start, mut text_start) = (0usize, 0usize);
+        for row in 0..rows {
+            let token_end = tokens.ends().unwrap()[row as usize] as usize;
+            let expected: Vec<i32> = (row * 10..row * 10 + row % 5).collect();
+            assert_eq!(values[token_start..token_end], expected[..], "row {row}");
+            token_start = token_end;
+            let text_end = text.ends().unwrap()[row as usize] as usize;
+            assert_eq!(
+                &bytes[text_start..text_end],
+                row.to_string().repeat(row as usize % 3).as_bytes()
+            );
+            text_start = text_end;
+        }
+        assert_eq!(tokens.length_max(), 4);
+
+        // A null inside a list is refused naming the column and the row.
+        let mut nulls = ListBuilder::new(arrow_array::builder::Int32Builder::new());
+        for row in 0..50 {
+            nulls.values().append_value(row);
+            if row == 37 {
+                nulls.values().append_null();
+            }
+            nulls.append(true);
+        }
+        let batch =
+            RecordBatch::try_from_iter([("ids", Arc::new(nulls.finish()) as ArrayRef)]).unwrap();
+        let bad = dir.path().join("nulls.parquet");
+        parquet(&bad, &[batch], 20);
+        let error = open_table_dataset(std::slice::from_ref(&bad), dir.path(), 2)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("column 'ids', row 37: null"), "{error}");
     }
 
     /// A Parquet file whose metadata lies, its row group claiming 50 rows more than its pages

@@ -565,9 +565,14 @@ pub struct FieldSource {
     pub name: String,
     /// The element type.
     pub dtype: DType,
-    /// The shape of one sample (dims 1.. of the input arrays); empty for scalar samples.
+    /// The shape of one sample (dims 1.. of the input arrays); empty for scalar samples. Of a
+    /// variable-length field, the shape of one element.
     pub sample_shape: Vec<u64>,
     parts: Vec<SourcePart>,
+    /// Of a variable-length field: per sample, the end of its elements in the parts' rows
+    /// (cumulative, starting after 0); the parts then hold the elements of every sample back to
+    /// back. `None` for a fixed-shape field, whose parts' rows are its samples.
+    ends: Option<Arc<Vec<u64>>>,
 }
 
 /// Bytes per sample of `shape` with `dtype`, or `None` if it overflows a usize.
@@ -578,7 +583,77 @@ fn checked_sample_bytes(dtype: DType, shape: &[u64]) -> Option<usize> {
 }
 
 impl FieldSource {
-    /// Total number of samples over all parts.
+    /// A variable-length field: sample `i` is rows `[ends[i - 1], ends[i])` of `values` (with
+    /// `ends[-1] = 0`), `values` holding every sample's elements back to back. Fails if `ends` goes
+    /// back or does not end at `values`' last row.
+    pub fn variable(values: FieldSource, ends: Vec<u64>) -> Result<FieldSource, InputError> {
+        let bad = |reason: String| InputError::Table {
+            path: PathBuf::from(format!("<field {}>", values.name)),
+            reason,
+        };
+        if values.ends.is_some() {
+            return Err(bad(
+                "the values of a variable-length field are variable-length".into(),
+            ));
+        }
+        let mut previous = 0u64;
+        for (sample, &end) in ends.iter().enumerate() {
+            if end < previous {
+                return Err(bad(format!(
+                    "sample {sample}: offsets go back ({end} < {previous})"
+                )));
+            }
+            previous = end;
+        }
+        if previous != values.sample_count() {
+            return Err(bad(format!(
+                "the offsets end at row {previous} but the values hold {} rows",
+                values.sample_count()
+            )));
+        }
+        Ok(FieldSource {
+            ends: Some(Arc::new(ends)),
+            ..values
+        })
+    }
+
+    /// Per sample of a variable-length field, the end of its elements (`None` for a fixed-shape
+    /// field).
+    pub fn ends(&self) -> Option<&[u64]> {
+        self.ends.as_deref().map(Vec::as_slice)
+    }
+
+    /// Whether the field's samples vary in length.
+    pub fn is_variable(&self) -> bool {
+        self.ends.is_some()
+    }
+
+    /// Samples of the field: of a fixed-shape field its rows, of a variable-length one its runs of
+    /// rows.
+    pub fn samples(&self) -> u64 {
+        match &self.ends {
+            Some(ends) => ends.len() as u64,
+            None => self.sample_count(),
+        }
+    }
+
+    /// Elements of the longest sample of a variable-length field (0 for a fixed-shape one).
+    pub fn length_max(&self) -> u64 {
+        self.ends().map_or(0, |ends| {
+            let mut previous = 0;
+            ends.iter()
+                .map(|&end| {
+                    let length = end - previous;
+                    previous = end;
+                    length
+                })
+                .max()
+                .unwrap_or(0)
+        })
+    }
+
+    /// Total number of rows over all parts: of a fixed-shape field its samples, of a
+    /// variable-length field its elements.
     pub fn sample_count(&self) -> u64 {
         self.parts.iter().map(|p| p.samples).sum()
     }
@@ -758,6 +833,7 @@ impl FieldSource {
             dtype,
             sample_shape,
             parts: vec![part],
+            ends: None,
         })
     }
 }

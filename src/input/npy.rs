@@ -802,6 +802,7 @@ pub fn open_npy_field(name: &str, paths: &[PathBuf]) -> Result<FieldSource, Inpu
         dtype,
         sample_shape,
         parts,
+        ends: None,
     })
 }
 

@@ -76,6 +76,7 @@ pub fn open_safetensors_field(
         dtype,
         sample_shape,
         parts: vec![part],
+        ends: None,
     })
 }
 

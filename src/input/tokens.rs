@@ -14,6 +14,11 @@
 //! Several inputs of one dtype pack as one dataset ([`cut_all`]): each is cut on its own, so a
 //! sequence never spans two files, and each file's remainder is dropped.
 //!
+//! Instead of cutting, Megatron inputs may be packed one sample per document ([`documents_all`]):
+//! field `tokens` is then variable-length (format version 2), each sample a document's tokens (an
+//! empty document an empty sample), nothing dropped; the documents' ends are taken from the index
+//! (8 bytes a document in memory while packing).
+//!
 //! The `.idx` layout (version 1, all little-endian), as Megatron-LM's `_IndexWriter` writes it:
 //!
 //! | offset | bytes | what |
@@ -462,6 +467,7 @@ impl TokenInput {
             .and_then(|n| n.checked_mul(width))
             .ok_or_else(|| bad(&self.path, format!("--seq-len {seq_len} is too large")))?;
         let tokens = FieldSource {
+            ends: None,
             name: TOKENS_FIELD.into(),
             dtype: self.dtype,
             sample_shape: vec![seq_len],
@@ -483,6 +489,7 @@ impl TokenInput {
                 kept_tokens: sequences * seq_len,
             };
             fields.push(FieldSource {
+                ends: None,
                 name: DOC_START_FIELD.into(),
                 dtype: DType::U8,
                 sample_shape: vec![seq_len],
@@ -547,6 +554,71 @@ impl TokenInput {
         }
         text
     }
+}
+
+/// The documents of several Megatron inputs of one dtype as one variable-length field `tokens`, a
+/// sample per document, the inputs' documents one after another in the order given. An input
+/// without document boundaries (a flat `.bin`, a `.npy`) is refused naming it.
+pub fn documents_all(inputs: &[TokenInput]) -> Result<FieldSource, InputError> {
+    let Some(first) = inputs.first() else {
+        return Err(InputError::NoFiles {
+            name: TOKENS_FIELD.into(),
+        });
+    };
+    let width = first.dtype.size_bytes();
+    let mut parts = Vec::with_capacity(inputs.len());
+    let mut ends = Vec::new();
+    let mut base = 0u64;
+    for input in inputs {
+        if input.dtype != first.dtype {
+            return Err(InputError::DtypeMismatch {
+                path: input.path.clone(),
+                expected: first.dtype,
+                found: input.dtype,
+                first: first.path.clone(),
+            });
+        }
+        let Some(layout) = &input.index else {
+            return Err(bad(
+                &input.path,
+                "has no document boundaries (only a Megatron-LM .bin/.idx pair has them): pack it with --seq-len instead of --documents",
+            ));
+        };
+        let TokenFormat::Megatron { index, .. } = &input.format else {
+            unreachable!("only Megatron inputs have an index")
+        };
+        let starts = DocStarts {
+            path: index.clone(),
+            layout: layout.clone(),
+            width: width as u64,
+            total_tokens: input.tokens,
+            kept_tokens: input.tokens,
+        };
+        let bytes = layout.backing.bytes();
+        // Document j ends where document j + 1 starts (checked: non-decreasing, the last at the
+        // stream's end).
+        ends.extend((1..layout.document_entries).map(|j| base + starts.start(bytes, j)));
+        layout.backing.check(index)?;
+        parts.push(SourcePart::new(
+            &input.path,
+            Arc::clone(&input.data),
+            input.data_offset,
+            input.tokens,
+            width,
+        )?);
+        base += input.tokens;
+    }
+    if ends.is_empty() {
+        return Err(bad(&first.path, "the inputs hold no document"));
+    }
+    let values = FieldSource {
+        ends: None,
+        name: TOKENS_FIELD.into(),
+        dtype: first.dtype,
+        sample_shape: Vec::new(),
+        parts,
+    };
+    FieldSource::variable(values, ends)
 }
 
 /// Cuts several token inputs into one dataset's fields: each input is cut on its own (a sequence

@@ -3,11 +3,12 @@
 //! `Status` frame. They are here so that only `ipc` knows the wire format.
 
 use gpufeed_proto::protocol::{
-    CorruptPolicy as WireCorruptPolicy, DaemonStatus, Device, FieldRequest, Shuffle, StreamSpec,
-    Tail as WireTail,
+    BatchForm, CorruptPolicy as WireCorruptPolicy, DaemonStatus, Device, FieldRequest, Shuffle,
+    StreamSpec, Tail as WireTail,
 };
 
 use crate::metrics::ServingCounts;
+use crate::pipeline::varlen::{VariableForm, VariableSelection};
 use crate::pipeline::{
     CorruptPolicy, FieldSelection, ShuffleMode, StreamDevice, StreamRequest, Tail,
 };
@@ -27,6 +28,18 @@ impl From<&StreamSpec> for StreamRequest {
             prefetch: spec.prefetch,
             on_corrupt: spec.on_corrupt.into(),
             device: spec.device.into(),
+            variable: spec
+                .variable
+                .iter()
+                .map(|v| VariableSelection {
+                    name: v.name.clone(),
+                    form: match v.form {
+                        BatchForm::Padded => VariableForm::Padded,
+                        BatchForm::Packed => VariableForm::Packed,
+                    },
+                    cap: v.cap,
+                })
+                .collect(),
         }
     }
 }
@@ -131,6 +144,7 @@ mod tests {
                 prefetch: 5,
                 on_corrupt: CorruptPolicy::Replace,
                 device: StreamDevice::Cuda(1),
+                variable: Vec::new(),
             }
         );
     }

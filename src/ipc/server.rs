@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 
 use gpufeed_proto::protocol::{
-    Backend, DecodeError, ErrorCode, FieldLayout, Message, StreamLayout, StreamSpec,
-    PROTOCOL_VERSION,
+    Backend, BatchForm, DecodeError, ErrorCode, FieldLayout, Message, StreamLayout, StreamSpec,
+    VariableLayout, PROTOCOL_VERSION,
 };
 use gpufeed_proto::ring::{check_published, decode_release, RingBatch, RingError};
 use gpufeed_proto::transport::{self, TransportError};
@@ -26,6 +26,7 @@ use super::slots::{Lease, SlotRing};
 use crate::metrics::{Metrics, SlotLease};
 use crate::pipeline::block_cache::BlockCache;
 use crate::pipeline::cpu::{lookahead_bytes, working_set_bytes};
+use crate::pipeline::varlen::VariableForm;
 use crate::pipeline::{
     Ended, FillError, Filled, Filler, FillerError, GpuBackend, Handoff, StreamBackend,
     StreamLimits, StreamPlan, StreamRequest,
@@ -846,32 +847,66 @@ fn open_stream(
     })
 }
 
-/// The layout `StreamOpened` announces for `plan`'s slots in `ring`.
+/// The layout `StreamOpened` announces for `plan`'s slots in `ring`: each field where the plan puts
+/// it, a variable-length field followed by its index tensor (`NAME.lengths` or `NAME.cu_seqlens`,
+/// `int32`), described in the layout's `variable` record.
 fn stream_layout(
     plan: &StreamPlan,
     ring: &SlotRing,
     device: gpufeed_proto::protocol::Device,
     slot_events: Vec<gpufeed_proto::protocol::SlotEvents>,
 ) -> StreamLayout {
+    let batch_size = u64::from(plan.rank.batch_size);
+    let mut fields = Vec::with_capacity(plan.fields.len());
+    let mut variable = Vec::new();
+    for f in &plan.fields {
+        match &f.variable {
+            None => fields.push(FieldLayout {
+                name: f.name.clone(),
+                dtype: f.out,
+                sample_shape: f.sample_shape.clone(),
+                offset: f.offset as u64,
+                batch_bytes: f.sample_bytes_out as u64 * batch_size,
+            }),
+            Some(v) => {
+                let form = match v.form {
+                    VariableForm::Padded => BatchForm::Padded,
+                    VariableForm::Packed => BatchForm::Packed,
+                };
+                let mut sample_shape = vec![v.length_bound];
+                sample_shape.extend_from_slice(&f.sample_shape);
+                fields.push(FieldLayout {
+                    name: f.name.clone(),
+                    dtype: f.out,
+                    sample_shape,
+                    offset: f.offset as u64,
+                    batch_bytes: f.sample_bytes_out as u64 * v.length_bound * batch_size,
+                });
+                fields.push(FieldLayout {
+                    name: format!("{}.{}", f.name, form.index_suffix()),
+                    dtype: gpufeed_proto::DType::I32,
+                    sample_shape: Vec::new(),
+                    offset: v.index_offset as u64,
+                    batch_bytes: 4 * v.index_elements(batch_size as usize) as u64,
+                });
+                variable.push(VariableLayout {
+                    values: (fields.len() - 2) as u16,
+                    index: (fields.len() - 1) as u16,
+                    form,
+                });
+            }
+        }
+    }
     StreamLayout {
         slot_count: plan.slot_count,
         slot_bytes: plan.slot_bytes as u64,
         slot_stride: ring.slot_stride() as u64,
         epoch_samples: plan.order.len(),
         steps: plan.steps,
-        fields: plan
-            .fields
-            .iter()
-            .map(|f| FieldLayout {
-                name: f.name.clone(),
-                dtype: f.out,
-                sample_shape: f.sample_shape.clone(),
-                offset: f.offset as u64,
-                batch_bytes: (f.sample_bytes_out * plan.rank.batch_size as usize) as u64,
-            })
-            .collect(),
+        fields,
         device,
         slot_events,
+        variable,
     }
 }
 

@@ -11,9 +11,10 @@ use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBloc
 use super::lookahead::{self, Lookahead, LookaheadCounts};
 use super::shard_gate::{ShardGate, ShardLookahead, StreamSteps};
 use super::stream_plan::{
-    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FillError, FillReport, Placement,
-    StreamLimits, StreamPlan,
+    BlockKey, CorruptBlock, CorruptPolicy, CorruptReason, FieldPlan, FillError, FillReport,
+    Placement, StreamLimits, StreamPlan,
 };
+use super::varlen::{VariableForm, VariableRows};
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::metrics::{Metrics, ReadPath};
@@ -127,7 +128,8 @@ pub fn working_set_bytes(plan: &StreamPlan) -> u64 {
                 .max()
                 .unwrap_or(0);
             // A row spans its bytes' worth of blocks, plus one at each end.
-            (field.sample_bytes_in as u64)
+            field
+                .sample_bytes_in_max()
                 .div_ceil(block.max(1))
                 .saturating_add(2)
                 * block
@@ -148,6 +150,56 @@ fn needed_bytes(blocks: &[crate::format::BlockEntry], placement: &Placement) -> 
         stored += (to - from) * u64::from(entry.stored_bytes) / u64::from(entry.raw_bytes.max(1));
     }
     (raw, stored)
+}
+
+/// For each field of `plan` (`None` for fixed-shape ones), where the rows of the batch located by
+/// `placements` go, in the field's batch form; writes each variable-length field's index tensor
+/// (lengths, or cumulative offsets from 0) into `slot`, and zeroes a padded field's values so that
+/// what its rows leave is padding.
+pub(crate) fn variable_rows(
+    plan: &StreamPlan,
+    placements: &[Placement],
+    slot: &mut [u8],
+) -> Vec<Option<VariableRows>> {
+    let width = plan.fields.len();
+    let samples = placements.len() / width.max(1);
+    let rows = plan.variable_rows(samples, |at, row| &placements[row * width + at]);
+    for (field, rows) in plan.fields.iter().zip(&rows) {
+        let (Some(rows), Some(variable)) = (rows, &field.variable) else {
+            continue;
+        };
+        slot[variable.index_offset..][..rows.index.len()].copy_from_slice(&rows.index);
+        if variable.form == VariableForm::Padded {
+            slot[field.offset..][..rows.values_bytes(field.sample_bytes_out)].fill(0);
+        }
+    }
+    rows
+}
+
+/// Replaces row `row` of the batch in `slot` by an all-zero sample in every field (of a
+/// variable-length field, zeros of the row's length): deterministic, the same on every rank, and
+/// counted so the trainer can see it.
+fn zero_row(
+    plan: &StreamPlan,
+    variable_rows: &[Option<VariableRows>],
+    row: usize,
+    slot: &mut [u8],
+) {
+    for (field, rows) in plan.fields.iter().zip(variable_rows) {
+        slot[row_range(field, rows, row)].fill(0);
+    }
+}
+
+/// Where row `row` of `field` lies in a slot: where `rows` place it for a variable-length field,
+/// at the field's fixed stride otherwise.
+fn row_range(field: &FieldPlan, rows: &Option<VariableRows>, row: usize) -> std::ops::Range<usize> {
+    match rows {
+        Some(rows) => field.row_place(rows, row),
+        None => {
+            let start = field.offset + row * field.sample_bytes_out;
+            start..start + field.sample_bytes_out
+        }
+    }
 }
 
 /// Bytes a host stream of `plan` keeps ahead in its look-ahead (`pipeline::lookahead`), which it
@@ -263,6 +315,7 @@ impl Assembler {
         let sample_count = placements.len() / width;
         // A mixture source's rows go to the slot rows that draw from it.
         let slot_rows = plan.slot_rows(step);
+        let variable_rows = variable_rows(&plan, &placements, slot);
         let mut replaced = 0u32;
         let mut part_blocks: HashMap<BlockKey, u64> = HashMap::new();
         let mut first = 0;
@@ -319,7 +372,14 @@ impl Assembler {
                     lookahead.offer(key, block, step, end);
                 }
             }
-            let filled = self.gather(step, &placements, first..end, slot_rows.as_deref(), slot);
+            let filled = self.gather(
+                step,
+                &placements,
+                &variable_rows,
+                first..end,
+                slot_rows.as_deref(),
+                slot,
+            );
             // The part's blocks are released whatever happened: the cache may evict them now.
             self.part.clear();
             replaced += filled?;
@@ -450,6 +510,7 @@ impl Assembler {
         &mut self,
         step: u64,
         placements: &[Placement],
+        variable_rows: &[Option<VariableRows>],
         rows: std::ops::Range<usize>,
         slot_rows: Option<&[usize]>,
         slot: &mut [u8],
@@ -460,6 +521,9 @@ impl Assembler {
         let mut in_place_bytes = 0u64;
         let (mut needed_raw, mut needed_stored) = (0u64, 0u64);
         let width = plan.fields.len();
+        // A mixture serves fixed-shape fields only (`StreamPlan::mixture`): variable-length rows,
+        // placed by the whole batch's lengths, are never a mixture source's.
+        debug_assert!(slot_rows.is_none() || variable_rows.iter().all(Option::is_none));
         for row in rows {
             let slot_row = slot_rows.map_or(row, |rows| rows[row]);
             let row_placements = &placements[row * width..(row + 1) * width];
@@ -478,8 +542,7 @@ impl Assembler {
                 let (raw, stored) = needed_bytes(blocks, placement);
                 needed_raw += raw;
                 needed_stored += stored;
-                let out = &mut slot[field.offset + slot_row * field.sample_bytes_out..]
-                    [..field.sample_bytes_out];
+                let out = &mut slot[row_range(field, &variable_rows[field_at], slot_row)];
                 let convert = |bytes: &[u8], out: &mut [u8]| {
                     decode::convert(field.stored, bytes, field.out, out)
                         .expect("conversions are validated when the stream is planned")
@@ -564,13 +627,7 @@ impl Assembler {
                 match plan.on_corrupt {
                     CorruptPolicy::Fail => return Err(bad.to_error()),
                     CorruptPolicy::Replace => {
-                        // The substitute is an all-zero sample in every field: deterministic, the
-                        // same on every rank, and counted so the trainer can see it.
-                        for field in &plan.fields {
-                            slot[field.offset + slot_row * field.sample_bytes_out..]
-                                [..field.sample_bytes_out]
-                                .fill(0);
-                        }
+                        zero_row(&plan, variable_rows, slot_row, slot);
                         replaced += 1;
                     }
                 }

@@ -100,7 +100,10 @@ pub struct Lookahead {
 /// Whether a stream of `plan` gains from a look-ahead: a shuffled order over a field whose blocks are
 /// compressed and hold more than one row.
 pub fn worthwhile(plan: &StreamPlan) -> bool {
+    // Rows of variable-length fields differ in size: not kept ahead (their batches are gathered
+    // from the blocks, as in dataset order).
     !plan.order.is_identity()
+        && !plan.has_variable()
         && plan.fields.iter().any(|field| {
             plan.dataset.shards.iter().any(|shard| {
                 shard

@@ -13,6 +13,7 @@ use gpufeed_proto::DType;
 
 use super::mixture::{Drawn, MixtureOrder, MixtureSource};
 use super::order::{EpochOrder, RankPlan, ShuffleMode, Tail};
+use super::varlen::{self, VariableForm, VariablePlan, VariableRows, VariableSelection};
 use crate::decode::{self, BlockRef};
 use crate::device::DeviceError;
 use crate::format::Dataset;
@@ -116,6 +117,9 @@ pub struct StreamRequest {
     pub on_corrupt: CorruptPolicy,
     /// Where the slots live.
     pub device: StreamDevice,
+    /// How the batch holds each variable-length field; a variable-length field not named here is
+    /// padded, without a cap.
+    pub variable: Vec<VariableSelection>,
 }
 
 /// One field a stream asks for.
@@ -170,14 +174,32 @@ pub struct FieldPlan {
     pub stored: DType,
     /// Delivered dtype.
     pub out: DType,
-    /// Per-sample shape.
+    /// Per-sample shape (of a variable-length field: per element).
     pub sample_shape: Vec<u64>,
-    /// Stored bytes per sample.
+    /// Stored bytes per sample (of a variable-length field: per element).
     pub sample_bytes_in: usize,
-    /// Delivered bytes per sample.
+    /// Delivered bytes per sample (of a variable-length field: per element).
     pub sample_bytes_out: usize,
     /// Offset of the field's batch within a slot.
     pub offset: usize,
+    /// Of a variable-length field: its batch form, bound and offsets.
+    pub variable: Option<VariablePlan>,
+}
+
+impl FieldPlan {
+    /// The bytes of row `row` of this variable-length field in the slot, as `rows` place it.
+    pub fn row_place(&self, rows: &VariableRows, row: usize) -> std::ops::Range<usize> {
+        rows.place(self.offset, self.sample_bytes_out, row)
+    }
+
+    /// Stored bytes a sample of the field may take at most: of a variable-length field, its length
+    /// bound's.
+    pub fn sample_bytes_in_max(&self) -> u64 {
+        match &self.variable {
+            Some(variable) => variable.length_bound * self.sample_bytes_in as u64,
+            None => self.sample_bytes_in as u64,
+        }
+    }
 }
 
 /// Everything a stream needs to produce its batches: validated request, order, geometry.
@@ -301,6 +323,7 @@ impl StreamPlan {
         let Some((first, _)) = sources.first() else {
             return Err(PlanError::Invalid("a mixture has no sources".to_string()));
         };
+        check_mixture_fixed_shape(&sources, spec)?;
         let (fields, slot_end) = plan_fields(first, spec, limits)?;
         let mut source_fields = Vec::with_capacity(sources.len());
         for (dataset, _) in &sources {
@@ -430,6 +453,40 @@ fn check_request(spec: &StreamRequest, limits: &StreamLimits) -> Result<(), Plan
             "world_size {} is above the daemon's limit of {}",
             spec.world_size, limits.world_size_max
         ));
+    }
+    Ok(())
+}
+
+/// A mixture serves fixed-shape fields only: the batch layout of a variable-length field (its rows'
+/// places, its index tensor) depends on every row's length, and a mixture's rows are filled by one
+/// plan per source. Refuses a batch form asked for, and a variable-length field the request would
+/// serve in any source (every field when it names none), naming the source and the field.
+fn check_mixture_fixed_shape(
+    sources: &[(Arc<Dataset>, f64)],
+    spec: &StreamRequest,
+) -> Result<(), PlanError> {
+    if let Some(selection) = spec.variable.first() {
+        return Err(PlanError::Invalid(format!(
+            "a batch form is asked for field '{}', but a mixture serves fixed-shape fields only \
+             (variable-length fields are not mixed)",
+            selection.name
+        )));
+    }
+    for (dataset, _) in sources {
+        let served =
+            |name: &str| spec.fields.is_empty() || spec.fields.iter().any(|f| f.name == name);
+        if let Some(field) = dataset
+            .manifest
+            .fields
+            .iter()
+            .find(|f| f.is_variable() && served(&f.name))
+        {
+            return Err(PlanError::Invalid(format!(
+                "mixture source '{}': field '{}' is variable-length, and a mixture serves \
+                 fixed-shape fields only (name the fixed-shape fields to serve)",
+                dataset.manifest.name, field.name
+            )));
+        }
     }
     Ok(())
 }
@@ -594,7 +651,12 @@ impl StreamPlan {
             .max()
             .unwrap_or(1)
             .max(1);
-        let rows_max = (run_out_bytes_max / widest).max(1);
+        // Rows of a variable-length field differ in length: a run is one row.
+        let rows_max = if self.has_variable() {
+            1
+        } else {
+            (run_out_bytes_max / widest).max(1)
+        };
         let shards = &self.dataset.manifest.shards;
         // (first row, rows, first sample, shard)
         let mut spans: Vec<(usize, usize, u64, usize)> = Vec::new();
@@ -689,7 +751,48 @@ impl StreamPlan {
         let shard = shards.partition_point(|s| s.first_sample + s.sample_count <= sample);
         let local = sample - shards[shard].first_sample;
         let sample_bytes = self.dataset.manifest.fields[field].sample_bytes();
+        if let Some(variable) = self
+            .fields
+            .iter()
+            .find(|f| f.field_index == field)
+            .and_then(|f| f.variable.as_ref())
+        {
+            // The sample's values (truncated to the cap), past the shard's offsets region.
+            let (first, length) = variable.locate(shard, local);
+            let base = self.dataset.shards[shard].metadata.offsets_bytes(field);
+            let start = base + first * sample_bytes;
+            return (shard, start, start + length * sample_bytes);
+        }
         (shard, local * sample_bytes, (local + 1) * sample_bytes)
+    }
+
+    /// Whether a field of the stream is variable-length.
+    pub fn has_variable(&self) -> bool {
+        self.fields.iter().any(|f| f.variable.is_some())
+    }
+
+    /// For each field (`None` for fixed-shape ones), the rows of a batch of `samples` whose
+    /// placement in row `row` of field `at` (its position in the stream) `placement` gives: each
+    /// row's length is its placement's (truncated to the cap by [`Self::locate`]).
+    pub fn variable_rows<'a>(
+        &self,
+        samples: usize,
+        placement: impl Fn(usize, usize) -> &'a Placement,
+    ) -> Vec<Option<VariableRows>> {
+        self.fields
+            .iter()
+            .enumerate()
+            .map(|(at, field)| {
+                let variable = field.variable.as_ref()?;
+                let lengths = (0..samples)
+                    .map(|row| {
+                        let placement = placement(at, row);
+                        (placement.end - placement.start) / field.sample_bytes_in as u64
+                    })
+                    .collect();
+                Some(VariableRows::new(variable, lengths))
+            })
+            .collect()
     }
 
     /// The blocks of `shard`/`field` overlapping raw bytes `start..end`, as indices within the field.
@@ -728,9 +831,10 @@ impl StreamPlan {
 }
 
 /// The fields `spec` asks of `dataset`, in slot order, and the end of the last one's batch in the
-/// slot (its offsets rounded up to [`FIELD_OFFSET_ALIGN_BYTES`]).
+/// slot (its offsets rounded up to [`FIELD_OFFSET_ALIGN_BYTES`]). A variable-length field takes its
+/// values then its index tensor (see [`variable_field_plan`]), whose offsets are read here.
 fn plan_fields(
-    dataset: &Dataset,
+    dataset: &Arc<Dataset>,
     spec: &StreamRequest,
     limits: &StreamLimits,
 ) -> Result<(Vec<FieldPlan>, u64), PlanError> {
@@ -757,8 +861,10 @@ fn plan_fields(
         }
         out
     };
+    check_variable_selections(spec, manifest, &requested)?;
     let mut fields = Vec::with_capacity(requested.len());
     let mut offset = 0u64;
+    let mut offsets_bytes = 0u64;
     for (index, dtype) in requested {
         let field = &manifest.fields[index];
         let out = dtype.unwrap_or(field.dtype);
@@ -770,27 +876,195 @@ fn plan_fields(
         }
         let elements: u64 = field.shape.iter().product();
         let sample_bytes_out = elements * out.size_bytes() as u64;
-        let batch_bytes = sample_bytes_out * spec.batch_size as u64;
-        fields.push(FieldPlan {
-            field_index: index,
-            name: field.name.clone(),
-            stored: field.dtype,
-            out,
-            sample_shape: field.shape.clone(),
-            sample_bytes_in: field.sample_bytes() as usize,
-            sample_bytes_out: sample_bytes_out as usize,
-            offset: offset as usize,
-        });
-        offset =
-            (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES) * FIELD_OFFSET_ALIGN_BYTES;
-        if offset > limits.slot_bytes_max {
+        let Some(length_max) = field.length_max else {
+            let batch_bytes = sample_bytes_out * spec.batch_size as u64;
+            fields.push(FieldPlan {
+                field_index: index,
+                name: field.name.clone(),
+                stored: field.dtype,
+                out,
+                sample_shape: field.shape.clone(),
+                sample_bytes_in: field.sample_bytes() as usize,
+                sample_bytes_out: sample_bytes_out as usize,
+                offset: offset as usize,
+                variable: None,
+            });
+            offset = (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES)
+                * FIELD_OFFSET_ALIGN_BYTES;
+            if offset > limits.slot_bytes_max {
+                return invalid(format!(
+                    "a batch of {} samples needs more than the {}-byte slot limit",
+                    spec.batch_size, limits.slot_bytes_max
+                ));
+            }
+            continue;
+        };
+        let (plan, end) = variable_field_plan(
+            dataset,
+            spec,
+            limits,
+            VariableField {
+                index,
+                out,
+                offset,
+                length_max,
+            },
+            &mut offsets_bytes,
+        )?;
+        fields.push(plan);
+        offset = end;
+    }
+    check_index_names(&fields)?;
+    Ok((fields, offset))
+}
+
+/// A variable-length field being planned: its index in the dataset, its delivered dtype, and where
+/// its batch starts in the slot.
+struct VariableField {
+    index: usize,
+    out: DType,
+    offset: u64,
+    length_max: u64,
+}
+
+/// Checks the batch forms `spec` asks for against the fields the stream serves (`requested`):
+/// each names one of them, a variable-length one, once, with a cap of at least one element.
+fn check_variable_selections(
+    spec: &StreamRequest,
+    manifest: &crate::format::Manifest,
+    requested: &[(usize, Option<DType>)],
+) -> Result<(), PlanError> {
+    let invalid = |s: String| Err(PlanError::Invalid(s));
+    for selection in &spec.variable {
+        let Some(&(index, _)) = requested
+            .iter()
+            .find(|&&(i, _)| manifest.fields[i].name == selection.name)
+        else {
             return invalid(format!(
-                "a batch of {} samples needs more than the {}-byte slot limit",
-                spec.batch_size, limits.slot_bytes_max
+                "a batch form is asked for field '{}', which the stream does not serve",
+                selection.name
+            ));
+        };
+        if !manifest.fields[index].is_variable() {
+            return invalid(format!(
+                "field '{}' has a fixed shape: a batch form (padded or packed) applies only to variable-length fields",
+                selection.name
+            ));
+        }
+        if spec
+            .variable
+            .iter()
+            .filter(|s| s.name == selection.name)
+            .count()
+            > 1
+        {
+            return invalid(format!(
+                "field '{}' is given a batch form twice",
+                selection.name
+            ));
+        }
+        if selection.cap == Some(0) {
+            return invalid(format!(
+                "field '{}': a cap of 0 elements would serve nothing",
+                selection.name
             ));
         }
     }
-    Ok((fields, offset))
+    Ok(())
+}
+
+/// The plan of variable-length field `variable` and where the slot's next field may start: its
+/// values (`batch_size` × its length bound) then its index tensor, each page-aligned. Refuses a
+/// stream beyond the slot limit, int32 offsets, or the offsets a stream holds
+/// (`offsets_bytes`: those of the fields planned before, to which this one's are added); reads
+/// and checks the field's offsets.
+fn variable_field_plan(
+    dataset: &Arc<Dataset>,
+    spec: &StreamRequest,
+    limits: &StreamLimits,
+    variable: VariableField,
+    offsets_bytes: &mut u64,
+) -> Result<(FieldPlan, u64), PlanError> {
+    let invalid = |s: String| Err(PlanError::Invalid(s));
+    let VariableField {
+        index,
+        out,
+        offset,
+        length_max,
+    } = variable;
+    let field = &dataset.manifest.fields[index];
+    let sample_bytes_out = field.shape.iter().product::<u64>() * out.size_bytes() as u64;
+    let selection = spec.variable.iter().find(|s| s.name == field.name);
+    let form = selection.map_or(VariableForm::Padded, |s| s.form);
+    let cap = selection.and_then(|s| s.cap).map(u64::from);
+    // A slot holds every sample at its bound: the cap, else the dataset's longest.
+    let length_bound = cap.map_or(length_max, |cap| cap.min(length_max));
+    let elements_max = length_bound.saturating_mul(u64::from(spec.batch_size));
+    if elements_max > i32::MAX as u64 {
+        return invalid(format!(
+                "field '{}': a batch of {} samples of up to {length_bound} elements may hold {elements_max} elements, more than int32 lengths and offsets count; ask for a cap or a smaller batch",
+                field.name, spec.batch_size
+            ));
+    }
+    let batch_bytes = elements_max * sample_bytes_out;
+    let index_offset =
+        (offset + batch_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES) * FIELD_OFFSET_ALIGN_BYTES;
+    let index_bytes = (u64::from(spec.batch_size) + 1) * 4;
+    let end =
+        (index_offset + index_bytes).div_ceil(FIELD_OFFSET_ALIGN_BYTES) * FIELD_OFFSET_ALIGN_BYTES;
+    if end > limits.slot_bytes_max {
+        return invalid(format!(
+                "field '{}' is variable-length with samples of up to {length_bound} elements{}: a batch of {} samples needs up to {end} bytes of slot, above the {}-byte slot limit; ask for a cap (samples truncated to it) or a smaller batch",
+                field.name,
+                if cap.is_some() { " (the cap)" } else { " (the dataset's longest)" },
+                spec.batch_size,
+                limits.slot_bytes_max
+            ));
+    }
+    *offsets_bytes += dataset.manifest.sample_count * crate::format::OFFSET_BYTES;
+    if *offsets_bytes > varlen::OFFSETS_BYTES_MAX {
+        return invalid(format!(
+                "the offsets of the stream's variable-length fields take {} bytes, more than the {}-byte limit a stream holds",
+                *offsets_bytes,
+            varlen::OFFSETS_BYTES_MAX
+            ));
+    }
+    let ends = varlen::shared_offsets(dataset, index).map_err(PlanError::Invalid)?;
+    let plan = FieldPlan {
+        field_index: index,
+        name: field.name.clone(),
+        stored: field.dtype,
+        out,
+        sample_shape: field.shape.clone(),
+        sample_bytes_in: field.sample_bytes() as usize,
+        sample_bytes_out: sample_bytes_out as usize,
+        offset: offset as usize,
+        variable: Some(VariablePlan {
+            form,
+            length_bound,
+            cap,
+            index_offset: index_offset as usize,
+            ends,
+        }),
+    };
+    Ok((plan, end))
+}
+
+/// Refuses a stream that serves a field named as a variable-length field's index tensor
+/// (`NAME.lengths`, `NAME.cu_seqlens`), which the layout could then not tell apart.
+fn check_index_names(fields: &[FieldPlan]) -> Result<(), PlanError> {
+    for field in fields.iter().filter(|f| f.variable.is_some()) {
+        for suffix in ["lengths", "cu_seqlens"] {
+            let index = format!("{}.{suffix}", field.name);
+            if fields.iter().any(|f| f.name == index) {
+                return Err(PlanError::Invalid(format!(
+                    "field '{index}' is served beside variable-length field '{}', whose index tensor takes that name; leave one of them out",
+                    field.name
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A batch's rows grouped into runs (see [`StreamPlan::placement_runs`]).

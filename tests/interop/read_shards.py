@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An independent reader of gpufeed datasets (format version 1), written from the byte layout.
+"""An independent reader of gpufeed datasets (format versions 1 and 2), written from the byte layout.
 
 It shares no code with gpufeed: the tables are parsed with `struct`, checksums are computed with the
 `xxhash` package (xxh3-64, seed 0), LZ4 blocks are decoded by the reference C implementation through
@@ -22,12 +22,16 @@ Layout (all integers little-endian):
     24 sample_count u64 | 32 field_count u32 | 36 block_count u32 | 40 block_bytes u32
     44 checksum_kind u32 (1 = xxh3-64) | 48 payload_offset u64 | 56 xxh3-64 of bytes 0..56
   field entry, 128 bytes:
-    0 name (64 bytes, zero-padded) | 64 dtype u8 | 65 ndim u8 | 66 zero (6) | 72 first_block u32
-    76 block_count u32 | 80 shape u64 x 6 (unused dims zero)
+    0 name (64 bytes, zero-padded) | 64 dtype u8 | 65 ndim u8 | 66 length_kind u8 (0 fixed; 1
+    variable-length, version 2) | 67 zero | 68 offset_block_count u32 (0 if fixed) | 72 first_block u32
+    76 block_count u32 | 80 shape u64 x 6 (unused dims zero; of a variable-length field, one element)
   block entry, 64 bytes:
     0 stored_offset u64 | 8 stored_bytes u32 | 12 raw_bytes u32 | 16 codec u8 (0 raw, 1 lz4)
     17 filter u8 (0 none, 1 byte shuffle) | 18 field u16 | 20 zero (4) | 24 raw_offset u64
     32 first_sample u64 | 40 xxh3-64 of the stored payload | 48 zero (16)
+  a variable-length field's byte stream in a shard: sample_count u64 ends (in elements, relative to
+  the shard's values), in its first offset_block_count blocks, then the values; an offsets block's
+  first_sample is first_sample + raw_offset / 8, a values block's the sample holding its first value.
   then the table checksum: xxh3-64 of the field and block tables, u64; zero padding to payload_offset
   (the metadata length rounded up to 4096); payloads at 4096-aligned offsets; file length a multiple
   of 4096.
@@ -97,7 +101,9 @@ def read_manifest(directory):
     with open(path, "rb") as f:
         manifest = json.load(f)
     check(manifest.get("format") == "gpufeed-dataset", f"{path}: format is {manifest.get('format')!r}")
-    check(manifest.get("format_version") == 1, f"{path}: format_version is {manifest.get('format_version')!r}")
+    variable = any(f.get("variable_length") for f in manifest["fields"])
+    check(manifest.get("format_version") == (2 if variable else 1),
+          f"{path}: format_version is {manifest.get('format_version')!r} with{'' if variable else 'out'} variable-length fields")
     check(manifest.get("checksum") == "xxh3-64", f"{path}: checksum is {manifest.get('checksum')!r}")
     check(len(manifest["fields"]) >= 1, f"{path}: no fields")
     check(len(manifest["shards"]) >= 1, f"{path}: no shards")
@@ -130,7 +136,7 @@ def read_shard(path, manifest_shard, manifest, counts):
      block_bytes, checksum_kind, payload_offset, header_checksum) = struct.unpack_from(
         "<8sIIQQIIIIQQ", data, 0)
     check(magic == MAGIC, f"{where}: magic is {magic!r}")
-    check(version == 1, f"{where}: version {version}")
+    check(version == manifest["format_version"], f"{where}: version {version}")
     check(header_checksum == xxh3(data[:56]),
           f"{where}: header checksum {header_checksum:016x} != xxh3-64 {xxh3(data[:56]):016x}")
     check(header_bytes == HEADER_BYTES, f"{where}: header_bytes {header_bytes}")
@@ -168,7 +174,13 @@ def read_shard(path, manifest_shard, manifest, counts):
         name = raw_name.split(b"\0", 1)[0].decode("ascii")
         check(not any(raw_name[len(name):]), f"{where}: field {index}: name padding is not zero")
         dtype_code, ndim = entry[64], entry[65]
-        check(not any(entry[66:72]), f"{where}: field {index}: reserved bytes are not zero")
+        length_kind, reserved = entry[66], entry[67]
+        (offset_blocks,) = struct.unpack_from("<I", entry, 68)
+        check(reserved == 0, f"{where}: field {index}: reserved byte is not zero")
+        check(length_kind in (0, 1) and (length_kind == 0 or version == 2),
+              f"{where}: field {index}: length kind {length_kind} in version {version}")
+        variable = length_kind == 1
+        check(variable or offset_blocks == 0, f"{where}: field {index}: offset_block_count of a fixed field")
         first_block, field_blocks = struct.unpack_from("<II", entry, 72)
         dims = struct.unpack_from("<6Q", entry, 80)
         check(dtype_code in DTYPES, f"{where}: field {index}: unknown dtype code {dtype_code}")
@@ -180,19 +192,25 @@ def read_shard(path, manifest_shard, manifest, counts):
         check(dtype_name == expected["dtype"],
               f"{where}: field {name!r} dtype {dtype_name}, manifest says {expected['dtype']}")
         check(shape == expected["shape"], f"{where}: field {name!r} shape {shape}, manifest says {expected['shape']}")
+        check(variable == bool(expected.get("variable_length")),
+              f"{where}: field {name!r} is{'' if variable else ' not'} variable-length, unlike the manifest")
+        check(not variable or 1 <= offset_blocks <= field_blocks,
+              f"{where}: field {name!r}: {offset_blocks} offsets blocks of {field_blocks}")
         check(first_block == next_block and field_blocks >= 1,
               f"{where}: field {name!r} blocks {first_block}..+{field_blocks} do not follow on from {next_block}")
         next_block = first_block + field_blocks
-        fields.append((name, np_dtype, shape, first_block, field_blocks))
+        fields.append((name, np_dtype, shape, first_block, field_blocks, offset_blocks if variable else None))
     check(next_block == block_count, f"{where}: fields cover {next_block} of {block_count} blocks")
 
     # Block table and payloads.
     out = {}
     previous_end = payload_offset
-    for field_index, (name, np_dtype, shape, first_block, field_blocks) in enumerate(fields):
+    for field_index, (name, np_dtype, shape, first_block, field_blocks, offset_blocks) in enumerate(fields):
         width = np_dtype.itemsize
         sample_bytes = width * int(np.prod(shape, dtype=np.int64))
         field_bytes = sample_bytes * sample_count
+        offsets_bytes = 8 * sample_count if offset_blocks is not None else 0
+        first_samples = []
         pieces = []
         raw_offset_expected = 0
         for block_in_field in range(field_blocks):
@@ -206,8 +224,17 @@ def read_shard(path, manifest_shard, manifest, counts):
             check(0 < raw_bytes <= block_bytes, f"{place}: raw_bytes {raw_bytes}")
             check(raw_bytes % width == 0, f"{place}: raw_bytes {raw_bytes} is not whole elements")
             check(raw_offset == raw_offset_expected, f"{place}: raw_offset {raw_offset}, expected {raw_offset_expected}")
-            check(block_first_sample == first_sample + raw_offset // sample_bytes,
-                  f"{place}: first_sample {block_first_sample}, expected {first_sample + raw_offset // sample_bytes}")
+            if offset_blocks is None:
+                check(block_first_sample == first_sample + raw_offset // sample_bytes,
+                      f"{place}: first_sample {block_first_sample}, expected {first_sample + raw_offset // sample_bytes}")
+            elif block_in_field < offset_blocks:
+                check(raw_offset + raw_bytes <= offsets_bytes, f"{place}: an offsets block past the offsets")
+                check(raw_bytes % 8 == 0, f"{place}: an offsets block of {raw_bytes} bytes")
+                check(block_first_sample == first_sample + raw_offset // 8,
+                      f"{place}: first_sample {block_first_sample}, expected {first_sample + raw_offset // 8}")
+            else:
+                check(raw_offset >= offsets_bytes, f"{place}: a values block inside the offsets")
+                first_samples.append((place, (raw_offset - offsets_bytes) // sample_bytes, block_first_sample))
             check(stored_offset % ALIGN == 0 and stored_offset >= previous_end,
                   f"{place}: stored_offset {stored_offset} not aligned at or after {previous_end}")
             check(stored_offset + stored_bytes <= len(data), f"{place}: payload runs past the end of the file")
@@ -240,12 +267,48 @@ def read_shard(path, manifest_shard, manifest, counts):
                 raise Fail(f"{place}: unknown codec {codec}")
             pieces.append(raw)
             raw_offset_expected += raw_bytes
-        check(raw_offset_expected == field_bytes,
-              f"{where}: field {name!r} blocks hold {raw_offset_expected} bytes, need {field_bytes}")
-        out[name] = b"".join(pieces)
+        stream = b"".join(pieces)
+        if offset_blocks is None:
+            check(raw_offset_expected == field_bytes,
+                  f"{where}: field {name!r} blocks hold {raw_offset_expected} bytes, need {field_bytes}")
+            out[name] = stream
+            continue
+        values = stream[offsets_bytes:]
+        check(len(values) % sample_bytes == 0, f"{where}: field {name!r}: values are not whole elements")
+        ends = np.frombuffer(stream[:offsets_bytes], dtype="<u8")
+        elements = len(values) // sample_bytes
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.uint64)
+        check(bool(np.all(ends >= starts)), f"{where}: field {name!r}: offsets go back")
+        check(len(ends) == 0 or int(ends[-1]) == elements,
+              f"{where}: field {name!r}: offsets end at {int(ends[-1])}, values hold {elements}")
+        check(int((ends - starts).max(initial=0)) <= manifest["fields"][field_index]["length_max"],
+              f"{where}: field {name!r}: a sample longer than length_max")
+        for place, element, block_first_sample in first_samples:
+            expected = first_sample + int(np.searchsorted(ends, element, side="right"))
+            check(block_first_sample == expected, f"{place}: first_sample {block_first_sample}, expected {expected}")
+        out[name] = ("variable", ends, values)
     check(len(data) == align_up(max(previous_end, payload_offset)),
           f"{where}: file length {len(data)}, expected {align_up(max(previous_end, payload_offset))}")
     return out
+
+
+def read_dataset(directory):
+    """The dataset's fields, checked shard by shard: a fixed-shape field as its bytes, a
+    variable-length one as (ends over the whole dataset, values bytes)."""
+    manifest = read_manifest(directory)
+    counts = {"raw": 0, "lz4": 0, "lz4+shuffle": 0}
+    fields = {}
+    for shard in manifest["shards"]:
+        parts = read_shard(os.path.join(directory, shard["file"]), shard, manifest, counts)
+        for name, part in parts.items():
+            if isinstance(part, tuple):
+                _, ends, values = part
+                previous = fields.get(name, (np.zeros(0, dtype=np.uint64), b""))
+                base = int(previous[0][-1]) if len(previous[0]) else 0
+                fields[name] = (np.concatenate([previous[0], ends + np.uint64(base)]), previous[1] + values)
+            else:
+                fields[name] = fields.get(name, b"") + part
+    return manifest, fields
 
 
 def describe_difference(got, want):
@@ -290,6 +353,7 @@ def main():
         for name, files in expected_files.items():
             field = next((f for f in manifest["fields"] if f["name"] == name), None)
             check(field is not None, f"--expect {name}: the dataset has no field {name!r}")
+            check(not field.get("variable_length"), f"--expect {name}: a variable-length field")
             code = next(c for c, (n, _) in DTYPES.items() if n == field["dtype"])
             np_dtype = DTYPES[code][1]
             got = np.frombuffer(b"".join(per_field[name]), dtype=np_dtype)

@@ -2,6 +2,7 @@
 
     table_files.py write DIR            the inputs below, in DIR
     table_files.py check FILE... -- FIELD=COLUMN=UNPACKED.npy ...
+    table_files.py check-variable DATASET FILE... -- FIELD=COLUMN ...
     table_files.py truncate SRC DST N   DST = SRC without its last N bytes
 
 Written: `a.parquet` (snappy, several row groups) and `b.parquet` (zstd) of one schema: `emb`
@@ -10,10 +11,15 @@ fixed_size_list<float32>[8], `img` fixed_size_list<fixed_size_list<uint8>[4]>[3]
 an IPC stream as Hugging Face `datasets` writes its cache (1000-row batches, `huggingface` schema
 metadata, a `text` string column and an `input_ids` list column beside fixed ones); and malformed
 ones: `nulls.parquet` (a null in `label`, row 13; one inside an `emb` list, row 40),
-`list.parquet` (a list column), `other.parquet` (`label` int32).
+`nested.parquet` (a list of lists), `other.parquet` (`label` int32). Variable-length inputs:
+`varlen.parquet` (snappy, row groups of 300) and `varlen.arrow` (an IPC file) of one schema: `ids`
+list<int32> (some lists empty), `text` string, `pairs` large_list<fixed_size_list<float32>[2]>,
+`blob` binary, `label` int64; `list.parquet` (a list column beside fixed ones).
 
 `check` reads every FILE with pyarrow, concatenates each COLUMN over the files, and compares it
-exactly with the unpacked `.npy` of FIELD; it prints `ok ROWS`.
+exactly with the unpacked `.npy` of FIELD; it prints `ok ROWS`. `check-variable` reads DATASET with
+`read_shards.py`'s independent reader and compares each variable-length FIELD, row by row, with
+pyarrow's reading of COLUMN over the FILEs; it prints `ok ROWS`.
 """
 
 import os
@@ -38,6 +44,23 @@ def table(seed, rows):
             "label": pa.array(rng.integers(-(2**40), 2**40, rows), pa.int64()),
             "w": pa.array(rng.standard_normal(rows).astype(np.float16)),
             "flag": pa.array(rng.integers(0, 2, rows).astype(bool)),
+        }
+    )
+
+
+def variable_table(seed, rows):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 40, rows)
+    lengths[::7] = 0
+    return pa.table(
+        {
+            "ids": pa.array([rng.integers(-(2**31), 2**31, n).astype(np.int32) for n in lengths],
+                            pa.list_(pa.int32())),
+            "text": pa.array(["x" * int(n) + str(i) for i, n in enumerate(lengths)]),
+            "pairs": pa.array([rng.standard_normal((int(n) % 5, 2)).astype(np.float32).tolist() for n in lengths],
+                              pa.large_list(pa.list_(pa.float32(), 2))),
+            "blob": pa.array([bytes(rng.integers(0, 256, int(n) % 3, dtype=np.uint8)) for n in lengths]),
+            "label": pa.array(np.arange(rows, dtype=np.int64)),
         }
     )
 
@@ -77,6 +100,12 @@ def write(out):
     pq.write_table(inner_null, os.path.join(out, "inner-null.parquet"))
     listed = bad.append_column("ids", pa.array([[1, 2]] * 100, pa.list_(pa.int64())))
     pq.write_table(listed, os.path.join(out, "list.parquet"))
+    nested = bad.append_column("ids", pa.array([[[1], [2, 3]]] * 100, pa.list_(pa.list_(pa.int32()))))
+    pq.write_table(nested, os.path.join(out, "nested.parquet"))
+    pq.write_table(variable_table(6, 1000), os.path.join(out, "varlen.parquet"), row_group_size=300)
+    varlen = variable_table(7, 700)
+    with ipc.new_file(os.path.join(out, "varlen.arrow"), varlen.schema) as writer:
+        writer.write_table(varlen, max_chunksize=256)
     other = bad.set_column(2, "label", pa.array(np.arange(100, dtype=np.int32)))
     pq.write_table(other, os.path.join(out, "other.parquet"))
 
@@ -117,6 +146,52 @@ def check(files, specs):
     print(f"ok {rows}")
 
 
+def row_bytes(column, row):
+    """Row `row` of a list, string or binary column as the bytes gpufeed stores: its values in C
+    order."""
+    value = column[row]
+    if pa.types.is_string(column.type) or pa.types.is_binary(column.type):
+        data = value.as_py()
+        return data.encode() if isinstance(data, str) else data
+    values = value.values
+    while pa.types.is_fixed_size_list(values.type):
+        values = values.flatten()
+    return values.to_numpy(zero_copy_only=False).tobytes()
+
+
+def check_variable(dataset, files, specs):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import read_shards
+
+    manifest, fields = read_shards.read_dataset(dataset)
+    tables = [read(f) for f in files]
+    rows = sum(t.num_rows for t in tables)
+    for spec in specs:
+        field, column = spec.split("=", 1)
+        listed = next(f for f in manifest["fields"] if f["name"] == field)
+        if not listed.get("variable_length"):
+            sys.exit(f"{field}: not a variable-length field in {dataset}")
+        ends, values = fields[field]
+        element = read_shards.DTYPES[next(c for c, (n, _) in read_shards.DTYPES.items() if n == listed["dtype"])][1].itemsize
+        element *= int(np.prod(listed["shape"], dtype=np.int64))
+        expected = pa.chunked_array([c for t in tables for c in t.column(column).chunks]).combine_chunks()
+        if len(ends) != len(expected):
+            sys.exit(f"{field}: {len(ends)} samples, pyarrow reads {len(expected)} rows")
+        start = 0
+        longest = 0
+        for row in range(len(expected)):
+            end = int(ends[row])
+            got = values[start * element:end * element]
+            want = row_bytes(expected, row)
+            if got != want:
+                sys.exit(f"{field}: row {row} differs from pyarrow's reading of column {column}")
+            longest = max(longest, end - start)
+            start = end
+        if longest != listed["length_max"]:
+            sys.exit(f"{field}: length_max {listed['length_max']}, the longest row has {longest}")
+    print(f"ok {rows}")
+
+
 def main():
     command = sys.argv[1]
     if command == "write":
@@ -124,6 +199,9 @@ def main():
     elif command == "check":
         split = sys.argv.index("--")
         check(sys.argv[2:split], sys.argv[split + 1 :])
+    elif command == "check-variable":
+        split = sys.argv.index("--")
+        check_variable(sys.argv[2], sys.argv[3:split], sys.argv[split + 1 :])
     elif command == "truncate":
         with open(sys.argv[2], "rb") as f:
             data = f.read()

@@ -4,10 +4,14 @@
     token_files.py write-flat PATH DTYPE SEED         a headerless .bin of token ids (nanoGPT)
     token_files.py write-npy PATH DTYPE SEED          a 1-D .npy
     token_files.py check TOKENS_FILE SEQ_LEN TOKENS_NPY [--dtype D] [--doc-start NPY]
+    token_files.py check-documents DATASET BIN...
 
 `check` reads TOKENS_FILE itself (for a Megatron .bin, through its .idx: sequences by pointer and
 size, documents by the document indices), cuts it into SEQ_LEN-token rows dropping the remainder,
-and compares the unpacked arrays exactly; it prints `ok SEQUENCES DROPPED`.
+and compares the unpacked arrays exactly; it prints `ok SEQUENCES DROPPED`. `check-documents`
+reads DATASET with `read_shards.py`'s independent reader and compares its variable-length `tokens`
+field, sample by sample, with the documents of the Megatron BINs (in order); it prints
+`ok DOCUMENTS`.
 """
 
 import struct
@@ -25,8 +29,10 @@ def documents(seed, dtype):
     rng = np.random.default_rng(seed)
     high = min(np.iinfo(dtype).max, 50_000)
     docs = []
-    for _ in range(int(rng.integers(20, 40))):
+    for i in range(int(rng.integers(20, 40))):
         length = int(rng.integers(0, 300))
+        if i % 7 == 3:
+            length = 0  # empty documents exist (Megatron's builder keeps them)
         docs.append((rng.zipf(1.3, length) % high).astype(dtype))
     return docs
 
@@ -84,6 +90,41 @@ def read_megatron(bin_path):
     return stream, starts
 
 
+def megatron_documents(bin_path):
+    """Each document's tokens, from the .idx and .bin."""
+    stream, _ = read_megatron(bin_path)
+    with open(bin_path[: -len(".bin")] + ".idx", "rb") as f:
+        raw = f.read()
+    count, doc_count = struct.unpack_from("<QQ", raw, 18)
+    sizes = np.frombuffer(raw, np.int32, count, 34)
+    doc_idx = np.frombuffer(raw, np.int64, doc_count, 34 + 12 * count)
+    seq_start = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    return [stream[seq_start[doc_idx[j]] : seq_start[doc_idx[j + 1]]] for j in range(doc_count - 1)]
+
+
+def check_documents(dataset, bins):
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import read_shards
+
+    manifest, fields = read_shards.read_dataset(dataset)
+    (field,) = manifest["fields"]
+    assert field["name"] == "tokens" and field.get("variable_length"), field
+    ends, values = fields["tokens"]
+    docs = [doc for path in bins for doc in megatron_documents(path)]
+    assert len(ends) == len(docs), (len(ends), len(docs))
+    assert any(len(doc) == 0 for doc in docs), "the test data should hold an empty document"
+    start = 0
+    for index, doc in enumerate(docs):
+        end = int(ends[index])
+        got = np.frombuffer(values, dtype=doc.dtype)[start:end]
+        assert np.array_equal(got, doc), f"document {index} differs"
+        start = end
+    assert field["length_max"] == max(len(doc) for doc in docs)
+    print("ok", len(docs))
+
+
 def main(argv):
     command = argv[1]
     if command == "write-megatron":
@@ -115,6 +156,8 @@ def main(argv):
             assert np.array_equal(got_starts, expected_starts), "doc_start differs"
             assert expected_starts.sum() > 1, "the test data should hold several documents"
         print("ok", rows, len(stream) - rows * seq_len)
+    elif command == "check-documents":
+        check_documents(argv[2], argv[3:])
     else:
         sys.exit(f"unknown command {command}")
 

@@ -12,7 +12,7 @@ use super::slots::HostSlots;
 
 use crate::dtype::DType;
 use crate::protocol::{
-    Device, FieldLayout, StreamLayout, StreamSpec, Tail, BATCH_NDIM_MAX, SLOTS_MAX,
+    BatchForm, Device, FieldLayout, StreamLayout, StreamSpec, Tail, BATCH_NDIM_MAX, SLOTS_MAX,
     SLOT_STRIDE_ALIGN_BYTES, STREAM_OPENED_DESCRIPTORS,
 };
 
@@ -97,16 +97,25 @@ pub(super) fn check_layout(
             layout.device
         ));
     }
-    if !spec.fields.is_empty() && spec.fields.len() != layout.fields.len() {
+    check_variable_layout(spec, layout)?;
+    // The index tensors of variable-length fields follow their values, unrequested.
+    let requested: Vec<usize> = (0..layout.fields.len())
+        .filter(|&i| !layout.variable.iter().any(|v| usize::from(v.index) == i))
+        .collect();
+    if !spec.fields.is_empty() && spec.fields.len() != requested.len() {
         return violation(format!(
             "{} fields requested, {} in the layout",
             spec.fields.len(),
-            layout.fields.len()
+            requested.len()
         ));
     }
     let mut extents = Vec::with_capacity(layout.fields.len());
     for (index, field) in layout.fields.iter().enumerate() {
-        if let Some(request) = spec.fields.get(index) {
+        let request = requested
+            .iter()
+            .position(|&i| i == index)
+            .and_then(|at| spec.fields.get(at));
+        if let Some(request) = request {
             if request.name != field.name {
                 return violation(format!(
                     "layout field {index} is {:?}, the request's is {:?}",
@@ -125,7 +134,12 @@ pub(super) fn check_layout(
         if layout.fields[..index].iter().any(|f| f.name == field.name) {
             return violation(format!("field {:?} appears twice", field.name));
         }
-        check_field_layout(spec, layout, field)?;
+        let index_form = layout
+            .variable
+            .iter()
+            .find(|v| usize::from(v.index) == index)
+            .map(|v| v.form);
+        check_field_layout(spec, layout, field, index_form)?;
         extents.push((field.offset, field.offset + field.batch_bytes));
     }
     extents.sort_unstable();
@@ -135,10 +149,64 @@ pub(super) fn check_layout(
     Ok(())
 }
 
+/// Checks the layout's variable-length fields: each asked for in the form the request gave, values
+/// of at least one dimension (the length bound), and an `int32` index named after them.
+fn check_variable_layout(spec: &StreamSpec, layout: &StreamLayout) -> Result<(), ClientError> {
+    let violation = |reason: String| Err(ClientError::Protocol(reason));
+    if layout.variable.is_empty() {
+        return Ok(());
+    }
+    for (at, variable) in layout.variable.iter().enumerate() {
+        let values = &layout.fields[usize::from(variable.values)];
+        let index = &layout.fields[usize::from(variable.index)];
+        if layout.variable[..at]
+            .iter()
+            .any(|v| v.values == variable.values || v.index == variable.index)
+        {
+            return violation(format!(
+                "field {:?} is described twice as variable-length",
+                values.name
+            ));
+        }
+        if values.sample_shape.is_empty() {
+            return violation(format!(
+                "variable-length field {:?} has no length dimension",
+                values.name
+            ));
+        }
+        let expected = format!("{}.{}", values.name, variable.form.index_suffix());
+        if index.name != expected || index.dtype != DType::I32 || !index.sample_shape.is_empty() {
+            return violation(format!(
+                "the index of variable-length field {:?} is {:?} {} {:?}, expected {expected:?} int32 []",
+                values.name, index.name, index.dtype, index.sample_shape
+            ));
+        }
+        if let Some(asked) = spec.variable.iter().find(|v| v.name == values.name) {
+            if asked.form != variable.form {
+                return violation(format!(
+                    "field {:?} is served {:?}, {:?} was requested",
+                    values.name, variable.form, asked.form
+                ));
+            }
+            if asked
+                .cap
+                .is_some_and(|cap| values.sample_shape[0] > u64::from(cap))
+            {
+                return violation(format!(
+                    "field {:?} holds samples of up to {} elements, above the cap {:?} requested",
+                    values.name, values.sample_shape[0], asked.cap
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn check_field_layout(
     spec: &StreamSpec,
     layout: &StreamLayout,
     field: &FieldLayout,
+    index_form: Option<BatchForm>,
 ) -> Result<(), ClientError> {
     let violation = |reason: String| Err(ClientError::Protocol(reason));
     if field.sample_shape.len() >= BATCH_NDIM_MAX {
@@ -154,8 +222,10 @@ pub(super) fn check_field_layout(
             field.name, field.offset
         ));
     }
+    // An index tensor of cumulative offsets has one entry more than the batch.
+    let rows = u64::from(spec.batch_size) + u64::from(index_form == Some(BatchForm::Packed));
     let needed = extent_bytes(&field.sample_shape, field.dtype.size_bytes())
-        .and_then(|sample| sample.checked_mul(u64::from(spec.batch_size)));
+        .and_then(|sample| sample.checked_mul(rows));
     if needed.is_none_or(|needed| needed > field.batch_bytes) {
         return violation(format!(
             "field {:?} reserves {} bytes, less than {} samples of {:?} {}",

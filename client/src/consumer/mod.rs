@@ -72,6 +72,7 @@ mod slots;
 mod stream;
 #[cfg(test)]
 mod tests;
+mod variable;
 
 pub use ahead::OpeningStream;
 pub use batch::{Batch, FieldData, FieldView};

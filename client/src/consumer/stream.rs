@@ -216,6 +216,31 @@ impl Stream {
         }
         let entry = decode_batch(index, view.batch_entry(index), slot_count)
             .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let layout = &self.memory.layout;
+        let shapes = if layout.variable.is_empty() {
+            None
+        } else {
+            // The slot is the client's once its entry is published: its index tensors say the
+            // shapes of its variable-length fields (`decode_batch` checked the slot's number).
+            let read = |at: u64, len: usize| -> Result<Vec<u8>, String> {
+                match &self.memory.slots {
+                    super::slots::Slots::Host(slots) => {
+                        Ok(slots.slot(entry.slot)[at as usize..at as usize + len].to_vec())
+                    }
+                    super::slots::Slots::Device(slots) => {
+                        let mut out = vec![0u8; len];
+                        slots
+                            .copy_to_host(entry.slot, slots.ptr(entry.slot) + at, &mut out)
+                            .map_err(|e| format!("reading a variable-length field's index: {e}"))?;
+                        Ok(out)
+                    }
+                }
+            };
+            Some(
+                super::variable::batch_shapes(layout, read, entry.samples)
+                    .map_err(ClientError::Protocol)?,
+            )
+        };
         let info = BatchInfo {
             slot: entry.slot,
             epoch: entry.epoch,
@@ -228,10 +253,17 @@ impl Stream {
                 .layout
                 .fields
                 .iter()
-                .map(|field| {
-                    let mut shape = Vec::with_capacity(field.sample_shape.len() + 1);
-                    shape.push(u64::from(entry.samples));
-                    shape.extend_from_slice(&field.sample_shape);
+                .enumerate()
+                .map(|(at, field)| {
+                    let shape = match &shapes {
+                        Some(shapes) => shapes[at].clone(),
+                        None => {
+                            let mut shape = Vec::with_capacity(field.sample_shape.len() + 1);
+                            shape.push(u64::from(entry.samples));
+                            shape.extend_from_slice(&field.sample_shape);
+                            shape
+                        }
+                    };
                     BatchField {
                         offset: field.offset,
                         dtype: field.dtype,
@@ -376,10 +408,17 @@ impl Stream {
                 layout.fields.len()
             ));
         }
-        for (field, expected) in info.fields.iter().zip(&layout.fields) {
-            if field.dtype != expected.dtype
-                || field.shape.first() != Some(&u64::from(info.samples))
-                || field.shape[1..] != expected.sample_shape[..]
+        for (at, (field, expected)) in info.fields.iter().zip(&layout.fields).enumerate() {
+            let variable = layout
+                .variable
+                .iter()
+                .any(|v| usize::from(v.values) == at || usize::from(v.index) == at);
+            // Variable-length shapes were checked against their bounds as they were read; their
+            // extent is checked below like any field's.
+            if !variable
+                && (field.dtype != expected.dtype
+                    || field.shape.first() != Some(&u64::from(info.samples))
+                    || field.shape[1..] != expected.sample_shape[..])
             {
                 return violation(format!(
                     "field {:?} arrived as {:?} {}, expected [{}] + {:?} {}",

@@ -254,6 +254,7 @@ fn layout(slot_count: u32, steps: u64) -> StreamLayout {
         ],
         device: crate::protocol::Device::Cpu,
         slot_events: Vec::new(),
+        variable: Vec::new(),
     }
 }
 

@@ -10,7 +10,8 @@ use std::ffi::{c_void, CStr};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use gpufeed_client::protocol::{
-    CorruptPolicy, Device, FieldRequest, MixtureSource, Shuffle, StreamSpec, Tail,
+    BatchForm, CorruptPolicy, Device, FieldRequest, MixtureSource, Shuffle, StreamSpec, Tail,
+    VariableRequest,
 };
 use gpufeed_client::spec::{resume_mismatch, ShuffleName};
 use gpufeed_client::{ClientError, DType, FieldData, StreamState};
@@ -297,7 +298,7 @@ impl Client {
         dataset=None, batch_size=None, *, sources=None, mixture_epoch_samples=None, fields=None,
         device="cpu", shuffle=None, window_shards=4, seed=None, epoch=None, rank=0,
         world_size=None, tail="drop", start_step=None, state=None, on_corrupt="fail", prefetch=4,
-        world=None
+        world=None, variable=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn open_stream(
@@ -321,6 +322,7 @@ impl Client {
         on_corrupt: &str,
         prefetch: u32,
         world: Option<u32>,
+        variable: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Stream> {
         let Some(batch_size) = batch_size else {
             return Err(PyValueError::new_err("batch_size is required"));
@@ -343,6 +345,7 @@ impl Client {
         };
         spec.mixture_epoch_samples = mixture_epoch_samples;
         spec.fields = field_requests(py, fields)?;
+        spec.variable = variable_requests(variable)?;
         spec.device = parse_device(device)?;
         // Unset (None): dataset order, seed 0, epoch 0, or the resume state's values.
         if let Some(shuffle) = shuffle {
@@ -460,6 +463,47 @@ impl Client {
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
         self.close(py);
     }
+}
+
+/// The batch forms of variable-length fields: `None`, or a mapping of field name to `"padded"`,
+/// `"packed"`, or a `(form, cap)` pair (`cap` the most elements a sample keeps, or `None`).
+fn variable_requests(variable: Option<Bound<'_, PyAny>>) -> PyResult<Vec<VariableRequest>> {
+    let Some(variable) = variable else {
+        return Ok(Vec::new());
+    };
+    let mapping = variable.downcast::<PyMapping>().map_err(|_| {
+        PyValueError::new_err(
+            "variable must map field names to \"padded\", \"packed\" or (form, cap)",
+        )
+    })?;
+    let mut out = Vec::new();
+    for item in mapping.items()?.iter() {
+        let (name, value): (String, Bound<'_, PyAny>) = item.extract()?;
+        let (form, cap): (String, Option<u32>) = match value.extract::<String>() {
+            Ok(form) => (form, None),
+            Err(_) => value.extract().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "variable[{name:?}] is not \"padded\", \"packed\" or a (form, cap) pair"
+                ))
+            })?,
+        };
+        let form = match form.as_str() {
+            "padded" => BatchForm::Padded,
+            "packed" => BatchForm::Packed,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "variable[{name:?}]: form {other:?} is not padded or packed"
+                )))
+            }
+        };
+        if cap == Some(0) {
+            return Err(PyValueError::new_err(format!(
+                "variable[{name:?}]: a cap of 0 elements would serve nothing"
+            )));
+        }
+        out.push(VariableRequest { name, form, cap });
+    }
+    Ok(out)
 }
 
 /// The requested fields: `None` (every field, stored dtype), a list of names, or a dict of name to

@@ -99,10 +99,15 @@ def test_from_parquet_packs_every_column_as_pyarrow_reads_it(tmp_path):
     gpufeed.pack(out, from_parquet=files)
     assert np.array_equal(unpacked(out, "emb", tmp_path), emb)
     assert np.array_equal(unpacked(out, "label", tmp_path), label)
+    # A list column packs as a variable-length field (tests/test_variable.py serves them); a list
+    # of lists is refused naming the column.
     listed = pa.table({"ids": pa.array([[1], [2, 3]], pa.list_(pa.int64()))})
     pq.write_table(listed, tmp_path / "list.parquet")
-    with pytest.raises(gpufeed.PackError, match="column 'ids'.*variable-length fields are not supported yet"):
-        gpufeed.pack(tmp_path / "other", from_parquet=[tmp_path / "list.parquet"])
+    gpufeed.pack(tmp_path / "listed", from_parquet=[tmp_path / "list.parquet"])
+    nested = pa.table({"ids": pa.array([[[1]], [[2, 3]]], pa.list_(pa.list_(pa.int64())))})
+    pq.write_table(nested, tmp_path / "nested.parquet")
+    with pytest.raises(gpufeed.PackError, match="column 'ids'.*lists of lists"):
+        gpufeed.pack(tmp_path / "other", from_parquet=[tmp_path / "nested.parquet"])
 
 
 def test_arrow_tables_and_streamed_record_batches_pack_exactly(tmp_path):

@@ -160,18 +160,24 @@ impl GpuAssembler {
         let stream = Stream::new(&device)?;
         let opened_s = started.elapsed().as_secs_f64();
         let mut reader = reader;
-        let resident = open_resident(
-            &plan,
-            &files,
-            &mut reader,
-            choice,
-            &kernels,
-            limits,
-            &device,
-            &metrics,
-            shard_pool,
-            tier,
-        )?;
+        // Variable-length fields are gathered by the staged assembler only: the resident one
+        // places rows of one size.
+        let resident = if plan.has_variable() {
+            None
+        } else {
+            open_resident(
+                &plan,
+                &files,
+                &mut reader,
+                choice,
+                &kernels,
+                limits,
+                &device,
+                &metrics,
+                shard_pool,
+                tier,
+            )?
+        };
         let resident_s = started.elapsed().as_secs_f64() - opened_s;
         let cache = KeptBuffer::new(
             &device,
@@ -270,6 +276,7 @@ impl GpuAssembler {
                 lz4_read_ahead,
                 round_stamp: 0,
                 gather_piece_out_bytes: limits.gather_piece_out_bytes,
+                variable: super::staged::assembler::VariableBatch::default(),
             }),
         })
     }

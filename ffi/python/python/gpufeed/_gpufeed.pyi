@@ -60,6 +60,7 @@ class Client:
         on_corrupt: str = "fail",
         prefetch: int = 4,
         world: Optional[int] = None,
+        variable: Optional[Mapping[str, Union[str, Tuple[str, Optional[int]]]]] = None,
     ) -> Stream:
         """Opens a stream of ``dataset`` in batches of ``batch_size`` samples for this rank; the
         daemon starts filling slots at once.
@@ -70,7 +71,8 @@ class Client:
           through its own epochs, reshuffled each time, whatever the mixture's epoch; the mixture's
           epoch is ``mixture_epoch_samples`` positions (default: the sources' samples summed).
           Deterministic for a ``seed``, resumed from ``state_dict`` at any world size like a single
-          dataset; host memory (``device="cpu"``) only (``docs/PYTHON.md``).
+          dataset; host memory (``device="cpu"``) and fixed-shape fields only, without
+          ``variable`` (``docs/PYTHON.md``).
         - ``fields``: None (every field, stored type), a list of names, or a mapping of name to
           element type (:data:`DTypeLike`, or None for the stored type).
         - ``device``: ``"cpu"`` (host memory), ``"cuda"`` or ``"cuda:N"``.
@@ -85,6 +87,11 @@ class Client:
         - ``on_corrupt``: ``"fail"`` (``DaemonError`` with code ``"CorruptData"``) or ``"replace"``
           (zero-filled samples, counted in :attr:`Batch.replaced`).
         - ``prefetch``: slots the daemon fills ahead, at least (1 to 64).
+        - ``variable``: the batch form of each variable-length field named: ``"padded"``
+          (``batch[name]`` ``[samples, L, ...]`` zero-padded to the batch's longest, with int32
+          ``batch[name + ".lengths"]``), ``"packed"`` (``[total, ...]`` with int32
+          ``batch[name + ".cu_seqlens"]`` of ``samples + 1`` entries from 0), or a ``(form, cap)``
+          pair truncating samples to ``cap`` elements. Fields not named are padded, uncapped.
 
         Raises ``ValueError`` for a bad option value, ``InvalidSpecError`` for a spec the protocol
         refuses (nothing sent), ``DaemonError`` for one the daemon refuses (unknown dataset or

@@ -241,6 +241,10 @@ pub(in crate::pipeline::gpu) struct PendingBatch {
     pub(in crate::pipeline::gpu) rounds_left: usize,
     /// Whether work was queued on the slot after its ready event was recorded.
     pub(in crate::pipeline::gpu) fixed_up: bool,
+    /// Where the rows of the batch's variable-length fields go (empty without such fields), for
+    /// zeroing them.
+    pub(in crate::pipeline::gpu) variable:
+        std::sync::Arc<Vec<Option<crate::pipeline::varlen::VariableRows>>>,
 }
 
 impl PendingBatch {
@@ -258,6 +262,7 @@ impl PendingBatch {
             replaced: 0,
             rounds_left: 0,
             fixed_up: false,
+            variable: std::sync::Arc::default(),
         }
     }
 }

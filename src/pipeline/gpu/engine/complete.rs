@@ -189,8 +189,9 @@ impl RoundEngine {
             ptr: batch.slot_ptr,
             bytes: batch.slot_bytes,
         };
+        let variable = std::sync::Arc::clone(&batch.variable);
         for row in fixes {
-            self.zero_row(&slot, row)?;
+            self.zero_row(&slot, row, &variable)?;
         }
         Ok(())
     }

@@ -197,19 +197,20 @@ impl RoundEngine {
         &self,
         slot: &dyn DeviceMemory,
         row: usize,
+        variable: &[Option<crate::pipeline::varlen::VariableRows>],
     ) -> Result<(), FillError> {
-        for field in &self.plan.fields {
+        for (at, field) in self.plan.fields.iter().enumerate() {
+            // A variable-length field's row is where its batch places it.
+            let range = match variable.get(at).and_then(Option::as_ref) {
+                Some(rows) => field.row_place(rows, row),
+                None => {
+                    let start = field.offset + row * field.sample_bytes_out;
+                    start..start + field.sample_bytes_out
+                }
+            };
             // SAFETY: the range lies in the slot (validated plan); the slot is this filler's until
             // its batch is handed off, and the zeros are queued on the stream after the gather.
-            unsafe {
-                fill_async(
-                    &self.stream,
-                    slot,
-                    field.offset + row * field.sample_bytes_out,
-                    field.sample_bytes_out,
-                    0,
-                )
-            }?;
+            unsafe { fill_async(&self.stream, slot, range.start, range.len(), 0) }?;
         }
         Ok(())
     }
@@ -248,7 +249,12 @@ impl RoundEngine {
     ) -> Vec<(usize, Arc<CorruptBlock>)> {
         let mut found: Vec<(usize, Arc<CorruptBlock>)> = Vec::new();
         for (field, placement) in self.plan.fields.iter().zip(placements) {
-            let width = field.sample_bytes_in as u64;
+            // A run of a stream with a variable-length field is one row, whatever its bytes.
+            let width = if field.variable.is_some() {
+                u64::MAX
+            } else {
+                field.sample_bytes_in as u64
+            };
             for block in placement.blocks.clone() {
                 let key = block_key(placement, field, block);
                 let Some(bad) = corrupt_of(&key) else {

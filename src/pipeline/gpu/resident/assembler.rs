@@ -579,7 +579,7 @@ impl ResidentAssembler {
             resident.round_regions_encoded = encoded_regions;
         }
         for &row in &planned.replaced {
-            self.engine.zero_row(slot, row)?;
+            self.engine.zero_row(slot, row, &[])?;
         }
         // Nothing to download: the gather's outcome is in the pinned buffer already.
         self.engine.queue_downloads(index, 0, 0, false)?;

@@ -699,6 +699,7 @@ mod tests {
             prefetch: 2,
             on_corrupt: CorruptPolicy::Fail,
             device: StreamDevice::Cuda(0),
+            variable: Vec::new(),
         };
         let limits = crate::pipeline::StreamLimits::node_defaults();
         let plan = StreamPlan::new(dataset, &request, &limits).unwrap();

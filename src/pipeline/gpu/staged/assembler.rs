@@ -6,11 +6,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::device::{DeviceRegion, Event};
+use crate::device::{fill_async, DeviceMemory, DeviceRegion, Event, PinnedBuffer};
 use crate::pipeline::gpu::engine::buffers::PendingBatch;
 use crate::pipeline::gpu::engine::rounds::RoundEngine;
 use crate::pipeline::gpu::limits::ZeroCopy;
-use crate::pipeline::stream_plan::FillError;
+use crate::pipeline::stream_plan::{FillError, PlacementRuns};
+use crate::pipeline::varlen::{VariableForm, VariableRows};
 use crate::storage::gpu::PathChoice;
 
 /// Largest delivered bytes per field of a run of consecutive rows planned as one (see
@@ -33,6 +34,19 @@ pub struct StagedAssembler {
     /// Largest output of a gather piece merged from adjacent samples (see
     /// [`crate::pipeline::gpu::GpuStreamLimits::gather_piece_out_bytes`]).
     pub(in crate::pipeline::gpu) gather_piece_out_bytes: u64,
+    /// The variable-length fields of the batch being submitted.
+    pub(in crate::pipeline::gpu) variable: VariableBatch,
+}
+
+/// What the staged assembler keeps of a batch's variable-length fields while it queues the batch.
+#[derive(Default)]
+pub(in crate::pipeline::gpu) struct VariableBatch {
+    /// Per field of the stream (`None` for fixed-shape ones), where the batch's rows go (shared
+    /// with its [`PendingBatch`], for rows zeroed when it completes).
+    pub(in crate::pipeline::gpu) rows: std::sync::Arc<Vec<Option<VariableRows>>>,
+    /// Pinned memory the batches' index tensors are uploaded from: one entry per batch, for one
+    /// more batch than the stream has round buffers (see [`StagedAssembler::queue_variable`]).
+    host: Option<PinnedBuffer>,
 }
 
 impl StagedAssembler {
@@ -57,6 +71,7 @@ impl StagedAssembler {
         self.engine
             .batches
             .push_back(PendingBatch::new(step, slot, rows));
+        self.queue_variable(step, &placements, slot)?;
         let mut run = 0usize;
         while run < runs {
             // The round's buffers must be free: complete the round that used them last.
@@ -79,6 +94,93 @@ impl StagedAssembler {
             ready.record(&self.engine.stream)?;
         }
         Ok(())
+    }
+
+    /// For a stream with variable-length fields, before the batch of `step` is gathered into
+    /// `slot`: works out where its rows go (into [`VariableBatch::rows`], for the gathers), zeroes
+    /// a padded field's values (what the rows leave is padding) and uploads each field's index
+    /// tensor, all on the stream ahead of the gathers.
+    fn queue_variable(
+        &mut self,
+        step: u64,
+        placements: &PlacementRuns,
+        slot: &DeviceRegion,
+    ) -> Result<(), FillError> {
+        let plan = std::sync::Arc::clone(&self.engine.plan);
+        if !plan.has_variable() {
+            return Ok(());
+        }
+        let width = plan.fields.len();
+        // With a variable-length field, a run is one row (`StreamPlan::placement_runs`).
+        let samples = placements.runs.len();
+        let rows = plan.variable_rows(samples, |at, row| &placements.placements[row * width + at]);
+        let entry_bytes: usize = plan
+            .fields
+            .iter()
+            .filter_map(|f| f.variable.as_ref())
+            .map(|v| 4 * v.index_elements(plan.rank.batch_size as usize))
+            .sum();
+        let entries = self.engine.buffers.len() + 1;
+        if self.variable.host.is_none() {
+            self.variable.host = Some(PinnedBuffer::new(
+                self.engine.stream.device(),
+                entry_bytes * entries,
+            )?);
+        }
+        let host = self.variable.host.as_mut().expect("allocated above");
+        let mut at = (step % entries as u64) as usize * entry_bytes;
+        for (field, rows) in plan.fields.iter().zip(&rows) {
+            let (Some(rows), Some(variable)) = (rows, &field.variable) else {
+                continue;
+            };
+            if variable.form == VariableForm::Padded {
+                // SAFETY: the range lies in the slot (bounded by the plan's length bound); the slot
+                // is this filler's (its release was waited for), and the gathers that write its rows
+                // are queued after this on the same stream.
+                unsafe {
+                    fill_async(
+                        &self.engine.stream,
+                        slot,
+                        field.offset,
+                        rows.values_bytes(field.sample_bytes_out),
+                        0,
+                    )
+                }?;
+            }
+            host.as_mut_slice()[at..at + rows.index.len()].copy_from_slice(&rows.index);
+            // SAFETY: the entry written is not written again before this copy completes: it is
+            // reused `entries` batches later, and by then this batch's rounds, queued after the
+            // copy on the same stream, have been waited for (no more rounds are in flight than
+            // the stream has round buffers, one less than `entries`). The index lies in the slot.
+            unsafe {
+                host.upload_async(
+                    &self.engine.stream,
+                    at,
+                    slot,
+                    variable.index_offset,
+                    rows.index.len(),
+                )
+            }?;
+            at += rows.index.len();
+        }
+        let rows = std::sync::Arc::new(rows);
+        self.engine
+            .batches
+            .back_mut()
+            .expect("the batch was pushed before its variable-length fields are queued")
+            .variable = std::sync::Arc::clone(&rows);
+        self.variable.rows = rows;
+        Ok(())
+    }
+
+    /// Zeroes row `row` of the batch being queued in `slot` in every field (a corrupt sample
+    /// replaced, as on the CPU backend): a variable-length field's row where the batch places it.
+    pub(in crate::pipeline::gpu) fn zero_row(
+        &self,
+        slot: &dyn DeviceMemory,
+        row: usize,
+    ) -> Result<(), FillError> {
+        self.engine.zero_row(slot, row, &self.variable.rows)
     }
 
     /// Whether the oldest batch submitted is complete already: all its rounds were waited for.

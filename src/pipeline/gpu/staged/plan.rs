@@ -193,10 +193,17 @@ impl StagedAssembler {
             // are gathered one by one (a corrupt block), each row takes one piece per block it
             // overlaps (at most the run's blocks plus its rows, over all rows) plus one per such
             // span of the row.
+            // A variable-length field's run is one row of the placement's length.
+            let row_out_bytes = match field.variable {
+                Some(_) => {
+                    (placement.end - placement.start) / field.sample_bytes_in as u64
+                        * field.sample_bytes_out as u64
+                }
+                None => field.sample_bytes_out as u64,
+            };
             demand.pieces += placement.blocks.len()
                 + rows
-                    * (1 + (field.sample_bytes_out as u64)
-                        .div_ceil(crate::kernels::GATHER_PIECE_OUT_BYTES_MAX)
+                    * (1 + row_out_bytes.div_ceil(crate::kernels::GATHER_PIECE_OUT_BYTES_MAX)
                         as usize);
             for block in placement.blocks.clone() {
                 let key = block_key(placement, field, block);

@@ -504,7 +504,7 @@ impl StagedAssembler {
         }
         // The substitute for a corrupt sample is all zeros in every field, as on the CPU backend.
         for &row in &replaced {
-            self.engine.zero_row(slot, row)?;
+            self.zero_row(slot, row)?;
         }
         Ok((replaced, count > 0))
     }
@@ -546,7 +546,17 @@ impl StagedAssembler {
             }
         }
         pieces.clear();
-        for (field, placement) in fields.iter().zip(run_placements) {
+        for (at, (field, placement)) in fields.iter().zip(run_placements).enumerate() {
+            if let Some(rows) = self.variable.rows.get(at).and_then(Option::as_ref) {
+                // A variable-length field's run is one row, placed in the batch's form; a corrupt
+                // row is left to be zeroed.
+                if corrupt.is_empty() {
+                    let out_at = field.row_place(rows, first_row).start as u64;
+                    let range = placement.start..placement.end;
+                    self.range_pieces(round, field, placement, range, out_at, pieces);
+                }
+                continue;
+            }
             let out_at = (field.offset + first_row * field.sample_bytes_out) as u64;
             if corrupt.is_empty() {
                 let range = placement.start..placement.end;
