@@ -624,6 +624,13 @@ fn parse_fields(
             header.block_count
         )));
     }
+    // Version 2 is written only for a shard with a variable-length field (see
+    // `encode_shard_metadata`): one without is version 1, byte for byte.
+    if header.version == FORMAT_VERSION_VARIABLE && !fields.iter().any(Field::is_variable) {
+        return Err(invalid(format!(
+            "header: format version {FORMAT_VERSION_VARIABLE} but no field is variable-length              (such a shard is version {FORMAT_VERSION})"
+        )));
+    }
 
     Ok(fields)
 }
@@ -898,6 +905,24 @@ mod tests {
         for file_bytes in [u64::MAX, u64::MAX - 100, u64::MAX - 4095] {
             assert!(parse_shard_metadata(Path::new("s"), &bytes, file_bytes).is_err());
         }
+    }
+
+    /// Regression (CI's fuzz smoke): a shard of fixed-shape fields whose header said version 2
+    /// parsed, and re-encoding it wrote version 1 (only a shard with a variable-length field is
+    /// version 2), so the metadata did not round-trip. Such a header is now rejected.
+    #[test]
+    fn version_2_without_a_variable_length_field_is_rejected() {
+        let (fields, blocks) = sample_metadata();
+        let mut bytes = encode_shard_metadata(10, 3, 4096, &fields, &blocks);
+        bytes.resize(8192, 0);
+        bytes[8..12].copy_from_slice(&FORMAT_VERSION_VARIABLE.to_le_bytes());
+        let header_checksum = checksum(&bytes[..56]);
+        bytes[56..64].copy_from_slice(&header_checksum.to_le_bytes());
+        let error = parse_shard_metadata(Path::new("s"), &bytes, 8192).unwrap_err();
+        assert!(
+            error.to_string().contains("no field is variable-length"),
+            "{error}"
+        );
     }
 
     #[test]
