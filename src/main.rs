@@ -903,8 +903,9 @@ fn open_fields(
     out: &Path,
     threads: usize,
 ) -> Result<Vec<FieldSource>> {
-    // Parquet and Arrow IPC inputs are decoded into scratch files beside the output (the disk that
-    // receives the dataset), unlinked from the start.
+    // Parquet and Arrow IPC inputs are decoded into scratch files, in memory when they fit an
+    // eighth of the available memory, otherwise beside the output (the disk that receives the
+    // dataset), unlinked from the start.
     let scratch = match out.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
