@@ -670,20 +670,22 @@ fn scratch_in_memory(paths: &[&Path]) -> bool {
     };
     let mut decoded = 0u64;
     for path in paths {
-        let Ok(file) = crate::format::open_regular(path) else {
-            return false;
-        };
         let bytes = match table_format(path) {
-            Ok(TableFormat::Parquet) => match ParquetRecordBatchReaderBuilder::try_new(file) {
-                Ok(builder) => builder
+            Ok(TableFormat::Parquet) => {
+                let builder = crate::format::open_regular(path)
+                    .ok()
+                    .and_then(|file| ParquetRecordBatchReaderBuilder::try_new(file).ok());
+                let Some(builder) = builder else {
+                    return false;
+                };
+                builder
                     .metadata()
                     .row_groups()
                     .iter()
                     .map(|group| group.total_byte_size().max(0) as u64)
-                    .sum(),
-                Err(_) => return false,
-            },
-            _ => match file.metadata() {
+                    .sum()
+            }
+            _ => match std::fs::metadata(path) {
                 Ok(metadata) => metadata.len(),
                 Err(_) => return false,
             },

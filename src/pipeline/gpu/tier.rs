@@ -505,6 +505,16 @@ impl TierDataset {
         self.windows[window].bytes
     }
 
+    /// A region table with every window of the dataset, in order, pointing into the tier.
+    pub fn regions(&self) -> Vec<crate::kernels::GatherRegion> {
+        (0..self.windows.len())
+            .map(|window| crate::kernels::GatherRegion {
+                ptr: self.window_ptr(window),
+                bytes: self.window_bytes(window),
+            })
+            .collect()
+    }
+
     /// Queues the copies of the windows not queued yet, from `sources` (the host address of each
     /// window, registered and pinned by the caller), in the order `order` (window indices). Returns
     /// how many this call queued.

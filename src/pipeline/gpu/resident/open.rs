@@ -749,23 +749,16 @@ impl Resident {
         decoded: Option<Arc<DecodedLayout>>,
     ) -> Result<Resident, FillError> {
         let window_bytes = windows.window_bytes();
-        let mut table: Vec<GatherRegion> = Vec::with_capacity(dataset.window_count());
         let mut first_region = Vec::with_capacity(file_bytes.len());
+        let mut regions = 0u32;
         for &bytes in file_bytes {
-            first_region.push(table.len() as u32);
-            let mut start = 0u64;
-            while start < bytes {
-                let region = table.len();
-                table.push(GatherRegion {
-                    ptr: dataset.window_ptr(region),
-                    bytes: dataset.window_bytes(region),
-                });
-                start += window_bytes;
-            }
+            first_region.push(regions);
+            regions += bytes.div_ceil(window_bytes) as u32;
         }
+        let table = dataset.regions();
         assert_eq!(
             table.len(),
-            dataset.window_count(),
+            regions as usize,
             "the tier cut the same windows"
         );
         let (mut corrupt, verified_bytes) = verify_blocks(plan, files)?;

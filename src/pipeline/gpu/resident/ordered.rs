@@ -211,13 +211,7 @@ impl DeviceOrder {
         {
             return Ok(None);
         }
-        let table: Vec<GatherRegion> = (0..dataset.window_count())
-            .map(|window| GatherRegion {
-                ptr: dataset.window_ptr(window),
-                bytes: dataset.window_bytes(window),
-            })
-            .collect();
-        let own = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&table))?;
+        let own = DeviceBuffer::from_host(device, &GatherRegion::encode_all(&dataset.regions()))?;
         Self::build(plan, resident, device, (own.device_ptr(), Some(own)), false)
     }
 
