@@ -52,7 +52,8 @@ pub const REGISTERED_WINDOW_BYTES_MIN: u64 = 64 << 10;
 pub const REGISTERED_WINDOW_BYTES_MAX: u64 = 4 << 30;
 /// Granularity of the derived registration budget.
 pub const REGISTERED_BYTES_MAX_MIN: u64 = 256 << 20;
-/// Share of the host's RAM the default registration budget may lock (the rest stays reclaimable).
+/// Share of the host's RAM (or cgroup limit) the default registration budget may lock (the rest
+/// stays reclaimable).
 pub const REGISTERED_RAM_SHARE_DEFAULT: f64 = 0.5;
 /// Default most pack jobs running at once: packing is CPU- and disk-heavy and competes with serving.
 pub const JOBS_RUNNING_MAX_DEFAULT: u32 = 2;
@@ -1110,8 +1111,9 @@ pub struct RegistrationBudget {
     pub source: BudgetSource,
 }
 
-/// The default registration budget: [`REGISTERED_RAM_SHARE_DEFAULT`] of the host's RAM, and no more
-/// than `RLIMIT_MEMLOCK` allows (registration locks pages: past the limit it would fail), rounded
+/// The default registration budget: [`REGISTERED_RAM_SHARE_DEFAULT`] of the host's RAM (or of the
+/// daemon's memory cgroup limit, where lower: registered pages are charged to it and cannot be
+/// reclaimed), and no more than `RLIMIT_MEMLOCK` allows (registration locks pages: past the limit it would fail), rounded
 /// down to whole windows.
 pub fn registered_bytes_max_default() -> RegistrationBudget {
     let ram = host_ram_bytes().unwrap_or(16 << 30);
@@ -1127,13 +1129,9 @@ pub fn registered_bytes_max_default() -> RegistrationBudget {
     }
 }
 
-/// Physical memory of the host, from `sysconf`.
+/// The memory the daemon may use: the host's RAM, or its memory cgroup's limit where lower.
 fn host_ram_bytes() -> Option<u64> {
-    // SAFETY: sysconf only reads system configuration.
-    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
-    // SAFETY: as above.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    (pages > 0 && page > 0).then(|| pages as u64 * page as u64)
+    crate::storage::memory::memory_limit_bytes()
 }
 
 /// The soft `RLIMIT_MEMLOCK`, unless unlimited.

@@ -292,7 +292,8 @@ struct ServeArgs {
     pack_rate_max: Option<ByteCount>,
     /// Most bytes of page cache the daemon keeps registered (locked in memory) so that GPUs read
     /// shards straight from it; data beyond it is read through bounce buffers or cuFile. 0 turns
-    /// the page-cache path off (suffixes K, M, G). Default: half the RAM, within RLIMIT_MEMLOCK.
+    /// the page-cache path off (suffixes K, M, G). Default: half the RAM (or of the memory
+    /// cgroup's limit, where lower), within RLIMIT_MEMLOCK.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     registered_memory_max: Option<ByteCount>,
     /// Size of one registered page-cache window (a multiple of 4096, 64K to 4G; suffixes K, M, G).

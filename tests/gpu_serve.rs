@@ -170,11 +170,22 @@ fn compare_backends_logged(
     gpu_flags: &[&str],
     log: Option<&Path>,
 ) -> Vec<(Vec<u8>, Vec<u8>)> {
+    compare_backends_logged_env(root, requests, gpu_flags, log, &[])
+}
+
+/// [`compare_backends_logged`] with the variables `env` in the GPU daemon's environment.
+fn compare_backends_logged_env(
+    root: &Path,
+    requests: &[(&str, Vec<&str>)],
+    gpu_flags: &[&str],
+    log: Option<&Path>,
+    env: &[(&str, &str)],
+) -> Vec<(Vec<u8>, Vec<u8>)> {
     let cpu_root = root.join("cpu-root");
     if !cpu_root.join("mixed").exists() {
         copy_dataset(&root.join("mixed"), &cpu_root.join("mixed"));
     }
-    let gpu = start_daemon_logged(root, "cuda:0", gpu_flags, log);
+    let gpu = start_daemon_logged_env(root, "cuda:0", gpu_flags, log, env);
     let cpu = start_daemon(&cpu_root, "cpu");
     let dumps = root
         .join("dumps")
@@ -603,6 +614,81 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
             "--batch-size",
             "100",
         ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
+}
+
+/// A full shuffle of a dataset larger than the daemon's memory reads its rows from the disk
+/// (`GPUFEED_ROW_READS=disk` stands in for a dataset beyond the memory limit) and verifies each
+/// block as it is first read: batches are bit-exact against the CPU backend, at batch sizes whose
+/// rounds read many rows of a block and few; a corrupt raw block's rows are zeros counted like the
+/// CPU backend's under `replace`, and the stream fails naming the shard under `fail`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn full_shuffle_rows_read_from_the_disk_are_bit_exact_and_corrupt_blocks_handled() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = pack_dataset(root.path());
+    let dataset = Dataset::open(&dir).unwrap();
+    let shard = &dataset.shards[3];
+    let emb = shard
+        .metadata
+        .field_blocks(dataset.field_index("emb").unwrap())[2];
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
+    std::fs::write(&shard.path, bytes).unwrap();
+    let full = |batch: &'static str, seed: &'static str, policy: &'static str| {
+        vec![
+            "--batch-size",
+            batch,
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            "full",
+            "--seed",
+            seed,
+            "--on-corrupt",
+            policy,
+        ]
+    };
+    let requests = vec![
+        ("full-96", full("96", "5", "replace")),
+        ("full-1000", full("1000", "9", "replace")),
+    ];
+    let flags = [
+        "--registered-window",
+        "256K",
+        "--registered-memory-max",
+        "1M",
+    ];
+    let env = [("GPUFEED_ROW_READS", "disk")];
+    let log = root.path().join("disk-rows.log");
+    let dumps = compare_backends_logged_env(root.path(), &requests, &flags, Some(&log), &env);
+    for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
+        assert!(!gpu.is_empty(), "{name}: nothing dumped");
+        assert!(gpu == cpu, "{name}: GPU and CPU backends differ");
+    }
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("rows read from the disk at a queue depth"),
+        "the full shuffle did not read rows from the disk:\n{log}"
+    );
+    assert!(
+        log.contains("found reading rows from the disk"),
+        "the corrupt block was not found by a disk read:\n{log}"
+    );
+    // With `fail`, the stream ends with an error naming the shard.
+    let gpu = start_daemon_logged_env(root.path(), "cuda:0", &flags, None, &env);
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args(["--dataset", "mixed", "--device", "cuda:0"])
+        .args(full("96", "5", "fail"))
         .output()
         .unwrap();
     assert!(!output.status.success());

@@ -23,6 +23,7 @@ pub mod fault;
 pub mod files;
 pub mod gpu;
 pub mod mapped;
+pub mod memory;
 pub mod queue;
 pub mod residency;
 pub mod windows;

@@ -222,8 +222,15 @@ fn stage_copied_rows(
     // completed: the host waited for its `done` event, recorded on the compute stream after its
     // upload and its gather, before these buffers were taken again.
     let copy_started = std::time::Instant::now();
-    let copied = copier.copy_round(index, std::mem::take(&mut planned.copies))?;
+    let (copied, replaced) = copier.copy_round(index, std::mem::take(&mut planned.copies))?;
     engine.timings.read_s += copy_started.elapsed().as_secs_f64();
+    // Rows whose blocks a disk read found corrupt are zeroed and counted like those the planner
+    // knew of (queued after the gather).
+    for row in replaced {
+        if !planned.replaced.contains(&row) {
+            planned.replaced.push(row);
+        }
+    }
     let source = copier.buffer(index);
     // SAFETY: the source is this round's pinned row buffer, complete (every copy thread's part is
     // done) and written again only after the host has waited for this round's `done` event, which

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use foldhash::{HashMap, HashMapExt};
 
+use super::cold_rows::{ColdRows, RowReads, COLD_QUEUE_DEPTH};
 use super::device_shards::{DeviceShards, ShardWindows};
 use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
@@ -522,8 +523,17 @@ impl Resident {
         if row_bytes_max > capacity || windows_count as usize + 1 > REGIONS_MAX {
             return Ok(None);
         }
-        let pinned_max = (windows.registered_bytes_max() as u64)
-            .saturating_sub(WINDOWS_KEPT_FREE * window_bytes);
+        // A dataset larger than the memory the daemon may use is read from the disk, every row
+        // (see `cold_rows`): no window is registered (registering faults its pages in from the
+        // disk), and blocks are verified as they are first read.
+        let dataset_bytes: u64 = file_bytes.iter().sum();
+        let memory_limit = crate::storage::memory::memory_limit_bytes();
+        let from_disk = RowReads::from_env().reads_disk(dataset_bytes, memory_limit);
+        let pinned_max = if from_disk {
+            0
+        } else {
+            (windows.registered_bytes_max() as u64).saturating_sub(WINDOWS_KEPT_FREE * window_bytes)
+        };
         let mut pinned_bytes = 0u64;
         let mut mapped = PinnedWindows::new(windows);
         let mut table: Vec<GatherRegion> = Vec::new();
@@ -568,17 +578,36 @@ impl Resident {
         });
         copied.push(false);
         let map_s = started.elapsed().as_secs_f64();
-        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
-        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        let (corrupt, cold) = if from_disk {
+            let cold = ColdRows::open(Arc::clone(&plan.dataset), plan.on_corrupt)?;
+            (HashMap::new(), Some(cold))
+        } else {
+            let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+            metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+            (corrupt, None)
+        };
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = row_copy_threads(limits.loader_copy_threads, cpus);
+        let threads = if from_disk {
+            1
+        } else {
+            row_copy_threads(limits.loader_copy_threads, cpus)
+        };
         let rounds = limits
             .rounds_in_flight
             .clamp(ROUNDS_IN_FLIGHT_MIN, ROUNDS_IN_FLIGHT_MAX);
         let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
-        let copier = RowCopier::new(device, paths, rounds, capacity as usize, threads)?;
+        let copier = RowCopier::new(device, paths, rounds, capacity as usize, threads, cold)?;
         let windows_mapped = mapped.ids.len();
+        if from_disk {
+            tracing::info!(
+                "full shuffle of a dataset larger than the daemon's memory ({} bytes, limit {}): \
+                 rows read from the disk at a queue depth of {}, blocks verified as first read",
+                dataset_bytes,
+                memory_limit.map_or("unknown".to_string(), |l| format!("{l} bytes")),
+                COLD_QUEUE_DEPTH
+            );
+        }
         tracing::info!(
             "full shuffle beyond the registration budget: rows of {} of {} windows read in place, \
              the others copied by {} host threads into {} staging buffers of {} KiB ({} corrupt \

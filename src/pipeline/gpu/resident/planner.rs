@@ -239,6 +239,9 @@ pub(super) struct RowStaging {
 struct RoundCopies {
     copies: Vec<RowCopy>,
     used: u64,
+    /// The row and field whose pieces are being planned (what a copy records).
+    row: u32,
+    field: u32,
 }
 
 /// The linear layout of one field in one shard (see [`RowGeometry::linear`]), if it has one.
@@ -393,6 +396,8 @@ fn push_in_place(
                     file_offset: at,
                     bytes: bytes as u32,
                     staging_offset: placed,
+                    field: copies.field,
+                    row: copies.row,
                 });
                 copies.used = placed + bytes;
                 (staging.region, placed)
@@ -541,6 +546,8 @@ fn run_pieces(
         spans.push((shard, base + start, base + stop));
     }
     for (field, (shard, at, stop)) in plan.fields.iter().zip(spans) {
+        // (Never with row copies: runs are planned only without them.)
+        (copies.row, copies.field) = (row as u32, field.field_index as u32);
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");
         let out_at = (field.offset + row * field.sample_bytes_out) as u64;
@@ -578,6 +585,7 @@ fn row_pieces(
     copies: &mut RoundCopies,
 ) -> Option<Arc<CorruptBlock>> {
     for (index, field) in plan.fields.iter().enumerate() {
+        (copies.row, copies.field) = (row as u32, field.field_index as u32);
         let (shard, start, end) = plan.locate(sample, field.field_index);
         let op = GatherOp::for_dtypes(field.stored, field.out)
             .expect("conversions are validated when the stream is planned");

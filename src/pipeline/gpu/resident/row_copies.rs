@@ -27,6 +27,8 @@ use crate::device::{Device, PinnedBuffer};
 use crate::pipeline::stream_plan::FillError;
 use crate::storage::mapped::MappedFile;
 
+use super::cold_rows::ColdRows;
+
 /// Row copy threads of a stream when `loader_copy_threads` is 0, the filler's own share included.
 /// One thread copies scattered 2 KiB rows from the page cache at a few GB/s (a memory copy, most
 /// of it cache misses); the rows not in registered windows are most of a dataset several times the
@@ -56,6 +58,10 @@ pub(super) struct RowCopy {
     pub(super) bytes: u32,
     /// Offset in the round's staging buffer.
     pub(super) staging_offset: u64,
+    /// The field (its index in the dataset) whose bytes these are.
+    pub(super) field: u32,
+    /// The row of the round (the index its planner zeroes when it replaces it).
+    pub(super) row: u32,
 }
 
 /// Where the next row goes in a round's staging buffer of `capacity` bytes: `used` rounded up to
@@ -337,6 +343,25 @@ impl CopyThreads {
     }
 }
 
+impl Drop for RowCopier {
+    fn drop(&mut self) {
+        if let Some(cold) = &self.cold {
+            let stats = cold.stats();
+            tracing::info!(
+                "rows read from the disk: {} bytes of rows in {} reads of {} bytes ({:.2}x), {} \
+                 blocks verified, in {:.2} s ({:.2} GB/s of rows)",
+                stats.row_bytes,
+                stats.reads,
+                stats.read_bytes,
+                stats.read_bytes as f64 / stats.row_bytes.max(1) as f64,
+                stats.blocks_verified,
+                stats.busy_s,
+                stats.row_bytes as f64 / stats.busy_s.max(1e-9) * 1e-9
+            );
+        }
+    }
+}
+
 impl Drop for CopyThreads {
     fn drop(&mut self) {
         // Closing the channels ends the threads; none holds a part (the filler waited for each).
@@ -363,9 +388,11 @@ impl Drop for CopyThreads {
     }
 }
 
-/// The row copy threads of a stream and its pinned row buffers (see the module documentation).
+/// The row copy threads of a stream and its pinned row buffers (see the module documentation), or
+/// its disk reader ([`ColdRows`]) where the dataset is larger than the memory the daemon may use.
 pub(super) struct RowCopier {
     threads: CopyThreads,
+    cold: Option<ColdRows>,
     files: Vec<std::fs::File>,
     paths: Vec<std::path::PathBuf>,
     /// One per set of round buffers: round buffers `i` upload from buffer `i`.
@@ -374,13 +401,15 @@ pub(super) struct RowCopier {
 
 impl RowCopier {
     /// Maps the shard files `paths`, pins `rounds` buffers of `buffer_bytes`, and starts
-    /// `threads - 1` copy threads (the filler is the first).
+    /// `threads - 1` copy threads (the filler is the first), or, given `cold`, reads the rows
+    /// through it (and starts no thread).
     pub(super) fn new(
         device: &Device,
         paths: Vec<std::path::PathBuf>,
         rounds: usize,
         buffer_bytes: usize,
         threads: usize,
+        cold: Option<ColdRows>,
     ) -> Result<RowCopier, FillError> {
         let mut files = Vec::with_capacity(paths.len());
         let mut maps = Vec::with_capacity(paths.len());
@@ -400,8 +429,10 @@ impl RowCopier {
         for _ in 0..rounds {
             buffers.push(PinnedBuffer::new(device, buffer_bytes)?);
         }
+        let threads = if cold.is_some() { 1 } else { threads };
         Ok(RowCopier {
             threads: CopyThreads::start(maps, threads),
+            cold,
             files,
             paths,
             buffers,
@@ -413,26 +444,34 @@ impl RowCopier {
         &self.buffers[index]
     }
 
-    /// Copies `copies` into pinned buffer `index`, on the copy threads and this one, and returns
-    /// the bytes copied once every copy is done and every shard they read is checked unchanged
-    /// since it was mapped. The caller makes sure that no upload from buffer `index` is still in
-    /// flight (the round that used it last has completed).
+    /// Copies `copies` into pinned buffer `index`, on the copy threads and this one (or reads them
+    /// from the disk), and returns the bytes copied, and the rows of the round found corrupt
+    /// meanwhile (by a disk read, to be served as zeros: see [`ColdRows::read_round`]), once
+    /// every copy is done and every shard they read is checked unchanged since it was mapped. The
+    /// caller makes sure that no upload from buffer `index` is still in flight (the round that
+    /// used it last has completed).
     pub(super) fn copy_round(
         &mut self,
         index: usize,
         copies: Vec<RowCopy>,
-    ) -> Result<u64, FillError> {
+    ) -> Result<(u64, Vec<usize>), FillError> {
         let mut shards: Vec<u32> = copies.iter().map(|c| c.shard).collect();
         shards.sort_unstable();
         shards.dedup();
         let buffer = &mut self.buffers[index];
-        let (dst, dst_bytes) = (buffer.as_mut_slice().as_mut_ptr(), buffer.len());
-        // SAFETY: the caller's contract: no upload reads the buffer, and this thread writes it
-        // only through this call, which returns once every copy into it is done.
-        let copied = unsafe { self.threads.copy(copies, dst, dst_bytes) };
-        let bytes = copied.map_err(|shard| {
-            self.failure(shard, "the shard is shorter than when the stream opened")
-        })?;
+        let mut replaced = Vec::new();
+        let bytes = if let Some(cold) = self.cold.as_mut() {
+            replaced = cold.read_round(&copies, buffer.as_mut_slice())?;
+            copies.iter().map(|c| c.bytes as u64).sum()
+        } else {
+            let (dst, dst_bytes) = (buffer.as_mut_slice().as_mut_ptr(), buffer.len());
+            // SAFETY: the caller's contract: no upload reads the buffer, and this thread writes
+            // it only through this call, which returns once every copy into it is done.
+            let copied = unsafe { self.threads.copy(copies, dst, dst_bytes) };
+            copied.map_err(|shard| {
+                self.failure(shard, "the shard is shorter than when the stream opened")
+            })?
+        };
         // Whatever was read from a shard cut or rewritten meanwhile is not served.
         for shard in shards {
             let shard = shard as usize;
@@ -440,7 +479,7 @@ impl RowCopier {
                 return Err(self.failure(shard, &change.to_string()));
             }
         }
-        Ok(bytes)
+        Ok((bytes, replaced))
     }
 
     fn failure(&self, shard: usize, reason: &str) -> FillError {
@@ -478,6 +517,8 @@ mod tests {
             file_offset,
             bytes,
             staging_offset,
+            field: 0,
+            row: 0,
         }
     }
 
@@ -560,7 +601,6 @@ mod tests {
         }
         let mut dst = vec![0u8; 4 << 20];
         // SAFETY: `dst` is not touched until the call returns.
-        // SAFETY: `dst` is not touched until the call returns.
         let bytes = unsafe { threads.copy(copies.clone(), dst.as_mut_ptr(), dst.len()) }.unwrap();
         assert_eq!(bytes, 1000 * row);
         for c in &copies {
@@ -594,16 +634,13 @@ mod tests {
         let mut dst = vec![0u8; 8192];
         let beyond_file = vec![copy(0, 0, 100, 0), copy(1, 4000, 200, 128)];
         // SAFETY: `dst` is not touched until the call returns.
-        // SAFETY: `dst` is not touched until the call returns.
         let outcome = unsafe { threads.copy(beyond_file, dst.as_mut_ptr(), dst.len()) };
         assert_eq!(outcome, Err(1));
         let beyond_buffer = vec![copy(0, 0, 4096, 8000)];
         // SAFETY: `dst` is not touched until the call returns.
-        // SAFETY: `dst` is not touched until the call returns.
         let outcome = unsafe { threads.copy(beyond_buffer, dst.as_mut_ptr(), dst.len()) };
         assert_eq!(outcome, Err(0));
         let unknown_shard = vec![copy(7, 0, 16, 0)];
-        // SAFETY: `dst` is not touched until the call returns.
         // SAFETY: `dst` is not touched until the call returns.
         let outcome = unsafe { threads.copy(unknown_shard, dst.as_mut_ptr(), dst.len()) };
         assert_eq!(outcome, Err(7));
