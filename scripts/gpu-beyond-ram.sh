@@ -13,7 +13,8 @@
 #   - gpufeed in a full shuffle: BEYOND_FULL_STEPS (400) batches of a fresh daemon, whose blocks are
 #     verified as they are first read (a row of a block not verified yet reads its whole block);
 #     then, on the same daemon, BEYOND_FULL_STEPS more from another seed (more blocks verified).
-# Each consumer line has first_batch_seconds (from before it connects), the rate over its stream,
+# BEYOND_ORDERS (none window full) chooses the orders (a skipped one is said so); BEYOND_DAEMON_FLAGS
+# adds flags to every daemon. Each consumer line has first_batch_seconds (from before it connects), the rate over its stream,
 # the daemon's cores over the stream and the cgroup's memory.peak. Shapes not run are said so.
 # Every run is a JSON line in $OUT/beyond.jsonl; a summary table is printed last. Any failed consumer
 # run fails the script (non-zero exit) after the remaining runs.
@@ -78,7 +79,7 @@ consume_run() {
   local case=$1 order=$2 seed=$3 line status
   shift 3
   line=$(timeout 200 "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 \
-    --batch-size "$batch" --dtype f32 --field emb --shuffle "$order" --window-shards 4 --seed "$seed" \
+    --batch-size "$batch" --dtype f32 --field data --shuffle "$order" --window-shards 4 --seed "$seed" \
     --prefetch 4 --epochs 1 --daemon-pid "$daemon" "$@" | tail -1)
   status=$?
   python3 - "$case" "$order" "$round" "$batch" "$status" "$line" "$(cat "$cg/memory.peak" 2>/dev/null)" \
@@ -125,17 +126,24 @@ PY
   python3 scripts/random_read_probe.py --file "${shards[0]}" --depth 64 --seconds 5 --block 4096 \
     | python3 -c 'import json,sys; d=json.load(sys.stdin); d.update(case="beyond-ram", run=int(sys.argv[1])); print(json.dumps(d))' "$round" >>"$jsonl"
   tail -1 "$jsonl"
-  for order in none window; do
+  for order in ${BEYOND_ORDERS:-none window full}; do
     drop
     start_daemon || { failed=$((failed + 1)); continue; }
-    consume_run beyond-ram "$order" "$round"
+    if [ "$order" = full ]; then
+      consume_run beyond-ram-first full "$round" --steps "$full_steps"
+      consume_run beyond-ram-after full $((round + 100)) --steps "$full_steps"
+    else
+      consume_run beyond-ram "$order" "$round"
+    fi
     stop_daemon
   done
-  drop
-  start_daemon || { failed=$((failed + 1)); continue; }
-  consume_run beyond-ram-first full "$round" --steps "$full_steps"
-  consume_run beyond-ram-after full $((round + 100)) --steps "$full_steps"
-  stop_daemon
+done
+for order in none window full; do
+  case " ${BEYOND_ORDERS:-none window full} " in
+    *" $order "*) ;;
+    *) echo "skipped: $order (not in BEYOND_ORDERS)"
+       printf '{"loader": "gpufeed", "case": "beyond-ram", "order": "%s", "skipped": "not in BEYOND_ORDERS"}\n' "$order" >>"$jsonl" ;;
+  esac
 done
 grep -h "rows read from the disk\|full shuffle of a dataset larger" "$OUT/beyond-daemon.log" | tail -4
 
