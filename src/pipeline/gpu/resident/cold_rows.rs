@@ -32,7 +32,20 @@ use crate::storage::{
     IO_ALIGN_BYTES,
 };
 
-use super::row_copies::RowCopy;
+/// One row's bytes (of one field) to copy from a shard into the round's staging buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RowCopy {
+    pub(super) shard: u32,
+    /// Offset in the shard file.
+    pub(super) file_offset: u64,
+    pub(super) bytes: u32,
+    /// Offset in the round's staging buffer.
+    pub(super) staging_offset: u64,
+    /// The field (its index in the dataset) whose bytes these are.
+    pub(super) field: u32,
+    /// The row of the round (the index its planner zeroes when it replaces it).
+    pub(super) row: u32,
+}
 
 /// Reads in flight at once: random reads of a few KiB reach a disk's rate only at a deep queue.
 pub(super) const COLD_QUEUE_DEPTH: usize = 64;
@@ -471,7 +484,6 @@ fn files_direct_unavailable(files: &FileTable) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::gpu::resident::row_copies::{staging_place, RowCopy};
 
     /// A packed raw dataset of `samples` rows of 3000 bytes (u8), blocks of 8 KiB, 100 rows a
     /// shard; returns it and the rows' bytes.
@@ -517,7 +529,8 @@ mod tests {
                 }
                 let (from, to) = (start.max(lo), end.min(hi));
                 let bytes = to - from;
-                let at = staging_place(used, bytes, 1 << 24).unwrap();
+                // Placed 16-byte aligned one after the other, as the planner places them.
+                let at = used.div_ceil(16) * 16;
                 used = at + bytes;
                 copies.push(RowCopy {
                     shard: shard as u32,

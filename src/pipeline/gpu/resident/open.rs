@@ -185,10 +185,9 @@ impl Resident {
             // read of every byte: 0.67x `dd` and a first batch after 7.7 s, against 1.37x and
             // 0.5 s staged, on the H200 test machine, 12 GiB in a 4 GiB memory cgroup).
             ZeroCopy::Auto => {
-                let beyond_memory = crate::storage::memory::memory_limit_bytes()
-                    .is_some_and(|limit| total > limit);
-                shuffle != ShuffleKind::None
-                    || (limits.device_shard_bytes > 0 && !beyond_memory)
+                let beyond_memory =
+                    crate::storage::memory::memory_limit_bytes().is_some_and(|limit| total > limit);
+                shuffle != ShuffleKind::None || (limits.device_shard_bytes > 0 && !beyond_memory)
             }
         };
         if !wanted {
@@ -533,12 +532,8 @@ impl Resident {
         if row_bytes_max > capacity || windows_count as usize + 1 > REGIONS_MAX {
             return Ok(None);
         }
-        // A dataset larger than the memory the daemon may use is read from the disk, every row
-        // (see `cold_rows`): no window is registered (registering faults its pages in from the
-        // disk), and blocks are verified as they are first read.
-        let dataset_bytes: u64 = file_bytes.iter().sum();
-        let memory_limit = crate::storage::memory::memory_limit_bytes();
-        let from_disk = RowReads::from_env().reads_disk(dataset_bytes, memory_limit);
+        // Rows read from the disk (`cold_rows`) register no window: that would fault its pages in.
+        let from_disk = rows_from_disk(file_bytes);
         let pinned_max = if from_disk {
             0
         } else {
@@ -592,9 +587,7 @@ impl Resident {
             let cold = ColdRows::open(Arc::clone(&plan.dataset), plan.on_corrupt)?;
             (HashMap::new(), Some(cold))
         } else {
-            let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
-            metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
-            (corrupt, None)
+            (verify_counted(plan, files, metrics)?, None)
         };
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -609,15 +602,6 @@ impl Resident {
         let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
         let copier = RowCopier::new(device, paths, rounds, capacity as usize, threads, cold)?;
         let windows_mapped = mapped.ids.len();
-        if from_disk {
-            tracing::info!(
-                "full shuffle of a dataset larger than the daemon's memory ({} bytes, limit {}): \
-                 rows read from the disk at a queue depth of {}, blocks verified as first read",
-                dataset_bytes,
-                memory_limit.map_or("unknown".to_string(), |l| format!("{l} bytes")),
-                COLD_QUEUE_DEPTH
-            );
-        }
         tracing::info!(
             "full shuffle beyond the registration budget: rows of {} of {} windows read in place, \
              the others copied by {} host threads into {} staging buffers of {} KiB ({} corrupt \
@@ -1083,6 +1067,37 @@ fn shard_first_samples(plan: &StreamPlan) -> Vec<u64> {
         .collect();
     firsts.push(first_sample);
     firsts
+}
+
+/// Whether a full shuffle beyond the registration budget reads its rows from the disk (see
+/// `cold_rows`): `GPUFEED_ROW_READS`, by default when the dataset (`file_bytes`) is larger than the
+/// memory the daemon may use. Said in the log when it does.
+fn rows_from_disk(file_bytes: &[u64]) -> bool {
+    let dataset_bytes: u64 = file_bytes.iter().sum();
+    let memory_limit = crate::storage::memory::memory_limit_bytes();
+    let from_disk = RowReads::from_env().reads_disk(dataset_bytes, memory_limit);
+    if from_disk {
+        tracing::info!(
+            "full shuffle of a dataset larger than the daemon's memory ({} bytes, limit {}): rows \
+             read from the disk at a queue depth of {}, blocks verified as first read",
+            dataset_bytes,
+            memory_limit.map_or("unknown".to_string(), |l| format!("{l} bytes")),
+            COLD_QUEUE_DEPTH
+        );
+    }
+    from_disk
+}
+
+/// [`verify_blocks`], the bytes it read counted in the device's metrics; returns the corrupt
+/// blocks.
+fn verify_counted(
+    plan: &StreamPlan,
+    files: &FileTable,
+    metrics: &crate::metrics::DeviceMetrics,
+) -> Result<HashMap<BlockKey, Arc<CorruptBlock>>, FillError> {
+    let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
+    metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+    Ok(corrupt)
 }
 
 /// Verifies the checksum of every block of the stream's fields that no reader of the dataset has

@@ -27,7 +27,7 @@ use crate::device::{Device, PinnedBuffer};
 use crate::pipeline::stream_plan::FillError;
 use crate::storage::mapped::MappedFile;
 
-use super::cold_rows::ColdRows;
+pub(super) use super::cold_rows::{ColdRows, RowCopy};
 
 /// Row copy threads of a stream when `loader_copy_threads` is 0, the filler's own share included.
 /// One thread copies scattered 2 KiB rows from the page cache at a few GB/s (a memory copy, most
@@ -48,21 +48,6 @@ pub(super) const ROW_STAGING_ALIGN: u64 = 16;
 /// Rows below this many bytes in a round are copied by the filler alone: waking the threads would
 /// cost more than the copy.
 const ROUND_BYTES_PER_THREAD_MIN: u64 = 256 << 10;
-
-/// One row's bytes (of one field) to copy from a shard into the round's staging buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct RowCopy {
-    pub(super) shard: u32,
-    /// Offset in the shard file.
-    pub(super) file_offset: u64,
-    pub(super) bytes: u32,
-    /// Offset in the round's staging buffer.
-    pub(super) staging_offset: u64,
-    /// The field (its index in the dataset) whose bytes these are.
-    pub(super) field: u32,
-    /// The row of the round (the index its planner zeroes when it replaces it).
-    pub(super) row: u32,
-}
 
 /// Where the next row goes in a round's staging buffer of `capacity` bytes: `used` rounded up to
 /// [`ROW_STAGING_ALIGN`], if `bytes` more fit; the caller then sets `used` past them.
