@@ -697,6 +697,79 @@ fn full_shuffle_rows_read_from_the_disk_are_bit_exact_and_corrupt_blocks_handled
     assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
+/// Beyond the daemon's memory (`GPUFEED_MEMORY_LIMIT=1M` stands in for a dataset larger than it),
+/// a window shuffle copies shards ahead with each shard's blocks verified by the loader just before
+/// its copy, and dataset order stages its blocks: both bit-exact against the CPU backend, a corrupt
+/// raw block's rows zeros under `replace` (found by the loader's check, said in the log), and the
+/// window shuffle fails naming the shard under `fail`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn beyond_the_memory_limit_shards_are_verified_as_copied_and_corrupt_blocks_handled() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = pack_dataset(root.path());
+    let dataset = Dataset::open(&dir).unwrap();
+    let shard = &dataset.shards[3];
+    let emb = shard
+        .metadata
+        .field_blocks(dataset.field_index("emb").unwrap())[2];
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
+    std::fs::write(&shard.path, bytes).unwrap();
+    let rows = |shuffle: &'static str, batch: &'static str, policy: &'static str| {
+        vec![
+            "--batch-size",
+            batch,
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "7",
+            "--on-corrupt",
+            policy,
+        ]
+    };
+    let requests = vec![
+        ("window-96", rows("window", "96", "replace")),
+        ("window-1000", rows("window", "1000", "replace")),
+        ("order-96", rows("none", "96", "replace")),
+    ];
+    let flags = [
+        "--registered-window",
+        "256K",
+        "--registered-memory-max",
+        "1M",
+    ];
+    let env = [("GPUFEED_MEMORY_LIMIT", "1M")];
+    let log = root.path().join("beyond-memory.log");
+    let dumps = compare_backends_logged_env(root.path(), &requests, &flags, Some(&log), &env);
+    for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
+        assert!(!gpu.is_empty(), "{name}: nothing dumped");
+        assert!(gpu == cpu, "{name}: GPU and CPU backends differ");
+    }
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("found checking the shard before its copy"),
+        "the loader did not find the corrupt block:\n{log}"
+    );
+    let gpu = start_daemon_logged_env(root.path(), "cuda:0", &flags, None, &env);
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(&gpu.socket)
+        .args(["--dataset", "mixed", "--device", "cuda:0"])
+        .args(rows("window", "96", "fail"))
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
+}
+
 /// Shard slots go back to the device's pool when a stream closes, and the next stream that copies
 /// shards ahead takes them (the daemon's log says how many it kept): streams one after another, in
 /// dataset order, a window shuffle and dataset order again, each bit-exact against the CPU backend

@@ -7,13 +7,38 @@
 /// The memory the daemon may use: the host's RAM, or its memory cgroup's limit where that is
 /// lower (cgroup v2 `memory.max` of the daemon's cgroup and of every cgroup above it, or v1
 /// `memory.limit_in_bytes`). `None` where neither is known.
+///
+/// `GPUFEED_MEMORY_LIMIT` (bytes, suffixes K, M, G) in the daemon's environment replaces both:
+/// for a daemon that shares its host or cgroup with processes whose memory it should leave alone,
+/// and for tests of what a dataset larger than the memory changes.
 pub fn memory_limit_bytes() -> Option<u64> {
+    if let Ok(text) = std::env::var("GPUFEED_MEMORY_LIMIT") {
+        match parse_bytes(&text) {
+            Some(bytes) => return Some(bytes),
+            None => tracing::warn!(
+                "GPUFEED_MEMORY_LIMIT={text:?} is ignored: not a byte count like 8589934592 or 8G"
+            ),
+        }
+    }
     let ram = host_ram_bytes();
     let cgroup = cgroup_limit_bytes();
     match (ram, cgroup) {
         (Some(ram), Some(cgroup)) => Some(ram.min(cgroup)),
         (ram, cgroup) => ram.or(cgroup),
     }
+}
+
+/// A byte count: digits, optionally followed by K, M or G (binary multiples).
+fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, shift) = match text.chars().last()? {
+        'K' | 'k' => (&text[..text.len() - 1], 10),
+        'M' | 'm' => (&text[..text.len() - 1], 20),
+        'G' | 'g' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    let value: u64 = digits.parse().ok()?;
+    value.checked_mul(1u64 << shift)
 }
 
 /// Physical memory of the host, from `sysconf`.
@@ -154,6 +179,18 @@ mod tests {
             None
         );
         assert_eq!(parse_limit("garbage"), None);
+    }
+
+    #[test]
+    fn byte_counts_take_binary_suffixes() {
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("1M"), Some(1 << 20));
+        assert_eq!(parse_bytes(" 8G "), Some(8 << 30));
+        assert_eq!(parse_bytes("3k"), Some(3 << 10));
+        assert_eq!(parse_bytes("G"), None);
+        assert_eq!(parse_bytes("-1"), None);
+        assert_eq!(parse_bytes("99999999999999G"), None);
+        assert_eq!(parse_bytes(""), None);
     }
 
     #[test]

@@ -10,13 +10,14 @@ use super::group::BatchGroup;
 use super::open::Resident;
 use super::ordered::DeviceOrder;
 use super::planner::{PlannedRows, PlannedStep, Planner};
+use super::shard_checks::rows_reading;
 use crate::device::{DeviceMemory, DeviceRegion, Event};
 use crate::kernels::{resolve_inline, GatherRegion, GATHER_OUTCOME_BYTES};
 use crate::pipeline::gpu::engine::buffers::{
     upload_table, DeviceRange, HostLayout, PendingBatch, PendingRound, RoundBuffers,
 };
 use crate::pipeline::gpu::engine::rounds::RoundEngine;
-use crate::pipeline::stream_plan::{FillError, FillReport, PlacementRuns};
+use crate::pipeline::stream_plan::{CorruptPolicy, FillError, FillReport, PlacementRuns};
 
 /// Most pieces one row adds (a row of a field split across two blocks and two windows at worst, per
 /// field, with GatherPlan's own split of long pieces).
@@ -135,6 +136,62 @@ fn prepare_shard_copies(
     engine.timings.copy_wait_s +=
         device_shards.prepare_round(&needed, &regions_read, &engine.stream)?;
     Ok(needed)
+}
+
+/// The rows of a round whose blocks the loader found corrupt when it checked the shards `needed`
+/// before copying them (beyond the daemon's memory: see `shard_checks`): under the stream's
+/// `replace` policy they are added to the round's `replaced` rows (zeroed after the gather, counted
+/// in the batch's report), under `fail` the first such block ends the stream. A round of several
+/// batches (small batches grouped) that reads such a block ends the stream too: its rows are not
+/// placed as one batch's.
+fn replace_late_corrupt(
+    resident: &Resident,
+    plan: &crate::pipeline::stream_plan::StreamPlan,
+    needed: &[usize],
+    steps: &std::ops::Range<u64>,
+    planned: &mut PlannedRows,
+) -> Result<(), FillError> {
+    let Some(checks) = resident
+        .device_shards
+        .as_ref()
+        .and_then(|d| d.checks.as_ref())
+    else {
+        return Ok(());
+    };
+    let geometry = &resident.geometry;
+    let shards = plan.dataset.shards.len();
+    for &shard in needed {
+        let bad = checks.corrupt_in(shard);
+        if bad.is_empty() {
+            continue;
+        }
+        let end = if shard + 1 < shards {
+            geometry.first_region(shard + 1)
+        } else {
+            resident.region_count as usize
+        };
+        let rows = plan.rank.batch_size as usize;
+        let found = rows_reading(
+            &planned.table,
+            geometry.first_region(shard)..end,
+            geometry.window_bytes(),
+            &bad,
+            &plan.fields,
+            rows,
+        );
+        if found.is_empty() {
+            continue;
+        }
+        if plan.on_corrupt == CorruptPolicy::Fail || steps.end - steps.start != 1 {
+            return Err(bad[0].bad.to_error());
+        }
+        for row in found {
+            if !planned.replaced.contains(&row) {
+                planned.replaced.push(row);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether copies into device memory may be queued on the copy engines while the stream's rounds
@@ -477,6 +534,7 @@ impl ResidentAssembler {
         if count > 0 {
             let resident = &mut self.resident;
             let needed = prepare_shard_copies(resident, &mut self.engine, &planned)?;
+            replace_late_corrupt(resident, &self.engine.plan, &needed, &steps, &mut planned)?;
             // The region table, pointed at the device copies the round may read. Small piece
             // tables go in the launch's parameters with every piece's region resolved from it.
             // Otherwise, when shards are copied ahead, the piece table (and the region table,

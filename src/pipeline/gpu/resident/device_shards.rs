@@ -23,6 +23,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::shard_checks::ShardChecks;
 use super::shard_loader::{LoadJob, ShardLoader};
 use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
 use crate::kernels::GatherRegion;
@@ -92,6 +93,8 @@ pub(super) struct ShardWindows {
 /// The device copies of a resident stream's shards.
 pub(super) struct DeviceShards {
     source: ShardSource,
+    /// The loader's checks of the shards it copies, when the stream did not verify them at open.
+    pub(super) checks: Option<Arc<ShardChecks>>,
     copy_stream: Stream,
     /// Fills queued so far (the generation of the latest).
     fills: u64,
@@ -184,6 +187,7 @@ impl DeviceShards {
         );
         Ok(Some(DeviceShards {
             source: ShardSource::Registered,
+            checks: None,
             copy_stream: Stream::new(device)?,
             fills: 0,
             holder: vec![None; shards.len()],
@@ -402,6 +406,7 @@ impl DeviceShards {
         paths: Vec<std::path::PathBuf>,
         fraction_min: f64,
         copy_threads: usize,
+        checks: Option<Arc<ShardChecks>>,
     ) -> Result<(), FillError> {
         let loader = ShardLoader::start(
             device,
@@ -410,8 +415,10 @@ impl DeviceShards {
             fraction_min,
             self.slots.len(),
             copy_threads,
+            checks.clone(),
         )?;
         self.source = ShardSource::Streamed(loader);
+        self.checks = checks;
         Ok(())
     }
 

@@ -15,6 +15,7 @@ pub(in crate::pipeline::gpu) mod open;
 pub(in crate::pipeline::gpu) mod ordered;
 mod planner;
 mod row_copies;
+mod shard_checks;
 mod shard_loader;
 pub(in crate::pipeline::gpu) mod tier_fill;
 mod tier_read;

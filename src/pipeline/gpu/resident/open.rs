@@ -24,6 +24,7 @@ use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
     row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
 };
+use super::shard_checks::ShardChecks;
 use super::tier_fill::{decoded_bytes, fill_decoded, DecodedLayout};
 use super::tier_read::TierRead;
 use crate::decode::{self, BlockRef};
@@ -449,15 +450,26 @@ impl Resident {
             return Ok(None);
         };
         let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
+        // Beyond the daemon's memory the loader verifies each shard as it copies it (see
+        // `shard_checks`) instead of the whole dataset being read before the first batch.
+        let beyond_memory = crate::storage::memory::memory_limit_bytes()
+            .is_some_and(|limit| file_bytes.iter().sum::<u64>() > limit);
+        let checks = beyond_memory.then(|| {
+            let fields = plan.fields.iter().map(|f| f.field_index).collect();
+            Arc::new(ShardChecks::new(Arc::clone(&plan.dataset), fields))
+        });
         device_shards.start_loader(
             device,
             windows,
             paths,
             fraction_min,
             limits.loader_copy_threads,
+            checks.clone(),
         )?;
-        let (corrupt, verified_bytes) = verify_blocks(plan, files)?;
-        metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
+        let corrupt = match checks {
+            Some(_) => HashMap::new(),
+            None => verify_counted(plan, files, metrics)?,
+        };
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         tracing::info!(
             "stream copies {} shards ({} windows) through the registration budget into device \

@@ -29,7 +29,8 @@
 //! device).
 //!
 //! What is copied is the shard file as it is when copied: its blocks were verified when the stream
-//! opened (or earlier, per the dataset's verified-block record), and a shard is never modified while
+//! opened (or earlier, per the dataset's verified-block record; beyond the daemon's memory, by this
+//! thread just before the copy: see `shard_checks`), and a shard is never modified while
 //! its dataset is registered (a re-packed dataset is detected by its manifest identity), so the
 //! copies are not hashed again. A shard found shorter than at open fails the stream.
 
@@ -43,6 +44,7 @@ use std::time::Duration;
 use crate::storage::mapped::MappedFile;
 
 use super::copy_helpers::{stop_all, Claims, CopyHelper, HelperStats, ShardCopy};
+use super::shard_checks::ShardChecks;
 use crate::device::{Device, DeviceError, Event, EventTiming, Stream};
 use crate::pipeline::stream_plan::FillError;
 use crate::storage::windows::{CopySource, PageCacheWindows};
@@ -126,6 +128,7 @@ impl ShardLoader {
         fraction_min: f64,
         slots: usize,
         copy_threads: usize,
+        checks: Option<Arc<ShardChecks>>,
     ) -> Result<ShardLoader, FillError> {
         let mut files = Vec::with_capacity(paths.len());
         for path in &paths {
@@ -150,6 +153,7 @@ impl ShardLoader {
             device: device.clone(),
             windows: Arc::clone(windows),
             files,
+            checks,
             maps: Vec::new(),
             fraction_min,
             pinned: VecDeque::new(),
@@ -303,6 +307,8 @@ struct Worker {
     device: Device,
     windows: Arc<PageCacheWindows>,
     files: Vec<Arc<File>>,
+    /// Verifies each shard before its copy, where the stream did not verify them all at open.
+    checks: Option<Arc<ShardChecks>>,
     /// Per shard, a read-only map for copies from pageable memory (made when first needed).
     maps: Vec<Option<MappedFile>>,
     fraction_min: f64,
@@ -382,6 +388,11 @@ impl Worker {
                     );
                     held = next;
                     let started = std::time::Instant::now();
+                    if let Some(checks) = &self.checks {
+                        for job in &group {
+                            checks.check_shard(job.shard, &self.files[job.shard]);
+                        }
+                    }
                     if let Err(error) = self.load(&stream, &group) {
                         result = Err(error);
                         break;
