@@ -141,9 +141,8 @@ fn prepare_shard_copies(
 /// The rows of a round whose blocks the loader found corrupt when it checked the shards `needed`
 /// before copying them (beyond the daemon's memory: see `shard_checks`): under the stream's
 /// `replace` policy they are added to the round's `replaced` rows (zeroed after the gather, counted
-/// in the batch's report), under `fail` the first such block ends the stream. A round of several
-/// batches (small batches grouped) that reads such a block ends the stream too: its rows are not
-/// placed as one batch's.
+/// in the batch's report), under `fail` the first such block ends the stream. (Such streams group no
+/// batches: a round of several would be refused here too.)
 fn replace_late_corrupt(
     resident: &Resident,
     plan: &crate::pipeline::stream_plan::StreamPlan,
@@ -333,12 +332,19 @@ impl ResidentAssembler {
         let mut rounds = planned.rounds?;
         // A small batch of one round with no rows to zero joins the group of batches waiting to be
         // gathered together, if it can; a batch that cannot queues the group first.
-        // (Rows copied into a round's staging are placed for that round alone.)
+        // (Rows copied into a round's staging are placed for that round alone, and rows of blocks
+        // the shard loader may find corrupt are zeroed per batch.)
+        let late_checks = self
+            .resident
+            .device_shards
+            .as_ref()
+            .is_some_and(|d| d.checks.is_some());
         let joins = self.group_batches_max > 1
             && rounds.len() == 1
             && rounds[0].replaced.is_empty()
             && rounds[0].copies.is_empty()
-            && rounds[0].pieces > 0;
+            && rounds[0].pieces > 0
+            && !late_checks;
         let device_shards = self.resident.device_shards.as_ref();
         if self.group.as_ref().is_some_and(|group| {
             !joins
