@@ -36,8 +36,12 @@ pub const BODY_BYTES_MAX_MIN: u64 = 1 << 10;
 pub const BODY_BYTES_MAX_MAX: u64 = 64 << 20;
 /// Default most concurrent consumer sessions.
 pub const SESSIONS_MAX_DEFAULT: u32 = 64;
-/// Default most bytes of slot memory over all streams (8 GiB).
+/// Default most bytes of slot memory over all streams (8 GiB), where a quarter of the memory the
+/// daemon may use is more (see [`slot_memory_bytes_max_default`]).
 pub const SLOT_MEMORY_BYTES_MAX_DEFAULT: u64 = 8 << 30;
+/// Share of the memory the daemon may use (the RAM, or its memory cgroup's limit) that the default
+/// slot memory may take at most.
+pub const SLOT_MEMORY_SHARE_DEFAULT: u64 = 4;
 /// Smallest slot memory bound accepted: one slot of the smallest stride, the least memory any
 /// stream needs (a stream has at least one slot). Below it no stream could ever open.
 pub const SLOT_MEMORY_BYTES_MAX_MIN: u64 = gpufeed_proto::protocol::SLOT_STRIDE_ALIGN_BYTES;
@@ -838,7 +842,7 @@ impl ConfigLayer {
         };
         let slot_memory_bytes_max = self
             .slot_memory_max
-            .map_or(SLOT_MEMORY_BYTES_MAX_DEFAULT, |ByteCount(n)| n);
+            .map_or_else(slot_memory_bytes_max_default, |ByteCount(n)| n);
         if slot_memory_bytes_max < SLOT_MEMORY_BYTES_MAX_MIN {
             return Err(invalid(
                 "--slot-memory-max",
@@ -1129,6 +1133,21 @@ pub fn registered_bytes_max_default() -> RegistrationBudget {
     }
 }
 
+/// The default slot memory (host memory for batches, host streams' working sets and the
+/// decoded-block cache): [`SLOT_MEMORY_BYTES_MAX_DEFAULT`], or a quarter of the memory the daemon
+/// may use where that is less (a daemon in a container of 4 GiB would otherwise grow its cache until
+/// the kernel killed it), in whole slot strides, at least [`SLOT_MEMORY_BYTES_MAX_MIN`].
+pub fn slot_memory_bytes_max_default() -> u64 {
+    slot_memory_default_within(host_ram_bytes())
+}
+
+/// [`slot_memory_bytes_max_default`] for a daemon that may use `memory` bytes (unknown: `None`).
+fn slot_memory_default_within(memory: Option<u64>) -> u64 {
+    let share = memory.map_or(u64::MAX, |bytes| bytes / SLOT_MEMORY_SHARE_DEFAULT);
+    let bytes = SLOT_MEMORY_BYTES_MAX_DEFAULT.min(share);
+    (bytes / SLOT_MEMORY_BYTES_MAX_MIN * SLOT_MEMORY_BYTES_MAX_MIN).max(SLOT_MEMORY_BYTES_MAX_MIN)
+}
+
 /// The memory the daemon may use: the host's RAM, or its memory cgroup's limit where lower.
 fn host_ram_bytes() -> Option<u64> {
     crate::storage::memory::memory_limit_bytes()
@@ -1288,8 +1307,9 @@ mod tests {
         assert_eq!(settings.allowed_uids, vec![42]);
         assert_eq!(
             settings.slot_memory_bytes_max,
-            SLOT_MEMORY_BYTES_MAX_DEFAULT
+            slot_memory_bytes_max_default()
         );
+        assert!(slot_memory_bytes_max_default() <= SLOT_MEMORY_BYTES_MAX_DEFAULT);
         assert_eq!(settings.engine, EngineMode::Auto);
     }
 
@@ -1413,6 +1433,30 @@ mod tests {
         assert!(
             ConfigLayer::default().resolve(0).is_err(),
             "data root is required"
+        );
+    }
+
+    /// Regression: a CPU-backend daemon in a 512 MiB memory cgroup grew its decoded-block cache
+    /// toward the 8 GiB default until the kernel killed it, 243 batches into a stream.
+    #[test]
+    fn the_default_slot_memory_is_a_quarter_of_the_memory_at_most() {
+        assert_eq!(
+            slot_memory_default_within(None),
+            SLOT_MEMORY_BYTES_MAX_DEFAULT
+        );
+        assert_eq!(
+            slot_memory_default_within(Some(128 << 30)),
+            SLOT_MEMORY_BYTES_MAX_DEFAULT
+        );
+        assert_eq!(slot_memory_default_within(Some(512 << 20)), 128 << 20);
+        assert_eq!(
+            slot_memory_default_within(Some((4 << 30) + 5)),
+            1 << 30,
+            "whole strides"
+        );
+        assert_eq!(
+            slot_memory_default_within(Some(1)),
+            SLOT_MEMORY_BYTES_MAX_MIN
         );
     }
 

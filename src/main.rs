@@ -259,7 +259,8 @@ struct ServeArgs {
     #[arg(long)]
     sessions_max: Option<u32>,
     /// Most bytes of slot memory over all streams (at least 4K, one slot; suffixes K, M, G are
-    /// binary). Default: 8G.
+    /// binary). Default: 8G, or a quarter of the memory the daemon may use (the RAM, or its memory
+    /// cgroup's limit) where that is less.
     #[arg(long, value_parser = parse_byte_count)]
     slot_memory_max: Option<ByteCount>,
     /// The control API's address, IP:PORT (port 0 picks a free one, printed as `gpufeed: http on

@@ -8,6 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 use super::block_cache::{self, BlockCache, CacheHandle, CachedBlock, DecodedBlock};
+use super::cold_rows::{ColdRows, RowCopy, RowReads, COLD_QUEUE_DEPTH};
 use super::lookahead::{self, Lookahead, LookaheadCounts};
 use super::shard_gate::{ShardGate, ShardLookahead, StreamSteps};
 use super::stream_plan::{
@@ -91,6 +92,10 @@ pub struct Assembler {
     lookahead_published: LookaheadCounts,
     /// With a shard gate: the shards of the next batches.
     shard_lookahead: ShardLookahead,
+    /// A full shuffle of a raw dataset larger than the daemon's memory reads its rows from the disk
+    /// (see `pipeline::cold_rows`), into `cold_staging`, and converts them from there.
+    cold: Option<ColdRows>,
+    cold_staging: Vec<u8>,
 }
 
 /// Share of a raw block's bytes below which the CPU backend copies a batch's rows straight from the
@@ -101,6 +106,55 @@ pub struct Assembler {
 const IN_PLACE_COVERAGE_MAX: f64 = 0.5;
 /// Fraction of a dense block's pages that must be cached for it to be read in place.
 const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
+
+/// Alignment of each row's bytes in a stream's disk-read staging (see [`Assembler::fill_cold`]).
+const COLD_STAGING_ALIGN: u64 = 16;
+
+/// The disk reader of a stream whose rows are read from the disk: a full shuffle of fixed-shape
+/// fields stored raw, over a local dataset larger than the memory the daemon may use (or as
+/// `GPUFEED_ROW_READS` says). `None` otherwise, or when the reader cannot be set up (then said in
+/// the log, and the stream reads as any other).
+fn cold_rows_for(plan: &Arc<StreamPlan>, files: &FileTable) -> Option<ColdRows> {
+    let eligible = plan.order.shuffle_kind() == super::ShuffleKind::Full
+        && plan.shard_gate.is_none()
+        && plan.mixture.is_none()
+        && plan.fields.iter().all(|field| field.variable.is_none())
+        && plan.dataset.shards.iter().all(|shard| {
+            plan.fields.iter().all(|field| {
+                shard
+                    .metadata
+                    .field_blocks(field.field_index)
+                    .iter()
+                    .all(|block| block.codec == Codec::Raw)
+            })
+        });
+    if !eligible {
+        return None;
+    }
+    let dataset_bytes: u64 = (0..files.len())
+        .map(|i| files.get(FileId(i as u32)).len)
+        .sum();
+    let limit = crate::storage::memory::memory_limit_bytes();
+    if !RowReads::from_env().reads_disk(dataset_bytes, limit) {
+        return None;
+    }
+    match ColdRows::open(Arc::clone(&plan.dataset), plan.on_corrupt) {
+        Ok(cold) => {
+            tracing::info!(
+                "host stream: full shuffle of a dataset larger than the daemon's memory ({} bytes, \
+                 limit {}): rows read from the disk at a queue depth of {}",
+                dataset_bytes,
+                limit.map_or("unknown".to_string(), |l| format!("{l} bytes")),
+                COLD_QUEUE_DEPTH
+            );
+            Some(cold)
+        }
+        Err(error) => {
+            tracing::warn!("rows not read from the disk: {error}");
+            None
+        }
+    }
+}
 
 /// Decoded bytes a host stream of `plan` reads at once at most, which it reserves beside its slots:
 /// the blocks of one part of a batch (see [`Assembler::fill`]), at least the blocks one row may
@@ -266,7 +320,12 @@ impl Assembler {
         metrics.set_read_queue_depth(limits.queue_depth as u64);
         let engine = ReadEngine::new(queue, EngineLimits::node_defaults());
         let working_set_bytes = working_set_bytes(&plan);
-        let lookahead = Lookahead::new(&plan, lookahead_bytes(&plan, limits));
+        let cold = cold_rows_for(&plan, &files);
+        let lookahead = if cold.is_some() {
+            None
+        } else {
+            Lookahead::new(&plan, lookahead_bytes(&plan, limits))
+        };
         Ok(Assembler {
             lookahead,
             lookahead_published: LookaheadCounts::default(),
@@ -289,6 +348,8 @@ impl Assembler {
             in_place_part: 0,
             buffered: (0..plan_shards).map(|_| None).collect(),
             shard_lookahead: ShardLookahead::default(),
+            cold,
+            cold_staging: Vec::new(),
         })
     }
 
@@ -302,6 +363,9 @@ impl Assembler {
     pub fn fill(&mut self, step: u64, slot: &mut [u8]) -> Result<FillReport, FillError> {
         assert!(slot.len() >= self.plan.slot_bytes);
         let plan = Arc::clone(&self.plan);
+        if self.cold.is_some() {
+            return self.fill_cold(&plan, step, slot);
+        }
         // Where every (sample, field) of the batch lives, row by row, located once for both passes
         // (by the look-ahead, which located it when it indexed the step).
         let placements = match &mut self.lookahead {
@@ -389,6 +453,84 @@ impl Assembler {
         Ok(FillReport {
             samples: sample_count as u32,
             replaced,
+        })
+    }
+
+    /// [`Self::fill`] for a stream whose rows are read from the disk: every row's bytes (one copy
+    /// per block a row spans) read into the staging buffer at once, then converted into the slot;
+    /// rows of blocks found corrupt are zeroed and counted (or the error, under `fail`).
+    fn fill_cold(
+        &mut self,
+        plan: &StreamPlan,
+        step: u64,
+        slot: &mut [u8],
+    ) -> Result<FillReport, FillError> {
+        let placements = plan.placements(step);
+        let width = plan.fields.len();
+        let rows = placements.len() / width;
+        let mut copies: Vec<RowCopy> = Vec::with_capacity(placements.len());
+        // Per (row, field), its copies' range in `copies`.
+        let mut spans: Vec<std::ops::Range<usize>> = Vec::with_capacity(placements.len());
+        let mut used = 0u64;
+        for (at, placement) in placements.iter().enumerate() {
+            let field = &plan.fields[at % width];
+            let blocks = plan.dataset.shards[placement.shard]
+                .metadata
+                .field_blocks(field.field_index);
+            let first = copies.len();
+            for block in placement.blocks.clone() {
+                let entry = &blocks[block as usize];
+                let from = placement.start.max(entry.raw_offset);
+                let to = placement.end.min(entry.raw_offset + entry.raw_bytes as u64);
+                let staging_offset = used.div_ceil(COLD_STAGING_ALIGN) * COLD_STAGING_ALIGN;
+                used = staging_offset + (to - from);
+                copies.push(RowCopy {
+                    shard: placement.shard as u32,
+                    file_offset: entry.stored_offset + (from - entry.raw_offset),
+                    bytes: (to - from) as u32,
+                    staging_offset,
+                    field: field.field_index as u32,
+                    row: (at / width) as u32,
+                });
+            }
+            spans.push(first..copies.len());
+        }
+        self.cold_staging.resize(used as usize, 0);
+        let cold = self
+            .cold
+            .as_mut()
+            .expect("a stream reading rows from the disk");
+        let read_before = cold.stats().read_bytes;
+        let bad = cold.read_round(&copies, &mut self.cold_staging)?;
+        self.metrics
+            .add_read_bytes(self.read_path, cold.stats().read_bytes - read_before);
+        for (at, span) in spans.into_iter().enumerate() {
+            let (row, field) = (at / width, &plan.fields[at % width]);
+            if bad.binary_search(&row).is_ok() {
+                continue;
+            }
+            let bytes: &[u8] = if let [one] = &copies[span.clone()] {
+                &self.cold_staging[one.staging_offset as usize..][..one.bytes as usize]
+            } else {
+                self.sample.clear();
+                for piece in &copies[span] {
+                    let start = piece.staging_offset as usize;
+                    self.sample
+                        .extend_from_slice(&self.cold_staging[start..start + piece.bytes as usize]);
+                }
+                &self.sample
+            };
+            let out = &mut slot[row_range(field, &None, row)];
+            decode::convert(field.stored, bytes, field.out, out)
+                .expect("conversions are validated when the stream is planned");
+        }
+        let no_variable: Vec<Option<VariableRows>> = vec![None; width];
+        for &row in &bad {
+            zero_row(plan, &no_variable, row, slot);
+        }
+        Ok(FillReport {
+            samples: rows as u32,
+            replaced: bad.len() as u32,
         })
     }
 

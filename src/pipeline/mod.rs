@@ -7,6 +7,7 @@
 //! [`StreamRequest`], converted from the consumer's request by `ipc`.
 
 pub mod block_cache;
+pub(crate) mod cold_rows;
 pub mod cpu;
 pub mod filler;
 pub mod gpu;

@@ -7,7 +7,6 @@
 //! batches together.
 
 pub(in crate::pipeline::gpu) mod assembler;
-mod cold_rows;
 mod copy_helpers;
 mod device_shards;
 mod group;

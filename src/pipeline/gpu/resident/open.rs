@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use foldhash::{HashMap, HashMapExt};
 
-use super::cold_rows::{ColdRows, RowReads, COLD_QUEUE_DEPTH};
 use super::device_shards::{DeviceShards, ShardWindows};
 use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
@@ -30,6 +29,7 @@ use super::tier_read::TierRead;
 use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::kernels::{GatherRegion, Lz4Decoder};
+use crate::pipeline::cold_rows::{ColdRows, RowReads, COLD_QUEUE_DEPTH};
 use crate::pipeline::gpu::engine::buffers::REGIONS_MAX;
 use crate::pipeline::gpu::limits::{
     GpuStreamLimits, ZeroCopy, ROUNDS_IN_FLIGHT_MAX, ROUNDS_IN_FLIGHT_MIN,

@@ -27,7 +27,7 @@ use crate::device::{Device, PinnedBuffer};
 use crate::pipeline::stream_plan::FillError;
 use crate::storage::mapped::MappedFile;
 
-pub(super) use super::cold_rows::{ColdRows, RowCopy};
+pub(super) use crate::pipeline::cold_rows::{ColdRows, RowCopy};
 
 /// Row copy threads of a stream when `loader_copy_threads` is 0, the filler's own share included.
 /// One thread copies scattered 2 KiB rows from the page cache at a few GB/s (a memory copy, most

@@ -1,14 +1,15 @@
 //! Rows read from the disk: a full shuffle of a dataset larger than the memory its page cache may
-//! hold (the host's RAM, or the daemon's memory cgroup limit).
+//! hold (the host's RAM, or the daemon's memory cgroup limit), on either backend.
 //!
-//! Copying rows from the shards' page-cache maps ([`super::row_copies`]) is right while the dataset
-//! stays cached. Beyond that memory, most rows a batch draws are on the disk: each copy would fault
+//! Copying rows from the shards' page-cache maps (the GPU backend's `row_copies`, the CPU backend's
+//! rows read in place) is right while the dataset stays cached. Beyond that memory, most rows a batch draws are on the disk: each copy would fault
 //! in its page and the kernel's read-around with it (32 times a 2 KiB row), one fault at a time per
 //! copy thread, and evict pages another round still wants. Instead, each round's rows are read with
 //! io_uring at a deep queue ([`COLD_QUEUE_DEPTH`]), `O_DIRECT` where the file system allows, into an
 //! aligned bounce buffer: the 4 KiB pages that hold each row, adjacent and overlapping reads
 //! merged. The rows are then copied from there into the round's pinned buffer, and the round goes
-//! on as with page-cache copies (one upload, the same gather).
+//! on as with page-cache copies (one upload, the same gather); on the CPU backend, into a staging
+//! buffer the batch's rows are converted from.
 //!
 //! Blocks are verified as they are first read, not before the stream's first batch (which would
 //! read the whole dataset first): a row of a block the dataset has not verified yet is read with
@@ -34,32 +35,32 @@ use crate::storage::{
 
 /// One row's bytes (of one field) to copy from a shard into the round's staging buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct RowCopy {
-    pub(super) shard: u32,
+pub(crate) struct RowCopy {
+    pub(crate) shard: u32,
     /// Offset in the shard file.
-    pub(super) file_offset: u64,
-    pub(super) bytes: u32,
+    pub(crate) file_offset: u64,
+    pub(crate) bytes: u32,
     /// Offset in the round's staging buffer.
-    pub(super) staging_offset: u64,
+    pub(crate) staging_offset: u64,
     /// The field (its index in the dataset) whose bytes these are.
-    pub(super) field: u32,
+    pub(crate) field: u32,
     /// The row of the round (the index its planner zeroes when it replaces it).
-    pub(super) row: u32,
+    pub(crate) row: u32,
 }
 
 /// Reads in flight at once: random reads of a few KiB reach a disk's rate only at a deep queue.
-pub(super) const COLD_QUEUE_DEPTH: usize = 64;
+pub(crate) const COLD_QUEUE_DEPTH: usize = 64;
 
 /// Bytes of a stream's bounce buffer: a round's reads are made in parts of at most this many bytes.
-pub(super) const COLD_BOUNCE_BYTES: usize = 64 << 20;
+pub(crate) const COLD_BOUNCE_BYTES: usize = 64 << 20;
 
 /// Reads of adjacent or overlapping pages are merged into one read of at most this many bytes.
-pub(super) const COLD_MERGE_BYTES_MAX: u64 = 1 << 20;
+pub(crate) const COLD_MERGE_BYTES_MAX: u64 = 1 << 20;
 
 /// Where a full shuffle beyond the registration budget reads the rows it copies (the
 /// `GPUFEED_ROW_READS` variable).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum RowReads {
+pub(crate) enum RowReads {
     /// From the disk when the dataset is larger than the memory the daemon may use, from the page
     /// cache otherwise.
     Auto,
@@ -72,7 +73,7 @@ pub(super) enum RowReads {
 impl RowReads {
     /// The setting of `GPUFEED_ROW_READS` (`auto`, `disk` or `page-cache`); `auto` when unset, and,
     /// with a warning naming it, for an unknown value.
-    pub(super) fn from_env() -> RowReads {
+    pub(crate) fn from_env() -> RowReads {
         let value = std::env::var("GPUFEED_ROW_READS").unwrap_or_default();
         match value.as_str() {
             "" | "auto" => RowReads::Auto,
@@ -89,7 +90,7 @@ impl RowReads {
 
     /// Whether a dataset of `dataset_bytes` is read from the disk, given the memory the daemon
     /// may use (`memory_limit`, `None` when unknown).
-    pub(super) fn reads_disk(self, dataset_bytes: u64, memory_limit: Option<u64>) -> bool {
+    pub(crate) fn reads_disk(self, dataset_bytes: u64, memory_limit: Option<u64>) -> bool {
         match self {
             RowReads::Disk => true,
             RowReads::PageCache => false,
@@ -100,17 +101,17 @@ impl RowReads {
 
 /// What a stream's disk reads did, for its log line.
 #[derive(Default, Debug, Clone, Copy)]
-pub(super) struct ColdStats {
+pub(crate) struct ColdStats {
     /// Bytes read from the disk (whole pages, and whole blocks verified).
-    pub(super) read_bytes: u64,
+    pub(crate) read_bytes: u64,
     /// Bytes of rows delivered.
-    pub(super) row_bytes: u64,
+    pub(crate) row_bytes: u64,
     /// Reads submitted (after merging).
-    pub(super) reads: u64,
+    pub(crate) reads: u64,
     /// Blocks verified by this stream.
-    pub(super) blocks_verified: u64,
+    pub(crate) blocks_verified: u64,
     /// Seconds spent reading, verifying and copying.
-    pub(super) busy_s: f64,
+    pub(crate) busy_s: f64,
 }
 
 /// One copy's read: pages `start .. end` of shard `shard`, the extent it was merged into.
@@ -134,7 +135,7 @@ struct Read {
 }
 
 /// The disk reader of one stream's rows (see the module documentation).
-pub(super) struct ColdRows {
+pub(crate) struct ColdRows {
     dataset: Arc<Dataset>,
     files: FileTable,
     file_bytes: Vec<u64>,
@@ -149,7 +150,7 @@ pub(super) struct ColdRows {
 impl ColdRows {
     /// Opens the dataset's shards for direct reads (buffered where the file system refuses
     /// `O_DIRECT`) and sets up the queue.
-    pub(super) fn open(
+    pub(crate) fn open(
         dataset: Arc<Dataset>,
         policy: CorruptPolicy,
     ) -> Result<ColdRows, FillError> {
@@ -181,7 +182,7 @@ impl ColdRows {
     }
 
     /// What this stream's reads did so far.
-    pub(super) fn stats(&self) -> ColdStats {
+    pub(crate) fn stats(&self) -> ColdStats {
         self.stats
     }
 
@@ -189,7 +190,7 @@ impl ColdRows {
     /// ([`RowCopy::row`], sorted) whose blocks are corrupt, to be served as zeros. Under the fail
     /// policy a corrupt block is an error naming it instead. A read that fails is an error naming
     /// the shard.
-    pub(super) fn read_round(
+    pub(crate) fn read_round(
         &mut self,
         copies: &[RowCopy],
         dst: &mut [u8],
