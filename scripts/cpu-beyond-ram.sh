@@ -5,7 +5,8 @@
 # 4 KiB random-read rate at queue depth 64 (scripts/random_read_probe.py, 4 s), a full shuffle of
 # 200 batches of 1024 rows read from the disk (GPUFEED_ROW_READS=auto: the dataset is larger than the
 # cgroup), the same through the page cache (GPUFEED_ROW_READS=page-cache) for 3 batches within 60 s,
-# and dataset order for 200 batches. Release binaries from target/release (built first). Every run
+# a window shuffle of 2 shards (512 MiB, twice of which the cgroup cannot keep) the same two ways
+# (200 and 20 batches), and dataset order for 200 batches. Release binaries from target/release (built first). Every run
 # is a JSON line in $OUT/cpu-beyond.jsonl (OUT defaults to /tmp/gpufeed-cpu-beyond).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -49,8 +50,8 @@ run() {
   local daemon=$!
   for _ in $(seq 100); do [ -S /tmp/gpufeed-cpu-beyond.sock ] && break; sleep 0.1; done
   line=$(timeout "$bound" "$bin/examples/consume" --socket /tmp/gpufeed-cpu-beyond.sock --dataset emb \
-    --device cpu --batch-size 1024 --dtype f32 --field data --shuffle "$order" --seed "$round" \
-    --steps "$steps" --daemon-pid "$daemon" | tail -1)
+    --device cpu --batch-size 1024 --dtype f32 --field data --shuffle "$order" --window-shards 2 \
+    --seed "$round" --steps "$steps" --daemon-pid "$daemon" | tail -1)
   local status=$?
   kill "$daemon"; wait "$daemon" 2>/dev/null
   python3 - "$case" "$order" "$round" "$status" "$bound" "$steps" "$line" >>"$jsonl" <<'PY'
@@ -81,6 +82,8 @@ for round in 1 2 3; do
   tail -1 "$jsonl"
   run disk full 200 120 auto
   run page-cache full 3 60 page-cache
+  run disk window 200 120 auto
+  run page-cache window 20 60 page-cache
   run order none 200 120 auto
 done
 rmdir "$cg" 2>/dev/null

@@ -1,8 +1,9 @@
-//! The CPU backend's full shuffle of a dataset larger than the daemon's memory: rows read from the
-//! disk (`pipeline::cold_rows`) instead of copied from the page-cache maps, where each row's fault
+//! The CPU backend's full and window shuffles of a dataset larger than the daemon's memory: rows
+//! read from the disk (`pipeline::cold_rows`) instead of copied from the page-cache maps, where each row's fault
 //! and read-around thrash the page cache (a 1.5 GiB dataset in a 512 MiB memory cgroup served
 //! 0.42 MB/s on the 2-core VM). These tests hold the disk reads to the page-cache path's results:
-//! every batch bit for bit, at batch sizes whose rows cross blocks or not, for two ranks, fp16
+//! every batch bit for bit, in a full and a window shuffle, at batch sizes whose rows cross blocks
+//! or not, for two ranks, fp16
 //! converted to f32 or not; and a corrupt block replaced in the same rows, with the same count, or
 //! failing the stream with the same error.
 //!
@@ -45,13 +46,14 @@ fn dataset(dir: &Path) -> Arc<Dataset> {
 
 fn plan(
     dataset: &Arc<Dataset>,
+    shuffle: Shuffle,
     batch: u32,
     rank: (u32, u32),
     f32_out: bool,
     on_corrupt: CorruptPolicy,
 ) -> Arc<StreamPlan> {
     let mut spec = StreamSpec::new("rows".to_string(), batch);
-    spec.shuffle = Shuffle::Full;
+    spec.shuffle = shuffle;
     spec.seed = 11;
     (spec.rank, spec.world_size) = rank;
     spec.on_corrupt = on_corrupt;
@@ -103,13 +105,15 @@ fn deliver(plan: &Arc<StreamPlan>, reads: &str) -> (Batches, Option<(u64, String
 fn rows_read_from_the_disk_are_the_rows_the_page_cache_path_serves() {
     let dir = tempfile::tempdir().unwrap();
     let dataset = dataset(dir.path());
-    for (batch, rank, f32_out) in [
-        (64, (0, 1), true),
-        (1000, (0, 1), false),
-        (7, (1, 3), true),
-        (3000, (0, 1), true),
+    for (shuffle, batch, rank, f32_out) in [
+        (Shuffle::Full, 64, (0, 1), true),
+        (Shuffle::Full, 1000, (0, 1), false),
+        (Shuffle::Full, 7, (1, 3), true),
+        (Shuffle::Full, 3000, (0, 1), true),
+        (Shuffle::Window(2), 64, (0, 1), true),
+        (Shuffle::Window(2), 333, (1, 2), false),
     ] {
-        let plan = plan(&dataset, batch, rank, f32_out, CorruptPolicy::Fail);
+        let plan = plan(&dataset, shuffle, batch, rank, f32_out, CorruptPolicy::Fail);
         let (disk, error) = deliver(&plan, "disk");
         assert!(error.is_none(), "{error:?}");
         let (cached, error) = deliver(&plan, "page-cache");
@@ -117,7 +121,7 @@ fn rows_read_from_the_disk_are_the_rows_the_page_cache_path_serves() {
         assert_eq!(disk.len() as u64, plan.steps);
         assert!(
             disk == cached,
-            "batch {batch}, rank {rank:?}: the disk and the page cache differ"
+            "{shuffle:?} batch {batch}, rank {rank:?}: the disk and the page cache differ"
         );
         // The ids are the plan's samples: the rows are the ones asked for.
         let id_at = plan.fields[1].offset;
@@ -138,14 +142,28 @@ fn rows_read_from_the_disk_are_the_rows_the_page_cache_path_serves() {
     bytes[(entry.stored_offset + 17) as usize] ^= 0x10;
     std::fs::write(&shard.path, bytes).unwrap();
     let dataset = Arc::new(Dataset::open(&dataset.dir).unwrap());
-    let replace = plan(&dataset, 100, (0, 1), true, CorruptPolicy::Replace);
+    let replace = plan(
+        &dataset,
+        Shuffle::Full,
+        100,
+        (0, 1),
+        true,
+        CorruptPolicy::Replace,
+    );
     let (disk, error) = deliver(&replace, "disk");
     assert!(error.is_none(), "{error:?}");
     let (cached, _) = deliver(&replace, "page-cache");
     assert!(disk == cached, "the corrupt block's rows differ");
     let replaced: u32 = disk.iter().map(|(_, r)| r).sum();
     assert!(replaced > 0, "no row was replaced");
-    let fail = plan(&dataset, 100, (0, 1), true, CorruptPolicy::Fail);
+    let fail = plan(
+        &dataset,
+        Shuffle::Window(2),
+        100,
+        (0, 1),
+        true,
+        CorruptPolicy::Fail,
+    );
     let (disk, disk_error) = deliver(&fail, "disk");
     let (cached, cached_error) = deliver(&fail, "page-cache");
     let (step, message) = disk_error.expect("the stream fails");

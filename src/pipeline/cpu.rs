@@ -110,12 +110,14 @@ const IN_PLACE_RESIDENT_MIN: f64 = 0.95;
 /// Alignment of each row's bytes in a stream's disk-read staging (see [`Assembler::fill_cold`]).
 const COLD_STAGING_ALIGN: u64 = 16;
 
-/// The disk reader of a stream whose rows are read from the disk: a full shuffle of fixed-shape
-/// fields stored raw, over a local dataset larger than the memory the daemon may use (or as
-/// `GPUFEED_ROW_READS` says). `None` otherwise, or when the reader cannot be set up (then said in
-/// the log, and the stream reads as any other).
+/// The disk reader of a stream whose rows are read from the disk: a shuffle of fixed-shape fields
+/// stored raw, over a local dataset, whose rows are drawn from more than the memory the daemon may
+/// use can keep cached (or as `GPUFEED_ROW_READS` says): in a full shuffle the whole dataset, in a
+/// window shuffle twice its largest window (the window read and the next). `None` otherwise, or
+/// when the reader cannot be set up (then said in the log, and the stream reads as any other).
 fn cold_rows_for(plan: &Arc<StreamPlan>, files: &FileTable) -> Option<ColdRows> {
-    let eligible = plan.order.shuffle_kind() == super::ShuffleKind::Full
+    let shuffle = plan.order.shuffle_kind();
+    let eligible = shuffle != super::ShuffleKind::None
         && plan.shard_gate.is_none()
         && plan.mixture.is_none()
         && plan.fields.iter().all(|field| field.variable.is_none())
@@ -131,19 +133,35 @@ fn cold_rows_for(plan: &Arc<StreamPlan>, files: &FileTable) -> Option<ColdRows> 
     if !eligible {
         return None;
     }
-    let dataset_bytes: u64 = (0..files.len())
+    let file_bytes: Vec<u64> = (0..files.len())
         .map(|i| files.get(FileId(i as u32)).len)
-        .sum();
+        .collect();
+    let dataset_bytes: u64 = file_bytes.iter().sum();
+    let drawn_bytes = if shuffle == super::ShuffleKind::Window {
+        let mut firsts: Vec<u64> = Vec::with_capacity(file_bytes.len() + 1);
+        let mut first = 0u64;
+        for shard in &plan.dataset.manifest.shards {
+            firsts.push(first);
+            first += shard.sample_count;
+        }
+        firsts.push(first);
+        let window_shards = plan.order.shards_per_span_max(1, &firsts).unwrap_or(1) as u64;
+        let largest = file_bytes.iter().copied().max().unwrap_or(0);
+        (2 * window_shards * largest).min(dataset_bytes)
+    } else {
+        dataset_bytes
+    };
     let limit = crate::storage::memory::memory_limit_bytes();
-    if !RowReads::from_env().reads_disk(dataset_bytes, limit) {
+    if !RowReads::from_env().reads_disk(drawn_bytes, limit) {
         return None;
     }
     match ColdRows::open(Arc::clone(&plan.dataset), plan.on_corrupt) {
         Ok(cold) => {
             tracing::info!(
-                "host stream: full shuffle of a dataset larger than the daemon's memory ({} bytes, \
-                 limit {}): rows read from the disk at a queue depth of {}",
-                dataset_bytes,
+                "host stream: a {:?} shuffle draws rows from more than the daemon's memory keeps \
+                 ({} bytes, limit {}): rows read from the disk at a queue depth of {}",
+                shuffle,
+                drawn_bytes,
                 limit.map_or("unknown".to_string(), |l| format!("{l} bytes")),
                 COLD_QUEUE_DEPTH
             );
