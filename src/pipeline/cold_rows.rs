@@ -470,7 +470,7 @@ fn key(copy: &RowCopy, block: u32) -> BlockKey {
 }
 
 fn shard_error(path: &std::path::Path, reason: String) -> FillError {
-    FillError::ShardCopy {
+    FillError::RowRead {
         shard: path.to_path_buf(),
         source: Arc::new(std::io::Error::other(reason)),
     }

@@ -1237,6 +1237,15 @@ pub enum FillError {
         /// Why.
         source: std::sync::Arc<std::io::Error>,
     },
+    /// Reading a stream's rows from the disk failed (a dataset larger than the daemon's memory:
+    /// `pipeline::cold_rows`).
+    #[error("reading rows of {} from the disk: {source}", shard.display())]
+    RowRead {
+        /// The shard (or the dataset's directory when no shard is to blame).
+        shard: std::path::PathBuf,
+        /// Why.
+        source: std::sync::Arc<std::io::Error>,
+    },
     /// A stream's rows need more shards on the device at once than its device shard memory holds.
     #[error(
         "a round of this stream reads {needed} shards but the stream's device shard memory holds          {slots}: raise --device-shard-memory"
