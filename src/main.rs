@@ -62,8 +62,10 @@ enum Command {
     },
     /// Decode one field of a dataset on the CPU into a .npy file of shape [samples, ...].
     ///
-    /// The file appears at --out only once every block has decoded: a corrupt dataset leaves nothing
-    /// there (and an existing file intact).
+    /// A variable-length field is written as its values ([elements, ...], every sample's elements
+    /// one after the other) at --out and int64 offsets ([samples + 1]) beside it, NAME.offsets.npy:
+    /// sample i is values[offsets[i]:offsets[i + 1]]. The file appears at --out only once every
+    /// block has decoded: a corrupt dataset leaves nothing there (and an existing file intact).
     Unpack {
         /// The dataset directory.
         dir: PathBuf,
@@ -556,6 +558,15 @@ fn run(command: Command) -> Result<ExitCode> {
             let bytes = tools::unpack_to(&dataset, &field, &out, dtype, on_existing(force), &bar)?;
             bar.finish();
             eprintln!("wrote {} ({bytes} bytes of data)", out.display());
+            let variable = dataset
+                .field_index(&field)
+                .is_some_and(|i| dataset.manifest.fields[i].is_variable());
+            if variable {
+                eprintln!(
+                    "wrote {} (its offsets)",
+                    tools::offsets_path(&out).display()
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::ListInputs {

@@ -293,14 +293,6 @@ pub enum UnpackError {
         /// Its dtype.
         dtype: DType,
     },
-    /// The field's samples vary in length, which one `.npy` array cannot hold.
-    #[error(
-        "field '{field}' is variable-length, which one .npy array cannot hold: unpack does not write variable-length fields (read them through a stream)"
-    )]
-    Variable {
-        /// The field.
-        field: String,
-    },
     /// The output file could not be written.
     #[error(transparent)]
     Output(#[from] InputError),
@@ -378,11 +370,6 @@ pub fn unpack_to(
                 .join(", "),
         })?;
     let field = &dataset.manifest.fields[field_index];
-    if field.is_variable() {
-        return Err(UnpackError::Variable {
-            field: field.name.clone(),
-        });
-    }
     let to = dtype.unwrap_or(field.dtype);
     if !decode::convert_supported(field.dtype, to) {
         return Err(ConvertError {
@@ -396,6 +383,9 @@ pub fn unpack_to(
             field: field.name.clone(),
             dtype: to,
         });
+    }
+    if field.is_variable() {
+        return unpack_variable(dataset, field_index, out, to, on_existing, progress);
     }
     let mut shape = vec![dataset.manifest.sample_count];
     shape.extend_from_slice(&field.shape);
@@ -463,6 +453,162 @@ fn write_field(
         }
     }
     writer.finish()?;
+    Ok(())
+}
+
+/// Where [`unpack_to`] writes a variable-length field's offsets beside its values at `out`:
+/// `NAME.offsets.npy` for `NAME.npy`, else `out` with `.offsets.npy` appended.
+pub fn offsets_path(out: &Path) -> PathBuf {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = name.strip_suffix(".npy").unwrap_or(&name);
+    out.with_file_name(format!("{stem}.offsets.npy"))
+}
+
+/// [`unpack_to`] for a variable-length field: its values, every sample's elements one after the
+/// other, as a `.npy` of shape `[elements, ...element shape]` at `out`, and int64 offsets of shape
+/// `[samples + 1]` at [`offsets_path`] (sample `i`'s values are elements `offsets[i] ..
+/// offsets[i + 1]`), the form of Arrow's list arrays and of `np.split`. Every shard's offsets are
+/// checked before use; the offsets file is installed first, then the values, each only once whole.
+/// Returns the bytes of values written.
+fn unpack_variable(
+    dataset: &Dataset,
+    field_index: usize,
+    out: &Path,
+    to: DType,
+    on_existing: OnExisting,
+    progress: &dyn ToolProgress,
+) -> Result<u64, UnpackError> {
+    let field = &dataset.manifest.fields[field_index];
+    let element_bytes = field.sample_bytes();
+    let offsets_out = offsets_path(out);
+    check_output(out, on_existing)?;
+    check_output(&offsets_out, on_existing)?;
+    // Elements in all: each shard's field bytes less its offsets, from the block tables.
+    let mut elements = 0u64;
+    for shard in &dataset.shards {
+        let raw: u64 = shard
+            .metadata
+            .field_blocks(field_index)
+            .iter()
+            .map(|b| b.raw_bytes as u64)
+            .sum();
+        let offsets = shard.metadata.header.sample_count * crate::format::OFFSET_BYTES;
+        elements += raw.saturating_sub(offsets) / element_bytes.max(1);
+    }
+    let mut shape = vec![elements];
+    shape.extend_from_slice(&field.shape);
+    let values_tmp = temporary_beside(out)?;
+    let offsets_tmp = temporary_beside(&offsets_out)?;
+    let written = write_variable(
+        dataset,
+        field_index,
+        to,
+        &shape,
+        (&values_tmp, &offsets_tmp),
+        progress,
+    )
+    .map_err(|error| {
+        output_error(
+            output_error(error, &values_tmp, out),
+            &offsets_tmp,
+            &offsets_out,
+        )
+    })
+    .and_then(|()| install_output(&offsets_tmp, &offsets_out, on_existing))
+    .and_then(|()| install_output(&values_tmp, out, on_existing));
+    let _ = fs::remove_file(&values_tmp);
+    let _ = fs::remove_file(&offsets_tmp);
+    written?;
+    Ok(elements * element_bytes / field.dtype.size_bytes() as u64 * to.size_bytes() as u64)
+}
+
+/// Decodes a variable-length field's blocks, shard by shard, into the values file and the offsets
+/// file (`paths`), checking each shard's offsets first.
+fn write_variable(
+    dataset: &Dataset,
+    field_index: usize,
+    to: DType,
+    shape: &[u64],
+    paths: (&Path, &Path),
+    progress: &dyn ToolProgress,
+) -> Result<(), UnpackError> {
+    let field = &dataset.manifest.fields[field_index];
+    let element_bytes = field.sample_bytes();
+    let mut values = npy::write_npy(paths.0, to, shape)?;
+    let mut offsets = npy::write_npy(paths.1, DType::I64, &[dataset.manifest.sample_count + 1])?;
+    offsets.write_all(&0i64.to_le_bytes())?;
+    progress.started(shape[0] * element_bytes);
+    let (mut stored, mut scratch, mut raw, mut converted) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut base, mut first_sample, mut done) = (0u64, 0u64, 0u64);
+    for shard in &dataset.shards {
+        let file = crate::format::open_regular(&shard.path).map_err(|source| UnpackError::Io {
+            path: shard.path.clone(),
+            source,
+        })?;
+        let mut reader = BlockReader { shard, file: &file };
+        // The shard's whole field: its offsets, then its values.
+        let mut bytes = Vec::new();
+        for block_index in 0..shard.metadata.fields[field_index].block_count {
+            reader.decode(
+                field_index,
+                block_index,
+                &mut stored,
+                &mut scratch,
+                &mut raw,
+            )?;
+            bytes.extend_from_slice(&raw);
+        }
+        let samples = shard.metadata.header.sample_count as usize;
+        let split = samples * crate::format::OFFSET_BYTES as usize;
+        let invalid = |what: String| UnpackError::Io {
+            path: shard.path.clone(),
+            source: io::Error::new(io::ErrorKind::InvalidData, what),
+        };
+        if bytes.len() < split || (bytes.len() - split) as u64 % element_bytes.max(1) != 0 {
+            return Err(invalid(format!(
+                "field '{}': {} bytes do not hold {samples} offsets and whole elements",
+                field.name,
+                bytes.len()
+            )));
+        }
+        let ends: Vec<u64> = bytes[..split]
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        let shard_elements = (bytes.len() - split) as u64 / element_bytes.max(1);
+        crate::format::check_offsets(
+            &shard.path,
+            &field.name,
+            first_sample,
+            &ends,
+            shard_elements,
+            field.length_max.unwrap_or(u64::MAX),
+        )
+        .map_err(|error| invalid(error.to_string()))?;
+        for &end in &ends {
+            offsets.write_all(&((base + end) as i64).to_le_bytes())?;
+        }
+        let values_bytes = &bytes[split..];
+        if to == field.dtype {
+            values.write_all(values_bytes)?;
+        } else {
+            let count = values_bytes.len() / field.dtype.size_bytes();
+            converted.clear();
+            converted.resize(count * to.size_bytes(), 0);
+            decode::convert(field.dtype, values_bytes, to, &mut converted)?;
+            values.write_all(&converted)?;
+        }
+        base += shard_elements;
+        first_sample += samples as u64;
+        done += values_bytes.len() as u64;
+        progress.progress(done);
+    }
+    values.finish()?;
+    offsets.finish()?;
     Ok(())
 }
 

@@ -692,3 +692,100 @@ fn a_corrupt_values_block_is_replaced_by_zeros_or_fails_the_stream() {
         assert!(zeroed > 0 && zeroed <= report.replaced as usize);
     }
 }
+
+/// `unpack` of a variable-length field writes its values (every sample's elements one after the
+/// other) and int64 offsets of `samples + 1` entries beside them, which split the values back into
+/// the documents packed, over shards and codecs, converted when asked; malformed offsets are
+/// refused naming the file, field and sample, and leave no file behind.
+#[test]
+fn unpack_writes_values_and_offsets_that_split_into_the_documents() {
+    use gpufeed::pack::OnExisting;
+    use gpufeed::tools::{offsets_path, unpack_to, NoProgress};
+    let dir = tempfile::tempdir().unwrap();
+    for codec in [CodecChoice::Raw, CodecChoice::Lz4] {
+        let name = format!("docs-{codec:?}");
+        let (dataset, ends, values) = pack_documents(dir.path(), &name, 1000, 700, codec);
+        let out = dir.path().join(format!("{name}.npy"));
+        let bytes = unpack_to(
+            &dataset,
+            "tokens",
+            &out,
+            None,
+            OnExisting::Refuse,
+            &NoProgress,
+        )
+        .unwrap();
+        assert_eq!(bytes, values.len() as u64 * 4);
+        let got_values = common::read_npy(&out);
+        assert_eq!(got_values.shape, vec![values.len() as u64]);
+        assert_eq!(i32s(&got_values.bytes), values);
+        let offsets_file = offsets_path(&out);
+        assert_eq!(offsets_file, dir.path().join(format!("{name}.offsets.npy")));
+        let offsets = common::read_npy(&offsets_file);
+        assert_eq!(offsets.shape, vec![1001]);
+        let offsets: Vec<i64> = offsets
+            .bytes
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(offsets[0], 0);
+        for sample in 0..1000 {
+            let (start, end) = (offsets[sample] as usize, offsets[sample + 1] as usize);
+            assert_eq!(
+                i32s(&got_values.bytes[start * 4..end * 4]),
+                sample_values(&ends, &values, sample),
+                "{name} sample {sample}"
+            );
+        }
+        // Converted: int32 widened to int64, the offsets unchanged.
+        let wide = dir.path().join(format!("{name}-i64.npy"));
+        unpack_to(
+            &dataset,
+            "tokens",
+            &wide,
+            Some(DType::I64),
+            OnExisting::Refuse,
+            &NoProgress,
+        )
+        .unwrap();
+        let wide_values = common::read_npy(&wide);
+        let widened: Vec<i32> = wide_values
+            .bytes
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as i32)
+            .collect();
+        assert_eq!(widened, values);
+        // An existing output is refused without --force.
+        let again = unpack_to(
+            &dataset,
+            "tokens",
+            &out,
+            None,
+            OnExisting::Refuse,
+            &NoProgress,
+        );
+        assert!(again.is_err());
+    }
+    // Offsets going back in shard 1: refused naming file, field and sample; nothing written.
+    let (dataset, _, _) = pack_documents(dir.path(), "bad", 1000, 700, CodecChoice::Raw);
+    corrupt_offsets(&dataset.dir, |ends| {
+        ends[5] = ends[4].saturating_sub(1).min(ends[4])
+    });
+    let dataset = Dataset::open(&dataset.dir).unwrap();
+    let out = dir.path().join("bad.npy");
+    let error = unpack_to(
+        &dataset,
+        "tokens",
+        &out,
+        None,
+        OnExisting::Refuse,
+        &NoProgress,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("tokens") && error.contains("sample 305") && error.contains("shard"),
+        "{error}"
+    );
+    assert!(!out.exists() && !offsets_path(&out).exists());
+}
