@@ -159,6 +159,12 @@ struct PackArgs {
     /// them along axis 0.
     #[arg(long = "field", value_name = "NAME=PATH")]
     fields: Vec<String>,
+    /// Makes the .npy field NAME variable-length (format version 2): FILE.npy holds int64 (or
+    /// uint64) offsets, one more than the field's samples, starting at 0, into the field's rows
+    /// (its values: sample i is rows offsets[i]..offsets[i + 1]), as `unpack` writes them beside a
+    /// variable-length field's values.
+    #[arg(long = "offsets", value_name = "NAME=FILE.npy")]
+    offsets: Vec<String>,
     /// .npy files concatenated along axis 0 into one field named `data`; or Parquet/Arrow IPC files
     /// (same columns) packed whole, each column a field of its name.
     #[arg(value_name = "PATH")]
@@ -597,12 +603,13 @@ fn run_pack(args: PackArgs) -> Result<ExitCode> {
     // Timed from before the inputs are opened: Parquet and Arrow inputs are decoded then.
     let started = Instant::now();
     let fields = if args.tokens.is_empty() {
-        open_fields(
+        let fields = open_fields(
             &args.fields,
             &args.paths,
             &args.out,
             args.threads.unwrap_or_else(default_threads),
-        )?
+        )?;
+        with_offsets(fields, &args.offsets)?
     } else {
         let dtype = args.token_dtype.map(TokenDtypeArg::dtype);
         let inputs = args
@@ -907,6 +914,46 @@ fn on_existing(force: bool) -> OnExisting {
 
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Makes the fields `--offsets NAME=FILE.npy` names variable-length, their values the rows of the
+/// field and their offsets the file's (see `PackArgs::offsets`).
+fn with_offsets(mut fields: Vec<FieldSource>, offsets: &[String]) -> Result<Vec<FieldSource>> {
+    for arg in offsets {
+        let Some((name, file)) = arg.split_once('=') else {
+            bail!("--offsets {arg:?}: expected NAME=FILE.npy");
+        };
+        let Some(at) = fields.iter().position(|f| f.name == name) else {
+            bail!("--offsets {arg:?}: no field '{name}' to make variable-length (give it with --field)");
+        };
+        let table = input::open_npy_field("offsets", &[PathBuf::from(file)])?;
+        if !table.sample_shape.is_empty() || !matches!(table.dtype, DType::I64 | DType::U64) {
+            bail!(
+                "--offsets {arg:?}: offsets are a 1-D int64 or uint64 array, not {}{:?}",
+                table.dtype.name(),
+                table.sample_shape
+            );
+        }
+        let mut bytes = Vec::new();
+        table.copy_samples(0, table.sample_count(), &mut bytes)?;
+        let offsets: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        match offsets.first() {
+            Some(0) => {}
+            Some(first) => bail!("--offsets {arg:?}: the first offset is {first}, not 0"),
+            None => bail!("--offsets {arg:?}: no offsets (one more than the samples, from 0)"),
+        }
+        if table.dtype == DType::I64 && offsets.iter().any(|&o| (o as i64) < 0) {
+            bail!("--offsets {arg:?}: a negative offset");
+        }
+        let values = fields.remove(at);
+        let field = FieldSource::variable(values, offsets[1..].to_vec())
+            .map_err(|error| anyhow::anyhow!("--offsets {arg:?}: {error}"))?;
+        fields.insert(at, field);
+    }
+    Ok(fields)
 }
 
 /// Turns `--field` arguments and positional paths into field sources, in the order given.

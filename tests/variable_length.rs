@@ -789,3 +789,83 @@ fn unpack_writes_values_and_offsets_that_split_into_the_documents() {
     );
     assert!(!out.exists() && !offsets_path(&out).exists());
 }
+
+/// `pack --offsets NAME=FILE.npy` makes a `.npy` field variable-length, from the files `unpack`
+/// writes for one: unpacking a variable-length field and packing its two files again gives the same
+/// documents. Offsets that do not start at 0, run past the values or name no field are refused,
+/// naming the argument.
+#[test]
+fn pack_takes_the_values_and_offsets_unpack_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dataset, ends, values) = pack_documents(dir.path(), "docs", 700, 300, CodecChoice::Lz4);
+    let out = dir.path().join("tokens.npy");
+    let path = |p: &Path| p.to_string_lossy().into_owned();
+    common::assert_succeeds(&common::gpufeed([
+        "unpack",
+        &path(&dataset.dir),
+        "--field",
+        "tokens",
+        "--out",
+        &path(&out),
+    ]));
+    let offsets = dir.path().join("tokens.offsets.npy");
+    let again = dir.path().join("again");
+    common::assert_succeeds(&common::gpufeed([
+        "pack",
+        "--quiet",
+        "--out",
+        &path(&again),
+        "--field",
+        &format!("tokens={}", path(&out)),
+        "--offsets",
+        &format!("tokens={}", path(&offsets)),
+    ]));
+    let repacked = Dataset::open(&again).unwrap();
+    let field = repacked.field_index("tokens").unwrap();
+    assert!(repacked.manifest.fields[field].is_variable());
+    assert_eq!(repacked.manifest.sample_count, 700);
+    let round = dir.path().join("round.npy");
+    common::assert_succeeds(&common::gpufeed([
+        "unpack",
+        &path(&again),
+        "--field",
+        "tokens",
+        "--out",
+        &path(&round),
+    ]));
+    assert_eq!(i32s(&common::read_npy(&round).bytes), values);
+    assert_eq!(
+        common::read_npy(&dir.path().join("round.offsets.npy")).bytes,
+        common::read_npy(&offsets).bytes
+    );
+    assert_eq!(*ends.last().unwrap() as usize, values.len());
+    // Refusals.
+    let bad = |offsets: &[i64], name: &str| -> String {
+        let file = dir.path().join(format!("bad-{name}.npy"));
+        let bytes: Vec<u8> = offsets.iter().flat_map(|o| o.to_le_bytes()).collect();
+        common::write_npy(&file, DType::I64, &[offsets.len() as u64], &bytes);
+        common::assert_fails(&common::gpufeed([
+            "pack",
+            "--quiet",
+            "--out",
+            &path(&dir.path().join(format!("out-{name}"))),
+            "--field",
+            &format!("tokens={}", path(&out)),
+            "--offsets",
+            &format!("{name}={}", path(&file)),
+        ]))
+    };
+    let total = values.len() as i64;
+    let error = bad(&[1, total], "tokens");
+    assert!(
+        error.contains("--offsets") && error.contains("not 0"),
+        "{error}"
+    );
+    let error = bad(&[0, total + 5], "tokens");
+    assert!(
+        error.contains("--offsets") && error.contains("rows"),
+        "{error}"
+    );
+    let error = bad(&[0, total], "nope");
+    assert!(error.contains("no field 'nope'"), "{error}");
+}

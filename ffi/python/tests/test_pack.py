@@ -146,3 +146,39 @@ def test_arrow_tables_and_streamed_record_batches_pack_exactly(tmp_path):
         gpufeed.pack(tmp_path / "both", fields={"a": label}, arrow=table(slice(0, 2)))
     assert not (tmp_path / "mixed").exists()
     assert no_scratch(tmp_path)
+
+
+def test_ragged_fields_pack_variable_length_and_unpack_to_values_and_offsets(tmp_path):
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 50000, n, dtype=np.int32) for n in (0, 3, 17, 1, 400, 0, 9)]
+    pairs = [rng.standard_normal((n, 2)).astype(np.float16) for n in (1, 2, 0, 5, 3, 1, 4)]
+    objects = np.empty(len(pairs), dtype=object)
+    objects[:] = pairs
+    out = tmp_path / "ds"
+    gpufeed.pack(
+        out,
+        fields={
+            "tokens": gpufeed.Ragged.from_arrays(docs),
+            "pairs": objects,
+            "id": np.arange(len(docs), dtype=np.int64),
+        },
+        samples_per_shard=3,
+    )
+    for name, samples in (("tokens", docs), ("pairs", pairs)):
+        values = unpacked(out, name, tmp_path)
+        offsets = np.load(tmp_path / f"unpacked-ds-{name}.offsets.npy")
+        assert offsets.dtype == np.int64 and offsets[0] == 0 and len(offsets) == len(samples) + 1
+        for i, sample in enumerate(samples):
+            assert np.array_equal(values[offsets[i] : offsets[i + 1]], sample)
+    assert np.array_equal(unpacked(out, "id", tmp_path), np.arange(len(docs)))
+    # The same from values and offsets directly.
+    again = tmp_path / "again"
+    values = np.concatenate(docs)
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+    gpufeed.pack(again, fields={"tokens": gpufeed.Ragged(values, offsets)})
+    assert np.array_equal(unpacked(again, "tokens", tmp_path), values)
+    with pytest.raises(gpufeed.PackError, match="sample 1"):
+        gpufeed.Ragged.from_arrays([np.zeros(2, np.int32), np.zeros(2, np.int64)])
+    with pytest.raises(gpufeed.PackError, match="offsets"):
+        gpufeed.pack(tmp_path / "bad", fields={"tokens": gpufeed.Ragged(values, offsets + 1)})
+    assert no_scratch(tmp_path)

@@ -31,7 +31,7 @@ from gpufeed.errors import (
     ProtocolError,
     SessionError,
 )
-from gpufeed._pack import PackError, pack
+from gpufeed._pack import PackError, Ragged, pack
 
 # A batch is a read-only mapping of field name to Field: isinstance(batch, Mapping) holds, and code
 # that takes a Mapping takes a batch.
@@ -49,6 +49,7 @@ __all__ = [
     "InvalidSpecError",
     "PackError",
     "ProtocolError",
+    "Ragged",
     "SessionError",
     "Stream",
     "__version__",

@@ -15,7 +15,7 @@ import tempfile
 
 from gpufeed.errors import Error
 
-__all__ = ["PackError", "pack"]
+__all__ = ["PackError", "Ragged", "pack"]
 
 # Bytes reserved for the header of a streamed `.npy` (written once the samples are counted): room
 # for a shape of 8 dimensions of 20 digits each, a multiple of 64 as NumPy aligns its data.
@@ -28,6 +28,42 @@ _BYTE_SHUFFLES = ("auto", "on", "off")
 class PackError(Error):
     """`gpufeed pack` refused the inputs or failed; the message is its error (naming the file,
     field, column or row at fault)."""
+
+
+class Ragged:
+    """A variable-length field for `pack(fields=...)`: sample i is `values[offsets[i]:offsets[i + 1]]`
+    (rows of `values` along axis 0; `offsets` one more than the samples, from 0), the form `gpufeed
+    unpack` writes and Arrow's list arrays hold. `Ragged.from_arrays(arrays)` makes one from a
+    sequence of arrays of one dtype and element shape, one per sample (a NumPy array of objects
+    packs the same way)."""
+
+    def __init__(self, values, offsets):
+        import numpy as np
+
+        self.values = np.ascontiguousarray(values)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        if self.values.ndim == 0:
+            raise PackError("Ragged: values hold elements along axis 0; got a 0-d array")
+        if self.offsets.ndim != 1 or len(self.offsets) < 1 or self.offsets[0] != 0:
+            raise PackError("Ragged: offsets are 1-D, one more than the samples, starting at 0")
+
+    @classmethod
+    def from_arrays(cls, arrays):
+        import numpy as np
+
+        arrays = [np.asarray(a) for a in arrays]
+        if not arrays:
+            raise PackError("Ragged.from_arrays: no samples")
+        first = arrays[0]
+        for index, array in enumerate(arrays):
+            if array.ndim == 0 or array.dtype != first.dtype or array.shape[1:] != first.shape[1:]:
+                raise PackError(
+                    f"Ragged.from_arrays: sample {index} is {array.dtype}{list(array.shape)}, but "
+                    f"sample 0 is {first.dtype}[n, {', '.join(map(str, first.shape[1:]))}]"
+                )
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        return cls(np.concatenate(arrays), offsets)
 
 
 def _binary():
@@ -128,9 +164,10 @@ def pack(
 ):
     """Packs a dataset at `out` (its parent must exist), as `gpufeed pack` does.
 
-    fields: a mapping of field name to a NumPy array (samples along axis 0) or to an iterable of
+    fields: a mapping of field name to a NumPy array (samples along axis 0), to an iterable of
         arrays, each holding one or more samples along axis 0 (streamed to disk: one item in memory
-        at a time; yield `sample[None]` for single samples).
+        at a time; yield `sample[None]` for single samples), or to a `Ragged` (or a NumPy array of
+        objects, each a sample's array): a variable-length field (format version 2).
     arrow: a pyarrow Table, RecordBatch or RecordBatchReader, or an iterable of record batches (or
         tables) of one schema, streamed to disk one at a time (instead of `fields`): each column a
         field of its name, as `from_parquet` packs a file's columns (a Hugging Face dataset's
@@ -185,7 +222,14 @@ def pack(
     try:
         for index, (field, value) in enumerate(fields.items()):
             path = os.path.join(scratch, f"{index}.npy")
-            if isinstance(value, np.ndarray):
+            if isinstance(value, np.ndarray) and value.dtype == object:
+                value = Ragged.from_arrays(list(value))
+            if isinstance(value, Ragged):
+                offsets = os.path.join(scratch, f"{index}.offsets.npy")
+                np.save(path, value.values, allow_pickle=False)
+                np.save(offsets, value.offsets, allow_pickle=False)
+                command += ["--offsets", f"{field}={offsets}"]
+            elif isinstance(value, np.ndarray):
                 np.save(path, np.ascontiguousarray(value), allow_pickle=False)
             else:
                 _write_stream(np, field, value, path)
