@@ -998,3 +998,92 @@ fn a_dataset_named_in_the_configuration_file_is_served_through_the_cache_it_name
         "{error}"
     );
 }
+
+/// A variable-length field (format version 2) in object storage: packed to the bucket from values
+/// and offsets (`pack --offsets`), served through the object cache in both batch forms, every batch
+/// equal to the same dataset's on local disk.
+#[test]
+fn a_variable_length_dataset_serves_from_object_storage_as_from_local_disk() {
+    use gpufeed_client::protocol::{BatchForm, VariableRequest};
+    let Some((root, moto)) = setup(&[]) else {
+        return;
+    };
+    // Documents of 0 to 50 tokens, sample i's tokens starting at i * 1000.
+    let (mut values, mut offsets) = (Vec::new(), vec![0i64]);
+    for sample in 0..SAMPLES as i64 {
+        let length = (sample * 7919 + 3) % 51;
+        values.extend((0..length).map(|t| (sample * 1000 + t) as i32));
+        offsets.push(values.len() as i64);
+    }
+    let inputs = root.path().join("inputs");
+    let values_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let offsets_bytes: Vec<u8> = offsets.iter().flat_map(|v| v.to_le_bytes()).collect();
+    common::write_npy(
+        &inputs.join("docs.npy"),
+        DType::I32,
+        &[values.len() as u64],
+        &values_bytes,
+    );
+    common::write_npy(
+        &inputs.join("docs.offsets.npy"),
+        DType::I64,
+        &[offsets.len() as u64],
+        &offsets_bytes,
+    );
+    for (name, out) in [
+        ("docs", root.path().join("docs").display().to_string()),
+        ("remote", format!("s3://{BUCKET}/docs")),
+    ] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpufeed"));
+        command
+            .args(["pack", "--quiet", "--out", &out, "--name", name])
+            .args(["--block-bytes", "4K", "--samples-per-shard", "300"])
+            .arg("--field")
+            .arg(format!("tokens={}", inputs.join("docs.npy").display()))
+            .arg("--offsets")
+            .arg(format!(
+                "tokens={}",
+                inputs.join("docs.offsets.npy").display()
+            ))
+            .arg("--field")
+            .arg(format!("emb={}", inputs.join("emb.npy").display()));
+        s3_env(&mut command, &moto);
+        common::assert_succeeds(&command.output().unwrap());
+    }
+    let url = format!("s3://{BUCKET}/docs");
+    let daemon = serve(root.path(), &moto, &["--dataset", &format!("remote={url}")]);
+    for form in [BatchForm::Padded, BatchForm::Packed] {
+        let batches = |dataset: &str| -> Vec<Vec<u8>> {
+            let mut request = spec(dataset);
+            request.variable = vec![VariableRequest {
+                name: "tokens".into(),
+                form,
+                cap: None,
+            }];
+            let mut stream = Client::connect(&daemon.socket)
+                .unwrap()
+                .open_stream(request)
+                .unwrap_or_else(|error| panic!("{dataset}: {error}; log:\n{}", daemon.log()));
+            let all = stream
+                .by_ref()
+                .map(|batch| {
+                    let batch = batch.unwrap_or_else(|error| panic!("{dataset}: {error}"));
+                    let mut bytes = Vec::new();
+                    for field in batch.fields() {
+                        bytes.extend_from_slice(field.host_bytes().unwrap());
+                    }
+                    bytes
+                })
+                .collect();
+            drop(stream);
+            wait_for_no_sessions(&daemon);
+            all
+        };
+        let local = batches("docs");
+        assert_eq!(local.len() as u64, SAMPLES / 100);
+        assert!(
+            batches("remote") == local,
+            "{form:?}: the remote batches differ"
+        );
+    }
+}

@@ -192,8 +192,39 @@ impl VariableRows {
     }
 }
 
+/// Reads bytes `range` of shard `index` of a dataset whose shards are not all on this node (a
+/// dataset in object storage: ranged GETs), for the offsets a stream needs when it opens.
+pub type RangeReader =
+    Arc<dyn Fn(usize, std::ops::Range<u64>) -> Result<Vec<u8>, String> + Send + Sync>;
+
+/// Per dataset directory, the reader of its shards' bytes where they are not on this node
+/// ([`register_range_reader`]); a handful of datasets at most.
+static RANGE_READERS: std::sync::Mutex<Vec<(std::path::PathBuf, RangeReader)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Makes [`read_offsets`] read the offsets of the dataset at `dir` with `reader` where a shard file
+/// is not on this node (a dataset registered from object storage, whose shards are fetched as
+/// streams read them); replaces an earlier reader of `dir`.
+pub fn register_range_reader(dir: std::path::PathBuf, reader: RangeReader) {
+    let mut readers = RANGE_READERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    readers.retain(|(known, _)| *known != dir);
+    readers.push((dir, reader));
+}
+
+fn range_reader(dir: &std::path::Path) -> Option<RangeReader> {
+    RANGE_READERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .find(|(known, _)| known == dir)
+        .map(|(_, reader)| Arc::clone(reader))
+}
+
 /// The offsets of variable-length field `field_index` of `dataset`, shard by shard, read with
-/// positional reads, decoded, and checked ([`format::check_offsets`],
+/// positional reads (or, for a shard not on this node, with its dataset's [`RangeReader`]: only
+/// the offset blocks' bytes), decoded, and checked ([`format::check_offsets`],
 /// [`format::check_values_blocks`]): an error names the shard file, the field and the sample or
 /// block at fault.
 pub fn read_offsets(dataset: &Dataset, field_index: usize) -> Result<Vec<Vec<u64>>, String> {
@@ -203,24 +234,44 @@ pub fn read_offsets(dataset: &Dataset, field_index: usize) -> Result<Vec<Vec<u64
         .expect("read_offsets is given variable-length fields");
     let mut all = Vec::with_capacity(dataset.shards.len());
     let (mut stored, mut scratch, mut raw) = (Vec::new(), Vec::new(), Vec::new());
-    for shard in &dataset.shards {
+    for (shard_index, shard) in dataset.shards.iter().enumerate() {
         let metadata = &shard.metadata;
         let field = &metadata.fields[field_index];
         let offset_blocks = field.offset_blocks.expect("a variable-length field");
-        let file = format::open_regular(&shard.path).map_err(|error| {
-            if error.kind() == std::io::ErrorKind::NotFound {
-                // A dataset in object storage fetches its shards as streams read them; the offsets
-                // are needed before the first batch.
-                format!(
-                    "{}: the shard is not on this node, and the offsets of variable-length field '{}' are read when a stream opens: variable-length fields are served from datasets whose shards are local",
-                    shard.path.display(),
-                    field.name
-                )
-            } else {
-                format!("{}: {error}", shard.path.display())
-            }
-        })?;
         let blocks = metadata.field_blocks(field_index);
+        let file = format::open_regular(&shard.path);
+        // A shard not on this node (a dataset in object storage fetches its shards as streams read
+        // them; the offsets are needed before the first batch): its offset blocks, fetched.
+        let fetched = match &file {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                let Some(reader) = range_reader(&dataset.dir) else {
+                    return Err(format!(
+                        "{}: the shard is not on this node, and the offsets of variable-length \
+                         field '{}' are read when a stream opens: variable-length fields are \
+                         served from datasets whose shards are local or in object storage",
+                        shard.path.display(),
+                        field.name
+                    ));
+                };
+                let taken = &blocks[..offset_blocks as usize];
+                let start = taken.first().map_or(0, |b| b.stored_offset);
+                let end = taken
+                    .iter()
+                    .map(|b| b.stored_offset + b.stored_bytes as u64)
+                    .max()
+                    .unwrap_or(start);
+                let bytes = reader(shard_index, start..end).map_err(|error| {
+                    format!(
+                        "{}: fetching the offsets of field '{}': {error}",
+                        shard.path.display(),
+                        field.name
+                    )
+                })?;
+                Some((start, bytes))
+            }
+            Err(error) => return Err(format!("{}: {error}", shard.path.display())),
+            Ok(_) => None,
+        };
         let mut ends = Vec::with_capacity(metadata.header.sample_count as usize);
         for (index, block) in blocks.iter().enumerate().take(offset_blocks as usize) {
             let at = || BlockRef {
@@ -230,9 +281,23 @@ pub fn read_offsets(dataset: &Dataset, field_index: usize) -> Result<Vec<Vec<u64
                 stored_offset: block.stored_offset,
             };
             stored.clear();
-            stored.resize(block.stored_bytes as usize, 0);
-            file.read_exact_at(&mut stored, block.stored_offset)
-                .map_err(|error| format!("{}: read failed: {error}", at()))?;
+            match (&fetched, &file) {
+                (Some((start, bytes)), _) => {
+                    let from = (block.stored_offset - start) as usize;
+                    let piece = bytes
+                        .get(from..from + block.stored_bytes as usize)
+                        .ok_or_else(|| format!("{}: the fetched offsets are short", at()))?;
+                    stored.extend_from_slice(piece);
+                }
+                (None, Ok(file)) => {
+                    stored.resize(block.stored_bytes as usize, 0);
+                    file.read_exact_at(&mut stored, block.stored_offset)
+                        .map_err(|error| format!("{}: read failed: {error}", at()))?;
+                }
+                (None, Err(_)) => {
+                    unreachable!("a shard that cannot be opened was fetched or refused")
+                }
+            }
             raw.clear();
             raw.resize(block.raw_bytes as usize, 0);
             decode::decode_block(

@@ -50,9 +50,42 @@ impl RemoteDataset {
     ) -> Result<(RemoteDataset, Dataset), RemoteError> {
         let (cache, url) = (Arc::clone(cache), url.to_string());
         let runtime_cache = Arc::clone(&cache);
-        runtime_cache
+        let (remote, dataset) = runtime_cache
             .runtime()
-            .run(async move { RemoteDataset::open_async(cache, url).await })
+            .run(async move { RemoteDataset::open_async(cache, url).await })?;
+        if dataset.manifest.fields.iter().any(|f| f.is_variable()) {
+            remote.read_offsets_remotely(&dataset);
+        }
+        Ok((remote, dataset))
+    }
+
+    /// Lets streams of `dataset` read its variable-length fields' offsets with ranged GETs where
+    /// the cache holds no copy of a shard (`pipeline::varlen::register_range_reader`).
+    fn read_offsets_remotely(&self, dataset: &Dataset) {
+        let (location, cache) = (self.location.clone(), Arc::clone(&self.cache));
+        let objects: Vec<String> = dataset
+            .manifest
+            .shards
+            .iter()
+            .map(|s| s.file.clone())
+            .collect();
+        let reader: crate::pipeline::varlen::RangeReader = Arc::new(move |shard, range| {
+            let object = objects
+                .get(shard)
+                .cloned()
+                .ok_or_else(|| format!("no shard {shard}"))?;
+            let (location, fetcher) = (location.clone(), Arc::clone(&cache));
+            cache
+                .runtime()
+                .run(async move {
+                    let errors = &fetcher.metrics().object_cache().fetch_errors;
+                    let _permit = fetcher.requests().acquire().await.expect("never closed");
+                    location.get_range(&object, range, errors).await
+                })
+                .map(|bytes| bytes.to_vec())
+                .map_err(|error| error.to_string())
+        });
+        crate::pipeline::varlen::register_range_reader(dataset.dir.clone(), reader);
     }
 
     async fn open_async(
