@@ -1054,6 +1054,16 @@ async fn status_and_metrics_report_what_exists() {
     assert_eq!(status["pools"]["sessions_max"], 8);
     assert_eq!(status["pools"]["slot_bytes_max"], 1u64 << 30);
     assert_eq!(status["host_memory"]["budget_bytes"], 1u64 << 30);
+    // The memory the daemon may use: the RAM or a cgroup's limit, never above the RAM.
+    let ram = gpufeed::storage::memory::host_ram_bytes().unwrap();
+    let limit = status["host_memory"]["memory_limit_bytes"]
+        .as_u64()
+        .unwrap();
+    assert!(limit > 0 && limit <= ram, "{limit} of {ram}");
+    let source = status["host_memory"]["memory_limit_source"]
+        .as_str()
+        .unwrap();
+    assert!(["ram", "cgroup"].contains(&source), "{source}");
     assert_eq!(status["host_memory"]["block_cache_kept_bytes"], 0);
     assert_eq!(status["host_memory"]["block_cache_hits"], 0);
     assert_eq!(status["datasets"], 1);

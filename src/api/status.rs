@@ -165,6 +165,12 @@ pub struct Pools {
 /// they leave.
 #[derive(Clone, Debug, Serialize, Deserialize, ToSchema)]
 pub struct HostMemory {
+    /// The memory the daemon takes it may use, bytes: the host's RAM, or its memory cgroup's limit
+    /// where lower, or `GPUFEED_MEMORY_LIMIT`; it bounds the default budgets, and a shuffle that
+    /// draws rows from more than it keeps cached reads them from the disk. Null where unknown.
+    pub memory_limit_bytes: Option<u64>,
+    /// Where that limit came from: `ram`, `cgroup` or `GPUFEED_MEMORY_LIMIT`.
+    pub memory_limit_source: Option<String>,
     /// The budget, bytes.
     pub budget_bytes: u64,
     /// Bytes reserved by open streams: slots, and host streams' working sets.
@@ -241,6 +247,24 @@ pub struct StatusView {
 pub struct Health {
     /// `ok`.
     pub status: String,
+}
+
+/// The host memory held for streams (`budget` and the bytes open streams `reserved`), with the
+/// memory the daemon may use and where that figure came from.
+fn host_memory(control: &Control, budget: u64, reserved: u64) -> HostMemory {
+    let cache = control.metrics.block_cache().snapshot();
+    let limit = crate::storage::memory::memory_limit();
+    HostMemory {
+        memory_limit_bytes: limit.map(|(bytes, _)| bytes),
+        memory_limit_source: limit.map(|(_, source)| source.name().to_string()),
+        budget_bytes: budget,
+        reserved_bytes: reserved,
+        block_cache_held_bytes: cache.held_bytes,
+        block_cache_kept_bytes: cache.kept_bytes,
+        block_cache_hits: cache.hits,
+        block_cache_misses: cache.misses,
+        block_cache_evictions: cache.evictions,
+    }
 }
 
 /// The daemon's devices, read paths, pools, version and uptime.
@@ -365,18 +389,11 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
             jobs_active: u64::from(control.jobs.active_count()),
             jobs_active_max: u64::from(limits.running_max + limits.queued_max),
         },
-        host_memory: {
-            let cache = control.metrics.block_cache().snapshot();
-            HostMemory {
-                budget_bytes: snapshot.slot_bytes_max,
-                reserved_bytes: counts.slot_bytes_allocated,
-                block_cache_held_bytes: cache.held_bytes,
-                block_cache_kept_bytes: cache.kept_bytes,
-                block_cache_hits: cache.hits,
-                block_cache_misses: cache.misses,
-                block_cache_evictions: cache.evictions,
-            }
-        },
+        host_memory: host_memory(
+            &control,
+            snapshot.slot_bytes_max,
+            counts.slot_bytes_allocated,
+        ),
         object_cache: {
             let object = control.metrics.object_cache().snapshot();
             ObjectCacheView {

@@ -12,9 +12,36 @@
 /// for a daemon that shares its host or cgroup with processes whose memory it should leave alone,
 /// and for tests of what a dataset larger than the memory changes.
 pub fn memory_limit_bytes() -> Option<u64> {
+    memory_limit().map(|(bytes, _)| bytes)
+}
+
+/// Where [`memory_limit_bytes`] came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryLimitSource {
+    /// `GPUFEED_MEMORY_LIMIT`.
+    Variable,
+    /// The host's RAM.
+    Ram,
+    /// The daemon's memory cgroup (lower than the RAM).
+    Cgroup,
+}
+
+impl MemoryLimitSource {
+    /// The name `/v1/status` shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryLimitSource::Variable => "GPUFEED_MEMORY_LIMIT",
+            MemoryLimitSource::Ram => "ram",
+            MemoryLimitSource::Cgroup => "cgroup",
+        }
+    }
+}
+
+/// [`memory_limit_bytes`] and where it came from.
+pub fn memory_limit() -> Option<(u64, MemoryLimitSource)> {
     if let Ok(text) = std::env::var("GPUFEED_MEMORY_LIMIT") {
         match parse_bytes(&text) {
-            Some(bytes) => return Some(bytes),
+            Some(bytes) => return Some((bytes, MemoryLimitSource::Variable)),
             None => tracing::warn!(
                 "GPUFEED_MEMORY_LIMIT={text:?} is ignored: not a byte count like 8589934592 or 8G"
             ),
@@ -23,8 +50,10 @@ pub fn memory_limit_bytes() -> Option<u64> {
     let ram = host_ram_bytes();
     let cgroup = cgroup_limit_bytes();
     match (ram, cgroup) {
-        (Some(ram), Some(cgroup)) => Some(ram.min(cgroup)),
-        (ram, cgroup) => ram.or(cgroup),
+        (Some(ram), Some(cgroup)) if cgroup < ram => Some((cgroup, MemoryLimitSource::Cgroup)),
+        (Some(ram), _) => Some((ram, MemoryLimitSource::Ram)),
+        (None, Some(cgroup)) => Some((cgroup, MemoryLimitSource::Cgroup)),
+        (None, None) => None,
     }
 }
 
