@@ -1087,3 +1087,101 @@ fn a_variable_length_dataset_serves_from_object_storage_as_from_local_disk() {
         );
     }
 }
+
+/// `pack --out s3://...` killed while it uploads leaves no dataset at the URL: its manifest goes
+/// last, so registering the URL fails naming the missing manifest, and packing again (without
+/// `--force`: there is no dataset to replace) uploads one that serves as the local copy does.
+#[test]
+fn a_pack_killed_mid_upload_leaves_no_dataset_and_packs_again() {
+    let Some((root, moto)) = setup(&[]) else {
+        return;
+    };
+    let inputs = root.path().join("inputs");
+    // 64 shards of 32 samples (two of them 16 KiB blocks): an upload long enough to interrupt.
+    let upload = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpufeed"));
+        command
+            .args(["pack", "--quiet", "--out", &format!("s3://{BUCKET}/cut")])
+            .args([
+                "--name",
+                "cut",
+                "--block-bytes",
+                "16K",
+                "--samples-per-shard",
+                "32",
+            ])
+            .args(["--threads", "1"])
+            .arg("--field")
+            .arg(format!("tok={}", inputs.join("tok.npy").display()))
+            .arg("--field")
+            .arg(format!("emb={}", inputs.join("emb.npy").display()));
+        s3_env(&mut command, &moto);
+        command.stdout(Stdio::null()).stderr(Stdio::null());
+        command
+    };
+    let listing = || {
+        let (status, body) =
+            moto.request("GET", &format!("/{BUCKET}?list-type=2&prefix=cut/"), &[]);
+        assert_eq!(status, 200);
+        String::from_utf8_lossy(&body).into_owned()
+    };
+    let mut cut = false;
+    for _attempt in 0..5 {
+        let mut child = upload().spawn().unwrap();
+        // Killed as soon as its first shard object is in the bucket.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !listing().contains(".gfs") && std::time::Instant::now() < deadline {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let _ = child.kill();
+        child.wait().unwrap();
+        let now = listing();
+        if now.contains(".gfs") && !now.contains("manifest.json") {
+            cut = true;
+            break;
+        }
+        // It finished before it was killed (or uploaded nothing): remove what is there and try
+        // again.
+        for key in now
+            .split("<Key>")
+            .skip(1)
+            .filter_map(|k| k.split("</Key>").next())
+        {
+            moto.request("DELETE", &format!("/{BUCKET}/{key}"), &[]);
+        }
+    }
+    assert!(cut, "the pack was never killed mid-upload");
+    let (status, _) = moto.request("GET", &format!("/{BUCKET}/cut/manifest.json"), &[]);
+    assert_eq!(status, 404, "a manifest was uploaded by the killed pack");
+    // Registering the URL fails, naming what is missing.
+    let mut command = common::daemon::serve_command(
+        root.path(),
+        &[
+            "--object-cache-dir",
+            root.path().join("cache").to_str().unwrap(),
+            "--dataset",
+            &format!("cut=s3://{BUCKET}/cut"),
+        ],
+    );
+    s3_env(&mut command, &moto);
+    let output = command.output().unwrap();
+    assert!(!output.status.success());
+    let error = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        error.contains(&format!("s3://{BUCKET}/cut/manifest.json")),
+        "{error}"
+    );
+    // Packed again, without --force, over the leftovers: served as the local copy.
+    let mut again = upload();
+    again.stderr(Stdio::piped());
+    common::assert_succeeds(&again.output().unwrap());
+    let daemon = serve(
+        root.path(),
+        &moto,
+        &["--dataset", &format!("cut=s3://{BUCKET}/cut")],
+    );
+    assert!(epoch(&daemon, "cut") == epoch(&daemon, "local"));
+}
