@@ -138,13 +138,7 @@ fn cold_rows_for(plan: &Arc<StreamPlan>, files: &FileTable) -> Option<ColdRows> 
         .collect();
     let dataset_bytes: u64 = file_bytes.iter().sum();
     let drawn_bytes = if shuffle == super::ShuffleKind::Window {
-        let mut firsts: Vec<u64> = Vec::with_capacity(file_bytes.len() + 1);
-        let mut first = 0u64;
-        for shard in &plan.dataset.manifest.shards {
-            firsts.push(first);
-            first += shard.sample_count;
-        }
-        firsts.push(first);
+        let firsts = plan.shard_first_samples();
         let window_shards = plan.order.shards_per_span_max(1, &firsts).unwrap_or(1) as u64;
         let largest = file_bytes.iter().copied().max().unwrap_or(0);
         (2 * window_shards * largest).min(dataset_bytes)

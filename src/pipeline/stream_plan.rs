@@ -415,6 +415,24 @@ impl StreamPlan {
         Ok(plan)
     }
 
+    /// The first sample of each shard of the dataset, and the sample count after the last.
+    pub fn shard_first_samples(&self) -> Vec<u64> {
+        let mut first_sample = 0u64;
+        let mut firsts: Vec<u64> = self
+            .dataset
+            .manifest
+            .shards
+            .iter()
+            .map(|shard| {
+                let first = first_sample;
+                first_sample += shard.sample_count;
+                first
+            })
+            .collect();
+        firsts.push(first_sample);
+        firsts
+    }
+
     /// For the plan of one source of a mixture: the rows of the batch of stream step `step` that
     /// draw from this source, in order (the slot row of each of [`Self::batch_samples`]); `None`
     /// for any other plan, whose batch is all its own.

@@ -304,7 +304,7 @@ impl Resident {
             }
         }
         let map_s = started.elapsed().as_secs_f64();
-        let shard_first_samples = shard_first_samples(plan);
+        let shard_first_samples = plan.shard_first_samples();
         // Rounds that read device copies upload their own region table (at most REGIONS_MAX).
         let in_tier = in_tier.filter(|(dataset, _)| {
             table.len() <= REGIONS_MAX && dataset.window_count() == table.len()
@@ -425,7 +425,7 @@ impl Resident {
             }
             shard_windows.push(shard);
         }
-        let shard_first_samples = shard_first_samples(plan);
+        let shard_first_samples = plan.shard_first_samples();
         let Some(needed) = plan
             .order
             .shards_per_span_max(plan.rank.batch_size as u64, &shard_first_samples)
@@ -631,7 +631,7 @@ impl Resident {
         let geometry = RowGeometry::new(
             plan,
             first_region,
-            shard_first_samples(plan),
+            plan.shard_first_samples(),
             table_len,
             window_bytes,
             corrupt,
@@ -815,7 +815,7 @@ impl Resident {
         let geometry = RowGeometry::new(
             plan,
             first_region,
-            shard_first_samples(plan),
+            plan.shard_first_samples(),
             table_len,
             window_bytes,
             corrupt,
@@ -1061,24 +1061,6 @@ fn warm_for_full_shuffle(
         read,
         started.elapsed().as_secs_f64()
     );
-}
-
-/// The first sample of each shard of the plan's dataset, and the sample count after the last.
-fn shard_first_samples(plan: &StreamPlan) -> Vec<u64> {
-    let mut first_sample = 0u64;
-    let mut firsts: Vec<u64> = plan
-        .dataset
-        .manifest
-        .shards
-        .iter()
-        .map(|shard| {
-            let first = first_sample;
-            first_sample += shard.sample_count;
-            first
-        })
-        .collect();
-    firsts.push(first_sample);
-    firsts
 }
 
 /// Whether a full shuffle beyond the registration budget reads its rows from the disk (see
