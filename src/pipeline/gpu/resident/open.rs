@@ -23,10 +23,9 @@ use super::planner::{Planner, RowGeometry, RowStaging};
 use super::row_copies::{
     row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
 };
-use super::shard_checks::ShardChecks;
+use super::shard_checks::{check_in_map, ShardChecks};
 use super::tier_fill::{decoded_bytes, fill_decoded, DecodedLayout};
 use super::tier_read::TierRead;
-use crate::decode::{self, BlockRef};
 use crate::format::Codec;
 use crate::kernels::{GatherRegion, Lz4Decoder};
 use crate::pipeline::cold_rows::{ColdRows, RowReads, COLD_QUEUE_DEPTH};
@@ -1147,7 +1146,7 @@ fn verify_blocks(
                             field: field as u32,
                             block,
                         };
-                        match check_in_map(plan, maps, key) {
+                        match check_in_map(&plan.dataset, maps[shard].as_ref(), key) {
                             Ok(()) => verified.insert(shard, field, block),
                             Err(corrupt) => bad.push((key, corrupt)),
                         }
@@ -1162,45 +1161,4 @@ fn verify_blocks(
             .collect()
     });
     Ok((found.into_iter().collect(), bytes))
-}
-
-/// Checks one block's stored bytes in its shard's map against its table checksum.
-fn check_in_map(
-    plan: &StreamPlan,
-    maps: &[Option<MappedFile>],
-    key: BlockKey,
-) -> Result<(), Arc<CorruptBlock>> {
-    let shard = &plan.dataset.shards[key.shard as usize];
-    let entry = shard.metadata.field_blocks(key.field as usize)[key.block as usize];
-    let at = || BlockRef {
-        shard: shard.path.clone(),
-        field: shard.metadata.fields[key.field as usize].name.clone(),
-        block: key.block,
-        stored_offset: entry.stored_offset,
-    };
-    let start = entry.stored_offset as usize;
-    let end = start + entry.stored_bytes as usize;
-    let map = maps[key.shard as usize].as_ref();
-    let stored = map.and_then(|map| map.bytes().get(start..end));
-    let Some(stored) = stored else {
-        let error = decode::BlockError::Io {
-            at: at(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the block lies beyond the end of its shard file",
-            ),
-        };
-        return Err(Arc::new(CorruptBlock::from(error)));
-    };
-    let checked = decode::check_block(stored, &entry, at);
-    // A read that reached past the end of a shard truncated meanwhile read zeros: the block is not
-    // verified, whatever its checksum said.
-    if map.is_some_and(MappedFile::faulted) {
-        let error = decode::BlockError::Io {
-            at: at(),
-            source: std::io::Error::other("the shard was truncated while it was verified"),
-        };
-        return Err(Arc::new(CorruptBlock::from(error)));
-    }
-    checked.map_err(|e| Arc::new(CorruptBlock::from(e)))
 }

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use crate::decode;
 use crate::format::Dataset;
 use crate::kernels::{GatherOp, GATHER_PIECE_BYTES, GATHER_SOURCES_MAX};
-use crate::pipeline::stream_plan::{CorruptBlock, FieldPlan};
+use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FieldPlan};
 use crate::storage::mapped::MappedFile;
 
 /// Threads that verify one shard.
@@ -107,39 +107,29 @@ impl ShardChecks {
         let meta = &self.dataset.shards[shard];
         let entry = &meta.metadata.field_blocks(field)[block as usize];
         let stored = entry.stored_offset..entry.stored_offset + entry.stored_bytes as u64;
-        let at = || decode::BlockRef {
-            shard: meta.path.clone(),
-            field: meta.metadata.fields[field].name.clone(),
+        let key = BlockKey {
+            shard: shard as u32,
+            field: field as u32,
             block,
-            stored_offset: entry.stored_offset,
-        };
-        let io = |reason: String| decode::BlockError::Io {
-            at: at(),
-            source: std::io::Error::other(reason),
         };
         let checked = match map {
-            Err(error) => Err(io(format!("the shard could not be mapped: {error}"))),
-            Ok(map) => match map.bytes().get(stored.start as usize..stored.end as usize) {
-                None => Err(io("the block lies beyond the end of its shard file".into())),
-                Some(bytes) => {
-                    let checked = decode::check_block(bytes, entry, at);
-                    if map.faulted() {
-                        Err(io("the shard was truncated while it was verified".into()))
-                    } else {
-                        checked
-                    }
-                }
-            },
+            Err(error) => Err(Arc::new(CorruptBlock::from(decode::BlockError::Io {
+                at: decode::BlockRef {
+                    shard: meta.path.clone(),
+                    field: meta.metadata.fields[field].name.clone(),
+                    block,
+                    stored_offset: entry.stored_offset,
+                },
+                source: std::io::Error::other(format!("the shard could not be mapped: {error}")),
+            }))),
+            Ok(map) => check_in_map(&self.dataset, Some(map), key),
         };
         match checked {
             Ok(()) => {
                 self.dataset.verified.insert(shard, field, block);
                 None
             }
-            Err(error) => Some(FoundCorrupt {
-                bad: Arc::new(CorruptBlock::from(error)),
-                stored,
-            }),
+            Err(bad) => Some(FoundCorrupt { bad, stored }),
         }
     }
 
@@ -216,4 +206,45 @@ pub(super) fn rows_reading(
     found.sort_unstable();
     found.dedup();
     found
+}
+
+/// Checks one block's stored bytes in its shard's map (`None`: the shard could not be mapped)
+/// against its table checksum.
+pub(super) fn check_in_map(
+    dataset: &Dataset,
+    map: Option<&MappedFile>,
+    key: BlockKey,
+) -> Result<(), Arc<CorruptBlock>> {
+    let shard = &dataset.shards[key.shard as usize];
+    let entry = shard.metadata.field_blocks(key.field as usize)[key.block as usize];
+    let at = || decode::BlockRef {
+        shard: shard.path.clone(),
+        field: shard.metadata.fields[key.field as usize].name.clone(),
+        block: key.block,
+        stored_offset: entry.stored_offset,
+    };
+    let start = entry.stored_offset as usize;
+    let end = start + entry.stored_bytes as usize;
+    let stored = map.and_then(|map| map.bytes().get(start..end));
+    let Some(stored) = stored else {
+        let error = decode::BlockError::Io {
+            at: at(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the block lies beyond the end of its shard file",
+            ),
+        };
+        return Err(Arc::new(CorruptBlock::from(error)));
+    };
+    let checked = decode::check_block(stored, &entry, at);
+    // A read that reached past the end of a shard truncated meanwhile read zeros: the block is not
+    // verified, whatever its checksum said.
+    if map.is_some_and(MappedFile::faulted) {
+        let error = decode::BlockError::Io {
+            at: at(),
+            source: std::io::Error::other("the shard was truncated while it was verified"),
+        };
+        return Err(Arc::new(CorruptBlock::from(error)));
+    }
+    checked.map_err(|e| Arc::new(CorruptBlock::from(e)))
 }
