@@ -439,15 +439,7 @@ fn write_field(
                 &mut scratch,
                 &mut raw,
             )?;
-            if to == field.dtype {
-                writer.write_all(&raw)?;
-            } else {
-                let elements = raw.len() / field.dtype.size_bytes();
-                converted.clear();
-                converted.resize(elements * to.size_bytes(), 0);
-                decode::convert(field.dtype, &raw, to, &mut converted)?;
-                writer.write_all(&converted)?;
-            }
+            write_converted(&mut writer, field.dtype, to, &raw, &mut converted)?;
             done += raw.len() as u64;
             progress.progress(done);
         }
@@ -525,8 +517,9 @@ fn unpack_variable(
     Ok(elements * element_bytes / field.dtype.size_bytes() as u64 * to.size_bytes() as u64)
 }
 
-/// Decodes a variable-length field's blocks, shard by shard, into the values file and the offsets
-/// file (`paths`), checking each shard's offsets first.
+/// Decodes a variable-length field's value blocks, shard by shard, into the values file and writes
+/// its offsets, read and checked as streams read them (`varlen::read_offsets`), into the offsets
+/// file (`paths`).
 fn write_variable(
     dataset: &Dataset,
     field_index: usize,
@@ -536,23 +529,31 @@ fn write_variable(
     progress: &dyn ToolProgress,
 ) -> Result<(), UnpackError> {
     let field = &dataset.manifest.fields[field_index];
-    let element_bytes = field.sample_bytes();
+    let all_ends = crate::pipeline::varlen::read_offsets(dataset, field_index).map_err(|what| {
+        UnpackError::Io {
+            path: dataset.dir.clone(),
+            source: io::Error::new(io::ErrorKind::InvalidData, what),
+        }
+    })?;
     let mut values = npy::write_npy(paths.0, to, shape)?;
     let mut offsets = npy::write_npy(paths.1, DType::I64, &[dataset.manifest.sample_count + 1])?;
     offsets.write_all(&0i64.to_le_bytes())?;
-    progress.started(shape[0] * element_bytes);
+    progress.started(shape[0] * field.sample_bytes());
     let (mut stored, mut scratch, mut raw, mut converted) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut base, mut first_sample, mut done) = (0u64, 0u64, 0u64);
-    for shard in &dataset.shards {
+    let (mut base, mut done) = (0u64, 0u64);
+    for (shard, ends) in dataset.shards.iter().zip(&all_ends) {
+        for &end in ends {
+            offsets.write_all(&((base + end) as i64).to_le_bytes())?;
+        }
         let file = crate::format::open_regular(&shard.path).map_err(|source| UnpackError::Io {
             path: shard.path.clone(),
             source,
         })?;
         let mut reader = BlockReader { shard, file: &file };
-        // The shard's whole field: its offsets, then its values.
-        let mut bytes = Vec::new();
-        for block_index in 0..shard.metadata.fields[field_index].block_count {
+        // The blocks after the offsets hold the values.
+        let listed = &shard.metadata.fields[field_index];
+        for block_index in listed.offset_blocks.unwrap_or(0)..listed.block_count {
             reader.decode(
                 field_index,
                 block_index,
@@ -560,55 +561,36 @@ fn write_variable(
                 &mut scratch,
                 &mut raw,
             )?;
-            bytes.extend_from_slice(&raw);
+            write_converted(&mut values, field.dtype, to, &raw, &mut converted)?;
+            done += raw.len() as u64;
+            progress.progress(done);
         }
-        let samples = shard.metadata.header.sample_count as usize;
-        let split = samples * crate::format::OFFSET_BYTES as usize;
-        let invalid = |what: String| UnpackError::Io {
-            path: shard.path.clone(),
-            source: io::Error::new(io::ErrorKind::InvalidData, what),
-        };
-        if bytes.len() < split || (bytes.len() - split) as u64 % element_bytes.max(1) != 0 {
-            return Err(invalid(format!(
-                "field '{}': {} bytes do not hold {samples} offsets and whole elements",
-                field.name,
-                bytes.len()
-            )));
-        }
-        let ends: Vec<u64> = bytes[..split]
-            .chunks_exact(8)
-            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .collect();
-        let shard_elements = (bytes.len() - split) as u64 / element_bytes.max(1);
-        crate::format::check_offsets(
-            &shard.path,
-            &field.name,
-            first_sample,
-            &ends,
-            shard_elements,
-            field.length_max.unwrap_or(u64::MAX),
-        )
-        .map_err(|error| invalid(error.to_string()))?;
-        for &end in &ends {
-            offsets.write_all(&((base + end) as i64).to_le_bytes())?;
-        }
-        let values_bytes = &bytes[split..];
-        if to == field.dtype {
-            values.write_all(values_bytes)?;
-        } else {
-            let count = values_bytes.len() / field.dtype.size_bytes();
-            converted.clear();
-            converted.resize(count * to.size_bytes(), 0);
-            decode::convert(field.dtype, values_bytes, to, &mut converted)?;
-            values.write_all(&converted)?;
-        }
-        base += shard_elements;
-        first_sample += samples as u64;
-        done += values_bytes.len() as u64;
-        progress.progress(done);
+        // The last end is the shard's element count (checked).
+        base += ends.last().copied().unwrap_or(0);
     }
     values.finish()?;
     offsets.finish()?;
+    Ok(())
+}
+
+/// Writes `raw` (elements of `from`) to `writer` as `to`, converting through `converted` when they
+/// differ.
+fn write_converted(
+    writer: &mut npy::NpyWriter,
+    from: DType,
+    to: DType,
+    raw: &[u8],
+    converted: &mut Vec<u8>,
+) -> Result<(), UnpackError> {
+    if to == from {
+        writer.write_all(raw)?;
+    } else {
+        let elements = raw.len() / from.size_bytes();
+        converted.clear();
+        converted.resize(elements * to.size_bytes(), 0);
+        decode::convert(from, raw, to, converted)?;
+        writer.write_all(converted)?;
+    }
     Ok(())
 }
 
