@@ -122,6 +122,8 @@ struct Need {
     end: u64,
     copy: usize,
     extent: usize,
+    /// Whether a block the copy reads was not verified yet (then read whole, and checked).
+    verify: bool,
 }
 
 /// A merged read.
@@ -256,7 +258,7 @@ impl ColdRows {
                 ));
             }
             let (mut from, mut to) = (start, end);
-            let mut corrupt = false;
+            let (mut corrupt, mut verify) = (false, false);
             for (block, entry) in blocks_over(&self.dataset, copy, start, end) {
                 let key = key(copy, block);
                 if let Some(bad) = self.corrupt.get(&key) {
@@ -273,6 +275,7 @@ impl ColdRows {
                 {
                     from = from.min(entry.stored_offset);
                     to = to.max(entry.stored_offset + entry.stored_bytes as u64);
+                    verify = true;
                 }
             }
             if corrupt {
@@ -287,6 +290,7 @@ impl ColdRows {
                 end: to.min(file_bytes),
                 copy: index,
                 extent: 0,
+                verify,
             });
         }
         Ok(needs)
@@ -331,7 +335,9 @@ impl ColdRows {
         bad_rows: &mut BTreeSet<usize>,
     ) -> Result<(), FillError> {
         let dataset = Arc::clone(&self.dataset);
-        for need in needs {
+        // A need whose blocks were all verified has nothing to check (a verified block is never
+        // corrupt).
+        for need in needs.iter().filter(|need| need.verify) {
             let copy = &copies[need.copy];
             let read = &part[need.extent - first];
             let shard = &dataset.shards[copy.shard as usize];
@@ -665,6 +671,7 @@ mod tests {
             end,
             copy: 0,
             extent: 0,
+            verify: false,
         };
         let mut needs = vec![
             need(1, 0, 4096),
