@@ -622,6 +622,34 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
     assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
+/// Flips a byte of raw `emb` block 2 of shard 3 of the dataset at `dir`; returns the shard's path.
+fn corrupt_an_emb_block(dir: &Path) -> PathBuf {
+    let dataset = Dataset::open(dir).unwrap();
+    let shard = &dataset.shards[3];
+    let emb = shard
+        .metadata
+        .field_blocks(dataset.field_index("emb").unwrap())[2];
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
+    std::fs::write(&shard.path, bytes).unwrap();
+    shard.path.clone()
+}
+
+/// A GPU consumer of `mixed` with `args` fails, its error naming the file `shard`.
+fn assert_fails_naming(socket: &Path, args: &[&str], shard: &Path) {
+    let output = Command::new(consume_bin())
+        .arg("--socket")
+        .arg(socket)
+        .args(["--dataset", "mixed", "--device", "cuda:0"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let shard_name = shard.file_name().unwrap().to_string_lossy();
+    assert!(stderr.contains(&*shard_name), "{stderr}");
+}
+
 /// A full shuffle of a dataset larger than the daemon's memory reads its rows from the disk
 /// (`GPUFEED_ROW_READS=disk` stands in for a dataset beyond the memory limit) and verifies each
 /// block as it is first read: batches are bit-exact against the CPU backend, at batch sizes whose
@@ -631,15 +659,7 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
 #[ignore = "needs a CUDA GPU"]
 fn full_shuffle_rows_read_from_the_disk_are_bit_exact_and_corrupt_blocks_handled() {
     let root = tempfile::tempdir().unwrap();
-    let dir = pack_dataset(root.path());
-    let dataset = Dataset::open(&dir).unwrap();
-    let shard = &dataset.shards[3];
-    let emb = shard
-        .metadata
-        .field_blocks(dataset.field_index("emb").unwrap())[2];
-    let mut bytes = std::fs::read(&shard.path).unwrap();
-    bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
-    std::fs::write(&shard.path, bytes).unwrap();
+    let shard = corrupt_an_emb_block(&pack_dataset(root.path()));
     let full = |batch: &'static str, seed: &'static str, policy: &'static str| {
         vec![
             "--batch-size",
@@ -684,17 +704,7 @@ fn full_shuffle_rows_read_from_the_disk_are_bit_exact_and_corrupt_blocks_handled
     );
     // With `fail`, the stream ends with an error naming the shard.
     let gpu = start_daemon_logged_env(root.path(), "cuda:0", &flags, None, &env);
-    let output = Command::new(consume_bin())
-        .arg("--socket")
-        .arg(&gpu.socket)
-        .args(["--dataset", "mixed", "--device", "cuda:0"])
-        .args(full("96", "5", "fail"))
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
-    assert!(stderr.contains(&*shard_name), "{stderr}");
+    assert_fails_naming(&gpu.socket, &full("96", "5", "fail"), &shard);
 }
 
 /// Beyond the daemon's memory (`GPUFEED_MEMORY_LIMIT=1M` stands in for a dataset larger than it),
@@ -706,15 +716,7 @@ fn full_shuffle_rows_read_from_the_disk_are_bit_exact_and_corrupt_blocks_handled
 #[ignore = "needs a CUDA GPU"]
 fn beyond_the_memory_limit_shards_are_verified_as_copied_and_corrupt_blocks_handled() {
     let root = tempfile::tempdir().unwrap();
-    let dir = pack_dataset(root.path());
-    let dataset = Dataset::open(&dir).unwrap();
-    let shard = &dataset.shards[3];
-    let emb = shard
-        .metadata
-        .field_blocks(dataset.field_index("emb").unwrap())[2];
-    let mut bytes = std::fs::read(&shard.path).unwrap();
-    bytes[(emb.stored_offset + 100) as usize] ^= 0x01;
-    std::fs::write(&shard.path, bytes).unwrap();
+    let shard = corrupt_an_emb_block(&pack_dataset(root.path()));
     let rows = |shuffle: &'static str, batch: &'static str, policy: &'static str| {
         vec![
             "--batch-size",
@@ -757,17 +759,7 @@ fn beyond_the_memory_limit_shards_are_verified_as_copied_and_corrupt_blocks_hand
         "the loader did not find the corrupt block:\n{log}"
     );
     let gpu = start_daemon_logged_env(root.path(), "cuda:0", &flags, None, &env);
-    let output = Command::new(consume_bin())
-        .arg("--socket")
-        .arg(&gpu.socket)
-        .args(["--dataset", "mixed", "--device", "cuda:0"])
-        .args(rows("window", "96", "fail"))
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
-    assert!(stderr.contains(&*shard_name), "{stderr}");
+    assert_fails_naming(&gpu.socket, &rows("window", "96", "fail"), &shard);
 }
 
 /// Shard slots go back to the device's pool when a stream closes, and the next stream that copies
