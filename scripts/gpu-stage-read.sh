@@ -14,6 +14,7 @@ stage_test "$stage" gpu_serve
 stage_test "$stage" gpu_kernels
 stage_test "$stage" gpu_storage
 stage_test "$stage" gpu_tier
+stage_test "$stage" gpu_variable
 stage_build "$stage" --bin gpufeed --example consume --example handoff_bench
 strip "$stage"/bin/*
 git rev-parse HEAD >"$stage/bin/COMMIT"

@@ -98,10 +98,17 @@ fn pack_dataset(root: &Path) -> PathBuf {
 /// Runs the consume example against `socket` with `args` and `--dump`, returning the dumped payload
 /// (the .npy data after its header) and the final JSON line.
 fn consume_dump(socket: &Path, device: &str, args: &[&str], dump: &Path) -> Child {
+    // A mixture names its sources instead (`--source DATASET=WEIGHT`).
+    let dataset: &[&str] = if args.contains(&"--source") {
+        &[]
+    } else {
+        &["--dataset", "mixed"]
+    };
     Command::new(consume_bin())
         .arg("--socket")
         .arg(socket)
-        .args(["--dataset", "mixed", "--device", device])
+        .args(dataset)
+        .args(["--device", device])
         .args(args)
         .arg("--dump")
         .arg(dump)
@@ -223,6 +230,83 @@ fn compare_backends_logged_env(
             )
         })
         .collect()
+}
+
+/// A mixture on a CUDA device (assembled on the host, uploaded into device slots) delivers,
+/// batch for batch, what the CPU backend delivers: dataset order and a full shuffle, two fields
+/// converted and not, a corrupt block in one source replaced by zeros on both, two epochs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_mixture_on_a_device_equals_the_cpu_backend() {
+    let root = tempfile::tempdir().unwrap();
+    pack_dataset(root.path());
+    // The second source: the same fields, other values (its token ids and embeddings shifted).
+    let other = root.path().join("other");
+    let tokens: Vec<u8> = token_bytes()
+        .chunks_exact(4)
+        .flat_map(|c| (i32::from_le_bytes(c.try_into().unwrap()) + 1_000_000).to_le_bytes())
+        .collect();
+    let fields = vec![
+        common::field(
+            "emb",
+            DType::F16,
+            &[EMB_DIM],
+            gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, 12),
+        ),
+        common::field("tok", DType::I32, &[TOK_LEN], tokens),
+    ];
+    common::pack_fields(
+        &other,
+        &fields,
+        &common::options("other", 64 << 10, Some(700)),
+    );
+    let shard = corrupt_an_emb_block(&other);
+    copy_dataset(&other, &root.path().join("cpu-root").join("other"));
+    let rows = |shuffle: &'static str, batch: &'static str| {
+        vec![
+            "--source",
+            "mixed=0.7",
+            "--source",
+            "other=0.3",
+            "--batch-size",
+            batch,
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--field",
+            "tok",
+            "--shuffle",
+            shuffle,
+            "--seed",
+            "5",
+            "--epochs",
+            "2",
+            "--on-corrupt",
+            "replace",
+        ]
+    };
+    let requests = vec![
+        ("mixture-order-96", rows("none", "96")),
+        ("mixture-full-1000", rows("full", "1000")),
+    ];
+    let dumps = compare_backends(root.path(), &requests);
+    for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
+        assert!(!gpu.is_empty(), "{name}: nothing dumped");
+        assert!(gpu == cpu, "{name}: GPU and CPU backends differ");
+    }
+    // The corrupt block's rows came out as zeros on both (the source's 6000 rows get 3600 of a
+    // mixture epoch's 12000 draws: over two epochs every one of them at least once).
+    let emb_row = (EMB_DIM * 4) as usize;
+    let zero_rows = |dump: &[u8]| {
+        dump.chunks_exact(emb_row)
+            .filter(|row| row.iter().all(|&b| b == 0))
+            .count()
+    };
+    assert!(
+        zero_rows(&dumps[0].0) > 0,
+        "no replaced rows in {shard:?}'s mixture"
+    );
 }
 
 #[test]
@@ -740,11 +824,14 @@ fn beyond_the_memory_limit_shards_are_verified_as_copied_and_corrupt_blocks_hand
         ("window-1000", rows("window", "1000", "replace")),
         ("order-96", rows("none", "96", "replace")),
     ];
+    // The slot memory is given: its default is bounded by the (here tiny) memory limit.
     let flags = [
         "--registered-window",
         "256K",
         "--registered-memory-max",
         "1M",
+        "--slot-memory-max",
+        "256M",
     ];
     let env = [("GPUFEED_MEMORY_LIMIT", "1M")];
     let log = root.path().join("beyond-memory.log");

@@ -763,7 +763,8 @@ unsafe fn open_spec(client: GfClient, spec: StreamSpec, stream: *mut *mut GfStre
 /// `sources` drawn with their weights, `epoch_samples` positions an epoch (0: the sum of the
 /// sources' samples), every other setting from `options`, whose `dataset` must be null. Every
 /// source must have the requested fields in the same type and shape (else
-/// `GF_STATUS_DAEMON_ERROR` naming the source and the field); host memory only, and fixed-shape
+/// `GF_STATUS_DAEMON_ERROR` naming the source and the field); on a CUDA device the batches are
+/// assembled on the host and uploaded; fixed-shape
 /// fields only (a variable-length field, or `options.variable`, is refused by the daemon naming
 /// the source and the field). A resume state
 /// must be of the same mixture. `*stream` receives the stream (`docs/C_API.md`).

@@ -576,6 +576,9 @@ fn reserve_stream_memory_with(
     // the slots, the working sets and the cache share one budget.
     let working_set = match backend {
         StreamBackend::Cpu => working_set_bytes(plan),
+        // A mixture on a device is assembled on the host, through pinned buffers.
+        StreamBackend::Gpu(_) if plan.mixture.is_some() => working_set_bytes(plan)
+            .saturating_add(crate::pipeline::upload::upload_bytes(plan.slot_bytes)),
         StreamBackend::Gpu(_) => 0,
     };
     let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
@@ -657,26 +660,15 @@ fn registered_dataset(
     })
 }
 
-/// The plan of a mixture stream: every source a registered local dataset, served in host memory.
-/// The GPU backend plans its rounds over one dataset's shards (and its device order computes rows
-/// from one dataset's order), so a mixture on a CUDA device is refused rather than served wrong; a
-/// source in object storage is refused as its shards are held through one gate per stream.
+/// The plan of a mixture stream: every source a registered local dataset. Its batches are
+/// assembled by the CPU backend on any device (on a CUDA device, then uploaded into the device
+/// slot: `pipeline::upload`); a source in object storage is refused as its shards are held through
+/// one gate per stream.
 fn mixture_plan(
     shared: &Shared,
     spec: &StreamSpec,
     request: &StreamRequest,
-    backend: StreamBackend<'_>,
 ) -> Result<StreamPlan, (ErrorCode, String)> {
-    if let StreamBackend::Gpu(_) = backend {
-        return Err((
-            ErrorCode::BadRequest,
-            format!(
-                "a mixture is served in host memory only (device cpu); the GPU backend does not \
-                 serve mixtures ({})",
-                spec.source_name()
-            ),
-        ));
-    }
     let mut sources = Vec::with_capacity(spec.sources.len());
     for source in &spec.sources {
         let dataset = registered_dataset(shared, &source.dataset)?;
@@ -728,7 +720,7 @@ fn open_stream(
         let shards = remote_shards(shared, remote.as_deref(), backend, &mut plan)?;
         (plan, shards)
     } else {
-        (mixture_plan(shared, &spec, &request, backend)?, None)
+        (mixture_plan(shared, &spec, &request)?, None)
     };
     let plan = Arc::new(plan);
     let (ring_bytes, lookahead) = reserve_stream_memory(shared, &plan, backend)?;

@@ -272,6 +272,9 @@ enum Backend {
         assembler: Box<GpuAssembler>,
         slots: VecDeque<u32>,
     },
+    /// Device slots filled by the CPU assembler through pinned buffers (a mixture on a device:
+    /// see `pipeline::upload`).
+    Upload(Box<super::upload::HostUpload>),
 }
 
 impl Filler {
@@ -305,6 +308,18 @@ impl Filler {
                     assembler: Box::new(assembler),
                     done: VecDeque::new(),
                 }
+            }
+            StreamBackend::Gpu(gpu) if plan.mixture.is_some() => {
+                let slot_bytes = plan.slot_bytes;
+                let assembler =
+                    HostAssembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)?;
+                let _bound = crate::device::numa::BoundForNow::new(gpu.numa.as_ref());
+                let upload = super::upload::HostUpload::new(assembler, &gpu.device, slot_bytes)
+                    .map_err(|error| FillerError::Gpu(error.into()))?;
+                if let Some(note) = upload.engine_note() {
+                    tracing::warn!("{note}");
+                }
+                Backend::Upload(Box::new(upload))
             }
             StreamBackend::Gpu(gpu) => {
                 // The stream's pinned buffers, and the loader and verification threads it starts,
@@ -345,6 +360,10 @@ impl Filler {
                 let bytes = assembler.device_bytes();
                 metrics.device_stream_opened(ordinal, bytes);
                 Some((ordinal, bytes))
+            }
+            (Backend::Upload(_), Some(ordinal)) => {
+                metrics.device_stream_opened(ordinal, 0);
+                Some((ordinal, 0))
             }
             _ => None,
         };
@@ -506,6 +525,19 @@ impl Filler {
         usage_at_start: &ThreadUsage,
         times: &LoopTimes,
     ) {
+        if let Backend::Upload(upload) = &self.backend {
+            let (fill_s, wait_s) = upload.times();
+            tracing::info!(
+                "device stream filled on the host done: {} steps, {:.3} s; assembling {:.3} s, \
+                 waiting for uploads {:.3} s, for a free slot {:.3} s, delivering {:.3} s",
+                self.steps,
+                started.elapsed().as_secs_f64(),
+                fill_s,
+                wait_s,
+                times.free_wait_s,
+                times.deliver_s
+            );
+        }
         if let Backend::Gpu { assembler, .. } = &self.backend {
             let t = assembler.timings();
             // The filler thread's own CPU time and involuntary context switches over the stream:
@@ -571,7 +603,7 @@ impl Filler {
     /// Batches submitted ahead of the hand-off at most.
     fn depth(&self) -> usize {
         match &self.backend {
-            Backend::Cpu { .. } => 1,
+            Backend::Cpu { .. } | Backend::Upload(_) => 1,
             Backend::Gpu { assembler, .. } => assembler.batches_ahead(),
         }
     }
@@ -581,6 +613,7 @@ impl Filler {
     fn oldest_complete(&self) -> bool {
         match &self.backend {
             Backend::Cpu { done, .. } => !done.is_empty(),
+            Backend::Upload(upload) => upload.pending() > 0,
             Backend::Gpu { assembler, .. } => assembler.oldest_complete(),
         }
     }
@@ -589,6 +622,7 @@ impl Filler {
     fn pending(&self) -> usize {
         match &self.backend {
             Backend::Cpu { done, .. } => done.len(),
+            Backend::Upload(upload) => upload.pending(),
             Backend::Gpu { slots, .. } => slots.len(),
         }
     }
@@ -604,6 +638,7 @@ impl Filler {
                 done.push_back((slot, step, report));
                 Ok(())
             }
+            Backend::Upload(upload) => upload.submit(slot, step, memory.device_slot(slot)),
             Backend::Gpu { assembler, slots } => {
                 let device_slot = memory.device_slot(slot);
                 assembler.submit(
@@ -624,6 +659,7 @@ impl Filler {
     fn complete(&mut self, memory: &dyn SlotMemory) -> Result<(u32, u64, FillReport), FillError> {
         match &mut self.backend {
             Backend::Cpu { done, .. } => Ok(done.pop_front().expect("a batch was submitted")),
+            Backend::Upload(upload) => Ok(upload.complete().expect("a batch was submitted")),
             Backend::Gpu { assembler, slots } => {
                 let slot = *slots.front().expect("a batch was submitted");
                 let (step, report) = assembler.complete(Some(&memory.device_slot(slot).ready))?;

@@ -16,6 +16,7 @@ pub mod mixture;
 pub mod order;
 pub mod shard_gate;
 pub mod stream_plan;
+pub mod upload;
 pub mod varlen;
 
 pub use cpu::{Assembler, HostAssembler};

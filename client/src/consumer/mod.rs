@@ -33,7 +33,8 @@
 //! ```
 //!
 //! A mixture draws each row from one of several datasets, in proportion to their weights; each
-//! source keeps its own order and epochs (`docs/PROTOCOL.md`, *Mixtures*), host memory only:
+//! source keeps its own order and epochs (`docs/PROTOCOL.md`, *Mixtures*); on a CUDA device its
+//! batches are assembled on the host and uploaded:
 //!
 //! ```no_run
 //! use gpufeed_client::consumer::{Client, ClientError};

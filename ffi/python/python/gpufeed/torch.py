@@ -95,8 +95,7 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         self.epoch = epoch
         self._rank = rank
         self._world_size = world_size
-        # Mixtures are served in host memory only.
-        self.device = device or ("cpu" if self._is_mixture() else _default_device())
+        self.device = device or _default_device()
         self.tail = tail
         self.on_corrupt = on_corrupt
         self.prefetch = prefetch
@@ -109,9 +108,6 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
         # Samples per epoch of each dataset name streamed (for __len__): a property of the dataset,
         # the same in every epoch and order.
         self._epoch_samples: Dict[Any, int] = {}
-
-    def _is_mixture(self) -> bool:
-        return not isinstance(self.dataset, str)
 
     def _source(self, dataset: Union[str, Tuple[Tuple[str, float], ...], None] = None) -> Dict[str, Any]:
         """``open_stream``'s arguments naming what is read: the dataset, or a mixture's sources."""

@@ -58,16 +58,13 @@ impl ShardChecks {
         if self.lock().contains_key(&shard) {
             return;
         }
-        let meta = &self.dataset.shards[shard];
-        let mut work: Vec<(usize, u32)> = Vec::new();
-        for &field in &self.fields {
-            for block in 0..meta.metadata.field_blocks(field).len() as u32 {
-                if !self.dataset.verified.contains(shard, field, block) {
-                    work.push((field, block));
-                }
-            }
-        }
+        let work = self.unverified(shard);
         let map = MappedFile::map(file);
+        if let (Ok(map), Some(range)) = (&map, self.stored_range(shard, &work)) {
+            // The check threads fault the shard in page by page, each in its own part: ask the
+            // kernel to read it all now, in large reads at the disk's queue depth.
+            map.advise_will_need(range.start as usize, (range.end - range.start) as usize);
+        }
         let threads = CHECK_THREADS_MAX.min(work.len()).max(1);
         let chunk = work.len().div_ceil(threads).max(1);
         let found: Vec<FoundCorrupt> = std::thread::scope(|scope| {
@@ -94,6 +91,57 @@ impl ShardChecks {
             );
         }
         self.lock().insert(shard, found);
+    }
+
+    /// Asks the kernel to read ahead the blocks of shard `shard` (open as `file`) that its check
+    /// will read, where it has not been checked yet: the loader calls it for the next shard it
+    /// will copy, so that the disk reads that shard while this one is copied. Best effort, and
+    /// it does not wait for the reads.
+    pub(super) fn prefetch(&self, shard: usize, file: &std::fs::File) {
+        if self.lock().contains_key(&shard) {
+            return;
+        }
+        let work = self.unverified(shard);
+        if let Some(range) = self.stored_range(shard, &work) {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a plain advice on an open descriptor; nothing is read into our memory.
+            unsafe {
+                libc::posix_fadvise(
+                    file.as_raw_fd(),
+                    range.start as libc::off_t,
+                    (range.end - range.start) as libc::off_t,
+                    libc::POSIX_FADV_WILLNEED,
+                )
+            };
+        }
+    }
+
+    /// The blocks (field, block) of the stream's fields in shard `shard` that the dataset has not
+    /// verified yet.
+    fn unverified(&self, shard: usize) -> Vec<(usize, u32)> {
+        let meta = &self.dataset.shards[shard];
+        let mut work = Vec::new();
+        for &field in &self.fields {
+            for block in 0..meta.metadata.field_blocks(field).len() as u32 {
+                if !self.dataset.verified.contains(shard, field, block) {
+                    work.push((field, block));
+                }
+            }
+        }
+        work
+    }
+
+    /// The stored bytes of shard `shard` from the first of `blocks` (field, block) to the end of
+    /// the last, in file order; `None` when there are none.
+    fn stored_range(&self, shard: usize, blocks: &[(usize, u32)]) -> Option<Range<u64>> {
+        let meta = &self.dataset.shards[shard];
+        blocks
+            .iter()
+            .map(|&(field, block)| {
+                let entry = &meta.metadata.field_blocks(field)[block as usize];
+                entry.stored_offset..entry.stored_offset + entry.stored_bytes as u64
+            })
+            .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end))
     }
 
     /// Checks one block from `map`; records it verified, or returns it corrupt.

@@ -389,8 +389,16 @@ impl Worker {
                     held = next;
                     let started = std::time::Instant::now();
                     if let Some(checks) = &self.checks {
+                        // The next job, if the filler has sent it, has its shard read ahead
+                        // while this group is checked and copied: the disk stays busy.
+                        if held.is_none() {
+                            held = jobs.try_recv().ok();
+                        }
                         for job in &group {
                             checks.check_shard(job.shard, &self.files[job.shard]);
+                        }
+                        if let Some(next) = &held {
+                            checks.prefetch(next.shard, &self.files[next.shard]);
                         }
                     }
                     if let Err(error) = self.load(&stream, &group) {
