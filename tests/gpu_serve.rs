@@ -309,6 +309,48 @@ fn a_mixture_on_a_device_equals_the_cpu_backend() {
     );
 }
 
+/// A dataset in object storage (a `file://` store) streamed on a device while the node's cache
+/// does not hold it yet is assembled on the host as its shards arrive; once the cache holds it
+/// whole, a later stream runs on the GPU pipeline. Every batch equals the CPU backend's reading a
+/// local copy, in dataset order and a full shuffle.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_dataset_in_object_storage_serves_a_device_before_it_is_fetched_whole() {
+    let root = tempfile::tempdir().unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let source = pack_dataset(store.path());
+    copy_dataset(&source, &root.path().join("cpu-root").join("mixed"));
+    let url = format!("file://{}", source.display());
+    let log = root.path().join("remote.log");
+    let dataset = format!("mixed={url}");
+    let gpu = start_daemon_logged(root.path(), "cuda:0", &["--dataset", &dataset], Some(&log));
+    let cpu = start_daemon(&root.path().join("cpu-root"), "cpu");
+    let requests = [
+        ("cold-order", emb_rows("none", "3")),
+        ("cached-full", emb_rows("full", "4")),
+    ];
+    for (name, args) in &requests {
+        let gpu_dump = root.path().join(format!("{name}-gpu.npy"));
+        let cpu_dump = root.path().join(format!("{name}-cpu.npy"));
+        let line = finish(consume_dump(&gpu.socket, "cuda:0", args, &gpu_dump));
+        assert!(line["device"].as_str().unwrap().contains("Cuda"), "{line}");
+        finish(consume_dump(&cpu.socket, "cpu", args, &cpu_dump));
+        let (gpu_rows, cpu_rows) = (npy_payload(&gpu_dump), npy_payload(&cpu_dump));
+        assert!(!gpu_rows.is_empty(), "{name}: nothing dumped");
+        assert!(gpu_rows == cpu_rows, "{name}: GPU and CPU backends differ");
+    }
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("assembled on the host and uploaded")
+            && log.contains("device stream filled on the host done"),
+        "the first stream did not run before the dataset was fetched whole:\n{log}"
+    );
+    assert!(
+        log.contains("GPU stream done"),
+        "no later stream ran on the GPU pipeline:\n{log}"
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn device_batches_equal_the_source_and_the_cpu_backend() {

@@ -576,9 +576,11 @@ fn reserve_stream_memory_with(
     // the slots, the working sets and the cache share one budget.
     let working_set = match backend {
         StreamBackend::Cpu => working_set_bytes(plan),
-        // A mixture on a device is assembled on the host, through pinned buffers.
-        StreamBackend::Gpu(_) if plan.mixture.is_some() => working_set_bytes(plan)
-            .saturating_add(crate::pipeline::upload::upload_bytes(plan.slot_bytes)),
+        // Assembled on the host, through pinned buffers (a mixture, shards that arrive as it runs).
+        StreamBackend::Gpu(_) if crate::pipeline::upload::assembled_on_host(plan) => {
+            working_set_bytes(plan)
+                .saturating_add(crate::pipeline::upload::upload_bytes(plan.slot_bytes))
+        }
         StreamBackend::Gpu(_) => 0,
     };
     let ring_bytes = gpufeed_proto::protocol::slot_stride(plan.slot_bytes as u64)
@@ -605,7 +607,11 @@ fn reserve_stream_memory_with(
 }
 
 /// For a stream of a dataset in object storage: a host stream holds its shards batch by batch
-/// (`pipeline::shard_gate`, set in `plan`); a GPU stream holds them all before it starts.
+/// (`pipeline::shard_gate`, set in `plan`). A GPU stream holds them all before it starts where
+/// the node's cache holds them all (it then runs on the GPU pipeline, which opens every shard
+/// file at once); otherwise it too holds them batch by batch through the gate, and its batches are
+/// assembled on the host and uploaded (`pipeline::upload`), so that its first batch waits for the
+/// shards it reads rather than for the whole dataset.
 fn remote_shards(
     shared: &Shared,
     remote: Option<&crate::remote::RemoteDataset>,
@@ -618,7 +624,18 @@ fn remote_shards(
             plan.shard_gate = Some(Arc::new(remote.stream_shards(Arc::clone(&plan.dataset))));
             Ok(None)
         }
-        (Some(_), StreamBackend::Gpu(_)) => hold_remote_shards(shared, &name, &plan.dataset),
+        (Some(remote), StreamBackend::Gpu(_)) if remote.cached_whole(&plan.dataset) => {
+            hold_remote_shards(shared, &name, &plan.dataset)
+        }
+        (Some(remote), StreamBackend::Gpu(_)) => {
+            tracing::info!(
+                "stream of '{name}' on a device: its shards are not all in the node's cache; \
+                 fetched as its batches need them, assembled on the host and uploaded (the GPU \
+                 pipeline serves its streams once the cache holds them all)"
+            );
+            plan.shard_gate = Some(Arc::new(remote.stream_shards(Arc::clone(&plan.dataset))));
+            Ok(None)
+        }
         (None, _) => Ok(None),
     }
 }

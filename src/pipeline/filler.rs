@@ -309,7 +309,7 @@ impl Filler {
                     done: VecDeque::new(),
                 }
             }
-            StreamBackend::Gpu(gpu) if plan.mixture.is_some() => {
+            StreamBackend::Gpu(gpu) if super::upload::assembled_on_host(&plan) => {
                 let slot_bytes = plan.slot_bytes;
                 let assembler =
                     HostAssembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)?;

@@ -1,25 +1,34 @@
-//! Device slots filled on the host: a mixture stream on a CUDA device.
+//! Device slots filled on the host: a mixture stream on a CUDA device, and a device stream of a
+//! dataset in object storage whose shards are not all in the node's cache yet.
 //!
 //! The GPU assembler plans its rounds over one dataset's shards, and its device order computes
 //! rows from one dataset's order, so it cannot build a batch whose rows come from several
-//! datasets. A mixture stream on a device is instead assembled by the CPU backend's assembler (the
-//! same [`HostAssembler`] a host stream of the mixture uses: the same order, the same rows, the
-//! same corrupt-block handling, byte for byte) into a pinned host buffer, then uploaded into the
-//! device slot with one copy on a stream of its own, which first waits for the consumer's release
-//! of the slot and then records the slot's `ready` event. The consumer sees a device batch like
-//! any other.
+//! datasets; and it opens every shard file when the stream opens, so it cannot start before a
+//! dataset in object storage is fetched whole. Such a stream on a device is instead assembled by
+//! the CPU backend's assembler (the same [`HostAssembler`] a host stream of it uses: the same
+//! order, the same rows, the same corrupt-block handling, byte for byte, the same shard gate) into
+//! a pinned host buffer, then uploaded into the device slot with one copy on a stream of its own,
+//! which first waits for the consumer's release of the slot and then records the slot's `ready`
+//! event. The consumer sees a device batch like any other.
 //!
 //! Two pinned buffers are used in turn, so that the next batch is assembled while the last one
 //! is uploaded. The rate is the CPU assembler's (one thread per stream, decoding LZ4 blocks on the
-//! host), not the GPU pipeline's: it suits mixtures of datasets that are read at a few GB/s, not a
-//! stream that must run at the PCIe link.
+//! host), not the GPU pipeline's: it suits mixtures of datasets read at a few GB/s and a first
+//! epoch bound by the object store, not a stream that must run at the PCIe link.
 
 use std::collections::VecDeque;
 
 use super::cpu::HostAssembler;
 use super::filler::DeviceSlot;
-use super::stream_plan::{FillError, FillReport};
+use super::stream_plan::{FillError, FillReport, StreamPlan};
 use crate::device::{Device, DeviceError, Event, EventTiming, PinnedBuffer, Stream};
+
+/// Whether a stream on a CUDA device is assembled on the host and uploaded: a mixture, or a
+/// dataset whose shards arrive while the stream runs (object storage, not all in the node's
+/// cache: its plan has a shard gate, which only the host assembler follows).
+pub fn assembled_on_host(plan: &StreamPlan) -> bool {
+    plan.mixture.is_some() || plan.shard_gate.is_some()
+}
 
 /// Pinned buffers a stream assembles into and uploads from, in turn.
 pub const UPLOAD_BUFFERS: usize = 2;

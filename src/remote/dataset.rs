@@ -184,6 +184,15 @@ impl RemoteDataset {
         }
     }
 
+    /// Whether the node's cache holds every shard of `dataset` (this dataset as registered)
+    /// complete now: a stream would fetch nothing (unless one is evicted meanwhile).
+    pub fn cached_whole(&self, dataset: &Dataset) -> bool {
+        dataset
+            .shards
+            .iter()
+            .all(|shard| self.cache.holds(&shard.path))
+    }
+
     /// The cache its shards go through.
     pub fn cache(&self) -> &Arc<ObjectCache> {
         &self.cache
