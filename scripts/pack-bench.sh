@@ -18,6 +18,9 @@
 #   lz4          gpufeed pack --codec lz4 of the fp16 .npy
 #   tokens-auto  gpufeed pack of the int32 tokens with the defaults (codec auto: LZ4 + byte shuffle)
 #   parquet-raw  gpufeed pack --codec raw of the Parquet file (decoding included)
+#   parquet-arrow  the same with GPUFEED_PACK_PARQUET_PAGES=off: every column decoded by the Arrow
+#                reader instead of page by page (src/input/parquet_pages.rs), for a before/after
+# PACK_BENCH_CASES (all of them) chooses the cases; the others are said to be skipped.
 # Outputs go to PACK_BENCH_OUT_DIR ($PACK_BENCH_DIR/out, so the same disk as the inputs unless
 # set); each run removes its output first and syncs (untimed), so that no run pays for the one
 # before. Inputs stay in the page cache between runs (they are read warm by every case alike).
@@ -164,18 +167,31 @@ pack_case() {
   fi
 }
 
-bench cp "$emb_bytes" "$outdir/emb_fp16.npy" \
-  sh -c "cp $reflink '$emb' '$outdir/emb_fp16.npy' && sync '$outdir/emb_fp16.npy'"
-pack_case raw "$emb_bytes" "$outdir/emb-raw" --codec raw "$emb"
-pack_case lz4 "$emb_bytes" "$outdir/emb-lz4" --codec lz4 "$emb"
-pack_case tokens-auto "$tokens_bytes" "$outdir/tokens" "$tokens"
+cases=" ${PACK_BENCH_CASES:-cp raw lz4 tokens-auto parquet-raw parquet-arrow} "
+want() {
+  case "$cases" in
+    *" $1 "*) return 0 ;;
+    *) echo "== $1: skipped (not in PACK_BENCH_CASES)"; return 1 ;;
+  esac
+}
+if want cp; then
+  bench cp "$emb_bytes" "$outdir/emb_fp16.npy" \
+    sh -c "cp $reflink '$emb' '$outdir/emb_fp16.npy' && sync '$outdir/emb_fp16.npy'"
+fi
+want raw && pack_case raw "$emb_bytes" "$outdir/emb-raw" --codec raw "$emb"
+want lz4 && pack_case lz4 "$emb_bytes" "$outdir/emb-lz4" --codec lz4 "$emb"
+want tokens-auto && pack_case tokens-auto "$tokens_bytes" "$outdir/tokens" "$tokens"
 if [ -n "$parquet" ]; then
-  pack_case parquet-raw "$parquet_raw_bytes" "$outdir/emb-parquet" --codec raw "$parquet"
+  want parquet-raw && pack_case parquet-raw "$parquet_raw_bytes" "$outdir/emb-parquet" --codec raw "$parquet"
+  if want parquet-arrow; then
+    bench parquet-arrow "$parquet_raw_bytes" "$outdir/emb-parquet" env GPUFEED_PACK_PARQUET_PAGES=off \
+      "$bin" pack --quiet --threads "$threads" --out "$outdir/emb-parquet" --codec raw "$parquet"
+  fi
 fi
 
 # ----- summary -----
 echo "== summary ($gib GiB inputs, $threads threads, median of $runs; results in $jsonl)"
-for case in cp raw raw@base lz4 lz4@base tokens-auto tokens-auto@base parquet-raw parquet-raw@base; do
+for case in cp raw raw@base lz4 lz4@base tokens-auto tokens-auto@base parquet-raw parquet-raw@base parquet-arrow; do
   [ -n "${medians[$case]:-}" ] && printf '   %-17s %8s GB/s\n' "$case" "${medians[$case]}"
 done
 verdict() { awk -v v="$1" -v t="$2" 'BEGIN { print (v >= t ? "met" : "NOT met") }'; }

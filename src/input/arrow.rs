@@ -1069,8 +1069,22 @@ fn read_parquet_parallel(
         let file = scratch_file(&thread_scratch.dir, thread_scratch.in_memory)?;
         thread_scratch.files.push((file, 0));
     }
+    // The columns' page-by-page plans, where every column has one (see `parquet_pages`).
+    let pages = super::parquet_pages::enabled()
+        .then(|| {
+            columns
+                .iter()
+                .map(|(_, column)| {
+                    let root = schema.index_of(column).ok()?;
+                    let data_type = schema.field(root).data_type();
+                    super::parquet_pages::plan_column(builder.parquet_schema(), root, data_type)
+                })
+                .collect::<Option<Vec<_>>>()
+        })
+        .flatten();
     let read = ParquetRead {
         path,
+        pages,
         mask: ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names)),
         batch_rows: (batch_bytes / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX),
         group_rows,
@@ -1146,6 +1160,9 @@ fn parquet_units(group_rows: &[u64], threads: usize, row_bytes: usize) -> Vec<Un
 /// column's rows go in a thread's scratch file.
 struct ParquetRead<'a> {
     path: &'a Path,
+    /// Per column, how `parquet_pages` reads it, where it reads every column: tried first for
+    /// each unit, the Arrow reader decoding the unit where it gives up.
+    pages: Option<Vec<super::parquet_pages::PageColumn>>,
     mask: ProjectionMask,
     batch_rows: usize,
     /// Rows of each row group, and the first row of each.
@@ -1178,8 +1195,43 @@ impl ParquetRead<'_> {
         builder.build().map_err(|e| parquet_error(path, &e))
     }
 
+    /// Reads `unit` into `scratch` from byte `base` on page by page (`parquet_pages`), where
+    /// every column allows it: true once done; false where the Arrow reader must decode it.
+    fn read_pages(&self, unit: &Unit, scratch: &File, base: u64) -> Result<bool, InputError> {
+        let Some(pages) = &self.pages else {
+            return Ok(false);
+        };
+        let Ok(file) = crate::format::open_regular(self.path) else {
+            return Ok(false);
+        };
+        let Ok(reader) = parquet::file::reader::SerializedFileReader::new(file) else {
+            return Ok(false);
+        };
+        for (column, &(_, _, column_offset)) in pages.iter().zip(&self.targets) {
+            let at = base + unit.count * column_offset;
+            let rows = (unit.first, unit.count);
+            let read =
+                super::parquet_pages::read_rows(&reader, unit.group, column, rows, scratch, at)
+                    .map_err(io_error(Path::new("(scratch file)")))?;
+            if !read {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Decodes `unit` into `scratch` from byte `base` on: each column's rows back to back.
     fn decode(&self, unit: &Unit, scratch: &File, base: u64) -> Result<(), InputError> {
+        // Page by page where it can; a panic there (malformed pages) leaves it to the Arrow
+        // reader, which names what is wrong.
+        let paged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.read_pages(unit, scratch, base)
+        }));
+        if let Ok(read) = paged {
+            if read? {
+                return Ok(());
+            }
+        }
         let (path, group) = (self.path, unit.group);
         let mut read = 0u64;
         let mut bytes = Vec::new();

@@ -10,6 +10,7 @@
 
 pub mod arrow;
 pub mod npy;
+mod parquet_pages;
 pub mod safetensors;
 pub mod tokens;
 

@@ -638,7 +638,15 @@ impl Filler {
                 done.push_back((slot, step, report));
                 Ok(())
             }
-            Backend::Upload(upload) => upload.submit(slot, step, memory.device_slot(slot)),
+            Backend::Upload(upload) => {
+                let device_slot = memory.device_slot(slot);
+                upload.submit(
+                    (slot, step),
+                    &device_slot.memory,
+                    &device_slot.released,
+                    &device_slot.ready,
+                )
+            }
             Backend::Gpu { assembler, slots } => {
                 let device_slot = memory.device_slot(slot);
                 assembler.submit(

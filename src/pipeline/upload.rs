@@ -19,9 +19,8 @@
 use std::collections::VecDeque;
 
 use super::cpu::HostAssembler;
-use super::filler::DeviceSlot;
 use super::stream_plan::{FillError, FillReport, StreamPlan};
-use crate::device::{Device, DeviceError, Event, EventTiming, PinnedBuffer, Stream};
+use crate::device::{Device, DeviceError, DeviceRegion, Event, EventTiming, PinnedBuffer, Stream};
 
 /// Whether a stream on a CUDA device is assembled on the host and uploaded: a mixture, or a
 /// dataset whose shards arrive while the stream runs (object storage, not all in the node's
@@ -89,9 +88,16 @@ impl HostUpload {
         })
     }
 
-    /// Assembles stream step `step` on the host and queues its upload into `slot` (number
-    /// `index`), after the consumer's release of it and before its `ready` event.
-    pub fn submit(&mut self, index: u32, step: u64, slot: &DeviceSlot) -> Result<(), FillError> {
+    /// Assembles stream step `step` on the host and queues its upload into slot `index` (its
+    /// memory `slot`), after the consumer's release of it (`released`) and before its `ready`
+    /// event.
+    pub fn submit(
+        &mut self,
+        (index, step): (u32, u64),
+        slot: &DeviceRegion,
+        released: &Event,
+        ready: &Event,
+    ) -> Result<(), FillError> {
         let staging = &mut self.staging[self.next];
         self.next = (self.next + 1) % UPLOAD_BUFFERS;
         if staging.in_flight {
@@ -105,7 +111,7 @@ impl HostUpload {
             .assembler
             .fill(step, &mut staging.buffer.as_mut_slice()[..self.slot_bytes])?;
         self.fill_s += filling.elapsed().as_secs_f64();
-        self.stream.wait(&slot.released)?;
+        self.stream.wait(released)?;
         // SAFETY: the buffer is not written again before `uploaded` completes (waited for above
         // when it comes round again, and in `Drop`); the slot's region is the filler's until its
         // `ready` event, recorded after the copy on the same stream, and the copy waited for the
@@ -113,11 +119,11 @@ impl HostUpload {
         unsafe {
             staging
                 .buffer
-                .upload_async(&self.stream, 0, &slot.memory, 0, self.slot_bytes)?
+                .upload_async(&self.stream, 0, slot, 0, self.slot_bytes)?
         };
         staging.uploaded.record(&self.stream)?;
         staging.in_flight = true;
-        slot.ready.record(&self.stream)?;
+        ready.record(&self.stream)?;
         self.done.push_back((index, step, report));
         Ok(())
     }
