@@ -23,6 +23,10 @@
 # `mps` block (MPS detected or not). The summary prints the table (median step ms, samples/s, ratio
 # to the ideal feeder of the same mode, the targets: <= 1.03x without MPS, <= 1.01x with it).
 # About 4 minutes of device time at the defaults (data made and packed: about a minute of it).
+# TRAIN_DAEMON_FLAGS adds flags to the gpufeed daemon (say `--device-cache 10G`, the device-memory
+# tier), and TRAIN_LABEL a suffix to the feeders' labels for such a variant (`--plain` run once per
+# variant in one call compares them); TRAIN_MODELS, TRAIN_STEPS (model=N,...) and TRAIN_WARMUP choose
+# what runs (a warm-up longer than an epoch's steps, 1024 at the defaults, times later epochs only).
 # Any failed step makes the script exit non-zero; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -52,8 +56,9 @@ bench_args() {
 # when the MPS variables are exported), its /v1/status `mps` block recorded in the jsonl.
 start_daemon() {
   rm -f "$socket"
+  # shellcheck disable=SC2086  # TRAIN_DAEMON_FLAGS: words
   "$bin/gpufeed" serve --data-root "$work/data" --socket "$socket" --device cuda:0 --http "$http" \
-    >"$work/daemon.out" 2>>"$OUT/daemon.log" &
+    ${TRAIN_DAEMON_FLAGS:-} >"$work/daemon.out" 2>>"$OUT/daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
     grep -q "serving" "$work/daemon.out" 2>/dev/null && break
@@ -97,7 +102,8 @@ plain() {
   start_daemon "no MPS"
   local rc=0
   # shellcheck disable=SC2046  # bench_args: words
-  python3 examples/python/train_bench.py run $(bench_args) --feeders ideal,gpufeed || rc=$?
+  python3 examples/python/train_bench.py run $(bench_args) --feeders ideal,gpufeed \
+    ${TRAIN_LABEL:+--label-suffix="$TRAIN_LABEL"} || rc=$?
   "$bin/consume" --socket "$socket" --dataset emb --device cuda:0 --batch-size "${TRAIN_BATCH:-4096}" \
     --field data --dtype f32 --shuffle full --prefetch 4 | tail -1 \
     | python3 -c "import json,sys; d=json.load(sys.stdin); d.update(loader='consume', order='full shuffle'); print(json.dumps(d))" \

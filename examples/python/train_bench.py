@@ -53,7 +53,7 @@ FEEDERS = ("ideal", "gpufeed", "dataloader", "dali")
 # ideal feeder (tiny ~0.2 ms a step, medium ~2.5 ms, large ~8 ms).
 DEFAULT_STEPS = {"tiny": 600, "medium": 200, "large": 80}
 # Step time of gpufeed over the ideal feeder's: at most this, without MPS and with it (issue targets).
-TARGETS = {"gpufeed": 1.03, "gpufeed-mps": 1.01}
+TARGETS = {"gpufeed": 1.03, "gpufeed-mps": 1.01, "gpufeed-tier": 1.03}
 
 
 # --- data and orders (NumPy only) ----------------------------------------------------------------
@@ -474,7 +474,9 @@ def summarize(rows: List[dict]) -> List[str]:
     for (model, feeder), (workers, (step_ms, rate, count)) in sorted(
             best.items(), key=lambda kv: (order.get(kv[0][0], 9), feeder_order.get(kv[0][1], 9),
                                           kv[0][1])):
-        ideal_name = "ideal-mps" if feeder.endswith("-mps") else "ideal"
+        # The ideal feeder of the same variant (its label suffix: "-mps", a daemon variant's).
+        suffix = feeder[len("gpufeed"):] if feeder.startswith("gpufeed") else ""
+        ideal_name = "ideal" + suffix
         ideal = best.get((model, ideal_name)) or best.get((model, "ideal"))
         ratio = step_ms / ideal[1][0] if ideal else float("nan")
         target = TARGETS.get(feeder)
