@@ -578,8 +578,11 @@ fn reserve_stream_memory_with(
         StreamBackend::Cpu => working_set_bytes(plan),
         // Assembled on the host, through pinned buffers (a mixture, shards that arrive as it runs).
         StreamBackend::Gpu(_) if crate::pipeline::upload::assembled_on_host(plan) => {
+            // An assembler per fill thread, each with its working set.
+            let threads = crate::pipeline::upload::fill_threads(plan) as u64;
             working_set_bytes(plan)
-                .saturating_add(crate::pipeline::upload::upload_bytes(plan.slot_bytes))
+                .saturating_mul(threads)
+                .saturating_add(crate::pipeline::upload::upload_bytes(plan))
         }
         StreamBackend::Gpu(_) => 0,
     };

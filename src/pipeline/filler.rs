@@ -310,12 +310,18 @@ impl Filler {
                 }
             }
             StreamBackend::Gpu(gpu) if super::upload::assembled_on_host(&plan) => {
-                let slot_bytes = plan.slot_bytes;
-                let assembler =
-                    HostAssembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)?;
+                let (slot_bytes, steps) = (plan.slot_bytes, plan.steps);
+                // One assembler per fill thread, each of the whole plan.
+                let assemblers = (0..super::upload::fill_threads(&plan))
+                    .map(|_| {
+                        let plan = Arc::clone(&plan);
+                        HostAssembler::with_cache(plan, limits, Arc::clone(&metrics), block_cache)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
                 let _bound = crate::device::numa::BoundForNow::new(gpu.numa.as_ref());
-                let upload = super::upload::HostUpload::new(assembler, &gpu.device, slot_bytes)
-                    .map_err(|error| FillerError::Gpu(error.into()))?;
+                let upload =
+                    super::upload::HostUpload::new(assemblers, &gpu.device, slot_bytes, steps)
+                        .map_err(|error| FillerError::Gpu(error.into()))?;
                 if let Some(note) = upload.engine_note() {
                     tracing::warn!("{note}");
                 }
@@ -528,11 +534,13 @@ impl Filler {
         if let Backend::Upload(upload) = &self.backend {
             let (fill_s, wait_s) = upload.times();
             tracing::info!(
-                "device stream filled on the host done: {} steps, {:.3} s; assembling {:.3} s, \
-                 waiting for uploads {:.3} s, for a free slot {:.3} s, delivering {:.3} s",
+                "device stream filled on the host done: {} steps, {:.3} s; assembling {:.3} s on \
+                 {} threads, waiting for assemblies and uploads {:.3} s, for a free slot {:.3} s, \
+                 delivering {:.3} s",
                 self.steps,
                 started.elapsed().as_secs_f64(),
                 fill_s,
+                upload.thread_count(),
                 wait_s,
                 times.free_wait_s,
                 times.deliver_s
