@@ -14,9 +14,9 @@
 //! The batches are assembled ahead on fill threads, each with an assembler of its own (the same
 //! plan, so the same bytes), step `s` on thread `s mod n`, each into one of two pinned buffers of
 //! its own; the filler thread uploads them in step order as their slots come free, so that the
-//! host's assembly, which bounds these streams, runs on several cores (one thread fills a batch
-//! of 4096 fp16 rows of 2 KiB converted to fp32 at 1.1–1.6 GB/s of input on the H200 test host,
-//! `docs/benchmarks/mixture-2026-11-28.md`). A stream with a shard gate (object storage) fills on
+//! host's assembly, which bounds these streams, runs on several cores (batches of 4096 fp16 rows
+//! of 2 KiB converted to fp32: 1.1–1.6 GB/s of input on one thread, 3.8–5.1 on four, on the H200
+//! test host, `docs/benchmarks/mixture-2026-11-28.md`). A stream with a shard gate (object storage) fills on
 //! one thread: the gate holds and releases shards batch by batch, in order. The rate is the host's,
 //! not the GPU pipeline's: it suits mixtures read at a few GB/s and a first epoch bound by the object
 //! store, not a stream that must run at the PCIe link.
