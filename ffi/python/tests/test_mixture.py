@@ -127,14 +127,14 @@ def test_sources_whose_fields_disagree_are_refused(mixture_daemon):
 
 
 def test_gpufeed_dataset_takes_a_mixture_and_resumes_it(mixture_daemon):
-    """gpufeed.torch.GpufeedDataset with a mixture's sources for a dataset: host tensors (its
-    default device), len(), and a state_dict resumed on another world size."""
+    """gpufeed.torch.GpufeedDataset with a mixture's sources for a dataset: host tensors (the
+    daemon here serves host memory), len(), and a state_dict resumed on another world size."""
     pytest.importorskip("torch", reason="torch is not installed here")
     from gpufeed.torch import GpufeedDataset
 
     def make(**options):
         return GpufeedDataset(mixture_daemon.socket, SOURCES, 50, shuffle="full", seed=2,
-                              fields=["id"], **options)
+                              fields=["id"], device="cpu", **options)
 
     whole = make(rank=0, world_size=1)
     assert whole.device == "cpu"
