@@ -43,6 +43,12 @@ use crate::storage::mapped::MappedFile;
 /// enough that memory stays bounded whatever the row groups' size.
 pub const BATCH_BYTES_TARGET: usize = 32 << 20;
 
+/// Raw bytes of a record batch of a sequential Parquet read (a file with a variable-length column,
+/// or one thread): as for the threads of a parallel read, batches small enough for their buffers
+/// to be reused from batch to batch (batches of 32 MiB of token lists spent more time faulting in
+/// and zeroing new buffers than decoding).
+const SEQUENTIAL_BATCH_BYTES: usize = THREAD_BATCH_BYTES_MAX;
+
 /// Raw bytes of a record batch that one thread of a parallel Parquet read decodes at most: a batch
 /// small enough to stay in the core's cache between its decoding and its write to the scratch
 /// file, and for its buffers to be reused from batch to batch rather than handed back to the
@@ -396,8 +402,18 @@ impl<'a> BatchReader<'a> {
                     let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
                     builder = builder.with_projection(mask);
                 }
-                let rows =
-                    (BATCH_BYTES_TARGET / row_bytes.unwrap_or(1).max(1)).clamp(1, BATCH_ROWS_MAX);
+                // A variable-length column's row is longer than the element `row_bytes` counts:
+                // the footer's decoded bytes per row (every column's: an over-estimate) size the
+                // batch as well, so that a batch of long documents stays near its target.
+                let footer_row_bytes = builder
+                    .metadata()
+                    .row_groups()
+                    .iter()
+                    .map(|g| g.total_byte_size().max(0) as u64)
+                    .sum::<u64>()
+                    / (footer_rows.max(1) as u64);
+                let row_bytes = row_bytes.unwrap_or(1).max(footer_row_bytes as usize).max(1);
+                let rows = (SEQUENTIAL_BATCH_BYTES / row_bytes).clamp(1, BATCH_ROWS_MAX);
                 let reader = builder.with_batch_size(rows).build().map_err(|e| bad(&e))?;
                 Ok(BatchReader {
                     path,
