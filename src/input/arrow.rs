@@ -14,8 +14,11 @@
 //! when the inputs' decoded size is at most an eighth of the host's available memory, otherwise on
 //! the output's disk (see `scratch_in_memory`).
 //!
-//! A file with a variable-length column is decoded on one thread, in order: each variable-length
-//! field keeps its samples' ends (8 bytes a row) in memory for the pack.
+//! A file with a variable-length column: each variable-length field keeps its samples' ends (8
+//! bytes a row) in memory for the pack. An IPC file, or a pack on one thread, decodes it in order;
+//! a Parquet file on several threads decodes its row groups (or slices of them) on the threads, each
+//! appending each column to a scratch file of its own for that field, and the pieces and ends are
+//! put back in file order once all are decoded (`read_parquet_parallel_appending`).
 //!
 //! Refused, naming the file and column (and row): list views, maps, string and binary views,
 //! lists of lists, types with no gpufeed dtype, null values (a null list, or a null inside one),
@@ -660,6 +663,9 @@ enum ScratchFile {
 struct ThreadScratch {
     /// The file, and the bytes written to it so far (where the next row group goes).
     files: Vec<(File, u64)>,
+    /// Of a read of files with a variable-length column (see `read_parquet_parallel_appending`):
+    /// the file that thread `t` appends field `f`'s values to, at `appending[&(t, f)]` in `files`.
+    appending: std::collections::HashMap<(usize, usize), usize>,
     /// The directory they are created in.
     dir: PathBuf,
     /// Whether they are anonymous memory files instead (see [`scratch_in_memory`]).
@@ -790,6 +796,7 @@ pub fn open_table_fields(
     let mut first: Vec<Option<(PathBuf, DataType)>> = vec![None; fields.len()];
     let mut thread_scratch = ThreadScratch {
         files: Vec::new(),
+        appending: std::collections::HashMap::new(),
         dir: scratch_dir.to_path_buf(),
         in_memory,
     };
@@ -927,6 +934,16 @@ fn read_file(
     // Rows of variable-length columns differ in size, so their places in the scratch files are
     // only known in order.
     let variable = columns.iter().any(|(i, _)| fields[*i].ends.is_some());
+    if format == TableFormat::Parquet && threads > 1 && variable {
+        return read_parquet_parallel_appending(
+            path,
+            columns,
+            names,
+            fields,
+            thread_scratch,
+            threads,
+        );
+    }
     if format == TableFormat::Parquet && threads > 1 && !variable {
         return read_parquet_parallel(
             path,
@@ -1129,6 +1146,288 @@ fn read_parquet_parallel(
         }
     }
     Ok(())
+}
+
+/// [`read_file`] for a Parquet file with a variable-length column, on `threads` threads: the units
+/// of [`parquet_units`] (row groups, or slices of them) decoded by the threads in any order, each
+/// column of a unit appended to a scratch file of the thread's own for that field (values go where
+/// their lengths put them, known only once decoded), and the fields' pieces and rows' ends put
+/// back in file order afterwards. A unit holding other than the footer's rows is refused, and the
+/// error reported is that of the first unit in the file that failed.
+fn read_parquet_parallel_appending(
+    path: &Path,
+    columns: &[(usize, String)],
+    names: &[String],
+    fields: &mut [Scratch],
+    thread_scratch: &mut ThreadScratch,
+    threads: usize,
+) -> Result<(), InputError> {
+    let file = crate::format::open_regular(path).map_err(io_error(path))?;
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| parquet_error(path, &e))?;
+    let schema = builder.schema().clone();
+    let metadata = builder.metadata().clone();
+    let footer_rows = metadata.file_metadata().num_rows();
+    let group_rows: Vec<u64> = metadata
+        .row_groups()
+        .iter()
+        .map(|g| u64::try_from(g.num_rows()).unwrap_or(u64::MAX))
+        .collect();
+    let rows: u64 = group_rows.iter().sum();
+    if footer_rows < 0 || footer_rows as u64 != rows {
+        return Err(table_error(
+            path,
+            format!("the footer says {footer_rows} rows but its row groups say {rows}"),
+        ));
+    }
+    // Decoded bytes per row (of every column: an over-estimate) size the units and batches.
+    let total: u64 = metadata
+        .row_groups()
+        .iter()
+        .map(|g| g.total_byte_size().max(0) as u64)
+        .sum();
+    let row_bytes = (total / rows.max(1)).max(1) as usize;
+    let mut group_starts = Vec::with_capacity(group_rows.len());
+    let mut at = 0u64;
+    for &count in &group_rows {
+        group_starts.push(at);
+        at += count;
+    }
+    let units = parquet_units(&group_rows, threads, row_bytes);
+    let workers = threads.min(units.len()).max(1);
+    // Per thread, per column: the index of the scratch file it appends to.
+    let mut file_of = vec![Vec::with_capacity(columns.len()); workers];
+    for (thread, files) in file_of.iter_mut().enumerate() {
+        for (field, _) in columns {
+            let index = match thread_scratch.appending.get(&(thread, *field)) {
+                Some(&index) => index,
+                None => {
+                    let file = scratch_file(&thread_scratch.dir, thread_scratch.in_memory)?;
+                    thread_scratch.files.push((file, 0));
+                    let index = thread_scratch.files.len() - 1;
+                    thread_scratch.appending.insert((thread, *field), index);
+                    index
+                }
+            };
+            files.push(index);
+        }
+    }
+    let read = ParquetRead {
+        path,
+        pages: None,
+        mask: ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names)),
+        batch_rows: (THREAD_BATCH_BYTES_MAX / row_bytes).clamp(1, BATCH_ROWS_MAX),
+        group_rows,
+        group_starts,
+        targets: Vec::new(),
+    };
+    let variable: Vec<bool> = columns
+        .iter()
+        .map(|(i, _)| fields[*i].ends.is_some())
+        .collect();
+    let names: Vec<&str> = columns.iter().map(|(_, c)| c.as_str()).collect();
+    let appended = read.append_units(&units, &file_of, thread_scratch, &names, &variable)?;
+    // Back in file order: each unit's pieces, and its rows' ends after the field's so far.
+    for (index, unit) in units.iter().enumerate() {
+        let (thread, columns_done) = &appended[index];
+        for (c, (field, _)) in columns.iter().enumerate() {
+            let (start, elements, ref ends) = columns_done[c];
+            let field = &mut fields[*field];
+            if let (Some(field_ends), Some(ends)) = (field.ends.as_mut(), ends) {
+                let base = field_ends.last().copied().unwrap_or(0);
+                field_ends.extend(ends.iter().map(|end| base + end));
+            }
+            if unit.count > 0 {
+                field.pieces.push((
+                    path.to_path_buf(),
+                    ScratchFile::Thread(file_of[*thread][c]),
+                    start,
+                    elements,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What one unit appended: the thread, and per column where its bytes start in the thread's
+/// file for it, its elements (rows, for a fixed-shape column), and, for a variable-length
+/// column, each row's end in elements from the unit's start.
+type Appended = (usize, Vec<ColumnAppended>);
+
+/// One column of one unit: where its bytes start, its elements, and its rows' ends (see
+/// [`Appended`]).
+type ColumnAppended = (u64, u64, Option<Vec<u64>>);
+
+/// What one thread of [`ParquetRead::append_units`] did: its units, and its files' offsets after.
+type ThreadAppended = (Vec<(usize, Appended)>, Vec<u64>);
+
+impl ParquetRead<'_> {
+    /// Decodes `units` on one thread per entry of `file_of` (the indices, in `scratch.files`,
+    /// of the files the thread appends each column to), each column of a unit appended to its
+    /// file; returns per unit what it appended (and advances the files' counts), or the error of
+    /// the lowest unit that failed.
+    fn append_units(
+        &self,
+        units: &[Unit],
+        file_of: &[Vec<usize>],
+        scratch: &mut ThreadScratch,
+        names: &[&str],
+        variable: &[bool],
+    ) -> Result<Vec<Appended>, InputError> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Mutex;
+        let next = AtomicUsize::new(0);
+        let failed_at = AtomicUsize::new(usize::MAX);
+        let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
+        let files = &scratch.files;
+        let outcomes: Vec<ThreadAppended> = std::thread::scope(|scope| {
+            let handles: Vec<_> = file_of
+                .iter()
+                .enumerate()
+                .map(|(thread, indices)| {
+                    let (next, failed_at, errors) = (&next, &failed_at, &errors);
+                    scope.spawn(move || {
+                        let mut offsets: Vec<u64> = indices.iter().map(|&i| files[i].1).collect();
+                        let mut done = Vec::new();
+                        loop {
+                            let index = next.fetch_add(1, Ordering::Relaxed);
+                            if index >= units.len() || index > failed_at.load(Ordering::Relaxed) {
+                                break;
+                            }
+                            let unit = &units[index];
+                            let targets: Vec<&File> =
+                                indices.iter().map(|&i| &files[i].0).collect();
+                            let result =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    self.append(unit, &targets, &offsets, names, variable)
+                                }))
+                                .unwrap_or_else(|_| {
+                                    Err(reader_panicked(
+                                        self.path,
+                                        self.group_starts[unit.group] + unit.first,
+                                    ))
+                                });
+                            match result {
+                                Ok((columns, ends_at)) => {
+                                    offsets = ends_at;
+                                    done.push((index, (thread, columns)));
+                                }
+                                Err(error) => {
+                                    let error = if unit.whole {
+                                        error
+                                    } else {
+                                        self.explain(unit, error)
+                                    };
+                                    failed_at.fetch_min(index, Ordering::Relaxed);
+                                    errors
+                                        .lock()
+                                        .expect("no panics while holding the lock")
+                                        .push((index, error));
+                                }
+                            }
+                        }
+                        (done, offsets)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| handle.join().expect("a decoding thread catches its panics"))
+                .collect()
+        });
+        let mut errors = errors
+            .into_inner()
+            .expect("no panics while holding the lock");
+        errors.sort_by_key(|(index, _)| *index);
+        if let Some((_, error)) = errors.into_iter().next() {
+            return Err(error);
+        }
+        let mut appended: Vec<Option<Appended>> = vec![None; units.len()];
+        for ((done, offsets), indices) in outcomes.into_iter().zip(file_of) {
+            for (&index, offset) in indices.iter().zip(offsets) {
+                scratch.files[index].1 = offset;
+            }
+            for (unit, result) in done {
+                appended[unit] = Some(result);
+            }
+        }
+        Ok(appended
+            .into_iter()
+            .map(|a| a.expect("every unit decoded once"))
+            .collect())
+    }
+
+    /// Decodes `unit`, appending each column's values to its file of `targets` from its offset of
+    /// `offsets`; returns what it appended per column and the files' new offsets.
+    fn append(
+        &self,
+        unit: &Unit,
+        targets: &[&File],
+        offsets: &[u64],
+        names: &[&str],
+        variable: &[bool],
+    ) -> Result<(Vec<ColumnAppended>, Vec<u64>), InputError> {
+        let (path, group) = (self.path, unit.group);
+        let mut writers: Vec<BufWriter<WriteAt<'_>>> = targets
+            .iter()
+            .zip(offsets)
+            .map(|(&file, &at)| {
+                BufWriter::with_capacity(SCRATCH_BUFFER_BYTES, WriteAt { file, at })
+            })
+            .collect();
+        let mut ends: Vec<Option<Vec<u64>>> = variable.iter().map(|&v| v.then(Vec::new)).collect();
+        let mut read = 0u64;
+        let mut bytes = Vec::new();
+        for batch in self.reader(unit)? {
+            let first_row = self.group_starts[group] + unit.first + read;
+            let batch = batch.map_err(|e| {
+                table_error(
+                    path,
+                    format!(
+                        "reading a record batch: {e} (row group {group}, after row {first_row}: \
+                         is the file truncated or corrupt?)"
+                    ),
+                )
+            })?;
+            for ((column, writer), ends) in names.iter().zip(&mut writers).zip(&mut ends) {
+                let array = batch
+                    .column_by_name(column)
+                    .expect("the projection keeps every column asked for");
+                check_nulls(path, column, first_row, array.as_ref())?;
+                let written = match ends {
+                    Some(ends) => write_variable(array.as_ref(), writer, &mut bytes, ends),
+                    None => write_values(array.as_ref(), writer, &mut bytes),
+                };
+                written.map_err(io_error(Path::new("(scratch file)")))?;
+            }
+            read += batch.num_rows() as u64;
+        }
+        if read != unit.count {
+            return Err(table_error(
+                path,
+                format!(
+                    "row group {group}: the footer says {} rows but the row group holds {read}",
+                    self.group_rows[group]
+                ),
+            ));
+        }
+        let mut appended = Vec::with_capacity(writers.len());
+        let mut ends_at = Vec::with_capacity(writers.len());
+        for ((writer, ends), &start) in writers.into_iter().zip(ends).zip(offsets) {
+            let end = writer
+                .into_inner()
+                .map_err(|e| io_error(Path::new("(scratch file)"))(e.into_error()))?
+                .at;
+            let elements = match &ends {
+                Some(ends) => ends.last().copied().unwrap_or(0),
+                None => read,
+            };
+            appended.push((start, elements, ends));
+            ends_at.push(end);
+        }
+        Ok((appended, ends_at))
+    }
 }
 
 fn parquet_error(path: &Path, e: &dyn std::fmt::Display) -> InputError {
@@ -1677,6 +1976,66 @@ mod tests {
             writer.write(batch).unwrap();
         }
         writer.close().unwrap();
+    }
+
+    /// Files with a variable-length column read on several threads (row groups and slices of one,
+    /// two files concatenated) give the fields one thread gives: the same values, the same ends.
+    #[test]
+    fn variable_length_files_read_on_threads_equal_one_thread() {
+        use arrow_array::builder::ListBuilder;
+        use arrow_array::{ArrayRef, Int64Array};
+        let dir = tempfile::tempdir().unwrap();
+        // Row r: tokens r * 7 + [0, r % 1200), and its id. One file of a single large row group
+        // (cut into slices for the threads), one of many small groups.
+        let write = |name: &str, rows: std::ops::Range<i64>, group_rows: usize| {
+            let mut tokens = ListBuilder::new(arrow_array::builder::Int32Builder::new());
+            for row in rows.clone() {
+                let base = (row * 7) as i32;
+                tokens
+                    .values()
+                    .append_slice(&(base..base + (row % 1200) as i32).collect::<Vec<i32>>());
+                tokens.append(true);
+            }
+            let ids: ArrayRef = Arc::new(Int64Array::from_iter_values(rows));
+            let batch = RecordBatch::try_from_iter([
+                ("tokens", Arc::new(tokens.finish()) as ArrayRef),
+                ("id", ids),
+            ])
+            .unwrap();
+            let path = dir.path().join(name);
+            parquet(&path, &[batch], group_rows);
+            path
+        };
+        let big = write("big.parquet", 0..30_000, 30_000);
+        let small = write("small.parquet", 30_000..31_000, 64);
+        let paths = [big, small];
+        let read = |threads: usize| {
+            open_table_dataset(&paths, dir.path(), threads)
+                .unwrap()
+                .into_iter()
+                .map(|field| {
+                    let mut values = Vec::new();
+                    field
+                        .copy_samples(0, field.sample_count(), &mut values)
+                        .unwrap();
+                    (field.ends().map(<[u64]>::to_vec), values)
+                })
+                .collect::<Vec<_>>()
+        };
+        let one = read(1);
+        let (ends, values) = &one[0];
+        let ends = ends.as_ref().expect("tokens are variable-length");
+        assert_eq!(ends.len(), 31_000);
+        assert_eq!(values.len() as u64, ends[30_999] * 4);
+        let row = 29_999usize;
+        let start = ends[row - 1] as usize * 4;
+        assert_eq!(
+            i32::from_le_bytes(values[start..start + 4].try_into().unwrap()),
+            (row * 7) as i32
+        );
+        for threads in [2, 4, 5] {
+            assert!(read(threads) == one, "{threads} threads read other fields");
+        }
     }
 
     #[test]
