@@ -2136,14 +2136,69 @@ mod tests {
 
     fn lying_row_group_is_refused(rows: i64) {
         use arrow_array::{ArrayRef, Int64Array};
+        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..rows));
+        lying_row_group_of(RecordBatch::try_from_iter([("x", values)]).unwrap());
+    }
+
+    /// The same with a variable-length column (token lists): its rows are read on the threads too
+    /// (`read_parquet_parallel_appending`), and a row group short of the footer's rows is refused
+    /// with the same words.
+    #[test]
+    fn a_row_group_of_lists_claiming_more_rows_than_it_holds_is_refused() {
+        use arrow_array::builder::ListBuilder;
+        use arrow_array::ArrayRef;
+        let mut lists = ListBuilder::new(arrow_array::builder::Int32Builder::new());
+        for row in 0..3000 {
+            lists.values().append_slice(&vec![row; row as usize % 7]);
+            lists.append(true);
+        }
+        let values: ArrayRef = Arc::new(lists.finish());
+        lying_row_group_of(RecordBatch::try_from_iter([("x", values)]).unwrap());
+    }
+
+    /// A null element in a fixed-size list column: the page-by-page reader gives its unit up, and
+    /// the Arrow reader refuses it naming the row, on one thread and on several.
+    #[test]
+    fn a_null_in_a_fixed_size_list_is_refused_naming_its_row_on_threads() {
+        use arrow_array::builder::{FixedSizeListBuilder, Int32Builder};
+        use arrow_array::ArrayRef;
+        let mut lists = FixedSizeListBuilder::new(Int32Builder::new(), 4);
+        for row in 0..1000 {
+            for element in 0..4 {
+                if row == 777 && element == 2 {
+                    lists.values().append_null();
+                } else {
+                    lists.values().append_value(row * 4 + element);
+                }
+            }
+            lists.append(true);
+        }
+        let values: ArrayRef = Arc::new(lists.finish());
+        let batch = RecordBatch::try_from_iter([("x", values)]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("null.parquet");
+        parquet(&path, &[batch], 300);
+        for threads in [1, 3] {
+            let error = open_table_dataset(std::slice::from_ref(&path), dir.path(), threads)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains("column 'x', row 777: null"),
+                "{threads} threads: {error}"
+            );
+        }
+    }
+
+    /// `batch` (a column `x`) written as one row group whose footer claims 50 rows more: refused by
+    /// one thread and by four, naming the file and the counts.
+    fn lying_row_group_of(batch: RecordBatch) {
         use parquet::arrow::ArrowWriter;
         use parquet::file::metadata::{
             ParquetMetaDataBuilder, ParquetMetaDataReader, ParquetMetaDataWriter,
         };
+        let rows = batch.num_rows() as i64;
         let dir = tempfile::tempdir().unwrap();
         let honest = dir.path().join("honest.parquet");
-        let values: ArrayRef = Arc::new(Int64Array::from_iter_values(0..rows));
-        let batch = RecordBatch::try_from_iter([("x", values)]).unwrap();
         // One row group, however many rows.
         let properties = parquet::file::properties::WriterProperties::builder()
             .set_max_row_group_row_count(Some(rows as usize))
