@@ -6,8 +6,10 @@
 # 200 batches of 1024 rows read from the disk (GPUFEED_ROW_READS=auto: the dataset is larger than the
 # cgroup), the same through the page cache (GPUFEED_ROW_READS=page-cache) for 3 batches within 60 s,
 # a window shuffle of 2 shards (512 MiB, twice of which the cgroup cannot keep) the same two ways
-# (200 and 20 batches), and dataset order for 200 batches. Release binaries from target/release (built first). Every run
-# is a JSON line in $OUT/cpu-beyond.jsonl (OUT defaults to /tmp/gpufeed-cpu-beyond).
+# (200 and 20 batches), dataset order for 200 batches, and `dd iflag=direct bs=16M` of every shard (the
+# disk's sequential rate, for dataset order). CPU_BEYOND_CASES (probe full window order dd) chooses
+# the cases. Release binaries from target/release (built first). Every run is a JSON line in
+# $OUT/cpu-beyond.jsonl (OUT defaults to /tmp/gpufeed-cpu-beyond).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/gpufeed-cpu-beyond}"
@@ -74,16 +76,39 @@ print(json.dumps(rec))
 PY
   tail -1 "$jsonl"
 }
+cases=" ${CPU_BEYOND_CASES:-probe full window order dd} "
+want() { case "$cases" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+for skipped in probe full window order dd; do
+  want "$skipped" || echo "skipped: $skipped (not in CPU_BEYOND_CASES)"
+done
+# dd_round: dd iflag=direct of every shard, one after the other; a JSON line.
+dd_round() {
+  drop
+  local start end bytes
+  bytes=$(cat "$work"/data/emb/*.gfs | wc -c)
+  start=$(date +%s.%N)
+  for f in "$work"/data/emb/*.gfs; do dd if="$f" of=/dev/null bs=16M iflag=direct status=none; done
+  end=$(date +%s.%N)
+  python3 -c 'import json,sys; b,s,e,r=int(sys.argv[1]),float(sys.argv[2]),float(sys.argv[3]),int(sys.argv[4]); print(json.dumps({"loader": "dd-direct", "case": "cpu-beyond", "run": r, "bytes": b, "seconds": e - s, "gb_per_s_in": b / (e - s) / 1e9}))' "$bytes" "$start" "$end" "$round" >>"$jsonl"
+  tail -1 "$jsonl"
+}
 shard=$(ls "$work"/data/emb/*.gfs | head -1)
 for round in 1 2 3; do
-  drop
-  python3 scripts/random_read_probe.py --file "$shard" --depth 64 --seconds 4 \
-    | python3 -c 'import json,sys; d=json.load(sys.stdin); d.update(case="cpu-beyond", run=int(sys.argv[1])); print(json.dumps(d))' "$round" >>"$jsonl"
-  tail -1 "$jsonl"
-  run disk full 200 120 auto
-  run page-cache full 3 60 page-cache
-  run disk window 200 120 auto
-  run page-cache window 20 60 page-cache
-  run order none 200 120 auto
+  if want probe; then
+    drop
+    python3 scripts/random_read_probe.py --file "$shard" --depth 64 --seconds 4 \
+      | python3 -c 'import json,sys; d=json.load(sys.stdin); d.update(case="cpu-beyond", run=int(sys.argv[1])); print(json.dumps(d))' "$round" >>"$jsonl"
+    tail -1 "$jsonl"
+  fi
+  if want full; then
+    run disk full 200 120 auto
+    run page-cache full 3 60 page-cache
+  fi
+  if want window; then
+    run disk window 200 120 auto
+    run page-cache window 20 60 page-cache
+  fi
+  want order && run order none 200 120 auto
+  want dd && dd_round
 done
 rmdir "$cg" 2>/dev/null
