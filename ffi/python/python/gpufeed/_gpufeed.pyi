@@ -71,8 +71,8 @@ class Client:
           through its own epochs, reshuffled each time, whatever the mixture's epoch; the mixture's
           epoch is ``mixture_epoch_samples`` positions (default: the sources' samples summed).
           Deterministic for a ``seed``, resumed from ``state_dict`` at any world size like a single
-          dataset; host memory (``device="cpu"``) and fixed-shape fields only, without
-          ``variable`` (``docs/PYTHON.md``).
+          dataset; on a CUDA device assembled on the host and uploaded (a few GB/s); fixed-shape
+          fields only, without ``variable`` (``docs/PYTHON.md``).
         - ``fields``: None (every field, stored type), a list of names, or a mapping of name to
           element type (:data:`DTypeLike`, or None for the stored type).
         - ``device``: ``"cpu"`` (host memory), ``"cuda"`` or ``"cuda:N"``.

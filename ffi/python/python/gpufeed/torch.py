@@ -40,7 +40,8 @@ class GpufeedDataset(torch.utils.data.IterableDataset):
     stream before then is done. Keep a tensor beyond the next few steps by cloning it.
 
     ``dataset`` is a dataset's name, or a mixture's sources: ``[("web", 0.7), ("code", 0.3)]``
-    (see ``open_stream(sources=...)``; served in host memory, so the device defaults to the CPU).
+    (see ``open_stream(sources=...)``; on a CUDA device its batches are assembled on the host and
+    uploaded, at a few GB/s rather than the GPU pipeline's rate).
     ``socket`` None: ``$GPUFEED_SOCKET`` (see :class:`gpufeed.Client`). ``fields`` takes dtypes as
     gpufeed names (``"f32"``), NumPy or PyTorch names (``"float32"``) or types (``torch.float32``).
     ``rank`` and ``world_size`` None: read from ``torch.distributed`` or the environment each time the
