@@ -1118,6 +1118,7 @@ fn read_parquet_parallel(
     let read = ParquetRead {
         path,
         pages,
+        appending_pages: None,
         mask: ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names)),
         batch_rows: (batch_bytes / row_bytes.max(1)).clamp(1, BATCH_ROWS_MAX),
         group_rows,
@@ -1212,9 +1213,28 @@ fn read_parquet_parallel_appending(
             files.push(index);
         }
     }
+    // Every column's page-by-page plan, where each has one (see `parquet_pages`).
+    let appending_pages = super::parquet_pages::enabled()
+        .then(|| {
+            columns
+                .iter()
+                .map(|(_, column)| {
+                    let root = schema.index_of(column).ok()?;
+                    let data_type = schema.field(root).data_type();
+                    let parquet = builder.parquet_schema();
+                    match super::parquet_pages::plan_list_column(parquet, root, data_type) {
+                        Some(list) => Some(AppendPlan::List(list)),
+                        None => super::parquet_pages::plan_column(parquet, root, data_type)
+                            .map(AppendPlan::Fixed),
+                    }
+                })
+                .collect::<Option<Vec<_>>>()
+        })
+        .flatten();
     let read = ParquetRead {
         path,
         pages: None,
+        appending_pages,
         mask: ProjectionMask::roots(builder.parquet_schema(), indices(&schema, names)),
         batch_rows: (THREAD_BATCH_BYTES_MAX / row_bytes).clamp(1, BATCH_ROWS_MAX),
         group_rows,
@@ -1248,6 +1268,12 @@ fn read_parquet_parallel_appending(
         }
     }
     Ok(())
+}
+
+/// How `parquet_pages` reads one column of a read that appends.
+enum AppendPlan {
+    Fixed(super::parquet_pages::PageColumn),
+    List(super::parquet_pages::ListColumn),
 }
 
 /// What one unit appended: the thread, and per column where its bytes start in the thread's
@@ -1368,6 +1394,16 @@ impl ParquetRead<'_> {
         names: &[&str],
         variable: &[bool],
     ) -> Result<(Vec<ColumnAppended>, Vec<u64>), InputError> {
+        // Page by page where it can (a panic there, on malformed pages, leaves the unit to the
+        // Arrow reader, which names what is wrong); what it wrote is overwritten if it gives up.
+        let paged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.append_pages(unit, targets, offsets)
+        }));
+        if let Ok(read) = paged {
+            if let Some(done) = read? {
+                return Ok(done);
+            }
+        }
         let (path, group) = (self.path, unit.group);
         let mut writers: Vec<BufWriter<WriteAt<'_>>> = targets
             .iter()
@@ -1430,6 +1466,67 @@ impl ParquetRead<'_> {
     }
 }
 
+impl ParquetRead<'_> {
+    /// [`Self::append`] page by page (`parquet_pages`), where every column has a plan: `None`
+    /// where the Arrow reader must decode the unit.
+    #[allow(clippy::type_complexity)]
+    fn append_pages(
+        &self,
+        unit: &Unit,
+        targets: &[&File],
+        offsets: &[u64],
+    ) -> Result<Option<(Vec<ColumnAppended>, Vec<u64>)>, InputError> {
+        let Some(plans) = &self.appending_pages else {
+            return Ok(None);
+        };
+        let Ok(file) = crate::format::open_regular(self.path) else {
+            return Ok(None);
+        };
+        let Ok(reader) = parquet::file::reader::SerializedFileReader::new(file) else {
+            return Ok(None);
+        };
+        let scratch_error = io_error(Path::new("(scratch file)"));
+        let rows = (unit.first, unit.count);
+        let mut appended = Vec::with_capacity(plans.len());
+        let mut ends_at = Vec::with_capacity(plans.len());
+        for ((plan, &file), &start) in plans.iter().zip(targets).zip(offsets) {
+            match plan {
+                AppendPlan::Fixed(column) => {
+                    let read = super::parquet_pages::read_rows(
+                        &reader, unit.group, column, rows, file, start,
+                    )
+                    .map_err(&scratch_error)?;
+                    if !read {
+                        return Ok(None);
+                    }
+                    appended.push((start, unit.count, None));
+                    ends_at.push(start + unit.count * column.row_bytes());
+                }
+                AppendPlan::List(column) => {
+                    let mut out =
+                        BufWriter::with_capacity(SCRATCH_BUFFER_BYTES, WriteAt { file, at: start });
+                    let mut ends = Vec::with_capacity(unit.count as usize);
+                    let read = super::parquet_pages::read_list_rows(
+                        &reader, unit.group, column, rows, &mut out, &mut ends,
+                    )
+                    .map_err(&scratch_error)?;
+                    let end = out
+                        .into_inner()
+                        .map_err(|e| scratch_error(e.into_error()))?
+                        .at;
+                    if !read {
+                        return Ok(None);
+                    }
+                    let elements = ends.last().copied().unwrap_or(0);
+                    appended.push((start, elements, Some(ends)));
+                    ends_at.push(end);
+                }
+            }
+        }
+        Ok(Some((appended, ends_at)))
+    }
+}
+
 fn parquet_error(path: &Path, e: &dyn std::fmt::Display) -> InputError {
     table_error(path, format!("reading Parquet: {e}"))
 }
@@ -1478,6 +1575,9 @@ struct ParquetRead<'a> {
     /// Per column, how `parquet_pages` reads it, where it reads every column: tried first for
     /// each unit, the Arrow reader decoding the unit where it gives up.
     pages: Option<Vec<super::parquet_pages::PageColumn>>,
+    /// The same for a read that appends (`read_parquet_parallel_appending`), whose columns may be
+    /// lists.
+    appending_pages: Option<Vec<AppendPlan>>,
     mask: ProjectionMask,
     batch_rows: usize,
     /// Rows of each row group, and the first row of each.

@@ -1,7 +1,7 @@
-//! A Parquet column read page by page, for the layout pack inputs most often have: a primitive
-//! column, or a fixed-size list of one, of fixed-width values (`int32`, `int64`, `float`,
-//! `double`, and `float16` stored as 2-byte fixed-length byte arrays), plain or dictionary
-//! encoded, with no nulls.
+//! A Parquet column read page by page, for the layouts pack inputs most often have: a primitive
+//! column, a fixed-size list of one, or a list of one (variable-length rows: token lists), of
+//! fixed-width values (`int32`, `int64`, `float`, `double`, and `float16` stored as 2-byte
+//! fixed-length byte arrays), plain or dictionary encoded, with no nulls and no empty lists.
 //!
 //! The `parquet` crate's Arrow reader builds such a column as Arrow arrays: a validity bitmap from
 //! every element's definition level, the list's offsets from its repetition levels, the values
@@ -10,8 +10,9 @@
 //! thirds of the pack's time (a profile on the development VM). This reader takes the decompressed
 //! pages from the crate's page reader instead and copies the values straight out of them (plain
 //! pages) or through the dictionary (dictionary pages); the levels are only checked: every
-//! definition level at its maximum (no nulls) and, for a list, a repetition level of 0 exactly at
-//! the first value of each row of `per_row` values.
+//! definition level at its maximum (no nulls) and, for a fixed-size list, a repetition level of 0
+//! exactly at the first value of each row of `per_row` values. For a list, the repetition levels
+//! give the rows (a 0 starts one), whose ends are recorded ([`read_list_rows`]).
 //!
 //! Anything else (another encoding, a null, a row of another length, a malformed page, a
 //! truncated row group) makes it give up (`Ok(false)`) without an error: the caller then decodes
@@ -20,6 +21,8 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+
+use std::sync::Arc;
 
 use arrow_schema::DataType;
 use parquet::basic::{Encoding, Type as PhysicalType};
@@ -38,6 +41,13 @@ pub(super) struct PageColumn {
     per_row: usize,
     max_def: i16,
     max_rep: i16,
+}
+
+impl PageColumn {
+    /// Bytes of one row.
+    pub(super) fn row_bytes(&self) -> u64 {
+        (self.per_row * self.value_bytes) as u64
+    }
 }
 
 /// The page reader's plan for the root column `root` of a file whose Parquet schema is `schema`,
@@ -74,6 +84,41 @@ pub(super) fn plan_column(
         per_row,
         max_def: column.max_def_level(),
         max_rep: column.max_rep_level(),
+    })
+}
+
+/// How [`read_list_rows`] reads a list column (variable-length rows) of fixed-width values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ListColumn {
+    leaf: usize,
+    value_bytes: usize,
+    max_def: i16,
+}
+
+/// The page reader's plan for the root column `root`, a `list` or `large_list` of fixed-width
+/// values read as Arrow type `data_type`; `None` when it is not one.
+pub(super) fn plan_list_column(
+    schema: &SchemaDescriptor,
+    root: usize,
+    data_type: &DataType,
+) -> Option<ListColumn> {
+    let item = match data_type {
+        DataType::List(item) | DataType::LargeList(item) => item.data_type(),
+        _ => return None,
+    };
+    // The same leaf rules as a fixed-size list's, one level of repetition.
+    let fixed = plan_column(
+        schema,
+        root,
+        &DataType::FixedSizeList(
+            Arc::new(arrow_schema::Field::new("item", item.clone(), true)),
+            1,
+        ),
+    )?;
+    Some(ListColumn {
+        leaf: fixed.leaf,
+        value_bytes: fixed.value_bytes,
+        max_def: fixed.max_def,
     })
 }
 
@@ -253,60 +298,268 @@ impl ColumnState<'_> {
         self.seen = end;
         // Without repetition levels, a row is one value: the place in a row stays 0.
         let (from, to) = (start.max(self.skip), end.min(self.skip + self.take));
-        let (at, skip) = (self.at, self.skip);
-        let place = |value: u64| at + (value - skip) * bytes as u64;
         if from >= to {
             // No value of the rows asked for: the page is not decoded.
-            return Ok(matches!(
-                encoding,
-                Encoding::PLAIN | Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY
-            ));
+            return Ok(decodable(encoding));
         }
+        let (out, mut at) = (self.out, self.at + (from - self.skip) * bytes as u64);
+        let mut decoder = PageValues {
+            dictionary: self.dictionary.as_deref(),
+            bytes,
+            indices: &mut self.indices,
+            gathered: &mut self.gathered,
+        };
+        let range = ((from - start) as usize, (to - start) as usize);
+        decoder.emit(data, n, encoding, range, |part| {
+            out.write_all_at(part, at)?;
+            at += part.len() as u64;
+            Ok(())
+        })
+    }
+}
+
+/// Whether this reader decodes values of `encoding`.
+fn decodable(encoding: Encoding) -> bool {
+    matches!(
+        encoding,
+        Encoding::PLAIN | Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY
+    )
+}
+
+/// Decodes a page's values, plain or through the dictionary.
+struct PageValues<'a> {
+    dictionary: Option<&'a [u8]>,
+    bytes: usize,
+    indices: &'a mut Vec<u32>,
+    gathered: &'a mut Vec<u8>,
+}
+
+impl PageValues<'_> {
+    /// Hands values `range.0 .. range.1` of a page's `n` values (encoded as `encoding` in `data`)
+    /// to `emit`, in order, as byte slices; false where this reader gives up.
+    fn emit(
+        &mut self,
+        data: &[u8],
+        n: usize,
+        encoding: Encoding,
+        (from, to): (usize, usize),
+        mut emit: impl FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<bool> {
+        let bytes = self.bytes;
         match encoding {
             Encoding::PLAIN => {
                 let Some(values) = data.get(..n * bytes) else {
                     return Ok(false);
                 };
-                let part = &values[(from - start) as usize * bytes..(to - start) as usize * bytes];
-                self.out.write_all_at(part, place(from))?;
+                emit(&values[from * bytes..to * bytes])?;
                 Ok(true)
             }
             Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY => {
-                let Some(dictionary) = self.dictionary.as_deref() else {
+                let Some(dictionary) = self.dictionary else {
                     return Ok(false);
                 };
                 let Some((&bits, indices)) = data.split_first() else {
                     return Ok(false);
                 };
                 self.indices.clear();
-                if bits > 32
-                    || !hybrid_values(
-                        indices,
-                        u32::from(bits),
-                        (to - start) as usize,
-                        &mut self.indices,
-                    )
-                {
+                if bits > 32 || !hybrid_values(indices, u32::from(bits), to, self.indices) {
                     return Ok(false);
                 }
-                let mut next = from;
-                for chunk in self.indices[(from - start) as usize..].chunks(GATHER_BYTES / bytes) {
+                for chunk in self.indices[from..].chunks(GATHER_BYTES / bytes) {
                     self.gathered.resize(chunk.len() * bytes, 0);
                     let gathered = match bytes {
-                        2 => gather::<2>(dictionary, chunk, &mut self.gathered),
-                        4 => gather::<4>(dictionary, chunk, &mut self.gathered),
-                        8 => gather::<8>(dictionary, chunk, &mut self.gathered),
+                        2 => gather::<2>(dictionary, chunk, self.gathered),
+                        4 => gather::<4>(dictionary, chunk, self.gathered),
+                        8 => gather::<8>(dictionary, chunk, self.gathered),
                         _ => false,
                     };
                     if !gathered {
                         return Ok(false);
                     }
-                    self.out.write_all_at(&self.gathered, place(next))?;
-                    next += chunk.len() as u64;
+                    emit(self.gathered)?;
                 }
                 Ok(true)
             }
             _ => Ok(false),
+        }
+    }
+}
+
+/// Reads rows `first .. first + count` of row group `group` of the list column `column` from
+/// `reader`, writing their values, back to back, to `out` and each row's end (in values, from this
+/// call's first) to `ends`. `Ok(false)`: the column holds something this reader does not read (an
+/// empty or null list, a null value, another encoding, a malformed page, other than the rows
+/// asked for in a whole row group); what it wrote is then to be discarded.
+pub(super) fn read_list_rows(
+    reader: &SerializedFileReader<File>,
+    group: usize,
+    column: &ListColumn,
+    (first, count): (u64, u64),
+    out: &mut impl std::io::Write,
+    ends: &mut Vec<u64>,
+) -> std::io::Result<bool> {
+    let Ok(row_group) = reader.get_row_group(group) else {
+        return Ok(false);
+    };
+    let whole = first == 0 && row_group.metadata().num_rows() as u64 == count;
+    let Ok(mut pages) = row_group.get_column_page_reader(column.leaf) else {
+        return Ok(false);
+    };
+    let end_row = (first + count) as i64;
+    let first = first as i64;
+    // The row of the last value seen, and the values of the rows asked for so far.
+    let (mut row, mut elements) = (-1i64, 0u64);
+    let mut dictionary: Option<Vec<u8>> = None;
+    let (mut indices, mut gathered) = (Vec::new(), Vec::new());
+    let mut stopped = false;
+    while !stopped {
+        let page = match pages.get_next_page() {
+            Ok(Some(page)) => page,
+            Ok(None) => break,
+            Err(_) => return Ok(false),
+        };
+        let (buf, n, encoding, v2_lengths) = match page {
+            Page::DictionaryPage {
+                buf,
+                num_values,
+                encoding,
+                ..
+            } => {
+                let plain = matches!(encoding, Encoding::PLAIN | Encoding::PLAIN_DICTIONARY);
+                let bytes = num_values as usize * column.value_bytes;
+                if !plain || buf.len() < bytes {
+                    return Ok(false);
+                }
+                dictionary = Some(buf[..bytes].to_vec());
+                continue;
+            }
+            Page::DataPage {
+                buf,
+                num_values,
+                encoding,
+                def_level_encoding,
+                rep_level_encoding,
+                ..
+            } => {
+                if rep_level_encoding != Encoding::RLE || def_level_encoding != Encoding::RLE {
+                    return Ok(false);
+                }
+                (buf, num_values as usize, encoding, None)
+            }
+            Page::DataPageV2 {
+                buf,
+                num_values,
+                encoding,
+                num_nulls,
+                def_levels_byte_len,
+                rep_levels_byte_len,
+                ..
+            } => {
+                if num_nulls != 0 {
+                    return Ok(false);
+                }
+                let lengths = (rep_levels_byte_len as usize, def_levels_byte_len as usize);
+                (buf, num_values as usize, encoding, Some(lengths))
+            }
+        };
+        let Some((rep, def, values)) = split_levels(&buf, v2_lengths, column.max_def) else {
+            return Ok(false);
+        };
+        if column.max_def > 0 && !check_def(def, n, column.max_def) {
+            return Ok(false);
+        }
+        // The page's values of the rows asked for: `from .. to`.
+        let (mut from, mut to, mut at) = (usize::MAX, 0usize, 0usize);
+        let walked = hybrid_runs(rep, 1, n, |level, len| {
+            match level {
+                0 => {
+                    for _ in 0..len {
+                        if row >= first {
+                            ends.push(elements);
+                        }
+                        row += 1;
+                        if row >= end_row {
+                            stopped = true;
+                            return false;
+                        }
+                        if row >= first {
+                            from = from.min(at);
+                            to = at + 1;
+                            elements += 1;
+                        }
+                        at += 1;
+                    }
+                }
+                1 if row >= 0 => {
+                    if row >= first {
+                        from = from.min(at);
+                        to = at + len;
+                        elements += len as u64;
+                    }
+                    at += len;
+                }
+                _ => return false,
+            }
+            true
+        });
+        if !walked && !stopped {
+            return Ok(false);
+        }
+        if from < to {
+            let mut decoder = PageValues {
+                dictionary: dictionary.as_deref(),
+                bytes: column.value_bytes,
+                indices: &mut indices,
+                gathered: &mut gathered,
+            };
+            if !decoder.emit(values, n, encoding, (from, to), |part| out.write_all(part))? {
+                return Ok(false);
+            }
+        } else if !decodable(encoding) {
+            return Ok(false);
+        }
+    }
+    if stopped && whole {
+        // More rows than the footer gives the group: the Arrow reader says so.
+        return Ok(false);
+    }
+    if !stopped {
+        // The group ended: its last row is complete, and it must end where asked.
+        if row >= first {
+            ends.push(elements);
+        }
+        if row + 1 != end_row {
+            return Ok(false);
+        }
+    }
+    Ok(ends.len() as i64 == end_row - first)
+}
+
+/// A list column's data page split into its repetition levels, its definition levels (none when
+/// `max_def` is 0) and its values: a v1 page's levels are length-prefixed, a v2 page's lengths
+/// (`v2`: repetition, definition) are in its header. `None` when the page is shorter than that.
+fn split_levels(
+    buf: &[u8],
+    v2: Option<(usize, usize)>,
+    max_def: i16,
+) -> Option<(&[u8], &[u8], &[u8])> {
+    match v2 {
+        None => {
+            let (rep, rest) = length_prefixed(buf)?;
+            let (def, values) = if max_def > 0 {
+                length_prefixed(rest)?
+            } else {
+                (&rest[..0], rest)
+            };
+            Some((rep, def, values))
+        }
+        Some((rep_len, def_len)) => {
+            if buf.len() < rep_len + def_len {
+                return None;
+            }
+            let (rep, rest) = buf.split_at(rep_len);
+            let (def, values) = rest.split_at(def_len);
+            Some((rep, def, values))
         }
     }
 }
@@ -693,6 +946,109 @@ mod tests {
             plan_column(builder.parquet_schema(), 1, &arrow_schema::DataType::Int16),
             None
         );
+    }
+
+    /// Token lists: row r holds `r % 9 + 1` values `r * 16 + j` (an `int32` list column).
+    fn write_lists(
+        path: &std::path::Path,
+        rows: usize,
+        dictionary: bool,
+        version: WriterVersion,
+        empty_at: Option<usize>,
+    ) {
+        use arrow_array::builder::{Int32Builder, ListBuilder};
+        let mut lists = ListBuilder::new(Int32Builder::new());
+        for row in 0..rows {
+            if Some(row) != empty_at {
+                for j in 0..row % 9 + 1 {
+                    lists.values().append_value((row * 16 + j) as i32);
+                }
+            }
+            lists.append(true);
+        }
+        let batch =
+            RecordBatch::try_from_iter([("tokens", Arc::new(lists.finish()) as ArrayRef)]).unwrap();
+        let mut properties = WriterProperties::builder();
+        if !dictionary {
+            properties = properties.set_encoding(parquet::basic::Encoding::PLAIN);
+        }
+        let properties = properties
+            .set_dictionary_enabled(dictionary)
+            .set_writer_version(version)
+            .set_data_page_row_count_limit(64)
+            .set_write_batch_size(64)
+            .set_max_row_group_row_count(Some(300))
+            .build();
+        let file = File::create(path).unwrap();
+        let mut writer =
+            parquet::arrow::ArrowWriter::try_new(file, batch.schema(), Some(properties)).unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+    }
+
+    /// Rows `first .. first + count` of row group `group` of the list column, read by
+    /// `read_list_rows`: the values' bytes and the rows' ends (`None` where it gives up).
+    fn read_lists(
+        path: &std::path::Path,
+        group: usize,
+        rows: (u64, u64),
+    ) -> Option<(Vec<u8>, Vec<u64>)> {
+        let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(path).unwrap()).unwrap();
+        let schema = builder.schema().clone();
+        let column =
+            plan_list_column(builder.parquet_schema(), 0, schema.field(0).data_type()).unwrap();
+        let reader = SerializedFileReader::new(File::open(path).unwrap()).unwrap();
+        let (mut out, mut ends) = (Vec::new(), Vec::new());
+        read_list_rows(&reader, group, &column, rows, &mut out, &mut ends)
+            .unwrap()
+            .then_some((out, ends))
+    }
+
+    #[test]
+    fn list_pages_of_both_versions_read_as_the_values_and_each_rows_end() {
+        let dir = tempfile::tempdir().unwrap();
+        for dictionary in [true, false] {
+            for version in [WriterVersion::PARQUET_1_0, WriterVersion::PARQUET_2_0] {
+                let path = dir
+                    .path()
+                    .join(format!("l-{dictionary}-{version:?}.parquet"));
+                write_lists(&path, 1000, dictionary, version, None);
+                for (group, first, count) in [
+                    (0, 0, 300),
+                    (3, 0, 100),
+                    (1, 37, 100),
+                    (2, 250, 50),
+                    (1, 0, 1),
+                ] {
+                    let rows = 300 * group + first..300 * group + first + count;
+                    let mut values = Vec::new();
+                    let mut ends = Vec::new();
+                    for row in rows {
+                        for j in 0..row % 9 + 1 {
+                            values.extend_from_slice(&((row * 16 + j) as i32).to_le_bytes());
+                        }
+                        ends.push(values.len() as u64 / 4);
+                    }
+                    let read = read_lists(&path, group, (first as u64, count as u64));
+                    assert!(
+                        read == Some((values, ends)),
+                        "dictionary {dictionary}, {version:?}: group {group}, rows {first} + \
+                         {count}: {}",
+                        read.map_or("given up".into(), |r| format!("{} ends differ", r.1.len()))
+                    );
+                }
+                // More rows than the group holds are given up.
+                assert!(read_lists(&path, 3, (0, 101)).is_none());
+            }
+        }
+        // An empty list (a definition level below the maximum) is left to the Arrow reader.
+        let path = dir.path().join("empty.parquet");
+        write_lists(&path, 300, true, WriterVersion::PARQUET_1_0, Some(120));
+        assert!(read_lists(&path, 0, (0, 300)).is_none());
+        // A plain list plan is not a fixed-width one, and the other way round.
+        let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(&path).unwrap()).unwrap();
+        let list_type = builder.schema().field(0).data_type().clone();
+        assert_eq!(plan_column(builder.parquet_schema(), 0, &list_type), None);
     }
 
     #[test]
