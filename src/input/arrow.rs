@@ -1285,9 +1285,6 @@ type Appended = (usize, Vec<ColumnAppended>);
 /// [`Appended`]).
 type ColumnAppended = (u64, u64, Option<Vec<u64>>);
 
-/// What one thread of [`ParquetRead::append_units`] did: its units, and its files' offsets after.
-type ThreadAppended = (Vec<(usize, Appended)>, Vec<u64>);
-
 impl ParquetRead<'_> {
     /// Decodes `units` on one thread per entry of `file_of` (the indices, in `scratch.files`,
     /// of the files the thread appends each column to), each column of a unit appended to its
@@ -1301,79 +1298,36 @@ impl ParquetRead<'_> {
         names: &[&str],
         variable: &[bool],
     ) -> Result<Vec<Appended>, InputError> {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use std::sync::Mutex;
-        let next = AtomicUsize::new(0);
-        let failed_at = AtomicUsize::new(usize::MAX);
-        let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
         let files = &scratch.files;
-        let outcomes: Vec<ThreadAppended> = std::thread::scope(|scope| {
-            let handles: Vec<_> = file_of
-                .iter()
-                .enumerate()
-                .map(|(thread, indices)| {
-                    let (next, failed_at, errors) = (&next, &failed_at, &errors);
-                    scope.spawn(move || {
-                        let mut offsets: Vec<u64> = indices.iter().map(|&i| files[i].1).collect();
-                        let mut done = Vec::new();
-                        loop {
-                            let index = next.fetch_add(1, Ordering::Relaxed);
-                            if index >= units.len() || index > failed_at.load(Ordering::Relaxed) {
-                                break;
-                            }
-                            let unit = &units[index];
-                            let targets: Vec<&File> =
-                                indices.iter().map(|&i| &files[i].0).collect();
-                            let result =
-                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    self.append(unit, &targets, &offsets, names, variable)
-                                }))
-                                .unwrap_or_else(|_| {
-                                    Err(reader_panicked(
-                                        self.path,
-                                        self.group_starts[unit.group] + unit.first,
-                                    ))
-                                });
-                            match result {
-                                Ok((columns, ends_at)) => {
-                                    offsets = ends_at;
-                                    done.push((index, (thread, columns)));
-                                }
-                                Err(error) => {
-                                    let error = if unit.whole {
-                                        error
-                                    } else {
-                                        self.explain(unit, error)
-                                    };
-                                    failed_at.fetch_min(index, Ordering::Relaxed);
-                                    errors
-                                        .lock()
-                                        .expect("no panics while holding the lock")
-                                        .push((index, error));
-                                }
-                            }
-                        }
-                        (done, offsets)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|handle| handle.join().expect("a decoding thread catches its panics"))
-                .collect()
-        });
-        let mut errors = errors
-            .into_inner()
-            .expect("no panics while holding the lock");
-        errors.sort_by_key(|(index, _)| *index);
-        if let Some((_, error)) = errors.into_iter().next() {
-            return Err(error);
+        // Per thread: its number, its files' indices and their offsets, advanced unit by unit.
+        let states: Vec<(usize, &Vec<usize>, Vec<u64>)> = file_of
+            .iter()
+            .enumerate()
+            .map(|(thread, indices)| {
+                (
+                    thread,
+                    indices,
+                    indices.iter().map(|&i| files[i].1).collect(),
+                )
+            })
+            .collect();
+        let outcomes = self.on_threads(units, states, |(thread, indices, offsets), unit| {
+            let targets: Vec<&File> = indices.iter().map(|&i| &files[i].0).collect();
+            let (columns, ends_at) = self.append(unit, &targets, offsets, names, variable)?;
+            *offsets = ends_at;
+            Ok((*thread, columns))
+        })?;
+        let offsets: Vec<(usize, u64)> = outcomes
+            .iter()
+            .flat_map(|((_, indices, offsets), _)| {
+                indices.iter().copied().zip(offsets.iter().copied())
+            })
+            .collect();
+        for (index, offset) in offsets {
+            scratch.files[index].1 = offset;
         }
         let mut appended: Vec<Option<Appended>> = vec![None; units.len()];
-        for ((done, offsets), indices) in outcomes.into_iter().zip(file_of) {
-            for (&index, offset) in indices.iter().zip(offsets) {
-                scratch.files[index].1 = offset;
-            }
+        for (_, done) in outcomes {
             for (unit, result) in done {
                 appended[unit] = Some(result);
             }
@@ -1731,18 +1685,42 @@ impl ParquetRead<'_> {
         files: &mut [(File, u64)],
         row_bytes: usize,
     ) -> Result<Vec<(usize, Vec<(usize, u64)>)>, InputError> {
+        let states: Vec<(usize, &mut (File, u64))> = files.iter_mut().enumerate().collect();
+        let decoded = self.on_threads(units, states, |(_, (scratch, written)), unit| {
+            let base = *written;
+            self.decode(unit, scratch, base)?;
+            *written += unit.count * row_bytes as u64;
+            Ok(base)
+        })?;
+        Ok(decoded
+            .into_iter()
+            .map(|((thread, _), done)| (thread, done))
+            .collect())
+    }
+
+    /// Runs `work` on `units` on one thread per entry of `states` (the thread's own state), each
+    /// thread taking the next unit in file order as it comes free; returns each state with the
+    /// units it did (their index and `work`'s result), or the error of the lowest unit that failed
+    /// (a slice's explained as its row group's would be, a panic reported as malformed data).
+    /// Units after one that failed are not started; earlier ones still run, so the error reported
+    /// is the first in the file whatever the threads' timing.
+    #[allow(clippy::type_complexity)]
+    fn on_threads<S: Send, T: Send>(
+        &self,
+        units: &[Unit],
+        states: Vec<S>,
+        work: impl Fn(&mut S, &Unit) -> Result<T, InputError> + Sync,
+    ) -> Result<Vec<(S, Vec<(usize, T)>)>, InputError> {
         use std::sync::atomic::{AtomicUsize, Ordering};
         use std::sync::Mutex;
         let next = AtomicUsize::new(0);
-        // The lowest unit that failed: later ones are not started, earlier ones still run, so the
-        // error reported is the first in the file whatever the threads' timing.
         let failed_at = AtomicUsize::new(usize::MAX);
         let errors: Mutex<Vec<(usize, InputError)>> = Mutex::new(Vec::new());
-        let decoded: Vec<(usize, Vec<(usize, u64)>)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = files
-                .iter_mut()
-                .enumerate()
-                .map(|(thread, (scratch, written))| {
+        let work = &work;
+        let outcomes: Vec<(S, Vec<(usize, T)>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = states
+                .into_iter()
+                .map(|mut state| {
                     let (next, failed_at, errors) = (&next, &failed_at, &errors);
                     scope.spawn(move || {
                         let mut done = Vec::new();
@@ -1752,10 +1730,9 @@ impl ParquetRead<'_> {
                                 break;
                             }
                             let unit = &units[index];
-                            let base = *written;
                             let result =
                                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    self.decode(unit, scratch, base)
+                                    work(&mut state, unit)
                                 }))
                                 .unwrap_or_else(|_| {
                                     Err(reader_panicked(
@@ -1764,10 +1741,7 @@ impl ParquetRead<'_> {
                                     ))
                                 });
                             match result {
-                                Ok(()) => {
-                                    *written += unit.count * row_bytes as u64;
-                                    done.push((index, base));
-                                }
+                                Ok(value) => done.push((index, value)),
                                 Err(error) => {
                                     let error = if unit.whole {
                                         error
@@ -1782,7 +1756,7 @@ impl ParquetRead<'_> {
                                 }
                             }
                         }
-                        (thread, done)
+                        (state, done)
                     })
                 })
                 .collect();
@@ -1797,7 +1771,7 @@ impl ParquetRead<'_> {
         errors.sort_by_key(|(index, _)| *index);
         match errors.into_iter().next() {
             Some((_, error)) => Err(error),
-            None => Ok(decoded),
+            None => Ok(outcomes),
         }
     }
 }

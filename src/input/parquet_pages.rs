@@ -209,12 +209,8 @@ impl ColumnState<'_> {
                 encoding,
                 ..
             } => {
-                let plain = matches!(encoding, Encoding::PLAIN | Encoding::PLAIN_DICTIONARY);
-                if !plain || buf.len() < num_values as usize * column.value_bytes {
-                    return Ok(false);
-                }
-                self.dictionary = Some(buf[..num_values as usize * column.value_bytes].to_vec());
-                Ok(true)
+                self.dictionary = dictionary_values(&buf, num_values, encoding, column.value_bytes);
+                Ok(self.dictionary.is_some())
             }
             Page::DataPage {
                 buf,
@@ -316,6 +312,18 @@ impl ColumnState<'_> {
             Ok(())
         })
     }
+}
+
+/// A dictionary page's `count` values of `value_bytes` each, where it is plain and holds them.
+fn dictionary_values(
+    buf: &[u8],
+    count: u32,
+    encoding: Encoding,
+    value_bytes: usize,
+) -> Option<Vec<u8>> {
+    let plain = matches!(encoding, Encoding::PLAIN | Encoding::PLAIN_DICTIONARY);
+    let bytes = count as usize * value_bytes;
+    (plain && buf.len() >= bytes).then(|| buf[..bytes].to_vec())
 }
 
 /// Whether this reader decodes values of `encoding`.
@@ -425,12 +433,10 @@ pub(super) fn read_list_rows(
                 encoding,
                 ..
             } => {
-                let plain = matches!(encoding, Encoding::PLAIN | Encoding::PLAIN_DICTIONARY);
-                let bytes = num_values as usize * column.value_bytes;
-                if !plain || buf.len() < bytes {
+                dictionary = dictionary_values(&buf, num_values, encoding, column.value_bytes);
+                if dictionary.is_none() {
                     return Ok(false);
                 }
-                dictionary = Some(buf[..bytes].to_vec());
                 continue;
             }
             Page::DataPage {
@@ -832,9 +838,14 @@ mod tests {
         }
     }
 
-    /// Writes the batch with `dictionary` on or off (plain values then), in data pages of version
+    /// Writes `batch` with `dictionary` on or off (plain values then), in data pages of version
     /// `version`, pages of 64 rows and row groups of 300.
-    fn write(path: &std::path::Path, dictionary: bool, version: WriterVersion) {
+    fn write_batch(
+        path: &std::path::Path,
+        batch: &RecordBatch,
+        dictionary: bool,
+        version: WriterVersion,
+    ) {
         let mut properties = WriterProperties::builder();
         if !dictionary {
             // Version 2's default for values without a dictionary is a delta encoding.
@@ -847,12 +858,16 @@ mod tests {
             .set_write_batch_size(64)
             .set_max_row_group_row_count(Some(300))
             .build();
-        let batch = batch();
         let file = File::create(path).unwrap();
         let mut writer =
             parquet::arrow::ArrowWriter::try_new(file, batch.schema(), Some(properties)).unwrap();
-        writer.write(&batch).unwrap();
+        writer.write(batch).unwrap();
         writer.close().unwrap();
+    }
+
+    /// Writes [`batch`] as [`write_batch`] does.
+    fn write(path: &std::path::Path, dictionary: bool, version: WriterVersion) {
+        write_batch(path, &batch(), dictionary, version);
     }
 
     /// Rows `first .. first + count` of row group `group` of column `name`, read by `read_rows`
@@ -968,22 +983,7 @@ mod tests {
         }
         let batch =
             RecordBatch::try_from_iter([("tokens", Arc::new(lists.finish()) as ArrayRef)]).unwrap();
-        let mut properties = WriterProperties::builder();
-        if !dictionary {
-            properties = properties.set_encoding(parquet::basic::Encoding::PLAIN);
-        }
-        let properties = properties
-            .set_dictionary_enabled(dictionary)
-            .set_writer_version(version)
-            .set_data_page_row_count_limit(64)
-            .set_write_batch_size(64)
-            .set_max_row_group_row_count(Some(300))
-            .build();
-        let file = File::create(path).unwrap();
-        let mut writer =
-            parquet::arrow::ArrowWriter::try_new(file, batch.schema(), Some(properties)).unwrap();
-        writer.write(&batch).unwrap();
-        writer.close().unwrap();
+        write_batch(path, &batch, dictionary, version);
     }
 
     /// Rows `first .. first + count` of row group `group` of the list column, read by
