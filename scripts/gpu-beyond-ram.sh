@@ -14,7 +14,9 @@
 #     verified as they are first read (a row of a block not verified yet reads its whole block);
 #     then, on the same daemon, BEYOND_FULL_STEPS more from another seed (more blocks verified).
 # BEYOND_ORDERS (none window full) chooses the orders (a skipped one is said so); BEYOND_DAEMON_FLAGS
-# adds flags to every daemon. Each consumer line has first_batch_seconds (from before it connects), the rate over its stream,
+# adds flags to every daemon. BEYOND_WINDOW_AB=1 adds, in each round, the window shuffle once more
+# without its cold start (GPUFEED_COLD_START_BYTES=0: the first batch waits for the window's shards),
+# case beyond-ram-no-cold-start. Each consumer line has first_batch_seconds (from before it connects), the rate over its stream,
 # the daemon's cores over the stream and the cgroup's memory.peak. Shapes not run are said so.
 # Every run is a JSON line in $OUT/beyond.jsonl; a summary table is printed last. Any failed consumer
 # run fails the script (non-zero exit) after the remaining runs.
@@ -58,11 +60,12 @@ new_cgroup() {
 new_cgroup || { echo "no writable memory cgroup: cannot run"; exit 1; }
 echo "dataset $dataset_bytes bytes in ${#shards[@]} shards; cgroup memory.max $(cat "$cg/memory.max")"
 
+# start_daemon [VAR=VALUE...]: a fresh daemon in a fresh cgroup, with the variables given.
 start_daemon() {
   rm -f "$socket"
   new_cgroup || return 1
   # The daemon joins the cgroup before it starts: the page cache it reads is charged there.
-  sh -c "echo \$\$ >$cg/cgroup.procs && exec $bin/gpufeed serve --data-root $work/data --socket $socket \
+  sh -c "echo \$\$ >$cg/cgroup.procs && exec env $* $bin/gpufeed serve --data-root $work/data --socket $socket \
     --device cuda:0 --http $http ${BEYOND_DAEMON_FLAGS:-}" >"$work/daemon.out" 2>>"$OUT/beyond-daemon.log" &
   daemon=$!
   for _ in $(seq 1 300); do
@@ -136,6 +139,12 @@ PY
       consume_run beyond-ram "$order" "$round"
     fi
     stop_daemon
+    if [ "$order" = window ] && [ "${BEYOND_WINDOW_AB:-0}" = 1 ]; then
+      drop
+      start_daemon GPUFEED_COLD_START_BYTES=0 || { failed=$((failed + 1)); continue; }
+      consume_run beyond-ram-no-cold-start window "$round"
+      stop_daemon
+    fi
   done
 done
 for order in none window full; do
@@ -145,7 +154,8 @@ for order in none window full; do
        printf '{"loader": "gpufeed", "case": "beyond-ram", "order": "%s", "skipped": "not in BEYOND_ORDERS"}\n' "$order" >>"$jsonl" ;;
   esac
 done
-grep -h "rows read from the disk\|full shuffle of a dataset larger" "$OUT/beyond-daemon.log" | tail -4
+grep -h "rows read from the disk\|full shuffle of a dataset larger\|window shuffle of a dataset larger" \
+  "$OUT/beyond-daemon.log" | tail -4
 
 python3 - "$jsonl" <<'PY'
 import json, statistics, sys
@@ -156,7 +166,8 @@ def med(xs):
 print("\nbeyond RAM: medians (runs)")
 for loader, key in (("dd-direct", "gb_per_s_in"), ("random-read-probe", "gb_per_s")):
     print(f"  {loader:34s} GB/s {med([r.get(key) for r in rows if r['loader'] == loader])}")
-for case, order in (("beyond-ram", "none"), ("beyond-ram", "window"), ("beyond-ram-first", "full"),
+for case, order in (("beyond-ram", "none"), ("beyond-ram", "window"),
+                    ("beyond-ram-no-cold-start", "window"), ("beyond-ram-first", "full"),
                     ("beyond-ram-after", "full")):
     rs = [r for r in rows if r.get("case") == case and r.get("order") == order]
     print(f"  gpufeed {case:17s} {order:7s} GB/s {med([r.get('gb_per_s_in_stream') for r in rs])}"

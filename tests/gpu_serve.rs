@@ -834,8 +834,9 @@ fn full_shuffle_rows_read_from_the_disk_are_bit_exact_and_corrupt_blocks_handled
 }
 
 /// Beyond the daemon's memory (`GPUFEED_MEMORY_LIMIT=1M` stands in for a dataset larger than it),
-/// a window shuffle copies shards ahead with each shard's blocks verified by the loader just before
-/// its copy, and dataset order stages its blocks: both bit-exact against the CPU backend, a corrupt
+/// a window shuffle reads its first steps' rows from the disk (its cold start), then copies shards
+/// ahead with each shard's blocks verified by the loader just before its copy, and dataset order
+/// stages its blocks: both bit-exact against the CPU backend, a corrupt
 /// raw block's rows zeros under `replace` (found by the loader's check, said in the log), and the
 /// window shuffle fails naming the shard under `fail`.
 #[test]
@@ -875,7 +876,12 @@ fn beyond_the_memory_limit_shards_are_verified_as_copied_and_corrupt_blocks_hand
         "--slot-memory-max",
         "256M",
     ];
-    let env = [("GPUFEED_MEMORY_LIMIT", "1M")];
+    // The window shuffles' first steps read their rows from the disk (a cold start of 600 KiB of
+    // rows: 12 steps of 96 rows, 1 of 1000), the others from the loader's copies.
+    let env = [
+        ("GPUFEED_MEMORY_LIMIT", "1M"),
+        ("GPUFEED_COLD_START_BYTES", "600K"),
+    ];
     let log = root.path().join("beyond-memory.log");
     let dumps = compare_backends_logged_env(root.path(), &requests, &flags, Some(&log), &env);
     for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
@@ -887,6 +893,14 @@ fn beyond_the_memory_limit_shards_are_verified_as_copied_and_corrupt_blocks_hand
         log.contains("found checking the shard before its copy"),
         "the loader did not find the corrupt block:\n{log}"
     );
+    for steps_end in [12, 1] {
+        assert!(
+            log.contains(&format!(
+                "(until step {steps_end}) read their rows from the disk"
+            )),
+            "no cold start until step {steps_end}:\n{log}"
+        );
+    }
     let gpu = start_daemon_logged_env(root.path(), "cuda:0", &flags, None, &env);
     assert_fails_naming(&gpu.socket, &rows("window", "96", "fail"), &shard);
 }

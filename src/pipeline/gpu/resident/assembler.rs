@@ -105,12 +105,17 @@ fn place_piece_table(
 }
 
 /// The shards a round reading `region_bytes` bytes of each region reads (each once, in order of
-/// their first region), and the regions it reads.
-fn shards_read(device_shards: &DeviceShards, region_bytes: &[u64]) -> (Vec<usize>, Vec<usize>) {
+/// their first region), and the regions it reads; the round's staging (region `staging`), which
+/// lies in no shard, is not among them.
+fn shards_read(
+    device_shards: &DeviceShards,
+    region_bytes: &[u64],
+    staging: Option<usize>,
+) -> (Vec<usize>, Vec<usize>) {
     let mut needed: Vec<usize> = Vec::new();
     let mut regions_read: Vec<usize> = Vec::new();
     for (region, &bytes) in region_bytes.iter().enumerate() {
-        if bytes == 0 {
+        if bytes == 0 || Some(region) == staging {
             continue;
         }
         regions_read.push(region);
@@ -129,10 +134,11 @@ fn prepare_shard_copies(
     engine: &mut RoundEngine,
     planned: &PlannedRows,
 ) -> Result<Vec<usize>, FillError> {
+    let staging = resident.staging_region();
     let Some(device_shards) = resident.device_shards.as_mut() else {
         return Ok(Vec::new());
     };
-    let (needed, regions_read) = shards_read(device_shards, &planned.region_bytes);
+    let (needed, regions_read) = shards_read(device_shards, &planned.region_bytes, staging);
     engine.timings.copy_wait_s +=
         device_shards.prepare_round(&needed, &regions_read, &engine.stream)?;
     Ok(needed)
@@ -253,16 +259,15 @@ fn stage_copied_rows(
     planned: &mut PlannedRows,
     table: &mut [GatherRegion],
 ) -> Result<Option<u64>, FillError> {
-    let Some(copier) = resident.row_copies.as_mut() else {
-        return Ok(None);
-    };
     if planned.copies.is_empty() {
         return Ok(None);
     }
     let staging_region = resident
-        .geometry
         .staging_region()
         .expect("a stream with row copies has a staging region");
+    let Some(copier) = resident.row_copies.as_mut() else {
+        return Ok(None);
+    };
     let used = planned
         .copies
         .iter()
@@ -449,6 +454,7 @@ impl ResidentAssembler {
             resident.planner = Some(Planner::start(
                 Arc::clone(&self.engine.plan),
                 Arc::clone(&resident.geometry),
+                resident.cold_start.clone(),
                 step,
                 rows_per_round,
                 self.group_batches_max,
@@ -777,7 +783,7 @@ impl ResidentAssembler {
             let geometry = &self.resident.geometry;
             let region_bytes =
                 ordered.region_bytes(&self.engine.plan, &group, |s| geometry.first_region(s));
-            let (needed, regions_read) = shards_read(device_shards, &region_bytes);
+            let (needed, regions_read) = shards_read(device_shards, &region_bytes, None);
             self.engine.timings.copy_wait_s +=
                 device_shards.prepare_round(&needed, &regions_read, &self.engine.stream)?;
             let mut table = std::mem::take(&mut self.resident.round_regions);

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use foldhash::{HashMap, HashMapExt};
 
 use super::device_shards::{DeviceShards, ShardWindows};
-use super::planner::{Planner, RowGeometry, RowStaging};
+use super::planner::{ColdStart, Planner, RowGeometry, RowStaging};
 use super::row_copies::{
     row_copy_threads, row_staging_bytes_max, RowCopier, ROW_STAGING_BYTES_MAX,
 };
@@ -75,6 +75,9 @@ pub(in crate::pipeline::gpu) struct Resident {
     /// A full shuffle beyond the registration budget: the threads and pinned buffers that copy
     /// the rows of windows not registered into each round's staging (see `row_copies`).
     pub(super) row_copies: Option<RowCopier>,
+    /// A window shuffle beyond the daemon's memory: its first steps' rows, read from the disk into
+    /// each round's staging through `row_copies` while the loader copies the first window.
+    pub(super) cold_start: Option<ColdStart>,
 }
 
 /// Windows that [`PageCacheWindows::map`] pinned for a stream, unpinned when dropped: when the
@@ -373,6 +376,7 @@ impl Resident {
             windows: mapped,
             planner: None,
             row_copies: None,
+            cold_start: None,
             geometry: Arc::new(RowGeometry::new(
                 plan,
                 first_region,
@@ -469,15 +473,41 @@ impl Resident {
             Some(_) => HashMap::new(),
             None => verify_counted(plan, files, metrics)?,
         };
+        let shard_regions = table.len();
+        let cold = match beyond_memory && plan.order.shuffle_kind() == ShuffleKind::Window {
+            true => window_cold_start(plan, file_bytes, window_bytes, limits, device, &mut table)?,
+            false => None,
+        };
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         tracing::info!(
             "stream copies {} shards ({} windows) through the registration budget into device \
              memory ({} corrupt blocks)",
             plan.dataset.shards.len(),
-            table.len(),
+            shard_regions,
             corrupt.len()
         );
         let table_len = table.len();
+        let geometry = || {
+            RowGeometry::new(
+                plan,
+                first_region.clone(),
+                shard_first_samples.clone(),
+                table_len,
+                window_bytes,
+                corrupt.clone(),
+                limits.gather_piece_out_bytes,
+            )
+        };
+        let (row_copies, cold_start) = match cold {
+            Some((staging, steps_end, copier)) => (
+                Some(copier),
+                Some(ColdStart {
+                    geometry: Arc::new(geometry().with_row_staging(staging)),
+                    steps_end,
+                }),
+            ),
+            None => (None, None),
+        };
         Ok(Some(Resident {
             regions,
             region_count: table_len as u32,
@@ -488,16 +518,9 @@ impl Resident {
             tier: None,
             windows: PinnedWindows::new(windows),
             planner: None,
-            row_copies: None,
-            geometry: Arc::new(RowGeometry::new(
-                plan,
-                first_region,
-                shard_first_samples,
-                table_len,
-                window_bytes,
-                corrupt,
-                limits.gather_piece_out_bytes,
-            )),
+            row_copies,
+            cold_start,
+            geometry: Arc::new(geometry()),
         }))
     }
 
@@ -523,21 +546,7 @@ impl Resident {
         // A round's staging: the device staging buffer of each set of round buffers holds at
         // least `staging_bytes`.
         let capacity = limits.staging_bytes.min(ROW_STAGING_BYTES_MAX) as u64;
-        let row_bytes_max = row_staging_bytes_max(
-            plan.fields.iter().map(|field| {
-                let block_bytes_min = plan
-                    .dataset
-                    .shards
-                    .iter()
-                    .flat_map(|shard| shard.metadata.field_blocks(field.field_index))
-                    .map(|block| block.raw_bytes as u64)
-                    .filter(|&bytes| bytes > 0)
-                    .min()
-                    .unwrap_or(1);
-                (field.sample_bytes_in, block_bytes_min)
-            }),
-            window_bytes,
-        );
+        let row_bytes_max = plan_row_bytes_max(plan, window_bytes);
         let windows_count: u64 = file_bytes.iter().map(|b| b.div_ceil(window_bytes)).sum();
         // One more region: the round's staging.
         if row_bytes_max > capacity || windows_count as usize + 1 > REGIONS_MAX {
@@ -545,6 +554,14 @@ impl Resident {
         }
         // Rows read from the disk (`cold_rows`) register no window: that would fault its pages in.
         let from_disk = rows_from_disk(file_bytes);
+        if from_disk {
+            tracing::info!(
+                "full shuffle of a dataset larger than the daemon's memory ({} bytes): rows read \
+                 from the disk at a queue depth of {}, blocks verified as first read",
+                file_bytes.iter().sum::<u64>(),
+                COLD_QUEUE_DEPTH
+            );
+        }
         let pinned_max = if from_disk {
             0
         } else {
@@ -654,6 +671,7 @@ impl Resident {
             planner: None,
             geometry: Arc::new(geometry),
             row_copies: Some(copier),
+            cold_start: None,
         }))
     }
 
@@ -835,6 +853,7 @@ impl Resident {
             windows: PinnedWindows::new(windows),
             planner: None,
             row_copies: None,
+            cold_start: None,
             geometry: Arc::new(geometry),
         })
     }
@@ -864,6 +883,16 @@ impl Resident {
 
     /// Whether rows of the stream are copied by host threads into each round's staging (a full
     /// shuffle beyond the registration budget): such rounds serve one batch each.
+    /// The region of a round's staging in the stream's table, when some rows are copied into it
+    /// (a full shuffle beyond the registration budget, or a window shuffle's cold start).
+    pub(super) fn staging_region(&self) -> Option<usize> {
+        self.geometry.staging_region().or_else(|| {
+            self.cold_start
+                .as_ref()
+                .and_then(|cold| cold.geometry.staging_region())
+        })
+    }
+
     pub(in crate::pipeline::gpu) fn copies_rows(&self) -> bool {
         self.row_copies.is_some()
     }
@@ -1068,17 +1097,108 @@ fn warm_for_full_shuffle(
 fn rows_from_disk(file_bytes: &[u64]) -> bool {
     let dataset_bytes: u64 = file_bytes.iter().sum();
     let memory_limit = crate::storage::memory::memory_limit_bytes();
-    let from_disk = RowReads::from_env().reads_disk(dataset_bytes, memory_limit);
-    if from_disk {
-        tracing::info!(
-            "full shuffle of a dataset larger than the daemon's memory ({} bytes, limit {}): rows \
-             read from the disk at a queue depth of {}, blocks verified as first read",
-            dataset_bytes,
-            memory_limit.map_or("unknown".to_string(), |l| format!("{l} bytes")),
-            COLD_QUEUE_DEPTH
-        );
+    RowReads::from_env().reads_disk(dataset_bytes, memory_limit)
+}
+
+/// The most staging bytes one row of `plan` takes in a round's staging (see
+/// `row_copies::row_staging_bytes_max`), windows of `window_bytes`.
+fn plan_row_bytes_max(plan: &StreamPlan, window_bytes: u64) -> u64 {
+    row_staging_bytes_max(
+        plan.fields.iter().map(|field| {
+            let block_bytes_min = plan
+                .dataset
+                .shards
+                .iter()
+                .flat_map(|shard| shard.metadata.field_blocks(field.field_index))
+                .map(|block| block.raw_bytes as u64)
+                .filter(|&bytes| bytes > 0)
+                .min()
+                .unwrap_or(1);
+            (field.sample_bytes_in, block_bytes_min)
+        }),
+        window_bytes,
+    )
+}
+
+/// Rows a window shuffle beyond the daemon's memory reads from the disk before it reads from the
+/// shards its loader copies (see [`window_cold_start`]), unless `GPUFEED_COLD_START_BYTES` says
+/// otherwise: two batches of 4096 rows of 2 KiB.
+const COLD_START_BYTES_DEFAULT: u64 = 16 << 20;
+
+/// The cold start of a window shuffle of a dataset larger than the daemon's memory (see
+/// [`ColdStart`]). Its first batch draws rows from every shard of its window, so it would wait for
+/// the loader to copy the whole window (4 shards of 512 MiB take 1.4 s at 1.4 GB/s). Instead its
+/// first steps, about `GPUFEED_COLD_START_BYTES` of rows (16 MiB by default, at least one step;
+/// 0: none), read their rows from the disk at a deep queue (`cold_rows`, each block verified as
+/// first read), each round's into its staging, whose region is added to `table`, while the loader
+/// copies the window. Returns the staging, the first step after the cold ones, and the reader;
+/// `None` when the rows come from the page cache (`GPUFEED_ROW_READS`), or a round's staging or
+/// the region table cannot hold them.
+fn window_cold_start(
+    plan: &StreamPlan,
+    file_bytes: &[u64],
+    window_bytes: u64,
+    limits: &GpuStreamLimits,
+    device: &crate::device::Device,
+    table: &mut Vec<GatherRegion>,
+) -> Result<Option<(RowStaging, u64, RowCopier)>, FillError> {
+    let cold_bytes = match std::env::var("GPUFEED_COLD_START_BYTES") {
+        Ok(text) => match crate::storage::memory::parse_bytes(&text) {
+            Some(bytes) => bytes,
+            None => {
+                tracing::warn!(
+                    "GPUFEED_COLD_START_BYTES={text:?} is ignored: not a byte count like 16M"
+                );
+                COLD_START_BYTES_DEFAULT
+            }
+        },
+        Err(_) => COLD_START_BYTES_DEFAULT,
+    };
+    let capacity = limits.staging_bytes.min(ROW_STAGING_BYTES_MAX) as u64;
+    let row_bytes_max = plan_row_bytes_max(plan, window_bytes);
+    if cold_bytes == 0
+        || !rows_from_disk(file_bytes)
+        || row_bytes_max > capacity
+        || table.len() + 1 > REGIONS_MAX
+    {
+        return Ok(None);
     }
-    from_disk
+    let step_bytes: u64 = plan.rank.batch_size as u64
+        * plan
+            .fields
+            .iter()
+            .map(|f| f.sample_bytes_in as u64)
+            .sum::<u64>();
+    let steps_end = (cold_bytes / step_bytes.max(1)).clamp(1, plan.steps.max(1));
+    let mut copied = vec![true; table.len()];
+    copied.push(false);
+    let region = table.len();
+    // Pointed at the round's staging by each round that reads it; read by the cold steps only.
+    table.push(GatherRegion {
+        ptr: 0,
+        bytes: capacity,
+    });
+    let cold = ColdRows::open(Arc::clone(&plan.dataset), plan.on_corrupt)?;
+    let rounds = limits
+        .rounds_in_flight
+        .clamp(ROUNDS_IN_FLIGHT_MIN, ROUNDS_IN_FLIGHT_MAX);
+    let paths = plan.dataset.shards.iter().map(|s| s.path.clone()).collect();
+    let copier = RowCopier::new(device, paths, rounds, capacity as usize, 1, Some(cold))?;
+    tracing::info!(
+        "window shuffle of a dataset larger than the daemon's memory ({} bytes): its first steps \
+         (until step {}) read their rows from the disk at a queue depth of {} (blocks verified \
+         as first read) while the loader copies the first window's shards",
+        file_bytes.iter().sum::<u64>(),
+        steps_end,
+        COLD_QUEUE_DEPTH
+    );
+    let staging = RowStaging {
+        copied,
+        region,
+        capacity,
+        row_bytes_max,
+    };
+    Ok(Some((staging, steps_end, copier)))
 }
 
 /// [`verify_blocks`], the bytes it read counted in the device's metrics; returns the corrupt

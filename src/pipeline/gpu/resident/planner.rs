@@ -38,6 +38,18 @@ fn plan_workers(plan_threads: usize) -> usize {
 /// 6 ms (a planned step of 4096 rows holds about 100 KiB).
 const STEPS_PLANNED_AHEAD: usize = 16;
 
+/// The first steps of a stream planned over another geometry than the rest: a window shuffle beyond
+/// the daemon's memory reads the rows of its first steps from the disk into each round's staging
+/// (every row copied, see [`RowStaging`]) while its loader copies the first window's shards, then
+/// reads every row from those copies.
+#[derive(Clone)]
+pub(super) struct ColdStart {
+    /// The geometry of steps before `steps_end`.
+    pub(super) geometry: Arc<RowGeometry>,
+    /// The first step planned over the stream's own geometry.
+    pub(super) steps_end: u64,
+}
+
 /// One step's rows, planned in rounds.
 pub(super) struct PlannedStep {
     pub(super) step: u64,
@@ -69,10 +81,12 @@ pub(super) struct Planner {
 
 impl Planner {
     /// Starts planning from `first_step`, `rows_per_round` rows a round, in chunks of `chunk`
-    /// steps, on `plan_threads` threads (0: as many as [`plan_workers`] chooses).
+    /// steps, on `plan_threads` threads (0: as many as [`plan_workers`] chooses); the steps before
+    /// `cold.steps_end` over `cold.geometry`, the others over `geometry`.
     pub(super) fn start(
         plan: Arc<StreamPlan>,
         geometry: Arc<RowGeometry>,
+        cold: Option<ColdStart>,
         first_step: u64,
         rows_per_round: usize,
         chunk: usize,
@@ -88,6 +102,7 @@ impl Planner {
             let (sender, receiver) =
                 std::sync::mpsc::sync_channel((STEPS_PLANNED_AHEAD / chunk as usize).max(2));
             let (plan, geometry) = (Arc::clone(&plan), Arc::clone(&geometry));
+            let cold = cold.clone();
             let busy_ns = Arc::clone(&busy_ns);
             let thread = std::thread::Builder::new()
                 .name(format!("gpufeed-plan-{worker}"))
@@ -103,7 +118,11 @@ impl Planner {
                                 .rank
                                 .batch_positions(plan.order.len(), plan.start_cursor, step)
                                 .collect();
-                            let rounds = plan_step(&plan, &geometry, &positions, rows_per_round);
+                            let geometry = match &cold {
+                                Some(cold) if step < cold.steps_end => &cold.geometry,
+                                _ => &geometry,
+                            };
+                            let rounds = plan_step(&plan, geometry, &positions, rows_per_round);
                             busy_ns.fetch_add(
                                 started.elapsed().as_nanos() as u64,
                                 std::sync::atomic::Ordering::Relaxed,
@@ -887,5 +906,125 @@ mod tests {
         assert!(several_rounds, "the staging cut a batch into rounds");
         // About half the rows lie in windows whose rows are copied.
         assert!(copies > samples / 4, "{copies} rows copied");
+    }
+
+    /// A cold start: the planning threads plan the steps before `steps_end` over the cold geometry
+    /// (every row copied into the round's staging, nothing read from the shards' regions) and the
+    /// later ones over the stream's own (nothing copied); both gather what the CPU converts.
+    #[test]
+    fn a_cold_start_plans_its_first_steps_from_staging_and_the_rest_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let samples = 500;
+        let (plan, rows) = full_shuffle_plan(dir.path(), samples);
+        let plan = Arc::new(plan);
+        let window_bytes = 8192u64;
+        let files: Vec<Vec<u8>> = plan
+            .dataset
+            .shards
+            .iter()
+            .map(|shard| std::fs::read(&shard.path).unwrap())
+            .collect();
+        let mut first_region = Vec::new();
+        let mut windows = Vec::new();
+        for (shard, file) in files.iter().enumerate() {
+            first_region.push(windows.len() as u32);
+            let mut start = 0u64;
+            while start < file.len() as u64 {
+                windows.push((shard, start, window_bytes.min(file.len() as u64 - start)));
+                start += window_bytes;
+            }
+        }
+        let staging_region = windows.len();
+        let mut firsts = vec![0u64];
+        for shard in &plan.dataset.manifest.shards {
+            firsts.push(firsts.last().unwrap() + shard.sample_count);
+        }
+        let geometry = || {
+            RowGeometry::new(
+                &plan,
+                first_region.clone(),
+                firsts.clone(),
+                windows.len() + 1,
+                window_bytes,
+                HashMap::default(),
+                16 << 10,
+            )
+        };
+        let mut copied = vec![true; windows.len()];
+        copied.push(false);
+        let row_bytes_max = super::super::row_copies::row_staging_bytes_max(
+            [(74usize, 4096u64)].into_iter(),
+            window_bytes,
+        );
+        let cold = ColdStart {
+            geometry: Arc::new(geometry().with_row_staging(RowStaging {
+                copied: copied.clone(),
+                region: staging_region,
+                capacity: 1 << 16,
+                row_bytes_max,
+            })),
+            steps_end: 3,
+        };
+        let mut planner = Planner::start(
+            Arc::clone(&plan),
+            Arc::new(geometry()),
+            Some(cold),
+            1,
+            1 << 20,
+            2,
+            3,
+        );
+        assert!(plan.steps > 4, "steps past the cold start");
+        for step in 1..plan.steps {
+            let planned = planner.next().unwrap();
+            assert_eq!(planned.step, step);
+            let rounds = planned.rounds.unwrap();
+            let copies: usize = rounds.iter().map(|r| r.copies.len()).sum();
+            let staged: u64 = rounds.iter().map(|r| r.region_bytes[staging_region]).sum();
+            let in_place: u64 = rounds
+                .iter()
+                .flat_map(|r| r.region_bytes[..staging_region].iter())
+                .sum();
+            if step < 3 {
+                assert_eq!(copies, planned.rows, "step {step}: every row copied");
+                assert_eq!(in_place, 0, "step {step}: no row read from a shard");
+                assert_eq!(staged, planned.rows as u64 * 74);
+            } else {
+                assert_eq!(copies + staged as usize, 0, "step {step}: nothing copied");
+                assert_eq!(in_place, planned.rows as u64 * 74);
+            }
+            let mask = if step < 3 {
+                copied.clone()
+            } else {
+                vec![false; windows.len() + 1]
+            };
+            let slot = gather_on_host(
+                &rounds,
+                &files,
+                &windows,
+                &mask,
+                staging_region,
+                plan.slot_bytes,
+            );
+            let positions: Vec<u64> = plan
+                .rank
+                .batch_positions(plan.order.len(), plan.start_cursor, step)
+                .collect();
+            for (row, &position) in positions.iter().enumerate() {
+                let sample = plan.order.sample_at(position) as usize;
+                let mut expected = [0u8; 148];
+                crate::decode::convert(
+                    gpufeed_proto::DType::F16,
+                    &rows[sample * 74..(sample + 1) * 74],
+                    gpufeed_proto::DType::F32,
+                    &mut expected,
+                )
+                .unwrap();
+                assert!(
+                    slot[row * 148..(row + 1) * 148] == expected[..],
+                    "step {step} row {row}"
+                );
+            }
+        }
     }
 }
