@@ -15,7 +15,7 @@
 #     then, on the same daemon, BEYOND_FULL_STEPS more from another seed (more blocks verified).
 # BEYOND_ORDERS (none window full) chooses the orders (a skipped one is said so); BEYOND_DAEMON_FLAGS
 # adds flags to every daemon. BEYOND_WINDOW_AB=1 adds, in each round, the window shuffle once more
-# without its cold start (GPUFEED_COLD_START_BYTES=0: the first batch waits for the window's shards),
+# without its cold start (GPUFEED_COLD_START_STEPS=0: the first batch waits for the window's shards),
 # case beyond-ram-no-cold-start. Each consumer line has first_batch_seconds (from before it connects), the rate over its stream,
 # the daemon's cores over the stream and the cgroup's memory.peak. Shapes not run are said so.
 # Every run is a JSON line in $OUT/beyond.jsonl; a summary table is printed last. Any failed consumer
@@ -141,7 +141,7 @@ PY
     stop_daemon
     if [ "$order" = window ] && [ "${BEYOND_WINDOW_AB:-0}" = 1 ]; then
       drop
-      start_daemon GPUFEED_COLD_START_BYTES=0 || { failed=$((failed + 1)); continue; }
+      start_daemon GPUFEED_COLD_START_STEPS=0 || { failed=$((failed + 1)); continue; }
       consume_run beyond-ram-no-cold-start window "$round"
       stop_daemon
     fi

@@ -447,7 +447,10 @@ impl Filler {
             if next == filler.steps && pending == 0 {
                 break;
             }
-            if next < filler.steps && pending < depth {
+            if next < filler.steps
+                && pending < depth
+                && !(pending > 0 && filler.delivers_before(next))
+            {
                 let taken = handoff.take_free(pending == 0);
                 let submitting = std::time::Instant::now();
                 let took = (submitting - mark).as_secs_f64();
@@ -623,6 +626,15 @@ impl Filler {
             Backend::Cpu { done, .. } => !done.is_empty(),
             Backend::Upload(upload) => upload.pending() > 0,
             Backend::Gpu { assembler, .. } => assembler.oldest_complete(),
+        }
+    }
+
+    /// Whether the batches submitted are delivered before step `step` is submitted (see
+    /// [`crate::pipeline::GpuAssembler::delivers_before`]).
+    fn delivers_before(&self, step: u64) -> bool {
+        match &self.backend {
+            Backend::Gpu { assembler, .. } => assembler.delivers_before(step),
+            _ => false,
         }
     }
 

@@ -336,6 +336,17 @@ impl GpuAssembler {
         }
     }
 
+    /// Whether the batches submitted before step `step` should be delivered before it is submitted:
+    /// its submission may wait long for the disk (the first step after a window shuffle's cold
+    /// start waits for the loader's copies of the window's shards), and the batches before it are
+    /// ready or nearly so.
+    pub fn delivers_before(&self, step: u64) -> bool {
+        match self {
+            GpuAssembler::Staged(_) => false,
+            GpuAssembler::Resident(resident) => resident.delivers_before(step),
+        }
+    }
+
     /// Batches submitted and not completed yet.
     pub fn pending_batches(&self) -> usize {
         self.engine().batches.len()

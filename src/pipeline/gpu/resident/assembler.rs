@@ -364,8 +364,10 @@ impl ResidentAssembler {
         self.engine.wait_released(released)?;
         // Shards are read ahead from the first batch of a group on: a later batch's read-ahead
         // could give the slots of shards the group reads to shards further on before the group's
-        // round records its reads.
-        if self.group.is_none() {
+        // round records its reads. A cold step reads its rows from the disk first, alone: the
+        // loader's copies would share the disk with them (see `ColdStart`).
+        let cold = self.cold_step(step);
+        if self.group.is_none() && !cold {
             if let (Some(device_shards), Some(first)) =
                 (self.resident.device_shards.as_mut(), planned.first_position)
             {
@@ -388,6 +390,13 @@ impl ResidentAssembler {
         }
         for rows in rounds {
             self.queue_resident_round(step..step + 1, rows, slot)?;
+        }
+        if let (true, Some(device_shards), Some(first)) = (
+            cold,
+            self.resident.device_shards.as_mut(),
+            planned.first_position,
+        ) {
+            device_shards.read_ahead(&self.engine.plan.order, first)?;
         }
         // No record of `ready` here: every write to the slot is queued before the completion event
         // of its batch's last round, which [`Self::complete`] waits for on the host before the batch
@@ -679,6 +688,22 @@ impl ResidentAssembler {
             gathered: count > 0,
         });
         Ok(())
+    }
+
+    /// Whether step `step` is one of a window shuffle's cold start (see `ColdStart`).
+    fn cold_step(&self, step: u64) -> bool {
+        self.resident
+            .cold_start
+            .as_ref()
+            .is_some_and(|cold| step < cold.steps_end)
+    }
+
+    /// See [`crate::pipeline::GpuAssembler::delivers_before`]: the first step after a cold start.
+    pub(in crate::pipeline::gpu) fn delivers_before(&self, step: u64) -> bool {
+        self.resident
+            .cold_start
+            .as_ref()
+            .is_some_and(|cold| step == cold.steps_end)
     }
 
     /// Waits for the oldest submitted batch and returns its step and report (see

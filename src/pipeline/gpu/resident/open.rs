@@ -475,7 +475,15 @@ impl Resident {
         };
         let shard_regions = table.len();
         let cold = match beyond_memory && plan.order.shuffle_kind() == ShuffleKind::Window {
-            true => window_cold_start(plan, file_bytes, window_bytes, limits, device, &mut table)?,
+            true => window_cold_start(
+                plan,
+                file_bytes,
+                window_bytes,
+                needed,
+                limits,
+                device,
+                &mut table,
+            )?,
             false => None,
         };
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
@@ -1120,56 +1128,69 @@ fn plan_row_bytes_max(plan: &StreamPlan, window_bytes: u64) -> u64 {
     )
 }
 
-/// Rows a window shuffle beyond the daemon's memory reads from the disk before it reads from the
-/// shards its loader copies (see [`window_cold_start`]), unless `GPUFEED_COLD_START_BYTES` says
-/// otherwise: two batches of 4096 rows of 2 KiB.
-const COLD_START_BYTES_DEFAULT: u64 = 16 << 20;
+/// Steps of a window shuffle beyond the daemon's memory that read their rows from the disk before
+/// it reads from the shards its loader copies (see [`window_cold_start`]), unless
+/// `GPUFEED_COLD_START_STEPS` says otherwise.
+const COLD_START_STEPS_DEFAULT: u64 = 1;
 
 /// The cold start of a window shuffle of a dataset larger than the daemon's memory (see
 /// [`ColdStart`]). Its first batch draws rows from every shard of its window, so it would wait for
-/// the loader to copy the whole window (4 shards of 512 MiB take 1.4 s at 1.4 GB/s). Instead its
-/// first steps, about `GPUFEED_COLD_START_BYTES` of rows (16 MiB by default, at least one step;
-/// 0: none), read their rows from the disk at a deep queue (`cold_rows`, each block verified as
-/// first read), each round's into its staging, whose region is added to `table`, while the loader
-/// copies the window. Returns the staging, the first step after the cold ones, and the reader;
-/// `None` when the rows come from the page cache (`GPUFEED_ROW_READS`), or a round's staging or
-/// the region table cannot hold them.
+/// the loader to copy the whole window (4 shards of 512 MiB take 1.5 s at 1.4 GB/s). Instead its
+/// first steps (`GPUFEED_COLD_START_STEPS`, 1 by default; 0: none) read their rows from the disk at
+/// a deep queue (`cold_rows`), each round's into its staging, whose region is added to `table`,
+/// before the loader starts on the window. A row of a block not verified yet reads its whole block
+/// (verified then), so a cold step reads up to a block per row: the default cold start is taken
+/// only when that is at most half of what the window's copy reads (`window_shards` shards). Returns the
+/// staging, the first step after the cold ones, and the reader; `None` when the rows come from the
+/// page cache (`GPUFEED_ROW_READS`), the cold start would read too much, or a round's staging or
+/// the region table cannot hold it.
+#[allow(clippy::too_many_arguments)]
 fn window_cold_start(
     plan: &StreamPlan,
     file_bytes: &[u64],
     window_bytes: u64,
+    window_shards: usize,
     limits: &GpuStreamLimits,
     device: &crate::device::Device,
     table: &mut Vec<GatherRegion>,
 ) -> Result<Option<(RowStaging, u64, RowCopier)>, FillError> {
-    let cold_bytes = match std::env::var("GPUFEED_COLD_START_BYTES") {
-        Ok(text) => match crate::storage::memory::parse_bytes(&text) {
-            Some(bytes) => bytes,
-            None => {
-                tracing::warn!(
-                    "GPUFEED_COLD_START_BYTES={text:?} is ignored: not a byte count like 16M"
-                );
-                COLD_START_BYTES_DEFAULT
+    // Given in the environment, the count is taken as given (the size check below is skipped).
+    let given = std::env::var("GPUFEED_COLD_START_STEPS")
+        .ok()
+        .and_then(|text| match text.trim().parse::<u64>() {
+            Ok(steps) => Some(steps),
+            Err(_) => {
+                tracing::warn!("GPUFEED_COLD_START_STEPS={text:?} is ignored: not a step count");
+                None
             }
-        },
-        Err(_) => COLD_START_BYTES_DEFAULT,
-    };
+        });
+    let steps = given.unwrap_or(COLD_START_STEPS_DEFAULT);
+    let block_bytes_max = plan
+        .fields
+        .iter()
+        .flat_map(|field| {
+            plan.dataset
+                .shards
+                .iter()
+                .flat_map(|shard| shard.metadata.field_blocks(field.field_index))
+        })
+        .map(|block| block.stored_bytes as u64)
+        .max()
+        .unwrap_or(0);
+    let shard_bytes = file_bytes.iter().sum::<u64>() / file_bytes.len().max(1) as u64;
+    let cold_read_bytes = steps * plan.rank.batch_size as u64 * block_bytes_max;
+    let window_read_bytes = window_shards as u64 * shard_bytes;
     let capacity = limits.staging_bytes.min(ROW_STAGING_BYTES_MAX) as u64;
     let row_bytes_max = plan_row_bytes_max(plan, window_bytes);
-    if cold_bytes == 0
+    if steps == 0
+        || (given.is_none() && cold_read_bytes > window_read_bytes / 2)
         || !rows_from_disk(file_bytes)
         || row_bytes_max > capacity
         || table.len() + 1 > REGIONS_MAX
     {
         return Ok(None);
     }
-    let step_bytes: u64 = plan.rank.batch_size as u64
-        * plan
-            .fields
-            .iter()
-            .map(|f| f.sample_bytes_in as u64)
-            .sum::<u64>();
-    let steps_end = (cold_bytes / step_bytes.max(1)).clamp(1, plan.steps.max(1));
+    let steps_end = steps.min(plan.steps);
     let mut copied = vec![true; table.len()];
     copied.push(false);
     let region = table.len();
