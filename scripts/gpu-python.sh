@@ -11,7 +11,8 @@
 #      (the Python one twice: taking each batch only, and summing each batch on its CUDA stream),
 #      on PY_GIB GiB of fp16 rows of 2 KiB (raw shards of 512 MiB, page cache warm), fp32 device
 #      batches: batch 4096 (rate) and batch 64 (per-batch overhead). JSON lines in $OUT/python.jsonl.
-# Any failed step makes the script exit non-zero; a summary is printed last.
+# PY_SKIP_BENCH=1 skips step 3 (said so). Any failed step makes the script exit non-zero; a summary
+# is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/gpufeed-python}"
@@ -112,6 +113,10 @@ trap mps_stop EXIT
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_gpu_mps python 180 20 bash "$0" --under-mps env GPUFEED_TEST_DEVICE=cuda:0 python3 -m pytest -q -rs -p no:cacheprovider ffi/python/tests/test_gpu.py
 
 [ -n "${PY_BENCH_ONLY:-}" ] || step py_train python 200 30 bash "$0" --train-only
-step py_bench bench 300 60 bash "$0" --bench-only
-grep -A8 '^| consumer' "$OUT/bench.log"
+if [ -n "${PY_SKIP_BENCH:-}" ]; then
+  echo "skipped: the Python consumer benchmark (PY_SKIP_BENCH)"
+else
+  step py_bench bench 300 60 bash "$0" --bench-only
+  grep -A8 '^| consumer' "$OUT/bench.log"
+fi
 step_summary

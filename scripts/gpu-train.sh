@@ -26,7 +26,9 @@
 # TRAIN_DAEMON_FLAGS adds flags to the gpufeed daemon (say `--device-cache 10G`, the device-memory
 # tier), and TRAIN_LABEL a suffix to the feeders' labels for such a variant (`--plain` run once per
 # variant in one call compares them); TRAIN_MODELS, TRAIN_STEPS (model=N,...) and TRAIN_WARMUP choose
-# what runs (a warm-up longer than an epoch's steps, 1024 at the defaults, times later epochs only).
+# what runs (a warm-up longer than an epoch's steps, 1024 at the defaults, times later epochs only);
+# TRAIN_PREFETCH the slots gpufeed fills ahead (4). The daemon inherits the environment: say
+# GPUFEED_FILL_BURST=4 GPUFEED_BATCH_GROUP_BYTES=64M (refills in bursts of 4 batches, one launch).
 # Any failed step makes the script exit non-zero; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -49,7 +51,8 @@ export PYTHONPATH=/tmp/gpufeed-site:/tmp/dali-site
 bench_args() {
   echo --npy "$npy" --socket "$socket" --dataset emb --field data --batch-size "${TRAIN_BATCH:-4096}" \
     --runs "${TRAIN_RUNS:-3}" --warmup "${TRAIN_WARMUP:-20}" --jsonl "$jsonl" \
-    ${TRAIN_STEPS:+--steps "$TRAIN_STEPS"} ${TRAIN_MODELS:+--models "$TRAIN_MODELS"}
+    ${TRAIN_STEPS:+--steps "$TRAIN_STEPS"} ${TRAIN_MODELS:+--models "$TRAIN_MODELS"} \
+    ${TRAIN_PREFETCH:+--prefetch "$TRAIN_PREFETCH"}
 }
 
 # start_daemon LABEL: a daemon serving $work/data on cuda:0 (in this shell's environment: under MPS
