@@ -27,8 +27,7 @@
 # tier), and TRAIN_LABEL a suffix to the feeders' labels for such a variant (`--plain` run once per
 # variant in one call compares them); TRAIN_MODELS, TRAIN_STEPS (model=N,...) and TRAIN_WARMUP choose
 # what runs (a warm-up longer than an epoch's steps, 1024 at the defaults, times later epochs only);
-# TRAIN_PREFETCH the slots gpufeed fills ahead (4). The daemon inherits the environment: say
-# GPUFEED_FILL_BURST=4 GPUFEED_BATCH_GROUP_BYTES=64M (refills in bursts of 4 batches, one launch).
+# TRAIN_PREFETCH the slots gpufeed fills ahead (4). The daemon inherits the script's environment.
 # Any failed step makes the script exit non-zero; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1

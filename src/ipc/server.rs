@@ -1035,10 +1035,12 @@ impl RingHandoff {
     }
 }
 
-impl RingHandoff {
-    /// [`Handoff::take_free`], waiting for a free slot until `deadline` (`None`: for as long as it
-    /// takes; a deadline past: not at all).
-    fn take_free_by(&mut self, deadline: Option<std::time::Instant>) -> Result<Option<u32>, Ended> {
+impl Handoff for RingHandoff {
+    fn begin(&mut self) {
+        self.unfinished.armed = true;
+    }
+
+    fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended> {
         let mut counted = false;
         loop {
             if self.stop.load(Ordering::SeqCst) {
@@ -1057,16 +1059,9 @@ impl RingHandoff {
                 Ok(_) => continue,
                 Err(reason) => return Err(self.refuse(reason)),
             }
-            let sleep = match deadline {
-                None => std::time::Duration::from_millis(RELEASE_WAIT_MS as u64),
-                Some(deadline) => {
-                    let now = std::time::Instant::now();
-                    if now >= deadline {
-                        return Ok(None);
-                    }
-                    (deadline - now).min(std::time::Duration::from_millis(RELEASE_WAIT_MS as u64))
-                }
-            };
+            if !wait {
+                return Ok(None);
+            }
             let view = &self.handoff.view;
             if !counted {
                 // Once per call, however many doorbell timeouts it sleeps through.
@@ -1082,7 +1077,7 @@ impl RingHandoff {
             let found = self.take_releases();
             if matches!(found, Ok(0)) {
                 let slept = std::time::Instant::now();
-                self.handoff.daemon_bell.wait_for(None, Some(sleep));
+                self.handoff.daemon_bell.wait(None, RELEASE_WAIT_MS);
                 self.handoff.daemon_bell.clear();
                 self.waits.sleeps += 1;
                 self.waits.slept_s += slept.elapsed().as_secs_f64();
@@ -1092,25 +1087,6 @@ impl RingHandoff {
                 return Err(self.refuse(reason));
             }
         }
-    }
-}
-
-impl Handoff for RingHandoff {
-    fn begin(&mut self) {
-        self.unfinished.armed = true;
-    }
-
-    fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended> {
-        let now = std::time::Instant::now();
-        self.take_free_by((!wait).then_some(now))
-    }
-
-    fn take_free_within(&mut self, limit: std::time::Duration) -> Result<Option<u32>, Ended> {
-        self.take_free_by(Some(std::time::Instant::now() + limit))
-    }
-
-    fn consumer_held(&self) -> u64 {
-        self.batches_published - self.releases_taken
     }
 
     fn deliver(&mut self, filled: &[Filled]) -> Result<(), Ended> {

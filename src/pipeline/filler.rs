@@ -207,17 +207,6 @@ pub trait Handoff: Send + 'static {
     /// `Ok(None)` when none is free now.
     fn take_free(&mut self, wait: bool) -> Result<Option<u32>, Ended>;
 
-    /// As [`Self::take_free`], waiting for a free slot at most `limit`.
-    fn take_free_within(&mut self, limit: std::time::Duration) -> Result<Option<u32>, Ended> {
-        let _ = limit;
-        self.take_free(false)
-    }
-
-    /// Batches delivered to the consumer and not released yet (in its hands or waiting for it).
-    fn consumer_held(&self) -> u64 {
-        0
-    }
-
     /// Hands filled slots to the consumer, in stream order: one or several completed together (a
     /// group's batches), at most [`DELIVER_AT_ONCE_MAX`].
     fn deliver(&mut self, filled: &[Filled]) -> Result<(), Ended>;
@@ -228,9 +217,6 @@ pub trait Handoff: Send + 'static {
     /// Every step was delivered.
     fn finish(&mut self);
 }
-
-/// The longest a filler refilling in bursts waits for one more free slot (see `Filler::fill_burst`).
-const BURST_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// For the filler's log: seconds waiting for a free slot, delivering, and in the loop's other calls
 /// (taking free slots, submitting, completing); when each quarter of the steps was delivered (a
@@ -450,7 +436,6 @@ impl Filler {
         let started = std::time::Instant::now();
         let usage_at_start = thread_usage();
         let depth = filler.depth();
-        let burst = filler.fill_burst();
         let mut next = 0u64;
         let mut times = LoopTimes::default();
         let mut delivered = 0u64;
@@ -466,15 +451,7 @@ impl Filler {
                 && pending < depth
                 && !(pending > 0 && filler.delivers_before(next))
             {
-                // Refilled in bursts (see `fill_burst`): while the consumer holds more batches than
-                // a burst, the next free slot is waited for, a little, instead of the batches
-                // submitted being gathered now.
-                let taken =
-                    if pending > 0 && pending < burst && handoff.consumer_held() > burst as u64 {
-                        handoff.take_free_within(BURST_WAIT)
-                    } else {
-                        handoff.take_free(pending == 0)
-                    };
+                let taken = handoff.take_free(pending == 0);
                 let submitting = std::time::Instant::now();
                 let took = (submitting - mark).as_secs_f64();
                 mark = submitting;
@@ -632,21 +609,6 @@ impl Filler {
                 times.complete_s
             );
         }
-    }
-
-    /// Batches a GPU stream whose batches are gathered in groups refills at once when its consumer
-    /// is the slower (`GPUFEED_FILL_BURST`, off by default): one launch, one completion and one
-    /// publication for the group instead of one each, so that the daemon's work interrupts a
-    /// trainer's GPU work less often. 1: no bursts.
-    fn fill_burst(&self) -> usize {
-        let Backend::Gpu { assembler, .. } = &self.backend else {
-            return 1;
-        };
-        let asked = std::env::var("GPUFEED_FILL_BURST")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(1);
-        asked.clamp(1, assembler.group_batches_max())
     }
 
     /// Batches submitted ahead of the hand-off at most.

@@ -91,3 +91,54 @@ def test_the_status_says_whether_the_daemon_runs_under_mps(daemon):
         assert mps["pipe_directory"] == os.environ["CUDA_MPS_PIPE_DIRECTORY"], mps
     else:
         assert mps["active"] is False and mps["client"] is False, mps
+
+
+@pytest.fixture(scope="module")
+def mixture_daemons(tmp_path_factory):
+    """Two datasets (`web` and `code`, as in test_mixture) served by a daemon on the test device
+    and by a CPU one."""
+    from conftest import Daemon
+    from test_mixture import pack
+
+    root = tmp_path_factory.mktemp("gpufeed-gpu-mixture")
+    (root / "data").mkdir()
+    pack(root, "web", 0, 700)
+    pack(root, "code", 1, 300)
+    cpu_root = tmp_path_factory.mktemp("gpufeed-cpu-mixture")
+    import shutil
+    shutil.copytree(root / "data", cpu_root / "data")
+    gpu, cpu = Daemon(root, DEVICE), Daemon(cpu_root, "cpu")
+    yield gpu, cpu
+    gpu.stop()
+    cpu.stop()
+
+
+def test_the_torch_dataset_serves_a_mixture_on_the_gpu_as_the_cpu_backend(mixture_daemons):
+    """gpufeed.torch.GpufeedDataset over a mixture's sources with no device given: tensors on the
+    GPU (where torch sees one), batches assembled on the host and uploaded, equal row for row to
+    the CPU backend's over two epochs of a full shuffle."""
+    torch = pytest.importorskip("torch")
+    from gpufeed.torch import GpufeedDataset
+
+    gpu, cpu = mixture_daemons
+    sources = [("web", 0.7), ("code", 0.3)]
+
+    def epochs(socket, device):
+        dataset = GpufeedDataset(socket, sources, 64, fields={"id": None, "emb": "f32"},
+                                 shuffle="full", seed=4, rank=0, world_size=1, device=device)
+        served = []
+        for epoch in range(2):
+            dataset.set_epoch(epoch)
+            for batch in dataset:
+                served.append({name: tensor.cpu().numpy().copy() for name, tensor in batch.items()})
+                devices = {tensor.device.type for tensor in batch.values()}
+                assert devices == ({"cuda"} if device is None else {"cpu"}), devices
+        dataset.close()
+        return served
+
+    on_gpu = epochs(gpu.socket, None)
+    on_cpu = epochs(cpu.socket, "cpu")
+    assert len(on_gpu) == len(on_cpu) > 10
+    for step, (g, c) in enumerate(zip(on_gpu, on_cpu)):
+        for name in ("id", "emb"):
+            assert g[name].tobytes() == c[name].tobytes(), f"batch {step}, field {name}"

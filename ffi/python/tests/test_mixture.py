@@ -18,6 +18,7 @@ def pack(root, name, source, samples, id_dtype=np.int32, extra=False):
     """A dataset whose `id` field is [source, index] for each sample."""
     ids = np.stack([np.full(samples, source), np.arange(samples)], axis=1).astype(id_dtype)
     emb = (np.arange(samples * 4, dtype=np.float32).reshape(samples, 4) + source * 100_000)
+    emb = emb.astype(np.float32)  # f32 under every numpy's promotion rules
     inputs = []
     for field, array in [("id", ids), ("emb", emb)] + ([("flag", np.ones(samples, np.uint8))] if extra else []):
         path = root / f"{name}-{field}.npy"

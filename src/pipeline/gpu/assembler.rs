@@ -37,18 +37,6 @@ const BATCH_GROUP_OUT_BYTES_IN_TIER: usize = 16 << 20;
 /// The most batches, and pieces, one round of a stream gathers together (see
 /// `resident::group`), for slots of `slot_bytes`, at most `batch_group_max` batches, rounds that
 /// pass at most `inline_pieces_max` pieces in a launch and hold `pieces_max` in their table.
-/// `GPUFEED_BATCH_GROUP_BYTES`: the most output one round's group of batches gathers, instead of
-/// [`BATCH_GROUP_OUT_BYTES`] (or [`BATCH_GROUP_OUT_BYTES_IN_TIER`]); with `GPUFEED_FILL_BURST`, large
-/// batches are gathered several to a launch too.
-fn group_out_bytes_given() -> Option<usize> {
-    let text = std::env::var("GPUFEED_BATCH_GROUP_BYTES").ok()?;
-    let bytes = crate::storage::memory::parse_bytes(&text);
-    if bytes.is_none() {
-        tracing::warn!("GPUFEED_BATCH_GROUP_BYTES={text:?} is ignored: not a byte count like 64M");
-    }
-    bytes.map(|b| b as usize)
-}
-
 fn batch_group_limits(
     resident: Option<&Resident>,
     slot_bytes: usize,
@@ -60,10 +48,10 @@ fn batch_group_limits(
     // round per batch left the pipeline bound by the host's launches and completions.
     // (Not when rows are copied into a round's staging: they are placed for one batch.)
     let in_tier = resident.is_some_and(|r| r.reads_tier_only());
-    let group_out_bytes = match group_out_bytes_given() {
-        Some(bytes) => bytes,
-        None if in_tier => BATCH_GROUP_OUT_BYTES_IN_TIER,
-        None => BATCH_GROUP_OUT_BYTES,
+    let group_out_bytes = if in_tier {
+        BATCH_GROUP_OUT_BYTES_IN_TIER
+    } else {
+        BATCH_GROUP_OUT_BYTES
     };
     let group_batches_max = if resident.is_some_and(|r| !r.copies_rows()) {
         (group_out_bytes / slot_bytes.max(1)).clamp(1, batch_group_max.max(1))
@@ -327,14 +315,6 @@ impl GpuAssembler {
     /// them only makes `submit` wait.
     pub fn rounds_in_flight(&self) -> usize {
         self.engine().buffers.len()
-    }
-
-    /// Most batches one round gathers (1: no groups).
-    pub fn group_batches_max(&self) -> usize {
-        match self {
-            GpuAssembler::Staged(_) => 1,
-            GpuAssembler::Resident(resident) => resident.group_batches_max,
-        }
     }
 
     /// Batches to submit ahead of completing them: as many as the rounds in flight gather.
