@@ -407,7 +407,21 @@ pub fn open_gpu_backend(
         ),
     }
     let stream_limits = stream_limits(gpu);
-    let tier = Arc::new(DeviceTier::new(&device, ordinal, gpu.device_cache_bytes));
+    // Datasets with compressed blocks that the tier does not take are decoded whole for the
+    // streams reading them, within one stream's device shard memory (`GPUFEED_DECODE_WHOLE=off`:
+    // read round by round instead, for comparisons).
+    let decode_whole = std::env::var("GPUFEED_DECODE_WHOLE").map_or(true, |v| v != "off");
+    let held_max = if decode_whole {
+        gpu.device_shard_bytes
+    } else {
+        0
+    };
+    let tier = Arc::new(DeviceTier::new(
+        &device,
+        ordinal,
+        gpu.device_cache_bytes,
+        held_max,
+    ));
     if gpu.device_cache_bytes > 0 {
         tracing::info!(
             "cuda:{ordinal}: device-memory tier of {} bytes: datasets stored raw that fit are kept \

@@ -399,6 +399,18 @@ fn device_batches_equal_the_source_and_the_cpu_backend() {
         assert!(!gpu.is_empty(), "{name}: nothing dumped");
         assert!(gpu == cpu, "{name}: GPU and CPU backends differ");
     }
+    // The token (LZ4) streams once more with their blocks read and decoded round by round (the
+    // path of datasets larger than the device shard memory) instead of the dataset decoded whole.
+    let round_by_round = [("GPUFEED_DECODE_WHOLE", "off")];
+    let again =
+        compare_backends_logged_env(root.path(), &requests[1..], &[], None, &round_by_round);
+    for ((name, _), (gpu, cpu)) in requests[1..].iter().zip(&again) {
+        assert!(!gpu.is_empty(), "{name}, round by round: nothing dumped");
+        assert!(
+            gpu == cpu,
+            "{name}, round by round: GPU and CPU backends differ"
+        );
+    }
     // And against the source itself: the ordered embedding epoch is the source converted by `half`.
     assert_eq!(dumps[0].0, f16_to_f32_bytes(&embedding_bytes()));
     // The shuffled token epoch holds distinct samples (first element = sample id), all but the
@@ -722,30 +734,37 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
             ],
         ),
     ];
-    let dumps = compare_backends(root.path(), &requests);
-    for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
-        assert!(!gpu.is_empty(), "{name}: nothing dumped");
-        assert!(gpu == cpu, "{name}: GPU and CPU substitutes differ");
+    // By default the small LZ4 dataset is decoded whole for each stream (see
+    // `DeviceTier::acquire_held`); `GPUFEED_DECODE_WHOLE=off` reads its blocks round by round,
+    // the path of datasets larger than the device shard memory.
+    let whole: &[(&str, &str)] = &[];
+    let round_by_round: &[(&str, &str)] = &[("GPUFEED_DECODE_WHOLE", "off")];
+    for env in [whole, round_by_round] {
+        let dumps = compare_backends_logged_env(root.path(), &requests, &[], None, env);
+        for ((name, _), (gpu, cpu)) in requests.iter().zip(&dumps) {
+            assert!(!gpu.is_empty(), "{name} {env:?}: nothing dumped");
+            assert!(gpu == cpu, "{name} {env:?}: GPU and CPU substitutes differ");
+        }
+        // With `fail`, the GPU stream ends with an error naming the shard.
+        let gpu = start_daemon_logged_env(root.path(), "cuda:0", &[], None, env);
+        let output = Command::new(consume_bin())
+            .arg("--socket")
+            .arg(&gpu.socket)
+            .args([
+                "--dataset",
+                "mixed",
+                "--device",
+                "cuda:0",
+                "--batch-size",
+                "100",
+            ])
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+        assert!(stderr.contains(&*shard_name), "{env:?}: {stderr}");
     }
-    // With `fail`, the GPU stream ends with an error naming the shard.
-    let gpu = start_daemon(root.path(), "cuda:0");
-    let output = Command::new(consume_bin())
-        .arg("--socket")
-        .arg(&gpu.socket)
-        .args([
-            "--dataset",
-            "mixed",
-            "--device",
-            "cuda:0",
-            "--batch-size",
-            "100",
-        ])
-        .output()
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
-    assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
 /// Flips a byte of raw `emb` block 2 of shard 3 of the dataset at `dir`; returns the shard's path.

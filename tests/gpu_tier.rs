@@ -506,6 +506,117 @@ fn lz4_datasets_are_decoded_once_into_the_tier() {
     assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
+/// An LZ4 dataset (a corrupt compressed block in it) that the tier does not take (here a tier of
+/// 1 MiB; the same with the tier off) is decoded whole into device memory for the streams reading
+/// it: bit-exact against the CPU backend in every order, the corrupt block's rows zeros under
+/// `replace`; two streams at once read one copy (the API lists it under `decoded_for_streams`,
+/// not in the tier), and it is freed when the last of them closes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("lz");
+    let emb = gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, 37);
+    let tok = common::i32_bytes((SAMPLES * TOK_LEN) as usize, |i| ((i * 11) % 997) as i32);
+    let fields = vec![
+        common::field("emb", DType::F16, &[EMB_DIM], emb),
+        common::field("tok", DType::I32, &[TOK_LEN], tok),
+    ];
+    let mut options = common::options("lz", 64 << 10, Some(1000));
+    options.codec = gpufeed::pack::CodecChoice::Lz4;
+    options.shuffle = gpufeed::pack::ShuffleChoice::On;
+    common::pack_fields(&dir, &fields, &options);
+    let dataset = Dataset::open(&dir).unwrap();
+    let shard = &dataset.shards[2];
+    let tok_block = shard
+        .metadata
+        .field_blocks(dataset.field_index("tok").unwrap())[1];
+    assert_eq!(tok_block.codec, gpufeed::format::Codec::Lz4);
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(tok_block.stored_offset + tok_block.stored_bytes as u64 / 2) as usize] ^= 0x5A;
+    std::fs::write(&shard.path, bytes).unwrap();
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&dir, &cpu_root.join("lz"));
+    let cpu = start_cpu(&cpu_root);
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    let gpu = start_gpu(root.path(), &["--device-cache", "1M"]);
+    let args = |shuffle: &'static str| {
+        vec![
+            "--batch-size",
+            "96",
+            "--field",
+            "tok",
+            "--field",
+            "emb",
+            "--dtype",
+            "f32",
+            "--on-corrupt",
+            "replace",
+            "--shuffle",
+            shuffle,
+            "--window-shards",
+            "2",
+            "--seed",
+            "3",
+        ]
+    };
+    for shuffle in ["none", "window", "full"] {
+        let expected = cpu_dump(&cpu, &dumps, "lz", shuffle, &args(shuffle));
+        assert!(!expected.is_empty());
+        let path = dumps.join(format!("lz-held-{shuffle}-gpu.npy"));
+        finish(consume(&gpu.socket, "lz", "cuda:0", &args(shuffle), &path));
+        assert!(
+            npy_payload(&path) == expected,
+            "{shuffle}: the batches decoded for the stream differ from the CPU backend's"
+        );
+        wait_for_no_streams(&gpu.socket);
+        let view = tier(gpu.address());
+        assert_eq!(
+            view["decoded_for_streams"].as_array().map(Vec::len),
+            Some(0),
+            "{shuffle}: freed once its stream closed: {view}"
+        );
+    }
+    // Two streams at once: one copy, listed with both readers, not in the tier.
+    let mut readers: Vec<(Child, PathBuf)> = (0..2)
+        .map(|i| {
+            let path = dumps.join(format!("lz-held-shared-{i}-gpu.npy"));
+            let mut with_hold = args("full");
+            with_hold.extend(["--hold-after", "3"]);
+            (
+                consume(&gpu.socket, "lz", "cuda:0", &with_hold, &path),
+                path,
+            )
+        })
+        .collect();
+    let _outs: Vec<_> = readers.iter_mut().map(|(c, _)| wait_holding(c)).collect();
+    let view = tier(gpu.address());
+    assert_eq!(view["datasets"].as_array().map(Vec::len), Some(0), "{view}");
+    let held = view["decoded_for_streams"].as_array().unwrap();
+    assert_eq!(held.len(), 1, "one decoded copy for two streams: {view}");
+    assert_eq!(held[0]["name"], "lz", "{view}");
+    assert_eq!(held[0]["streams"], 2, "{view}");
+    let expected = cpu_dump(&cpu, &dumps, "lz", "full", &args("full"));
+    for (child, path) in readers {
+        finish(child);
+        assert!(npy_payload(&path) == expected, "a shared stream differs");
+    }
+    wait_for_no_streams(&gpu.socket);
+    let view = tier(gpu.address());
+    assert_eq!(
+        view["decoded_for_streams"].as_array().map(Vec::len),
+        Some(0),
+        "freed once both streams closed: {view}"
+    );
+    let log = gpu.log();
+    assert!(
+        log.contains("of device memory held while streams read it in"),
+        "{log}"
+    );
+    assert!(log.contains("is freed: no stream reads it"), "{log}");
+}
+
 /// A raw dataset larger than the registration budget maps no windows to fill the tier from: its
 /// first stream copies it into the tier through its reader before its first batch (as a
 /// compressed dataset is decoded), and every stream reads it there, bit-exact against the CPU

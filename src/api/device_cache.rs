@@ -54,6 +54,14 @@ pub struct DeviceCacheView {
     pub declined: u64,
     /// Datasets evicted (for room, through this API, or re-packed in place).
     pub evictions: u64,
+    /// Datasets with compressed blocks that the tier does not take (off, too small or full),
+    /// decoded whole for the streams of this device reading them now, and freed when the last of
+    /// them closes.
+    #[serde(default)]
+    pub decoded_for_streams: Vec<DeviceCacheDataset>,
+    /// The memory those may take (`--device-shard-memory`; 0: none, `GPUFEED_DECODE_WHOLE=off`).
+    #[serde(default)]
+    pub decoded_for_streams_bytes_max: u64,
 }
 
 /// The views of every served device's tier.
@@ -67,17 +75,15 @@ pub(crate) fn views(control: &Control) -> Vec<DeviceCacheView> {
 
 fn view(control: &Control, tier: &DeviceTier) -> DeviceCacheView {
     let report = tier.report();
+    let held = tier.held_report();
     let names: Vec<(String, std::path::PathBuf)> = control
         .registry
         .names()
         .into_iter()
         .filter_map(|name| control.registry.get(&name).map(|d| (name, d.dir.clone())))
         .collect();
-    DeviceCacheView {
-        device: format!("cuda:{}", tier.ordinal()),
-        bytes_max: report.bytes_max,
-        held_bytes: report.held_bytes,
-        datasets: report
+    let datasets = |report: &crate::pipeline::gpu::tier::TierReport| -> Vec<DeviceCacheDataset> {
+        report
             .datasets
             .iter()
             .map(|d| DeviceCacheDataset {
@@ -91,11 +97,19 @@ fn view(control: &Control, tier: &DeviceTier) -> DeviceCacheView {
                 pinned: d.pinned,
                 streams: d.streams,
             })
-            .collect(),
+            .collect()
+    };
+    DeviceCacheView {
+        device: format!("cuda:{}", tier.ordinal()),
+        bytes_max: report.bytes_max,
+        held_bytes: report.held_bytes,
+        datasets: datasets(&report),
         hits: report.hits,
         admissions: report.admissions,
         declined: report.declined,
         evictions: report.evictions,
+        decoded_for_streams: datasets(&held),
+        decoded_for_streams_bytes_max: held.bytes_max,
     }
 }
 

@@ -261,6 +261,24 @@ impl<E: TierEntry> TierBook<E> {
         state.retiring.retain(|w| w.strong_count() > 0);
     }
 
+    /// Takes the dataset `key` out of the tier when no stream but one holds it (the caller's
+    /// last reference, about to be dropped), so that its memory is freed with that reference.
+    /// Returns whether it did.
+    pub fn release_last_reader(&self, key: &TierKey) -> bool {
+        let mut state = self.lock();
+        let Some(at) = state.entries.iter().position(|e| e.key() == key) else {
+            return false;
+        };
+        // The book's own reference and the closing stream's.
+        if Arc::strong_count(&state.entries[at]) > 2 {
+            return false;
+        }
+        let entry = state.entries.remove(at);
+        self.retire(&mut state, entry);
+        state.retiring.retain(|w| w.strong_count() > 0);
+        true
+    }
+
     /// Takes `entry` out of the tier: freed now if no stream holds it, else when the last one
     /// closes.
     fn retire(&self, state: &mut BookState<E>, entry: Arc<E>) {
@@ -669,18 +687,57 @@ pub struct DeviceTier {
     device: Device,
     ordinal: u32,
     book: TierBook<TierDataset>,
+    /// Datasets with compressed blocks that the tier does not take, decoded whole for the streams
+    /// that read them now and freed when the last of them closes (see [`Self::acquire_held`]).
+    held: TierBook<TierDataset>,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
 impl DeviceTier {
-    /// The tier of `device` (`cuda:ordinal`) with a budget of `bytes_max` (0: off).
-    pub fn new(device: &Device, ordinal: u32, bytes_max: u64) -> DeviceTier {
+    /// The tier of `device` (`cuda:ordinal`) with a budget of `bytes_max` (0: off), and
+    /// `held_max` bytes for datasets decoded for the streams reading them (0: none).
+    pub fn new(device: &Device, ordinal: u32, bytes_max: u64, held_max: u64) -> DeviceTier {
         DeviceTier {
             device: device.clone(),
             ordinal,
             book: TierBook::new(bytes_max),
+            held: TierBook::new(held_max),
             metrics: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Bytes for datasets decoded for the streams reading them (0: none).
+    pub fn held_bytes_max(&self) -> u64 {
+        self.held.bytes_max()
+    }
+
+    /// As [`Self::acquire`], from the memory for datasets decoded for the streams that read them
+    /// now: a dataset with compressed blocks that the tier does not take (off, too small, or full)
+    /// is decoded whole into device memory once for the streams of the device that read it at the
+    /// same time (a consumer's next epoch, opened ahead, finds it), and freed when the last of them
+    /// closes ([`Self::stream_closed`]). Unlike the tier's, such a copy is not kept for later
+    /// streams.
+    pub fn acquire_held(
+        &self,
+        key: TierKey,
+        file_bytes: &[u64],
+        window_bytes: u64,
+    ) -> Result<Acquired<TierDataset>, DeviceError> {
+        let total: u64 = file_bytes.iter().sum();
+        self.held.acquire(&key, total, || {
+            TierDataset::new(&self.device, key.clone(), file_bytes, window_bytes)
+        })
+    }
+
+    /// Takes the dataset `key` out of the memory for datasets decoded for their streams (a fill
+    /// that failed).
+    pub fn discard_held(&self, key: &TierKey) {
+        self.held.discard(key);
+    }
+
+    /// What the memory for datasets decoded for their streams holds now.
+    pub fn held_report(&self) -> TierReport {
+        self.held.report()
     }
 
     /// The device's ordinal.
@@ -755,8 +812,17 @@ impl DeviceTier {
         report
     }
 
-    /// Publishes the figures after a stream released a dataset (its memory may have been freed).
-    pub fn stream_closed(&self) {
+    /// A stream reading the dataset `key` closes (its reference is dropped after this call): a
+    /// dataset decoded for the streams reading it is freed when this was the last of them; the
+    /// tier's figures are published (its memory may have been freed).
+    pub fn stream_closed(&self, key: &TierKey) {
+        if self.held.release_last_reader(key) {
+            tracing::info!(
+                "cuda:{}: the decoded copy of {} is freed: no stream reads it",
+                self.ordinal,
+                key.dir.display()
+            );
+        }
         self.publish();
     }
 }

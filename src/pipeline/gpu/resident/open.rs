@@ -713,16 +713,18 @@ impl Resident {
             }
         }
         let decoded_bytes = decoded_bytes(&plan.dataset);
-        if !tier.is_enabled() || decoded_bytes > tier.bytes_max() {
-            if fields_all_raw(plan) {
+        let in_tier = tier.is_enabled() && decoded_bytes <= tier.bytes_max();
+        let raw = fields_all_raw(plan);
+        if !in_tier && (raw || decoded_bytes > tier.held_bytes_max()) {
+            if raw {
                 return Ok(None);
             }
             // Compressed blocks are then read and decoded round by round, a block per row in a
             // shuffle: an order of magnitude below the link. Say what would avoid it.
             tracing::info!(
                 "stream reads compressed blocks of {} round by round; a device-memory tier \
-                 (--device-cache) of at least {} MiB would decode the dataset once and serve every \
-                 order from device memory",
+                 (--device-cache), or a device shard memory (--device-shard-memory), of at least \
+                 {} MiB would decode the dataset once and serve every order from device memory",
                 plan.dataset.dir.display(),
                 decoded_bytes.div_ceil(1 << 20)
             );
@@ -735,11 +737,22 @@ impl Resident {
             decoded: true,
         };
         let windows = Arc::clone(reader.windows());
-        let dataset =
-            match tier.acquire(key.clone(), &layout.shard_bytes, windows.window_bytes())? {
-                Acquired::Found(dataset) | Acquired::Admitted(dataset) => dataset,
-                Acquired::None => return Ok(None),
-            };
+        let window_bytes = windows.window_bytes();
+        let mut acquired = Acquired::None;
+        if in_tier {
+            acquired = tier.acquire(key.clone(), &layout.shard_bytes, window_bytes)?;
+        }
+        // Not taken by the tier: decoded for the streams that read it now (see
+        // `DeviceTier::acquire_held`).
+        let mut held = false;
+        if matches!(acquired, Acquired::None) && !raw {
+            acquired = tier.acquire_held(key.clone(), &layout.shard_bytes, window_bytes)?;
+            held = true;
+        }
+        let dataset = match acquired {
+            Acquired::Found(dataset) | Acquired::Admitted(dataset) => dataset,
+            Acquired::None => return Ok(None),
+        };
         {
             let _fill = dataset.fill_lock();
             if !dataset.is_complete() && dataset.usable() {
@@ -749,11 +762,15 @@ impl Resident {
                         let seconds = started.elapsed().as_secs_f64();
                         tracing::info!(
                             "decoded {} MiB of stored blocks ({} LZ4 blocks, {} not decodable) \
-                             into {} MiB of the device-memory tier in {:.3} s ({:.1} GB/s decoded)",
+                             into {} MiB of {} in {:.3} s ({:.1} GB/s decoded)",
                             summary.stored_bytes >> 20,
                             summary.lz4_blocks,
                             summary.undecodable.len(),
                             dataset.bytes() >> 20,
+                            match held {
+                                true => "device memory held while streams read it",
+                                false => "the device-memory tier",
+                            },
                             seconds,
                             dataset.bytes() as f64 / seconds.max(1e-9) / 1e9
                         );
@@ -762,6 +779,7 @@ impl Resident {
                     Err(error) => {
                         dataset.finish_fill(false, Vec::new());
                         tier.discard(&key);
+                        tier.discard_held(&key);
                         tracing::warn!(
                             "decoding {} into the device-memory tier failed ({error}); the stream \
                              reads without the tier",
