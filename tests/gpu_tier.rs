@@ -510,7 +510,7 @@ fn lz4_datasets_are_decoded_once_into_the_tier() {
 /// 1 MiB; the same with the tier off) is decoded whole into device memory for the streams reading
 /// it: bit-exact against the CPU backend in every order, the corrupt block's rows zeros under
 /// `replace`; two streams at once read one copy (the API lists it under `decoded_for_streams`,
-/// not in the tier), and it is freed when the last of them closes.
+/// not in the tier), and it is freed 2 s after the last of them closed.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
@@ -571,18 +571,17 @@ fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
             "{shuffle}: the batches decoded for the stream differ from the CPU backend's"
         );
         wait_for_no_streams(&gpu.socket);
-        let view = tier(gpu.address());
-        assert_eq!(
-            view["decoded_for_streams"].as_array().map(Vec::len),
-            Some(0),
-            "{shuffle}: freed once its stream closed: {view}"
-        );
+        wait_held_freed(gpu.address(), shuffle);
     }
     // Two streams at once: one copy, listed with both readers, not in the tier.
     let mut readers: Vec<(Child, PathBuf)> = (0..2)
         .map(|i| {
             let path = dumps.join(format!("lz-held-shared-{i}-gpu.npy"));
+            // Batches of 16: more steps than the stream has slots, so that a stream whose
+            // consumer holds its batches stays open (with fewer, its pipeline finishes the epoch
+            // and closes at once).
             let mut with_hold = args("full");
+            with_hold[1] = "16";
             with_hold.extend(["--hold-after", "3"]);
             (
                 consume(&gpu.socket, "lz", "cuda:0", &with_hold, &path),
@@ -594,27 +593,46 @@ fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
     let view = tier(gpu.address());
     assert_eq!(view["datasets"].as_array().map(Vec::len), Some(0), "{view}");
     let held = view["decoded_for_streams"].as_array().unwrap();
-    assert_eq!(held.len(), 1, "one decoded copy for two streams: {view}");
+    let log = gpu.log();
+    assert_eq!(
+        held.len(),
+        1,
+        "one decoded copy for two streams: {view}\n{log}"
+    );
     assert_eq!(held[0]["name"], "lz", "{view}");
-    assert_eq!(held[0]["streams"], 2, "{view}");
-    let expected = cpu_dump(&cpu, &dumps, "lz", "full", &args("full"));
+    assert_eq!(held[0]["streams"], 2, "{view}\n{log}");
+    let mut small_batches = args("full");
+    small_batches[1] = "16";
+    let expected = cpu_dump(&cpu, &dumps, "lz", "full-16", &small_batches);
     for (child, path) in readers {
         finish(child);
         assert!(npy_payload(&path) == expected, "a shared stream differs");
     }
     wait_for_no_streams(&gpu.socket);
-    let view = tier(gpu.address());
-    assert_eq!(
-        view["decoded_for_streams"].as_array().map(Vec::len),
-        Some(0),
-        "freed once both streams closed: {view}"
-    );
+    wait_held_freed(gpu.address(), "two streams");
     let log = gpu.log();
     assert!(
         log.contains("of device memory held while streams read it in"),
         "{log}"
     );
-    assert!(log.contains("is freed: no stream reads it"), "{log}");
+    assert!(log.contains("is freed: no stream read it for"), "{log}");
+}
+
+/// Waits (10 s at most) for the device to hold no dataset decoded for its streams: each is freed
+/// `HELD_GRACE` (2 s) after the last stream reading it closed.
+fn wait_held_freed(address: SocketAddr, after: &str) {
+    let started = std::time::Instant::now();
+    loop {
+        let view = tier(address);
+        if view["decoded_for_streams"].as_array().map(Vec::len) == Some(0) {
+            return;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{after}: the decoded copy was not freed: {view}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// A raw dataset larger than the registration budget maps no windows to fill the tier from: its

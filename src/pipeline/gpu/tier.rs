@@ -261,16 +261,20 @@ impl<E: TierEntry> TierBook<E> {
         state.retiring.retain(|w| w.strong_count() > 0);
     }
 
-    /// Takes the dataset `key` out of the tier when no stream but one holds it (the caller's
-    /// last reference, about to be dropped), so that its memory is freed with that reference.
-    /// Returns whether it did.
-    pub fn release_last_reader(&self, key: &TierKey) -> bool {
+    /// Whether the tier holds the dataset `key`.
+    pub fn contains(&self, key: &TierKey) -> bool {
+        self.lock().entries.iter().any(|e| e.key() == key)
+    }
+
+    /// Takes the dataset `key` out of the tier when at most `readers` streams hold it (references
+    /// about to be dropped), so that its memory is freed with them. Returns whether it did.
+    pub fn release_unread(&self, key: &TierKey, readers: usize) -> bool {
         let mut state = self.lock();
         let Some(at) = state.entries.iter().position(|e| e.key() == key) else {
             return false;
         };
-        // The book's own reference and the closing stream's.
-        if Arc::strong_count(&state.entries[at]) > 2 {
+        // The book's own reference and the readers'.
+        if Arc::strong_count(&state.entries[at]) > 1 + readers {
             return false;
         }
         let entry = state.entries.remove(at);
@@ -682,6 +686,10 @@ impl Drop for TierDataset {
     }
 }
 
+/// How long a dataset decoded for the streams reading it stays after the last of them closed
+/// (see [`DeviceTier::stream_closed`]).
+pub const HELD_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A device's memory tier (see the module documentation).
 pub struct DeviceTier {
     device: Device,
@@ -813,17 +821,37 @@ impl DeviceTier {
     }
 
     /// A stream reading the dataset `key` closes (its reference is dropped after this call): a
-    /// dataset decoded for the streams reading it is freed when this was the last of them; the
-    /// tier's figures are published (its memory may have been freed).
-    pub fn stream_closed(&self, key: &TierKey) {
-        if self.held.release_last_reader(key) {
-            tracing::info!(
-                "cuda:{}: the decoded copy of {} is freed: no stream reads it",
-                self.ordinal,
-                key.dir.display()
-            );
+    /// dataset decoded for the streams reading it is freed when no stream has read it for
+    /// [`HELD_GRACE`] (a consumer that opens its next epoch only when the last one closed finds
+    /// it still there); the tier's figures are published (its memory may have been freed).
+    pub fn stream_closed(self: &Arc<Self>, key: &TierKey) {
+        if self.held.contains(key) {
+            let (tier, owned) = (Arc::clone(self), key.clone());
+            let spawned = std::thread::Builder::new()
+                .name("gpufeed-held-grace".into())
+                .spawn(move || {
+                    std::thread::sleep(HELD_GRACE);
+                    // Its memory is freed on this thread: the device's context current here.
+                    let _ = tier.device.bind();
+                    if tier.held.release_unread(&owned, 0) {
+                        tier.held_freed(&owned);
+                    }
+                });
+            // No thread: freed now if this was the last reader.
+            if spawned.is_err() && self.held.release_unread(key, 1) {
+                self.held_freed(key);
+            }
         }
         self.publish();
+    }
+
+    fn held_freed(&self, key: &TierKey) {
+        tracing::info!(
+            "cuda:{}: the decoded copy of {} is freed: no stream read it for {} s",
+            self.ordinal,
+            key.dir.display(),
+            HELD_GRACE.as_secs()
+        );
     }
 }
 
