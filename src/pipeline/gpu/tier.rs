@@ -698,6 +698,11 @@ pub struct DeviceTier {
     /// Datasets with compressed blocks that the tier does not take, decoded whole for the streams
     /// that read them now and freed when the last of them closes (see [`Self::acquire_held`]).
     held: TierBook<TierDataset>,
+    /// Datasets decoded for their streams whose last stream closed, and when they are freed if no
+    /// stream reads them then (at most one entry per dataset the book holds).
+    held_closed: Mutex<Vec<(TierKey, std::time::Instant)>>,
+    /// Whether the thread freeing them runs.
+    held_reaper: AtomicBool,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
@@ -710,6 +715,8 @@ impl DeviceTier {
             ordinal,
             book: TierBook::new(bytes_max),
             held: TierBook::new(held_max),
+            held_closed: Mutex::new(Vec::new()),
+            held_reaper: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
         }
     }
@@ -826,23 +833,62 @@ impl DeviceTier {
     /// it still there); the tier's figures are published (its memory may have been freed).
     pub fn stream_closed(self: &Arc<Self>, key: &TierKey) {
         if self.held.contains(key) {
-            let (tier, owned) = (Arc::clone(self), key.clone());
-            let spawned = std::thread::Builder::new()
-                .name("gpufeed-held-grace".into())
-                .spawn(move || {
-                    std::thread::sleep(HELD_GRACE);
-                    // Its memory is freed on this thread: the device's context current here.
-                    let _ = tier.device.bind();
-                    if tier.held.release_unread(&owned, 0) {
-                        tier.held_freed(&owned);
+            let mut closed = self.held_closed.lock().unwrap_or_else(|e| e.into_inner());
+            let due = std::time::Instant::now() + HELD_GRACE;
+            match closed.iter_mut().find(|(k, _)| k == key) {
+                Some(entry) => entry.1 = due,
+                None => closed.push((key.clone(), due)),
+            }
+            // One thread per device frees them when they are due, started when none runs.
+            if !self.held_reaper.swap(true, Ordering::AcqRel) {
+                let tier = Arc::clone(self);
+                let spawned = std::thread::Builder::new()
+                    .name("gpufeed-held-free".into())
+                    .spawn(move || tier.free_held_when_due());
+                if spawned.is_err() {
+                    // No thread: freed now if this was the last reader.
+                    self.held_reaper.store(false, Ordering::Release);
+                    closed.retain(|(k, _)| k != key);
+                    if self.held.release_unread(key, 1) {
+                        self.held_freed(key);
                     }
-                });
-            // No thread: freed now if this was the last reader.
-            if spawned.is_err() && self.held.release_unread(key, 1) {
-                self.held_freed(key);
+                }
             }
         }
         self.publish();
+    }
+
+    /// The thread of [`Self::stream_closed`]: frees each dataset decoded for its streams that no
+    /// stream read for [`HELD_GRACE`], and ends when none is waiting.
+    fn free_held_when_due(&self) {
+        // Memory is freed on this thread: the device's context current here.
+        let _ = self.device.bind();
+        loop {
+            let now = std::time::Instant::now();
+            let (due, next) = {
+                let mut closed = self.held_closed.lock().unwrap_or_else(|e| e.into_inner());
+                if closed.is_empty() {
+                    self.held_reaper.store(false, Ordering::Release);
+                    return;
+                }
+                let due: Vec<TierKey> = closed
+                    .iter()
+                    .filter(|(_, at)| *at <= now)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                closed.retain(|(_, at)| *at > now);
+                (due, closed.iter().map(|(_, at)| *at).min())
+            };
+            for key in due {
+                if self.held.release_unread(&key, 0) {
+                    self.held_freed(&key);
+                }
+            }
+            self.publish();
+            if let Some(next) = next {
+                std::thread::sleep(next.saturating_duration_since(std::time::Instant::now()));
+            }
+        }
     }
 
     fn held_freed(&self, key: &TierKey) {
