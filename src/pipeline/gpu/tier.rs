@@ -686,6 +686,43 @@ impl Drop for TierDataset {
     }
 }
 
+/// Datasets decoded for their streams whose last stream closed, each with when it is due to be
+/// freed (if no stream reads it then): one entry per dataset, the later time kept.
+#[derive(Default)]
+struct ClosedHeld {
+    entries: Vec<(TierKey, std::time::Instant)>,
+}
+
+impl ClosedHeld {
+    /// The last stream reading `key` closed: it is due at `due`.
+    fn closed(&mut self, key: &TierKey, due: std::time::Instant) {
+        match self.entries.iter_mut().find(|(k, _)| k == key) {
+            Some(entry) => entry.1 = entry.1.max(due),
+            None => self.entries.push((key.clone(), due)),
+        }
+    }
+
+    fn forget(&mut self, key: &TierKey) {
+        self.entries.retain(|(k, _)| k != key);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Takes out the datasets due at `now`; returns them and when the next one is due.
+    fn take_due(&mut self, now: std::time::Instant) -> (Vec<TierKey>, Option<std::time::Instant>) {
+        let due = self
+            .entries
+            .iter()
+            .filter(|(_, at)| *at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.entries.retain(|(_, at)| *at > now);
+        (due, self.entries.iter().map(|(_, at)| *at).min())
+    }
+}
+
 /// How long a dataset decoded for the streams reading it stays after the last of them closed
 /// (see [`DeviceTier::stream_closed`]).
 pub const HELD_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
@@ -700,7 +737,7 @@ pub struct DeviceTier {
     held: TierBook<TierDataset>,
     /// Datasets decoded for their streams whose last stream closed, and when they are freed if no
     /// stream reads them then (at most one entry per dataset the book holds).
-    held_closed: Mutex<Vec<(TierKey, std::time::Instant)>>,
+    held_closed: Mutex<ClosedHeld>,
     /// Whether the thread freeing them runs.
     held_reaper: AtomicBool,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
@@ -715,7 +752,7 @@ impl DeviceTier {
             ordinal,
             book: TierBook::new(bytes_max),
             held: TierBook::new(held_max),
-            held_closed: Mutex::new(Vec::new()),
+            held_closed: Mutex::new(ClosedHeld::default()),
             held_reaper: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
         }
@@ -834,11 +871,7 @@ impl DeviceTier {
     pub fn stream_closed(self: &Arc<Self>, key: &TierKey) {
         if self.held.contains(key) {
             let mut closed = self.held_closed.lock().unwrap_or_else(|e| e.into_inner());
-            let due = std::time::Instant::now() + HELD_GRACE;
-            match closed.iter_mut().find(|(k, _)| k == key) {
-                Some(entry) => entry.1 = due,
-                None => closed.push((key.clone(), due)),
-            }
+            closed.closed(key, std::time::Instant::now() + HELD_GRACE);
             // One thread per device frees them when they are due, started when none runs.
             if !self.held_reaper.swap(true, Ordering::AcqRel) {
                 let tier = Arc::clone(self);
@@ -848,7 +881,7 @@ impl DeviceTier {
                 if spawned.is_err() {
                     // No thread: freed now if this was the last reader.
                     self.held_reaper.store(false, Ordering::Release);
-                    closed.retain(|(k, _)| k != key);
+                    closed.forget(key);
                     if self.held.release_unread(key, 1) {
                         self.held_freed(key);
                     }
@@ -871,13 +904,7 @@ impl DeviceTier {
                     self.held_reaper.store(false, Ordering::Release);
                     return;
                 }
-                let due: Vec<TierKey> = closed
-                    .iter()
-                    .filter(|(_, at)| *at <= now)
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                closed.retain(|(_, at)| *at > now);
-                (due, closed.iter().map(|(_, at)| *at).min())
+                closed.take_due(now)
             };
             for key in due {
                 if self.held.release_unread(&key, 0) {
@@ -1047,6 +1074,31 @@ mod tests {
         let report = book.report();
         assert_eq!(report.datasets.len(), 1);
         assert_eq!(report.evictions, 1);
+    }
+
+    /// Closed datasets are due once each, the later time kept, and taken out when due.
+    #[test]
+    fn closed_held_datasets_are_due_once_each() {
+        let start = std::time::Instant::now();
+        let second = std::time::Duration::from_secs(1);
+        let (a, b) = (key("/a", 1), key("/b", 2));
+        let mut closed = ClosedHeld::default();
+        assert!(closed.is_empty());
+        closed.closed(&a, start + 2 * second);
+        closed.closed(&b, start + 3 * second);
+        // Closed again later: due later, still one entry.
+        closed.closed(&a, start + 4 * second);
+        closed.closed(&a, start + second);
+        assert_eq!(closed.take_due(start), (vec![], Some(start + 3 * second)));
+        assert_eq!(
+            closed.take_due(start + 3 * second),
+            (vec![b.clone()], Some(start + 4 * second))
+        );
+        assert_eq!(closed.take_due(start + 5 * second), (vec![a.clone()], None));
+        assert!(closed.is_empty());
+        closed.closed(&b, start);
+        closed.forget(&b);
+        assert!(closed.is_empty());
     }
 
     #[test]
