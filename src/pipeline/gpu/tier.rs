@@ -267,20 +267,21 @@ impl<E: TierEntry> TierBook<E> {
     }
 
     /// Takes the dataset `key` out of the tier when at most `readers` streams hold it (references
-    /// about to be dropped), so that its memory is freed with them. Returns whether it did.
-    pub fn release_unread(&self, key: &TierKey, readers: usize) -> bool {
+    /// about to be dropped), and returns the tier's reference, for the caller to drop once the
+    /// book is unlocked (freeing device memory may wait for the device).
+    pub fn release_unread(&self, key: &TierKey, readers: usize) -> Option<Arc<E>> {
         let mut state = self.lock();
-        let Some(at) = state.entries.iter().position(|e| e.key() == key) else {
-            return false;
-        };
+        let at = state.entries.iter().position(|e| e.key() == key)?;
         // The book's own reference and the readers'.
         if Arc::strong_count(&state.entries[at]) > 1 + readers {
-            return false;
+            return None;
         }
+        self.evictions.fetch_add(1, Ordering::Relaxed);
         let entry = state.entries.remove(at);
-        self.retire(&mut state, entry);
-        state.retiring.retain(|w| w.strong_count() > 0);
-        true
+        if readers > 0 {
+            state.retiring.push(Arc::downgrade(&entry));
+        }
+        Some(entry)
     }
 
     /// Takes `entry` out of the tier: freed now if no stream holds it, else when the last one
@@ -882,7 +883,8 @@ impl DeviceTier {
                     // No thread: freed now if this was the last reader.
                     self.held_reaper.store(false, Ordering::Release);
                     closed.forget(key);
-                    if self.held.release_unread(key, 1) {
+                    if let Some(entry) = self.held.release_unread(key, 1) {
+                        drop(entry);
                         self.held_freed(key);
                     }
                 }
@@ -894,6 +896,15 @@ impl DeviceTier {
     /// The thread of [`Self::stream_closed`]: frees each dataset decoded for its streams that no
     /// stream read for [`HELD_GRACE`], and ends when none is waiting.
     fn free_held_when_due(&self) {
+        /// Says the thread ended however it ends (a panic included), so that the next close starts
+        /// another.
+        struct Ended<'a>(&'a AtomicBool);
+        impl Drop for Ended<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _ended = Ended(&self.held_reaper);
         // Memory is freed on this thread: the device's context current here.
         let _ = self.device.bind();
         loop {
@@ -907,7 +918,8 @@ impl DeviceTier {
                 closed.take_due(now)
             };
             for key in due {
-                if self.held.release_unread(&key, 0) {
+                if let Some(entry) = self.held.release_unread(&key, 0) {
+                    drop(entry);
                     self.held_freed(&key);
                 }
             }

@@ -265,9 +265,10 @@ fn stage_copied_rows(
     let staging_region = resident
         .staging_region()
         .expect("a stream with row copies has a staging region");
-    let Some(copier) = resident.row_copies.as_mut() else {
-        return Ok(None);
-    };
+    let copier = resident
+        .row_copies
+        .as_mut()
+        .expect("rows planned into a round's staging have a reader");
     let used = planned
         .copies
         .iter()
@@ -367,6 +368,11 @@ impl ResidentAssembler {
         // round records its reads. A cold step reads its rows from the disk first, alone: the
         // loader's copies would share the disk with them (see `ColdStart`).
         let cold = self.cold_step(step);
+        // After a cold start its reader and pinned buffers go, once no round may still upload from
+        // them (the filler delivers every cold batch before it submits the first step after them).
+        if self.delivers_before(step) && self.engine.rounds.is_empty() {
+            self.resident.row_copies = None;
+        }
         if self.group.is_none() && !cold {
             if let (Some(device_shards), Some(first)) =
                 (self.resident.device_shards.as_mut(), planned.first_position)

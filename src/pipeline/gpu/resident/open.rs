@@ -778,8 +778,10 @@ impl Resident {
                     }
                     Err(error) => {
                         dataset.finish_fill(false, Vec::new());
-                        tier.discard(&key);
-                        tier.discard_held(&key);
+                        match held {
+                            true => tier.discard_held(&key),
+                            false => tier.discard(&key),
+                        }
                         tracing::warn!(
                             "decoding {} into the device-memory tier failed ({error}); the stream \
                              reads without the tier",
@@ -790,10 +792,19 @@ impl Resident {
                 }
             }
         }
+        // A copy decoded for the streams reading it that this stream does not read after all is
+        // freed when no stream reads it (as when a stream closes).
+        let not_read = |tier: &Arc<DeviceTier>| {
+            if held {
+                tier.stream_closed(&key);
+            }
+        };
         if !(dataset.is_complete() && dataset.usable()) {
+            drop(dataset);
+            not_read(tier);
             return Ok(None);
         }
-        Self::open_in_tier(
+        let opened = Self::open_in_tier(
             plan,
             files,
             &windows,
@@ -805,8 +816,11 @@ impl Resident {
             dataset,
             tier,
             Some(Arc::clone(&layout)),
-        )
-        .map(Some)
+        );
+        if opened.is_err() {
+            not_read(tier);
+        }
+        opened.map(Some)
     }
 
     /// [`Self::open`] for a dataset whole in the device's memory tier: every region of the table
