@@ -1075,6 +1075,42 @@ mod tests {
         );
     }
 
+    /// A dataset is released only when no more streams than said hold it: the tier's reference is
+    /// handed back (the caller frees it after the book's lock), and the dataset is gone from the
+    /// book; while a reader it did not count holds it, it stays.
+    #[test]
+    fn a_dataset_is_released_only_when_unread() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        let a = key("/a", 1);
+        assert!(book.release_unread(&a, 0).is_none(), "not in the book");
+        let Acquired::Admitted(first) = acquire(&book, &a, 60) else {
+            panic!("admitted")
+        };
+        let Acquired::Found(second) = acquire(&book, &a, 60) else {
+            panic!("found")
+        };
+        assert!(book.contains(&a));
+        // Two readers: not released for one, nor for none.
+        assert!(book.release_unread(&a, 1).is_none());
+        assert!(book.release_unread(&a, 0).is_none());
+        drop(second);
+        // One reader left, about to close: released, reported retiring until it does.
+        let released = book.release_unread(&a, 1).expect("released");
+        assert!(!book.contains(&a));
+        assert_eq!(book.report().datasets[0].state, "retiring");
+        drop(released);
+        drop(first);
+        assert_eq!(book.report().held_bytes, 0);
+        // No reader: released outright, nothing retiring.
+        let Acquired::Admitted(again) = acquire(&book, &a, 60) else {
+            panic!("admitted again")
+        };
+        drop(again);
+        let released = book.release_unread(&a, 0).expect("released");
+        assert!(book.report().datasets.is_empty());
+        assert_eq!(Arc::strong_count(&released), 1, "the last reference");
+    }
+
     #[test]
     fn a_repacked_dataset_replaces_its_old_copy() {
         let book: TierBook<Fake> = TierBook::new(100);
