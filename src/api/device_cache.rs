@@ -116,6 +116,19 @@ fn view(control: &Control, tier: &DeviceTier) -> DeviceCacheView {
 /// The tier of `device` (`cuda:N` or `N`): 404 when the daemon serves no such GPU, 409 when its
 /// tier is off.
 fn tier_of(control: &Control, device: &str) -> Result<Arc<DeviceTier>, ApiError> {
+    let tier = device_tier(control, device)?;
+    if !tier.is_enabled() {
+        return Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "device_cache_off",
+            format!("the device-memory tier of {device} is off: start the daemon with --device-cache BYTES"),
+        ));
+    }
+    Ok(tier)
+}
+
+/// The tier of `device` (`cuda:N` or `N`), on or off: 404 when the daemon serves no such GPU.
+fn device_tier(control: &Control, device: &str) -> Result<Arc<DeviceTier>, ApiError> {
     let ordinal: Option<u32> = device.strip_prefix("cuda:").unwrap_or(device).parse().ok();
     let Some(tier) = ordinal.and_then(|o| {
         control
@@ -138,13 +151,6 @@ fn tier_of(control: &Control, device: &str) -> Result<Arc<DeviceTier>, ApiError>
             }
         )));
     };
-    if !tier.is_enabled() {
-        return Err(ApiError::new(
-            axum::http::StatusCode::CONFLICT,
-            "device_cache_off",
-            format!("the device-memory tier of {device} is off: start the daemon with --device-cache BYTES"),
-        ));
-    }
     Ok(tier)
 }
 
@@ -179,7 +185,6 @@ fn change(
         (status = 200, description = "The device's memory tier", body = DeviceCacheView),
         (status = 401, description = "Missing or wrong token", body = ErrorBody),
         (status = 404, description = "The daemon serves no such device", body = ErrorBody),
-        (status = 409, description = "The device's tier is off (`device_cache_off`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -187,7 +192,9 @@ pub async fn get_one(
     State(control): State<Arc<Control>>,
     ApiPath(device): ApiPath<String>,
 ) -> Result<Json<DeviceCacheView>, ApiError> {
-    let tier = tier_of(&control, &device)?;
+    // Answered with the tier off too (`bytes_max` 0): the datasets decoded for their streams are
+    // there.
+    let tier = device_tier(&control, &device)?;
     Ok(Json(view(&control, &tier)))
 }
 
