@@ -745,25 +745,9 @@ fn corrupt_blocks_are_handled_like_the_cpu_backend() {
             assert!(!gpu.is_empty(), "{name} {env:?}: nothing dumped");
             assert!(gpu == cpu, "{name} {env:?}: GPU and CPU substitutes differ");
         }
-        // With `fail`, the GPU stream ends with an error naming the shard.
+        // With `fail` (the default policy), the GPU stream ends with an error naming the shard.
         let gpu = start_daemon_logged_env(root.path(), "cuda:0", &[], None, env);
-        let output = Command::new(consume_bin())
-            .arg("--socket")
-            .arg(&gpu.socket)
-            .args([
-                "--dataset",
-                "mixed",
-                "--device",
-                "cuda:0",
-                "--batch-size",
-                "100",
-            ])
-            .output()
-            .unwrap();
-        assert!(!output.status.success());
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let shard_name = shard.path.file_name().unwrap().to_string_lossy();
-        assert!(stderr.contains(&*shard_name), "{env:?}: {stderr}");
+        assert_fails_naming(&gpu.socket, &["--batch-size", "100"], &shard.path);
     }
 }
 

@@ -168,6 +168,63 @@ fn cpu_dump(cpu: &Daemon, dumps: &Path, dataset: &str, name: &str, args: &[&str]
     npy_payload(&path)
 }
 
+/// A consumer's arguments for the `lz` dataset: batches of 96, both fields (emb as f32), corrupt
+/// rows replaced, order `shuffle` (windows of 2 shards), seed `seed`.
+fn lz4_args(shuffle: &'static str, seed: &'static str) -> Vec<&'static str> {
+    vec![
+        "--batch-size",
+        "96",
+        "--field",
+        "tok",
+        "--field",
+        "emb",
+        "--dtype",
+        "f32",
+        "--on-corrupt",
+        "replace",
+        "--shuffle",
+        shuffle,
+        "--window-shards",
+        "2",
+        "--seed",
+        seed,
+    ]
+}
+
+/// Packs the dataset `lz` under `root`: fp16 `emb` (from `seed`) and int32 `tok` (`tok(i)` for
+/// element `i`), both LZ4 with the byte shuffle, 1000 samples a shard; then flips a byte in the
+/// middle of compressed token block 1 of shard `corrupt_shard`. Returns the dataset's directory,
+/// the dataset and the corrupted shard's path.
+fn pack_lz4_with_a_corrupt_block(
+    root: &Path,
+    seed: u64,
+    corrupt_shard: usize,
+    tok: impl Fn(usize) -> i32,
+) -> (PathBuf, Dataset, PathBuf) {
+    let dir = root.join("lz");
+    let emb = gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, seed);
+    let tok = common::i32_bytes((SAMPLES * TOK_LEN) as usize, tok);
+    let fields = vec![
+        common::field("emb", DType::F16, &[EMB_DIM], emb),
+        common::field("tok", DType::I32, &[TOK_LEN], tok),
+    ];
+    let mut options = common::options("lz", 64 << 10, Some(1000));
+    options.codec = gpufeed::pack::CodecChoice::Lz4;
+    options.shuffle = gpufeed::pack::ShuffleChoice::On;
+    common::pack_fields(&dir, &fields, &options);
+    let dataset = Dataset::open(&dir).unwrap();
+    let shard = &dataset.shards[corrupt_shard];
+    let tok_block = shard
+        .metadata
+        .field_blocks(dataset.field_index("tok").unwrap())[1];
+    assert_eq!(tok_block.codec, gpufeed::format::Codec::Lz4);
+    let mut bytes = std::fs::read(&shard.path).unwrap();
+    bytes[(tok_block.stored_offset + tok_block.stored_bytes as u64 / 2) as usize] ^= 0x5A;
+    std::fs::write(&shard.path, bytes).unwrap();
+    let path = shard.path.clone();
+    (dir, dataset, path)
+}
+
 /// In every order, a fresh daemon's first stream fills the tier (some windows read in place, the
 /// others from the tier as their copies complete) and its second stream finds the dataset whole:
 /// both bit-exact against the CPU backend, and the tier counts one admission and one hit.
@@ -398,53 +455,16 @@ fn eviction_budget_and_sharing() {
 #[ignore = "needs a CUDA GPU"]
 fn lz4_datasets_are_decoded_once_into_the_tier() {
     let root = tempfile::tempdir().unwrap();
-    let dir = root.path().join("lz");
-    let emb = gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, 31);
-    let tok = common::i32_bytes((SAMPLES * TOK_LEN) as usize, |i| ((i * 7) % 1013) as i32);
-    let fields = vec![
-        common::field("emb", DType::F16, &[EMB_DIM], emb),
-        common::field("tok", DType::I32, &[TOK_LEN], tok),
-    ];
-    let mut options = common::options("lz", 64 << 10, Some(1000));
-    options.codec = gpufeed::pack::CodecChoice::Lz4;
-    options.shuffle = gpufeed::pack::ShuffleChoice::On;
-    common::pack_fields(&dir, &fields, &options);
     // A flipped byte in the middle of a compressed token block of shard 3.
-    let dataset = Dataset::open(&dir).unwrap();
-    let shard = &dataset.shards[3];
-    let tok_block = shard
-        .metadata
-        .field_blocks(dataset.field_index("tok").unwrap())[1];
-    assert_eq!(tok_block.codec, gpufeed::format::Codec::Lz4);
-    let mut bytes = std::fs::read(&shard.path).unwrap();
-    bytes[(tok_block.stored_offset + tok_block.stored_bytes as u64 / 2) as usize] ^= 0x5A;
-    std::fs::write(&shard.path, bytes).unwrap();
+    let (dir, dataset, shard) =
+        pack_lz4_with_a_corrupt_block(root.path(), 31, 3, |i| ((i * 7) % 1013) as i32);
     let cpu_root = root.path().join("cpu-root");
     copy_dataset(&dir, &cpu_root.join("lz"));
     let cpu = start_cpu(&cpu_root);
     let dumps = root.path().join("dumps");
     std::fs::create_dir_all(&dumps).unwrap();
     let gpu = start_gpu(root.path(), &["--device-cache", "64M"]);
-    let args = |shuffle: &'static str| {
-        vec![
-            "--batch-size",
-            "96",
-            "--field",
-            "tok",
-            "--field",
-            "emb",
-            "--dtype",
-            "f32",
-            "--on-corrupt",
-            "replace",
-            "--shuffle",
-            shuffle,
-            "--window-shards",
-            "2",
-            "--seed",
-            "5",
-        ]
-    };
+    let args = |shuffle: &'static str| lz4_args(shuffle, "5");
     let mut streams = 0;
     for shuffle in ["none", "window", "full"] {
         let expected = cpu_dump(&cpu, &dumps, "lz", shuffle, &args(shuffle));
@@ -502,7 +522,7 @@ fn lz4_datasets_are_decoded_once_into_the_tier() {
         .unwrap();
     assert!(!output.status.success(), "a corrupt block with policy fail");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    let shard_name = shard.path.file_name().unwrap().to_string_lossy();
+    let shard_name = shard.file_name().unwrap().to_string_lossy();
     assert!(stderr.contains(&*shard_name), "{stderr}");
 }
 
@@ -515,52 +535,15 @@ fn lz4_datasets_are_decoded_once_into_the_tier() {
 #[ignore = "needs a CUDA GPU"]
 fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
     let root = tempfile::tempdir().unwrap();
-    let dir = root.path().join("lz");
-    let emb = gpufeed::synth::embedding_f16((SAMPLES * EMB_DIM) as usize, 37);
-    let tok = common::i32_bytes((SAMPLES * TOK_LEN) as usize, |i| ((i * 11) % 997) as i32);
-    let fields = vec![
-        common::field("emb", DType::F16, &[EMB_DIM], emb),
-        common::field("tok", DType::I32, &[TOK_LEN], tok),
-    ];
-    let mut options = common::options("lz", 64 << 10, Some(1000));
-    options.codec = gpufeed::pack::CodecChoice::Lz4;
-    options.shuffle = gpufeed::pack::ShuffleChoice::On;
-    common::pack_fields(&dir, &fields, &options);
-    let dataset = Dataset::open(&dir).unwrap();
-    let shard = &dataset.shards[2];
-    let tok_block = shard
-        .metadata
-        .field_blocks(dataset.field_index("tok").unwrap())[1];
-    assert_eq!(tok_block.codec, gpufeed::format::Codec::Lz4);
-    let mut bytes = std::fs::read(&shard.path).unwrap();
-    bytes[(tok_block.stored_offset + tok_block.stored_bytes as u64 / 2) as usize] ^= 0x5A;
-    std::fs::write(&shard.path, bytes).unwrap();
+    let (dir, _, _) =
+        pack_lz4_with_a_corrupt_block(root.path(), 37, 2, |i| ((i * 11) % 997) as i32);
     let cpu_root = root.path().join("cpu-root");
     copy_dataset(&dir, &cpu_root.join("lz"));
     let cpu = start_cpu(&cpu_root);
     let dumps = root.path().join("dumps");
     std::fs::create_dir_all(&dumps).unwrap();
     let gpu = start_gpu(root.path(), &["--device-cache", "1M"]);
-    let args = |shuffle: &'static str| {
-        vec![
-            "--batch-size",
-            "96",
-            "--field",
-            "tok",
-            "--field",
-            "emb",
-            "--dtype",
-            "f32",
-            "--on-corrupt",
-            "replace",
-            "--shuffle",
-            shuffle,
-            "--window-shards",
-            "2",
-            "--seed",
-            "3",
-        ]
-    };
+    let args = |shuffle: &'static str| lz4_args(shuffle, "3");
     for shuffle in ["none", "window", "full"] {
         let expected = cpu_dump(&cpu, &dumps, "lz", shuffle, &args(shuffle));
         assert!(!expected.is_empty());

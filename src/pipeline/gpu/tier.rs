@@ -776,8 +776,19 @@ impl DeviceTier {
         file_bytes: &[u64],
         window_bytes: u64,
     ) -> Result<Acquired<TierDataset>, DeviceError> {
+        self.acquire_in(&self.held, key, file_bytes, window_bytes)
+    }
+
+    /// The dataset `key` from `book`, allocated on this device when admitted.
+    fn acquire_in(
+        &self,
+        book: &TierBook<TierDataset>,
+        key: TierKey,
+        file_bytes: &[u64],
+        window_bytes: u64,
+    ) -> Result<Acquired<TierDataset>, DeviceError> {
         let total: u64 = file_bytes.iter().sum();
-        self.held.acquire(&key, total, || {
+        book.acquire(&key, total, || {
             TierDataset::new(&self.device, key.clone(), file_bytes, window_bytes)
         })
     }
@@ -828,10 +839,7 @@ impl DeviceTier {
         file_bytes: &[u64],
         window_bytes: u64,
     ) -> Result<Acquired<TierDataset>, DeviceError> {
-        let total: u64 = file_bytes.iter().sum();
-        let acquired = self.book.acquire(&key, total, || {
-            TierDataset::new(&self.device, key.clone(), file_bytes, window_bytes)
-        });
+        let acquired = self.acquire_in(&self.book, key, file_bytes, window_bytes);
         self.publish();
         acquired
     }

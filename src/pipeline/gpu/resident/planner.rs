@@ -733,6 +733,32 @@ mod tests {
         (plan, bytes)
     }
 
+    /// The shard files of `plan`, each shard's first region, and its windows of `window_bytes`
+    /// as (shard, start, bytes), shards in order.
+    #[allow(clippy::type_complexity)]
+    fn shard_windows(
+        plan: &StreamPlan,
+        window_bytes: u64,
+    ) -> (Vec<Vec<u8>>, Vec<u32>, Vec<(usize, u64, u64)>) {
+        let files: Vec<Vec<u8>> = plan
+            .dataset
+            .shards
+            .iter()
+            .map(|shard| std::fs::read(&shard.path).unwrap())
+            .collect();
+        let mut first_region = Vec::new();
+        let mut windows = Vec::new();
+        for (shard, file) in files.iter().enumerate() {
+            first_region.push(windows.len() as u32);
+            let mut start = 0u64;
+            while start < file.len() as u64 {
+                windows.push((shard, start, window_bytes.min(file.len() as u64 - start)));
+                start += window_bytes;
+            }
+        }
+        (files, first_region, windows)
+    }
+
     /// What the gather kernel makes of `rounds` (a host model: each piece converted by the CPU
     /// reference from its region: a window of its shard file, or the round's staging, filled from
     /// the shard files by the round's copies); a piece reading a window `copied` fails the test.
@@ -795,29 +821,11 @@ mod tests {
         let samples = 700;
         let (plan, rows) = full_shuffle_plan(dir.path(), samples);
         let window_bytes = 8192u64;
-        let files: Vec<Vec<u8>> = plan
-            .dataset
-            .shards
-            .iter()
-            .map(|shard| std::fs::read(&shard.path).unwrap())
-            .collect();
-        let mut first_region = Vec::new();
-        let mut windows = Vec::new();
-        for (shard, file) in files.iter().enumerate() {
-            first_region.push(windows.len() as u32);
-            let mut start = 0u64;
-            while start < file.len() as u64 {
-                windows.push((shard, start, window_bytes.min(file.len() as u64 - start)));
-                start += window_bytes;
-            }
-        }
+        let (files, first_region, windows) = shard_windows(&plan, window_bytes);
         let staging_region = windows.len();
         let mut copied: Vec<bool> = (0..windows.len()).map(|w| w % 2 == 0).collect();
         copied.push(false);
-        let mut firsts = vec![0u64];
-        for shard in &plan.dataset.manifest.shards {
-            firsts.push(firsts.last().unwrap() + shard.sample_count);
-        }
+        let firsts = plan.shard_first_samples();
         let geometry = || {
             RowGeometry::new(
                 &plan,
@@ -918,27 +926,9 @@ mod tests {
         let (plan, rows) = full_shuffle_plan(dir.path(), samples);
         let plan = Arc::new(plan);
         let window_bytes = 8192u64;
-        let files: Vec<Vec<u8>> = plan
-            .dataset
-            .shards
-            .iter()
-            .map(|shard| std::fs::read(&shard.path).unwrap())
-            .collect();
-        let mut first_region = Vec::new();
-        let mut windows = Vec::new();
-        for (shard, file) in files.iter().enumerate() {
-            first_region.push(windows.len() as u32);
-            let mut start = 0u64;
-            while start < file.len() as u64 {
-                windows.push((shard, start, window_bytes.min(file.len() as u64 - start)));
-                start += window_bytes;
-            }
-        }
+        let (files, first_region, windows) = shard_windows(&plan, window_bytes);
         let staging_region = windows.len();
-        let mut firsts = vec![0u64];
-        for shard in &plan.dataset.manifest.shards {
-            firsts.push(firsts.last().unwrap() + shard.sample_count);
-        }
+        let firsts = plan.shard_first_samples();
         let geometry = || {
             RowGeometry::new(
                 &plan,
