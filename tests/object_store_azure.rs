@@ -13,7 +13,7 @@
 
 mod common;
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -79,11 +79,7 @@ impl Azurite {
             );
             return None;
         };
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::free_port();
         let log = std::fs::File::create(logs.join("azurite.log")).unwrap();
         let child = Command::new(command)
             .args(["--silent", "--inMemoryPersistence", "--skipApiVersionCheck"])

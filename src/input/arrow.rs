@@ -104,6 +104,40 @@ pub fn is_table_path(path: &Path) -> bool {
     })
 }
 
+/// The rows of each row group of the Parquet file at `path` (`metadata`, its footer), checked
+/// against the footer's total.
+fn row_group_rows(
+    path: &Path,
+    metadata: &parquet::file::metadata::ParquetMetaData,
+) -> Result<Vec<u64>, InputError> {
+    let footer_rows = metadata.file_metadata().num_rows();
+    let group_rows: Vec<u64> = metadata
+        .row_groups()
+        .iter()
+        .map(|g| u64::try_from(g.num_rows()).unwrap_or(u64::MAX))
+        .collect();
+    let rows: u64 = group_rows.iter().sum();
+    if footer_rows < 0 || footer_rows as u64 != rows {
+        return Err(table_error(
+            path,
+            format!("the footer says {footer_rows} rows but its row groups say {rows}"),
+        ));
+    }
+    Ok(group_rows)
+}
+
+/// A record batch of row group `group` of the file at `path`, after row `first_row`, that could not
+/// be read.
+fn batch_error(path: &Path, group: usize, first_row: u64, e: impl std::fmt::Display) -> InputError {
+    table_error(
+        path,
+        format!(
+            "reading a record batch: {e} (row group {group}, after row {first_row}: is the file \
+             truncated or corrupt?)"
+        ),
+    )
+}
+
 fn table_error(path: &Path, reason: impl Into<String>) -> InputError {
     InputError::Table {
         path: path.to_path_buf(),
@@ -1066,20 +1100,7 @@ fn read_parquet_parallel(
         ParquetRecordBatchReaderBuilder::try_new(file.try_clone().map_err(io_error(path))?)
             .map_err(|e| parquet_error(path, &e))?;
     let schema = builder.schema().clone();
-    let footer_rows = builder.metadata().file_metadata().num_rows();
-    let group_rows: Vec<u64> = builder
-        .metadata()
-        .row_groups()
-        .iter()
-        .map(|g| u64::try_from(g.num_rows()).unwrap_or(u64::MAX))
-        .collect();
-    let rows: u64 = group_rows.iter().sum();
-    if footer_rows < 0 || footer_rows as u64 != rows {
-        return Err(table_error(
-            path,
-            format!("the footer says {footer_rows} rows but its row groups say {rows}"),
-        ));
-    }
+    let group_rows = row_group_rows(path, builder.metadata())?;
     let batch_bytes = (BATCH_BYTES_TARGET / threads).min(THREAD_BATCH_BYTES_MAX);
     let mut group_starts = Vec::with_capacity(group_rows.len());
     let mut at = 0u64;
@@ -1168,19 +1189,8 @@ fn read_parquet_parallel_appending(
         ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| parquet_error(path, &e))?;
     let schema = builder.schema().clone();
     let metadata = builder.metadata().clone();
-    let footer_rows = metadata.file_metadata().num_rows();
-    let group_rows: Vec<u64> = metadata
-        .row_groups()
-        .iter()
-        .map(|g| u64::try_from(g.num_rows()).unwrap_or(u64::MAX))
-        .collect();
+    let group_rows = row_group_rows(path, &metadata)?;
     let rows: u64 = group_rows.iter().sum();
-    if footer_rows < 0 || footer_rows as u64 != rows {
-        return Err(table_error(
-            path,
-            format!("the footer says {footer_rows} rows but its row groups say {rows}"),
-        ));
-    }
     // Decoded bytes per row (of every column: an over-estimate) size the units and batches.
     let total: u64 = metadata
         .row_groups()
@@ -1371,15 +1381,7 @@ impl ParquetRead<'_> {
         let mut bytes = Vec::new();
         for batch in self.reader(unit)? {
             let first_row = self.group_starts[group] + unit.first + read;
-            let batch = batch.map_err(|e| {
-                table_error(
-                    path,
-                    format!(
-                        "reading a record batch: {e} (row group {group}, after row {first_row}: \
-                         is the file truncated or corrupt?)"
-                    ),
-                )
-            })?;
+            let batch = batch.map_err(|e| batch_error(path, group, first_row, e))?;
             for ((column, writer), ends) in names.iter().zip(&mut writers).zip(&mut ends) {
                 let array = batch
                     .column_by_name(column)
@@ -1606,15 +1608,7 @@ impl ParquetRead<'_> {
         let mut bytes = Vec::new();
         for batch in self.reader(unit)? {
             let first_row = self.group_starts[group] + unit.first + read;
-            let batch = batch.map_err(|e| {
-                table_error(
-                    path,
-                    format!(
-                        "reading a record batch: {e} (row group {group}, after row {first_row}: \
-                         is the file truncated or corrupt?)"
-                    ),
-                )
-            })?;
+            let batch = batch.map_err(|e| batch_error(path, group, first_row, e))?;
             if read + batch.num_rows() as u64 > unit.count {
                 // More rows than the footer gives the group: counted for the error, not written
                 // (they would overwrite the next column's or group's rows).

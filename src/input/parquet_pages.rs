@@ -212,61 +212,27 @@ impl ColumnState<'_> {
                 self.dictionary = dictionary_values(&buf, num_values, encoding, column.value_bytes);
                 Ok(self.dictionary.is_some())
             }
-            Page::DataPage {
-                buf,
-                num_values,
-                encoding,
-                def_level_encoding,
-                rep_level_encoding,
-                ..
-            } => {
-                let n = num_values as usize;
-                let mut rest: &[u8] = &buf;
-                if column.max_rep > 0 {
-                    let Some((levels, after)) = length_prefixed(rest) else {
-                        return Ok(false);
-                    };
-                    if rep_level_encoding != Encoding::RLE || !self.check_rep(levels, n) {
-                        return Ok(false);
-                    }
-                    rest = after;
-                }
-                if column.max_def > 0 {
-                    let Some((levels, after)) = length_prefixed(rest) else {
-                        return Ok(false);
-                    };
-                    if def_level_encoding != Encoding::RLE || !check_def(levels, n, column.max_def)
-                    {
-                        return Ok(false);
-                    }
-                    rest = after;
-                }
-                self.values(rest, n, encoding)
-            }
-            Page::DataPageV2 {
-                buf,
-                num_values,
-                encoding,
-                num_nulls,
-                def_levels_byte_len,
-                rep_levels_byte_len,
-                ..
-            } => {
-                let n = num_values as usize;
-                let (rep_len, def_len) =
-                    (rep_levels_byte_len as usize, def_levels_byte_len as usize);
-                if num_nulls != 0 || buf.len() < rep_len + def_len {
+            page => {
+                let Some(data) = DataPage::of(page) else {
+                    return Ok(false);
+                };
+                // Levels a column has none of are not looked at.
+                if !data.levels_decodable(column.max_rep > 0, column.max_def > 0) {
                     return Ok(false);
                 }
-                let (rep, rest) = buf.split_at(rep_len);
-                let (def, values) = rest.split_at(def_len);
+                let n = data.values;
+                let Some((rep, def, values)) =
+                    split_levels(&data.buf, data.v2_lengths(), column.max_rep, column.max_def)
+                else {
+                    return Ok(false);
+                };
                 if column.max_rep > 0 && !self.check_rep(rep, n) {
                     return Ok(false);
                 }
                 if column.max_def > 0 && !check_def(def, n, column.max_def) {
                     return Ok(false);
                 }
-                self.values(values, n, encoding)
+                self.values(values, n, data.encoding)
             }
         }
     }
@@ -439,36 +405,19 @@ pub(super) fn read_list_rows(
                 }
                 continue;
             }
-            Page::DataPage {
-                buf,
-                num_values,
-                encoding,
-                def_level_encoding,
-                rep_level_encoding,
-                ..
-            } => {
-                if rep_level_encoding != Encoding::RLE || def_level_encoding != Encoding::RLE {
+            page => {
+                let Some(data) = DataPage::of(page) else {
+                    return Ok(false);
+                };
+                // A list's pages are checked for both level encodings.
+                if !data.levels_decodable(true, true) {
                     return Ok(false);
                 }
-                (buf, num_values as usize, encoding, None)
-            }
-            Page::DataPageV2 {
-                buf,
-                num_values,
-                encoding,
-                num_nulls,
-                def_levels_byte_len,
-                rep_levels_byte_len,
-                ..
-            } => {
-                if num_nulls != 0 {
-                    return Ok(false);
-                }
-                let lengths = (rep_levels_byte_len as usize, def_levels_byte_len as usize);
-                (buf, num_values as usize, encoding, Some(lengths))
+                let v2_lengths = data.v2_lengths();
+                (data.buf, data.values, data.encoding, v2_lengths)
             }
         };
-        let Some((rep, def, values)) = split_levels(&buf, v2_lengths, column.max_def) else {
+        let Some((rep, def, values)) = split_levels(&buf, v2_lengths, 1, column.max_def) else {
             return Ok(false);
         };
         if column.max_def > 0 && !check_def(def, n, column.max_def) {
@@ -541,17 +490,98 @@ pub(super) fn read_list_rows(
     Ok(ends.len() as i64 == end_row - first)
 }
 
-/// A list column's data page split into its repetition levels, its definition levels (none when
-/// `max_def` is 0) and its values: a v1 page's levels are length-prefixed, a v2 page's lengths
-/// (`v2`: repetition, definition) are in its header. `None` when the page is shorter than that.
+/// A data page (v1 or v2) taken apart.
+struct DataPage {
+    buf: bytes::Bytes,
+    values: usize,
+    encoding: Encoding,
+    levels: PageLevels,
+}
+
+/// How a data page's levels are stored.
+enum PageLevels {
+    /// Length-prefixed, in these encodings (repetition, definition).
+    V1(Encoding, Encoding),
+    /// Of these lengths (repetition, definition), with this many nulls.
+    V2(usize, usize, u32),
+}
+
+impl DataPage {
+    /// The data page `page`; `None` for a dictionary page.
+    fn of(page: Page) -> Option<DataPage> {
+        match page {
+            Page::DataPage {
+                buf,
+                num_values,
+                encoding,
+                def_level_encoding,
+                rep_level_encoding,
+                ..
+            } => Some(DataPage {
+                buf,
+                values: num_values as usize,
+                encoding,
+                levels: PageLevels::V1(rep_level_encoding, def_level_encoding),
+            }),
+            Page::DataPageV2 {
+                buf,
+                num_values,
+                encoding,
+                num_nulls,
+                def_levels_byte_len,
+                rep_levels_byte_len,
+                ..
+            } => Some(DataPage {
+                buf,
+                values: num_values as usize,
+                encoding,
+                levels: PageLevels::V2(
+                    rep_levels_byte_len as usize,
+                    def_levels_byte_len as usize,
+                    num_nulls,
+                ),
+            }),
+            Page::DictionaryPage { .. } => None,
+        }
+    }
+
+    /// Whether this reader takes the page's levels: RLE-encoded (v1; the repetition levels only
+    /// when `rep`, the definition levels only when `def`), and no null (v2).
+    fn levels_decodable(&self, rep: bool, def: bool) -> bool {
+        match self.levels {
+            PageLevels::V1(rep_encoding, def_encoding) => {
+                (!rep || rep_encoding == Encoding::RLE) && (!def || def_encoding == Encoding::RLE)
+            }
+            PageLevels::V2(_, _, nulls) => nulls == 0,
+        }
+    }
+
+    /// A v2 page's level lengths (repetition, definition); `None` for a v1 page.
+    fn v2_lengths(&self) -> Option<(usize, usize)> {
+        match self.levels {
+            PageLevels::V1(..) => None,
+            PageLevels::V2(rep, def, _) => Some((rep, def)),
+        }
+    }
+}
+
+/// A data page split into its repetition levels (none when `max_rep` is 0), its definition levels
+/// (none when `max_def` is 0) and its values: a v1 page's levels are length-prefixed, a v2 page's
+/// lengths (`v2`: repetition, definition) are in its header. `None` when the page is shorter than
+/// that.
 fn split_levels(
     buf: &[u8],
     v2: Option<(usize, usize)>,
+    max_rep: i16,
     max_def: i16,
 ) -> Option<(&[u8], &[u8], &[u8])> {
     match v2 {
         None => {
-            let (rep, rest) = length_prefixed(buf)?;
+            let (rep, rest) = if max_rep > 0 {
+                length_prefixed(buf)?
+            } else {
+                (&buf[..0], buf)
+            };
             let (def, values) = if max_def > 0 {
                 length_prefixed(rest)?
             } else {

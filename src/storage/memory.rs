@@ -58,7 +58,7 @@ pub fn memory_limit() -> Option<(u64, MemoryLimitSource)> {
 }
 
 /// A byte count: digits, optionally followed by K, M or G (binary multiples).
-pub(crate) fn parse_bytes(text: &str) -> Option<u64> {
+fn parse_bytes(text: &str) -> Option<u64> {
     let text = text.trim();
     let (digits, shift) = match text.chars().last()? {
         'K' | 'k' => (&text[..text.len() - 1], 10),

@@ -154,6 +154,15 @@ pub fn noise(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// Little-endian i32 values `v(i)` for `i in 0..count`.
+/// A loopback TCP port free now (bound and released), for a server a test starts.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 pub fn i32_bytes(count: usize, mut v: impl FnMut(usize) -> i32) -> Vec<u8> {
     (0..count).flat_map(|i| v(i).to_le_bytes()).collect()
 }

@@ -759,6 +759,25 @@ mod tests {
         (files, first_region, windows)
     }
 
+    /// The geometry of `plan` over `regions` regions (windows of `window_bytes`, each shard's first
+    /// at `first_region`), no corrupt block, pieces merged up to 16 KiB.
+    fn test_geometry(
+        plan: &StreamPlan,
+        first_region: &[u32],
+        regions: usize,
+        window_bytes: u64,
+    ) -> RowGeometry {
+        RowGeometry::new(
+            plan,
+            first_region.to_vec(),
+            plan.shard_first_samples(),
+            regions,
+            window_bytes,
+            HashMap::default(),
+            16 << 10,
+        )
+    }
+
     /// What the gather kernel makes of `rounds` (a host model: each piece converted by the CPU
     /// reference from its region: a window of its shard file, or the round's staging, filled from
     /// the shard files by the round's copies); a piece reading a window `copied` fails the test.
@@ -825,18 +844,7 @@ mod tests {
         let staging_region = windows.len();
         let mut copied: Vec<bool> = (0..windows.len()).map(|w| w % 2 == 0).collect();
         copied.push(false);
-        let firsts = plan.shard_first_samples();
-        let geometry = || {
-            RowGeometry::new(
-                &plan,
-                first_region.clone(),
-                firsts.clone(),
-                windows.len() + 1,
-                window_bytes,
-                HashMap::default(),
-                16 << 10,
-            )
-        };
+        let geometry = || test_geometry(&plan, &first_region, windows.len() + 1, window_bytes);
         let in_place = geometry();
         let row_bytes_max = super::super::row_copies::row_staging_bytes_max(
             [(74usize, 4096u64)].into_iter(),
@@ -928,18 +936,7 @@ mod tests {
         let window_bytes = 8192u64;
         let (files, first_region, windows) = shard_windows(&plan, window_bytes);
         let staging_region = windows.len();
-        let firsts = plan.shard_first_samples();
-        let geometry = || {
-            RowGeometry::new(
-                &plan,
-                first_region.clone(),
-                firsts.clone(),
-                windows.len() + 1,
-                window_bytes,
-                HashMap::default(),
-                16 << 10,
-            )
-        };
+        let geometry = || test_geometry(&plan, &first_region, windows.len() + 1, window_bytes);
         let mut copied = vec![true; windows.len()];
         copied.push(false);
         let row_bytes_max = super::super::row_copies::row_staging_bytes_max(
