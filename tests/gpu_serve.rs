@@ -19,6 +19,7 @@ use common::consumers::{consume_bin, copy_dataset, gpufeed_bin, npy_payload, wai
 use common::daemon::Daemon;
 use gpufeed::device::Device;
 use gpufeed::format::Dataset;
+use gpufeed::pipeline::gpu::tier::HELD_GRACE;
 use gpufeed_client::DType;
 
 const SAMPLES: u64 = 6000;
@@ -979,6 +980,27 @@ fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
     );
 }
 
+/// Free memory of `device` once copies decoded for streams that closed are freed: they stay
+/// `HELD_GRACE` after their last stream closed (a consumer's next epoch finds them), so a baseline
+/// is taken after that.
+fn settled_free_memory(device: &Device) -> usize {
+    std::thread::sleep(HELD_GRACE + std::time::Duration::from_millis(500));
+    device.memory_info().unwrap().0
+}
+
+/// Waits (`HELD_GRACE` and 5 s more at most) for the free memory of `device` to be back at
+/// `baseline`; returns what it is then.
+fn free_memory_back_to(device: &Device, baseline: usize) -> usize {
+    let deadline = std::time::Instant::now() + HELD_GRACE + std::time::Duration::from_secs(5);
+    loop {
+        let free = device.memory_info().unwrap().0;
+        if free == baseline || std::time::Instant::now() > deadline {
+            return free;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn device_memory_returns_to_baseline_after_100_killed_consumers() {
@@ -1013,7 +1035,7 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
     drop(first.stdin.take());
     first.wait().unwrap();
     wait_for_no_streams(&daemon.socket);
-    let (baseline, _) = device.memory_info().unwrap();
+    let baseline = settled_free_memory(&device);
     let mut during = usize::MAX;
     for kill in 0..100 {
         let mut child = spawn();
@@ -1029,7 +1051,7 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
         child.wait().unwrap();
         wait_for_no_streams(&daemon.socket);
     }
-    let (after, _) = device.memory_info().unwrap();
+    let after = free_memory_back_to(&device, baseline);
     eprintln!(
         "device free bytes: baseline {baseline}, with a consumer {during}, after 100 kills {after}"
     );
@@ -1166,6 +1188,7 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
     let opened: Vec<Device> = (0..distinct.len())
         .map(|i| Device::open(i).unwrap())
         .collect();
+    std::thread::sleep(HELD_GRACE + std::time::Duration::from_millis(500));
     let baselines: Vec<usize> = opened.iter().map(|d| d.memory_info().unwrap().0).collect();
     for round in 0..5 {
         for &device in consumers {
@@ -1200,7 +1223,7 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
         wait_for_no_streams(&gpu.socket);
     }
     for (index, device) in opened.iter().enumerate() {
-        let after = device.memory_info().unwrap().0;
+        let after = free_memory_back_to(device, baselines[index]);
         assert_eq!(
             after, baselines[index],
             "cuda:{index}: device memory did not return to its baseline after the kills"
