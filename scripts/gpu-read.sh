@@ -274,6 +274,10 @@ read_bench() {
       zero-copy-off) start_daemon --zero-copy off && started=1 ;;
       # env:NAME=VALUE,NAME=VALUE: the default daemon with those tuning variables set.
       env:*) daemon_env=$(echo "${case#env:}" | tr , ' ') start_daemon && started=1 ;;
+      # flags:FLAG,VALUE,...: the default daemon with those flags (commas for spaces), e.g.
+      # flags:--device-shard-memory,1G.
+      # shellcheck disable=SC2046  # the flags are words
+      flags:*) start_daemon $(echo "${case#flags:}" | tr , ' ') && started=1 ;;
       # bin:DIR: the daemon binary staged in DIR (another build, for an A/B).
       bin:*) daemon_bin=${case#bin:} start_daemon && started=1 ;;
       none) continue ;;  # only the data (for the cold rounds)

@@ -84,6 +84,12 @@ pub const API_TOKEN_BYTES_MAX: usize = 1024;
 /// served and the next) with their headers, 6 % of an 80 GiB GPU. With 4 GiB (seven such slots) the
 /// next window's last shard could not be copied before its window began.
 pub const DEVICE_SHARD_BYTES_DEFAULT: u64 = 5 << 30;
+/// Default share of the memory the daemon may use (the host's RAM, or its memory cgroup's limit)
+/// that datasets with compressed blocks may take decoded in page-locked host memory, for all served
+/// GPUs together, when device memory does not take them: a quarter. Such a copy serves every order
+/// at the link's rate where reading and decoding round by round serves a full shuffle at a
+/// twentieth of it; the page cache keeps the rest (the registration budget is half).
+pub const HOST_DECODED_RAM_SHARE_DEFAULT: u64 = 4;
 /// Default threads per GPU stream copying shards through pinned buffers beyond the registration
 /// budget: none. Copy threads move more than registering beyond the budget, but on several host
 /// cores against one, and the host's cores belong to the training processes first.
@@ -349,6 +355,11 @@ pub struct ConfigLayer {
     /// Device memory each served GPU keeps for whole datasets read by every stream and epoch (the
     /// device-memory tier); `0` turns it off. Default: 0 (the training processes need that memory).
     pub device_cache: Option<ByteCount>,
+    /// Host memory, for all served GPUs together (split evenly), that datasets with compressed
+    /// blocks may take decoded when device memory does not take them; `0`: none. Default: a
+    /// quarter of the memory the daemon may use ([`HOST_DECODED_RAM_SHARE_DEFAULT`]), within the
+    /// locked-memory limit.
+    pub host_decoded_memory: Option<ByteCount>,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration
     /// budget (0: windows registered for their copy). Default: [`LOADER_COPY_THREADS_DEFAULT`].
     #[serde(default, deserialize_with = "toml_whole_number")]
@@ -510,6 +521,7 @@ impl ConfigLayer {
             zero_copy: get("GPUFEED_ZERO_COPY"),
             device_shard_memory: bytes("GPUFEED_DEVICE_SHARD_MEMORY")?,
             device_cache: bytes("GPUFEED_DEVICE_CACHE")?,
+            host_decoded_memory: bytes("GPUFEED_HOST_DECODED_MEMORY")?,
             http_connections_max: number("GPUFEED_HTTP_CONNECTIONS_MAX")?,
             http_idle_timeout_s: number("GPUFEED_HTTP_IDLE_TIMEOUT_S")?,
             loader_copy_threads: number("GPUFEED_LOADER_COPY_THREADS")?,
@@ -560,6 +572,7 @@ impl ConfigLayer {
             zero_copy: self.zero_copy.or(lower.zero_copy),
             device_shard_memory: self.device_shard_memory.or(lower.device_shard_memory),
             device_cache: self.device_cache.or(lower.device_cache),
+            host_decoded_memory: self.host_decoded_memory.or(lower.host_decoded_memory),
             http_connections_max: self.http_connections_max.or(lower.http_connections_max),
             http_idle_timeout_s: self.http_idle_timeout_s.or(lower.http_idle_timeout_s),
             loader_copy_threads: self.loader_copy_threads.or(lower.loader_copy_threads),
@@ -786,6 +799,9 @@ impl ConfigLayer {
                 .device_shard_memory
                 .map_or(DEVICE_SHARD_BYTES_DEFAULT, |ByteCount(n)| n),
             device_cache_bytes: self.device_cache.map_or(0, |ByteCount(n)| n),
+            host_decoded_bytes: self
+                .host_decoded_memory
+                .map_or_else(host_decoded_bytes_default, |ByteCount(n)| n),
             loader_copy_threads: loader_copy_threads as usize,
             rounds_in_flight: rounds_in_flight as usize,
             filler_spin: Duration::from_micros(u64::from(filler_spin_us)),
@@ -1045,6 +1061,9 @@ pub struct GpuSettings {
     pub device_shard_bytes: u64,
     /// Device memory per served GPU for the device-memory tier (0: off).
     pub device_cache_bytes: u64,
+    /// Host memory, for all served GPUs together, for datasets with compressed blocks decoded
+    /// whole when device memory does not take them (0: none).
+    pub host_decoded_bytes: u64,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget.
     pub loader_copy_threads: usize,
     /// Rounds a GPU stream queues on the device at once.
@@ -1131,6 +1150,13 @@ pub fn registered_bytes_max_default() -> RegistrationBudget {
         window_bytes: REGISTERED_WINDOW_BYTES_DEFAULT,
         source: BudgetSource::Derived,
     }
+}
+
+/// The default host memory for decoded datasets ([`HOST_DECODED_RAM_SHARE_DEFAULT`] of the memory
+/// the daemon may use, within the locked-memory limit; 0 where neither is known).
+pub fn host_decoded_bytes_default() -> u64 {
+    let share = host_ram_bytes().map_or(0, |ram| ram / HOST_DECODED_RAM_SHARE_DEFAULT);
+    memlock_limit_bytes().map_or(share, |memlock| share.min(memlock))
 }
 
 /// The default slot memory (host memory for batches, host streams' working sets and the
@@ -1601,6 +1627,7 @@ mod tests {
         assert_eq!(defaults.device_shard_bytes, DEVICE_SHARD_BYTES_DEFAULT);
         // The device-memory tier is off unless asked for: the trainer needs that memory.
         assert_eq!(defaults.device_cache_bytes, 0);
+        assert_eq!(defaults.host_decoded_bytes, host_decoded_bytes_default());
 
         let from_file = file(
             "data_root = \"/r\"\nrounds_in_flight = 5\nfiller_spin_us = 20\ngather_piece_kib = 64\n\

@@ -238,8 +238,13 @@ pub fn open_backends(settings: &Settings) -> Result<Vec<Arc<GpuBackend>>, Daemon
         });
     }
     let mut backends = Vec::with_capacity(ordinals.len());
+    // The host memory for decoded datasets is the node's: each device takes an even share.
+    let per_device = GpuSettings {
+        host_decoded_bytes: settings.gpu.host_decoded_bytes / ordinals.len() as u64,
+        ..settings.gpu.clone()
+    };
     for ordinal in ordinals {
-        let gpu = open_gpu_backend(ordinal, settings.engine, &settings.gpu).map_err(|source| {
+        let gpu = open_gpu_backend(ordinal, settings.engine, &per_device).map_err(|source| {
             DaemonError::Gpu {
                 request: DeviceRequest::Cuda(ordinal),
                 source,
@@ -411,16 +416,18 @@ pub fn open_gpu_backend(
     // streams reading them, within one stream's device shard memory (`GPUFEED_DECODE_WHOLE=off`:
     // read round by round instead, for comparisons).
     let decode_whole = std::env::var("GPUFEED_DECODE_WHOLE").map_or(true, |v| v != "off");
-    let held_max = if decode_whole {
-        gpu.device_shard_bytes
-    } else {
-        0
+    // Those larger than that are decoded into page-locked host memory mapped for the device,
+    // within this device's share of `--host-decoded-memory`.
+    let (held_max, host_held_max) = match decode_whole {
+        true => (gpu.device_shard_bytes, gpu.host_decoded_bytes),
+        false => (0, 0),
     };
     let tier = Arc::new(DeviceTier::new(
         &device,
         ordinal,
         gpu.device_cache_bytes,
         held_max,
+        host_held_max,
     ));
     if gpu.device_cache_bytes > 0 {
         tracing::info!(

@@ -327,6 +327,14 @@ struct ServeArgs {
     /// GPU need its memory, and only you know how much they leave.
     #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
     device_cache: Option<ByteCount>,
+    /// Host memory, for all served GPUs together (split evenly), that datasets with compressed
+    /// blocks may take decoded when device memory (--device-cache, --device-shard-memory) does not
+    /// take them: such a dataset is decoded once on the GPU into page-locked host memory, shared by
+    /// the streams of the GPU reading it, and served in every order at the PCIe link's rate
+    /// instead of being read and decoded round by round (suffixes K, M, G; 0: none). Default: a
+    /// quarter of the host's RAM (or of the daemon's memory cgroup), within RLIMIT_MEMLOCK.
+    #[arg(long, value_name = "BYTES", value_parser = parse_byte_count)]
+    host_decoded_memory: Option<ByteCount>,
     /// Threads per GPU stream that copy page cache through pinned buffers when a dataset is larger
     /// than the registration budget (0 to 16; about a host core each while it copies). In dataset
     /// order and a window shuffle they copy whole shards instead of registering each window for its
@@ -848,6 +856,7 @@ fn run_serve(args: ServeArgs) -> Result<ExitCode> {
         zero_copy: args.zero_copy,
         device_shard_memory: args.device_shard_memory,
         device_cache: args.device_cache,
+        host_decoded_memory: args.host_decoded_memory,
         loader_copy_threads: args.loader_copy_threads,
         http_connections_max: args.http_connections_max,
         http_idle_timeout_s: args.http_idle_timeout_s,

@@ -554,7 +554,7 @@ fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
             "{shuffle}: the batches decoded for the stream differ from the CPU backend's"
         );
         wait_for_no_streams(&gpu.socket);
-        wait_held_freed(gpu.address(), shuffle);
+        wait_held_freed(gpu.address(), "decoded_for_streams", shuffle);
     }
     // Two streams at once: one copy, listed with both readers, not in the tier.
     let mut readers: Vec<(Child, PathBuf)> = (0..2)
@@ -592,7 +592,7 @@ fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
         assert!(npy_payload(&path) == expected, "a shared stream differs");
     }
     wait_for_no_streams(&gpu.socket);
-    wait_held_freed(gpu.address(), "two streams");
+    wait_held_freed(gpu.address(), "decoded_for_streams", "two streams");
     let log = gpu.log();
     assert!(
         log.contains("of device memory held while streams read it in"),
@@ -601,13 +601,83 @@ fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
     assert!(log.contains("is freed: no stream read it for"), "{log}");
 }
 
-/// Waits (10 s at most) for the device to hold no dataset decoded for its streams: each is freed
-/// `HELD_GRACE` (2 s) after the last stream reading it closed.
-fn wait_held_freed(address: SocketAddr, after: &str) {
+/// An LZ4 dataset (a corrupt compressed block in it) whose decoded size (4.6 MB) is larger than
+/// the device memory for such copies (`--device-shard-memory 2M`) is decoded into page-locked host
+/// memory instead (`--host-decoded-memory`): bit-exact against the CPU backend in every order, the
+/// corrupt block's rows zeros under `replace`, listed by the API under `decoded_in_host_memory`
+/// while a stream reads it, and freed 2 s after the last stream closed. With no host memory for it
+/// (`--host-decoded-memory 0`) the streams read it round by round, bit-exact too.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn lz4_datasets_larger_than_the_device_shard_memory_are_decoded_into_host_memory() {
+    let root = tempfile::tempdir().unwrap();
+    let (dir, _, _) =
+        pack_lz4_with_a_corrupt_block(root.path(), 43, 1, |i| ((i * 13) % 991) as i32);
+    let cpu_root = root.path().join("cpu-root");
+    copy_dataset(&dir, &cpu_root.join("lz"));
+    let cpu = start_cpu(&cpu_root);
+    let dumps = root.path().join("dumps");
+    std::fs::create_dir_all(&dumps).unwrap();
+    let args = |shuffle: &'static str| lz4_args(shuffle, "5");
+    for host in ["64M", "0"] {
+        let gpu = start_gpu(
+            root.path(),
+            &["--device-shard-memory", "2M", "--host-decoded-memory", host],
+        );
+        for shuffle in ["none", "window", "full"] {
+            let expected = cpu_dump(&cpu, &dumps, "lz", shuffle, &args(shuffle));
+            let path = dumps.join(format!("lz-host-{host}-{shuffle}-gpu.npy"));
+            finish(consume(&gpu.socket, "lz", "cuda:0", &args(shuffle), &path));
+            assert!(
+                npy_payload(&path) == expected,
+                "host memory {host}, {shuffle}: the batches differ from the CPU backend's"
+            );
+            wait_for_no_streams(&gpu.socket);
+        }
+        let log = gpu.log();
+        if host == "0" {
+            assert!(log.contains("round by round"), "{log}");
+            assert!(!log.contains("page-locked host memory held"), "{log}");
+            continue;
+        }
+        // A stream holding its batches keeps the copy: listed in host memory, not on the device.
+        let mut with_hold = args("full");
+        with_hold[1] = "16";
+        with_hold.extend(["--hold-after", "3"]);
+        let path = dumps.join("lz-host-held-gpu.npy");
+        let mut reader = consume(&gpu.socket, "lz", "cuda:0", &with_hold, &path);
+        let _out = wait_holding(&mut reader);
+        let view = tier(gpu.address());
+        assert_eq!(
+            view["decoded_for_streams"].as_array().map(Vec::len),
+            Some(0),
+            "{view}"
+        );
+        let in_host = view["decoded_in_host_memory"].as_array().unwrap();
+        assert_eq!(in_host.len(), 1, "{view}");
+        assert_eq!(in_host[0]["name"], "lz", "{view}");
+        assert_eq!(in_host[0]["streams"], 1, "{view}");
+        assert_eq!(view["decoded_in_host_memory_bytes_max"], 64 << 20, "{view}");
+        finish(reader);
+        wait_for_no_streams(&gpu.socket);
+        wait_held_freed(gpu.address(), "decoded_in_host_memory", "host memory");
+        let log = gpu.log();
+        assert!(
+            log.contains("of page-locked host memory held while streams read it in"),
+            "{log}"
+        );
+        assert!(log.contains("is freed: no stream read it for"), "{log}");
+    }
+}
+
+/// Waits (10 s at most) for the device to hold no dataset decoded for its streams in the API's list
+/// `list` (`decoded_for_streams`, `decoded_in_host_memory`): each is freed `HELD_GRACE` (2 s) after
+/// the last stream reading it closed.
+fn wait_held_freed(address: SocketAddr, list: &str, after: &str) {
     let started = std::time::Instant::now();
     loop {
         let view = tier(address);
-        if view["decoded_for_streams"].as_array().map(Vec::len) == Some(0) {
+        if view[list].as_array().map(Vec::len) == Some(0) {
             return;
         }
         assert!(

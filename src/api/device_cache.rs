@@ -62,6 +62,13 @@ pub struct DeviceCacheView {
     /// The memory those may take (`--device-shard-memory`; 0: none, `GPUFEED_DECODE_WHOLE=off`).
     #[serde(default)]
     pub decoded_for_streams_bytes_max: u64,
+    /// Such datasets too large for that memory (or finding no room there), decoded whole into
+    /// page-locked host memory mapped for this device instead (`bytes` are host bytes).
+    #[serde(default)]
+    pub decoded_in_host_memory: Vec<DeviceCacheDataset>,
+    /// The host memory those may take (this device's share of `--host-decoded-memory`; 0: none).
+    #[serde(default)]
+    pub decoded_in_host_memory_bytes_max: u64,
 }
 
 /// The views of every served device's tier.
@@ -76,6 +83,7 @@ pub(crate) fn views(control: &Control) -> Vec<DeviceCacheView> {
 fn view(control: &Control, tier: &DeviceTier) -> DeviceCacheView {
     let report = tier.report();
     let held = tier.held_report();
+    let host_held = tier.host_held_report();
     let names: Vec<(String, std::path::PathBuf)> = control
         .registry
         .names()
@@ -110,6 +118,8 @@ fn view(control: &Control, tier: &DeviceTier) -> DeviceCacheView {
         evictions: report.evictions,
         decoded_for_streams: datasets(&held),
         decoded_for_streams_bytes_max: held.bytes_max,
+        decoded_in_host_memory: datasets(&host_held),
+        decoded_in_host_memory_bytes_max: host_held.bytes_max,
     }
 }
 

@@ -53,6 +53,10 @@ pub struct Serving {
     pub device_shard_memory: u64,
     /// Device memory each served GPU keeps for whole datasets (`--device-cache`); 0: off.
     pub device_cache: u64,
+    /// Host memory, for all served GPUs together, for datasets with compressed blocks decoded whole
+    /// when device memory does not take them (`--host-decoded-memory`); 0: none.
+    #[serde(default)]
+    pub host_decoded_memory: u64,
     /// Threads per GPU stream copying shards through pinned buffers beyond the registration budget
     /// (`--loader-copy-threads`; 0: windows registered for their copy).
     pub loader_copy_threads: u32,
@@ -345,6 +349,7 @@ pub async fn status(State(control): State<Arc<Control>>) -> Json<StatusView> {
                 zero_copy: gpu.zero_copy.name().to_string(),
                 device_shard_memory: gpu.device_shard_bytes,
                 device_cache: gpu.device_cache_bytes,
+                host_decoded_memory: gpu.host_decoded_bytes,
                 loader_copy_threads: gpu.loader_copy_threads as u32,
                 rounds_in_flight: gpu.rounds_in_flight as u32,
                 filler_spin_us: gpu.filler_spin.as_micros() as u64,

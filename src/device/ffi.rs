@@ -798,10 +798,42 @@ pub unsafe fn mem_host_register_read_only(
     Ok(device_ptr)
 }
 
+/// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE`, then
+/// `cuMemHostGetDevicePointer`: page-locks an existing writable host mapping, which copies may then
+/// write and kernels read (at the returned address). On failure nothing stays registered.
+///
+/// # Safety
+/// `ptr .. ptr + bytes` is a live, page-aligned, writable mapping that stays mapped until
+/// [`mem_host_unregister`] is called for `ptr`; a context is current on the calling thread.
+pub unsafe fn mem_host_register_mapped(
+    ptr: *mut u8,
+    bytes: usize,
+) -> DriverResult<cu::CUdeviceptr> {
+    let flags = cu::CU_MEMHOSTREGISTER_DEVICEMAP | cu::CU_MEMHOSTREGISTER_PORTABLE;
+    check(
+        "cuMemHostRegister_v2",
+        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags),
+    )?;
+    let mut device_ptr: cu::CUdeviceptr = 0;
+    let mapped = check(
+        "cuMemHostGetDevicePointer_v2",
+        cu::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr as *mut c_void, 0),
+    );
+    if let Err(error) = mapped {
+        let _ = check(
+            "cuMemHostUnregister",
+            cu::cuMemHostUnregister(ptr as *mut c_void),
+        );
+        return Err(error);
+    }
+    Ok(device_ptr)
+}
+
 /// `cuMemHostUnregister`.
 ///
 /// # Safety
-/// `ptr` was registered with [`mem_host_register_read_only`], no copy from it is in flight, and a
+/// `ptr` was registered with [`mem_host_register_read_only`] or [`mem_host_register_mapped`], no
+/// copy from it is in flight, and a
 /// context is current on the calling thread.
 pub unsafe fn mem_host_unregister(ptr: *const u8) -> DriverResult<()> {
     check(

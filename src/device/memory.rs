@@ -310,6 +310,103 @@ impl Drop for PinnedBuffer {
     }
 }
 
+/// Threads that fault in the pages of a [`HostMappedBuffer`] at most.
+const HOST_MAPPED_FAULT_THREADS_MAX: usize = 8;
+
+/// Host memory that copies write and kernels read in place, for copies of tens of GiB: an
+/// anonymous mapping (transparent huge pages asked for), its pages faulted in by several threads
+/// at once, then page-locked and mapped for the devices (`cuMemHostRegister`). Unlike
+/// [`PinnedBuffer`] (`cuMemAllocHost`, which faults and locks every page on the calling thread),
+/// it is not zeroed by the driver, and is ready at the rate the threads fault pages in.
+pub struct HostMappedBuffer {
+    device: Device,
+    map: memmap2::MmapMut,
+    /// The address kernels read the buffer at.
+    device_ptr: u64,
+}
+
+impl HostMappedBuffer {
+    /// Maps and registers `bytes` of host memory; `None` when the host cannot give it (the mapping,
+    /// or page-locking it, fails: short of memory, or over the locked-memory limit). The contents
+    /// are zero.
+    pub fn new(device: &Device, bytes: usize) -> Result<Option<HostMappedBuffer>, DeviceError> {
+        let mut map = match memmap2::MmapOptions::new().len(bytes.max(1)).map_anon() {
+            Ok(map) => map,
+            Err(error) => {
+                tracing::warn!("mapping {bytes} bytes of host memory failed: {error}");
+                return Ok(None);
+            }
+        };
+        // Huge pages where the kernel gives them: fewer faults and a shorter registration.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        let page = 4096;
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, HOST_MAPPED_FAULT_THREADS_MAX);
+        let chunk = map.len().div_ceil(threads).next_multiple_of(page);
+        std::thread::scope(|scope| {
+            for part in map.chunks_mut(chunk) {
+                scope.spawn(move || {
+                    for offset in (0..part.len()).step_by(page) {
+                        // SAFETY: within the part; a volatile write so that the fault happens.
+                        unsafe { std::ptr::write_volatile(part.as_mut_ptr().add(offset), 0) };
+                    }
+                });
+            }
+        });
+        device.bind()?;
+        // SAFETY: the mapping is live, page-aligned and writable, and stays mapped until `drop`
+        // unregisters it; the device's context is current.
+        let device_ptr = match unsafe { ffi::mem_host_register_mapped(map.as_mut_ptr(), map.len()) }
+        {
+            Ok(device_ptr) => device_ptr,
+            Err(error) => {
+                tracing::warn!("page-locking {bytes} bytes of host memory failed: {error}");
+                return Ok(None);
+            }
+        };
+        Ok(Some(HostMappedBuffer {
+            device: device.clone(),
+            map,
+            device_ptr,
+        }))
+    }
+
+    /// The host address of byte `offset`.
+    pub fn host_ptr(&self, offset: usize) -> *mut u8 {
+        assert!(
+            offset <= self.map.len(),
+            "offset {offset} past a host buffer"
+        );
+        // SAFETY: within the mapping. Writes through it are the caller's to order (copies).
+        unsafe { self.map.as_ptr().add(offset).cast_mut() }
+    }
+
+    /// The bytes (no copy into the buffer may be in flight).
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+impl DeviceMemory for HostMappedBuffer {
+    fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+impl Drop for HostMappedBuffer {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        // SAFETY: registered in `new`, unregistered once, before the mapping goes; copies and
+        // kernels using it were the owner's to finish first.
+        let _ = unsafe { ffi::mem_host_unregister(self.map.as_ptr()) };
+    }
+}
+
 /// Queues a device-to-device copy on `stream`.
 ///
 /// # Safety

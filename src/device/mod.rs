@@ -29,7 +29,7 @@ use cudarc::driver::sys as cu;
 pub use ffi::{DriverCallError, NvrtcCallError};
 pub use memory::{
     copy_async, fill_async, BufferPool, DeviceBuffer, DeviceMemory, DeviceRegion, ExportableBuffer,
-    MappedHost, PinnedBuffer, PoolBuffer, POOL_ALIGN_BYTES,
+    HostMappedBuffer, MappedHost, PinnedBuffer, PoolBuffer, POOL_ALIGN_BYTES,
 };
 pub use module::{
     cache_file_name, compile, CacheDir, CompileOptions, CompiledImage, Kernel, KernelSource,

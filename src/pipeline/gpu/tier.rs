@@ -36,7 +36,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
+use crate::device::{
+    Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, HostMappedBuffer, Stream,
+};
 use crate::format::FileIdentity;
 use crate::metrics::{DeviceTierFigures, Metrics};
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock};
@@ -413,10 +415,42 @@ struct TierWindow {
     bytes: u64,
 }
 
+/// Where a dataset's copy lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierPlace {
+    /// Device memory.
+    Device,
+    /// Page-locked host memory mapped for the device: a decoded copy too large for the device
+    /// memory such copies may take; kernels read it across PCIe, as they read registered page cache.
+    Host,
+}
+
+/// A dataset's memory.
+enum TierMemory {
+    Device(DeviceBuffer),
+    Host(HostMappedBuffer),
+}
+
+impl TierMemory {
+    fn device_ptr(&self) -> u64 {
+        match self {
+            TierMemory::Device(buffer) => buffer.device_ptr(),
+            TierMemory::Host(buffer) => buffer.device_ptr(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            TierMemory::Device(buffer) => buffer.len(),
+            TierMemory::Host(buffer) => buffer.len(),
+        }
+    }
+}
+
 /// A dataset in a device's tier: its shard files, one after another, in one allocation.
 pub struct TierDataset {
     key: TierKey,
-    buffer: DeviceBuffer,
+    buffer: TierMemory,
     /// Per window of every shard (the stream's region table's order): its copy.
     windows: Vec<TierWindow>,
     /// Copies into the tier, in the order streams queued them.
@@ -448,18 +482,26 @@ impl TierEntry for TierDataset {
 
 impl TierDataset {
     /// A dataset of shard files of `file_bytes` bytes, cut in windows of `window_bytes`, with its
-    /// memory on `device`; `None` when the device is short of memory.
+    /// memory on `device` or in host memory mapped for it (`place`); `None` when the device (or
+    /// the host) is short of memory.
     fn new(
         device: &Device,
         key: TierKey,
         file_bytes: &[u64],
         window_bytes: u64,
+        place: TierPlace,
     ) -> Result<Option<TierDataset>, DeviceError> {
         let total: u64 = file_bytes.iter().sum();
-        let buffer = match DeviceBuffer::new(device, total as usize) {
-            Ok(buffer) => buffer,
-            Err(DeviceError::Driver(error)) if error.is_out_of_memory() => return Ok(None),
-            Err(error) => return Err(error),
+        let buffer = match place {
+            TierPlace::Device => match DeviceBuffer::new(device, total as usize) {
+                Ok(buffer) => TierMemory::Device(buffer),
+                Err(DeviceError::Driver(error)) if error.is_out_of_memory() => return Ok(None),
+                Err(error) => return Err(error),
+            },
+            TierPlace::Host => match HostMappedBuffer::new(device, total as usize)? {
+                Some(buffer) => TierMemory::Host(buffer),
+                None => return Ok(None),
+            },
         };
         let mut windows = Vec::new();
         let mut offset = 0u64;
@@ -551,6 +593,11 @@ impl TierDataset {
         order: impl Iterator<Item = usize>,
     ) -> Result<usize, DeviceError> {
         debug_assert_eq!(sources.len(), self.windows.len());
+        assert_eq!(
+            self.place(),
+            TierPlace::Device,
+            "only datasets in device memory are filled from page-cache windows"
+        );
         let _queueing = self.queueing.lock().unwrap_or_else(|e| e.into_inner());
         let mut queued = 0;
         for index in order {
@@ -584,9 +631,59 @@ impl TierDataset {
         self.queueing.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The dataset's allocation, for a fill that writes it whole (see `resident::tier_fill`).
-    pub(in crate::pipeline::gpu) fn fill_target(&self) -> &DeviceBuffer {
-        &self.buffer
+    /// Where the dataset's copy lives.
+    pub fn place(&self) -> TierPlace {
+        match self.buffer {
+            TierMemory::Device(_) => TierPlace::Device,
+            TierMemory::Host(_) => TierPlace::Host,
+        }
+    }
+
+    /// Queues, on the dataset's copy stream, a copy of `bytes` bytes of device memory at `src`
+    /// into the dataset's allocation at `offset`, for a fill that writes it whole (see
+    /// `resident::tier_fill`).
+    ///
+    /// # Safety
+    /// `src .. src + bytes` is device memory that stays allocated and unwritten until the copy
+    /// completed on the copy stream.
+    pub(in crate::pipeline::gpu) unsafe fn queue_fill_write(
+        &self,
+        offset: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        if offset + bytes as u64 > self.buffer.len() as u64 {
+            return Err(DeviceError::OutOfBounds {
+                what: "a fill of the device-memory tier",
+                offset,
+                bytes: bytes as u64,
+                capacity: self.buffer.len() as u64,
+            });
+        }
+        let stream = self.copy_stream.raw();
+        match &self.buffer {
+            // SAFETY: the destination lies within the allocation (checked above), which outlives
+            // the copy (its drop synchronises the copy stream); the source is the caller's contract.
+            TierMemory::Device(buffer) => unsafe {
+                crate::device::ffi::memcpy_dtod_async(
+                    buffer.device_ptr() + offset,
+                    src,
+                    bytes,
+                    stream,
+                )
+            },
+            // SAFETY: as above; the host range is registered, and no reader of it runs before the
+            // fill is complete.
+            TierMemory::Host(buffer) => unsafe {
+                crate::device::ffi::memcpy_dtoh_async(
+                    buffer.host_ptr(offset as usize),
+                    src,
+                    bytes,
+                    stream,
+                )
+            },
+        }
+        .map_err(DeviceError::from)
     }
 
     /// The stream the dataset's fill is queued on (its drop waits for it).
@@ -736,6 +833,9 @@ pub struct DeviceTier {
     /// Datasets with compressed blocks that the tier does not take, decoded whole for the streams
     /// that read them now and freed when the last of them closes (see [`Self::acquire_held`]).
     held: TierBook<TierDataset>,
+    /// As `held`, in page-locked host memory mapped for the device: datasets whose decoded size
+    /// does not fit `held` (or find no room there), within the host memory set aside for them.
+    held_host: TierBook<TierDataset>,
     /// Datasets decoded for their streams whose last stream closed, and when they are freed if no
     /// stream reads them then (at most one entry per dataset the book holds).
     held_closed: Mutex<ClosedHeld>,
@@ -745,23 +845,37 @@ pub struct DeviceTier {
 }
 
 impl DeviceTier {
-    /// The tier of `device` (`cuda:ordinal`) with a budget of `bytes_max` (0: off), and
-    /// `held_max` bytes for datasets decoded for the streams reading them (0: none).
-    pub fn new(device: &Device, ordinal: u32, bytes_max: u64, held_max: u64) -> DeviceTier {
+    /// The tier of `device` (`cuda:ordinal`) with a budget of `bytes_max` (0: off), `held_max`
+    /// bytes of device memory for datasets decoded for the streams reading them (0: none), and
+    /// `host_held_max` bytes of host memory for those that do not fit there (0: none).
+    pub fn new(
+        device: &Device,
+        ordinal: u32,
+        bytes_max: u64,
+        held_max: u64,
+        host_held_max: u64,
+    ) -> DeviceTier {
         DeviceTier {
             device: device.clone(),
             ordinal,
             book: TierBook::new(bytes_max),
             held: TierBook::new(held_max),
+            held_host: TierBook::new(host_held_max),
             held_closed: Mutex::new(ClosedHeld::default()),
             held_reaper: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
         }
     }
 
-    /// Bytes for datasets decoded for the streams reading them (0: none).
+    /// Device bytes for datasets decoded for the streams reading them (0: none).
     pub fn held_bytes_max(&self) -> u64 {
         self.held.bytes_max()
+    }
+
+    /// Host bytes for datasets decoded for the streams reading them that device memory does not
+    /// take (0: none).
+    pub fn host_held_bytes_max(&self) -> u64 {
+        self.held_host.bytes_max()
     }
 
     /// As [`Self::acquire`], from the memory for datasets decoded for the streams that read them
@@ -769,39 +883,74 @@ impl DeviceTier {
     /// is decoded whole into device memory once for the streams of the device that read it at the
     /// same time (a consumer's next epoch, opened ahead, finds it), and freed when the last of them
     /// closes ([`Self::stream_closed`]). Unlike the tier's, such a copy is not kept for later
-    /// streams.
+    /// streams. A dataset that device memory does not take (larger than its share, or no room) is
+    /// decoded into page-locked host memory mapped for the device instead, within
+    /// [`Self::host_held_bytes_max`]: its rows then cross PCIe decoded, as a raw dataset's do.
     pub fn acquire_held(
         &self,
         key: TierKey,
         file_bytes: &[u64],
         window_bytes: u64,
     ) -> Result<Acquired<TierDataset>, DeviceError> {
-        self.acquire_in(&self.held, key, file_bytes, window_bytes)
+        // A copy already decoded into host memory is shared rather than decoded again.
+        if !self.held_host.contains(&key) {
+            let acquired = self.acquire_in(
+                &self.held,
+                key.clone(),
+                file_bytes,
+                window_bytes,
+                TierPlace::Device,
+            )?;
+            if !matches!(acquired, Acquired::None) {
+                return Ok(acquired);
+            }
+        }
+        self.acquire_in(
+            &self.held_host,
+            key,
+            file_bytes,
+            window_bytes,
+            TierPlace::Host,
+        )
     }
 
-    /// The dataset `key` from `book`, allocated on this device when admitted.
+    /// The dataset `key` from `book`, allocated in `place` when admitted.
     fn acquire_in(
         &self,
         book: &TierBook<TierDataset>,
         key: TierKey,
         file_bytes: &[u64],
         window_bytes: u64,
+        place: TierPlace,
     ) -> Result<Acquired<TierDataset>, DeviceError> {
         let total: u64 = file_bytes.iter().sum();
         book.acquire(&key, total, || {
-            TierDataset::new(&self.device, key.clone(), file_bytes, window_bytes)
+            TierDataset::new(&self.device, key.clone(), file_bytes, window_bytes, place)
         })
     }
 
-    /// Takes the dataset `key` out of the memory for datasets decoded for their streams (a fill
-    /// that failed).
-    pub fn discard_held(&self, key: &TierKey) {
-        self.held.discard(key);
+    /// The book of datasets decoded for their streams that holds copies in `place`.
+    fn held_book(&self, place: TierPlace) -> &TierBook<TierDataset> {
+        match place {
+            TierPlace::Device => &self.held,
+            TierPlace::Host => &self.held_host,
+        }
     }
 
-    /// What the memory for datasets decoded for their streams holds now.
+    /// Takes `dataset` out of the memory for datasets decoded for their streams (a fill that
+    /// failed).
+    pub fn discard_held(&self, dataset: &TierDataset) {
+        self.held_book(dataset.place()).discard(dataset.key());
+    }
+
+    /// What the device memory for datasets decoded for their streams holds now.
     pub fn held_report(&self) -> TierReport {
         self.held.report()
+    }
+
+    /// What the host memory for datasets decoded for their streams holds now.
+    pub fn host_held_report(&self) -> TierReport {
+        self.held_host.report()
     }
 
     /// The device's ordinal.
@@ -839,7 +988,8 @@ impl DeviceTier {
         file_bytes: &[u64],
         window_bytes: u64,
     ) -> Result<Acquired<TierDataset>, DeviceError> {
-        let acquired = self.acquire_in(&self.book, key, file_bytes, window_bytes);
+        let acquired =
+            self.acquire_in(&self.book, key, file_bytes, window_bytes, TierPlace::Device);
         self.publish();
         acquired
     }
@@ -878,7 +1028,7 @@ impl DeviceTier {
     /// [`HELD_GRACE`] (a consumer that opens its next epoch only when the last one closed finds
     /// it still there); the tier's figures are published (its memory may have been freed).
     pub fn stream_closed(self: &Arc<Self>, key: &TierKey) {
-        if self.held.contains(key) {
+        if self.held.contains(key) || self.held_host.contains(key) {
             let mut closed = self.held_closed.lock().unwrap_or_else(|e| e.into_inner());
             closed.closed(key, std::time::Instant::now() + HELD_GRACE);
             // One thread per device frees them when they are due, started when none runs.
@@ -891,9 +1041,11 @@ impl DeviceTier {
                     // No thread: freed now if this was the last reader.
                     self.held_reaper.store(false, Ordering::Release);
                     closed.forget(key);
-                    if let Some(entry) = self.held.release_unread(key, 1) {
-                        drop(entry);
-                        self.held_freed(key);
+                    for book in [&self.held, &self.held_host] {
+                        if let Some(entry) = book.release_unread(key, 1) {
+                            drop(entry);
+                            self.held_freed(key);
+                        }
                     }
                 }
             }
@@ -926,9 +1078,11 @@ impl DeviceTier {
                 closed.take_due(now)
             };
             for key in due {
-                if let Some(entry) = self.held.release_unread(&key, 0) {
-                    drop(entry);
-                    self.held_freed(&key);
+                for book in [&self.held, &self.held_host] {
+                    if let Some(entry) = book.release_unread(&key, 0) {
+                        drop(entry);
+                        self.held_freed(&key);
+                    }
                 }
             }
             self.publish();

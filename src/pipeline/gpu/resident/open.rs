@@ -34,7 +34,9 @@ use crate::pipeline::gpu::limits::{
     GpuStreamLimits, ZeroCopy, ROUNDS_IN_FLIGHT_MAX, ROUNDS_IN_FLIGHT_MIN,
 };
 use crate::pipeline::gpu::shard_pool::{KeptBuffer, ShardSlotPool};
-use crate::pipeline::gpu::tier::{Acquired, DeviceTier, TierDataset, TierEntry, TierKey};
+use crate::pipeline::gpu::tier::{
+    Acquired, DeviceTier, TierDataset, TierEntry, TierKey, TierPlace,
+};
 use crate::pipeline::order::ShuffleKind;
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, FillError, StreamPlan};
 use crate::storage::gpu::{GpuReader, PathChoice};
@@ -715,7 +717,8 @@ impl Resident {
         let decoded_bytes = decoded_bytes(&plan.dataset);
         let in_tier = tier.is_enabled() && decoded_bytes <= tier.bytes_max();
         let raw = fields_all_raw(plan);
-        if !in_tier && (raw || decoded_bytes > tier.held_bytes_max()) {
+        let held_max = tier.held_bytes_max().max(tier.host_held_bytes_max());
+        if !in_tier && (raw || decoded_bytes > held_max) {
             if raw {
                 return Ok(None);
             }
@@ -723,8 +726,9 @@ impl Resident {
             // shuffle: an order of magnitude below the link. Say what would avoid it.
             tracing::info!(
                 "stream reads compressed blocks of {} round by round; a device-memory tier \
-                 (--device-cache), or a device shard memory (--device-shard-memory), of at least \
-                 {} MiB would decode the dataset once and serve every order from device memory",
+                 (--device-cache) or device shard memory (--device-shard-memory) of at least {} \
+                 MiB would decode the dataset once and serve every order from device memory, and \
+                 host decoded memory (--host-decoded-memory) that large from host memory",
                 plan.dataset.dir.display(),
                 decoded_bytes.div_ceil(1 << 20)
             );
@@ -767,9 +771,14 @@ impl Resident {
                             summary.lz4_blocks,
                             summary.undecodable.len(),
                             dataset.bytes() >> 20,
-                            match held {
-                                true => "device memory held while streams read it",
-                                false => "the device-memory tier",
+                            match (held, dataset.place()) {
+                                (false, _) => "the device-memory tier",
+                                (true, TierPlace::Device) => {
+                                    "device memory held while streams read it"
+                                }
+                                (true, TierPlace::Host) => {
+                                    "page-locked host memory held while streams read it"
+                                }
                             },
                             seconds,
                             dataset.bytes() as f64 / seconds.max(1e-9) / 1e9
@@ -779,7 +788,7 @@ impl Resident {
                     Err(error) => {
                         dataset.finish_fill(false, Vec::new());
                         match held {
-                            true => tier.discard_held(&key),
+                            true => tier.discard_held(&dataset),
                             false => tier.discard(&key),
                         }
                         tracing::warn!(

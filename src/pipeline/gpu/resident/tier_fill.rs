@@ -282,7 +282,6 @@ fn fill_chunks(
         lz4_blocks: 0,
         undecodable: Vec::new(),
     };
-    let tier = dataset.fill_target();
     let stream = dataset.copy_stream();
     let mut shard_base = 0u64;
     let mut next = 0usize;
@@ -374,17 +373,15 @@ fn fill_chunks(
                 }?;
             }
             summary.lz4_blocks += jobs.len() as u64;
-            // SAFETY: the destination lies within the tier's allocation (the layout's shard bytes
-            // sum to it); the source within the set's decoded bytes.
+            // SAFETY: the source lies within the set's decoded bytes, which are not reused before
+            // the set's event says this copy is done.
             unsafe {
-                crate::device::ffi::memcpy_dtod_async(
-                    tier.device_ptr() + shard_base + decoded_start,
+                dataset.queue_fill_write(
+                    shard_base + decoded_start,
                     set.decoded.device_ptr(),
                     (decoded_end - decoded_start) as usize,
-                    stream.raw(),
                 )
-            }
-            .map_err(DeviceError::from)?;
+            }?;
             set.done.record(stream)?;
             set.pending = Some((shard, lz4_blocks));
         }
