@@ -31,6 +31,7 @@
 #      READ_KVIKIO_THREADS: KvikIO's thread counts (4,8,16). READ_BENCH_ONLY=1: step 3 only;
 #      READ_TESTS_ONLY=1: steps 1 and 2 only. READ_COLD_ROUNDS=N: after step 3, N interleaved cold
 #      rounds (see read_cold); READ_BENCH_ONLY=1 READ_CASES=none READ_COLD_ROUNDS=N: cold rounds only.
+#      READ_TORCH_PEER=0: no PyTorch DataLoader peer (said so).
 #      READ_BENCH_S: the seconds step 3 may take (300: the full shuffle beyond the budget and the
 #      peers' sweeps take up to about a minute more than the 240 it had before).
 # Any failed step makes the script exit non-zero; logs go to $OUT; a summary is printed last, with
@@ -330,7 +331,11 @@ read_bench() {
         fi
       done
       if [ "$case" = default ] && [ "$order" = full ]; then
-        run_torch_random || failed_run "torch-random"
+        if [ "${READ_TORCH_PEER:-1}" = 0 ]; then
+          echo "skipped: the PyTorch DataLoader peer of the full shuffle (READ_TORCH_PEER=0)"
+        else
+          run_torch_random || failed_run "torch-random"
+        fi
       fi
     done
     python3 -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:7171/metrics").read().decode())' \

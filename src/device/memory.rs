@@ -311,7 +311,7 @@ impl Drop for PinnedBuffer {
 }
 
 /// Threads that fault in the pages of a [`HostMappedBuffer`] at most.
-const HOST_MAPPED_FAULT_THREADS_MAX: usize = 8;
+const HOST_MAPPED_FAULT_THREADS_MAX: usize = 16;
 
 /// Host memory that copies write and kernels read in place, for copies of tens of GiB: an
 /// anonymous mapping (transparent huge pages asked for), its pages faulted in by several threads
@@ -330,6 +330,7 @@ impl HostMappedBuffer {
     /// or page-locking it, fails: short of memory, or over the locked-memory limit). The contents
     /// are zero.
     pub fn new(device: &Device, bytes: usize) -> Result<Option<HostMappedBuffer>, DeviceError> {
+        let started = std::time::Instant::now();
         let mut map = match memmap2::MmapOptions::new().len(bytes.max(1)).map_anon() {
             Ok(map) => map,
             Err(error) => {
@@ -354,6 +355,7 @@ impl HostMappedBuffer {
                 });
             }
         });
+        let faulted = started.elapsed();
         device.bind()?;
         // SAFETY: the mapping is live, page-aligned and writable, and stays mapped until `drop`
         // unregisters it; the device's context is current.
@@ -365,6 +367,13 @@ impl HostMappedBuffer {
                 return Ok(None);
             }
         };
+        tracing::info!(
+            "{} MiB of host memory page-locked for the device in {:.3} s ({:.3} s faulting it in \
+             on {threads} threads)",
+            bytes >> 20,
+            started.elapsed().as_secs_f64(),
+            faulted.as_secs_f64()
+        );
         Ok(Some(HostMappedBuffer {
             device: device.clone(),
             map,
