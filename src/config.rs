@@ -399,7 +399,7 @@ pub struct ConfigLayer {
 }
 
 /// The environment variable of each key.
-pub const ENV_VARS: [&str; 35] = [
+pub const ENV_VARS: [&str; 36] = [
     "GPUFEED_DATA_ROOT",
     "GPUFEED_SOCKET",
     "GPUFEED_DEVICE",
@@ -420,6 +420,7 @@ pub const ENV_VARS: [&str; 35] = [
     "GPUFEED_ZERO_COPY",
     "GPUFEED_DEVICE_SHARD_MEMORY",
     "GPUFEED_DEVICE_CACHE",
+    "GPUFEED_HOST_DECODED_MEMORY",
     "GPUFEED_HTTP_CONNECTIONS_MAX",
     "GPUFEED_HTTP_IDLE_TIMEOUT_S",
     "GPUFEED_LOADER_COPY_THREADS",
@@ -1362,6 +1363,7 @@ mod tests {
             "always",
             "2G",
             "1G",
+            "3G",
             "100",
             "5",
             "3",
