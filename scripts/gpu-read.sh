@@ -279,7 +279,9 @@ read_bench() {
       # flags:--device-shard-memory,1G.
       # shellcheck disable=SC2046  # the flags are words
       flags:*) start_daemon $(echo "${case#flags:}" | tr , ' ') && started=1 ;;
-      # bin:DIR: the daemon binary staged in DIR (another build, for an A/B).
+      # bin:DIR: the daemon binary staged in DIR (another build, for an A/B); bin:DIR@NAME=VALUE,...
+      # with those variables set too.
+      bin:*@*) daemon_bin=$(echo "${case#bin:}" | cut -d@ -f1) daemon_env=$(echo "${case#*@}" | tr , ' ') start_daemon && started=1 ;;
       bin:*) daemon_bin=${case#bin:} start_daemon && started=1 ;;
       none) continue ;;  # only the data (for the cold rounds)
       *) failed_run "case $case: unknown (READ_CASES)"; continue ;;

@@ -65,11 +65,90 @@ impl ResidencyMap {
     }
 }
 
+impl ResidencyMap {
+    /// As [`Self::resident_fraction`], from one page in every `stride` bytes (the first page of
+    /// each stride) for a range longer than two strides: one mincore(2) per sampled page, where one
+    /// over the whole range walks every page of it (about 3 ms for 64 MiB of a cached file on a
+    /// development VM, against 0.04 ms for 64 samples). For a window judged whole before it is
+    /// registered for one copy: a sampled page that is not cached stands for its stride.
+    pub fn resident_fraction_sampled(
+        &self,
+        offset: usize,
+        len: usize,
+        stride: usize,
+    ) -> io::Result<f64> {
+        let end = offset.saturating_add(len).min(self.map.len());
+        if offset >= end {
+            return Ok(0.0);
+        }
+        let stride = (stride / self.page_bytes).max(1) * self.page_bytes;
+        let first = offset / self.page_bytes * self.page_bytes;
+        if end - first <= 2 * stride {
+            return self.resident_fraction(offset, len);
+        }
+        let (mut samples, mut resident) = (0u64, 0u64);
+        let mut at = first;
+        while at < end {
+            let mut vector = 0u8;
+            // SAFETY: one page within the live mapping (`at` is page-aligned and below its end), and
+            // one byte of vector for it, as mincore(2) requires.
+            let result = unsafe {
+                libc::mincore(
+                    self.map.as_ptr().add(at) as *mut libc::c_void,
+                    self.page_bytes,
+                    &mut vector,
+                )
+            };
+            if result != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            samples += 1;
+            resident += u64::from(vector & 1);
+            at += stride;
+        }
+        Ok(resident as f64 / samples as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn sampled_residency_agrees_with_the_whole_count_on_a_cached_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let mut file = File::create(&path).unwrap();
+        file.write_all(&vec![7u8; 8 << 20]).unwrap();
+        let file = File::open(&path).unwrap();
+        let map = ResidencyMap::new(&file).unwrap();
+        // Every page was just written: cached, sampled or not, over any range.
+        assert_eq!(
+            map.resident_fraction_sampled(0, 8 << 20, 1 << 20).unwrap(),
+            1.0
+        );
+        assert_eq!(
+            map.resident_fraction_sampled(4096, 5 << 20, 1 << 20)
+                .unwrap(),
+            1.0
+        );
+        // Short ranges are counted whole; ranges past the end count their part in the file.
+        assert_eq!(
+            map.resident_fraction_sampled(0, 8192, 1 << 20).unwrap(),
+            1.0
+        );
+        assert_eq!(
+            map.resident_fraction_sampled(7 << 20, 4 << 20, 1 << 20)
+                .unwrap(),
+            1.0
+        );
+        assert_eq!(
+            map.resident_fraction_sampled(9 << 20, 10, 1 << 20).unwrap(),
+            0.0
+        );
+    }
 
     #[test]
     fn written_pages_are_resident_and_dropped_pages_are_not() {

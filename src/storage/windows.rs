@@ -82,6 +82,10 @@ pub struct MappedRange {
 /// Most blocks a window remembers as verified (a 256 MiB window holds 4096 blocks of 64 KiB).
 const VERIFIED_PER_WINDOW_MAX: usize = 1 << 16;
 
+/// One page in this many bytes is asked about when a window is judged resident before it is
+/// registered for a copy (`ResidencyMap::resident_fraction_sampled`): 64 pages of a 64 MiB window.
+const RESIDENCY_SAMPLE_STRIDE: usize = 1 << 20;
+
 /// One registered window of a shard mapping.
 struct Window {
     file: FileKey,
@@ -548,9 +552,15 @@ impl PageCacheWindows {
                 if transient && !transient_ok {
                     return Ok(None);
                 }
+                // Sampled: a whole count walks every page of the window, milliseconds per window
+                // registered for one copy, on the loader's thread between its copies.
                 let resident = mapped
                     .residency
-                    .resident_fraction(start, bytes.min(file_len - start))
+                    .resident_fraction_sampled(
+                        start,
+                        bytes.min(file_len - start),
+                        RESIDENCY_SAMPLE_STRIDE,
+                    )
                     .is_ok_and(|f| f >= fraction_min);
                 if !resident {
                     return Ok(None);
