@@ -170,6 +170,7 @@ impl Resident {
                             dataset,
                             tier,
                             None,
+                            None,
                         )
                         .map(Some);
                     }
@@ -757,11 +758,23 @@ impl Resident {
             Acquired::Found(dataset) | Acquired::Admitted(dataset) => dataset,
             Acquired::None => return Ok(None),
         };
+        let mut verified = None;
         {
             let _fill = dataset.fill_lock();
             if !dataset.is_complete() && dataset.usable() {
                 let started = std::time::Instant::now();
-                match fill_decoded(plan, files, &layout, &dataset, reader, choice, lz4, device) {
+                // The blocks' checksums are verified on the host while the device decodes them.
+                let (filled, checked) = std::thread::scope(|scope| {
+                    let checking = scope.spawn(|| verify_blocks(plan, files));
+                    let filled =
+                        fill_decoded(plan, files, &layout, &dataset, reader, choice, lz4, device);
+                    let checked = checking
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                    (filled, checked)
+                });
+                verified = Some(checked);
+                match filled {
                     Ok(summary) => {
                         let seconds = started.elapsed().as_secs_f64();
                         tracing::info!(
@@ -825,6 +838,7 @@ impl Resident {
             dataset,
             tier,
             Some(Arc::clone(&layout)),
+            verified,
         );
         if opened.is_err() {
             not_read(tier);
@@ -834,7 +848,8 @@ impl Resident {
 
     /// [`Self::open`] for a dataset whole in the device's memory tier: every region of the table
     /// points into the tier, no window is registered for the stream, and the table is uploaded
-    /// once. Blocks are verified as without the tier (once per dataset).
+    /// once. Blocks are verified as without the tier (once per dataset), unless the caller did
+    /// (`verified`: what [`verify_blocks`] returned, while the stream decoded the dataset).
     #[allow(clippy::too_many_arguments)]
     fn open_in_tier(
         plan: &StreamPlan,
@@ -848,6 +863,7 @@ impl Resident {
         dataset: Arc<TierDataset>,
         tier: &Arc<DeviceTier>,
         decoded: Option<Arc<DecodedLayout>>,
+        verified: Option<VerifiedBlocks>,
     ) -> Result<Resident, FillError> {
         let window_bytes = windows.window_bytes();
         let mut first_region = Vec::with_capacity(file_bytes.len());
@@ -862,7 +878,10 @@ impl Resident {
             regions as usize,
             "the tier cut the same windows"
         );
-        let (mut corrupt, verified_bytes) = verify_blocks(plan, files)?;
+        let (mut corrupt, verified_bytes) = match verified {
+            Some(verified) => verified?,
+            None => verify_blocks(plan, files)?,
+        };
         metrics.add_read_bytes(crate::metrics::ReadPath::PageCache, verified_bytes);
         // Blocks that did not decode into the tier are corrupt for every stream (a checksum
         // mismatch found above says more, and is kept).
@@ -1279,10 +1298,10 @@ fn verify_counted(
 /// verified yet, from the page cache, on several threads; returns the corrupt ones and the bytes
 /// read.
 #[allow(clippy::type_complexity)]
-fn verify_blocks(
-    plan: &StreamPlan,
-    files: &FileTable,
-) -> Result<(HashMap<BlockKey, Arc<CorruptBlock>>, u64), FillError> {
+/// What [`verify_blocks`] found: the corrupt blocks and the bytes it read.
+type VerifiedBlocks = Result<(HashMap<BlockKey, Arc<CorruptBlock>>, u64), FillError>;
+
+fn verify_blocks(plan: &StreamPlan, files: &FileTable) -> VerifiedBlocks {
     let verified = &plan.dataset.verified;
     let mut work: Vec<(usize, usize, u32)> = Vec::new();
     for (shard_index, shard) in plan.dataset.shards.iter().enumerate() {
