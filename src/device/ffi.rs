@@ -778,6 +778,20 @@ pub unsafe fn mem_host_register_read_only(
     let flags = cu::CU_MEMHOSTREGISTER_READ_ONLY
         | cu::CU_MEMHOSTREGISTER_DEVICEMAP
         | cu::CU_MEMHOSTREGISTER_PORTABLE;
+    // SAFETY: the caller's contract.
+    unsafe { host_register_mapped(ptr.cast_mut(), bytes, flags) }
+}
+
+/// `cuMemHostRegister` with `flags` (which include `CU_MEMHOSTREGISTER_DEVICEMAP`), then
+/// `cuMemHostGetDevicePointer`; on failure nothing stays registered.
+///
+/// # Safety
+/// As [`mem_host_register_read_only`], the mapping writable unless `flags` say read-only.
+unsafe fn host_register_mapped(
+    ptr: *mut u8,
+    bytes: usize,
+    flags: u32,
+) -> DriverResult<cu::CUdeviceptr> {
     check(
         "cuMemHostRegister_v2",
         cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags),
@@ -810,23 +824,8 @@ pub unsafe fn mem_host_register_mapped(
     bytes: usize,
 ) -> DriverResult<cu::CUdeviceptr> {
     let flags = cu::CU_MEMHOSTREGISTER_DEVICEMAP | cu::CU_MEMHOSTREGISTER_PORTABLE;
-    check(
-        "cuMemHostRegister_v2",
-        cu::cuMemHostRegister_v2(ptr as *mut c_void, bytes, flags),
-    )?;
-    let mut device_ptr: cu::CUdeviceptr = 0;
-    let mapped = check(
-        "cuMemHostGetDevicePointer_v2",
-        cu::cuMemHostGetDevicePointer_v2(&mut device_ptr, ptr as *mut c_void, 0),
-    );
-    if let Err(error) = mapped {
-        let _ = check(
-            "cuMemHostUnregister",
-            cu::cuMemHostUnregister(ptr as *mut c_void),
-        );
-        return Err(error);
-    }
-    Ok(device_ptr)
+    // SAFETY: the caller's contract.
+    unsafe { host_register_mapped(ptr, bytes, flags) }
 }
 
 /// `cuMemHostUnregister`.

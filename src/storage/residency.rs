@@ -48,18 +48,11 @@ impl ResidencyMap {
         let last_page = (end - 1) / self.page_bytes;
         let pages = last_page - first_page + 1;
         let mut vector = vec![0u8; pages];
-        // SAFETY: the address range lies within the live mapping (page-aligned start, length within the
-        // mapping) and `vector` has one byte per page, as mincore(2) requires.
-        let result = unsafe {
-            libc::mincore(
-                self.map.as_ptr().add(first_page * self.page_bytes) as *mut libc::c_void,
-                end - first_page * self.page_bytes,
-                vector.as_mut_ptr(),
-            )
-        };
-        if result != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        self.mincore(
+            first_page * self.page_bytes,
+            end - first_page * self.page_bytes,
+            &mut vector,
+        )?;
         let resident = vector.iter().filter(|&&v| v & 1 == 1).count();
         Ok(resident as f64 / pages as f64)
     }
@@ -89,24 +82,37 @@ impl ResidencyMap {
         let (mut samples, mut resident) = (0u64, 0u64);
         let mut at = first;
         while at < end {
-            let mut vector = 0u8;
-            // SAFETY: one page within the live mapping (`at` is page-aligned and below its end), and
-            // one byte of vector for it, as mincore(2) requires.
-            let result = unsafe {
-                libc::mincore(
-                    self.map.as_ptr().add(at) as *mut libc::c_void,
-                    self.page_bytes,
-                    &mut vector,
-                )
-            };
-            if result != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            let mut vector = [0u8];
+            self.mincore(at, self.page_bytes, &mut vector)?;
             samples += 1;
-            resident += u64::from(vector & 1);
+            resident += u64::from(vector[0] & 1);
             at += stride;
         }
         Ok(resident as f64 / samples as f64)
+    }
+
+    /// mincore(2) over `len` bytes of the mapping from `start` (page-aligned), one byte of
+    /// `vector` per page.
+    fn mincore(&self, start: usize, len: usize, vector: &mut [u8]) -> io::Result<()> {
+        assert!(
+            start % self.page_bytes == 0
+                && start.saturating_add(len) <= self.map.len().next_multiple_of(self.page_bytes)
+                && vector.len() >= len.div_ceil(self.page_bytes),
+            "mincore over {len} bytes at {start} outside the mapping or its vector"
+        );
+        // SAFETY: the range lies within the live mapping (page-aligned start, checked above) and
+        // `vector` has a byte per page of it, as mincore(2) requires.
+        let result = unsafe {
+            libc::mincore(
+                self.map.as_ptr().add(start) as *mut libc::c_void,
+                len,
+                vector.as_mut_ptr(),
+            )
+        };
+        if result != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }
 
