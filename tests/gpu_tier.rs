@@ -67,6 +67,7 @@ fn start_gpu(root: &Path, extra: &[&str]) -> Daemon {
         .args(extra)
         .env_remove("GPUFEED_API_TOKEN")
         .env_remove("GPUFEED_CONFIG")
+        .env_remove("GPUFEED_DECODE_WHOLE")
         .env("GPUFEED_DEVICE_POOL_IDLE_S", "3600");
     common::daemon::start(command, &root.join("logs"))
 }

@@ -401,11 +401,6 @@ impl HostMappedBuffer {
         // SAFETY: within the mapping. Writes through it are the caller's to order (copies).
         unsafe { self.map.as_ptr().add(offset).cast_mut() }
     }
-
-    /// The bytes (no copy into the buffer may be in flight).
-    pub fn as_slice(&self) -> &[u8] {
-        &self.map
-    }
 }
 
 /// Host memory a [`HostMappedBuffer`] leaves available at least: 1 GiB, or an eighth of what is

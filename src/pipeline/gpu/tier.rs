@@ -654,9 +654,12 @@ impl TierDataset {
         bytes: usize,
         stream: &Stream,
     ) -> Result<(), DeviceError> {
-        if offset + bytes as u64 > self.buffer.len() as u64 {
+        if offset
+            .checked_add(bytes as u64)
+            .is_none_or(|end| end > self.buffer.len() as u64)
+        {
             return Err(DeviceError::OutOfBounds {
-                what: "a fill of the device-memory tier",
+                what: "a fill of a decoded copy",
                 offset,
                 bytes: bytes as u64,
                 capacity: self.buffer.len() as u64,
@@ -841,6 +844,9 @@ pub struct DeviceTier {
     /// Datasets decoded for their streams whose last stream closed, and when they are freed if no
     /// stream reads them then (at most one entry per dataset the book holds).
     held_closed: Mutex<ClosedHeld>,
+    /// Held while a stream looks for or admits a dataset decoded for its streams, in either book:
+    /// two streams of one dataset opening at once never admit it into both.
+    held_admission: Mutex<()>,
     /// Whether the thread freeing them runs.
     held_reaper: AtomicBool,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
@@ -864,6 +870,7 @@ impl DeviceTier {
             held: TierBook::new(held_max),
             held_host: TierBook::new(host_held_max),
             held_closed: Mutex::new(ClosedHeld::default()),
+            held_admission: Mutex::new(()),
             held_reaper: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
         }
@@ -894,6 +901,10 @@ impl DeviceTier {
         file_bytes: &[u64],
         window_bytes: u64,
     ) -> Result<Acquired<TierDataset>, DeviceError> {
+        let _admission = self
+            .held_admission
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         // A copy already decoded into host memory is shared rather than decoded again.
         if !self.held_host.contains(&key) {
             let acquired = self.acquire_in(
@@ -1028,9 +1039,11 @@ impl DeviceTier {
     /// A stream reading the dataset `key` closes (its reference is dropped after this call): a
     /// dataset decoded for the streams reading it is freed when no stream has read it for
     /// [`HELD_GRACE`] (a consumer that opens its next epoch only when the last one closed finds
-    /// it still there); the tier's figures are published (its memory may have been freed).
-    pub fn stream_closed(self: &Arc<Self>, key: &TierKey) {
-        if self.held.contains(key) || self.held_host.contains(key) {
+    /// it still there); the tier's figures are published (its memory may have been freed). `place`
+    /// is where the dataset's copy lives (which book holds it).
+    pub fn stream_closed(self: &Arc<Self>, key: &TierKey, place: TierPlace) {
+        let book = self.held_book(place);
+        if book.contains(key) {
             let mut closed = self.held_closed.lock().unwrap_or_else(|e| e.into_inner());
             closed.closed(key, std::time::Instant::now() + HELD_GRACE);
             // One thread per device frees them when they are due, started when none runs.
@@ -1043,11 +1056,9 @@ impl DeviceTier {
                     // No thread: freed now if this was the last reader.
                     self.held_reaper.store(false, Ordering::Release);
                     closed.forget(key);
-                    for book in [&self.held, &self.held_host] {
-                        if let Some(entry) = book.release_unread(key, 1) {
-                            drop(entry);
-                            self.held_freed(key);
-                        }
+                    if let Some(entry) = book.release_unread(key, 1) {
+                        drop(entry);
+                        self.held_freed(key);
                     }
                 }
             }

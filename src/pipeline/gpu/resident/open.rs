@@ -805,8 +805,8 @@ impl Resident {
                             false => tier.discard(&key),
                         }
                         tracing::warn!(
-                            "decoding {} into the device-memory tier failed ({error}); the stream \
-                             reads without the tier",
+                            "decoding {} whole failed ({error}); the stream reads its blocks \
+                             round by round",
                             plan.dataset.dir.display()
                         );
                         return Ok(None);
@@ -816,9 +816,10 @@ impl Resident {
         }
         // A copy decoded for the streams reading it that this stream does not read after all is
         // freed when no stream reads it (as when a stream closes).
+        let place = dataset.place();
         let not_read = |tier: &Arc<DeviceTier>| {
             if held {
-                tier.stream_closed(&key);
+                tier.stream_closed(&key, place);
             }
         };
         if !(dataset.is_complete() && dataset.usable()) {
@@ -890,8 +891,12 @@ impl Resident {
         }
         let regions = KeptBuffer::from_host(device, &GatherRegion::encode_all(&table), shard_pool)?;
         tracing::info!(
-            "stream reads {} shards from the device-memory tier ({} MiB{}, {} corrupt blocks)",
+            "stream reads {} shards from {} ({} MiB{}, {} corrupt blocks)",
             plan.dataset.shards.len(),
+            match dataset.place() {
+                TierPlace::Device => "device memory",
+                TierPlace::Host => "page-locked host memory mapped for the device",
+            },
             dataset.bytes() >> 20,
             if decoded.is_some() { ", decoded" } else { "" },
             corrupt.len()

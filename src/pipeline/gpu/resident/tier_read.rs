@@ -136,6 +136,7 @@ impl Drop for TierRead {
         // The copies read the stream's pinned windows: done before those are unpinned (this field
         // is dropped before the stream's windows).
         self.synchronize();
-        self.tier.stream_closed(self.dataset.key());
+        self.tier
+            .stream_closed(self.dataset.key(), self.dataset.place());
     }
 }
