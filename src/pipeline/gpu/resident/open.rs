@@ -894,7 +894,7 @@ impl Resident {
             "stream reads {} shards from {} ({} MiB{}, {} corrupt blocks)",
             plan.dataset.shards.len(),
             match dataset.place() {
-                TierPlace::Device => "device memory",
+                TierPlace::Device => "the device-memory tier",
                 TierPlace::Host => "page-locked host memory mapped for the device",
             },
             dataset.bytes() >> 20,
