@@ -34,7 +34,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use crate::device::{
     Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, HostMappedBuffer, Stream,
@@ -139,6 +139,8 @@ pub enum TierError {
 pub struct TierBook<E: TierEntry> {
     bytes_max: u64,
     state: Mutex<BookState<E>>,
+    /// Signalled when an admission's allocation ends (see [`TierBook::acquire`]).
+    admitted: Condvar,
     hits: AtomicU64,
     admissions: AtomicU64,
     declined: AtomicU64,
@@ -152,6 +154,9 @@ struct BookState<E> {
     retiring: Vec<Weak<E>>,
     /// Dataset directories pinned by the API (a pin may precede the dataset's first stream).
     pinned: Vec<PathBuf>,
+    /// Datasets being admitted, with their bytes: room is kept for them while their memory is
+    /// allocated outside the lock.
+    reserved: Vec<(TierKey, u64)>,
 }
 
 /// What [`TierBook::acquire`] found or did.
@@ -173,7 +178,9 @@ impl<E: TierEntry> TierBook<E> {
                 entries: Vec::new(),
                 retiring: Vec::new(),
                 pinned: Vec::new(),
+                reserved: Vec::new(),
             }),
+            admitted: Condvar::new(),
             hits: AtomicU64::new(0),
             admissions: AtomicU64::new(0),
             declined: AtomicU64::new(0),
@@ -192,7 +199,9 @@ impl<E: TierEntry> TierBook<E> {
 
     /// The dataset `key` of `bytes` bytes for a stream: found in the tier (moved to the most
     /// recently used end), or admitted with the memory `allocate` returns (`None`: the device is
-    /// short of it) after evicting what must go, or neither.
+    /// short of it) after evicting what must go, or neither. The memory is allocated with the
+    /// book unlocked (page-locking host memory takes seconds for tens of GiB), its bytes reserved
+    /// meanwhile; a stream acquiring the same dataset then waits for that admission to end.
     pub fn acquire(
         &self,
         key: &TierKey,
@@ -203,6 +212,9 @@ impl<E: TierEntry> TierBook<E> {
             return Ok(Acquired::None);
         }
         let mut state = self.lock();
+        while state.reserved.iter().any(|(k, _)| k == key) {
+            state = self.admitted.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
         state.retiring.retain(|w| w.strong_count() > 0);
         // The same directory under another manifest identity: re-packed, the old copy goes.
         let stale: Vec<usize> = (0..state.entries.len())
@@ -225,9 +237,10 @@ impl<E: TierEntry> TierBook<E> {
         }
         // Room: evict unpinned datasets no stream holds, least recently used first.
         loop {
-            let held = held_bytes(&state);
+            let held = held_bytes(&state) + state.reserved.iter().map(|(_, b)| b).sum::<u64>();
             if held + bytes <= self.bytes_max
-                && state.entries.len() + state.retiring.len() < TIER_DATASETS_MAX
+                && state.entries.len() + state.retiring.len() + state.reserved.len()
+                    < TIER_DATASETS_MAX
             {
                 break;
             }
@@ -242,13 +255,22 @@ impl<E: TierEntry> TierBook<E> {
             self.retire(&mut state, entry);
             state.retiring.retain(|w| w.strong_count() > 0);
         }
-        // Allocated under the lock: two streams of one dataset opening at once admit it once.
+        // Allocated with the book unlocked, the bytes reserved: two streams of one dataset
+        // opening at once admit it once (the second waits above).
+        state.reserved.push((key.clone(), bytes));
+        drop(state);
+        let reservation = Reservation { book: self, key };
         let Some(entry) = allocate()? else {
             self.declined.fetch_add(1, Ordering::Relaxed);
             return Ok(Acquired::None);
         };
         let entry = Arc::new(entry);
+        // The entry goes in and the reservation out under one lock: a stream waiting for this
+        // admission finds the entry.
+        let mut state = self.lock();
         state.entries.push(Arc::clone(&entry));
+        reservation.release(&mut state);
+        drop(state);
         self.admissions.fetch_add(1, Ordering::Relaxed);
         Ok(Acquired::Admitted(entry))
     }
@@ -386,6 +408,34 @@ impl<E: TierEntry> TierBook<E> {
             declined: self.declined.load(Ordering::Relaxed),
             evictions: self.evictions.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// An admission's reserved bytes, given back however the allocation ends (a panic included).
+struct Reservation<'a, E: TierEntry> {
+    book: &'a TierBook<E>,
+    key: &'a TierKey,
+}
+
+impl<E: TierEntry> Reservation<'_, E> {
+    /// Gives the reservation back under `state` (the book's lock, held by the caller).
+    fn release(self, state: &mut BookState<E>) {
+        Self::remove(self.book, self.key, state);
+        std::mem::forget(self);
+    }
+
+    fn remove(book: &TierBook<E>, key: &TierKey, state: &mut BookState<E>) {
+        if let Some(at) = state.reserved.iter().position(|(k, _)| k == key) {
+            state.reserved.remove(at);
+        }
+        book.admitted.notify_all();
+    }
+}
+
+impl<E: TierEntry> Drop for Reservation<'_, E> {
+    fn drop(&mut self) {
+        let mut state = self.book.lock();
+        Self::remove(self.book, self.key, &mut state);
     }
 }
 
@@ -1154,6 +1204,69 @@ mod tests {
             }))
         })
         .unwrap()
+    }
+
+    fn fake(k: &TierKey, bytes: u64) -> Fake {
+        Fake {
+            key: k.clone(),
+            bytes,
+            complete: AtomicBool::new(false),
+        }
+    }
+
+    #[test]
+    fn an_admission_allocates_with_the_book_unlocked_and_a_second_stream_waits_for_it() {
+        let book = Arc::new(TierBook::<Fake>::new(100));
+        let k = key("/a", 1);
+        let (entered, entered_rx) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let first = {
+            let (book, k) = (Arc::clone(&book), k.clone());
+            std::thread::spawn(move || {
+                let acquired = book.acquire(&k, 60, || {
+                    entered.send(()).unwrap();
+                    go_rx.recv().unwrap();
+                    Ok(Some(fake(&k, 60)))
+                });
+                matches!(acquired.unwrap(), Acquired::Admitted(_))
+            })
+        };
+        entered_rx.recv().unwrap();
+        // The book answers while the memory is allocated, its bytes reserved: another dataset of
+        // 50 bytes does not fit beside the 60 reserved.
+        assert!(!book.contains(&k));
+        assert!(book.report().datasets.is_empty());
+        assert!(matches!(acquire(&book, &key("/b", 2), 50), Acquired::None));
+        // A second stream of the dataset waits for the admission, then finds the dataset.
+        let second = {
+            let (book, k) = (Arc::clone(&book), k.clone());
+            std::thread::spawn(move || matches!(acquire(&book, &k, 60), Acquired::Found(_)))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!second.is_finished(), "the second stream did not wait");
+        go.send(()).unwrap();
+        assert!(first.join().unwrap());
+        assert!(second.join().unwrap());
+        assert_eq!(book.report().admissions, 1);
+    }
+
+    #[test]
+    fn an_allocation_that_fails_or_panics_gives_its_reservation_back() {
+        let book: TierBook<Fake> = TierBook::new(100);
+        let k = key("/a", 1);
+        assert!(matches!(
+            book.acquire(&k, 60, || Ok(None)).unwrap(),
+            Acquired::None
+        ));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = book.acquire(&k, 60, || panic!("allocation panicked"));
+        }));
+        assert!(panicked.is_err());
+        // Nothing reserved is left: the whole budget is free, and the dataset is admitted.
+        assert!(matches!(
+            acquire(&book, &key("/b", 2), 100),
+            Acquired::Admitted(_)
+        ));
     }
 
     #[test]
