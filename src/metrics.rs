@@ -319,6 +319,10 @@ pub struct DeviceTierFigures {
     pub declined: u64,
     /// Datasets evicted.
     pub evictions: u64,
+    /// Device bytes of datasets decoded for the streams reading them, outside the tier.
+    pub decoded_device_bytes: u64,
+    /// Host bytes of datasets decoded for the streams of the device into page-locked host memory.
+    pub decoded_host_bytes: u64,
 }
 
 /// One served CUDA device's figures.
@@ -812,7 +816,7 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             })
             .collect()
     };
-    let device_families: [DeviceFamily; 14] = [
+    let device_families: [DeviceFamily; 16] = [
         (
             "gpufeed_device_streams",
             "gauge",
@@ -896,6 +900,18 @@ pub fn render(metrics: &Metrics, snapshot: &Snapshot) -> String {
             "counter",
             "Datasets evicted from the device-memory tier, per served CUDA device",
             |d| d.tier.evictions,
+        ),
+        (
+            "gpufeed_device_decoded_copies_bytes",
+            "gauge",
+            "Device bytes of compressed datasets decoded whole for the streams reading them (outside the device-memory tier), per served CUDA device",
+            |d| d.tier.decoded_device_bytes,
+        ),
+        (
+            "gpufeed_device_decoded_host_copies_bytes",
+            "gauge",
+            "Page-locked host bytes of compressed datasets decoded whole for the streams of a served CUDA device (--host-decoded-memory), per device",
+            |d| d.tier.decoded_host_bytes,
         ),
     ];
     for (name, kind, help, value) in device_families {
@@ -1294,9 +1310,14 @@ mod tests {
             admissions: 1,
             declined: 0,
             evictions: 0,
+            decoded_device_bytes: 0,
+            decoded_host_bytes: 4 << 30,
         };
         metrics.set_device_tier(3, tier);
         let text = render(&metrics, &Snapshot::default());
+        assert!(text
+            .contains("gpufeed_device_decoded_host_copies_bytes{device=\"cuda:3\"} 4294967296\n"));
+        assert!(text.contains("gpufeed_device_decoded_copies_bytes{device=\"cuda:3\"} 0\n"));
         assert!(text.contains("gpufeed_device_cache_bytes{device=\"cuda:3\"} 1073741824\n"));
         assert!(text.contains("gpufeed_device_cache_hits_total{device=\"cuda:3\"} 2\n"));
         let devices = metrics.devices();

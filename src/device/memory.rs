@@ -330,17 +330,6 @@ impl HostMappedBuffer {
     /// or page-locking it, fails: short of memory, or over the locked-memory limit). The contents
     /// are zero.
     pub fn new(device: &Device, bytes: usize) -> Result<Option<HostMappedBuffer>, DeviceError> {
-        // Faulting in more than the host has free would not fail: the kernel's out-of-memory
-        // killer would end a process, maybe the daemon. Such a copy is declined instead.
-        let available = crate::storage::residency::available_memory_bytes();
-        if !host_memory_fits(bytes as u64, available) {
-            tracing::warn!(
-                "{} MiB of host memory not page-locked: the host has {} MiB available",
-                bytes >> 20,
-                available.unwrap_or(0) >> 20
-            );
-            return Ok(None);
-        }
         let started = std::time::Instant::now();
         let mut map = match memmap2::MmapOptions::new().len(bytes.max(1)).map_anon() {
             Ok(map) => map,
@@ -401,19 +390,6 @@ impl HostMappedBuffer {
         // SAFETY: within the mapping. Writes through it are the caller's to order (copies).
         unsafe { self.map.as_ptr().add(offset).cast_mut() }
     }
-}
-
-/// Host memory a [`HostMappedBuffer`] leaves available at least: 1 GiB, or an eighth of what is
-/// available where that is more.
-const HOST_MAPPED_HEADROOM_MIN: u64 = 1 << 30;
-
-/// Whether `bytes` may be faulted in with `available` bytes available on the host (`None`:
-/// unknown, as on hosts without `/proc/meminfo`).
-fn host_memory_fits(bytes: u64, available: Option<u64>) -> bool {
-    available.is_none_or(|available| {
-        let headroom = HOST_MAPPED_HEADROOM_MIN.max(available / 8);
-        bytes.saturating_add(headroom) <= available
-    })
 }
 
 impl DeviceMemory for HostMappedBuffer {
@@ -769,23 +745,5 @@ impl Drop for ExportableBuffer {
             let _ = ffi::mem_address_free(self.ptr, self.mapped_bytes);
             let _ = ffi::mem_release(self.handle);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::host_memory_fits;
-
-    #[test]
-    fn host_copies_leave_headroom_on_the_host() {
-        const GIB: u64 = 1 << 30;
-        // An eighth of what is available, or 1 GiB where that is more, stays free.
-        assert!(host_memory_fits(28 * GIB, Some(32 * GIB)));
-        assert!(!host_memory_fits(29 * GIB, Some(32 * GIB)));
-        assert!(host_memory_fits(GIB, Some(2 * GIB)));
-        assert!(!host_memory_fits(GIB + 1, Some(2 * GIB)));
-        assert!(!host_memory_fits(u64::MAX, Some(64 * GIB)));
-        // Unknown: not refused here (mapping or page-locking may still fail, and is handled).
-        assert!(host_memory_fits(64 * GIB, None));
     }
 }

@@ -119,6 +119,8 @@ impl TierReport {
             admissions: self.admissions,
             declined: self.declined,
             evictions: self.evictions,
+            decoded_device_bytes: 0,
+            decoded_host_bytes: 0,
         }
     }
 }
@@ -465,6 +467,19 @@ struct TierWindow {
     bytes: u64,
 }
 
+/// Host memory a copy in host memory leaves available at least: 1 GiB, or an eighth of what is
+/// available where that is more.
+const HOST_COPY_HEADROOM_MIN: u64 = 1 << 30;
+
+/// Whether a host copy of `bytes` may be faulted in with `available` bytes available on the host
+/// (`None`: unknown, as on hosts without `/proc/meminfo`).
+fn host_memory_fits(bytes: u64, available: Option<u64>) -> bool {
+    available.is_none_or(|available| {
+        let headroom = HOST_COPY_HEADROOM_MIN.max(available / 8);
+        bytes.saturating_add(headroom) <= available
+    })
+}
+
 /// Where a dataset's copy lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TierPlace {
@@ -548,10 +563,24 @@ impl TierDataset {
                 Err(DeviceError::Driver(error)) if error.is_out_of_memory() => return Ok(None),
                 Err(error) => return Err(error),
             },
-            TierPlace::Host => match HostMappedBuffer::new(device, total as usize)? {
-                Some(buffer) => TierMemory::Host(buffer),
-                None => return Ok(None),
-            },
+            TierPlace::Host => {
+                // Faulting in more than the host has free would not fail: the kernel's
+                // out-of-memory killer would end a process, maybe the daemon. Declined instead.
+                let available = crate::storage::residency::available_memory_bytes();
+                if !host_memory_fits(total, available) {
+                    tracing::warn!(
+                        "{} MiB of host memory for a decoded copy declined: the host has {} MiB \
+                         available",
+                        total >> 20,
+                        available.unwrap_or(0) >> 20
+                    );
+                    return Ok(None);
+                }
+                match HostMappedBuffer::new(device, total as usize)? {
+                    Some(buffer) => TierMemory::Host(buffer),
+                    None => return Ok(None),
+                }
+            }
         };
         let mut windows = Vec::new();
         let mut offset = 0u64;
@@ -965,16 +994,19 @@ impl DeviceTier {
                 TierPlace::Device,
             )?;
             if !matches!(acquired, Acquired::None) {
+                self.publish();
                 return Ok(acquired);
             }
         }
-        self.acquire_in(
+        let acquired = self.acquire_in(
             &self.held_host,
             key,
             file_bytes,
             window_bytes,
             TierPlace::Host,
-        )
+        );
+        self.publish();
+        acquired
     }
 
     /// The dataset `key` from `book`, allocated in `place` when admitted.
@@ -1039,7 +1071,16 @@ impl DeviceTier {
 
     fn publish(&self) {
         if let Some(metrics) = self.metrics.get() {
-            metrics.set_device_tier(self.ordinal, self.book.report().figures());
+            metrics.set_device_tier(self.ordinal, self.figures(&self.book.report()));
+        }
+    }
+
+    /// The figures for the metrics: `report`'s (the tier's), with the decoded copies' bytes.
+    fn figures(&self, report: &TierReport) -> DeviceTierFigures {
+        DeviceTierFigures {
+            decoded_device_bytes: self.held.report().held_bytes,
+            decoded_host_bytes: self.held_host.report().held_bytes,
+            ..report.figures()
         }
     }
 
@@ -1081,7 +1122,7 @@ impl DeviceTier {
     pub fn report(&self) -> TierReport {
         let report = self.book.report();
         if let Some(metrics) = self.metrics.get() {
-            metrics.set_device_tier(self.ordinal, report.figures());
+            metrics.set_device_tier(self.ordinal, self.figures(&report));
         }
         report
     }
@@ -1267,6 +1308,19 @@ mod tests {
             acquire(&book, &key("/b", 2), 100),
             Acquired::Admitted(_)
         ));
+    }
+
+    #[test]
+    fn host_copies_leave_headroom_on_the_host() {
+        const GIB: u64 = 1 << 30;
+        // An eighth of what is available, or 1 GiB where that is more, stays free.
+        assert!(host_memory_fits(28 * GIB, Some(32 * GIB)));
+        assert!(!host_memory_fits(29 * GIB, Some(32 * GIB)));
+        assert!(host_memory_fits(GIB, Some(2 * GIB)));
+        assert!(!host_memory_fits(GIB + 1, Some(2 * GIB)));
+        assert!(!host_memory_fits(u64::MAX, Some(64 * GIB)));
+        // Unknown: not refused here (mapping or page-locking may still fail, and is handled).
+        assert!(host_memory_fits(64 * GIB, None));
     }
 
     #[test]
