@@ -980,12 +980,11 @@ fn shard_slots_kept_from_a_closed_stream_serve_the_next() {
     );
 }
 
-/// Free memory of `device` once copies decoded for streams that closed are freed: they stay
-/// `HELD_GRACE` after their last stream closed (a consumer's next epoch finds them), so a baseline
-/// is taken after that.
-fn settled_free_memory(device: &Device) -> usize {
+/// Waits until copies decoded for streams that closed are freed: they stay `HELD_GRACE` after
+/// their last stream closed (a consumer's next epoch finds them), so a baseline is taken after
+/// that.
+fn wait_for_held_copies_freed() {
     std::thread::sleep(HELD_GRACE + std::time::Duration::from_millis(500));
-    device.memory_info().unwrap().0
 }
 
 /// Waits (`HELD_GRACE` and 5 s more at most) for the free memory of `device` to be back at
@@ -1035,7 +1034,8 @@ fn device_memory_returns_to_baseline_after_100_killed_consumers() {
     drop(first.stdin.take());
     first.wait().unwrap();
     wait_for_no_streams(&daemon.socket);
-    let baseline = settled_free_memory(&device);
+    wait_for_held_copies_freed();
+    let (baseline, _) = device.memory_info().unwrap();
     let mut during = usize::MAX;
     for kill in 0..100 {
         let mut child = spawn();
@@ -1188,7 +1188,7 @@ fn serve_a_device_list(device_flag: &str, consumers: &[&str; 2]) {
     let opened: Vec<Device> = (0..distinct.len())
         .map(|i| Device::open(i).unwrap())
         .collect();
-    std::thread::sleep(HELD_GRACE + std::time::Duration::from_millis(500));
+    wait_for_held_copies_freed();
     let baselines: Vec<usize> = opened.iter().map(|d| d.memory_info().unwrap().0).collect();
     for round in 0..5 {
         for &device in consumers {

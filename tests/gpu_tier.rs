@@ -169,6 +169,16 @@ fn cpu_dump(cpu: &Daemon, dumps: &Path, dataset: &str, name: &str, args: &[&str]
     npy_payload(&path)
 }
 
+/// [`lz4_args`] for a consumer that holds its batches after 3 (its stream stays open): a full
+/// shuffle in batches of 16, more steps than the stream has slots (with fewer, its pipeline
+/// finishes the epoch and closes at once).
+fn lz4_holding_args(seed: &'static str) -> Vec<&'static str> {
+    let mut args = lz4_args("full", seed);
+    args[1] = "16";
+    args.extend(["--hold-after", "3"]);
+    args
+}
+
 /// A consumer's arguments for the `lz` dataset: batches of 96, both fields (emb as f32), corrupt
 /// rows replaced, order `shuffle` (windows of 2 shards), seed `seed`.
 fn lz4_args(shuffle: &'static str, seed: &'static str) -> Vec<&'static str> {
@@ -561,14 +571,8 @@ fn lz4_datasets_the_tier_does_not_take_are_decoded_for_their_streams() {
     let mut readers: Vec<(Child, PathBuf)> = (0..2)
         .map(|i| {
             let path = dumps.join(format!("lz-held-shared-{i}-gpu.npy"));
-            // Batches of 16: more steps than the stream has slots, so that a stream whose
-            // consumer holds its batches stays open (with fewer, its pipeline finishes the epoch
-            // and closes at once).
-            let mut with_hold = args("full");
-            with_hold[1] = "16";
-            with_hold.extend(["--hold-after", "3"]);
             (
-                consume(&gpu.socket, "lz", "cuda:0", &with_hold, &path),
+                consume(&gpu.socket, "lz", "cuda:0", &lz4_holding_args("3"), &path),
                 path,
             )
         })
@@ -643,11 +647,8 @@ fn lz4_datasets_larger_than_the_device_shard_memory_are_decoded_into_host_memory
             continue;
         }
         // A stream holding its batches keeps the copy: listed in host memory, not on the device.
-        let mut with_hold = args("full");
-        with_hold[1] = "16";
-        with_hold.extend(["--hold-after", "3"]);
         let path = dumps.join("lz-host-held-gpu.npy");
-        let mut reader = consume(&gpu.socket, "lz", "cuda:0", &with_hold, &path);
+        let mut reader = consume(&gpu.socket, "lz", "cuda:0", &lz4_holding_args("5"), &path);
         let _out = wait_holding(&mut reader);
         let view = tier(gpu.address());
         assert_eq!(

@@ -56,9 +56,7 @@ impl ResidencyMap {
         let resident = vector.iter().filter(|&&v| v & 1 == 1).count();
         Ok(resident as f64 / pages as f64)
     }
-}
 
-impl ResidencyMap {
     /// As [`Self::resident_fraction`], from one page in every `stride` bytes (the first page of
     /// each stride) for a range longer than two strides: one mincore(2) per sampled page, where one
     /// over the whole range walks every page of it (about 3 ms for 64 MiB of a cached file on a

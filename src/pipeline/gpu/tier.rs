@@ -718,20 +718,18 @@ impl TierDataset {
         }
     }
 
-    /// Queues, on `stream` (the dataset's copy stream, or a stream the caller synchronises before
-    /// the dataset is read or dropped), a copy of `bytes` bytes of device memory at `src` into the
-    /// dataset's allocation at `offset`, for a fill that writes it whole (see
+    /// Queues, on the dataset's copy stream, a copy of `bytes` bytes of device memory at `src`
+    /// into the dataset's allocation at `offset`, for a fill that writes it whole (see
     /// `resident::tier_fill`).
     ///
     /// # Safety
     /// `src .. src + bytes` is device memory that stays allocated and unwritten until the copy
-    /// completed on `stream`, which the caller synchronises before the dataset is read or dropped.
+    /// completed on the copy stream.
     pub(in crate::pipeline::gpu) unsafe fn queue_fill_write(
         &self,
         offset: u64,
         src: u64,
         bytes: usize,
-        stream: &Stream,
     ) -> Result<(), DeviceError> {
         if offset
             .checked_add(bytes as u64)
@@ -744,10 +742,10 @@ impl TierDataset {
                 capacity: self.buffer.len() as u64,
             });
         }
-        let stream = stream.raw();
+        let stream = self.copy_stream.raw();
         match &self.buffer {
             // SAFETY: the destination lies within the allocation (checked above), which outlives
-            // the copy (the caller's contract); so is the source.
+            // the copy (its drop synchronises the copy stream); the source is the caller's contract.
             TierMemory::Device(buffer) => unsafe {
                 crate::device::ffi::memcpy_dtod_async(
                     buffer.device_ptr() + offset,

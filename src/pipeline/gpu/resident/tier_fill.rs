@@ -24,10 +24,10 @@
 
 use std::sync::Arc;
 
-use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming, Stream};
+use crate::device::{Device, DeviceBuffer, DeviceError, DeviceMemory, Event, EventTiming};
 use crate::format::{Codec, Dataset};
 use crate::kernels::{Lz4Decoder, Lz4Job, Lz4Outcome, Lz4Status, LZ4_JOB_BYTES, LZ4_OUTCOME_BYTES};
-use crate::pipeline::gpu::tier::{TierDataset, TierPlace};
+use crate::pipeline::gpu::tier::TierDataset;
 use crate::pipeline::stream_plan::{BlockKey, CorruptBlock, CorruptReason, FillError, StreamPlan};
 use crate::storage::gpu::{GpuReader, PathChoice};
 use crate::storage::{Extent, FileId, FileTable, IO_ALIGN_BYTES};
@@ -185,8 +185,6 @@ struct ChunkBuffers {
     outcomes: DeviceBuffer,
     /// Recorded after the chunk's decode and its copy into the tier.
     done: Event,
-    /// Recorded after the chunk's decode, for a copy into host memory queued on another stream.
-    decoded_event: Event,
     /// The chunk queued with these buffers and not checked yet: its shard and LZ4 blocks.
     pending: Option<(usize, Vec<(u16, u32)>)>,
 }
@@ -201,7 +199,6 @@ impl ChunkBuffers {
             jobs: DeviceBuffer::new(device, jobs_max * LZ4_JOB_BYTES)?,
             outcomes: DeviceBuffer::new(device, jobs_max * LZ4_OUTCOME_BYTES)?,
             done: Event::new(device, EventTiming::Disabled)?,
-            decoded_event: Event::new(device, EventTiming::Disabled)?,
             pending: None,
         })
     }
@@ -247,12 +244,6 @@ pub(in crate::pipeline::gpu) fn fill_decoded(
         ChunkBuffers::new(device, chunk_bytes)?,
         ChunkBuffers::new(device, chunk_bytes)?,
     ];
-    // A copy into host memory crosses PCIe at about the time the next chunk takes to decode: it
-    // goes on a stream of its own, after its chunk's decode, so that the two overlap.
-    let writer = match dataset.place() {
-        TierPlace::Host => Some(Stream::new(device)?),
-        TierPlace::Device => None,
-    };
     let result = fill_chunks(
         plan,
         files,
@@ -263,14 +254,9 @@ pub(in crate::pipeline::gpu) fn fill_decoded(
         lz4,
         chunk_bytes,
         &mut sets,
-        writer.as_ref(),
     );
     // Nothing may still read or write the chunk buffers when they are freed.
     let synced = dataset.copy_stream().synchronize();
-    let synced = match &writer {
-        Some(writer) => synced.and(writer.synchronize()),
-        None => synced,
-    };
     let mut summary = result?;
     synced?;
     for set in &mut sets {
@@ -290,7 +276,6 @@ fn fill_chunks(
     lz4: &Lz4Decoder,
     chunk_bytes: u64,
     sets: &mut [ChunkBuffers; 2],
-    writer: Option<&Stream>,
 ) -> Result<FillSummary, FillError> {
     let mut summary = FillSummary {
         stored_bytes: 0,
@@ -388,27 +373,16 @@ fn fill_chunks(
                 }?;
             }
             summary.lz4_blocks += jobs.len() as u64;
-            // The copy into the dataset: after the decode, on the writer's stream if there is one.
-            let copy_stream = match writer {
-                Some(writer) => {
-                    set.decoded_event.record(stream)?;
-                    writer.wait(&set.decoded_event)?;
-                    writer
-                }
-                None => stream,
-            };
             // SAFETY: the source lies within the set's decoded bytes, which are not reused before
-            // the set's `done` event (recorded after this copy) says it is done; both streams are
-            // synchronised before the dataset is read (`fill_decoded`).
+            // the set's event says this copy is done.
             unsafe {
                 dataset.queue_fill_write(
                     shard_base + decoded_start,
                     set.decoded.device_ptr(),
                     (decoded_end - decoded_start) as usize,
-                    copy_stream,
                 )
             }?;
-            set.done.record(copy_stream)?;
+            set.done.record(stream)?;
             set.pending = Some((shard, lz4_blocks));
         }
         shard_base += layout.shard_bytes[shard];
